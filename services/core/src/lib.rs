@@ -1,1 +1,25 @@
-//! placeholder
+//! stemq-core: the contracts every stemq service shares.
+//!
+//! - [`request`]: the job request, its validation and the job id;
+//! - [`event`]: the CloudEvents the pipeline records;
+//! - [`view`]: the status view and the pure state machine `apply(view, event)`;
+//! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
+//! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
+//! - [`engine`]: the separation engine seam and the fake engine;
+//! - [`storage`]: object storage for inputs and outputs;
+//! - [`schema`]: JSON Schemas generated from these types;
+//! - [`telemetry`]: logging set-up shared by the binaries.
+
+pub mod engine;
+pub mod event;
+pub mod nats;
+pub mod nats_server;
+pub mod request;
+pub mod schema;
+pub mod storage;
+pub mod telemetry;
+pub mod view;
+
+pub use event::{Event, EventBody};
+pub use request::{JobId, JobRequest, NormalizedRequest};
+pub use view::{apply, JobStatus, JobView, Position};

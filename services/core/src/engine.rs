@@ -1,0 +1,204 @@
+//! The separation engine seam, and the fake engine used by tests and benchmarks.
+//!
+//! This module owns the contract between a worker and whatever turns a song into stems.
+//! An engine is loaded once per worker process and called synchronously (on a blocking
+//! thread) once per attempt. It reads a local input file, writes one local file per stem
+//! into a folder the worker gives it, reports progress, and checks for cancellation
+//! between chunks. It says *how* it failed through [`EngineError`]; the worker decides
+//! what that means (retry, degrade, give up).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::request::{JobId, NormalizedRequest};
+
+/// What the engine is asked to do.
+pub struct EngineJob<'a> {
+    /// The job.
+    pub job_id: &'a JobId,
+    /// What to produce.
+    pub request: &'a NormalizedRequest,
+    /// Client metadata (the fake engine reads its script from `metadata.fake`).
+    pub metadata: Option<&'a Value>,
+    /// Delivery attempt, from 1.
+    pub attempt: u32,
+    /// The input audio, already fetched to local disk.
+    pub input: &'a Path,
+    /// Where to write the stems.
+    pub out_dir: &'a Path,
+    /// Device to run on (one of [`Engine::devices`]).
+    pub device: &'a str,
+    /// Segment length override (seconds), from the request or the out-of-memory ladder.
+    pub segment: Option<f64>,
+}
+
+/// Callbacks into the worker while the engine runs.
+pub trait EngineContext: Sync {
+    /// Progress in [0, 1] with a stage name. Cheap: the worker rate-limits publishing.
+    fn progress(&self, fraction: f32, stage: &str);
+    /// True when the engine should stop at the next chunk boundary.
+    fn cancelled(&self) -> bool;
+}
+
+/// One stem written by the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StemFile {
+    /// Stem name.
+    pub stem: String,
+    /// Local file.
+    pub path: PathBuf,
+}
+
+/// How an engine attempt failed.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    /// The device ran out of memory: the worker retries with a smaller segment, then on
+    /// the CPU.
+    #[error("out of memory on {device}")]
+    OutOfMemory {
+        /// Where.
+        device: String,
+    },
+    /// The input cannot be processed (not audio, corrupt, too long...). Never retried.
+    #[error("{message}")]
+    InvalidInput {
+        /// Stable code (`invalid_audio`, `unsupported_codec`, `empty_audio`, `too_long`).
+        code: String,
+        /// For people.
+        message: String,
+    },
+    /// The engine cannot do what was asked (model not installed...). Never retried.
+    #[error("{message}")]
+    Unsupported {
+        /// Stable code.
+        code: String,
+        /// For people.
+        message: String,
+    },
+    /// Worth another try later.
+    #[error("{0}")]
+    Transient(String),
+    /// Stopped because [`EngineContext::cancelled`] said so.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// A loaded separation engine.
+pub trait Engine: Send + Sync + 'static {
+    /// Short name for logs and metrics.
+    fn name(&self) -> &str;
+    /// Devices this engine can use, preferred first; the last is the fallback of the
+    /// out-of-memory ladder (normally `cpu`).
+    fn devices(&self) -> Vec<String>;
+    /// False when the engine never reads the input (the worker then skips the fetch).
+    fn reads_input(&self) -> bool {
+        true
+    }
+    /// Runs one attempt.
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
+}
+
+/// The fake engine's script for one job, read from `metadata.fake`.
+///
+/// ```json
+/// {"fake": {"sleep_ms": 500, "fail_transient": 2, "fail_permanent": false,
+///           "oom_until": "cpu", "abort": false}}
+/// ```
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FakeScript {
+    /// Total time the work takes, spread over 10 chunks.
+    pub sleep_ms: u64,
+    /// Fail transiently on attempts 1..=N.
+    pub fail_transient: u32,
+    /// Fail permanently (invalid input).
+    pub fail_permanent: bool,
+    /// Report out-of-memory until this rung of the ladder: `"segment"` (OOM at the
+    /// requested segment only; a smaller one works) or `"cpu"` (OOM on every non-CPU
+    /// device).
+    pub oom_until: Option<String>,
+    /// Abort the whole process, on attempts 1..=N (`u32::MAX` for always).
+    pub abort: u32,
+}
+
+/// A stand-in engine that does no audio work: it follows the job's [`FakeScript`] and
+/// writes small deterministic stem files.
+#[derive(Debug, Clone)]
+pub struct FakeEngine {
+    /// Added to every job's own `sleep_ms`.
+    pub base_delay: Duration,
+}
+
+impl Default for FakeEngine {
+    fn default() -> Self {
+        FakeEngine { base_delay: Duration::ZERO }
+    }
+}
+
+impl Engine for FakeEngine {
+    fn name(&self) -> &str {
+        "fake"
+    }
+
+    fn devices(&self) -> Vec<String> {
+        vec!["fake-gpu".to_string(), "cpu".to_string()]
+    }
+
+    fn reads_input(&self) -> bool {
+        false
+    }
+
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| EngineError::Unsupported {
+                code: "bad_fake_script".into(),
+                message: e.to_string(),
+            })?,
+            None => FakeScript::default(),
+        };
+        if job.attempt <= script.abort {
+            eprintln!("fake engine: aborting the process as scripted (attempt {})", job.attempt);
+            std::process::abort();
+        }
+        match script.oom_until.as_deref() {
+            Some("cpu") if job.device != "cpu" => return Err(EngineError::OutOfMemory { device: job.device.into() }),
+            Some("segment") if job.segment.is_none() => {
+                return Err(EngineError::OutOfMemory { device: job.device.into() })
+            }
+            _ => {}
+        }
+        if script.fail_permanent {
+            return Err(EngineError::InvalidInput {
+                code: "invalid_audio".into(),
+                message: "the fake engine was told this input is bad".into(),
+            });
+        }
+        let total = self.base_delay + Duration::from_millis(script.sleep_ms);
+        if !total.is_zero() {
+            for i in 0..10 {
+                if ctx.cancelled() {
+                    return Err(EngineError::Cancelled);
+                }
+                std::thread::sleep(total / 10);
+                ctx.progress((i + 1) as f32 / 10.0, "separate");
+            }
+        }
+        if job.attempt <= script.fail_transient {
+            return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
+        }
+        let ext = job.request.output_format.extension();
+        job.request
+            .stems()
+            .into_iter()
+            .map(|stem| {
+                let path = job.out_dir.join(format!("{stem}.{ext}"));
+                let body = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
+                std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
+                Ok(StemFile { stem, path })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,288 @@
+//! Job events: the facts the pipeline records, as CloudEvents 1.0 in structured JSON.
+//!
+//! This module owns the event contract. Every event is past tense and versioned in its
+//! `type` (`io.stemq.job.<kind>.v1`); a new incompatible shape gets a new `.v2` type and
+//! readers keep accepting the old one. The CloudEvents `subject` is the job id. The
+//! JSON Schemas under `schemas/` are generated from these types (see [`crate::schema`]).
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::request::{JobId, NormalizedRequest, Webhook};
+
+/// CloudEvents spec version we write.
+pub const SPEC_VERSION: &str = "1.0";
+
+/// A job event in its CloudEvents envelope.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Event {
+    /// Always `1.0`.
+    pub specversion: String,
+    /// Unique per source. For `requested` it is the job id (also the `Nats-Msg-Id`).
+    pub id: String,
+    /// Who recorded the fact: `/stemq/ingress`, `/stemq/worker/<name>`, ...
+    pub source: String,
+    /// The job id.
+    pub subject: JobId,
+    /// When the fact was recorded (RFC 3339).
+    pub time: DateTime<Utc>,
+    /// Always `application/json`.
+    pub datacontenttype: String,
+    /// W3C trace context of the request that caused this event (CloudEvents
+    /// distributed-tracing extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// `type` and `data`.
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+/// The event types and their data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", content = "data")]
+pub enum EventBody {
+    /// A job was asked for.
+    #[serde(rename = "io.stemq.job.requested.v1")]
+    Requested(Requested),
+    /// A worker took the job (one per delivery).
+    #[serde(rename = "io.stemq.job.started.v1")]
+    Started(Started),
+    /// A running job moved on (kept out of the main log: see `nats/`).
+    #[serde(rename = "io.stemq.job.progress.v1")]
+    Progress(Progress),
+    /// The stems are stored.
+    #[serde(rename = "io.stemq.job.succeeded.v1")]
+    Succeeded(Succeeded),
+    /// An attempt failed. `transient` failures are retried; `permanent` ones end the job.
+    #[serde(rename = "io.stemq.job.failed.v1")]
+    Failed(Failed),
+    /// The job kept failing (or kept killing its worker) and was set aside.
+    #[serde(rename = "io.stemq.job.dead_lettered.v1")]
+    DeadLettered(DeadLettered),
+    /// The request event was not acceptable (forged id, invalid request); never run.
+    #[serde(rename = "io.stemq.job.rejected.v1")]
+    Rejected(Rejected),
+}
+
+/// Data of `io.stemq.job.requested.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Requested {
+    /// The normalised request; its job id must equal the event's subject.
+    pub request: NormalizedRequest,
+    /// Notification target (not part of the job id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<Webhook>,
+    /// Client metadata (not part of the job id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+}
+
+/// Data of `io.stemq.job.started.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Started {
+    /// Delivery attempt, from 1.
+    pub attempt: u32,
+    /// The worker's name.
+    pub worker: String,
+    /// `cpu`, `cuda:0`, `fake`, ...
+    pub device: String,
+}
+
+/// Data of `io.stemq.job.progress.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Progress {
+    /// The attempt this progress belongs to.
+    pub attempt: u32,
+    /// 0–100.
+    pub percent: f32,
+    /// `download`, `decode`, `separate`, `encode`, `upload`.
+    pub stage: String,
+    /// Optional detail for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// One stored stem.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Output {
+    /// Stem name (`vocals`, `no_vocals`, ...).
+    pub stem: String,
+    /// Where it is stored.
+    pub uri: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Lowercase hex SHA-256 of the file.
+    pub sha256: String,
+}
+
+/// Data of `io.stemq.job.succeeded.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Succeeded {
+    /// The attempt that succeeded.
+    pub attempt: u32,
+    /// The stems.
+    pub outputs: Vec<Output>,
+    /// The manifest (`jobs/<id>/manifest.json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_uri: Option<String>,
+    /// True when the out-of-memory ladder had to step down (smaller segment or CPU).
+    #[serde(default)]
+    pub degraded: bool,
+    /// Device the result was computed on.
+    pub device: String,
+    /// Segment length finally used, when the engine has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<f64>,
+    /// Wall time of the attempt in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// Whether a failure is worth retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureClass {
+    /// The same input will fail again (bad audio, unsupported model, time limit).
+    Permanent,
+    /// It may work next time (storage hiccup, out of memory, lost connection).
+    Transient,
+}
+
+/// Data of `io.stemq.job.failed.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Failed {
+    /// The attempt that failed.
+    pub attempt: u32,
+    /// Retry or not.
+    pub class: FailureClass,
+    /// Stable machine-readable code (`invalid_audio`, `engine_error`, `timeout`, ...).
+    pub code: String,
+    /// For people.
+    pub message: String,
+    /// For transient failures: when the next attempt is due, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_in_ms: Option<u64>,
+}
+
+/// Data of `io.stemq.job.dead_lettered.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeadLettered {
+    /// How many times the job was delivered.
+    pub deliveries: u32,
+    /// Why it was set aside (`max_deliveries`, `crash_loop`).
+    pub reason: String,
+    /// The last error a worker reported, if any did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Stream sequence of the request event, for replay.
+    pub request_seq: u64,
+}
+
+/// Data of `io.stemq.job.rejected.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Rejected {
+    /// `id_mismatch`, `invalid_request`, `invalid_event`.
+    pub code: String,
+    /// For people.
+    pub message: String,
+}
+
+impl EventBody {
+    /// The short kind name: `requested`, `started`, ...
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EventBody::Requested(_) => "requested",
+            EventBody::Started(_) => "started",
+            EventBody::Progress(_) => "progress",
+            EventBody::Succeeded(_) => "succeeded",
+            EventBody::Failed(_) => "failed",
+            EventBody::DeadLettered(_) => "dead_lettered",
+            EventBody::Rejected(_) => "rejected",
+        }
+    }
+
+    /// True for events that end a job. They go to the job's terminal subject, where the
+    /// first one wins.
+    pub fn is_terminal(&self) -> bool {
+        match self {
+            EventBody::Succeeded(_) | EventBody::DeadLettered(_) | EventBody::Rejected(_) => true,
+            EventBody::Failed(f) => f.class == FailureClass::Permanent,
+            _ => false,
+        }
+    }
+}
+
+impl Event {
+    /// Wraps `body` for `job`, recorded now by `source`, with a fresh id.
+    pub fn new(job: &JobId, source: &str, body: EventBody) -> Event {
+        let id = match &body {
+            EventBody::Requested(_) => job.to_string(),
+            _ => uuid::Uuid::new_v4().to_string(),
+        };
+        Event {
+            specversion: SPEC_VERSION.to_string(),
+            id,
+            source: source.to_string(),
+            subject: job.clone(),
+            time: Utc::now(),
+            datacontenttype: "application/json".to_string(),
+            traceparent: None,
+            body,
+        }
+    }
+
+    /// The `requested` event for a normalised request.
+    pub fn requested(
+        request: NormalizedRequest,
+        webhook: Option<Webhook>,
+        metadata: Option<Value>,
+        source: &str,
+    ) -> Event {
+        let id = request.job_id();
+        Event::new(&id, source, EventBody::Requested(Requested { request, webhook, metadata }))
+    }
+
+    /// Serialises to the structured-mode JSON body.
+    pub fn to_bytes(&self) -> bytes::Bytes {
+        serde_json::to_vec(self).expect("events always serialise").into()
+    }
+
+    /// Parses a structured-mode JSON body.
+    pub fn from_slice(b: &[u8]) -> Result<Event, serde_json::Error> {
+        serde_json::from_slice(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{JobRequest, ANONYMOUS};
+    use serde_json::json;
+
+    #[test]
+    fn envelope_is_structured_cloudevents() {
+        let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap();
+        let n = req.normalize(ANONYMOUS).unwrap();
+        let ev = Event::requested(n.clone(), None, Some(json!({"k": "v"})), "/stemq/ingress");
+        let v: Value = serde_json::to_value(&ev).unwrap();
+        assert_eq!(v["specversion"], "1.0");
+        assert_eq!(v["type"], "io.stemq.job.requested.v1");
+        assert_eq!(v["id"], n.job_id().as_str());
+        assert_eq!(v["subject"], n.job_id().as_str());
+        assert_eq!(v["data"]["request"]["model"], "htdemucs");
+        assert_eq!(v["data"]["metadata"]["k"], "v");
+        let back = Event::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(back, ev);
+    }
+
+    #[test]
+    fn terminal_kinds() {
+        let failed = |class| {
+            EventBody::Failed(Failed { attempt: 1, class, code: "x".into(), message: "y".into(), retry_in_ms: None })
+        };
+        assert!(failed(FailureClass::Permanent).is_terminal());
+        assert!(!failed(FailureClass::Transient).is_terminal());
+        assert!(!EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }).is_terminal());
+    }
+}

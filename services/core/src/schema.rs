@@ -1,0 +1,68 @@
+//! JSON Schemas of the contracts, generated from the Rust types.
+//!
+//! This module owns `schemas/`: [`all`] produces every schema; a test fails when the
+//! checked-in files differ (regenerate with `stemq schemas --write` or
+//! `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-core schema`).
+
+use schemars::{schema_for, JsonSchema};
+use serde_json::Value;
+
+use crate::event::{DeadLettered, Event, Failed, Progress, Rejected, Requested, Started, Succeeded};
+use crate::request::JobRequest;
+use crate::view::JobView;
+
+fn one<T: JsonSchema>() -> Value {
+    serde_json::to_value(schema_for!(T)).expect("schemas serialise")
+}
+
+/// Every schema as (file name, schema).
+pub fn all() -> Vec<(&'static str, Value)> {
+    vec![
+        ("job-request.json", one::<JobRequest>()),
+        ("job-view.json", one::<JobView>()),
+        ("event.json", one::<Event>()),
+        ("event-requested.v1.json", one::<Requested>()),
+        ("event-started.v1.json", one::<Started>()),
+        ("event-progress.v1.json", one::<Progress>()),
+        ("event-succeeded.v1.json", one::<Succeeded>()),
+        ("event-failed.v1.json", one::<Failed>()),
+        ("event-dead_lettered.v1.json", one::<DeadLettered>()),
+        ("event-rejected.v1.json", one::<Rejected>()),
+    ]
+}
+
+/// Pretty text of a schema as checked in.
+pub fn render(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).expect("schemas serialise");
+    s.push('\n');
+    s
+}
+
+/// Writes every schema into `dir`.
+pub fn write_all(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for (name, v) in all() {
+        std::fs::write(dir.join(name), render(&v))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemas_are_current() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../schemas");
+        if std::env::var_os("STEMQ_WRITE_SCHEMAS").is_some() {
+            write_all(&dir).unwrap();
+        }
+        for (name, v) in all() {
+            let on_disk = std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+            assert!(
+                on_disk == render(&v),
+                "schemas/{name} is stale: run `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-core schema` and commit"
+            );
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! The job status view and the pure fold that builds it from events.
+//!
+//! This module owns the job state machine:
+//!
+//! ```text
+//! queued ──started──▶ running ──succeeded──▶ succeeded
+//!   ▲                   │  ├────failed(permanent)──▶ failed
+//!   └─failed(transient)─┘  └────dead_lettered──────▶ dead_lettered
+//! (any non-terminal) ──rejected──▶ rejected
+//! ```
+//!
+//! [`apply`] is the only way a view changes. It is pure, idempotent by stream position
+//! (an event at or below the last applied position is ignored), and tolerant of events
+//! arriving out of order: a terminal view absorbs everything, progress and failures of
+//! an older attempt are ignored, and an event seen before the request still opens a view.
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::event::{Event, EventBody, FailureClass, Output};
+use crate::request::{JobId, NormalizedRequest, Webhook};
+
+/// Where a job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    /// Waiting for a worker (first time or after a transient failure).
+    Queued,
+    /// A worker is on it.
+    Running,
+    /// Stems stored.
+    Succeeded,
+    /// Failed for good.
+    Failed,
+    /// Set aside after too many deliveries.
+    DeadLettered,
+    /// Its request event was not acceptable; never ran.
+    Rejected,
+}
+
+impl JobStatus {
+    /// Every status.
+    pub const ALL: [JobStatus; 6] = [
+        JobStatus::Queued,
+        JobStatus::Running,
+        JobStatus::Succeeded,
+        JobStatus::Failed,
+        JobStatus::DeadLettered,
+        JobStatus::Rejected,
+    ];
+
+    /// True when nothing will change the job any more.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, JobStatus::Queued | JobStatus::Running)
+    }
+
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Running => "running",
+            JobStatus::Succeeded => "succeeded",
+            JobStatus::Failed => "failed",
+            JobStatus::DeadLettered => "dead_lettered",
+            JobStatus::Rejected => "rejected",
+        }
+    }
+
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<JobStatus> {
+        JobStatus::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+}
+
+/// Latest progress of a running job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ProgressView {
+    /// 0–100.
+    pub percent: f32,
+    /// Current stage.
+    pub stage: String,
+    /// Optional detail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Last error seen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorView {
+    /// `permanent` or `transient`.
+    pub class: FailureClass,
+    /// Machine-readable code.
+    pub code: String,
+    /// For people.
+    pub message: String,
+}
+
+/// What anyone can read about a job (the value in the KV bucket, the body of
+/// `GET /v1/separations/{id}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct JobView {
+    /// The job id.
+    pub job_id: JobId,
+    /// Where the job is.
+    pub status: JobStatus,
+    /// The normalised request (absent only while the request event has not been seen).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<NormalizedRequest>,
+    /// Webhook target, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<Webhook>,
+    /// Client metadata.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+    /// When the request was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<DateTime<Utc>>,
+    /// When the view last changed.
+    pub updated_at: DateTime<Utc>,
+    /// When the first attempt started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
+    /// When the job reached a terminal state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Latest attempt (delivery number), 0 before the first start.
+    pub attempt: u32,
+    /// Transient failures so far.
+    pub retries: u32,
+    /// Worker of the latest attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Device of the latest attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Progress of the running attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<ProgressView>,
+    /// The stems, once succeeded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<Output>,
+    /// Manifest of the stems.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_uri: Option<String>,
+    /// True when computed on a fallback (smaller segment or CPU after out-of-memory).
+    #[serde(default)]
+    pub degraded: bool,
+    /// Last error (also kept after a successful retry, for the record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorView>,
+    /// Stream sequence of the last applied job event (idempotency).
+    pub last_seq: u64,
+    /// Stream sequence of the last applied progress event.
+    #[serde(default)]
+    pub progress_seq: u64,
+}
+
+/// Which log an event came from: progress lives in a compacted stream of its own, so it
+/// has its own sequence space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Position {
+    /// The job event stream.
+    Log(u64),
+    /// The progress stream.
+    Progress(u64),
+}
+
+impl JobView {
+    fn empty(job_id: JobId, at: DateTime<Utc>) -> JobView {
+        JobView {
+            job_id,
+            status: JobStatus::Queued,
+            request: None,
+            webhook: None,
+            metadata: None,
+            created_at: None,
+            updated_at: at,
+            started_at: None,
+            finished_at: None,
+            attempt: 0,
+            retries: 0,
+            worker: None,
+            device: None,
+            progress: None,
+            outputs: Vec::new(),
+            manifest_uri: None,
+            degraded: false,
+            error: None,
+            last_seq: 0,
+            progress_seq: 0,
+        }
+    }
+
+    fn finish(&mut self, status: JobStatus, at: DateTime<Utc>) {
+        self.status = status;
+        self.finished_at = Some(at);
+        if status != JobStatus::Succeeded {
+            self.progress = None;
+        }
+    }
+}
+
+/// Folds one event into a view. Returns `None` when the event changes nothing
+/// (duplicate, stale, or after the end), so callers can skip the write.
+pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<JobView> {
+    if let Some(v) = view {
+        match pos {
+            Position::Log(s) if s <= v.last_seq => return None,
+            Position::Progress(s) if s <= v.progress_seq => return None,
+            _ => {}
+        }
+    }
+    let at = event.time;
+    let mut v = view.cloned().unwrap_or_else(|| JobView::empty(event.subject.clone(), at));
+    match pos {
+        Position::Log(s) => v.last_seq = s,
+        Position::Progress(s) => v.progress_seq = s,
+    }
+    let terminal = v.status.is_terminal();
+    match &event.body {
+        EventBody::Requested(r) => {
+            if v.request.is_some() {
+                return None;
+            }
+            v.request = Some(r.request.clone());
+            v.webhook = r.webhook.clone();
+            v.metadata = r.metadata.clone();
+            v.created_at = Some(at);
+        }
+        _ if terminal => return None,
+        EventBody::Started(s) => {
+            if s.attempt < v.attempt {
+                return None;
+            }
+            v.status = JobStatus::Running;
+            v.attempt = s.attempt;
+            v.worker = Some(s.worker.clone());
+            v.device = Some(s.device.clone());
+            v.started_at.get_or_insert(at);
+            v.progress = None;
+        }
+        EventBody::Progress(p) => {
+            if v.status != JobStatus::Running || p.attempt != v.attempt {
+                return None;
+            }
+            v.progress = Some(ProgressView { percent: p.percent, stage: p.stage.clone(), message: p.message.clone() });
+        }
+        EventBody::Succeeded(s) => {
+            v.attempt = v.attempt.max(s.attempt);
+            v.outputs = s.outputs.clone();
+            v.manifest_uri = s.manifest_uri.clone();
+            v.degraded = s.degraded;
+            v.device = Some(s.device.clone());
+            v.progress = Some(ProgressView { percent: 100.0, stage: "done".into(), message: None });
+            v.finish(JobStatus::Succeeded, at);
+        }
+        EventBody::Failed(f) => {
+            if f.attempt < v.attempt {
+                return None;
+            }
+            v.attempt = f.attempt;
+            v.error = Some(ErrorView { class: f.class, code: f.code.clone(), message: f.message.clone() });
+            match f.class {
+                FailureClass::Transient => {
+                    v.retries += 1;
+                    v.status = JobStatus::Queued;
+                    v.progress = None;
+                }
+                FailureClass::Permanent => v.finish(JobStatus::Failed, at),
+            }
+        }
+        EventBody::DeadLettered(d) => {
+            v.attempt = v.attempt.max(d.deliveries);
+            if let Some(e) = &d.last_error {
+                v.error = Some(ErrorView { class: FailureClass::Transient, code: d.reason.clone(), message: e.clone() });
+            } else {
+                v.error = Some(ErrorView {
+                    class: FailureClass::Transient,
+                    code: d.reason.clone(),
+                    message: format!("delivered {} times without an outcome", d.deliveries),
+                });
+            }
+            v.finish(JobStatus::DeadLettered, at);
+        }
+        EventBody::Rejected(r) => {
+            v.error = Some(ErrorView { class: FailureClass::Permanent, code: r.code.clone(), message: r.message.clone() });
+            v.finish(JobStatus::Rejected, at);
+        }
+    }
+    v.updated_at = at;
+    Some(v)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Given / when / then: given the events so far, when one more arrives, then the view.
+    use super::*;
+    use crate::event::*;
+    use crate::request::{JobRequest, ANONYMOUS};
+    use serde_json::json;
+
+    fn job() -> (JobId, NormalizedRequest) {
+        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap().normalize(ANONYMOUS).unwrap();
+        (n.job_id(), n)
+    }
+
+    fn ev(body: EventBody) -> Event {
+        Event::new(&job().0, "/test", body)
+    }
+    fn requested() -> Event {
+        Event::requested(job().1, None, None, "/test")
+    }
+    fn started(attempt: u32) -> Event {
+        ev(EventBody::Started(Started { attempt, worker: "w1".into(), device: "fake".into() }))
+    }
+    fn progress(attempt: u32, percent: f32) -> Event {
+        ev(EventBody::Progress(Progress { attempt, percent, stage: "separate".into(), message: None }))
+    }
+    fn failed(attempt: u32, class: FailureClass) -> Event {
+        ev(EventBody::Failed(Failed { attempt, class, code: "boom".into(), message: "it broke".into(), retry_in_ms: None }))
+    }
+    fn succeeded(attempt: u32) -> Event {
+        ev(EventBody::Succeeded(Succeeded {
+            attempt,
+            outputs: vec![],
+            manifest_uri: None,
+            degraded: false,
+            device: "fake".into(),
+            segment: None,
+            duration_ms: 5,
+        }))
+    }
+
+    /// Given events (each at the next log position), the final view.
+    fn given(events: &[Event]) -> JobView {
+        let mut view: Option<JobView> = None;
+        for (i, e) in events.iter().enumerate() {
+            if let Some(v) = apply(view.as_ref(), Position::Log(i as u64 + 1), e) {
+                view = Some(v);
+            }
+        }
+        view.expect("some event applied")
+    }
+
+    #[test]
+    fn happy_path() {
+        let v = given(&[requested()]);
+        assert_eq!(v.status, JobStatus::Queued);
+        assert!(v.request.is_some() && v.created_at.is_some());
+        let v = given(&[requested(), started(1)]);
+        assert_eq!((v.status, v.attempt, v.worker.as_deref()), (JobStatus::Running, 1, Some("w1")));
+        let v = given(&[requested(), started(1), succeeded(1)]);
+        assert_eq!(v.status, JobStatus::Succeeded);
+        assert!(v.finished_at.is_some());
+        assert_eq!(v.last_seq, 3);
+    }
+
+    #[test]
+    fn transient_failure_requeues_then_success() {
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Transient)]);
+        assert_eq!((v.status, v.retries), (JobStatus::Queued, 1));
+        assert_eq!(v.error.as_ref().unwrap().class, FailureClass::Transient);
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Transient), started(2), succeeded(2)]);
+        assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Succeeded, 2, 1));
+    }
+
+    #[test]
+    fn permanent_failure_is_terminal() {
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Permanent), started(2)]);
+        assert_eq!(v.status, JobStatus::Failed);
+        assert_eq!(v.attempt, 1);
+    }
+
+    #[test]
+    fn duplicate_positions_change_nothing() {
+        let v = given(&[requested(), started(1)]);
+        assert_eq!(apply(Some(&v), Position::Log(2), &succeeded(1)), None);
+        assert_eq!(apply(Some(&v), Position::Log(1), &requested()), None);
+        // the same event again at a new position (a re-publish) is harmless too
+        let again = apply(Some(&v), Position::Log(3), &started(1)).unwrap();
+        assert_eq!((again.status, again.attempt), (JobStatus::Running, 1));
+    }
+
+    #[test]
+    fn terminal_absorbs_late_events() {
+        let done = given(&[requested(), started(1), succeeded(1)]);
+        for late in [started(2), progress(1, 50.0), failed(1, FailureClass::Transient), failed(2, FailureClass::Permanent)] {
+            assert_eq!(apply(Some(&done), Position::Log(99), &late), None);
+        }
+        let dl = ev(EventBody::DeadLettered(DeadLettered {
+            deliveries: 5,
+            reason: "max_deliveries".into(),
+            last_error: None,
+            request_seq: 1,
+        }));
+        assert_eq!(apply(Some(&done), Position::Log(99), &dl), None);
+    }
+
+    #[test]
+    fn stale_attempts_are_ignored() {
+        // attempt 2 started; a late failure and progress from attempt 1 arrive afterwards
+        let v = given(&[requested(), started(1), started(2), failed(1, FailureClass::Transient)]);
+        assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Running, 2, 0));
+        let p = apply(Some(&v), Position::Progress(1), &progress(1, 40.0));
+        assert_eq!(p, None);
+        let p = apply(Some(&v), Position::Progress(2), &progress(2, 40.0)).unwrap();
+        assert_eq!(p.progress.unwrap().percent, 40.0);
+        assert_eq!(p.last_seq, v.last_seq, "progress has its own position");
+    }
+
+    #[test]
+    fn events_before_the_request_still_open_a_view() {
+        let v = given(&[started(1), requested()]);
+        assert_eq!(v.status, JobStatus::Running);
+        assert!(v.request.is_some());
+        let v = given(&[succeeded(1), requested()]);
+        assert_eq!(v.status, JobStatus::Succeeded);
+        assert!(v.request.is_some(), "request filled in after the end");
+    }
+
+    #[test]
+    fn progress_only_while_running() {
+        let v = given(&[requested()]);
+        assert_eq!(apply(Some(&v), Position::Progress(1), &progress(1, 10.0)), None);
+    }
+
+    #[test]
+    fn rejected_and_dead_lettered() {
+        let r = ev(EventBody::Rejected(Rejected { code: "id_mismatch".into(), message: "forged".into() }));
+        let v = given(&[r]);
+        assert_eq!(v.status, JobStatus::Rejected);
+        let dl = ev(EventBody::DeadLettered(DeadLettered {
+            deliveries: 5,
+            reason: "max_deliveries".into(),
+            last_error: None,
+            request_seq: 1,
+        }));
+        let v = given(&[requested(), started(5), dl]);
+        assert_eq!((v.status, v.attempt), (JobStatus::DeadLettered, 5));
+    }
+}
