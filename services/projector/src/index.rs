@@ -1,0 +1,215 @@
+//! The list index: job ids ordered newest first, per status, kept in memory.
+//!
+//! This module owns what the list query needs. The KV bucket is keyed by job id, and a
+//! NATS KV cannot list keys in time order without reading them all; so a reader (the
+//! ingress) keeps this secondary index, fed by a watch on the bucket. A page of 50 out of
+//! 100 000 jobs is then a walk of 50 entries in a B-tree plus 50 KV reads, whatever the
+//! bucket holds. The index is a projection of the view and, like it, disposable: it is
+//! rebuilt from the bucket at start.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, RwLock};
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use stemq_core::{JobId, JobStatus, JobView};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+type Key = (Reverse<i64>, JobId);
+
+#[derive(Default)]
+struct Inner {
+    by_id: HashMap<JobId, (i64, JobStatus)>,
+    all: BTreeSet<Key>,
+    by_status: HashMap<JobStatus, BTreeSet<Key>>,
+    caught_up: bool,
+}
+
+/// The in-memory list index.
+#[derive(Default)]
+pub struct ListIndex {
+    inner: RwLock<Inner>,
+}
+
+/// A page position: the creation time (ms) and id of the last job of the previous page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    /// Creation time of the last job shown, in Unix milliseconds.
+    pub created_ms: i64,
+    /// Its id.
+    pub id: JobId,
+}
+
+impl Cursor {
+    /// `<created_ms>.<id>`.
+    pub fn encode(&self) -> String {
+        format!("{}.{}", self.created_ms, self.id)
+    }
+
+    /// Parses [`Cursor::encode`]'s form.
+    pub fn decode(s: &str) -> Option<Cursor> {
+        let (ms, id) = s.split_once('.')?;
+        Some(Cursor { created_ms: ms.parse().ok()?, id: JobId::parse(id)? })
+    }
+}
+
+impl ListIndex {
+    /// Records a view (insert or move between statuses).
+    pub fn upsert(&self, view: &JobView) {
+        let created = view.created_at.unwrap_or(view.updated_at).timestamp_millis();
+        let mut g = self.inner.write().expect("index lock");
+        if let Some((old_created, old_status)) = g.by_id.get(&view.job_id).copied() {
+            if old_created == created && old_status == view.status {
+                return;
+            }
+            let k = (Reverse(old_created), view.job_id.clone());
+            g.all.remove(&k);
+            if let Some(s) = g.by_status.get_mut(&old_status) {
+                s.remove(&k);
+            }
+        }
+        let k = (Reverse(created), view.job_id.clone());
+        g.all.insert(k.clone());
+        g.by_status.entry(view.status).or_default().insert(k);
+        g.by_id.insert(view.job_id.clone(), (created, view.status));
+    }
+
+    /// Forgets a job.
+    pub fn remove(&self, id: &JobId) {
+        let mut g = self.inner.write().expect("index lock");
+        if let Some((created, status)) = g.by_id.remove(id) {
+            let k = (Reverse(created), id.clone());
+            g.all.remove(&k);
+            if let Some(s) = g.by_status.get_mut(&status) {
+                s.remove(&k);
+            }
+        }
+    }
+
+    /// Up to `limit` ids, newest first, optionally of one status, after `cursor`.
+    pub fn page(&self, status: Option<JobStatus>, limit: usize, after: Option<&Cursor>) -> Vec<(JobId, i64)> {
+        let g = self.inner.read().expect("index lock");
+        let empty = BTreeSet::new();
+        let set = match status {
+            Some(s) => g.by_status.get(&s).unwrap_or(&empty),
+            None => &g.all,
+        };
+        let iter: Box<dyn Iterator<Item = &Key>> = match after {
+            Some(c) => {
+                let start = (Reverse(c.created_ms), c.id.clone());
+                Box::new(set.range(start..).skip_while(move |k| k.0 .0 == c.created_ms && k.1 == c.id))
+            }
+            None => Box::new(set.iter()),
+        };
+        iter.take(limit).map(|(Reverse(ms), id)| (id.clone(), *ms)).collect()
+    }
+
+    /// Jobs known, per status.
+    pub fn counts(&self) -> HashMap<JobStatus, usize> {
+        let g = self.inner.read().expect("index lock");
+        g.by_status.iter().map(|(k, v)| (*k, v.len())).collect()
+    }
+
+    /// True once the initial load from the bucket is done.
+    pub fn caught_up(&self) -> bool {
+        self.inner.read().expect("index lock").caught_up
+    }
+
+    /// Loads the bucket and follows it until `shutdown`.
+    pub async fn follow(kv: kv::Store, shutdown: CancellationToken) -> Arc<ListIndex> {
+        let index = Arc::new(ListIndex::default());
+        let me = index.clone();
+        tokio::spawn(async move {
+            loop {
+                let mut watch = match kv.watch_with_history(">").await {
+                    Ok(w) => w,
+                    Err(e) => {
+                        warn!(error = %e, "list index: cannot watch the bucket; retrying");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                        }
+                    }
+                };
+                // An empty bucket sends nothing: count as caught up at once.
+                if kv.status().await.map(|s| s.values() == 0).unwrap_or(false) {
+                    me.inner.write().expect("index lock").caught_up = true;
+                }
+                loop {
+                    let next = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        n = watch.next() => n,
+                    };
+                    match next {
+                        Some(Ok(entry)) => {
+                            match entry.operation {
+                                kv::Operation::Put => {
+                                    if let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) {
+                                        me.upsert(&v);
+                                    }
+                                }
+                                _ => {
+                                    if let Some(id) = JobId::parse(&entry.key) {
+                                        me.remove(&id);
+                                    }
+                                }
+                            }
+                            if entry.delta == 0 || entry.seen_current {
+                                me.inner.write().expect("index lock").caught_up = true;
+                            }
+                        }
+                        Some(Err(e)) => {
+                            warn!(error = %e, "list index: watch error; re-watching");
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+            }
+        });
+        index
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn view(n: u8, created_ms: i64, status: JobStatus) -> JobView {
+        let at = chrono::Utc.timestamp_millis_opt(created_ms).unwrap();
+        let mut v: JobView = serde_json::from_value(serde_json::json!({
+            "job_id": format!("{:064x}", n),
+            "status": "queued",
+            "updated_at": at,
+            "attempt": 0, "retries": 0, "last_seq": 1
+        }))
+        .unwrap();
+        v.created_at = Some(at);
+        v.status = status;
+        v
+    }
+
+    #[test]
+    fn pages_newest_first_per_status_with_cursor() {
+        let idx = ListIndex::default();
+        for i in 0..10u8 {
+            idx.upsert(&view(i, 1000 + i as i64, JobStatus::Queued));
+        }
+        idx.upsert(&view(3, 1003, JobStatus::Succeeded));
+        idx.upsert(&view(7, 1007, JobStatus::Succeeded));
+        let all = idx.page(None, 4, None);
+        assert_eq!(all.iter().map(|x| x.1).collect::<Vec<_>>(), [1009, 1008, 1007, 1006]);
+        let ok = idx.page(Some(JobStatus::Succeeded), 10, None);
+        assert_eq!(ok.iter().map(|x| x.1).collect::<Vec<_>>(), [1007, 1003]);
+        assert_eq!(idx.page(Some(JobStatus::Queued), 100, None).len(), 8);
+        let c = Cursor { created_ms: all[3].1, id: all[3].0.clone() };
+        let next = idx.page(None, 3, Some(&Cursor::decode(&c.encode()).unwrap()));
+        assert_eq!(next.iter().map(|x| x.1).collect::<Vec<_>>(), [1005, 1004, 1003]);
+        idx.remove(&all[0].0);
+        assert_eq!(idx.page(None, 1, None)[0].1, 1008);
+        assert_eq!(idx.counts()[&JobStatus::Succeeded], 2);
+    }
+}
