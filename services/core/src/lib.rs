@@ -4,6 +4,7 @@
 //! - [`event`]: the CloudEvents the pipeline records;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
 //! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
+//! - [`publish`]: publishing events once (request, outcome) or plainly;
 //! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
 //! - [`engine`]: the separation engine seam and the fake engine;
 //! - [`storage`]: object storage for inputs and outputs;
@@ -14,6 +15,7 @@ pub mod engine;
 pub mod event;
 pub mod nats;
 pub mod nats_server;
+pub mod publish;
 pub mod request;
 pub mod schema;
 pub mod storage;

@@ -1,1 +1,206 @@
-//! placeholder
+//! stemq-worker: runs separation jobs from the queue, each exactly once in effect.
+//!
+//! This crate owns the work side of the pipeline:
+//! - [`run`] starts `concurrency` job loops over the durable `workers` pull consumer,
+//!   one job at a time each (pulled one by one, so nothing waits in a local buffer while
+//!   its ack deadline runs), plus the dead-letter handler ([`deadletter`]);
+//! - [`job`] handles one delivery: skip if already done, start, keep the ack deadline
+//!   alive with progress acks, run the engine (with the out-of-memory ladder and the hard
+//!   time limit), store outputs, publish the outcome, and only then ack;
+//! - [`backoff`] spaces retries of transient failures.
+//!
+//! On shutdown the loops stop pulling, the current jobs finish within the grace period
+//! and the process exits; a job still running when the grace period ends is handed back
+//! (nak) for another worker, with no outcome recorded.
+
+pub mod backoff;
+pub mod deadletter;
+pub mod job;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures::StreamExt;
+use stemq_core::engine::Engine;
+use stemq_core::nats as names;
+use stemq_core::storage::Store;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+pub use backoff::Backoff;
+
+/// Worker failures at start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A JetStream call failed.
+    #[error("{what}: {message}")]
+    JetStream {
+        /// Which call.
+        what: &'static str,
+        /// Why.
+        message: String,
+    },
+    /// The scratch directory is unusable.
+    #[error("scratch directory {0}: {1}")]
+    Scratch(PathBuf, #[source] std::io::Error),
+}
+
+/// Worker configuration.
+#[derive(Clone)]
+pub struct Config {
+    /// This worker's name in events and logs.
+    pub name: String,
+    /// Job loops in this process (each runs one job at a time).
+    pub concurrency: usize,
+    /// Where outputs go.
+    pub store: Store,
+    /// Local scratch space for inputs and engine outputs.
+    pub scratch: PathBuf,
+    /// How long a SIGTERM waits for running jobs before handing them back.
+    pub grace: Duration,
+    /// Hard limit on one attempt; past it the job fails permanently (`time_limit`).
+    pub time_limit: Duration,
+    /// Retry spacing of transient failures.
+    pub backoff: Backoff,
+    /// Least time between two published progress updates of a job.
+    pub progress_every: Duration,
+    /// Run the dead-letter handler in this process.
+    pub deadletter: bool,
+}
+
+impl Config {
+    /// Defaults for a worker storing into `store`, scratch under `scratch`.
+    pub fn new(store: Store, scratch: PathBuf) -> Config {
+        Config {
+            name: default_name(),
+            concurrency: 1,
+            store,
+            scratch,
+            grace: Duration::from_secs(600),
+            time_limit: Duration::from_secs(3600),
+            backoff: Backoff::default(),
+            progress_every: Duration::from_millis(500),
+            deadletter: true,
+        }
+    }
+}
+
+/// `<host>-<pid>`.
+pub fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "worker".into());
+    format!("{}-{}", host.trim(), std::process::id())
+}
+
+/// Shared state of the job loops.
+pub(crate) struct Shared {
+    pub js: jetstream::Context,
+    pub jobs_stream: jetstream::stream::Stream<()>,
+    pub engine: Arc<dyn Engine>,
+    pub config: Config,
+    pub max_deliver: u32,
+    pub ack_wait: Duration,
+}
+
+/// Runs the worker until `shutdown`, then drains.
+pub async fn run(
+    client: async_nats::Client,
+    engine: Arc<dyn Engine>,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    let js = jetstream::new(client);
+    let err = |what| move |e: &dyn std::fmt::Display| WorkerError::JetStream { what, message: e.to_string() };
+    let mut consumer: PullConsumer = js
+        .get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM)
+        .await
+        .map_err(|e| err("open workers consumer")(&e))?;
+    let info = consumer.info().await.map_err(|e| err("consumer info")(&e))?.clone();
+    let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| err("open job stream")(&e))?;
+    std::fs::create_dir_all(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
+    let max_deliver = if info.config.max_deliver <= 0 { u32::MAX } else { info.config.max_deliver as u32 };
+    let shared = Arc::new(Shared {
+        js: js.clone(),
+        jobs_stream,
+        engine: engine.clone(),
+        config: config.clone(),
+        max_deliver,
+        ack_wait: info.config.ack_wait,
+    });
+    info!(
+        worker = %config.name,
+        engine = engine.name(),
+        devices = ?engine.devices(),
+        concurrency = config.concurrency,
+        max_deliver,
+        ack_wait_ms = info.config.ack_wait.as_millis() as u64,
+        "worker running"
+    );
+
+    let tracker = TaskTracker::new();
+    // `stop_pulling` ends the loops' pulls; `hard_stop` cancels jobs past the grace period.
+    let hard_stop = CancellationToken::new();
+    for n in 0..config.concurrency.max(1) {
+        let shared = shared.clone();
+        let consumer = consumer.clone();
+        let stop = shutdown.clone();
+        let hard = hard_stop.clone();
+        tracker.spawn(async move { job_loop(n, shared, consumer, stop, hard).await });
+    }
+    if config.deadletter {
+        let js = js.clone();
+        let stop = shutdown.clone();
+        tracker.spawn(async move {
+            if let Err(e) = deadletter::run(js, stop).await {
+                warn!(error = %e, "dead-letter handler stopped");
+            }
+        });
+    }
+    tracker.close();
+
+    shutdown.cancelled().await;
+    info!(grace_s = config.grace.as_secs(), "shutting down: finishing current jobs");
+    if tokio::time::timeout(config.grace, tracker.wait()).await.is_err() {
+        warn!("grace period over: handing running jobs back");
+        hard_stop.cancel();
+        tracker.wait().await;
+    }
+    info!("worker stopped");
+    Ok(())
+}
+
+async fn job_loop(
+    n: usize,
+    shared: Arc<Shared>,
+    consumer: PullConsumer,
+    stop: CancellationToken,
+    hard: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let batch = consumer.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await;
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(lane = n, error = %e, "pull failed; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                }
+            }
+        };
+        let msg = tokio::select! {
+            _ = stop.cancelled() => return,
+            m = batch.next() => m,
+        };
+        match msg {
+            Some(Ok(msg)) => job::handle(&shared, msg, &hard).await,
+            Some(Err(e)) => {
+                warn!(lane = n, error = %e, "pull error");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            None => {}
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! Publishing job events with the guarantees the pipeline relies on.
+//!
+//! This module owns the two publish shapes of stemq:
+//! - [`publish_once`]: to a subject that may hold only one message (a job's request or
+//!   its terminal outcome), with `Nats-Msg-Id` and expected-last-subject-sequence 0.
+//!   Every way the server says "already there" (`duplicate: true`, error 10071, 10164,
+//!   10158) comes back as [`Once::AlreadyThere`], so callers never run or record a job
+//!   twice.
+//! - [`publish`]: a plain event, waiting for the PubAck.
+//!
+//! A "no responders" answer (stream not yet there, server restarting) is retried with the
+//! same message id, which keeps the retry idempotent.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
+use async_nats::HeaderMap;
+
+use crate::event::Event;
+
+/// Result of [`publish_once`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Once {
+    /// Stored now, at this stream sequence.
+    Stored(u64),
+    /// The subject already had its message: nothing was stored.
+    AlreadyThere,
+}
+
+/// Publish failures (after retries).
+#[derive(Debug, thiserror::Error)]
+#[error("publishing to {subject}: {message}")]
+pub struct PublishError {
+    /// Where.
+    pub subject: String,
+    /// Why.
+    pub message: String,
+}
+
+const ATTEMPTS: u32 = 5;
+
+fn headers_of(event: &Event, msg_id: Option<&str>, first: bool) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("Content-Type", "application/cloudevents+json");
+    if let Some(id) = msg_id {
+        h.insert("Nats-Msg-Id", id);
+    }
+    if first {
+        h.insert("Nats-Expected-Last-Subject-Sequence", "0");
+    }
+    if let Some(tp) = &event.traceparent {
+        h.insert("traceparent", tp.as_str());
+    }
+    h
+}
+
+fn already_there(e: &jetstream::context::PublishError) -> bool {
+    if e.kind() == PublishErrorKind::WrongLastSequence {
+        return true;
+    }
+    use std::error::Error as _;
+    e.source()
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .map(|je| matches!(je.error_code().0, 10071 | 10164 | 10158))
+        .unwrap_or(false)
+}
+
+/// Publishes `event` to `subject` only if the subject holds nothing yet.
+pub async fn publish_once(
+    js: &jetstream::Context,
+    subject: &str,
+    event: &Event,
+    msg_id: &str,
+) -> Result<Once, PublishError> {
+    let payload = event.to_bytes();
+    let mut last = String::new();
+    for attempt in 0..ATTEMPTS {
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, Some(msg_id), true));
+        let res = match js.send_publish(subject.to_string(), msg).await {
+            Ok(fut) => fut.await,
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(ack) if ack.duplicate => return Ok(Once::AlreadyThere),
+            Ok(ack) => return Ok(Once::Stored(ack.sequence)),
+            Err(e) if already_there(&e) => return Ok(Once::AlreadyThere),
+            Err(e) if retryable(&e) => {
+                last = e.to_string();
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            }
+            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
+        }
+    }
+    Err(PublishError { subject: subject.to_string(), message: last })
+}
+
+fn retryable(e: &jetstream::context::PublishError) -> bool {
+    matches!(e.kind(), PublishErrorKind::StreamNotFound | PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe)
+}
+
+/// Publishes `event` to `subject` and waits for the PubAck. `msg_id` makes retries
+/// idempotent within the dedupe window.
+pub async fn publish(
+    js: &jetstream::Context,
+    subject: &str,
+    event: &Event,
+    msg_id: Option<&str>,
+) -> Result<u64, PublishError> {
+    let payload = event.to_bytes();
+    let mut last = String::new();
+    for attempt in 0..ATTEMPTS {
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, false));
+        let res = match js.send_publish(subject.to_string(), msg).await {
+            Ok(fut) => fut.await,
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(ack) => return Ok(ack.sequence),
+            Err(e) if retryable(&e) && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound) => {
+                last = e.to_string();
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            }
+            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
+        }
+    }
+    Err(PublishError { subject: subject.to_string(), message: last })
+}

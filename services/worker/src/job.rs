@@ -1,0 +1,511 @@
+//! One delivery of one job, from pull to ack.
+//!
+//! This module owns the order of side effects that makes a job run once in effect:
+//!
+//! 1. read the request event; a forged or invalid one is `rejected`, never run;
+//! 2. if the job already has an outcome (a lost ack, a duplicate delivery), ack and skip
+//!    (`skip.already_done`);
+//! 3. publish `started`; keep the ack deadline alive with progress acks;
+//! 4. run the engine on a blocking thread, under the hard time limit, stepping down the
+//!    out-of-memory ladder (smaller segment, then CPU) when it runs out of memory;
+//! 5. store the stems and the manifest, then publish the outcome to the job's terminal
+//!    subject (first terminal event wins), and only then ack (double ack);
+//! 6. a transient failure publishes `failed(transient)` and naks with backoff, except on
+//!    the last delivery, which dead-letters the job; a permanent failure is final at once.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use serde_json::json;
+use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
+use stemq_core::event::{
+    DeadLettered, EventBody, FailureClass, Failed, Output, Progress, Rejected, Requested, Started, Succeeded,
+};
+use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
+use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::storage::output_key;
+use stemq_core::{Event, JobId};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, info_span, warn, Instrument};
+
+use crate::Shared;
+
+/// Handles one delivery; never panics, never leaves the message without an answer
+/// unless the process dies (then `ack_wait` redelivers it).
+pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_stop: &CancellationToken) {
+    let info = match msg.info() {
+        Ok(i) => (i.delivered.max(1) as u32, i.stream_sequence),
+        Err(e) => {
+            warn!(error = %e, "message without JetStream metadata; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        }
+    };
+    let (attempt, seq) = info;
+    let Some(job_id) = job_id_of_subject(&msg.subject) else {
+        warn!(subject = %msg.subject, "not a job subject; terminating it");
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    };
+    let span = info_span!("job", job_id = %job_id, attempt, seq);
+    run_delivery(shared, msg, job_id, attempt, seq, hard_stop).instrument(span).await
+}
+
+fn source(shared: &Shared) -> String {
+    format!("/stemq/worker/{}", shared.config.name)
+}
+
+async fn run_delivery(
+    shared: &Arc<Shared>,
+    msg: jetstream::Message,
+    job_id: JobId,
+    attempt: u32,
+    seq: u64,
+    hard_stop: &CancellationToken,
+) {
+    // 1. The request must be a `requested` event whose request hashes to its subject.
+    let requested = match validate(&msg.payload, &job_id) {
+        Ok(r) => r,
+        Err((code, message)) => {
+            warn!(code, %message, "rejecting request event");
+            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
+            finish(shared, &msg, &job_id, ev).await;
+            return;
+        }
+    };
+    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
+
+    // 2. Already done? The outcome subject is the source of truth (no projector lag).
+    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
+        Ok(_) => {
+            info!(event = "skip.already_done", "job already has an outcome; acking");
+            let _ = msg.double_ack().await;
+            return;
+        }
+        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
+        Err(e) => {
+            warn!(error = %e, "cannot check for an outcome; retrying later");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    }
+
+    // 3. Started, and keep the delivery alive while we work.
+    let engine = shared.engine.clone();
+    let devices = engine.devices();
+    let first_device = devices.first().cloned().unwrap_or_else(|| "cpu".into());
+    let mut started = Event::new(
+        &job_id,
+        &source(shared),
+        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
+    );
+    started.traceparent = traceparent.clone();
+    let js = shared.js.clone();
+    let started_subject = job_subject(&job_id, SubjectKind::Started);
+    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
+    let t0 = Instant::now();
+
+    let msg = Arc::new(msg);
+    let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
+
+    // 4. The engine, under the time limit, down the out-of-memory ladder.
+    let result = {
+        let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
+        tokio::select! {
+            r = tokio::time::timeout(shared.config.time_limit, work) => match r {
+                Ok(r) => r,
+                Err(_) => {
+                    cancel.store(true, Ordering::SeqCst);
+                    Err(Failure::permanent("time_limit", format!(
+                        "the job ran longer than the {} s limit", shared.config.time_limit.as_secs())))
+                }
+            },
+            _ = hard_stop.cancelled() => {
+                cancel.store(true, Ordering::SeqCst);
+                keepalive.abort();
+                warn!("shutdown grace period over: handing the job back");
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+                return;
+            }
+        }
+    };
+    keepalive.abort();
+    if let Ok(Err(e)) = started_pub.await {
+        warn!(error = %e, "started event not stored");
+    }
+    let elapsed = t0.elapsed();
+
+    // 5./6. Outcome, then ack.
+    let src = source(shared);
+    match result {
+        Ok(done) => {
+            let outcome = Event::new(
+                &job_id,
+                &src,
+                EventBody::Succeeded(Succeeded {
+                    attempt,
+                    outputs: done.outputs,
+                    manifest_uri: Some(done.manifest_uri),
+                    degraded: done.degraded,
+                    device: done.device,
+                    segment: done.segment,
+                    duration_ms: elapsed.as_millis() as u64,
+                }),
+            );
+            info!(event = "job.succeeded", duration_ms = elapsed.as_millis() as u64, degraded = done.degraded);
+            finish(shared, &msg, &job_id, outcome).await;
+        }
+        Err(f) if f.class == FailureClass::Permanent => {
+            info!(event = "job.failed", code = %f.code, message = %f.message, "permanent failure");
+            let ev = Event::new(
+                &job_id,
+                &src,
+                EventBody::Failed(Failed { attempt, class: f.class, code: f.code, message: f.message, retry_in_ms: None }),
+            );
+            finish(shared, &msg, &job_id, ev).await;
+        }
+        Err(f) if attempt >= shared.max_deliver => {
+            warn!(event = "job.dead_lettered", code = %f.code, message = %f.message, "last delivery failed");
+            let ev = Event::new(
+                &job_id,
+                &src,
+                EventBody::DeadLettered(DeadLettered {
+                    deliveries: attempt,
+                    reason: "max_deliveries".into(),
+                    last_error: Some(format!("{}: {}", f.code, f.message)),
+                    request_seq: seq,
+                }),
+            );
+            finish(shared, &msg, &job_id, ev).await;
+        }
+        Err(f) => {
+            let delay = shared.config.backoff.delay(attempt);
+            info!(event = "job.retry", code = %f.code, message = %f.message, delay_ms = delay.as_millis() as u64);
+            let ev = Event::new(
+                &job_id,
+                &src,
+                EventBody::Failed(Failed {
+                    attempt,
+                    class: FailureClass::Transient,
+                    code: f.code,
+                    message: f.message,
+                    retry_in_ms: Some(delay.as_millis() as u64),
+                }),
+            );
+            if let Err(e) = publish(&shared.js, &job_subject(&job_id, SubjectKind::Failed), &ev, None).await {
+                warn!(error = %e, "failure event not stored");
+            }
+            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+        }
+    }
+}
+
+/// Publishes a terminal event (first one wins) and acks. If the publish fails we do not
+/// ack: the delivery comes back and tries again.
+async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: Event) {
+    let subject = job_subject(job_id, SubjectKind::Outcome);
+    match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
+        Ok(Once::Stored(_)) => {}
+        Ok(Once::AlreadyThere) => info!(event = "skip.already_done", "another outcome was recorded first"),
+        Err(e) => {
+            warn!(error = %e, "outcome not stored; the job will be redelivered");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    }
+    if let Err(e) = msg.double_ack().await {
+        // The outcome is stored: a redelivery will see it and skip.
+        warn!(error = %e, "ack not confirmed; a redelivery will be skipped");
+    }
+}
+
+fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
+    let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
+    let EventBody::Requested(r) = ev.body else {
+        return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
+    };
+    let computed = r.request.job_id();
+    if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
+        return Err((
+            "id_mismatch",
+            format!("the request hashes to {computed}, but the event claims {job_id} (subject/id)"),
+        ));
+    }
+    // Re-validate the request itself: a raw publisher bypasses the ingress.
+    let req = stemq_core::JobRequest {
+        audio_uri: r.request.audio_uri.clone(),
+        model: Some(r.request.model),
+        two_stems: r.request.two_stems.clone(),
+        output_format: Some(r.request.output_format),
+        segment: r.request.segment,
+        overlap: Some(r.request.overlap),
+        shifts: Some(r.request.shifts),
+        webhook: r.webhook.clone(),
+        metadata: r.metadata.clone(),
+    };
+    match req.normalize(&r.request.owner) {
+        Ok(n) if n == r.request => Ok(r),
+        Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
+        Err(e) => Err(("invalid_request", e.to_string())),
+    }
+}
+
+/// A failed attempt, classified.
+#[derive(Debug)]
+struct Failure {
+    class: FailureClass,
+    code: String,
+    message: String,
+}
+
+impl Failure {
+    fn permanent(code: &str, message: String) -> Failure {
+        Failure { class: FailureClass::Permanent, code: code.into(), message }
+    }
+    fn transient(code: &str, message: String) -> Failure {
+        Failure { class: FailureClass::Transient, code: code.into(), message }
+    }
+}
+
+struct Done {
+    outputs: Vec<Output>,
+    manifest_uri: String,
+    degraded: bool,
+    device: String,
+    segment: Option<f64>,
+}
+
+struct Ctx {
+    progress: watch::Sender<Option<(f32, String)>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl EngineContext for Ctx {
+    fn progress(&self, fraction: f32, stage: &str) {
+        let _ = self.progress.send(Some((fraction.clamp(0.0, 1.0), stage.to_string())));
+    }
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+}
+
+/// The rungs of the out-of-memory ladder: (device, segment).
+fn ladder(devices: &[String], requested: Option<f64>, max_segment: Option<f64>) -> Vec<(String, Option<f64>)> {
+    let first = devices.first().cloned().unwrap_or_else(|| "cpu".into());
+    let mut rungs = vec![(first.clone(), requested)];
+    let base = requested.or(max_segment);
+    if let Some(b) = base {
+        rungs.push((first.clone(), Some((b / 2.0).max(1.0))));
+    }
+    if first != "cpu" && devices.iter().any(|d| d == "cpu") {
+        rungs.push(("cpu".into(), requested));
+    }
+    rungs
+}
+
+async fn run_engine(
+    shared: &Arc<Shared>,
+    job_id: &JobId,
+    requested: &Requested,
+    attempt: u32,
+    devices: &[String],
+    progress: watch::Sender<Option<(f32, String)>>,
+    cancel: Arc<AtomicBool>,
+) -> Result<Done, Failure> {
+    let dir = shared.config.scratch.join(format!("{job_id}-{attempt}"));
+    let _cleanup = ScratchDir(dir.clone());
+    let out_dir = dir.join("out");
+    tokio::fs::create_dir_all(&out_dir)
+        .await
+        .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
+    let input = if shared.engine.reads_input() {
+        fetch_input(shared, &requested.request.audio_uri, &dir).await?
+    } else {
+        dir.join("input")
+    };
+
+    let ctx = Arc::new(Ctx { progress, cancel });
+    let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
+    let mut last_oom = String::new();
+    for (i, (device, segment)) in rungs.iter().enumerate() {
+        let engine = shared.engine.clone();
+        let (job_id2, req, input2, out2, dev, ctx2) =
+            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
+        let segment = *segment;
+        let res = tokio::task::spawn_blocking(move || {
+            let job = EngineJob {
+                job_id: &job_id2,
+                request: &req.request,
+                metadata: req.metadata.as_ref(),
+                attempt,
+                input: &input2,
+                out_dir: &out2,
+                device: &dev,
+                segment,
+            };
+            engine.separate(&job, ctx2.as_ref())
+        })
+        .await
+        .map_err(|e| Failure::transient("engine_panic", format!("the engine crashed: {e}")))?;
+        match res {
+            Ok(stems) => {
+                let degraded = i > 0;
+                if degraded {
+                    warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
+                }
+                let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
+                return Ok(Done { outputs, manifest_uri, degraded, device: device.clone(), segment });
+            }
+            Err(EngineError::OutOfMemory { device }) => {
+                warn!(event = "job.oom", %device, ?segment, "out of memory; stepping down");
+                last_oom = device;
+                // Nothing partial may survive into the next rung.
+                let _ = tokio::fs::remove_dir_all(&out_dir).await;
+                let _ = tokio::fs::create_dir_all(&out_dir).await;
+            }
+            Err(e) => return Err(classify(e)),
+        }
+    }
+    Err(Failure::transient("out_of_memory", format!("out of memory on {last_oom} at every rung")))
+}
+
+fn classify(e: EngineError) -> Failure {
+    match e {
+        EngineError::InvalidInput { code, message } => Failure::permanent(&code, message),
+        EngineError::Unsupported { code, message } => Failure::permanent(&code, message),
+        EngineError::Transient(m) => Failure::transient("engine_error", m),
+        EngineError::Cancelled => Failure::permanent("cancelled", "the job was cancelled".into()),
+        EngineError::OutOfMemory { device } => Failure::transient("out_of_memory", format!("out of memory on {device}")),
+    }
+}
+
+/// Copies the input to local scratch. Only URIs inside the configured store are read.
+async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, Failure> {
+    let base = shared.config.store.base_url();
+    let Some(key) = uri.strip_prefix(base).map(|k| k.trim_start_matches('/')) else {
+        return Err(Failure::permanent("input_not_allowed", format!("{uri} is not in the configured store")));
+    };
+    let bytes = shared.config.store.get_bytes(key).await.map_err(|e| match e {
+        stemq_core::storage::StorageError::Store(object_store::Error::NotFound { .. }) => {
+            Failure::permanent("input_not_found", format!("{uri} does not exist"))
+        }
+        e => Failure::transient("storage", e.to_string()),
+    })?;
+    let path = dir.join("input");
+    tokio::fs::write(&path, &bytes).await.map_err(|e| Failure::transient("scratch", e.to_string()))?;
+    Ok(path)
+}
+
+async fn store_outputs(
+    shared: &Shared,
+    job_id: &JobId,
+    requested: &Requested,
+    stems: &[StemFile],
+    device: &str,
+    degraded: bool,
+) -> Result<(Vec<Output>, String), Failure> {
+    let store = &shared.config.store;
+    let ext = requested.request.output_format.extension();
+    let mut outputs = Vec::with_capacity(stems.len());
+    for s in stems {
+        let key = output_key(job_id.as_str(), &format!("{}.{ext}", s.stem));
+        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient("storage", e.to_string()))?;
+        outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
+    }
+    let manifest = json!({
+        "job_id": job_id,
+        "model": requested.request.model,
+        "format": ext,
+        "device": device,
+        "degraded": degraded,
+        "stems": outputs,
+    });
+    let key = output_key(job_id.as_str(), "manifest.json");
+    let stored = store
+        .put_bytes(&key, serde_json::to_vec_pretty(&manifest).expect("json"))
+        .await
+        .map_err(|e| Failure::transient("storage", e.to_string()))?;
+    Ok((outputs, stored.uri))
+}
+
+/// Progress acks (every third of `ack_wait`) and rate-limited progress events.
+fn spawn_keepalive(
+    shared: &Arc<Shared>,
+    msg: Arc<jetstream::Message>,
+    job_id: &JobId,
+    attempt: u32,
+    mut progress: watch::Receiver<Option<(f32, String)>>,
+) -> tokio::task::JoinHandle<()> {
+    let js = shared.js.clone();
+    let every = (shared.ack_wait / 3).max(Duration::from_millis(100));
+    let min_gap = shared.config.progress_every;
+    let subject = job_subject(job_id, SubjectKind::Progress);
+    let job_id = job_id.clone();
+    let src = source(shared);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        let mut engine_done = false;
+        let mut last_sent: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        warn!(error = %e, "progress ack failed");
+                    }
+                }
+                changed = progress.changed(), if !engine_done => {
+                    if changed.is_err() {
+                        engine_done = true;
+                        continue;
+                    }
+                    if let Some(t) = last_sent {
+                        if let Some(rest) = min_gap.checked_sub(t.elapsed()) {
+                            tokio::time::sleep(rest).await;
+                        }
+                    }
+                    let Some((fraction, stage)) = progress.borrow_and_update().clone() else { continue };
+                    let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
+                        attempt, percent: (fraction * 100.0).round(), stage, message: None,
+                    }));
+                    if let Err(e) = publish(&js, &subject, &ev, None).await {
+                        warn!(error = %e, "progress event not stored");
+                    }
+                    last_sent = Some(Instant::now());
+                }
+            }
+        }
+    })
+}
+
+/// Removes a job's scratch directory when the attempt ends, however it ends.
+struct ScratchDir(PathBuf);
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ladder_steps_segment_then_cpu() {
+        let devs = vec!["cuda:0".to_string(), "cpu".to_string()];
+        assert_eq!(
+            ladder(&devs, None, Some(7.8)),
+            vec![("cuda:0".into(), None), ("cuda:0".into(), Some(3.9)), ("cpu".into(), None)]
+        );
+        let cpu_only = vec!["cpu".to_string()];
+        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]);
+        assert_eq!(ladder(&cpu_only, None, None), vec![("cpu".into(), None)]);
+    }
+}
