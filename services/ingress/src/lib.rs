@@ -1,1 +1,299 @@
-//! placeholder
+//! stemq-ingress: the front door. Validates requests, queues jobs, answers status.
+//!
+//! This crate owns the public API. It never does heavy work: a submit is one publish
+//! ([`submit`]), a status read is one KV get. Routes (see `/openapi.json`):
+//!
+//! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid
+//! - `GET /v1/separations/{id}` → the status view, 404 unknown
+//! - `GET /v1/separations?status=&limit=&cursor=` → newest first
+//! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
+//!
+//! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
+
+pub mod metrics;
+pub mod nats_api;
+pub mod openapi;
+pub mod submit;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_nats::jetstream::{self, kv};
+use axum::body::Bytes;
+use axum::extract::{MatchedPath, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use stemq_core::nats::{self as names, job_subject, SubjectKind};
+use stemq_core::{apply, Event, JobId, JobStatus, JobView, Position};
+use stemq_projector::index::{Cursor, ListIndex};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::metrics::Metrics;
+use crate::submit::{SubmitError, SubmitResponse};
+
+/// Ingress failures at start.
+#[derive(Debug, thiserror::Error)]
+pub enum IngressError {
+    /// Cannot listen.
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, #[source] std::io::Error),
+    /// A JetStream call failed.
+    #[error("{what}: {message}")]
+    JetStream {
+        /// Which call.
+        what: &'static str,
+        /// Why.
+        message: String,
+    },
+    /// Serving failed.
+    #[error("http server: {0}")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Ingress configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Serve the NATS request-reply submit endpoint too.
+    pub nats_submit: bool,
+}
+
+/// Shared handler state.
+#[derive(Clone)]
+pub struct AppState {
+    js: jetstream::Context,
+    kv: kv::Store,
+    jobs: jetstream::stream::Stream<()>,
+    index: Arc<ListIndex>,
+    metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// Opens the bucket and stream, and starts the list index.
+    pub async fn new(client: async_nats::Client, shutdown: CancellationToken) -> Result<AppState, IngressError> {
+        let js = jetstream::new(client);
+        let kv = js
+            .get_key_value(names::JOBS_BUCKET)
+            .await
+            .map_err(|e| IngressError::JetStream { what: "open bucket", message: e.to_string() })?;
+        let jobs = js
+            .get_stream_no_info(names::JOBS_STREAM)
+            .await
+            .map_err(|e| IngressError::JetStream { what: "open job stream", message: e.to_string() })?;
+        let index = ListIndex::follow(kv.clone(), shutdown).await;
+        let metrics = Arc::new(Metrics::new(js.clone()));
+        Ok(AppState { js, kv, jobs, index, metrics })
+    }
+
+    /// The JetStream context.
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// Reads a job's view; falls back to the log when the projector has not caught up
+    /// (right after a submit), so a job that exists is never a 404.
+    pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, String> {
+        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id).await.map_err(|e| e.to_string())? {
+            return Ok(Some(v));
+        }
+        match self.jobs.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
+            Ok(m) => Ok(Event::from_slice(&m.payload).ok().and_then(|e| apply(None, Position::Log(m.sequence), &e))),
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// Binds the listener (port 0 picks a free one).
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, IngressError> {
+    TcpListener::bind(addr).await.map_err(|e| IngressError::Bind(addr, e))
+}
+
+/// Runs the ingress on `listener` until `shutdown`.
+pub async fn run(
+    client: async_nats::Client,
+    listener: TcpListener,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), IngressError> {
+    let state = AppState::new(client.clone(), shutdown.clone()).await?;
+    let nats_task = if config.nats_submit {
+        let (c, s, st) = (client.clone(), shutdown.clone(), state.clone());
+        Some(tokio::spawn(async move { nats_api::serve(c, st, s).await }))
+    } else {
+        None
+    };
+    let addr = listener.local_addr().map_err(IngressError::Serve)?;
+    info!(%addr, "ingress listening");
+    let s = shutdown.clone();
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move { s.cancelled().await })
+        .await
+        .map_err(IngressError::Serve)?;
+    if let Some(t) = nats_task {
+        if let Ok(Err(e)) = t.await {
+            warn!(error = %e, "NATS submit endpoint stopped with an error");
+        }
+    }
+    info!("ingress stopped");
+    Ok(())
+}
+
+/// The HTTP routes.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/separations", post(create).get(list))
+        .route("/v1/separations/{id}", get(status))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .layer(middleware::from_fn_with_state(state.clone(), track))
+        .with_state(state)
+}
+
+async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
+    let method = req.method().to_string();
+    let t0 = Instant::now();
+    let resp = next.run(req).await;
+    state.metrics.observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
+    resp
+}
+
+/// An API error body: `{"error": {"code", "message", "field"?}}`.
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    field: Option<String>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut err = json!({"code": self.code, "message": self.message});
+        if let Some(f) = self.field {
+            err["field"] = json!(f);
+        }
+        (self.status, Json(json!({ "error": err }))).into_response()
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> ApiError {
+        match e {
+            SubmitError::Invalid(r) => ApiError {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                code: "invalid_request",
+                message: r.to_string(),
+                field: Some(r.field),
+            },
+            SubmitError::Unavailable(m) => {
+                warn!(error = %m, "submit failed");
+                ApiError {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    code: "unavailable",
+                    message: "the job could not be queued right now; retrying is safe".into(),
+                    field: None,
+                }
+            }
+        }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    warn!(error = %e, "internal error");
+    ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        code: "unavailable",
+        message: "status store unavailable; try again".into(),
+        field: None,
+    }
+}
+
+async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let result = submit::submit(&state.js, &body, None, traceparent).await;
+    state.metrics.observe_submit(&result);
+    let (mut resp, _) = result?;
+    if resp.cached {
+        if let Ok(Some(v)) = state.view(&resp.job_id).await {
+            resp.status = v.status;
+        }
+        return Ok((StatusCode::OK, Json(resp)).into_response());
+    }
+    let location = resp.status_url.clone();
+    Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
+}
+
+async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
+    let not_found = || ApiError {
+        status: StatusCode::NOT_FOUND,
+        code: "not_found",
+        message: format!("no job {id}"),
+        field: None,
+    };
+    let Some(job_id) = JobId::parse(&id) else { return Err(not_found()) };
+    match state.view(&job_id).await.map_err(internal)? {
+        Some(v) => Ok(Json(v)),
+        None => Err(not_found()),
+    }
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    status: Option<String>,
+    limit: Option<usize>,
+    cursor: Option<String>,
+}
+
+async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+    let bad = |field: &str, message: String| ApiError {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        code: "invalid_request",
+        message,
+        field: Some(field.into()),
+    };
+    let status = match q.status.as_deref() {
+        None | Some("") => None,
+        Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),
+    };
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=1000).contains(&limit) {
+        return Err(bad("limit", "must be between 1 and 1000".into()));
+    }
+    let cursor = match q.cursor.as_deref() {
+        None | Some("") => None,
+        Some(c) => Some(Cursor::decode(c).ok_or_else(|| bad("cursor", "malformed cursor".into()))?),
+    };
+    let page = state.index.page(status, limit, cursor.as_ref());
+    let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
+    let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
+    let next_cursor = (page.len() == limit)
+        .then(|| page.last().map(|(id, ms)| Cursor { created_ms: *ms, id: id.clone() }.encode()))
+        .flatten();
+    Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    let connected = state.js.client().connection_state() == async_nats::connection::State::Connected;
+    if connected && names::ready(&state.js).await {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: NATS not connected or job stream missing").into_response()
+    }
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let body = state.metrics.render().await;
+    ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}

@@ -1,0 +1,91 @@
+//! The OpenAPI 3.1 document served at `/openapi.json`.
+//!
+//! This module owns the HTTP API description. Paths are written out here; the request
+//! and view schemas come from the same Rust types as `schemas/` (JSON Schema 2020-12 is
+//! OpenAPI 3.1's schema dialect), so they cannot drift.
+
+use serde_json::{json, Value};
+
+fn schema<T: schemars::JsonSchema>() -> Value {
+    let mut v = serde_json::to_value(schemars::schema_for!(T)).expect("schema");
+    // Component schemas refer to each other through #/components/schemas.
+    let defs = v.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(json!({}));
+    let text = serde_json::to_string(&v).expect("json").replace("#/$defs/", "#/components/schemas/");
+    let mut v: Value = serde_json::from_str(&text).expect("json");
+    v.as_object_mut().map(|o| o.remove("$schema"));
+    v["x-defs"] = defs;
+    v
+}
+
+/// The document.
+pub fn document() -> Value {
+    let mut components = serde_json::Map::new();
+    for (name, mut s) in [
+        ("JobRequest", schema::<stemq_core::JobRequest>()),
+        ("JobView", schema::<stemq_core::JobView>()),
+        ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
+    ] {
+        if let Some(defs) = s.as_object_mut().and_then(|o| o.remove("x-defs")) {
+            let text = serde_json::to_string(&defs).expect("json").replace("#/$defs/", "#/components/schemas/");
+            if let Ok(Value::Object(d)) = serde_json::from_str::<Value>(&text) {
+                components.extend(d);
+            }
+        }
+        components.insert(name.to_string(), s);
+    }
+    components.insert(
+        "Error".into(),
+        json!({"type": "object", "required": ["error"], "properties": {"error": {"type": "object",
+            "required": ["code", "message"], "properties": {
+                "code": {"type": "string"}, "message": {"type": "string"},
+                "field": {"type": "string", "description": "The offending request field (422 only)."}}}}}),
+    );
+    let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
+    let ok = |d: &str, s: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{s}")}}}});
+    json!({
+        "openapi": "3.1.0",
+        "info": {"title": "stemq", "version": env!("CARGO_PKG_VERSION"),
+                 "description": "Music source separation as a service: submit a song, get stems."},
+        "paths": {
+            "/v1/separations": {
+                "post": {
+                    "summary": "Submit a separation job (idempotent: the job id is the hash of the request)",
+                    "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobRequest"}}}},
+                    "responses": {
+                        "202": ok("A new job was queued", "SubmitResponse"),
+                        "200": ok("The same job already exists (cached: true)", "SubmitResponse"),
+                        "422": err("Invalid request; `field` names the offending field"),
+                        "503": err("Could not queue now; retrying is safe"),
+                    }
+                },
+                "get": {
+                    "summary": "List jobs, newest first",
+                    "parameters": [
+                        {"name": "status", "in": "query", "schema": {"type": "string", "enum": ["queued","running","succeeded","failed","dead_lettered","rejected"]}},
+                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
+                        {"name": "cursor", "in": "query", "schema": {"type": "string"}, "description": "next_cursor of the previous page"}
+                    ],
+                    "responses": {
+                        "200": {"description": "A page of jobs", "content": {"application/json": {"schema": {"type": "object",
+                            "properties": {"jobs": {"type": "array", "items": {"$ref": "#/components/schemas/JobView"}},
+                                           "next_cursor": {"type": ["string", "null"]},
+                                           "complete": {"type": "boolean"}}}}}},
+                        "422": err("Invalid query"),
+                    }
+                }
+            },
+            "/v1/separations/{id}": {
+                "get": {
+                    "summary": "The status view of one job",
+                    "parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}],
+                    "responses": {"200": ok("The job", "JobView"), "404": err("No such job")}
+                }
+            },
+            "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
+            "/readyz": {"get": {"summary": "Readiness: NATS connected and the job stream present",
+                                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}},
+        },
+        "components": {"schemas": components}
+    })
+}

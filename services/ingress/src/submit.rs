@@ -1,0 +1,65 @@
+//! Submitting a job: validate, derive the id, publish once. Shared by HTTP and NATS.
+//!
+//! This module owns the ingress's only write. A new job is one publish of its
+//! `requested` event to `stemq.jobs.<id>.requested` with `Nats-Msg-Id` = id and
+//! expected-last-subject-sequence 0, so the same request — a retry, a concurrent
+//! duplicate, or the same song a day later after the dedupe window — finds the existing
+//! job instead of creating a second one. Nothing heavy happens here.
+
+use async_nats::jetstream;
+use serde::{Deserialize, Serialize};
+use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::publish::{publish_once, Once};
+use stemq_core::request::{RequestError, ANONYMOUS};
+use stemq_core::{Event, JobId, JobRequest, JobStatus};
+
+/// Answer to a submit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SubmitResponse {
+    /// The job id (sha256 of the canonical request).
+    pub job_id: JobId,
+    /// Current status.
+    pub status: JobStatus,
+    /// True when the job already existed (nothing new was queued).
+    pub cached: bool,
+    /// Where to read the status.
+    pub status_url: String,
+}
+
+/// Why a submit failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The request is invalid (422).
+    #[error(transparent)]
+    Invalid(#[from] RequestError),
+    /// NATS did not take the event (503): nothing was queued; retrying is safe.
+    #[error("the job could not be queued: {0}")]
+    Unavailable(String),
+}
+
+/// Validates and queues `body` for `owner`. `status_of` reads the status of an existing
+/// job (for the cached answer).
+pub async fn submit(
+    js: &jetstream::Context,
+    body: &[u8],
+    owner: Option<&str>,
+    traceparent: Option<String>,
+) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
+    let req = JobRequest::from_slice(body)?;
+    let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
+    let mut event = Event::requested(normalized, req.webhook.clone(), req.metadata.clone(), "/stemq/ingress");
+    event.traceparent = traceparent;
+    let id = event.subject.clone();
+    let subject = job_subject(&id, SubjectKind::Requested);
+    let once = publish_once(js, &subject, &event, id.as_str())
+        .await
+        .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+    let cached = once == Once::AlreadyThere;
+    let resp = SubmitResponse {
+        status_url: format!("/v1/separations/{id}"),
+        job_id: id,
+        status: JobStatus::Queued,
+        cached,
+    };
+    Ok((resp, (!cached).then_some(event)))
+}
