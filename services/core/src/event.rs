@@ -64,6 +64,16 @@ pub enum EventBody {
     /// The request event was not acceptable (forged id, invalid request); never run.
     #[serde(rename = "io.stemq.job.rejected.v1")]
     Rejected(Rejected),
+    /// A finished job was re-run as a new job (dead-letter replay, retry).
+    #[serde(rename = "io.stemq.job.retried.v1")]
+    Retried(Retried),
+}
+
+/// Data of `io.stemq.job.retried.v1` (recorded on the old job).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Retried {
+    /// The new job.
+    pub retried_by: JobId,
 }
 
 /// Data of `io.stemq.job.requested.v1`.
@@ -199,6 +209,7 @@ impl EventBody {
             EventBody::Failed(_) => "failed",
             EventBody::DeadLettered(_) => "dead_lettered",
             EventBody::Rejected(_) => "rejected",
+            EventBody::Retried(_) => "retried",
         }
     }
 

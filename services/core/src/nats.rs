@@ -63,6 +63,8 @@ pub enum SubjectKind {
     Failed,
     /// `stemq.jobs.<id>.outcome` (terminal)
     Outcome,
+    /// `stemq.jobs.<id>.retried` (link to the re-run)
+    Retried,
     /// `stemq.progress.<id>`
     Progress,
 }
@@ -74,6 +76,7 @@ impl SubjectKind {
             SubjectKind::Started => "started",
             SubjectKind::Failed => "failed",
             SubjectKind::Outcome => "outcome",
+            SubjectKind::Retried => "retried",
             SubjectKind::Progress => "progress",
         }
     }

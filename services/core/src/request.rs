@@ -174,6 +174,10 @@ pub struct NormalizedRequest {
     pub shifts: u32,
     /// Who asked (API key owner / tenant).
     pub owner: String,
+    /// The job this one re-runs (`stemq dlq replay`, retry): part of the key, so a
+    /// re-run gets a new id, and re-running the same job twice gets the same one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_of: Option<JobId>,
 }
 
 /// A request that failed validation: which field, and why.
@@ -322,6 +326,7 @@ impl JobRequest {
             overlap,
             shifts,
             owner: owner.to_string(),
+            retry_of: None,
         })
     }
 }

@@ -7,7 +7,7 @@
 use schemars::{schema_for, JsonSchema};
 use serde_json::Value;
 
-use crate::event::{DeadLettered, Event, Failed, Progress, Rejected, Requested, Started, Succeeded};
+use crate::event::{DeadLettered, Event, Failed, Progress, Rejected, Requested, Retried, Started, Succeeded};
 use crate::request::JobRequest;
 use crate::view::JobView;
 
@@ -28,6 +28,7 @@ pub fn all() -> Vec<(&'static str, Value)> {
         ("event-failed.v1.json", one::<Failed>()),
         ("event-dead_lettered.v1.json", one::<DeadLettered>()),
         ("event-rejected.v1.json", one::<Rejected>()),
+        ("event-retried.v1.json", one::<Retried>()),
     ]
 }
 

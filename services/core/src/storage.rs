@@ -76,6 +76,11 @@ impl Store {
         Store::open(url.as_str())
     }
 
+    /// An in-memory store (benchmarks and tests of code that only needs *a* store).
+    pub fn memory() -> Store {
+        Store { inner: Arc::new(object_store::memory::InMemory::new()), base: "memory://".to_string() }
+    }
+
     /// The store's URL prefix.
     pub fn base_url(&self) -> &str {
         &self.base

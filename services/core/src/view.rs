@@ -150,6 +150,12 @@ pub struct JobView {
     /// Last error (also kept after a successful retry, for the record).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorView>,
+    /// The job this one re-runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_of: Option<JobId>,
+    /// The job that re-ran this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retried_by: Option<JobId>,
     /// Stream sequence of the last applied job event (idempotency).
     pub last_seq: u64,
     /// Stream sequence of the last applied progress event.
@@ -188,6 +194,8 @@ impl JobView {
             manifest_uri: None,
             degraded: false,
             error: None,
+            retry_of: None,
+            retried_by: None,
             last_seq: 0,
             progress_seq: 0,
         }
@@ -224,10 +232,17 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             if v.request.is_some() {
                 return None;
             }
+            v.retry_of = r.request.retry_of.clone();
             v.request = Some(r.request.clone());
             v.webhook = r.webhook.clone();
             v.metadata = r.metadata.clone();
             v.created_at = Some(at);
+        }
+        EventBody::Retried(r) => {
+            if v.retried_by.as_ref() == Some(&r.retried_by) {
+                return None;
+            }
+            v.retried_by = Some(r.retried_by.clone());
         }
         _ if terminal => return None,
         EventBody::Started(s) => {
@@ -424,6 +439,15 @@ mod tests {
     fn progress_only_while_running() {
         let v = given(&[requested()]);
         assert_eq!(apply(Some(&v), Position::Progress(1), &progress(1, 10.0)), None);
+    }
+
+    #[test]
+    fn retried_links_a_finished_job() {
+        let done = given(&[requested(), started(1), failed(1, FailureClass::Permanent)]);
+        let new_id = JobId("b".repeat(64));
+        let r = ev(EventBody::Retried(Retried { retried_by: new_id.clone() }));
+        let v = apply(Some(&done), Position::Log(10), &r).unwrap();
+        assert_eq!((v.status, v.retried_by), (JobStatus::Failed, Some(new_id)));
     }
 
     #[test]

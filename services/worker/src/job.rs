@@ -249,7 +249,10 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         webhook: r.webhook.clone(),
         metadata: r.metadata.clone(),
     };
-    match req.normalize(&r.request.owner) {
+    match req.normalize(&r.request.owner).map(|mut n| {
+        n.retry_of = r.request.retry_of.clone();
+        n
+    }) {
         Ok(n) if n == r.request => Ok(r),
         Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
         Err(e) => Err(("invalid_request", e.to_string())),

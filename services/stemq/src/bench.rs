@@ -1,0 +1,175 @@
+//! `stemq bench pipeline`: end-to-end throughput and latency with the fake engine.
+//!
+//! Everything runs in one box: a nats-server of its own (unless `NATS_URL` is set), the
+//! projector and a worker in this process, and a submitter that publishes distinct jobs.
+//! A job counts as done when its KV view turns terminal, so the figures include the
+//! projector. Two modes:
+//! - throughput: `--jobs N` as fast as the pipeline takes them → jobs/s, p50/p99;
+//! - steady rate: `--rate R` → latency at R jobs/s (submit → terminal in the view).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use async_nats::jetstream::{self, kv};
+use clap::Subcommand;
+use futures::StreamExt;
+use stemq_core::engine::FakeEngine;
+use stemq_core::nats_server::NatsServer;
+use stemq_core::storage::Store;
+use stemq_core::{JobId, JobView};
+use tokio::sync::{Mutex, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::Global;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Submitted → terminal in the KV view, with the fake engine.
+    Pipeline {
+        /// Jobs to run.
+        #[arg(long, default_value_t = 1000)]
+        jobs: usize,
+        /// Submit at this steady rate (jobs/s) instead of as fast as possible.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Worker job loops.
+        #[arg(long, default_value_t = 64)]
+        workers: usize,
+        /// Submits in flight at once (throughput mode).
+        #[arg(long, default_value_t = 256)]
+        in_flight: usize,
+        /// Where outputs go: `memory` or `local` (files under a temp dir).
+        #[arg(long, default_value = "memory")]
+        store: String,
+    },
+}
+
+pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
+    let BenchCommand::Pipeline { jobs, rate, workers, in_flight, store } = cmd;
+    let tmp = tempfile::tempdir()?;
+    let mut _server = None;
+    let url = match &g.nats_url {
+        Some(u) => u.clone(),
+        None => {
+            let dir = tmp.path().join("nats");
+            let s = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
+            let u = s.url();
+            _server = Some(s);
+            u
+        }
+    };
+    let client = stemq_core::nats::connect(&url, "stemq-bench").await?;
+    let js = jetstream::new(client.clone());
+    stemq_core::nats::apply(&js, &g.settings()).await?;
+    let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
+
+    let store = match store.as_str() {
+        "memory" => Store::memory(),
+        "local" => Store::local(&tmp.path().join("store"))?,
+        other => bail!("unknown store `{other}`"),
+    };
+    let stop = CancellationToken::new();
+    let mut wc = stemq_worker::Config::new(store, tmp.path().join("scratch"));
+    wc.concurrency = workers;
+    wc.deadletter = false;
+    let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
+    let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
+    let w = tokio::spawn(stemq_worker::run(worker_client, Arc::new(FakeEngine::default()), wc, stop.clone()));
+    let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
+
+    // Terminal times, from a watch on the whole bucket.
+    let done: Arc<Mutex<HashMap<JobId, Instant>>> = Default::default();
+    let watcher = {
+        let done = done.clone();
+        let mut watch = kv.watch_all().await?;
+        tokio::spawn(async move {
+            while let Some(Ok(e)) = watch.next().await {
+                if e.operation != kv::Operation::Put {
+                    continue;
+                }
+                if let Ok(v) = serde_json::from_slice::<JobView>(&e.value) {
+                    if v.status.is_terminal() {
+                        done.lock().await.entry(v.job_id).or_insert_with(Instant::now);
+                    }
+                }
+            }
+        })
+    };
+
+    let run_id = uuid::Uuid::new_v4();
+    let submitted: Arc<Mutex<HashMap<JobId, Instant>>> = Default::default();
+    let sem = Arc::new(Semaphore::new(in_flight));
+    let t0 = Instant::now();
+    let mut handles = Vec::with_capacity(jobs);
+    let interval = rate.map(|r| Duration::from_secs_f64(1.0 / r));
+    for i in 0..jobs {
+        if let Some(iv) = interval {
+            let due = t0 + iv.mul_f64(i as f64);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let permit = sem.clone().acquire_owned().await?;
+        let js = js.clone();
+        let submitted = submitted.clone();
+        handles.push(tokio::spawn(async move {
+            let body = format!(r#"{{"audio_uri":"file:///bench/{run_id}/{i}.wav","model":"dsp"}}"#);
+            let start = Instant::now();
+            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None).await;
+            drop(permit);
+            if let Ok((resp, _)) = r {
+                submitted.lock().await.insert(resp.job_id, start);
+                true
+            } else {
+                false
+            }
+        }));
+    }
+    let mut failed_submits = 0;
+    for h in handles {
+        if !h.await? {
+            failed_submits += 1;
+        }
+    }
+    let submit_secs = t0.elapsed().as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(120 + jobs as u64 / 100);
+    loop {
+        let n = done.lock().await.len();
+        if n >= jobs - failed_submits || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let total = t0.elapsed().as_secs_f64();
+    let done = done.lock().await.clone();
+    let submitted = submitted.lock().await.clone();
+    let mut lat: Vec<f64> = submitted
+        .iter()
+        .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
+        .collect();
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    let last_done = done.values().max().copied().unwrap_or(t0);
+    let e2e = last_done.duration_since(t0).as_secs_f64();
+    println!("stemq bench pipeline");
+    println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", lat.len());
+    match rate {
+        Some(r) => println!("  mode            steady {r} jobs/s"),
+        None => println!("  mode            throughput, {in_flight} submits in flight"),
+    }
+    println!("  worker loops    {workers}");
+    println!("  submit rate     {:.0} jobs/s", jobs as f64 / submit_secs);
+    println!("  end to end      {:.0} jobs/s ({:.2} s)", lat.len() as f64 / e2e, e2e);
+    println!("  latency p50     {:.2} ms", pct(0.50));
+    println!("  latency p99     {:.2} ms", pct(0.99));
+    println!("  latency max     {:.2} ms", lat.last().copied().unwrap_or(f64::NAN));
+    let _ = total;
+    stop.cancel();
+    watcher.abort();
+    let _ = w.await;
+    let _ = p.await;
+    if lat.len() < jobs - failed_submits {
+        bail!("only {} of {} jobs finished", lat.len(), jobs);
+    }
+    Ok(())
+}

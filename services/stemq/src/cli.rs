@@ -1,0 +1,303 @@
+//! The command line: arguments, shared options, and dispatch to the subcommands.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use stemq_core::nats::Settings;
+use stemq_core::telemetry::LogFormat;
+use tokio_util::sync::CancellationToken;
+
+/// stemq: music source separation as a service, on NATS JetStream.
+#[derive(Debug, Parser)]
+#[command(name = "stemq", version, about)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args, Clone)]
+pub struct Global {
+    /// NATS server URL. `stemq dev` starts its own server when this is not set.
+    #[arg(long, env = "NATS_URL", global = true)]
+    pub nats_url: Option<String>,
+    /// Data directory (NATS store of `stemq dev`, local object store, scratch).
+    #[arg(long, env = "STEMQ_DATA_DIR", default_value = ".stemq", global = true)]
+    pub data_dir: PathBuf,
+    /// Object store URL for inputs and outputs (default: file://<data-dir>/store).
+    #[arg(long, env = "STEMQ_STORE", global = true)]
+    pub store: Option<String>,
+    /// Worker ack deadline in ms (progress acks keep long jobs alive).
+    #[arg(long, env = "STEMQ_ACK_WAIT_MS", default_value_t = 30_000, global = true)]
+    pub ack_wait_ms: u64,
+    /// Deliveries before a job is dead-lettered.
+    #[arg(long, env = "STEMQ_MAX_DELIVER", default_value_t = 5, global = true)]
+    pub max_deliver: i64,
+    /// Dedupe window of the job stream in ms.
+    #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000, global = true)]
+    pub dedupe_window_ms: u64,
+    /// Log format: json or text (default: text on a terminal, json otherwise).
+    #[arg(long, env = "STEMQ_LOG_FORMAT", global = true)]
+    pub log_format: Option<String>,
+}
+
+impl Global {
+    /// NATS definition knobs.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            ack_wait: Duration::from_millis(self.ack_wait_ms),
+            max_deliver: self.max_deliver,
+            duplicate_window: Duration::from_millis(self.dedupe_window_ms),
+            ..Settings::default()
+        }
+    }
+
+    /// The NATS URL, or the default local one.
+    pub fn nats_url(&self) -> String {
+        self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+    }
+
+    /// The object store URL.
+    pub fn store_url(&self) -> Result<String> {
+        if let Some(s) = &self.store {
+            return Ok(s.clone());
+        }
+        let dir = self.data_dir.join("store");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let abs = dir.canonicalize()?;
+        Ok(url::Url::from_directory_path(abs).map_err(|_| anyhow::anyhow!("bad data dir"))?.to_string())
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Everything in one process for a laptop: nats-server, ingress, worker, projector.
+    Dev(DevArgs),
+    /// Run the HTTP ingress alone.
+    Ingress(IngressArgs),
+    /// Run a worker alone.
+    Worker(WorkerArgs),
+    /// Run the projector alone (or rebuild the view).
+    Projector(ProjectorArgs),
+    /// Apply the stream, consumer and bucket definitions of nats/.
+    Nats {
+        #[command(subcommand)]
+        command: NatsCommand,
+    },
+    /// Submit a job (a file path is uploaded to the store first).
+    Submit(SubmitArgs),
+    /// Print a job's status view.
+    Status {
+        /// Job id.
+        id: String,
+    },
+    /// List jobs, newest first.
+    List {
+        /// Only jobs with this status.
+        #[arg(long)]
+        status: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+    /// Follow a job with a progress bar until it ends.
+    Watch {
+        /// Job id.
+        id: String,
+    },
+    /// Dead letters.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+    /// Write the JSON Schemas of the contracts.
+    Schemas {
+        /// Folder to write into.
+        #[arg(long, default_value = "schemas")]
+        write: PathBuf,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: crate::bench::BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NatsCommand {
+    /// Create or update every stream, consumer and bucket (idempotent).
+    Apply,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Dead-lettered jobs, newest first.
+    List {
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Run a dead-lettered job again, as a new job linked to the old one.
+    Replay {
+        /// Job id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct DevArgs {
+    /// HTTP listen address.
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http: SocketAddr,
+    #[command(flatten)]
+    pub worker: WorkerOpts,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct IngressArgs {
+    /// HTTP listen address.
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http: SocketAddr,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub opts: WorkerOpts,
+}
+
+/// Worker options shared by `stemq worker` and `stemq dev`.
+#[derive(Debug, Args, Clone)]
+pub struct WorkerOpts {
+    /// Separation engine: `fake` (no audio work; for tests and benchmarks).
+    #[arg(long, env = "STEMQ_ENGINE", default_value = "fake")]
+    pub engine: String,
+    /// Extra delay of every fake job, in ms.
+    #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
+    pub fake_delay_ms: u64,
+    /// Job loops in this process (one job at a time each).
+    #[arg(long, env = "STEMQ_CONCURRENCY", default_value_t = 1)]
+    pub concurrency: usize,
+    /// Seconds a SIGTERM waits for running jobs.
+    #[arg(long, env = "STEMQ_GRACE_S", default_value_t = 600)]
+    pub grace_s: u64,
+    /// Hard limit on one attempt, in seconds.
+    #[arg(long, env = "STEMQ_TIME_LIMIT_S", default_value_t = 3600)]
+    pub time_limit_s: u64,
+    /// First retry delay in ms (doubles per attempt).
+    #[arg(long, env = "STEMQ_BACKOFF_BASE_MS", default_value_t = 2000)]
+    pub backoff_base_ms: u64,
+    /// Largest retry delay in ms.
+    #[arg(long, env = "STEMQ_BACKOFF_CAP_MS", default_value_t = 300_000)]
+    pub backoff_cap_ms: u64,
+    /// Worker name (default host-pid).
+    #[arg(long, env = "STEMQ_WORKER_NAME")]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct ProjectorArgs {
+    /// Drop the view, replay the whole log into it, and exit when caught up.
+    #[arg(long)]
+    pub rebuild: bool,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct SubmitArgs {
+    /// An audio URI in the store, or a local file to upload first.
+    pub input: String,
+    /// Model.
+    #[arg(short = 'n', long, default_value = "htdemucs")]
+    pub model: String,
+    /// Only this stem and its complement.
+    #[arg(long)]
+    pub two_stems: Option<String>,
+    /// Output container: wav or flac.
+    #[arg(long)]
+    pub format: Option<String>,
+    /// Segment length in seconds.
+    #[arg(long)]
+    pub segment: Option<f64>,
+    /// Overlap between segments.
+    #[arg(long)]
+    pub overlap: Option<f64>,
+    /// Random shifts.
+    #[arg(long)]
+    pub shifts: Option<u32>,
+    /// Metadata (a JSON object).
+    #[arg(long)]
+    pub metadata: Option<String>,
+    /// Wait for the job to end, with a progress bar.
+    #[arg(long)]
+    pub wait: bool,
+}
+
+impl Cli {
+    /// The log format to install.
+    pub fn log_format(&self) -> LogFormat {
+        match self.global.log_format.as_deref() {
+            Some("json") => LogFormat::Json,
+            Some("text") => LogFormat::Text,
+            _ => {
+                use std::io::IsTerminal;
+                if matches!(self.command, Command::Dev(_)) || std::io::stderr().is_terminal() {
+                    LogFormat::Text
+                } else {
+                    LogFormat::Json
+                }
+            }
+        }
+    }
+}
+
+/// A token cancelled on Ctrl-C or SIGTERM.
+pub fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutdown requested");
+        t.cancel();
+    });
+    token
+}
+
+/// Dispatches a parsed command line.
+pub async fn run(cli: Cli) -> Result<()> {
+    let g = cli.global;
+    match cli.command {
+        Command::Dev(a) => crate::dev::run(&g, a).await,
+        Command::Ingress(a) => crate::services::ingress(&g, a).await,
+        Command::Worker(a) => crate::services::worker(&g, a.opts).await,
+        Command::Projector(a) => crate::services::projector(&g, a).await,
+        Command::Nats { command: NatsCommand::Apply } => {
+            let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
+            stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
+            println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
+            Ok(())
+        }
+        Command::Submit(a) => crate::client::submit(&g, a).await,
+        Command::Status { id } => crate::client::status(&g, &id).await,
+        Command::List { status, limit } => crate::client::list(&g, status.as_deref(), limit).await,
+        Command::Watch { id } => crate::client::watch(&g, &id).await.map(|_| ()),
+        Command::Dlq { command: DlqCommand::List { limit } } => {
+            crate::client::list(&g, Some("dead_lettered"), limit).await
+        }
+        Command::Dlq { command: DlqCommand::Replay { id } } => crate::client::replay(&g, &id).await,
+        Command::Schemas { write } => {
+            stemq_core::schema::write_all(&write)?;
+            println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
+            Ok(())
+        }
+        Command::Bench { command } => crate::bench::run(&g, command).await,
+    }
+}

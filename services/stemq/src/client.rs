@@ -1,0 +1,185 @@
+//! Client commands: submit, status, list, watch, dead-letter replay. They talk to NATS
+//! directly (the same contracts other services use), so no ingress is needed.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use stemq_core::event::{EventBody, Retried};
+use stemq_core::nats::{self as names, job_subject, SubjectKind};
+use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::storage::Store;
+use stemq_core::{Event, JobId, JobStatus, JobView};
+use stemq_projector::index::ListIndex;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{Global, SubmitArgs};
+
+async fn js(g: &Global) -> Result<jetstream::Context> {
+    let client = names::connect(&g.nats_url(), "stemq-cli").await?;
+    Ok(jetstream::new(client))
+}
+
+async fn bucket(js: &jetstream::Context) -> Result<kv::Store> {
+    js.get_key_value(names::JOBS_BUCKET).await.context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
+}
+
+fn parse_id(id: &str) -> Result<JobId> {
+    JobId::parse(id).ok_or_else(|| anyhow!("`{id}` is not a job id (64 lowercase hex characters)"))
+}
+
+/// Uploads a local file to the store, content-addressed; returns its URI.
+async fn upload(g: &Global, file: &Path) -> Result<String> {
+    let store = Store::open(&g.store_url()?)?;
+    let bytes = tokio::fs::read(file).await.with_context(|| format!("reading {}", file.display()))?;
+    if bytes.is_empty() {
+        bail!("{} is empty", file.display());
+    }
+    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("bin").to_ascii_lowercase();
+    let key = format!("uploads/{}.{ext}", hex::encode(Sha256::digest(&bytes)));
+    let stored = store.put_bytes(&key, bytes).await?;
+    Ok(stored.uri)
+}
+
+pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
+    let looks_like_uri = a.input.contains("://");
+    let uri = if looks_like_uri { a.input.clone() } else { upload(g, Path::new(&a.input)).await? };
+    let mut req = json!({"audio_uri": uri, "model": a.model});
+    let fields = [
+        ("two_stems", a.two_stems.map(Value::from)),
+        ("output_format", a.format.map(Value::from)),
+        ("segment", a.segment.map(Value::from)),
+        ("overlap", a.overlap.map(Value::from)),
+        ("shifts", a.shifts.map(Value::from)),
+    ];
+    for (k, v) in fields {
+        if let Some(v) = v {
+            req[k] = v;
+        }
+    }
+    if let Some(m) = a.metadata {
+        req["metadata"] = serde_json::from_str(&m).context("--metadata must be a JSON object")?;
+    }
+    let js = js(g).await?;
+    let body = serde_json::to_vec(&req)?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None).await.map_err(|e| anyhow!("{e}"))?;
+    println!("{}", serde_json::to_string_pretty(&resp)?);
+    if a.wait {
+        let view = watch(g, resp.job_id.as_str()).await?;
+        if view.status != JobStatus::Succeeded {
+            bail!("job ended {}", view.status.as_str());
+        }
+    }
+    Ok(())
+}
+
+pub async fn status(g: &Global, id: &str) -> Result<()> {
+    let id = parse_id(id)?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    match stemq_projector::get_view(&kv, &id).await? {
+        Some((v, _)) => println!("{}", serde_json::to_string_pretty(&v)?),
+        None => bail!("no job {id} (or not projected yet)"),
+    }
+    Ok(())
+}
+
+pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> {
+    let status = status.map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`"))).transpose()?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    let stop = CancellationToken::new();
+    let index = ListIndex::follow(kv.clone(), stop.clone()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !index.caught_up() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
+    for (id, _) in index.page(status, limit, None) {
+        if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
+            let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
+            let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
+            println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", id, v.status.as_str(), v.attempt, progress);
+        }
+    }
+    stop.cancel();
+    Ok(())
+}
+
+/// Follows a job's KV entry with a progress bar; returns the terminal view.
+pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
+    let id = parse_id(id)?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    let bar = ProgressBar::new(100);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos:>3}% {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar.set_message("queued");
+    let mut watch = kv.watch_with_history(id.as_str()).await?;
+    while let Some(entry) = watch.next().await {
+        let entry = entry?;
+        if entry.operation != kv::Operation::Put {
+            continue;
+        }
+        let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else { continue };
+        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
+        bar.set_position(pct as u64);
+        let mut msg = v.status.as_str().to_string();
+        if !stage.is_empty() && v.status == JobStatus::Running {
+            msg = format!("{msg}: {stage}");
+        }
+        if v.attempt > 1 {
+            msg = format!("{msg} (attempt {})", v.attempt);
+        }
+        bar.set_message(msg);
+        if v.status.is_terminal() {
+            bar.finish();
+            match v.status {
+                JobStatus::Succeeded => {
+                    for o in &v.outputs {
+                        println!("{:<12} {}", o.stem, o.uri);
+                    }
+                }
+                _ => {
+                    if let Some(e) = &v.error {
+                        eprintln!("{}: {} ({})", v.status.as_str(), e.message, e.code);
+                    }
+                }
+            }
+            return Ok(v);
+        }
+    }
+    bail!("the watch ended before the job did")
+}
+
+/// Re-runs a dead-lettered (or failed) job as a new job linked both ways.
+pub async fn replay(g: &Global, id: &str) -> Result<()> {
+    let id = parse_id(id)?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    if !matches!(view.status, JobStatus::DeadLettered | JobStatus::Failed) {
+        bail!("job {id} is {}: only dead-lettered or failed jobs can be replayed", view.status.as_str());
+    }
+    let mut request = view.request.clone().ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
+    request.retry_of = Some(id.clone());
+    let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
+    let new_id = ev.subject.clone();
+    let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
+    let link = Event::new(&id, "/stemq/cli", EventBody::Retried(Retried { retried_by: new_id.clone() }));
+    publish(&js, &job_subject(&id, SubjectKind::Retried), &link, Some(&format!("{id}.retried.{new_id}"))).await?;
+    match created {
+        Once::Stored(_) => println!("replaying {id} as {new_id}"),
+        Once::AlreadyThere => println!("{id} was already replayed as {new_id}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! `stemq dev`: the whole pipeline in one process, for a laptop.
+//!
+//! Starts a `nats-server` (from PATH) with its store in the data dir unless `NATS_URL`
+//! is given, applies the definitions, and runs the ingress, one worker and the projector
+//! until Ctrl-C or SIGTERM; then drains them and stops the server.
+
+use anyhow::{Context, Result};
+use stemq_core::nats_server::NatsServer;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::cli::{DevArgs, Global};
+
+pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
+    let mut g = g.clone();
+    let mut server = None;
+    if g.nats_url.is_none() {
+        let store = g.data_dir.join("nats");
+        // The usual port when free, any port otherwise.
+        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() { 4222 } else { 0 };
+        let s = tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await??;
+        info!(url = %s.url(), "nats-server started");
+        g.nats_url = Some(s.url());
+        server = Some(s);
+    }
+    let client = crate::services::connect(&g, "stemq-dev").await?;
+    let shutdown = crate::cli::shutdown_on_signals();
+
+    let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
+    let addr = listener.local_addr()?;
+    let engine = crate::services::engine(&a.worker)?;
+    let wconfig = crate::services::worker_config(&g, &a.worker)?;
+    let store = wconfig.store.base_url().to_string();
+
+    let children = CancellationToken::new();
+    let ingress = tokio::spawn(stemq_ingress::run(
+        client.clone(),
+        listener,
+        stemq_ingress::Config { listen: addr, nats_submit: true },
+        children.clone(),
+    ));
+    let projector = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), children.clone()));
+    let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
+
+    eprintln!();
+    eprintln!("stemq dev is up");
+    eprintln!("  HTTP    http://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
+    eprintln!("  NATS    {}", g.nats_url());
+    eprintln!("  store   {store}");
+    eprintln!("  Ctrl-C to stop");
+    eprintln!();
+
+    shutdown.cancelled().await;
+    // Workers first (they finish their jobs), then the rest once the outcomes are in.
+    worker.await??;
+    children.cancel();
+    ingress.await??;
+    projector.await??;
+    client.flush().await.ok();
+    drop(client);
+    if let Some(mut s) = server {
+        tokio::task::spawn_blocking(move || s.stop()).await?;
+    }
+    eprintln!("stemq dev stopped");
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! `stemq ingress|worker|projector`: each service alone, as deployed.
+//!
+//! Every service connects, checks the server version, applies the NATS definitions
+//! (idempotent) and then calls its crate's `run` with a shutdown token tied to SIGTERM
+//! and Ctrl-C.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use stemq_core::engine::{Engine, FakeEngine};
+use stemq_core::storage::Store;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{Global, IngressArgs, ProjectorArgs, WorkerOpts};
+
+/// Connects and applies the definitions.
+pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
+    let client = stemq_core::nats::connect(&g.nats_url(), name).await?;
+    stemq_core::nats::apply(&async_nats::jetstream::new(client.clone()), &g.settings()).await?;
+    Ok(client)
+}
+
+/// Loads the engine named in the options.
+pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    match opts.engine.as_str() {
+        "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
+        other => bail!("unknown engine `{other}`; available: fake"),
+    }
+}
+
+/// The worker configuration from the options.
+pub fn worker_config(g: &Global, opts: &WorkerOpts) -> Result<stemq_worker::Config> {
+    let store = Store::open(&g.store_url()?).context("opening the object store")?;
+    let mut c = stemq_worker::Config::new(store, g.data_dir.join("scratch"));
+    c.concurrency = opts.concurrency;
+    c.grace = Duration::from_secs(opts.grace_s);
+    c.time_limit = Duration::from_secs(opts.time_limit_s);
+    c.backoff.base = Duration::from_millis(opts.backoff_base_ms);
+    c.backoff.cap = Duration::from_millis(opts.backoff_cap_ms);
+    if let Some(n) = &opts.name {
+        c.name = n.clone();
+    }
+    Ok(c)
+}
+
+pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
+    let client = connect(g, "stemq-ingress").await?;
+    let shutdown = crate::cli::shutdown_on_signals();
+    let listener = stemq_ingress::bind(a.http).await?;
+    stemq_ingress::run(client, listener, stemq_ingress::Config { listen: a.http, nats_submit: true }, shutdown).await?;
+    Ok(())
+}
+
+pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
+    let client = connect(g, "stemq-worker").await?;
+    let engine = engine(&opts)?;
+    let config = worker_config(g, &opts)?;
+    let shutdown = crate::cli::shutdown_on_signals();
+    stemq_worker::run(client.clone(), engine, config, shutdown).await?;
+    client.flush().await.ok();
+    Ok(())
+}
+
+pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
+    let client = connect(g, "stemq-projector").await?;
+    let shutdown = crate::cli::shutdown_on_signals();
+    if a.rebuild {
+        let js = async_nats::jetstream::new(client.clone());
+        let events = stemq_projector::reset(&js, &g.settings()).await?;
+        eprintln!("view dropped; replaying {events} events");
+        let run_token = CancellationToken::new();
+        let task = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), run_token.clone()));
+        let caught_up = stemq_projector::wait_caught_up(&js, Duration::from_secs(3600)).await?;
+        run_token.cancel();
+        task.await??;
+        if !caught_up {
+            bail!("the rebuild did not catch up within an hour");
+        }
+        eprintln!("view rebuilt");
+        return Ok(());
+    }
+    stemq_projector::run(client, Default::default(), shutdown).await?;
+    Ok(())
+}
