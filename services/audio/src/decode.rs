@@ -99,10 +99,21 @@ impl<R: Read + Seek + Send + Sync> MediaSource for SeekableSource<R> {
     }
 }
 
-/// Reads the WAV format tag (or the extensible sub-format) without consuming the source.
-fn sniff_wav_format_tag<R: Read + Seek>(r: &mut R) -> Option<u16> {
+/// Facts read from the first bytes of the source before symphonia sees it.
+#[derive(Default)]
+struct Sniff {
+    /// WAV format tag (or the extensible sub-format).
+    wav_tag: Option<u16>,
+    /// FLAC STREAMINFO total samples.
+    flac_total: Option<u64>,
+}
+
+/// Reads container facts without consuming the source.
+fn sniff<R: Read + Seek>(r: &mut R) -> Sniff {
     let mut head = vec![0u8; 4096];
-    let start = r.stream_position().ok()?;
+    let Ok(start) = r.stream_position() else {
+        return Sniff::default();
+    };
     let mut n = 0;
     while n < head.len() {
         match r.read(&mut head[n..]) {
@@ -111,8 +122,22 @@ fn sniff_wav_format_tag<R: Read + Seek>(r: &mut R) -> Option<u16> {
             Err(_) => break,
         }
     }
-    r.seek(SeekFrom::Start(start)).ok()?;
+    if r.seek(SeekFrom::Start(start)).is_err() {
+        return Sniff::default();
+    }
     let head = &head[..n];
+    let mut s = Sniff {
+        wav_tag: wav_format_tag(head),
+        flac_total: None,
+    };
+    if head.len() >= 26 && &head[0..4] == b"fLaC" && head[4] & 0x7F == 0 {
+        let v = u64::from_be_bytes(head[18..26].try_into().expect("8 bytes"));
+        s.flac_total = Some(v & ((1 << 36) - 1));
+    }
+    s
+}
+
+fn wav_format_tag(head: &[u8]) -> Option<u16> {
     if head.len() < 12 || &head[0..4] != b"RIFF" || &head[8..12] != b"WAVE" {
         return None;
     }
@@ -298,8 +323,14 @@ pub struct Decoder {
     done: bool,
 }
 
-fn map_open_error(e: SymError, wav_tag: Option<u16>) -> AudioError {
+fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
+    let wav_tag = sniffed.wav_tag;
     match e {
+        SymError::IoError(ref io)
+            if io.kind() == std::io::ErrorKind::UnexpectedEof && sniffed.flac_total == Some(0) =>
+        {
+            AudioError::Empty
+        }
         SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
             AudioError::NotAudio {
                 detail: "the file ends before its header is complete".into(),
@@ -356,7 +387,8 @@ impl Decoder {
                 detail: "the file is zero bytes long".into(),
             });
         }
-        let wav_tag = sniff_wav_format_tag(&mut source);
+        let sniffed = sniff(&mut source);
+        let wav_tag = sniffed.wav_tag;
         let mss = MediaSourceStream::new(
             Box::new(SeekableSource {
                 inner: source,
@@ -375,7 +407,7 @@ impl Decoder {
                 &FormatOptions::default(),
                 &MetadataOptions::default(),
             )
-            .map_err(|e| map_open_error(e, wav_tag))?;
+            .map_err(|e| map_open_error(e, &sniffed))?;
         let format = probed.format;
         let track = format
             .tracks()
@@ -398,7 +430,7 @@ impl Decoder {
                         codec: codec_name(params.codec),
                     },
                 },
-                other => map_open_error(other, wav_tag),
+                other => map_open_error(other, &sniffed),
             })?;
         let sample_rate = params.sample_rate.ok_or_else(|| AudioError::NotAudio {
             detail: "the stream does not state its sample rate".into(),
@@ -466,6 +498,11 @@ impl Decoder {
         self.decoded_frames
     }
 
+    /// FLAC and PCM state their exact length and packet positions.
+    fn lossless(&self) -> bool {
+        self.info.codec == "flac" || self.info.codec.starts_with("pcm")
+    }
+
     fn position_secs(&self, ts: Option<u64>) -> f64 {
         match (ts, self.time_base) {
             (Some(ts), Some(tb)) => {
@@ -490,7 +527,11 @@ impl Decoder {
         }
         if let Some(expected) = self.info.frames {
             // A stream that stops well short of what its header promised was cut off.
-            let slack = 8192 + expected / 100;
+            let slack = if self.lossless() {
+                0
+            } else {
+                8192 + expected / 100
+            };
             if self.decoded_frames + slack < expected {
                 return Err(AudioError::CorruptFrame {
                     at: format_mmss(self.decoded_frames as f64 / self.info.sample_rate as f64),
@@ -544,6 +585,15 @@ impl Decoder {
                     let frames = buf.frames();
                     if frames == 0 {
                         continue;
+                    }
+                    if self.info.codec == "flac" && ts > self.decoded_frames {
+                        // The reader skipped damaged bytes and resynchronised.
+                        let at = self.decoded_frames;
+                        self.done = true;
+                        return Err(self.corrupt(
+                            Some(at),
+                            format!("{} samples are missing (damaged data was skipped)", ts - at),
+                        ));
                     }
                     self.decoded_frames += frames as u64;
                     let chunk = self.conv.convert(buf);
