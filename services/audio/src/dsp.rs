@@ -37,9 +37,19 @@
 //! flushes it and trims the output to exactly the input length.
 //!
 //! # Measured quality (synthetic test mixture, `tests/separation.rs`)
-//! SDR improvement over using the mixture itself as the estimate, in dB
-//! (measured / asserted in the test): vocals +11.5 / +9, drums +9.8 / +8,
-//! bass +20.2 / +17, other +10.1 / +8. See the crate README for the mixture.
+//! 12 s mixture of a centred voice-like tone (vibrato, 10 harmonics), panned
+//! noise-burst hits plus a centred kick, a centred bass line and a wide
+//! detuned pad. SDR in dB, `10·log10(|s|²/|s−ŝ|²)` over both channels:
+//!
+//! | stem   | dsp SDR | mixture-as-estimate | improvement | asserted |
+//! |--------|--------:|--------------------:|------------:|---------:|
+//! | vocals |  10.36  |  −7.60              |  +17.97     |  > 16.0  |
+//! | drums  |   5.70  |  −9.60              |  +15.31     |  > 13.5  |
+//! | bass   |  12.32  |   4.40              |   +7.91     |  >  6.5  |
+//! | other  |   3.27  | −17.11              |  +20.38     |  > 18.5  |
+//!
+//! These figures say the engine does what it is designed to do on signals
+//! that fit its assumptions; they say nothing about real songs.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
