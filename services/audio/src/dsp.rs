@@ -314,6 +314,7 @@ impl DspSeparator {
         self.frames.push_back(frame);
     }
 
+    #[allow(clippy::needless_range_loop)] // per-bin work indexes several arrays at once
     fn synthesise(&mut self, out: &mut [StereoChunk]) {
         let cur = &self.frames[TIME_HALF];
         // Masks for the three masked stems: vocals, drums, bass.
@@ -373,6 +374,7 @@ impl DspSeparator {
     }
 
     /// Emits the first HOP samples of the accumulators, which are now final.
+    #[allow(clippy::needless_range_loop)]
     fn emit_hop(&mut self, out: &mut [StereoChunk]) {
         for i in 0..HOP {
             let m = [

@@ -69,7 +69,7 @@ pub enum ClipMode {
 
 enum Sink<W: Write + Seek> {
     Wav(WavWriter<W>),
-    Flac(FlacWriter<W>),
+    Flac(Box<FlacWriter<W>>),
 }
 
 impl<W: Write + Seek> Sink<W> {
@@ -119,8 +119,8 @@ impl<W: Write + Seek> StemEncoder<W> {
             OutputFormat::WavF32 => {
                 Sink::Wav(WavWriter::new(out, WavSampleFormat::Float32, sample_rate)?)
             }
-            OutputFormat::Flac16 => Sink::Flac(FlacWriter::new(out, 16, sample_rate)?),
-            OutputFormat::Flac24 => Sink::Flac(FlacWriter::new(out, 24, sample_rate)?),
+            OutputFormat::Flac16 => Sink::Flac(Box::new(FlacWriter::new(out, 16, sample_rate)?)),
+            OutputFormat::Flac24 => Sink::Flac(Box::new(FlacWriter::new(out, 24, sample_rate)?)),
         };
         let spool = if clip == ClipMode::Rescale {
             Some(Spool {

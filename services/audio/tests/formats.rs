@@ -290,7 +290,7 @@ fn mono_becomes_stereo() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mono.wav");
     let m = sine(300.0, 0.6, 44_100, 10_000);
-    hound_write(&path, 1, 44_100, &[m.clone()]);
+    hound_write(&path, 1, 44_100, std::slice::from_ref(&m));
     let got = decode_all(&path, DecodeOptions::default()).unwrap();
     assert_eq!(got.left, got.right);
     assert!(max_abs_diff(&got.left, &m) < 2.0 / 32768.0);
