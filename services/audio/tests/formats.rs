@@ -355,3 +355,33 @@ fn summary_gives_hash_and_duration() {
     let s = summarize_file(fixture("sine_440_660.ogg")).unwrap();
     assert!((s.duration_secs - 2.0).abs() < 0.1, "{}", s.duration_secs);
 }
+
+#[test]
+fn decodes_wav_written_by_another_encoder_24_and_32_bit_int() {
+    // hound is an independent writer: checks the decoder, not just our own writer.
+    let dir = tempfile::tempdir().unwrap();
+    let l = sine(440.0, 0.5, 44_100, 5000);
+    let r = sine(660.0, 0.25, 44_100, 5000);
+    for bits in [16u16, 24, 32] {
+        let path = dir.path().join(format!("int{bits}.wav"));
+        let spec = hound::WavSpec {
+            channels: 2,
+            sample_rate: 44_100,
+            bits_per_sample: bits,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let scale = (1i64 << (bits - 1)) as f64;
+        let mut w = hound::WavWriter::create(&path, spec).unwrap();
+        for i in 0..l.len() {
+            w.write_sample((l[i] as f64 * scale).round() as i32)
+                .unwrap();
+            w.write_sample((r[i] as f64 * scale).round() as i32)
+                .unwrap();
+        }
+        w.finalize().unwrap();
+        let got = decode_all(&path, DecodeOptions::default()).unwrap();
+        let tol = (1.0 / scale) as f32 + 1e-7;
+        assert!(max_abs_diff(&got.left, &l) <= tol, "{bits}-bit left");
+        assert!(max_abs_diff(&got.right, &r) <= tol, "{bits}-bit right");
+    }
+}
