@@ -1,0 +1,650 @@
+//! Owns streamed decoding: probing a source with symphonia (WAV 16/24/32-bit
+//! PCM and 32-bit float, FLAC, MP3, Ogg Vorbis), channel conversion to stereo,
+//! resampling to the engines' rate, the duration limit and the input-error
+//! classification.
+//!
+//! # Channel handling
+//! * mono is duplicated to both channels;
+//! * stereo passes through;
+//! * more than two channels are downmixed by speaker position, ITU-R BS.775
+//!   style: left-side speakers (front, side, rear, wide, high, left-of-centre)
+//!   go to the left output, right-side ones to the right, centre speakers go to
+//!   both at −3 dB (×0.7071), surround/rear/top speakers are themselves
+//!   attenuated by −3 dB, and LFE channels are dropped. Each output is then
+//!   divided by the sum of its coefficients so the downmix can never clip.
+//!   Channels without a known position are treated as centre.
+//!
+//! # Memory
+//! Only one packet, one resampler block and one output chunk are alive at a
+//! time: memory does not grow with the length of the track.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+
+use symphonia::core::audio::{AudioBufferRef, Channels, SampleBuffer, SignalSpec};
+use symphonia::core::codecs::{self, CodecType, DecoderOptions, CODEC_TYPE_NULL};
+use symphonia::core::errors::Error as SymError;
+use symphonia::core::formats::{FormatOptions, FormatReader};
+use symphonia::core::io::{MediaSource, MediaSourceStream, MediaSourceStreamOptions};
+use symphonia::core::meta::MetadataOptions;
+use symphonia::core::probe::Hint;
+use symphonia::core::units::TimeBase;
+
+use crate::chunk::StereoChunk;
+use crate::error::{format_mmss, AudioError};
+use crate::resample::StreamResampler;
+
+/// The sample rate the separation engines work at.
+pub const ENGINE_SAMPLE_RATE: u32 = 44_100;
+
+/// Options for [`Decoder`].
+#[derive(Debug, Clone)]
+pub struct DecodeOptions {
+    /// Output sample rate; other rates are resampled. Default [`ENGINE_SAMPLE_RATE`].
+    pub target_sample_rate: u32,
+    /// Reject inputs longer than this many seconds (header check when the
+    /// header states the length, otherwise while decoding). Default: no limit.
+    pub max_duration_secs: Option<f64>,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            target_sample_rate: ENGINE_SAMPLE_RATE,
+            max_duration_secs: None,
+        }
+    }
+}
+
+/// What the probe learnt about the source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceInfo {
+    /// Codec short name, e.g. `"pcm_s16le"`, `"flac"`, `"mp3"`, `"vorbis"`.
+    pub codec: String,
+    /// Native sample rate of the source.
+    pub sample_rate: u32,
+    /// Native channel count (0 if unknown until the first packet).
+    pub channels: usize,
+    /// Number of frames at the native rate, if the header states it.
+    pub frames: Option<u64>,
+    /// Duration in seconds, if the header states it.
+    pub duration_secs: Option<f64>,
+}
+
+/// Adapts any `Read + Seek + Send + Sync` value to symphonia's `MediaSource`.
+struct SeekableSource<R> {
+    inner: R,
+    len: Option<u64>,
+}
+
+impl<R: Read + Seek> Read for SeekableSource<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl<R: Read + Seek> Seek for SeekableSource<R> {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        self.inner.seek(pos)
+    }
+}
+
+impl<R: Read + Seek + Send + Sync> MediaSource for SeekableSource<R> {
+    fn is_seekable(&self) -> bool {
+        true
+    }
+    fn byte_len(&self) -> Option<u64> {
+        self.len
+    }
+}
+
+/// Facts read from the first bytes of the source before symphonia sees it.
+#[derive(Default)]
+struct Sniff {
+    /// WAV format tag (or the extensible sub-format).
+    wav_tag: Option<u16>,
+    /// FLAC STREAMINFO total samples.
+    flac_total: Option<u64>,
+}
+
+/// Reads container facts without consuming the source.
+fn sniff<R: Read + Seek>(r: &mut R) -> Sniff {
+    let mut head = vec![0u8; 4096];
+    let Ok(start) = r.stream_position() else {
+        return Sniff::default();
+    };
+    let mut n = 0;
+    while n < head.len() {
+        match r.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(_) => break,
+        }
+    }
+    if r.seek(SeekFrom::Start(start)).is_err() {
+        return Sniff::default();
+    }
+    let head = &head[..n];
+    let mut s = Sniff {
+        wav_tag: wav_format_tag(head),
+        flac_total: None,
+    };
+    if head.len() >= 26 && &head[0..4] == b"fLaC" && head[4] & 0x7F == 0 {
+        let v = u64::from_be_bytes(head[18..26].try_into().expect("8 bytes"));
+        s.flac_total = Some(v & ((1 << 36) - 1));
+    }
+    s
+}
+
+fn wav_format_tag(head: &[u8]) -> Option<u16> {
+    if head.len() < 12 || &head[0..4] != b"RIFF" || &head[8..12] != b"WAVE" {
+        return None;
+    }
+    let mut pos = 12;
+    while pos + 8 <= head.len() {
+        let id = &head[pos..pos + 4];
+        let size = u32::from_le_bytes(head[pos + 4..pos + 8].try_into().ok()?) as usize;
+        if id == b"fmt " && pos + 10 <= head.len() {
+            let tag = u16::from_le_bytes([head[pos + 8], head[pos + 9]]);
+            if tag == 0xFFFE && pos + 8 + 26 <= head.len() {
+                return Some(u16::from_le_bytes([head[pos + 8 + 24], head[pos + 8 + 25]]));
+            }
+            return Some(tag);
+        }
+        pos += 8 + size + (size & 1);
+    }
+    None
+}
+
+fn wav_tag_name(tag: u16) -> String {
+    let name = match tag {
+        0x0002 => "Microsoft ADPCM",
+        0x0011 => "IMA ADPCM",
+        0x0031 => "GSM 6.10",
+        0x0050 => "MPEG-1 Layer I/II",
+        0x0055 => "MPEG-1 Layer III (MP3 inside WAV)",
+        0x00FF | 0x1610 => "AAC",
+        0x0160..=0x0163 => "Windows Media Audio",
+        0x2000 => "Dolby AC-3",
+        _ => "",
+    };
+    if name.is_empty() {
+        format!("WAV format tag 0x{tag:04X}")
+    } else {
+        format!("{name} (WAV format tag 0x{tag:04X})")
+    }
+}
+
+fn codec_name(ct: CodecType) -> String {
+    if let Some(d) = symphonia::default::get_codecs().get_codec(ct) {
+        return d.short_name.to_string();
+    }
+    let name = match ct {
+        codecs::CODEC_TYPE_AAC => "AAC",
+        codecs::CODEC_TYPE_ALAC => "ALAC",
+        codecs::CODEC_TYPE_OPUS => "Opus",
+        codecs::CODEC_TYPE_SPEEX => "Speex",
+        codecs::CODEC_TYPE_MP1 => "MPEG-1 Layer I",
+        codecs::CODEC_TYPE_MP2 => "MPEG-1 Layer II",
+        codecs::CODEC_TYPE_ADPCM_MS => "Microsoft ADPCM",
+        codecs::CODEC_TYPE_ADPCM_IMA_WAV | codecs::CODEC_TYPE_ADPCM_IMA_QT => "IMA ADPCM",
+        codecs::CODEC_TYPE_WAVPACK => "WavPack",
+        codecs::CODEC_TYPE_MONKEYS_AUDIO => "Monkey's Audio",
+        codecs::CODEC_TYPE_TTA => "TTA",
+        codecs::CODEC_TYPE_WMA => "Windows Media Audio",
+        codecs::CODEC_TYPE_EAC3 => "E-AC-3",
+        codecs::CODEC_TYPE_DCA => "DTS",
+        CODEC_TYPE_NULL => "unknown codec",
+        _ => "",
+    };
+    if name.is_empty() {
+        format!("codec id {ct}")
+    } else {
+        name.to_string()
+    }
+}
+
+/// Left/right gains for one input channel of a multichannel layout.
+fn channel_gains(ch: Channels) -> (f32, f32) {
+    const H: f32 = std::f32::consts::FRAC_1_SQRT_2;
+    let left_front = Channels::FRONT_LEFT | Channels::FRONT_LEFT_CENTRE | Channels::FRONT_LEFT_WIDE;
+    let right_front =
+        Channels::FRONT_RIGHT | Channels::FRONT_RIGHT_CENTRE | Channels::FRONT_RIGHT_WIDE;
+    let left_sur = Channels::SIDE_LEFT
+        | Channels::REAR_LEFT
+        | Channels::REAR_LEFT_CENTRE
+        | Channels::TOP_FRONT_LEFT
+        | Channels::TOP_REAR_LEFT
+        | Channels::FRONT_LEFT_HIGH;
+    let right_sur = Channels::SIDE_RIGHT
+        | Channels::REAR_RIGHT
+        | Channels::REAR_RIGHT_CENTRE
+        | Channels::TOP_FRONT_RIGHT
+        | Channels::TOP_REAR_RIGHT
+        | Channels::FRONT_RIGHT_HIGH;
+    if ch.intersects(Channels::LFE1 | Channels::LFE2) {
+        (0.0, 0.0)
+    } else if left_front.contains(ch) {
+        (1.0, 0.0)
+    } else if right_front.contains(ch) {
+        (0.0, 1.0)
+    } else if left_sur.contains(ch) {
+        (H, 0.0)
+    } else if right_sur.contains(ch) {
+        (0.0, H)
+    } else if ch == Channels::FRONT_CENTRE {
+        (H, H)
+    } else {
+        // Rear/top centres and unknown positions.
+        (0.5, 0.5)
+    }
+}
+
+/// Per-input-channel gains to stereo, in plane order.
+fn downmix_matrix(spec: &SignalSpec) -> Vec<(f32, f32)> {
+    let n = spec.channels.count();
+    match n {
+        1 => vec![(1.0, 1.0)],
+        2 => vec![(1.0, 0.0), (0.0, 1.0)],
+        _ => {
+            let mut g: Vec<(f32, f32)> = spec.channels.iter().map(channel_gains).collect();
+            let sl: f32 = g.iter().map(|x| x.0).sum();
+            let sr: f32 = g.iter().map(|x| x.1).sum();
+            for x in &mut g {
+                x.0 /= sl.max(1e-9);
+                x.1 /= sr.max(1e-9);
+            }
+            g
+        }
+    }
+}
+
+/// Converts decoded packets to stereo at the native rate (downmix state).
+struct Converter {
+    matrix: Vec<(f32, f32)>,
+    spec: Option<SignalSpec>,
+    sample_buf: Option<SampleBuffer<f32>>,
+}
+
+impl Converter {
+    fn convert(&mut self, buf: AudioBufferRef<'_>) -> StereoChunk {
+        let spec = *buf.spec();
+        let frames = buf.frames();
+        let channels = spec.channels.count();
+        if self.spec != Some(spec) {
+            self.matrix = downmix_matrix(&spec);
+            self.spec = Some(spec);
+        }
+        let need = buf.capacity() as u64;
+        if self
+            .sample_buf
+            .as_ref()
+            .is_none_or(|b| (b.capacity() as u64) < need * channels as u64)
+        {
+            self.sample_buf = Some(SampleBuffer::<f32>::new(need, spec));
+        }
+        let sb = self.sample_buf.as_mut().expect("allocated above");
+        sb.copy_planar_ref(buf);
+        let s = sb.samples();
+        let mut out = StereoChunk::with_capacity(frames);
+        out.left.resize(frames, 0.0);
+        out.right.resize(frames, 0.0);
+        for (c, &(gl, gr)) in self.matrix.iter().enumerate() {
+            let plane = &s[c * frames..(c + 1) * frames];
+            if gl != 0.0 {
+                for (o, &x) in out.left.iter_mut().zip(plane) {
+                    *o += gl * x;
+                }
+            }
+            if gr != 0.0 {
+                for (o, &x) in out.right.iter_mut().zip(plane) {
+                    *o += gr * x;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A streamed decoder yielding stereo `f32` chunks at the target sample rate.
+///
+/// Use [`Decoder::next_chunk`] (or the [`Iterator`] impl) until it returns `None`.
+pub struct Decoder {
+    format: Box<dyn FormatReader>,
+    codec: Box<dyn codecs::Decoder>,
+    track_id: u32,
+    time_base: Option<TimeBase>,
+    info: SourceInfo,
+    opts: DecodeOptions,
+    conv: Converter,
+    resampler: Option<StreamResampler>,
+    decoded_frames: u64,
+    done: bool,
+}
+
+fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
+    let wav_tag = sniffed.wav_tag;
+    match e {
+        SymError::IoError(ref io)
+            if io.kind() == std::io::ErrorKind::UnexpectedEof && sniffed.flac_total == Some(0) =>
+        {
+            AudioError::Empty
+        }
+        SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+            AudioError::NotAudio {
+                detail: "the file ends before its header is complete".into(),
+            }
+        }
+        SymError::IoError(io) => AudioError::Io(io),
+        SymError::Unsupported(msg) if msg.contains("no suitable format reader") => {
+            AudioError::NotAudio {
+                detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into(),
+            }
+        }
+        SymError::Unsupported(msg) => match wav_tag {
+            Some(tag) => AudioError::UnsupportedCodec {
+                codec: wav_tag_name(tag),
+            },
+            None => AudioError::UnsupportedCodec {
+                codec: msg.to_string(),
+            },
+        },
+        other => AudioError::NotAudio {
+            detail: other.to_string(),
+        },
+    }
+}
+
+impl Decoder {
+    /// Opens a file; the extension is used as a probe hint.
+    pub fn open_path(path: impl AsRef<Path>, opts: DecodeOptions) -> Result<Self, AudioError> {
+        let path = path.as_ref();
+        let file = File::open(path)?;
+        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_owned);
+        Self::open(file, ext.as_deref(), opts)
+    }
+
+    /// Opens any seekable byte source. `extension_hint` (e.g. `Some("mp3")`) helps the probe.
+    pub fn open<R>(
+        mut source: R,
+        extension_hint: Option<&str>,
+        opts: DecodeOptions,
+    ) -> Result<Self, AudioError>
+    where
+        R: Read + Seek + Send + Sync + 'static,
+    {
+        if opts.target_sample_rate == 0 {
+            return Err(AudioError::InvalidArgument(
+                "target sample rate must be > 0".into(),
+            ));
+        }
+        let start = source.stream_position()?;
+        let end = source.seek(SeekFrom::End(0))?;
+        source.seek(SeekFrom::Start(start))?;
+        if end <= start {
+            return Err(AudioError::NotAudio {
+                detail: "the file is zero bytes long".into(),
+            });
+        }
+        let sniffed = sniff(&mut source);
+        let wav_tag = sniffed.wav_tag;
+        let mss = MediaSourceStream::new(
+            Box::new(SeekableSource {
+                inner: source,
+                len: Some(end - start),
+            }),
+            MediaSourceStreamOptions::default(),
+        );
+        let mut hint = Hint::new();
+        if let Some(ext) = extension_hint {
+            hint.with_extension(ext);
+        }
+        let probed = symphonia::default::get_probe()
+            .format(
+                &hint,
+                mss,
+                &FormatOptions::default(),
+                &MetadataOptions::default(),
+            )
+            .map_err(|e| map_open_error(e, &sniffed))?;
+        let format = probed.format;
+        let track = format
+            .tracks()
+            .iter()
+            .find(|t| t.codec_params.codec != CODEC_TYPE_NULL)
+            .or_else(|| format.default_track())
+            .ok_or_else(|| AudioError::NotAudio {
+                detail: "the container has no audio track".into(),
+            })?
+            .clone();
+        let params = &track.codec_params;
+        let codec = symphonia::default::get_codecs()
+            .make(params, &DecoderOptions { verify: false })
+            .map_err(|e| match e {
+                SymError::Unsupported(_) => match wav_tag {
+                    Some(tag) if params.codec == CODEC_TYPE_NULL => AudioError::UnsupportedCodec {
+                        codec: wav_tag_name(tag),
+                    },
+                    _ => AudioError::UnsupportedCodec {
+                        codec: codec_name(params.codec),
+                    },
+                },
+                other => map_open_error(other, &sniffed),
+            })?;
+        let sample_rate = params.sample_rate.ok_or_else(|| AudioError::NotAudio {
+            detail: "the stream does not state its sample rate".into(),
+        })?;
+        if sample_rate == 0 {
+            return Err(AudioError::NotAudio {
+                detail: "sample rate of 0 Hz".into(),
+            });
+        }
+        let frames = params.n_frames;
+        let duration_secs = frames.map(|f| f as f64 / sample_rate as f64);
+        let info = SourceInfo {
+            codec: codec_name(params.codec),
+            sample_rate,
+            channels: params.channels.map(|c| c.count()).unwrap_or(0),
+            frames,
+            duration_secs,
+        };
+        if frames == Some(0) {
+            return Err(AudioError::Empty);
+        }
+        if let (Some(d), Some(max)) = (duration_secs, opts.max_duration_secs) {
+            if d > max {
+                return Err(AudioError::TooLong {
+                    duration: format_mmss(d),
+                    max: format_mmss(max),
+                });
+            }
+        }
+        let resampler = if sample_rate != opts.target_sample_rate {
+            Some(StreamResampler::new(sample_rate, opts.target_sample_rate)?)
+        } else {
+            None
+        };
+        Ok(Decoder {
+            format,
+            codec,
+            track_id: track.id,
+            time_base: params.time_base,
+            info,
+            opts,
+            conv: Converter {
+                matrix: Vec::new(),
+                spec: None,
+                sample_buf: None,
+            },
+            resampler,
+            decoded_frames: 0,
+            done: false,
+        })
+    }
+
+    /// What the probe learnt about the source.
+    pub fn info(&self) -> &SourceInfo {
+        &self.info
+    }
+
+    /// Sample rate of the chunks this decoder yields.
+    pub fn output_sample_rate(&self) -> u32 {
+        self.opts.target_sample_rate
+    }
+
+    /// Frames decoded so far, at the source's native rate.
+    pub fn decoded_frames(&self) -> u64 {
+        self.decoded_frames
+    }
+
+    /// FLAC and PCM state their exact length and packet positions.
+    fn lossless(&self) -> bool {
+        self.info.codec == "flac" || self.info.codec.starts_with("pcm")
+    }
+
+    fn position_secs(&self, ts: Option<u64>) -> f64 {
+        match (ts, self.time_base) {
+            (Some(ts), Some(tb)) => {
+                let t = tb.calc_time(ts);
+                t.seconds as f64 + t.frac
+            }
+            _ => self.decoded_frames as f64 / self.info.sample_rate as f64,
+        }
+    }
+
+    fn corrupt(&self, ts: Option<u64>, detail: impl Into<String>) -> AudioError {
+        AudioError::CorruptFrame {
+            at: format_mmss(self.position_secs(ts)),
+            detail: detail.into(),
+        }
+    }
+
+    fn finish_stream(&mut self) -> Result<Option<StereoChunk>, AudioError> {
+        self.done = true;
+        if self.decoded_frames == 0 {
+            return Err(AudioError::Empty);
+        }
+        if let Some(expected) = self.info.frames {
+            // A stream that stops well short of what its header promised was cut off.
+            let slack = if self.lossless() {
+                0
+            } else {
+                8192 + expected / 100
+            };
+            if self.decoded_frames + slack < expected {
+                return Err(AudioError::CorruptFrame {
+                    at: format_mmss(self.decoded_frames as f64 / self.info.sample_rate as f64),
+                    detail: format!(
+                        "the file is truncated: the data stops here but the header announces {}",
+                        format_mmss(expected as f64 / self.info.sample_rate as f64)
+                    ),
+                });
+            }
+        }
+        if let Some(r) = self.resampler.as_mut() {
+            let mut out = StereoChunk::default();
+            r.finish(&mut out)?;
+            if !out.is_empty() {
+                return Ok(Some(out));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Decodes the next chunk. Returns `Ok(None)` at the end of the stream.
+    ///
+    /// Chunk sizes follow the codec's packet sizes (and the resampler's
+    /// block size); never rely on a particular size.
+    pub fn next_chunk(&mut self) -> Result<Option<StereoChunk>, AudioError> {
+        loop {
+            if self.done {
+                return Ok(None);
+            }
+            let packet = match self.format.next_packet() {
+                Ok(p) => p,
+                Err(SymError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return self.finish_stream();
+                }
+                Err(SymError::ResetRequired) => return self.finish_stream(),
+                Err(SymError::IoError(e)) => {
+                    self.done = true;
+                    return Err(AudioError::Io(e));
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Err(self.corrupt(None, e.to_string()));
+                }
+            };
+            if packet.track_id() != self.track_id {
+                continue;
+            }
+            let ts = packet.ts();
+            let decoded = match self.codec.decode(&packet) {
+                Ok(buf) => {
+                    let frames = buf.frames();
+                    if frames == 0 {
+                        continue;
+                    }
+                    if self.info.codec == "flac" && ts > self.decoded_frames {
+                        // The reader skipped damaged bytes and resynchronised.
+                        let at = self.decoded_frames;
+                        self.done = true;
+                        return Err(self.corrupt(
+                            Some(at),
+                            format!("{} samples are missing (damaged data was skipped)", ts - at),
+                        ));
+                    }
+                    self.decoded_frames += frames as u64;
+                    let chunk = self.conv.convert(buf);
+                    if self.info.channels == 0 {
+                        self.info.channels =
+                            self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
+                    }
+                    chunk
+                }
+                Err(SymError::Unsupported(msg)) => {
+                    self.done = true;
+                    return Err(AudioError::UnsupportedCodec {
+                        codec: format!("{} ({msg})", self.info.codec),
+                    });
+                }
+                Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof => {
+                    self.done = true;
+                    return Err(AudioError::Io(e));
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Err(self.corrupt(Some(ts), e.to_string()));
+                }
+            };
+            if let Some(max) = self.opts.max_duration_secs {
+                let secs = self.decoded_frames as f64 / self.info.sample_rate as f64;
+                if secs > max {
+                    self.done = true;
+                    return Err(AudioError::TooLong {
+                        duration: format!("more than {}", format_mmss(max)),
+                        max: format_mmss(max),
+                    });
+                }
+            }
+            match self.resampler.as_mut() {
+                None => return Ok(Some(decoded)),
+                Some(r) => {
+                    let mut out = StereoChunk::with_capacity(decoded.len() * 2);
+                    r.push(&decoded.left, &decoded.right, &mut out)?;
+                    if !out.is_empty() {
+                        return Ok(Some(out));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Iterator for Decoder {
+    type Item = Result<StereoChunk, AudioError>;
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_chunk().transpose()
+    }
+}

@@ -1,0 +1,27 @@
+//! `stemq-audio`: everything stemq does with audio samples.
+//!
+//! * [`decode`] — streamed decoding of WAV / FLAC / MP3 / Ogg Vorbis into
+//!   stereo `f32` chunks at 44.1 kHz, with typed input errors;
+//! * [`encode`] — streamed WAV (16/24-bit PCM, 32-bit float) and FLAC (16/24)
+//!   stem writers with Demucs's clip modes, and file summaries for manifests;
+//! * [`dsp`] — the weight-free baseline separation engine (vocals, drums,
+//!   bass, other), streamed with bounded memory;
+//! * [`error`] — the single error enum, [`AudioError`].
+//!
+//! The typical pipeline is [`separate_file`]: decode → separate → encode,
+//! chunk by chunk, with memory independent of the track's length.
+
+pub mod chunk;
+pub mod decode;
+pub mod dsp;
+pub mod encode;
+pub mod error;
+pub mod flac;
+mod resample;
+pub mod wav;
+
+pub use chunk::StereoChunk;
+pub use decode::{DecodeOptions, Decoder, SourceInfo, ENGINE_SAMPLE_RATE};
+pub use dsp::{separate_file, DspOptions, DspSeparator, EncodeSettings, Stem, StemOutput};
+pub use encode::{summarize_file, ClipMode, FileSummary, OutputFormat, StemEncoder};
+pub use error::AudioError;
