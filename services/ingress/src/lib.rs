@@ -279,7 +279,7 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
     let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
     let next_cursor = (page.len() == limit)
-        .then(|| page.last().map(|(id, ms)| Cursor { created_ms: *ms, id: id.clone() }.encode()))
+        .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))
         .flatten();
     Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
 }
