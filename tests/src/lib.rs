@@ -100,16 +100,26 @@ impl Stack {
             let c = names::connect(&server.url(), "ingress").await.unwrap();
             let s = stop.clone();
             tasks.push(tokio::spawn(async move {
-                stemq_ingress::run(c, listener, stemq_ingress::Config { listen: http, nats_submit: true }, s)
-                    .await
-                    .expect("ingress runs");
+                stemq_ingress::run(
+                    c,
+                    listener,
+                    stemq_ingress::Config {
+                        listen: http,
+                        nats_submit: true,
+                    },
+                    s,
+                )
+                .await
+                .expect("ingress runs");
             }));
         }
         {
             let c = names::connect(&server.url(), "projector").await.unwrap();
             let s = stop.clone();
             tasks.push(tokio::spawn(async move {
-                stemq_projector::run(c, Default::default(), s).await.expect("projector runs");
+                stemq_projector::run(c, Default::default(), s)
+                    .await
+                    .expect("projector runs");
             }));
         }
         let mut stack = Stack {
@@ -163,7 +173,8 @@ impl Stack {
 
     /// POSTs a JSON body to /v1/separations; returns (status, body).
     pub async fn submit(&self, body: &Value) -> (u16, Value) {
-        self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap()).await
+        self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap())
+            .await
     }
 
     /// POSTs raw bytes.
@@ -195,7 +206,11 @@ impl Stack {
 
     /// Reads a job's view from the bucket.
     pub async fn view(&self, id: &JobId) -> Option<JobView> {
-        stemq_projector::get_view(&self.kv, id).await.ok().flatten().map(|(v, _)| v)
+        stemq_projector::get_view(&self.kv, id)
+            .await
+            .ok()
+            .flatten()
+            .map(|(v, _)| v)
     }
 
     /// Waits until the job's view satisfies `pred`; panics with the last view after
@@ -223,7 +238,8 @@ impl Stack {
 
     /// Waits until `status`.
     pub async fn wait_status(&self, id: &JobId, status: JobStatus, timeout: Duration) -> JobView {
-        self.wait_for(id, timeout, |v| v.status == status || v.status.is_terminal()).await
+        self.wait_for(id, timeout, |v| v.status == status || v.status.is_terminal())
+            .await
     }
 
     /// Every event stored for a job, in log order (job stream only).
@@ -276,7 +292,10 @@ impl Stack {
             .env("STEMQ_ACK_WAIT_MS", s.ack_wait.as_millis().to_string())
             .env("STEMQ_MAX_DELIVER", s.max_deliver.to_string())
             .env("STEMQ_DEDUPE_WINDOW_MS", s.duplicate_window.as_millis().to_string())
-            .env("STEMQ_BACKOFF_BASE_MS", self.options.backoff_base.as_millis().to_string())
+            .env(
+                "STEMQ_BACKOFF_BASE_MS",
+                self.options.backoff_base.as_millis().to_string(),
+            )
             .env("STEMQ_WORKER_NAME", name)
             .env("STEMQ_ENGINE", "fake")
             .env("STEMQ_LOG_FORMAT", "json")

@@ -134,7 +134,9 @@ pub struct FakeEngine {
 
 impl Default for FakeEngine {
     fn default() -> Self {
-        FakeEngine { base_delay: Duration::ZERO }
+        FakeEngine {
+            base_delay: Duration::ZERO,
+        }
     }
 }
 
@@ -160,13 +162,22 @@ impl Engine for FakeEngine {
             None => FakeScript::default(),
         };
         if job.attempt <= script.abort {
-            eprintln!("fake engine: aborting the process as scripted (attempt {})", job.attempt);
+            eprintln!(
+                "fake engine: aborting the process as scripted (attempt {})",
+                job.attempt
+            );
             std::process::abort();
         }
         match script.oom_until.as_deref() {
-            Some("cpu") if job.device != "cpu" => return Err(EngineError::OutOfMemory { device: job.device.into() }),
+            Some("cpu") if job.device != "cpu" => {
+                return Err(EngineError::OutOfMemory {
+                    device: job.device.into(),
+                })
+            }
             Some("segment") if job.segment.is_none() => {
-                return Err(EngineError::OutOfMemory { device: job.device.into() })
+                return Err(EngineError::OutOfMemory {
+                    device: job.device.into(),
+                })
             }
             _ => {}
         }
@@ -187,7 +198,10 @@ impl Engine for FakeEngine {
             }
         }
         if job.attempt <= script.fail_transient {
-            return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
+            return Err(EngineError::Transient(format!(
+                "scripted transient failure on attempt {}",
+                job.attempt
+            )));
         }
         let ext = job.request.output_format.extension();
         job.request
@@ -195,7 +209,10 @@ impl Engine for FakeEngine {
             .into_iter()
             .map(|stem| {
                 let path = job.out_dir.join(format!("{stem}.{ext}"));
-                let body = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
+                let body = format!(
+                    "fake stem {stem} of job {} from {}\n",
+                    job.job_id, job.request.audio_uri
+                );
                 std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
                 Ok(StemFile { stem, path })
             })

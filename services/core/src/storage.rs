@@ -58,11 +58,18 @@ impl Store {
         let parsed = url::Url::parse(url).map_err(|_| StorageError::BadUrl(url.to_string()))?;
         match parsed.scheme() {
             "file" => {
-                let dir = parsed.to_file_path().map_err(|_| StorageError::BadUrl(url.to_string()))?;
-                std::fs::create_dir_all(&dir)
-                    .map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
+                let dir = parsed
+                    .to_file_path()
+                    .map_err(|_| StorageError::BadUrl(url.to_string()))?;
+                std::fs::create_dir_all(&dir).map_err(|source| StorageError::Io {
+                    path: dir.display().to_string(),
+                    source,
+                })?;
                 let fs = LocalFileSystem::new_with_prefix(&dir)?;
-                Ok(Store { inner: Arc::new(fs), base: url.trim_end_matches('/').to_string() })
+                Ok(Store {
+                    inner: Arc::new(fs),
+                    base: url.trim_end_matches('/').to_string(),
+                })
             }
             _ => Err(StorageError::BadUrl(url.to_string())),
         }
@@ -70,15 +77,24 @@ impl Store {
 
     /// A local store in `dir` (created if needed).
     pub fn local(dir: &Path) -> Result<Store, StorageError> {
-        std::fs::create_dir_all(dir).map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
-        let abs = dir.canonicalize().map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| StorageError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        let abs = dir.canonicalize().map_err(|source| StorageError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?;
         let url = url::Url::from_directory_path(&abs).map_err(|_| StorageError::BadUrl(abs.display().to_string()))?;
         Store::open(url.as_str())
     }
 
     /// An in-memory store (benchmarks and tests of code that only needs *a* store).
     pub fn memory() -> Store {
-        Store { inner: Arc::new(object_store::memory::InMemory::new()), base: "memory://".to_string() }
+        Store {
+            inner: Arc::new(object_store::memory::InMemory::new()),
+            base: "memory://".to_string(),
+        }
     }
 
     /// The store's URL prefix.
@@ -93,7 +109,10 @@ impl Store {
 
     /// Streams a local file to `key`, hashing it on the way.
     pub async fn put_file(&self, key: &str, file: &Path) -> Result<Stored, StorageError> {
-        let io = |source| StorageError::Io { path: file.display().to_string(), source };
+        let io = |source| StorageError::Io {
+            path: file.display().to_string(),
+            source,
+        };
         let mut f = tokio::fs::File::open(file).await.map_err(io)?;
         let mut w = object_store::buffered::BufWriter::new(self.inner.clone(), ObjPath::from(key));
         let mut hasher = Sha256::new();
@@ -106,10 +125,20 @@ impl Store {
             }
             hasher.update(&buf[..n]);
             total += n as u64;
-            w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
+            w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io {
+                path: key.to_string(),
+                source,
+            })?;
         }
-        w.shutdown().await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
-        Ok(Stored { uri: self.uri(key), bytes: total, sha256: hex::encode(hasher.finalize()) })
+        w.shutdown().await.map_err(|source| StorageError::Io {
+            path: key.to_string(),
+            source,
+        })?;
+        Ok(Stored {
+            uri: self.uri(key),
+            bytes: total,
+            sha256: hex::encode(hasher.finalize()),
+        })
     }
 
     /// Stores a small object.
@@ -117,7 +146,11 @@ impl Store {
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let n = bytes.len() as u64;
         self.inner.put(&ObjPath::from(key), bytes.into()).await?;
-        Ok(Stored { uri: self.uri(key), bytes: n, sha256 })
+        Ok(Stored {
+            uri: self.uri(key),
+            bytes: n,
+            sha256,
+        })
     }
 
     /// Reads a whole object.

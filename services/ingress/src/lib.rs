@@ -84,14 +84,26 @@ impl AppState {
         let kv = js
             .get_key_value(names::JOBS_BUCKET)
             .await
-            .map_err(|e| IngressError::JetStream { what: "open bucket", message: e.to_string() })?;
+            .map_err(|e| IngressError::JetStream {
+                what: "open bucket",
+                message: e.to_string(),
+            })?;
         let jobs = js
             .get_stream_no_info(names::JOBS_STREAM)
             .await
-            .map_err(|e| IngressError::JetStream { what: "open job stream", message: e.to_string() })?;
+            .map_err(|e| IngressError::JetStream {
+                what: "open job stream",
+                message: e.to_string(),
+            })?;
         let index = ListIndex::follow(kv.clone(), shutdown).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
-        Ok(AppState { js, kv, jobs, index, metrics })
+        Ok(AppState {
+            js,
+            kv,
+            jobs,
+            index,
+            metrics,
+        })
     }
 
     /// The JetStream context.
@@ -102,11 +114,20 @@ impl AppState {
     /// Reads a job's view; falls back to the log when the projector has not caught up
     /// (right after a submit), so a job that exists is never a 404.
     pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, String> {
-        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id).await.map_err(|e| e.to_string())? {
+        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id)
+            .await
+            .map_err(|e| e.to_string())?
+        {
             return Ok(Some(v));
         }
-        match self.jobs.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-            Ok(m) => Ok(Event::from_slice(&m.payload).ok().and_then(|e| apply(None, Position::Log(m.sequence), &e))),
+        match self
+            .jobs
+            .direct_get_last_for_subject(job_subject(id, SubjectKind::Requested))
+            .await
+        {
+            Ok(m) => Ok(Event::from_slice(&m.payload)
+                .ok()
+                .and_then(|e| apply(None, Position::Log(m.sequence), &e))),
             Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.to_string()),
         }
@@ -162,11 +183,17 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "other".into());
     let method = req.method().to_string();
     let t0 = Instant::now();
     let resp = next.run(req).await;
-    state.metrics.observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
+    state
+        .metrics
+        .observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
     resp
 }
 
@@ -221,7 +248,10 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 }
 
 async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let traceparent = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let result = submit::submit(&state.js, &body, None, traceparent).await;
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
@@ -232,7 +262,12 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
         return Ok((StatusCode::OK, Json(resp)).into_response());
     }
     let location = resp.status_url.clone();
-    Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
+    Ok((
+        StatusCode::ACCEPTED,
+        [("location", location)],
+        Json::<SubmitResponse>(resp),
+    )
+        .into_response())
 }
 
 async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
@@ -242,7 +277,9 @@ async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result
         message: format!("no job {id}"),
         field: None,
     };
-    let Some(job_id) = JobId::parse(&id) else { return Err(not_found()) };
+    let Some(job_id) = JobId::parse(&id) else {
+        return Err(not_found());
+    };
     match state.view(&job_id).await.map_err(internal)? {
         Some(v) => Ok(Json(v)),
         None => Err(not_found()),
@@ -279,7 +316,15 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
     let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
     let next_cursor = (page.len() == limit)
-        .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))
+        .then(|| {
+            page.last().map(|(id, ms)| {
+                Cursor {
+                    created_ns: *ms,
+                    id: id.clone(),
+                }
+                .encode()
+            })
+        })
         .flatten();
     Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
 }
@@ -289,7 +334,11 @@ async fn ready(State(state): State<AppState>) -> Response {
     if connected && names::ready(&state.js).await {
         (StatusCode::OK, "ready").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: NATS not connected or job stream missing").into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: NATS not connected or job stream missing",
+        )
+            .into_response()
     }
 }
 

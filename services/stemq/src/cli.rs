@@ -59,7 +59,9 @@ impl Global {
 
     /// The NATS URL, or the default local one.
     pub fn nats_url(&self) -> String {
-        self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+        self.nats_url
+            .clone()
+            .unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
     }
 
     /// The object store URL.
@@ -70,7 +72,9 @@ impl Global {
         let dir = self.data_dir.join("store");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let abs = dir.canonicalize()?;
-        Ok(url::Url::from_directory_path(abs).map_err(|_| anyhow::anyhow!("bad data dir"))?.to_string())
+        Ok(url::Url::from_directory_path(abs)
+            .map_err(|_| anyhow::anyhow!("bad data dir"))?
+            .to_string())
     }
 }
 
@@ -260,7 +264,8 @@ pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -279,7 +284,9 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Ingress(a) => crate::services::ingress(&g, a).await,
         Command::Worker(a) => crate::services::worker(&g, a.opts).await,
         Command::Projector(a) => crate::services::projector(&g, a).await,
-        Command::Nats { command: NatsCommand::Apply } => {
+        Command::Nats {
+            command: NatsCommand::Apply,
+        } => {
             let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
             stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
             println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
@@ -289,13 +296,19 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status { id } => crate::client::status(&g, &id).await,
         Command::List { status, limit } => crate::client::list(&g, status.as_deref(), limit).await,
         Command::Watch { id } => crate::client::watch(&g, &id).await.map(|_| ()),
-        Command::Dlq { command: DlqCommand::List { limit } } => {
-            crate::client::list(&g, Some("dead_lettered"), limit).await
-        }
-        Command::Dlq { command: DlqCommand::Replay { id } } => crate::client::replay(&g, &id).await,
+        Command::Dlq {
+            command: DlqCommand::List { limit },
+        } => crate::client::list(&g, Some("dead_lettered"), limit).await,
+        Command::Dlq {
+            command: DlqCommand::Replay { id },
+        } => crate::client::replay(&g, &id).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
+            println!(
+                "wrote {} schemas to {}",
+                stemq_core::schema::all().len(),
+                write.display()
+            );
             Ok(())
         }
         Command::Bench { command } => crate::bench::run(&g, command).await,

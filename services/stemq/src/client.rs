@@ -26,7 +26,9 @@ async fn js(g: &Global) -> Result<jetstream::Context> {
 }
 
 async fn bucket(js: &jetstream::Context) -> Result<kv::Store> {
-    js.get_key_value(names::JOBS_BUCKET).await.context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
+    js.get_key_value(names::JOBS_BUCKET)
+        .await
+        .context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
 }
 
 fn parse_id(id: &str) -> Result<JobId> {
@@ -36,11 +38,17 @@ fn parse_id(id: &str) -> Result<JobId> {
 /// Uploads a local file to the store, content-addressed; returns its URI.
 async fn upload(g: &Global, file: &Path) -> Result<String> {
     let store = Store::open(&g.store_url()?)?;
-    let bytes = tokio::fs::read(file).await.with_context(|| format!("reading {}", file.display()))?;
+    let bytes = tokio::fs::read(file)
+        .await
+        .with_context(|| format!("reading {}", file.display()))?;
     if bytes.is_empty() {
         bail!("{} is empty", file.display());
     }
-    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("bin").to_ascii_lowercase();
+    let ext = file
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("bin")
+        .to_ascii_lowercase();
     let key = format!("uploads/{}.{ext}", hex::encode(Sha256::digest(&bytes)));
     let stored = store.put_bytes(&key, bytes).await?;
     Ok(stored.uri)
@@ -48,7 +56,11 @@ async fn upload(g: &Global, file: &Path) -> Result<String> {
 
 pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     let looks_like_uri = a.input.contains("://");
-    let uri = if looks_like_uri { a.input.clone() } else { upload(g, Path::new(&a.input)).await? };
+    let uri = if looks_like_uri {
+        a.input.clone()
+    } else {
+        upload(g, Path::new(&a.input)).await?
+    };
     let mut req = json!({"audio_uri": uri, "model": a.model});
     let fields = [
         ("two_stems", a.two_stems.map(Value::from)),
@@ -67,7 +79,9 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     }
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None).await.map_err(|e| anyhow!("{e}"))?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;
@@ -90,7 +104,9 @@ pub async fn status(g: &Global, id: &str) -> Result<()> {
 }
 
 pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> {
-    let status = status.map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`"))).transpose()?;
+    let status = status
+        .map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`")))
+        .transpose()?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let stop = CancellationToken::new();
@@ -99,12 +115,25 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
     while !index.caught_up() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
+    println!(
+        "{:<64}  {:<13}  {:<7}  {:<9}  created",
+        "job id", "status", "attempt", "progress"
+    );
     for (id, _) in index.page(status, limit, None) {
         if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
-            let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
+            let progress = v
+                .progress
+                .as_ref()
+                .map(|p| format!("{:.0}%", p.percent))
+                .unwrap_or_default();
             let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
-            println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", id, v.status.as_str(), v.attempt, progress);
+            println!(
+                "{:<64}  {:<13}  {:<7}  {:<9}  {created}",
+                id,
+                v.status.as_str(),
+                v.attempt,
+                progress
+            );
         }
     }
     stop.cancel();
@@ -130,8 +159,14 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
         if entry.operation != kv::Operation::Put {
             continue;
         }
-        let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else { continue };
-        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
+        let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else {
+            continue;
+        };
+        let (pct, stage) = v
+            .progress
+            .as_ref()
+            .map(|p| (p.percent, p.stage.clone()))
+            .unwrap_or((0.0, String::new()));
         bar.set_position(pct as u64);
         let mut msg = v.status.as_str().to_string();
         if !stage.is_empty() && v.status == JobStatus::Running {
@@ -166,17 +201,37 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
-    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let (view, _) = stemq_projector::get_view(&kv, &id)
+        .await?
+        .ok_or_else(|| anyhow!("no job {id}"))?;
     if !matches!(view.status, JobStatus::DeadLettered | JobStatus::Failed) {
-        bail!("job {id} is {}: only dead-lettered or failed jobs can be replayed", view.status.as_str());
+        bail!(
+            "job {id} is {}: only dead-lettered or failed jobs can be replayed",
+            view.status.as_str()
+        );
     }
-    let mut request = view.request.clone().ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
+    let mut request = view
+        .request
+        .clone()
+        .ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
     request.retry_of = Some(id.clone());
     let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
     let new_id = ev.subject.clone();
     let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
-    let link = Event::new(&id, "/stemq/cli", EventBody::Retried(Retried { retried_by: new_id.clone() }));
-    publish(&js, &job_subject(&id, SubjectKind::Retried), &link, Some(&format!("{id}.retried.{new_id}"))).await?;
+    let link = Event::new(
+        &id,
+        "/stemq/cli",
+        EventBody::Retried(Retried {
+            retried_by: new_id.clone(),
+        }),
+    );
+    publish(
+        &js,
+        &job_subject(&id, SubjectKind::Retried),
+        &link,
+        Some(&format!("{id}.retried.{new_id}")),
+    )
+    .await?;
     match created {
         Once::Stored(_) => println!("replaying {id} as {new_id}"),
         Once::AlreadyThere => println!("{id} was already replayed as {new_id}"),

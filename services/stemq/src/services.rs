@@ -24,7 +24,9 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 /// Loads the engine named in the options.
 pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     match opts.engine.as_str() {
-        "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
+        "fake" => Ok(Arc::new(FakeEngine {
+            base_delay: Duration::from_millis(opts.fake_delay_ms),
+        })),
         other => bail!("unknown engine `{other}`; available: fake"),
     }
 }
@@ -48,7 +50,16 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let client = connect(g, "stemq-ingress").await?;
     let shutdown = crate::cli::shutdown_on_signals();
     let listener = stemq_ingress::bind(a.http).await?;
-    stemq_ingress::run(client, listener, stemq_ingress::Config { listen: a.http, nats_submit: true }, shutdown).await?;
+    stemq_ingress::run(
+        client,
+        listener,
+        stemq_ingress::Config {
+            listen: a.http,
+            nats_submit: true,
+        },
+        shutdown,
+    )
+    .await?;
     Ok(())
 }
 
@@ -70,7 +81,11 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
         let events = stemq_projector::reset(&js, &g.settings()).await?;
         eprintln!("view dropped; replaying {events} events");
         let run_token = CancellationToken::new();
-        let task = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), run_token.clone()));
+        let task = tokio::spawn(stemq_projector::run(
+            client.clone(),
+            Default::default(),
+            run_token.clone(),
+        ));
         let caught_up = stemq_projector::wait_caught_up(&js, Duration::from_secs(3600)).await?;
         run_token.cancel();
         task.await??;

@@ -22,7 +22,7 @@ use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::event::{
-    DeadLettered, EventBody, FailureClass, Failed, Output, Progress, Rejected, Requested, Started, Succeeded,
+    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started, Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -52,7 +52,9 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
         return;
     };
     let span = info_span!("job", job_id = %job_id, attempt, seq);
-    run_delivery(shared, msg, job_id, attempt, seq, hard_stop).instrument(span).await
+    run_delivery(shared, msg, job_id, attempt, seq, hard_stop)
+        .instrument(span)
+        .await
 }
 
 fn source(shared: &Shared) -> String {
@@ -72,7 +74,14 @@ async fn run_delivery(
         Ok(r) => r,
         Err((code, message)) => {
             warn!(code, %message, "rejecting request event");
-            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
+            let ev = Event::new(
+                &job_id,
+                &source(shared),
+                EventBody::Rejected(Rejected {
+                    code: code.into(),
+                    message,
+                }),
+            );
             finish(shared, &msg, &job_id, ev).await;
             return;
         }
@@ -80,7 +89,11 @@ async fn run_delivery(
     let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
+    match shared
+        .jobs_stream
+        .direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome))
+        .await
+    {
         Ok(_) => {
             info!(event = "skip.already_done", "job already has an outcome; acking");
             let _ = msg.double_ack().await;
@@ -101,7 +114,11 @@ async fn run_delivery(
     let mut started = Event::new(
         &job_id,
         &source(shared),
-        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
+        EventBody::Started(Started {
+            attempt,
+            worker: shared.config.name.clone(),
+            device: first_device.clone(),
+        }),
     );
     started.traceparent = traceparent.clone();
     let js = shared.js.clone();
@@ -116,7 +133,15 @@ async fn run_delivery(
 
     // 4. The engine, under the time limit, down the out-of-memory ladder.
     let result = {
-        let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
+        let work = run_engine(
+            shared,
+            &job_id,
+            &requested,
+            attempt,
+            &devices,
+            progress_tx,
+            cancel.clone(),
+        );
         tokio::select! {
             r = tokio::time::timeout(shared.config.time_limit, work) => match r {
                 Ok(r) => r,
@@ -158,7 +183,11 @@ async fn run_delivery(
                     duration_ms: elapsed.as_millis() as u64,
                 }),
             );
-            info!(event = "job.succeeded", duration_ms = elapsed.as_millis() as u64, degraded = done.degraded);
+            info!(
+                event = "job.succeeded",
+                duration_ms = elapsed.as_millis() as u64,
+                degraded = done.degraded
+            );
             finish(shared, &msg, &job_id, outcome).await;
         }
         Err(f) if f.class == FailureClass::Permanent => {
@@ -166,7 +195,13 @@ async fn run_delivery(
             let ev = Event::new(
                 &job_id,
                 &src,
-                EventBody::Failed(Failed { attempt, class: f.class, code: f.code, message: f.message, retry_in_ms: None }),
+                EventBody::Failed(Failed {
+                    attempt,
+                    class: f.class,
+                    code: f.code,
+                    message: f.message,
+                    retry_in_ms: None,
+                }),
             );
             finish(shared, &msg, &job_id, ev).await;
         }
@@ -228,7 +263,10 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
 fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
     let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
     let EventBody::Requested(r) = ev.body else {
-        return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
+        return Err((
+            "invalid_event",
+            format!("expected a requested event, got {}", ev.body.kind()),
+        ));
     };
     let computed = r.request.job_id();
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
@@ -269,10 +307,18 @@ struct Failure {
 
 impl Failure {
     fn permanent(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Permanent, code: code.into(), message }
+        Failure {
+            class: FailureClass::Permanent,
+            code: code.into(),
+            message,
+        }
     }
     fn transient(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Transient, code: code.into(), message }
+        Failure {
+            class: FailureClass::Transient,
+            code: code.into(),
+            message,
+        }
     }
 }
 
@@ -334,12 +380,22 @@ async fn run_engine(
     };
 
     let ctx = Arc::new(Ctx { progress, cancel });
-    let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
+    let rungs = ladder(
+        devices,
+        requested.request.segment,
+        requested.request.model.max_segment(),
+    );
     let mut last_oom = String::new();
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
-        let (job_id2, req, input2, out2, dev, ctx2) =
-            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
+        let (job_id2, req, input2, out2, dev, ctx2) = (
+            job_id.clone(),
+            requested.clone(),
+            input.clone(),
+            out_dir.clone(),
+            device.clone(),
+            ctx.clone(),
+        );
         let segment = *segment;
         let res = tokio::task::spawn_blocking(move || {
             let job = EngineJob {
@@ -362,8 +418,15 @@ async fn run_engine(
                 if degraded {
                     warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
                 }
-                let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
-                return Ok(Done { outputs, manifest_uri, degraded, device: device.clone(), segment });
+                let (outputs, manifest_uri) =
+                    store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
+                return Ok(Done {
+                    outputs,
+                    manifest_uri,
+                    degraded,
+                    device: device.clone(),
+                    segment,
+                });
             }
             Err(EngineError::OutOfMemory { device }) => {
                 warn!(event = "job.oom", %device, ?segment, "out of memory; stepping down");
@@ -375,7 +438,10 @@ async fn run_engine(
             Err(e) => return Err(classify(e)),
         }
     }
-    Err(Failure::transient("out_of_memory", format!("out of memory on {last_oom} at every rung")))
+    Err(Failure::transient(
+        "out_of_memory",
+        format!("out of memory on {last_oom} at every rung"),
+    ))
 }
 
 fn classify(e: EngineError) -> Failure {
@@ -384,7 +450,9 @@ fn classify(e: EngineError) -> Failure {
         EngineError::Unsupported { code, message } => Failure::permanent(&code, message),
         EngineError::Transient(m) => Failure::transient("engine_error", m),
         EngineError::Cancelled => Failure::permanent("cancelled", "the job was cancelled".into()),
-        EngineError::OutOfMemory { device } => Failure::transient("out_of_memory", format!("out of memory on {device}")),
+        EngineError::OutOfMemory { device } => {
+            Failure::transient("out_of_memory", format!("out of memory on {device}"))
+        }
     }
 }
 
@@ -392,7 +460,10 @@ fn classify(e: EngineError) -> Failure {
 async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, Failure> {
     let base = shared.config.store.base_url();
     let Some(key) = uri.strip_prefix(base).map(|k| k.trim_start_matches('/')) else {
-        return Err(Failure::permanent("input_not_allowed", format!("{uri} is not in the configured store")));
+        return Err(Failure::permanent(
+            "input_not_allowed",
+            format!("{uri} is not in the configured store"),
+        ));
     };
     let bytes = shared.config.store.get_bytes(key).await.map_err(|e| match e {
         stemq_core::storage::StorageError::Store(object_store::Error::NotFound { .. }) => {
@@ -401,7 +472,9 @@ async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, 
         e => Failure::transient("storage", e.to_string()),
     })?;
     let path = dir.join("input");
-    tokio::fs::write(&path, &bytes).await.map_err(|e| Failure::transient("scratch", e.to_string()))?;
+    tokio::fs::write(&path, &bytes)
+        .await
+        .map_err(|e| Failure::transient("scratch", e.to_string()))?;
     Ok(path)
 }
 
@@ -418,8 +491,16 @@ async fn store_outputs(
     let mut outputs = Vec::with_capacity(stems.len());
     for s in stems {
         let key = output_key(job_id.as_str(), &format!("{}.{ext}", s.stem));
-        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient("storage", e.to_string()))?;
-        outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
+        let stored = store
+            .put_file(&key, &s.path)
+            .await
+            .map_err(|e| Failure::transient("storage", e.to_string()))?;
+        outputs.push(Output {
+            stem: s.stem.clone(),
+            uri: stored.uri,
+            bytes: stored.bytes,
+            sha256: stored.sha256,
+        });
     }
     let manifest = json!({
         "job_id": job_id,
@@ -505,10 +586,17 @@ mod tests {
         let devs = vec!["cuda:0".to_string(), "cpu".to_string()];
         assert_eq!(
             ladder(&devs, None, Some(7.8)),
-            vec![("cuda:0".into(), None), ("cuda:0".into(), Some(3.9)), ("cpu".into(), None)]
+            vec![
+                ("cuda:0".into(), None),
+                ("cuda:0".into(), Some(3.9)),
+                ("cpu".into(), None)
+            ]
         );
         let cpu_only = vec!["cpu".to_string()];
-        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]);
+        assert_eq!(
+            ladder(&cpu_only, Some(4.0), Some(7.8)),
+            vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]
+        );
         assert_eq!(ladder(&cpu_only, None, None), vec![("cpu".into(), None)]);
     }
 }
