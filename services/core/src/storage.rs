@@ -14,6 +14,9 @@ use object_store::ObjectStore;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// Files up to this size are uploaded in one piece; larger ones are streamed.
+const SMALL_FILE: u64 = 4 << 20;
+
 /// Storage failures.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
@@ -113,6 +116,12 @@ impl Store {
             path: file.display().to_string(),
             source,
         };
+        let len = tokio::fs::metadata(file).await.map_err(io)?.len();
+        if len <= SMALL_FILE {
+            // One blocking read instead of a thread hand-off per chunk.
+            let bytes = tokio::fs::read(file).await.map_err(io)?;
+            return self.put_bytes(key, bytes).await;
+        }
         let mut f = tokio::fs::File::open(file).await.map_err(io)?;
         let mut w = object_store::buffered::BufWriter::new(self.inner.clone(), ObjPath::from(key));
         let mut hasher = Sha256::new();
@@ -188,7 +197,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
         let src = dir.path().join("in.bin");
-        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let data: Vec<u8> = (0..5_000_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&src, &data).unwrap();
         let s = store.put_file("jobs/x/a.wav", &src).await.unwrap();
         assert_eq!(s.bytes, data.len() as u64);

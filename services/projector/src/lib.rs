@@ -176,44 +176,69 @@ fn lane_of(id: &JobId, n: usize) -> usize {
 }
 
 async fn lane_loop(lane: usize, kv: kv::Store, mut rx: mpsc::Receiver<(jetstream::Message, bool)>, cap: usize) {
-    let mut cache: HashMap<JobId, (JobView, u64)> = HashMap::new();
-    while let Some((msg, is_progress)) = rx.recv().await {
-        let seq = match msg.info() {
-            Ok(i) => i.stream_sequence,
-            Err(e) => {
-                warn!(error = %e, "message without JetStream info");
-                continue;
+    let mut cache: HashMap<JobId, (Option<JobView>, u64)> = HashMap::new();
+    let mut batch = Vec::new();
+    while let Some(first) = rx.recv().await {
+        // Take whatever else is already waiting: events of one job that arrive together
+        // (requested, started, outcome under load) become one KV write.
+        batch.clear();
+        batch.push(first);
+        while batch.len() < 256 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
             }
-        };
-        let pos = if is_progress {
-            Position::Progress(seq)
-        } else {
-            Position::Log(seq)
-        };
-        let event = match Event::from_slice(&msg.payload) {
-            Ok(e) => e,
-            Err(e) => {
-                // Not an event we can read: never retried, never lost (it stays in the log).
-                warn!(lane, seq, subject = %msg.subject, error = %e, "unreadable event; terminating it");
-                let _ = msg.ack_with(AckKind::Term).await;
-                continue;
-            }
-        };
-        match fold(&kv, &mut cache, pos, &event).await {
-            Ok(()) => {
-                if let Err(e) = msg.ack().await {
-                    warn!(error = %e, "ack failed; the event will be redelivered and skipped");
+        }
+        let mut per_job: Vec<(JobId, Vec<(Position, Event, jetstream::Message)>)> = Vec::new();
+        for (msg, is_progress) in batch.drain(..) {
+            let seq = match msg.info() {
+                Ok(i) => i.stream_sequence,
+                Err(e) => {
+                    warn!(error = %e, "message without JetStream info");
+                    continue;
                 }
+            };
+            let pos = if is_progress {
+                Position::Progress(seq)
+            } else {
+                Position::Log(seq)
+            };
+            let event = match Event::from_slice(&msg.payload) {
+                Ok(e) => e,
+                Err(e) => {
+                    // Not an event we can read: never retried, never lost (it stays in the log).
+                    warn!(lane, seq, subject = %msg.subject, error = %e, "unreadable event; terminating it");
+                    let _ = msg.ack_with(AckKind::Term).await;
+                    continue;
+                }
+            };
+            match per_job.iter_mut().find(|(id, _)| *id == event.subject) {
+                Some((_, v)) => v.push((pos, event, msg)),
+                None => per_job.push((event.subject.clone(), vec![(pos, event, msg)])),
             }
-            Err(e) => {
-                warn!(job_id = %event.subject, seq, error = %e, "projection failed; will retry");
-                cache.remove(&event.subject);
-                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(200)))).await;
+        }
+        for (id, events) in per_job {
+            let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
+            match fold(&kv, &mut cache, &id, &refs).await {
+                Ok(()) => {
+                    for (_, _, msg) in &events {
+                        if let Err(e) = msg.ack().await {
+                            warn!(error = %e, "ack failed; the event will be redelivered and skipped");
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(job_id = %id, error = %e, "projection failed; will retry");
+                    cache.remove(&id);
+                    for (_, _, msg) in &events {
+                        let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(200)))).await;
+                    }
+                }
             }
         }
         if cache.len() > cap {
             // Terminal views rarely change again: drop them first, then anything.
-            cache.retain(|_, (v, _)| !v.status.is_terminal());
+            cache.retain(|_, (v, _)| v.as_ref().map(|v| !v.status.is_terminal()).unwrap_or(false));
             if cache.len() > cap {
                 cache.clear();
             }
@@ -221,34 +246,46 @@ async fn lane_loop(lane: usize, kv: kv::Store, mut rx: mpsc::Receiver<(jetstream
     }
 }
 
-/// Applies one event with compare-and-set, retrying on a concurrent writer.
+/// Applies a job's events in order and writes the result once, with compare-and-set;
+/// on a concurrent writer it re-reads and retries.
 async fn fold(
     kv: &kv::Store,
-    cache: &mut HashMap<JobId, (JobView, u64)>,
-    pos: Position,
-    event: &Event,
+    cache: &mut HashMap<JobId, (Option<JobView>, u64)>,
+    id: &JobId,
+    events: &[(Position, &Event)],
 ) -> Result<(), ProjectorError> {
-    let id = &event.subject;
+    // An unknown job is most likely new: try creating it before paying for a read.
+    let mut current = cache.get(id).cloned().unwrap_or((None, 0));
     for _ in 0..10 {
-        let current = match cache.get(id) {
-            Some(c) => Some(c.clone()),
-            None => get_view(kv, id).await?,
-        };
-        let Some(next) = apply(current.as_ref().map(|(v, _)| v), pos, event) else {
-            debug!(job_id = %id, ?pos, "event changes nothing");
+        let mut view = current.0.clone();
+        let mut changed = false;
+        for (pos, event) in events {
+            if let Some(next) = apply(view.as_ref(), *pos, event) {
+                view = Some(next);
+                changed = true;
+            }
+        }
+        if !changed {
+            debug!(job_id = %id, "events change nothing");
             return Ok(());
-        };
-        let revision = current.as_ref().map(|(_, r)| *r).unwrap_or(0);
+        }
+        let next = view.expect("changed implies a view");
         let body = serde_json::to_vec(&next).expect("views serialise");
-        match kv.update(id.as_str(), body.into(), revision).await {
+        match kv.update(id.as_str(), body.into(), current.1).await {
             Ok(rev) => {
-                cache.insert(id.clone(), (next, rev));
+                cache.insert(id.clone(), (Some(next), rev));
                 return Ok(());
             }
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                // Someone else wrote (a second projector, a rebuild): re-read and retry.
+                // It exists (or another writer moved it): read the real revision, retry.
                 cache.remove(id);
-                continue;
+                current = match kv.entry(id.as_str()).await.map_err(|e| js_err("kv get")(&e))? {
+                    Some(e) if e.operation == kv::Operation::Put => {
+                        (serde_json::from_slice::<JobView>(&e.value).ok(), e.revision)
+                    }
+                    Some(e) => (None, e.revision),
+                    None => (None, 0),
+                };
             }
             Err(e) => return Err(js_err("kv update")(&e)),
         }

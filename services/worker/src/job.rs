@@ -254,9 +254,10 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
             return;
         }
     }
-    if let Err(e) = msg.double_ack().await {
-        // The outcome is stored: a redelivery will see it and skip.
-        warn!(error = %e, "ack not confirmed; a redelivery will be skipped");
+    // A plain ack is enough: the outcome is already stored, so if this ack is lost the
+    // redelivery finds the outcome and is skipped (step 2) — the job never runs twice.
+    if let Err(e) = msg.ack().await {
+        warn!(error = %e, "ack not sent; a redelivery will be skipped");
     }
 }
 
