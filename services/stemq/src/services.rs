@@ -25,7 +25,10 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     match opts.engine.as_str() {
         "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
-        other => bail!("unknown engine `{other}`; available: fake"),
+        // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
+        // `model_unavailable` until the neural engine exists.
+        "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
+        other => bail!("unknown engine `{other}`; available: fake, dsp"),
     }
 }
 
