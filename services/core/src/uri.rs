@@ -74,14 +74,14 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
     }
     let lower = uri.to_ascii_lowercase();
     for (enc, what) in [
-        ("%2e", "a dot"),
-        ("%2f", "a slash"),
-        ("%5c", "a backslash"),
+        ("%2e", "dot"),
+        ("%2f", "slash"),
+        ("%5c", "backslash"),
         ("%00", "NUL"),
     ] {
         if lower.contains(enc) {
             return Err(refuse(format!(
-                "must not contain a percent-encoded {what} (`{enc}`): path traversal"
+                "must not contain `{enc}` (a percent-encoded {what}): path traversal"
             )));
         }
     }
