@@ -110,7 +110,11 @@ pub trait Engine: Send + Sync + 'static {
         true
     }
     /// Runs one attempt.
-    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
+    fn separate(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Result<Vec<StemFile>, EngineError>;
 }
 
 /// The fake engine's script for one job, read from `metadata.fake`.
@@ -146,7 +150,9 @@ pub struct FakeEngine {
 
 impl Default for FakeEngine {
     fn default() -> Self {
-        FakeEngine { base_delay: Duration::ZERO }
+        FakeEngine {
+            base_delay: Duration::ZERO,
+        }
     }
 }
 
@@ -163,7 +169,11 @@ impl Engine for FakeEngine {
         false
     }
 
-    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+    fn separate(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Result<Vec<StemFile>, EngineError> {
         let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
             Some(v) => serde_json::from_value(v.clone()).map_err(|e| EngineError::Unsupported {
                 code: "bad_fake_script".into(),
@@ -172,13 +182,22 @@ impl Engine for FakeEngine {
             None => FakeScript::default(),
         };
         if job.attempt <= script.abort {
-            eprintln!("fake engine: aborting the process as scripted (attempt {})", job.attempt);
+            eprintln!(
+                "fake engine: aborting the process as scripted (attempt {})",
+                job.attempt
+            );
             std::process::abort();
         }
         match script.oom_until.as_deref() {
-            Some("cpu") if job.device != "cpu" => return Err(EngineError::OutOfMemory { device: job.device.into() }),
+            Some("cpu") if job.device != "cpu" => {
+                return Err(EngineError::OutOfMemory {
+                    device: job.device.into(),
+                })
+            }
             Some("segment") if job.segment.is_none() => {
-                return Err(EngineError::OutOfMemory { device: job.device.into() })
+                return Err(EngineError::OutOfMemory {
+                    device: job.device.into(),
+                })
             }
             _ => {}
         }
@@ -199,7 +218,10 @@ impl Engine for FakeEngine {
             }
         }
         if job.attempt <= script.fail_transient {
-            return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
+            return Err(EngineError::Transient(format!(
+                "scripted transient failure on attempt {}",
+                job.attempt
+            )));
         }
         let ext = job.request.output_format.extension();
         job.request
@@ -207,9 +229,17 @@ impl Engine for FakeEngine {
             .into_iter()
             .map(|stem| {
                 let path = job.out_dir.join(format!("{stem}.{ext}"));
-                let body = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
-                std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
-                Ok(StemFile { stem, path, audio: None })
+                let body = format!(
+                    "fake stem {stem} of job {} from {}\n",
+                    job.job_id, job.request.audio_uri
+                );
+                std::fs::write(&path, body)
+                    .map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
+                Ok(StemFile {
+                    stem,
+                    path,
+                    audio: None,
+                })
             })
             .collect()
     }

@@ -40,7 +40,12 @@ pub enum Model {
 
 impl Model {
     /// Every accepted model, in documentation order.
-    pub const ALL: [Model; 4] = [Model::Htdemucs, Model::HtdemucsFt, Model::Htdemucs6s, Model::Dsp];
+    pub const ALL: [Model; 4] = [
+        Model::Htdemucs,
+        Model::HtdemucsFt,
+        Model::Htdemucs6s,
+        Model::Dsp,
+    ];
 
     /// The wire name (`htdemucs`, `htdemucs_ft`, ...).
     pub fn as_str(self) -> &'static str {
@@ -192,7 +197,10 @@ pub struct RequestError {
 
 impl RequestError {
     fn new(field: &str, message: impl Into<String>) -> Self {
-        RequestError { field: field.to_string(), message: message.into() }
+        RequestError {
+            field: field.to_string(),
+            message: message.into(),
+        }
     }
 }
 
@@ -222,7 +230,10 @@ impl JobRequest {
             return Err(RequestError::new("body", "expected a JSON object"));
         };
         if let Some(k) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(RequestError::new(k, format!("unknown field; expected one of {}", FIELDS.join(", "))));
+            return Err(RequestError::new(
+                k,
+                format!("unknown field; expected one of {}", FIELDS.join(", ")),
+            ));
         }
         if !map.contains_key("audio_uri") {
             return Err(RequestError::new("audio_uri", "is required"));
@@ -252,26 +263,41 @@ impl JobRequest {
             return Err(RequestError::new("audio_uri", "must not be empty"));
         }
         if uri.len() > MAX_URI_LEN {
-            return Err(RequestError::new("audio_uri", format!("longer than {MAX_URI_LEN} bytes")));
+            return Err(RequestError::new(
+                "audio_uri",
+                format!("longer than {MAX_URI_LEN} bytes"),
+            ));
         }
         if uri != self.audio_uri {
-            return Err(RequestError::new("audio_uri", "must not start or end with whitespace"));
+            return Err(RequestError::new(
+                "audio_uri",
+                "must not start or end with whitespace",
+            ));
         }
         if let Err(e) = url::Url::parse(uri) {
-            return Err(RequestError::new("audio_uri", format!("not an absolute URI: {e}")));
+            return Err(RequestError::new(
+                "audio_uri",
+                format!("not an absolute URI: {e}"),
+            ));
         }
         if let Some(stem) = &self.two_stems {
             if !model.sources().contains(&stem.as_str()) {
                 return Err(RequestError::new(
                     "two_stems",
-                    format!("`{stem}` is not a source of {model}; expected one of {}", model.sources().join(", ")),
+                    format!(
+                        "`{stem}` is not a source of {model}; expected one of {}",
+                        model.sources().join(", ")
+                    ),
                 ));
             }
         }
         let segment = match self.segment {
             None => None,
             Some(s) if !s.is_finite() || s <= 0.0 => {
-                return Err(RequestError::new("segment", "must be a positive number of seconds"));
+                return Err(RequestError::new(
+                    "segment",
+                    "must be a positive number of seconds",
+                ));
             }
             Some(s) => match model.max_segment() {
                 Some(max) if s > max => {
@@ -311,7 +337,10 @@ impl JobRequest {
                 return Err(RequestError::new("metadata", "must be a JSON object"));
             }
             if serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX) > MAX_METADATA_BYTES {
-                return Err(RequestError::new("metadata", format!("larger than {MAX_METADATA_BYTES} bytes")));
+                return Err(RequestError::new(
+                    "metadata",
+                    format!("larger than {MAX_METADATA_BYTES} bytes"),
+                ));
             }
         }
         if owner.is_empty() {
@@ -338,13 +367,21 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
             Some(s) if Model::parse(s).is_some() => true,
             Some(s) => {
                 let names: Vec<_> = Model::ALL.iter().map(|m| m.as_str()).collect();
-                return Err(RequestError::new(field, format!("unknown model `{s}`; expected one of {}", names.join(", "))));
+                return Err(RequestError::new(
+                    field,
+                    format!("unknown model `{s}`; expected one of {}", names.join(", ")),
+                ));
             }
             None => false,
         },
         "output_format" => match v.as_str() {
             Some("wav" | "flac") => true,
-            Some(s) => return Err(RequestError::new(field, format!("unknown format `{s}`; expected wav or flac"))),
+            Some(s) => {
+                return Err(RequestError::new(
+                    field,
+                    format!("unknown format `{s}`; expected wav or flac"),
+                ))
+            }
             None => false,
         },
         "two_stems" => v.is_string() || v.is_null(),
@@ -391,7 +428,9 @@ impl NormalizedRequest {
 }
 
 /// A job id: 64 lowercase hex characters.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(transparent)]
 pub struct JobId(pub String);
 
@@ -399,7 +438,8 @@ impl JobId {
     /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in
     /// a subject, a key or a path.
     pub fn parse(s: &str) -> Option<JobId> {
-        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then(|| JobId(s.to_string()))
+        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| JobId(s.to_string()))
     }
 
     /// The id as text.
@@ -427,7 +467,11 @@ mod tests {
     use serde_json::json;
 
     fn id_of(v: Value) -> JobId {
-        JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().job_id()
+        JobRequest::from_value(v)
+            .unwrap()
+            .normalize(ANONYMOUS)
+            .unwrap()
+            .job_id()
     }
 
     #[test]
@@ -463,19 +507,26 @@ mod tests {
             assert_ne!(base, id_of(v.clone()), "{v}");
         }
         let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap();
-        assert_ne!(req.normalize("alice").unwrap().job_id(), req.normalize("bob").unwrap().job_id());
+        assert_ne!(
+            req.normalize("alice").unwrap().job_id(),
+            req.normalize("bob").unwrap().job_id()
+        );
     }
 
     #[test]
     fn canonical_json_is_jcs() {
-        let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "segment": 5.0})).unwrap();
+        let req =
+            JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "segment": 5.0})).unwrap();
         let n = req.normalize(ANONYMOUS).unwrap();
         assert_eq!(
             String::from_utf8(n.canonical_json()).unwrap(),
             r#"{"audio_uri":"file:///a.wav","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
         );
         // The documented example in docs/job-id.md.
-        assert_eq!(n.job_id().as_str(), hex::encode(Sha256::digest(n.canonical_json())));
+        assert_eq!(
+            n.job_id().as_str(),
+            hex::encode(Sha256::digest(n.canonical_json()))
+        );
     }
 
     #[test]
@@ -486,24 +537,45 @@ mod tests {
             (json!({"audio_uri": ""}), "audio_uri"),
             (json!({"audio_uri": 3}), "audio_uri"),
             (json!({"audio_uri": "not a uri"}), "audio_uri"),
-            (json!({"audio_uri": "file:///a", "model": "spleeter"}), "model"),
-            (json!({"audio_uri": "file:///a", "two_stems": "guitar"}), "two_stems"),
-            (json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}), "two_stems"),
+            (
+                json!({"audio_uri": "file:///a", "model": "spleeter"}),
+                "model",
+            ),
+            (
+                json!({"audio_uri": "file:///a", "two_stems": "guitar"}),
+                "two_stems",
+            ),
+            (
+                json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}),
+                "two_stems",
+            ),
             (json!({"audio_uri": "file:///a", "segment": 9.0}), "segment"),
             (json!({"audio_uri": "file:///a", "segment": -1}), "segment"),
             (json!({"audio_uri": "file:///a", "overlap": 1.0}), "overlap"),
             (json!({"audio_uri": "file:///a", "shifts": -1}), "shifts"),
             (json!({"audio_uri": "file:///a", "shifts": 99}), "shifts"),
-            (json!({"audio_uri": "file:///a", "output_format": "mp3"}), "output_format"),
-            (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
-            (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}), "webhook"),
+            (
+                json!({"audio_uri": "file:///a", "output_format": "mp3"}),
+                "output_format",
+            ),
+            (
+                json!({"audio_uri": "file:///a", "metadata": [1]}),
+                "metadata",
+            ),
+            (
+                json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}),
+                "webhook",
+            ),
             (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
         ];
         for (v, field) in cases {
             let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());
             assert_eq!(err.field, field, "{v}: {err}");
         }
-        assert!(JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "guitar"})).is_ok());
+        assert!(JobRequest::from_value(
+            json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "guitar"})
+        )
+        .is_ok());
     }
 
     #[test]
@@ -517,9 +589,14 @@ mod tests {
 
     #[test]
     fn stems_follow_model_and_two_stems() {
-        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "vocals"})).unwrap();
-        assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["vocals", "no_vocals"]);
-        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"})).unwrap();
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "vocals"}))
+            .unwrap();
+        assert_eq!(
+            r.normalize(ANONYMOUS).unwrap().stems(),
+            ["vocals", "no_vocals"]
+        );
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"}))
+            .unwrap();
         assert_eq!(r.normalize(ANONYMOUS).unwrap().stems().len(), 6);
     }
 }

@@ -84,19 +84,35 @@ pub struct AppState {
 
 impl AppState {
     /// Opens the bucket and stream, and starts the list index.
-    pub async fn new(client: async_nats::Client, shutdown: CancellationToken) -> Result<AppState, IngressError> {
+    pub async fn new(
+        client: async_nats::Client,
+        shutdown: CancellationToken,
+    ) -> Result<AppState, IngressError> {
         let js = jetstream::new(client);
-        let kv = js
-            .get_key_value(names::JOBS_BUCKET)
-            .await
-            .map_err(|e| IngressError::JetStream { what: "open bucket", message: e.to_string() })?;
+        let kv =
+            js.get_key_value(names::JOBS_BUCKET)
+                .await
+                .map_err(|e| IngressError::JetStream {
+                    what: "open bucket",
+                    message: e.to_string(),
+                })?;
         let jobs = js
             .get_stream_no_info(names::JOBS_STREAM)
             .await
-            .map_err(|e| IngressError::JetStream { what: "open job stream", message: e.to_string() })?;
+            .map_err(|e| IngressError::JetStream {
+                what: "open job stream",
+                message: e.to_string(),
+            })?;
         let index = ListIndex::follow(kv.clone(), shutdown).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
-        Ok(AppState { js, kv, jobs, index, metrics, storage: None })
+        Ok(AppState {
+            js,
+            kv,
+            jobs,
+            index,
+            metrics,
+            storage: None,
+        })
     }
 
     /// Serves uploads and stems from this store.
@@ -113,11 +129,20 @@ impl AppState {
     /// Reads a job's view; falls back to the log when the projector has not caught up
     /// (right after a submit), so a job that exists is never a 404.
     pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, String> {
-        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id).await.map_err(|e| e.to_string())? {
+        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id)
+            .await
+            .map_err(|e| e.to_string())?
+        {
             return Ok(Some(v));
         }
-        match self.jobs.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-            Ok(m) => Ok(Event::from_slice(&m.payload).ok().and_then(|e| apply(None, Position::Log(m.sequence), &e))),
+        match self
+            .jobs
+            .direct_get_last_for_subject(job_subject(id, SubjectKind::Requested))
+            .await
+        {
+            Ok(m) => Ok(Event::from_slice(&m.payload)
+                .ok()
+                .and_then(|e| apply(None, Position::Log(m.sequence), &e))),
             Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.to_string()),
         }
@@ -126,7 +151,9 @@ impl AppState {
 
 /// Binds the listener (port 0 picks a free one).
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, IngressError> {
-    TcpListener::bind(addr).await.map_err(|e| IngressError::Bind(addr, e))
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| IngressError::Bind(addr, e))
 }
 
 /// Runs the ingress on `listener` until `shutdown`, without an object store (uploads
@@ -191,11 +218,17 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "other".into());
     let method = req.method().to_string();
     let t0 = Instant::now();
     let resp = next.run(req).await;
-    state.metrics.observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
+    state
+        .metrics
+        .observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
     resp
 }
 
@@ -249,8 +282,15 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     }
 }
 
-async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+async fn create(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let traceparent = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let result = submit::submit(&state.js, &body, None, traceparent).await;
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
@@ -261,17 +301,27 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
         return Ok((StatusCode::OK, Json(resp)).into_response());
     }
     let location = resp.status_url.clone();
-    Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
+    Ok((
+        StatusCode::ACCEPTED,
+        [("location", location)],
+        Json::<SubmitResponse>(resp),
+    )
+        .into_response())
 }
 
-async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
+async fn status(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
     let not_found = || ApiError {
         status: StatusCode::NOT_FOUND,
         code: "not_found",
         message: format!("no job {id}"),
         field: None,
     };
-    let Some(job_id) = JobId::parse(&id) else { return Err(not_found()) };
+    let Some(job_id) = JobId::parse(&id) else {
+        return Err(not_found());
+    };
     match state.view(&job_id).await.map_err(internal)? {
         Some(v) => Ok(Json(v)),
         None => Err(not_found()),
@@ -285,7 +335,10 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+async fn list(
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
     let bad = |field: &str, message: String| ApiError {
         status: StatusCode::UNPROCESSABLE_ENTITY,
         code: "invalid_request",
@@ -294,7 +347,9 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
     };
     let status = match q.status.as_deref() {
         None | Some("") => None,
-        Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),
+        Some(s) => Some(
+            JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?,
+        ),
     };
     let limit = q.limit.unwrap_or(50);
     if !(1..=1000).contains(&limit) {
@@ -308,21 +363,41 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
     let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
     let next_cursor = (page.len() == limit)
-        .then(|| page.last().map(|(id, ms)| Cursor { created_ms: *ms, id: id.clone() }.encode()))
+        .then(|| {
+            page.last().map(|(id, ms)| {
+                Cursor {
+                    created_ms: *ms,
+                    id: id.clone(),
+                }
+                .encode()
+            })
+        })
         .flatten();
-    Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
+    Ok(Json(
+        json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() }),
+    )
+    .into_response())
 }
 
 async fn ready(State(state): State<AppState>) -> Response {
-    let connected = state.js.client().connection_state() == async_nats::connection::State::Connected;
+    let connected =
+        state.js.client().connection_state() == async_nats::connection::State::Connected;
     if connected && names::ready(&state.js).await {
         (StatusCode::OK, "ready").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: NATS not connected or job stream missing").into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: NATS not connected or job stream missing",
+        )
+            .into_response()
     }
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
     let body = state.metrics.render().await;
-    ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        body,
+    )
+        .into_response()
 }

@@ -9,8 +9,13 @@ use serde_json::{json, Value};
 fn schema<T: schemars::JsonSchema>() -> Value {
     let mut v = serde_json::to_value(schemars::schema_for!(T)).expect("schema");
     // Component schemas refer to each other through #/components/schemas.
-    let defs = v.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(json!({}));
-    let text = serde_json::to_string(&v).expect("json").replace("#/$defs/", "#/components/schemas/");
+    let defs = v
+        .as_object_mut()
+        .and_then(|o| o.remove("$defs"))
+        .unwrap_or(json!({}));
+    let text = serde_json::to_string(&v)
+        .expect("json")
+        .replace("#/$defs/", "#/components/schemas/");
     let mut v: Value = serde_json::from_str(&text).expect("json");
     v.as_object_mut().map(|o| o.remove("$schema"));
     v["x-defs"] = defs;
@@ -27,7 +32,9 @@ pub fn document() -> Value {
         ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
     ] {
         if let Some(defs) = s.as_object_mut().and_then(|o| o.remove("x-defs")) {
-            let text = serde_json::to_string(&defs).expect("json").replace("#/$defs/", "#/components/schemas/");
+            let text = serde_json::to_string(&defs)
+                .expect("json")
+                .replace("#/$defs/", "#/components/schemas/");
             if let Ok(Value::Object(d)) = serde_json::from_str::<Value>(&text) {
                 components.extend(d);
             }

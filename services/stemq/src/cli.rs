@@ -33,13 +33,23 @@ pub struct Global {
     #[arg(long, env = "STEMQ_STORE", global = true)]
     pub store: Option<String>,
     /// Worker ack deadline in ms (progress acks keep long jobs alive).
-    #[arg(long, env = "STEMQ_ACK_WAIT_MS", default_value_t = 30_000, global = true)]
+    #[arg(
+        long,
+        env = "STEMQ_ACK_WAIT_MS",
+        default_value_t = 30_000,
+        global = true
+    )]
     pub ack_wait_ms: u64,
     /// Deliveries before a job is dead-lettered.
     #[arg(long, env = "STEMQ_MAX_DELIVER", default_value_t = 5, global = true)]
     pub max_deliver: i64,
     /// Dedupe window of the job stream in ms.
-    #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000, global = true)]
+    #[arg(
+        long,
+        env = "STEMQ_DEDUPE_WINDOW_MS",
+        default_value_t = 120_000,
+        global = true
+    )]
     pub dedupe_window_ms: u64,
     /// Log format: json or text (default: text on a terminal, json otherwise).
     #[arg(long, env = "STEMQ_LOG_FORMAT", global = true)]
@@ -59,7 +69,9 @@ impl Global {
 
     /// The NATS URL, or the default local one.
     pub fn nats_url(&self) -> String {
-        self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+        self.nats_url
+            .clone()
+            .unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
     }
 
     /// The object store URL.
@@ -70,7 +82,9 @@ impl Global {
         let dir = self.data_dir.join("store");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let abs = dir.canonicalize()?;
-        Ok(url::Url::from_directory_path(abs).map_err(|_| anyhow::anyhow!("bad data dir"))?.to_string())
+        Ok(url::Url::from_directory_path(abs)
+            .map_err(|_| anyhow::anyhow!("bad data dir"))?
+            .to_string())
     }
 }
 
@@ -152,7 +166,11 @@ pub enum DlqCommand {
 #[derive(Debug, Args, Clone)]
 pub struct DevArgs {
     /// HTTP listen address.
-    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    #[arg(
+        long = "http",
+        env = "STEMQ_HTTP_ADDR",
+        default_value = "127.0.0.1:8080"
+    )]
     pub http: SocketAddr,
     #[command(flatten)]
     pub worker: WorkerOpts,
@@ -161,7 +179,11 @@ pub struct DevArgs {
 #[derive(Debug, Args, Clone)]
 pub struct IngressArgs {
     /// HTTP listen address.
-    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    #[arg(
+        long = "http",
+        env = "STEMQ_HTTP_ADDR",
+        default_value = "127.0.0.1:8080"
+    )]
     pub http: SocketAddr,
 }
 
@@ -237,7 +259,12 @@ pub struct SubmitArgs {
     pub wait: bool,
     /// With `--wait`: copy the stems into this folder as `<stem>.<ext>` once the job
     /// has succeeded.
-    #[arg(short = 'o', long = "output-dir", value_name = "DIR", requires = "wait")]
+    #[arg(
+        short = 'o',
+        long = "output-dir",
+        value_name = "DIR",
+        requires = "wait"
+    )]
     pub output_dir: Option<PathBuf>,
 }
 
@@ -264,7 +291,8 @@ pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -283,23 +311,34 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Ingress(a) => crate::services::ingress(&g, a).await,
         Command::Worker(a) => crate::services::worker(&g, a.opts).await,
         Command::Projector(a) => crate::services::projector(&g, a).await,
-        Command::Nats { command: NatsCommand::Apply } => {
+        Command::Nats {
+            command: NatsCommand::Apply,
+        } => {
             let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
             stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
-            println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
+            println!(
+                "applied streams, consumers and the KV bucket at {}",
+                g.nats_url()
+            );
             Ok(())
         }
         Command::Submit(a) => crate::client::submit(&g, a).await,
         Command::Status { id } => crate::client::status(&g, &id).await,
         Command::List { status, limit } => crate::client::list(&g, status.as_deref(), limit).await,
         Command::Watch { id } => crate::client::watch(&g, &id).await.map(|_| ()),
-        Command::Dlq { command: DlqCommand::List { limit } } => {
-            crate::client::list(&g, Some("dead_lettered"), limit).await
-        }
-        Command::Dlq { command: DlqCommand::Replay { id } } => crate::client::replay(&g, &id).await,
+        Command::Dlq {
+            command: DlqCommand::List { limit },
+        } => crate::client::list(&g, Some("dead_lettered"), limit).await,
+        Command::Dlq {
+            command: DlqCommand::Replay { id },
+        } => crate::client::replay(&g, &id).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
+            println!(
+                "wrote {} schemas to {}",
+                stemq_core::schema::all().len(),
+                write.display()
+            );
             Ok(())
         }
         Command::Bench { command } => crate::bench::run(&g, command).await,

@@ -25,7 +25,9 @@ async fn js(g: &Global) -> Result<jetstream::Context> {
 }
 
 async fn bucket(js: &jetstream::Context) -> Result<kv::Store> {
-    js.get_key_value(names::JOBS_BUCKET).await.context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
+    js.get_key_value(names::JOBS_BUCKET)
+        .await
+        .context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
 }
 
 fn parse_id(id: &str) -> Result<JobId> {
@@ -35,13 +37,22 @@ fn parse_id(id: &str) -> Result<JobId> {
 /// Uploads a local file to the store, content-addressed (`uploads/<sha256>.<ext>`);
 /// returns its URI. The file is streamed and hashed on the way, then moved to its key.
 async fn upload(store: &Store, file: &Path) -> Result<String> {
-    let meta = tokio::fs::metadata(file).await.with_context(|| format!("reading {}", file.display()))?;
+    let meta = tokio::fs::metadata(file)
+        .await
+        .with_context(|| format!("reading {}", file.display()))?;
     if meta.len() == 0 {
         bail!("{} is empty", file.display());
     }
-    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("bin").to_ascii_lowercase();
+    let ext = file
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("bin")
+        .to_ascii_lowercase();
     let tmp = format!("uploads/tmp/{}", uuid::Uuid::new_v4());
-    let stored = store.put_file(&tmp, file).await.with_context(|| format!("uploading {}", file.display()))?;
+    let stored = store
+        .put_file(&tmp, file)
+        .await
+        .with_context(|| format!("uploading {}", file.display()))?;
     let key = format!("uploads/{}.{ext}", stored.sha256);
     if let Err(e) = store.rename(&tmp, &key).await {
         let _ = store.delete(&tmp).await;
@@ -52,16 +63,31 @@ async fn upload(store: &Store, file: &Path) -> Result<String> {
 
 /// Copies a succeeded job's stems from the store into `dir` as `<stem>.<ext>`.
 async fn download_stems(store: &Store, view: &JobView, dir: &Path) -> Result<()> {
-    tokio::fs::create_dir_all(dir).await.with_context(|| format!("creating {}", dir.display()))?;
+    tokio::fs::create_dir_all(dir)
+        .await
+        .with_context(|| format!("creating {}", dir.display()))?;
     let allowed = [store.base_url().to_string()];
     for o in &view.outputs {
-        let (_, key) = stemq_core::uri::store_key(&o.uri, &allowed)
-            .map_err(|e| anyhow!("stem {} is at {}, outside the configured store: {}", o.stem, o.uri, e.message))?;
+        let (_, key) = stemq_core::uri::store_key(&o.uri, &allowed).map_err(|e| {
+            anyhow!(
+                "stem {} is at {}, outside the configured store: {}",
+                o.stem,
+                o.uri,
+                e.message
+            )
+        })?;
         let ext = key.rsplit_once('.').map(|(_, e)| e).unwrap_or("bin");
         let dest = dir.join(format!("{}.{ext}", o.stem));
-        let bytes = store.get_to_file(key, &dest).await.with_context(|| format!("downloading {}", o.uri))?;
+        let bytes = store
+            .get_to_file(key, &dest)
+            .await
+            .with_context(|| format!("downloading {}", o.uri))?;
         if bytes != o.bytes {
-            bail!("{}: got {bytes} bytes, the job recorded {}", dest.display(), o.bytes);
+            bail!(
+                "{}: got {bytes} bytes, the job recorded {}",
+                dest.display(),
+                o.bytes
+            );
         }
         println!("{:<12} {}", o.stem, dest.display());
     }
@@ -97,7 +123,9 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     }
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None).await.map_err(|e| anyhow!("{e}"))?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;
@@ -123,7 +151,9 @@ pub async fn status(g: &Global, id: &str) -> Result<()> {
 }
 
 pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> {
-    let status = status.map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`"))).transpose()?;
+    let status = status
+        .map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`")))
+        .transpose()?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let stop = CancellationToken::new();
@@ -132,12 +162,25 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
     while !index.caught_up() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
+    println!(
+        "{:<64}  {:<13}  {:<7}  {:<9}  created",
+        "job id", "status", "attempt", "progress"
+    );
     for (id, _) in index.page(status, limit, None) {
         if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
-            let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
+            let progress = v
+                .progress
+                .as_ref()
+                .map(|p| format!("{:.0}%", p.percent))
+                .unwrap_or_default();
             let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
-            println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", id, v.status.as_str(), v.attempt, progress);
+            println!(
+                "{:<64}  {:<13}  {:<7}  {:<9}  {created}",
+                id,
+                v.status.as_str(),
+                v.attempt,
+                progress
+            );
         }
     }
     stop.cancel();
@@ -163,8 +206,14 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
         if entry.operation != kv::Operation::Put {
             continue;
         }
-        let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else { continue };
-        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
+        let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else {
+            continue;
+        };
+        let (pct, stage) = v
+            .progress
+            .as_ref()
+            .map(|p| (p.percent, p.stage.clone()))
+            .unwrap_or((0.0, String::new()));
         bar.set_position(pct as u64);
         let mut msg = v.status.as_str().to_string();
         if !stage.is_empty() && v.status == JobStatus::Running {
@@ -199,17 +248,48 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
-    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let (view, _) = stemq_projector::get_view(&kv, &id)
+        .await?
+        .ok_or_else(|| anyhow!("no job {id}"))?;
     if !matches!(view.status, JobStatus::DeadLettered | JobStatus::Failed) {
-        bail!("job {id} is {}: only dead-lettered or failed jobs can be replayed", view.status.as_str());
+        bail!(
+            "job {id} is {}: only dead-lettered or failed jobs can be replayed",
+            view.status.as_str()
+        );
     }
-    let mut request = view.request.clone().ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
+    let mut request = view
+        .request
+        .clone()
+        .ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
     request.retry_of = Some(id.clone());
-    let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
+    let ev = Event::requested(
+        request,
+        view.webhook.clone(),
+        view.metadata.clone(),
+        "/stemq/cli",
+    );
     let new_id = ev.subject.clone();
-    let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
-    let link = Event::new(&id, "/stemq/cli", EventBody::Retried(Retried { retried_by: new_id.clone() }));
-    publish(&js, &job_subject(&id, SubjectKind::Retried), &link, Some(&format!("{id}.retried.{new_id}"))).await?;
+    let created = publish_once(
+        &js,
+        &job_subject(&new_id, SubjectKind::Requested),
+        &ev,
+        new_id.as_str(),
+    )
+    .await?;
+    let link = Event::new(
+        &id,
+        "/stemq/cli",
+        EventBody::Retried(Retried {
+            retried_by: new_id.clone(),
+        }),
+    );
+    publish(
+        &js,
+        &job_subject(&id, SubjectKind::Retried),
+        &link,
+        Some(&format!("{id}.retried.{new_id}")),
+    )
+    .await?;
     match created {
         Once::Stored(_) => println!("replaying {id} as {new_id}"),
         Once::AlreadyThere => println!("{id} was already replayed as {new_id}"),

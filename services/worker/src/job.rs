@@ -22,7 +22,8 @@ use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::event::{
-    DeadLettered, EventBody, FailureClass, Failed, Output, Progress, Rejected, Requested, Started, Succeeded,
+    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started,
+    Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -36,7 +37,11 @@ use crate::Shared;
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
-pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_stop: &CancellationToken) {
+pub(crate) async fn handle(
+    shared: &Arc<Shared>,
+    msg: jetstream::Message,
+    hard_stop: &CancellationToken,
+) {
     let info = match msg.info() {
         Ok(i) => (i.delivered.max(1) as u32, i.stream_sequence),
         Err(e) => {
@@ -52,7 +57,9 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
         return;
     };
     let span = info_span!("job", job_id = %job_id, attempt, seq);
-    run_delivery(shared, msg, job_id, attempt, seq, hard_stop).instrument(span).await
+    run_delivery(shared, msg, job_id, attempt, seq, hard_stop)
+        .instrument(span)
+        .await
 }
 
 fn source(shared: &Shared) -> String {
@@ -72,24 +79,42 @@ async fn run_delivery(
         Ok(r) => r,
         Err((code, message)) => {
             warn!(code, %message, "rejecting request event");
-            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
+            let ev = Event::new(
+                &job_id,
+                &source(shared),
+                EventBody::Rejected(Rejected {
+                    code: code.into(),
+                    message,
+                }),
+            );
             finish(shared, &msg, &job_id, ev).await;
             return;
         }
     };
-    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
+    let traceparent = Event::from_slice(&msg.payload)
+        .ok()
+        .and_then(|e| e.traceparent);
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
+    match shared
+        .jobs_stream
+        .direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome))
+        .await
+    {
         Ok(_) => {
-            info!(event = "skip.already_done", "job already has an outcome; acking");
+            info!(
+                event = "skip.already_done",
+                "job already has an outcome; acking"
+            );
             let _ = msg.double_ack().await;
             return;
         }
         Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
         Err(e) => {
             warn!(error = %e, "cannot check for an outcome; retrying later");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
             return;
         }
     }
@@ -101,12 +126,17 @@ async fn run_delivery(
     let mut started = Event::new(
         &job_id,
         &source(shared),
-        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
+        EventBody::Started(Started {
+            attempt,
+            worker: shared.config.name.clone(),
+            device: first_device.clone(),
+        }),
     );
     started.traceparent = traceparent.clone();
     let js = shared.js.clone();
     let started_subject = job_subject(&job_id, SubjectKind::Started);
-    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
+    let started_pub =
+        tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
     let t0 = Instant::now();
 
     let msg = Arc::new(msg);
@@ -116,7 +146,15 @@ async fn run_delivery(
 
     // 4. The engine, under the time limit, down the out-of-memory ladder.
     let result = {
-        let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
+        let work = run_engine(
+            shared,
+            &job_id,
+            &requested,
+            attempt,
+            &devices,
+            progress_tx,
+            cancel.clone(),
+        );
         tokio::select! {
             r = tokio::time::timeout(shared.config.time_limit, work) => match r {
                 Ok(r) => r,
@@ -158,7 +196,11 @@ async fn run_delivery(
                     duration_ms: elapsed.as_millis() as u64,
                 }),
             );
-            info!(event = "job.succeeded", duration_ms = elapsed.as_millis() as u64, degraded = done.degraded);
+            info!(
+                event = "job.succeeded",
+                duration_ms = elapsed.as_millis() as u64,
+                degraded = done.degraded
+            );
             finish(shared, &msg, &job_id, outcome).await;
         }
         Err(f) if f.class == FailureClass::Permanent => {
@@ -166,7 +208,13 @@ async fn run_delivery(
             let ev = Event::new(
                 &job_id,
                 &src,
-                EventBody::Failed(Failed { attempt, class: f.class, code: f.code, message: f.message, retry_in_ms: None }),
+                EventBody::Failed(Failed {
+                    attempt,
+                    class: f.class,
+                    code: f.code,
+                    message: f.message,
+                    retry_in_ms: None,
+                }),
             );
             finish(shared, &msg, &job_id, ev).await;
         }
@@ -198,7 +246,14 @@ async fn run_delivery(
                     retry_in_ms: Some(delay.as_millis() as u64),
                 }),
             );
-            if let Err(e) = publish(&shared.js, &job_subject(&job_id, SubjectKind::Failed), &ev, None).await {
+            if let Err(e) = publish(
+                &shared.js,
+                &job_subject(&job_id, SubjectKind::Failed),
+                &ev,
+                None,
+            )
+            .await
+            {
                 warn!(error = %e, "failure event not stored");
             }
             let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
@@ -212,10 +267,15 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
         Ok(Once::Stored(_)) => {}
-        Ok(Once::AlreadyThere) => info!(event = "skip.already_done", "another outcome was recorded first"),
+        Ok(Once::AlreadyThere) => info!(
+            event = "skip.already_done",
+            "another outcome was recorded first"
+        ),
         Err(e) => {
             warn!(error = %e, "outcome not stored; the job will be redelivered");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
             return;
         }
     }
@@ -226,9 +286,13 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
 }
 
 fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
-    let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
+    let ev = Event::from_slice(payload)
+        .map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
     let EventBody::Requested(r) = ev.body else {
-        return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
+        return Err((
+            "invalid_event",
+            format!("expected a requested event, got {}", ev.body.kind()),
+        ));
     };
     let computed = r.request.job_id();
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
@@ -254,7 +318,10 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         n
     }) {
         Ok(n) if n == r.request => Ok(r),
-        Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
+        Ok(_) => Err((
+            "invalid_request",
+            "the request is not in normalised form".into(),
+        )),
         Err(e) => Err(("invalid_request", e.to_string())),
     }
 }
@@ -269,10 +336,18 @@ struct Failure {
 
 impl Failure {
     fn permanent(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Permanent, code: code.into(), message }
+        Failure {
+            class: FailureClass::Permanent,
+            code: code.into(),
+            message,
+        }
     }
     fn transient(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Transient, code: code.into(), message }
+        Failure {
+            class: FailureClass::Transient,
+            code: code.into(),
+            message,
+        }
     }
 }
 
@@ -291,7 +366,9 @@ struct Ctx {
 
 impl EngineContext for Ctx {
     fn progress(&self, fraction: f32, stage: &str) {
-        let _ = self.progress.send(Some((fraction.clamp(0.0, 1.0), stage.to_string())));
+        let _ = self
+            .progress
+            .send(Some((fraction.clamp(0.0, 1.0), stage.to_string())));
     }
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
@@ -299,7 +376,11 @@ impl EngineContext for Ctx {
 }
 
 /// The rungs of the out-of-memory ladder: (device, segment).
-fn ladder(devices: &[String], requested: Option<f64>, max_segment: Option<f64>) -> Vec<(String, Option<f64>)> {
+fn ladder(
+    devices: &[String],
+    requested: Option<f64>,
+    max_segment: Option<f64>,
+) -> Vec<(String, Option<f64>)> {
     let first = devices.first().cloned().unwrap_or_else(|| "cpu".into());
     let mut rungs = vec![(first.clone(), requested)];
     let base = requested.or(max_segment);
@@ -324,9 +405,12 @@ async fn run_engine(
     let dir = shared.config.scratch.join(format!("{job_id}-{attempt}"));
     let _cleanup = ScratchDir(dir.clone());
     let out_dir = dir.join("out");
-    tokio::fs::create_dir_all(&out_dir)
-        .await
-        .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
+    tokio::fs::create_dir_all(&out_dir).await.map_err(|e| {
+        Failure::transient(
+            "scratch",
+            format!("cannot create {}: {e}", out_dir.display()),
+        )
+    })?;
     let input = if shared.engine.reads_input() {
         fetch_input(shared, &requested.request.audio_uri, &dir).await?
     } else {
@@ -334,12 +418,22 @@ async fn run_engine(
     };
 
     let ctx = Arc::new(Ctx { progress, cancel });
-    let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
+    let rungs = ladder(
+        devices,
+        requested.request.segment,
+        requested.request.model.max_segment(),
+    );
     let mut last_oom = String::new();
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
-        let (job_id2, req, input2, out2, dev, ctx2) =
-            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
+        let (job_id2, req, input2, out2, dev, ctx2) = (
+            job_id.clone(),
+            requested.clone(),
+            input.clone(),
+            out_dir.clone(),
+            device.clone(),
+            ctx.clone(),
+        );
         let segment = *segment;
         let res = tokio::task::spawn_blocking(move || {
             let job = EngineJob {
@@ -362,8 +456,15 @@ async fn run_engine(
                 if degraded {
                     warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
                 }
-                let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
-                return Ok(Done { outputs, manifest_uri, degraded, device: device.clone(), segment });
+                let (outputs, manifest_uri) =
+                    store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
+                return Ok(Done {
+                    outputs,
+                    manifest_uri,
+                    degraded,
+                    device: device.clone(),
+                    segment,
+                });
             }
             Err(EngineError::OutOfMemory { device }) => {
                 warn!(event = "job.oom", %device, ?segment, "out of memory; stepping down");
@@ -375,7 +476,10 @@ async fn run_engine(
             Err(e) => return Err(classify(e)),
         }
     }
-    Err(Failure::transient("out_of_memory", format!("out of memory on {last_oom} at every rung")))
+    Err(Failure::transient(
+        "out_of_memory",
+        format!("out of memory on {last_oom} at every rung"),
+    ))
 }
 
 fn classify(e: EngineError) -> Failure {
@@ -384,7 +488,9 @@ fn classify(e: EngineError) -> Failure {
         EngineError::Unsupported { code, message } => Failure::permanent(&code, message),
         EngineError::Transient(m) => Failure::transient("engine_error", m),
         EngineError::Cancelled => Failure::permanent("cancelled", "the job was cancelled".into()),
-        EngineError::OutOfMemory { device } => Failure::transient("out_of_memory", format!("out of memory on {device}")),
+        EngineError::OutOfMemory { device } => {
+            Failure::transient("out_of_memory", format!("out of memory on {device}"))
+        }
     }
 }
 
@@ -397,11 +503,20 @@ async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, 
     let path = dir.join("input");
     let t0 = Instant::now();
     let bytes = store.get_to_file(key, &path).await.map_err(|e| match e {
-        e if e.is_not_found() => Failure::permanent("input_not_found", format!("{uri} does not exist")),
-        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient("scratch", e.to_string()),
+        e if e.is_not_found() => {
+            Failure::permanent("input_not_found", format!("{uri} does not exist"))
+        }
+        e @ stemq_core::storage::StorageError::Io { .. } => {
+            Failure::transient("scratch", e.to_string())
+        }
         e => Failure::transient("storage", e.to_string()),
     })?;
-    info!(event = "input.fetched", bytes, ms = t0.elapsed().as_millis() as u64, "input fetched");
+    info!(
+        event = "input.fetched",
+        bytes,
+        ms = t0.elapsed().as_millis() as u64,
+        "input fetched"
+    );
     Ok(path)
 }
 
@@ -422,7 +537,10 @@ async fn store_outputs(
     for s in stems {
         let file = format!("{}.{ext}", s.stem);
         let key = output_key(job_id.as_str(), &file);
-        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient("storage", e.to_string()))?;
+        let stored = store
+            .put_file(&key, &s.path)
+            .await
+            .map_err(|e| Failure::transient("storage", e.to_string()))?;
         let mut entry = json!({
             "stem": s.stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
         });
@@ -432,7 +550,12 @@ async fn store_outputs(
             entry["duration_secs"] = json!(a.frames as f64 / f64::from(a.sample_rate.max(1)));
         }
         entries.push(entry);
-        outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
+        outputs.push(Output {
+            stem: s.stem.clone(),
+            uri: stored.uri,
+            bytes: stored.bytes,
+            sha256: stored.sha256,
+        });
     }
     let first_audio = stems.iter().find_map(|s| s.audio);
     let manifest = json!({
@@ -522,10 +645,17 @@ mod tests {
         let devs = vec!["cuda:0".to_string(), "cpu".to_string()];
         assert_eq!(
             ladder(&devs, None, Some(7.8)),
-            vec![("cuda:0".into(), None), ("cuda:0".into(), Some(3.9)), ("cpu".into(), None)]
+            vec![
+                ("cuda:0".into(), None),
+                ("cuda:0".into(), Some(3.9)),
+                ("cpu".into(), None)
+            ]
         );
         let cpu_only = vec!["cpu".to_string()];
-        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]);
+        assert_eq!(
+            ladder(&cpu_only, Some(4.0), Some(7.8)),
+            vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]
+        );
         assert_eq!(ladder(&cpu_only, None, None), vec![("cpu".into(), None)]);
     }
 }
