@@ -55,26 +55,30 @@ pub fn engine_error(e: AudioError) -> EngineError {
         message,
     };
     match e {
-        AudioError::NotAudio { detail } => {
-            invalid("invalid_audio", format!("the input is not an audio file stemq can read ({detail})"))
-        }
+        AudioError::NotAudio { detail } => invalid(
+            "invalid_audio",
+            format!("the input is not an audio file stemq can read ({detail})"),
+        ),
         AudioError::UnsupportedCodec { codec } => invalid(
             "unsupported_codec",
             format!("the input uses the {codec} codec, which is not supported; use WAV, FLAC, MP3 or Ogg Vorbis"),
         ),
         AudioError::Empty => invalid("empty_audio", "the input contains no audio samples".into()),
-        AudioError::TooLong { duration, max } => {
-            invalid("too_long", format!("the input lasts {duration}, longer than the maximum of {max}"))
-        }
-        AudioError::CorruptFrame { at, detail } => {
-            invalid("corrupt_audio", format!("the input is damaged: corrupt frame at {at} ({detail})"))
-        }
+        AudioError::TooLong { duration, max } => invalid(
+            "too_long",
+            format!("the input lasts {duration}, longer than the maximum of {max}"),
+        ),
+        AudioError::CorruptFrame { at, detail } => invalid(
+            "corrupt_audio",
+            format!("the input is damaged: corrupt frame at {at} ({detail})"),
+        ),
         AudioError::Cancelled => EngineError::Cancelled,
         AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
         // Our own bugs: not the input's fault, and another try will not fix them.
-        e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => {
-            EngineError::Unsupported { code: "engine_error".into(), message: e.to_string() }
-        }
+        e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => EngineError::Unsupported {
+            code: "engine_error".into(),
+            message: e.to_string(),
+        },
     }
 }
 
@@ -91,11 +95,7 @@ impl Engine for DspEngine {
         vec!["cpu".to_string()]
     }
 
-    fn separate(
-        &self,
-        job: &EngineJob<'_>,
-        ctx: &dyn EngineContext,
-    ) -> Result<Vec<StemFile>, EngineError> {
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let req = job.request;
         let span = info_span!("dsp.separate", job_id = %job.job_id, attempt = job.attempt);
         let _enter = span.enter();
@@ -141,12 +141,13 @@ impl Engine for DspEngine {
         // In the order the request lists its stems.
         let mut files = Vec::with_capacity(outputs.len());
         for name in req.stems() {
-            let out = outputs.iter().find(|o| o.name == name).ok_or_else(|| {
-                EngineError::Unsupported {
+            let out = outputs
+                .iter()
+                .find(|o| o.name == name)
+                .ok_or_else(|| EngineError::Unsupported {
                     code: "engine_error".into(),
                     message: format!("no `{name}` stem was written"),
-                }
-            })?;
+                })?;
             let rate = out.summary.sample_rate;
             debug!(stem = %name, bytes = out.summary.bytes, "stem written");
             files.push(StemFile {

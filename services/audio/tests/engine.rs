@@ -24,10 +24,7 @@ struct Ctx {
 
 impl EngineContext for Ctx {
     fn progress(&self, fraction: f32, stage: &str) {
-        self.progress
-            .lock()
-            .unwrap()
-            .push((fraction, stage.to_string()));
+        self.progress.lock().unwrap().push((fraction, stage.to_string()));
     }
     fn cancelled(&self) -> bool {
         let n = self.calls.fetch_add(1, Ordering::SeqCst);
@@ -40,10 +37,7 @@ impl EngineContext for Ctx {
 }
 
 fn request(v: serde_json::Value) -> NormalizedRequest {
-    JobRequest::from_value(v)
-        .unwrap()
-        .normalize(ANONYMOUS)
-        .unwrap()
+    JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap()
 }
 
 fn write_song(path: &Path, seconds: f64) {
@@ -121,14 +115,7 @@ fn two_stems_as_flac() {
     let req = request(
         json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "two_stems": "vocals", "output_format": "flac"}),
     );
-    let stems = run(
-        &DspEngine::default(),
-        &req,
-        &input,
-        dir.path(),
-        &Ctx::default(),
-    )
-    .unwrap();
+    let stems = run(&DspEngine::default(), &req, &input, dir.path(), &Ctx::default()).unwrap();
     let names: Vec<_> = stems.iter().map(|s| s.stem.as_str()).collect();
     assert_eq!(names, ["vocals", "no_vocals"]);
     for s in &stems {
@@ -212,10 +199,7 @@ fn wav_header(tag: u16, data_len: usize) -> Vec<u8> {
 #[test]
 fn input_errors_have_stable_codes_and_readable_messages() {
     let engine = DspEngine::default();
-    let (code, msg) = input_error(
-        b"this is not audio at all, just text that goes on and on",
-        &engine,
-    );
+    let (code, msg) = input_error(b"this is not audio at all, just text that goes on and on", &engine);
     assert_eq!(code, "invalid_audio", "{msg}");
     assert!(msg.contains("not an audio file"), "{msg}");
 
@@ -226,10 +210,7 @@ fn input_errors_have_stable_codes_and_readable_messages() {
     let (code, msg) = input_error(&wav_header(1, 0), &engine);
     assert_eq!(code, "empty_audio", "{msg}");
 
-    let (code, msg) = input_error(
-        &wav_header(1, 44_100 * 4 * 3),
-        &DspEngine::with_max_duration(2.0),
-    );
+    let (code, msg) = input_error(&wav_header(1, 44_100 * 4 * 3), &DspEngine::with_max_duration(2.0));
     assert_eq!(code, "too_long", "{msg}");
     assert!(msg.contains("00:03") && msg.contains("00:02"), "{msg}");
 
@@ -242,8 +223,7 @@ fn input_errors_have_stable_codes_and_readable_messages() {
         .iter()
         .map(|x| x + 0.1 * noise.next())
         .collect();
-    let mut enc =
-        StemEncoder::create(&flac, OutputFormat::Flac16, ClipMode::Clamp, 44_100).unwrap();
+    let mut enc = StemEncoder::create(&flac, OutputFormat::Flac16, ClipMode::Clamp, 44_100).unwrap();
     enc.write(&StereoChunk::from_planar(l.clone(), l)).unwrap();
     enc.finish().unwrap();
     let bytes = std::fs::read(&flac).unwrap();

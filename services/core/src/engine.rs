@@ -110,11 +110,7 @@ pub trait Engine: Send + Sync + 'static {
         true
     }
     /// Runs one attempt.
-    fn separate(
-        &self,
-        job: &EngineJob<'_>,
-        ctx: &dyn EngineContext,
-    ) -> Result<Vec<StemFile>, EngineError>;
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
 }
 
 /// The fake engine's script for one job, read from `metadata.fake`.
@@ -169,11 +165,7 @@ impl Engine for FakeEngine {
         false
     }
 
-    fn separate(
-        &self,
-        job: &EngineJob<'_>,
-        ctx: &dyn EngineContext,
-    ) -> Result<Vec<StemFile>, EngineError> {
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
             Some(v) => serde_json::from_value(v.clone()).map_err(|e| EngineError::Unsupported {
                 code: "bad_fake_script".into(),
@@ -233,8 +225,7 @@ impl Engine for FakeEngine {
                     "fake stem {stem} of job {} from {}\n",
                     job.job_id, job.request.audio_uri
                 );
-                std::fs::write(&path, body)
-                    .map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
+                std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
                 Ok(StemFile {
                     stem,
                     path,

@@ -264,9 +264,7 @@ impl Event {
 
     /// Serialises to the structured-mode JSON body.
     pub fn to_bytes(&self) -> bytes::Bytes {
-        serde_json::to_vec(self)
-            .expect("events always serialise")
-            .into()
+        serde_json::to_vec(self).expect("events always serialise").into()
     }
 
     /// Parses a structured-mode JSON body.

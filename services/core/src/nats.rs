@@ -192,9 +192,7 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
 
 /// Refuses versions below [`MIN_SERVER`].
 pub fn check_version(version: &str) -> Result<(), NatsError> {
-    let mut it = version
-        .trim_start_matches('v')
-        .split(|c: char| !c.is_ascii_digit());
+    let mut it = version.trim_start_matches('v').split(|c: char| !c.is_ascii_digit());
     let major = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     let minor = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     if (major, minor) < MIN_SERVER {
@@ -221,10 +219,7 @@ struct KvDef {
 }
 
 const STREAMS: [(&str, &str); 3] = [
-    (
-        "streams/jobs.json",
-        include_str!("../../../nats/streams/jobs.json"),
-    ),
+    ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
     (
         "streams/progress.json",
         include_str!("../../../nats/streams/progress.json"),
@@ -261,8 +256,8 @@ pub fn stream_configs(settings: &Settings) -> Result<Vec<stream::Config>, NatsEr
     STREAMS
         .iter()
         .map(|(name, text)| {
-            let mut c: stream::Config = serde_json::from_str(text)
-                .map_err(|source| NatsError::Definition { name, source })?;
+            let mut c: stream::Config =
+                serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
             c.num_replicas = settings.replicas;
             if c.name == JOBS_STREAM {
                 c.duplicate_window = settings.duplicate_window;
@@ -273,14 +268,12 @@ pub fn stream_configs(settings: &Settings) -> Result<Vec<stream::Config>, NatsEr
 }
 
 /// The consumer definitions (stream name, config) with `settings` applied.
-pub fn consumer_configs(
-    settings: &Settings,
-) -> Result<Vec<(String, consumer::pull::Config)>, NatsError> {
+pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pull::Config)>, NatsError> {
     CONSUMERS
         .iter()
         .map(|(name, text)| {
-            let mut d: ConsumerDef = serde_json::from_str(text)
-                .map_err(|source| NatsError::Definition { name, source })?;
+            let mut d: ConsumerDef =
+                serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
             if d.config.durable_name.as_deref() == Some(WORKERS_CONSUMER) {
                 d.config.ack_wait = settings.ack_wait;
                 d.config.max_deliver = settings.max_deliver;
@@ -329,18 +322,12 @@ pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), N
         })?;
     }
     for (stream_name, c) in consumer_configs(settings)? {
-        let what = format!(
-            "consumer {stream_name}/{}",
-            c.durable_name.clone().unwrap_or_default()
-        );
+        let what = format!("consumer {stream_name}/{}", c.durable_name.clone().unwrap_or_default());
         let stream = js
             .get_stream_no_info(&stream_name)
             .await
             .map_err(|e| apply_err(&what, e))?;
-        stream
-            .create_consumer(c)
-            .await
-            .map_err(|e| apply_err(&what, e))?;
+        stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
     }
     let kv = kv_config(settings)?;
     js.create_or_update_key_value(kv)
@@ -399,10 +386,7 @@ mod tests {
             job_id_of_subject(&job_subject(&id, SubjectKind::Requested)),
             Some(id.clone())
         );
-        assert_eq!(
-            job_id_of_subject(&job_subject(&id, SubjectKind::Progress)),
-            Some(id)
-        );
+        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
     }
 }

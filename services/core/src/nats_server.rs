@@ -64,8 +64,7 @@ impl NatsServer {
         std::fs::write(&conf, SERVER_CONF).map_err(|e| ServerError::Store(conf.clone(), e))?;
         let ports_dir = self.store.join("ports");
         let _ = std::fs::remove_dir_all(&ports_dir);
-        std::fs::create_dir_all(&ports_dir)
-            .map_err(|e| ServerError::Store(ports_dir.clone(), e))?;
+        std::fs::create_dir_all(&ports_dir).map_err(|e| ServerError::Store(ports_dir.clone(), e))?;
         let log = self.store.join("nats-server.log");
         let port = if self.port == 0 {
             "-1".to_string()

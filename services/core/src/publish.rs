@@ -107,9 +107,7 @@ pub async fn publish_once(
 fn retryable(e: &jetstream::context::PublishError) -> bool {
     matches!(
         e.kind(),
-        PublishErrorKind::StreamNotFound
-            | PublishErrorKind::TimedOut
-            | PublishErrorKind::BrokenPipe
+        PublishErrorKind::StreamNotFound | PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
     )
 }
 
@@ -133,10 +131,7 @@ pub async fn publish(
         };
         match res {
             Ok(ack) => return Ok(ack.sequence),
-            Err(e)
-                if retryable(&e)
-                    && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound) =>
-            {
+            Err(e) if retryable(&e) && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound) => {
                 last = e.to_string();
                 tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
             }

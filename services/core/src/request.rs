@@ -40,12 +40,7 @@ pub enum Model {
 
 impl Model {
     /// Every accepted model, in documentation order.
-    pub const ALL: [Model; 4] = [
-        Model::Htdemucs,
-        Model::HtdemucsFt,
-        Model::Htdemucs6s,
-        Model::Dsp,
-    ];
+    pub const ALL: [Model; 4] = [Model::Htdemucs, Model::HtdemucsFt, Model::Htdemucs6s, Model::Dsp];
 
     /// The wire name (`htdemucs`, `htdemucs_ft`, ...).
     pub fn as_str(self) -> &'static str {
@@ -219,8 +214,8 @@ const FIELDS: [&str; 9] = [
 impl JobRequest {
     /// Parses and validates a request body, naming the offending field on error.
     pub fn from_slice(body: &[u8]) -> Result<JobRequest, RequestError> {
-        let value: Value = serde_json::from_slice(body)
-            .map_err(|e| RequestError::new("body", format!("not valid JSON: {e}")))?;
+        let value: Value =
+            serde_json::from_slice(body).map_err(|e| RequestError::new("body", format!("not valid JSON: {e}")))?;
         JobRequest::from_value(value)
     }
 
@@ -244,8 +239,8 @@ impl JobRequest {
                 check_type(field, v)?;
             }
         }
-        let req: JobRequest = serde_json::from_value(Value::Object(map))
-            .map_err(|e| RequestError::new("body", e.to_string()))?;
+        let req: JobRequest =
+            serde_json::from_value(Value::Object(map)).map_err(|e| RequestError::new("body", e.to_string()))?;
         req.normalize(ANONYMOUS)?;
         Ok(req)
     }
@@ -269,16 +264,10 @@ impl JobRequest {
             ));
         }
         if uri != self.audio_uri {
-            return Err(RequestError::new(
-                "audio_uri",
-                "must not start or end with whitespace",
-            ));
+            return Err(RequestError::new("audio_uri", "must not start or end with whitespace"));
         }
         if let Err(e) = url::Url::parse(uri) {
-            return Err(RequestError::new(
-                "audio_uri",
-                format!("not an absolute URI: {e}"),
-            ));
+            return Err(RequestError::new("audio_uri", format!("not an absolute URI: {e}")));
         }
         if let Some(stem) = &self.two_stems {
             if !model.sources().contains(&stem.as_str()) {
@@ -294,10 +283,7 @@ impl JobRequest {
         let segment = match self.segment {
             None => None,
             Some(s) if !s.is_finite() || s <= 0.0 => {
-                return Err(RequestError::new(
-                    "segment",
-                    "must be a positive number of seconds",
-                ));
+                return Err(RequestError::new("segment", "must be a positive number of seconds"));
             }
             Some(s) => match model.max_segment() {
                 Some(max) if s > max => {
@@ -428,9 +414,7 @@ impl NormalizedRequest {
 }
 
 /// A job id: 64 lowercase hex characters.
-#[derive(
-    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
 #[serde(transparent)]
 pub struct JobId(pub String);
 
@@ -438,8 +422,7 @@ impl JobId {
     /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in
     /// a subject, a key or a path.
     pub fn parse(s: &str) -> Option<JobId> {
-        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
-            .then(|| JobId(s.to_string()))
+        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then(|| JobId(s.to_string()))
     }
 
     /// The id as text.
@@ -515,18 +498,14 @@ mod tests {
 
     #[test]
     fn canonical_json_is_jcs() {
-        let req =
-            JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "segment": 5.0})).unwrap();
+        let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "segment": 5.0})).unwrap();
         let n = req.normalize(ANONYMOUS).unwrap();
         assert_eq!(
             String::from_utf8(n.canonical_json()).unwrap(),
             r#"{"audio_uri":"file:///a.wav","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
         );
         // The documented example in docs/job-id.md.
-        assert_eq!(
-            n.job_id().as_str(),
-            hex::encode(Sha256::digest(n.canonical_json()))
-        );
+        assert_eq!(n.job_id().as_str(), hex::encode(Sha256::digest(n.canonical_json())));
     }
 
     #[test]
@@ -537,14 +516,8 @@ mod tests {
             (json!({"audio_uri": ""}), "audio_uri"),
             (json!({"audio_uri": 3}), "audio_uri"),
             (json!({"audio_uri": "not a uri"}), "audio_uri"),
-            (
-                json!({"audio_uri": "file:///a", "model": "spleeter"}),
-                "model",
-            ),
-            (
-                json!({"audio_uri": "file:///a", "two_stems": "guitar"}),
-                "two_stems",
-            ),
+            (json!({"audio_uri": "file:///a", "model": "spleeter"}), "model"),
+            (json!({"audio_uri": "file:///a", "two_stems": "guitar"}), "two_stems"),
             (
                 json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}),
                 "two_stems",
@@ -558,10 +531,7 @@ mod tests {
                 json!({"audio_uri": "file:///a", "output_format": "mp3"}),
                 "output_format",
             ),
-            (
-                json!({"audio_uri": "file:///a", "metadata": [1]}),
-                "metadata",
-            ),
+            (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
             (
                 json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}),
                 "webhook",
@@ -589,14 +559,9 @@ mod tests {
 
     #[test]
     fn stems_follow_model_and_two_stems() {
-        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "vocals"}))
-            .unwrap();
-        assert_eq!(
-            r.normalize(ANONYMOUS).unwrap().stems(),
-            ["vocals", "no_vocals"]
-        );
-        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"}))
-            .unwrap();
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "vocals"})).unwrap();
+        assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["vocals", "no_vocals"]);
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"})).unwrap();
         assert_eq!(r.normalize(ANONYMOUS).unwrap().stems().len(), 6);
     }
 }

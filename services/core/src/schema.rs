@@ -7,9 +7,7 @@
 use schemars::{schema_for, JsonSchema};
 use serde_json::Value;
 
-use crate::event::{
-    DeadLettered, Event, Failed, Progress, Rejected, Requested, Retried, Started, Succeeded,
-};
+use crate::event::{DeadLettered, Event, Failed, Progress, Rejected, Requested, Retried, Started, Succeeded};
 use crate::request::JobRequest;
 use crate::view::JobView;
 

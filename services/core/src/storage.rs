@@ -57,10 +57,7 @@ pub enum StorageError {
 impl StorageError {
     /// True when the object does not exist.
     pub fn is_not_found(&self) -> bool {
-        matches!(
-            self,
-            StorageError::Store(object_store::Error::NotFound { .. })
-        )
+        matches!(self, StorageError::Store(object_store::Error::NotFound { .. }))
     }
 }
 
@@ -124,18 +121,11 @@ impl Store {
                     return Err(StorageError::BadUrl(url.to_string()));
                 }
                 let prefix = parsed.path().trim_matches('/').to_string();
-                let s3 = Arc::new(
-                    AmazonS3Builder::from_env()
-                        .with_bucket_name(bucket)
-                        .build()?,
-                );
+                let s3 = Arc::new(AmazonS3Builder::from_env().with_bucket_name(bucket).build()?);
                 let inner: Arc<dyn ObjectStore> = if prefix.is_empty() {
                     s3.clone()
                 } else {
-                    Arc::new(PrefixStore::new(
-                        s3.clone() as Arc<dyn ObjectStore>,
-                        prefix.as_str(),
-                    ))
+                    Arc::new(PrefixStore::new(s3.clone() as Arc<dyn ObjectStore>, prefix.as_str()))
                 };
                 let base = if prefix.is_empty() {
                     format!("s3://{bucket}")
@@ -162,8 +152,7 @@ impl Store {
             path: dir.display().to_string(),
             source,
         })?;
-        let url = url::Url::from_directory_path(&abs)
-            .map_err(|_| StorageError::BadUrl(abs.display().to_string()))?;
+        let url = url::Url::from_directory_path(&abs).map_err(|_| StorageError::BadUrl(abs.display().to_string()))?;
         Store::open(url.as_str())
     }
 
@@ -209,12 +198,10 @@ impl Store {
             }
             hasher.update(&buf[..n]);
             total += n as u64;
-            w.write_all(&buf[..n])
-                .await
-                .map_err(|source| StorageError::Io {
-                    path: key.to_string(),
-                    source,
-                })?;
+            w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io {
+                path: key.to_string(),
+                source,
+            })?;
         }
         w.shutdown().await.map_err(|source| StorageError::Io {
             path: key.to_string(),
@@ -230,12 +217,7 @@ impl Store {
     /// Streams `body` to `key`, hashing and counting on the way; past `limit` bytes it
     /// stops, removes what was written and returns [`StorageError::TooLarge`]. A failing
     /// body also leaves nothing behind.
-    pub async fn put_stream<S, E>(
-        &self,
-        key: &str,
-        body: S,
-        limit: u64,
-    ) -> Result<Stored, StorageError>
+    pub async fn put_stream<S, E>(&self, key: &str, body: S, limit: u64) -> Result<Stored, StorageError>
     where
         S: Stream<Item = Result<Bytes, E>> + Unpin,
         E: std::fmt::Display,
@@ -280,10 +262,7 @@ impl Store {
 
     /// Moves `from` to `to` inside the store (overwriting `to`).
     pub async fn rename(&self, from: &str, to: &str) -> Result<(), StorageError> {
-        Ok(self
-            .inner
-            .rename(&ObjPath::from(from), &ObjPath::from(to))
-            .await?)
+        Ok(self.inner.rename(&ObjPath::from(from), &ObjPath::from(to)).await?)
     }
 
     /// Stores a small object.
@@ -313,11 +292,7 @@ impl Store {
     }
 
     /// Streams an object (or the byte `range` of it).
-    pub async fn get_stream(
-        &self,
-        key: &str,
-        range: Option<Range<u64>>,
-    ) -> Result<ByteStream, StorageError> {
+    pub async fn get_stream(&self, key: &str, range: Option<Range<u64>>) -> Result<ByteStream, StorageError> {
         let opts = GetOptions {
             range: range.map(GetRange::Bounded),
             ..GetOptions::default()
@@ -355,11 +330,7 @@ impl Store {
 
     /// A presigned GET URL for `key`, valid for `expires_in`; `None` for stores that
     /// cannot sign (local files).
-    pub async fn presigned_get(
-        &self,
-        key: &str,
-        expires_in: Duration,
-    ) -> Result<Option<url::Url>, StorageError> {
+    pub async fn presigned_get(&self, key: &str, expires_in: Duration) -> Result<Option<url::Url>, StorageError> {
         let Some((s3, prefix)) = &self.s3 else {
             return Ok(None);
         };
@@ -376,11 +347,7 @@ impl Store {
 
     /// Lists keys under `prefix`.
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
-        let metas: Vec<_> = self
-            .inner
-            .list(Some(&ObjPath::from(prefix)))
-            .try_collect()
-            .await?;
+        let metas: Vec<_> = self.inner.list(Some(&ObjPath::from(prefix))).try_collect().await?;
         Ok(metas.into_iter().map(|m| m.location.to_string()).collect())
     }
 
@@ -426,19 +393,10 @@ mod tests {
         assert_eq!(s.bytes, data.len() as u64);
         assert_eq!(s.sha256, hex::encode(Sha256::digest(&data)));
         assert!(s.uri.starts_with("file:///") && s.uri.ends_with("/jobs/x/a.wav"));
-        assert_eq!(
-            store.get_bytes("jobs/x/a.wav").await.unwrap().len(),
-            data.len()
-        );
-        store
-            .put_bytes("jobs/x/manifest.json", b"{}".to_vec())
-            .await
-            .unwrap();
+        assert_eq!(store.get_bytes("jobs/x/a.wav").await.unwrap().len(), data.len());
+        store.put_bytes("jobs/x/manifest.json", b"{}".to_vec()).await.unwrap();
         assert_eq!(store.list("jobs/x").await.unwrap().len(), 2);
-        assert_eq!(
-            store.size("jobs/x/a.wav").await.unwrap(),
-            Some(data.len() as u64)
-        );
+        assert_eq!(store.size("jobs/x/a.wav").await.unwrap(), Some(data.len() as u64));
         assert_eq!(store.size("jobs/x/nope").await.unwrap(), None);
 
         let back = dir.path().join("back.bin");
@@ -475,25 +433,15 @@ mod tests {
     async fn put_stream_hashes_limits_and_cleans_up() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
-        let chunks = || {
-            futures::stream::iter(
-                (0..10u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 1000]))),
-            )
-        };
-        let s = store
-            .put_stream("uploads/tmp/a", chunks(), 10_000)
-            .await
-            .unwrap();
+        let chunks = || futures::stream::iter((0..10u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 1000]))));
+        let s = store.put_stream("uploads/tmp/a", chunks(), 10_000).await.unwrap();
         assert_eq!(s.bytes, 10_000);
         let all: Vec<u8> = (0..10u8).flat_map(|i| vec![i; 1000]).collect();
         assert_eq!(s.sha256, hex::encode(Sha256::digest(&all)));
         store.rename("uploads/tmp/a", "uploads/b").await.unwrap();
         assert_eq!(store.get_bytes("uploads/b").await.unwrap(), all);
 
-        let e = store
-            .put_stream("uploads/tmp/c", chunks(), 9_999)
-            .await
-            .unwrap_err();
+        let e = store.put_stream("uploads/tmp/c", chunks(), 9_999).await.unwrap_err();
         assert!(matches!(e, StorageError::TooLarge { limit: 9_999 }), "{e}");
         assert_eq!(store.size("uploads/tmp/c").await.unwrap(), None);
 
@@ -501,10 +449,7 @@ mod tests {
             Ok(Bytes::from_static(b"abc")),
             Err(std::io::Error::other("client went away")),
         ]);
-        let e = store
-            .put_stream("uploads/tmp/d", failing, 100)
-            .await
-            .unwrap_err();
+        let e = store.put_stream("uploads/tmp/d", failing, 100).await.unwrap_err();
         assert!(e.to_string().contains("client went away"), "{e}");
         assert_eq!(store.size("uploads/tmp/d").await.unwrap(), None);
     }
@@ -516,13 +461,7 @@ mod tests {
         assert_eq!(s.base_url(), "s3://songs/prod");
         assert!(s.can_presign());
         assert_eq!(Store::open("s3://songs").unwrap().base_url(), "s3://songs");
-        assert!(matches!(
-            Store::open("gs://songs"),
-            Err(StorageError::BadUrl(_))
-        ));
-        assert!(matches!(
-            Store::open("s3:///nobucket"),
-            Err(StorageError::BadUrl(_))
-        ));
+        assert!(matches!(Store::open("gs://songs"), Err(StorageError::BadUrl(_))));
+        assert!(matches!(Store::open("s3:///nobucket"), Err(StorageError::BadUrl(_))));
     }
 }

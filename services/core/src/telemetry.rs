@@ -17,15 +17,10 @@ pub enum LogFormat {
 
 /// Installs the global subscriber (once; later calls are ignored).
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match format {
-        LogFormat::Json => builder
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
-            .try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).try_init(),
         LogFormat::Text => builder.compact().try_init(),
     };
 }

@@ -73,12 +73,7 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
         return Err(refuse("must not contain backslashes or control characters"));
     }
     let lower = uri.to_ascii_lowercase();
-    for (enc, what) in [
-        ("%2e", "dot"),
-        ("%2f", "slash"),
-        ("%5c", "backslash"),
-        ("%00", "NUL"),
-    ] {
+    for (enc, what) in [("%2e", "dot"), ("%2f", "slash"), ("%5c", "backslash"), ("%00", "NUL")] {
         if lower.contains(enc) {
             return Err(refuse(format!(
                 "must not contain `{enc}` (a percent-encoded {what}): path traversal"
@@ -87,16 +82,11 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
     }
     let after_scheme = &uri[scheme.len() + 3..];
     if after_scheme.split('/').any(|seg| seg == ".." || seg == ".") {
-        return Err(refuse(
-            "must not contain `.` or `..` path segments: path traversal",
-        ));
+        return Err(refuse("must not contain `.` or `..` path segments: path traversal"));
     }
     for (i, base) in allowed.iter().enumerate() {
         let base = base.trim_end_matches('/');
-        if let Some(key) = uri
-            .strip_prefix(base)
-            .and_then(|rest| rest.strip_prefix('/'))
-        {
+        if let Some(key) = uri.strip_prefix(base).and_then(|rest| rest.strip_prefix('/')) {
             if key.is_empty() || key.ends_with('/') || key.split('/').any(str::is_empty) {
                 return Err(refuse("must name an object, not a folder"));
             }
@@ -134,10 +124,7 @@ mod tests {
     use super::*;
 
     fn allowed() -> Vec<String> {
-        vec![
-            "file:///srv/stemq/store".to_string(),
-            "s3://songs/prod".to_string(),
-        ]
+        vec!["file:///srv/stemq/store".to_string(), "s3://songs/prod".to_string()]
     }
 
     fn refused(uri: &str) -> String {
@@ -158,10 +145,7 @@ mod tests {
         );
         // A trailing slash on the configured base changes nothing.
         let a = vec!["file:///srv/stemq/store/".to_string()];
-        assert_eq!(
-            store_key("file:///srv/stemq/store/x.wav", &a).unwrap(),
-            (0, "x.wav")
-        );
+        assert_eq!(store_key("file:///srv/stemq/store/x.wav", &a).unwrap(), (0, "x.wav"));
         assert!(check_audio_uri("file:///srv/stemq/store/a%20b.wav", &allowed()).is_ok());
     }
 
@@ -177,10 +161,7 @@ mod tests {
             "http://0.0.0.0/x",
         ] {
             let m = refused(uri);
-            assert!(
-                m.contains("never fetched") && m.contains("/v1/uploads"),
-                "{uri}: {m}"
-            );
+            assert!(m.contains("never fetched") && m.contains("/v1/uploads"), "{uri}: {m}");
         }
         assert!(refused("http://169.254.169.254/latest").contains("link-local"));
         assert!(refused("http://127.0.0.1/").contains("loopback"));
@@ -197,10 +178,7 @@ mod tests {
             "memory:///a",
         ] {
             let m = refused(uri);
-            assert!(
-                m.contains("is not accepted") && m.contains("file, s3"),
-                "{uri}: {m}"
-            );
+            assert!(m.contains("is not accepted") && m.contains("file, s3"), "{uri}: {m}");
         }
         assert!(refused("not a uri").contains("not an absolute URI"));
         let none = check_audio_uri("file:///a.wav", &[]).unwrap_err();
@@ -230,10 +208,7 @@ mod tests {
             "s3://songs/staging/a.wav",
             "s3://songs/production/a.wav",
         ] {
-            assert!(
-                refused(uri).contains("outside the configured bucket"),
-                "{uri}"
-            );
+            assert!(refused(uri).contains("outside the configured bucket"), "{uri}");
         }
     }
 

@@ -427,20 +427,12 @@ mod tests {
             started(2),
             succeeded(2),
         ]);
-        assert_eq!(
-            (v.status, v.attempt, v.retries),
-            (JobStatus::Succeeded, 2, 1)
-        );
+        assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Succeeded, 2, 1));
     }
 
     #[test]
     fn permanent_failure_is_terminal() {
-        let v = given(&[
-            requested(),
-            started(1),
-            failed(1, FailureClass::Permanent),
-            started(2),
-        ]);
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Permanent), started(2)]);
         assert_eq!(v.status, JobStatus::Failed);
         assert_eq!(v.attempt, 1);
     }
@@ -478,12 +470,7 @@ mod tests {
     #[test]
     fn stale_attempts_are_ignored() {
         // attempt 2 started; a late failure and progress from attempt 1 arrive afterwards
-        let v = given(&[
-            requested(),
-            started(1),
-            started(2),
-            failed(1, FailureClass::Transient),
-        ]);
+        let v = given(&[requested(), started(1), started(2), failed(1, FailureClass::Transient)]);
         assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Running, 2, 0));
         let p = apply(Some(&v), Position::Progress(1), &progress(1, 40.0));
         assert_eq!(p, None);
@@ -505,10 +492,7 @@ mod tests {
     #[test]
     fn progress_only_while_running() {
         let v = given(&[requested()]);
-        assert_eq!(
-            apply(Some(&v), Position::Progress(1), &progress(1, 10.0)),
-            None
-        );
+        assert_eq!(apply(Some(&v), Position::Progress(1), &progress(1, 10.0)), None);
     }
 
     #[test]

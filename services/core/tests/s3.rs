@@ -36,11 +36,7 @@ fn find_binary() -> Option<PathBuf> {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// One plain HTTP/1.1 request; returns (status, body).
@@ -54,25 +50,17 @@ fn http(port: u16, method: &str, path_and_query: &str) -> (u16, Vec<u8>) {
     .unwrap();
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
-    let head_end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("HTTP response")
-        + 4;
+    let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("HTTP response") + 4;
     let head = String::from_utf8_lossy(&raw[..head_end]).to_string();
     let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
     let mut body = raw[head_end..].to_vec();
     if chunked {
         let mut out = Vec::new();
         let mut rest = &body[..];
         loop {
             let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
-            let n =
-                usize::from_str_radix(std::str::from_utf8(&rest[..line_end]).unwrap().trim(), 16)
-                    .unwrap();
+            let n = usize::from_str_radix(std::str::from_utf8(&rest[..line_end]).unwrap().trim(), 16).unwrap();
             if n == 0 {
                 break;
             }
@@ -116,12 +104,7 @@ async fn s3_store_round_trip() {
     };
     let (_server, port) = start(&bin);
     let (status, body) = http(port, "PUT", "/stemq-test");
-    assert_eq!(
-        status,
-        200,
-        "creating the bucket: {}",
-        String::from_utf8_lossy(&body)
-    );
+    assert_eq!(status, 200, "creating the bucket: {}", String::from_utf8_lossy(&body));
 
     // The only process-wide state this test binary has; set before any store exists.
     for (k, v) in [
@@ -135,10 +118,7 @@ async fn s3_store_round_trip() {
     }
     let store = Store::open("s3://stemq-test/pre").unwrap();
     assert_eq!(store.base_url(), "s3://stemq-test/pre");
-    assert_eq!(
-        store.uri("jobs/x/a.wav"),
-        "s3://stemq-test/pre/jobs/x/a.wav"
-    );
+    assert_eq!(store.uri("jobs/x/a.wav"), "s3://stemq-test/pre/jobs/x/a.wav");
 
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("in.bin");
@@ -172,10 +152,7 @@ async fn s3_store_round_trip() {
         .await
         .unwrap();
     assert_eq!(part.concat(), data[1000..1010]);
-    assert_eq!(
-        store.size("jobs/x/a.wav").await.unwrap(),
-        Some(data.len() as u64)
-    );
+    assert_eq!(store.size("jobs/x/a.wav").await.unwrap(), Some(data.len() as u64));
     assert_eq!(store.size("jobs/x/none").await.unwrap(), None);
     let missing = store.get_bytes("jobs/x/none").await.unwrap_err();
     assert!(missing.is_not_found(), "{missing}");
@@ -187,13 +164,8 @@ async fn s3_store_round_trip() {
     assert!(listing.contains("<Key>pre/jobs/x/a.wav</Key>"), "{listing}");
 
     // Streamed upload with limit, then a move to its final key.
-    let chunks = futures::stream::iter(
-        (0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))),
-    );
-    let up = store
-        .put_stream("uploads/tmp/u1", chunks, 1 << 20)
-        .await
-        .unwrap();
+    let chunks = futures::stream::iter((0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))));
+    let up = store.put_stream("uploads/tmp/u1", chunks, 1 << 20).await.unwrap();
     assert_eq!(up.bytes, 400_000);
     store
         .rename("uploads/tmp/u1", &format!("uploads/{}.bin", up.sha256))
@@ -203,13 +175,8 @@ async fn s3_store_round_trip() {
         store.list("uploads").await.unwrap(),
         vec![format!("uploads/{}.bin", up.sha256)]
     );
-    let too_big = futures::stream::iter(
-        (0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))),
-    );
-    let e = store
-        .put_stream("uploads/tmp/u2", too_big, 250_000)
-        .await
-        .unwrap_err();
+    let too_big = futures::stream::iter((0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))));
+    let e = store.put_stream("uploads/tmp/u2", too_big, 250_000).await.unwrap_err();
     assert!(matches!(e, StorageError::TooLarge { .. }), "{e}");
     assert_eq!(store.size("uploads/tmp/u2").await.unwrap(), None);
 

@@ -84,18 +84,15 @@ pub struct AppState {
 
 impl AppState {
     /// Opens the bucket and stream, and starts the list index.
-    pub async fn new(
-        client: async_nats::Client,
-        shutdown: CancellationToken,
-    ) -> Result<AppState, IngressError> {
+    pub async fn new(client: async_nats::Client, shutdown: CancellationToken) -> Result<AppState, IngressError> {
         let js = jetstream::new(client);
-        let kv =
-            js.get_key_value(names::JOBS_BUCKET)
-                .await
-                .map_err(|e| IngressError::JetStream {
-                    what: "open bucket",
-                    message: e.to_string(),
-                })?;
+        let kv = js
+            .get_key_value(names::JOBS_BUCKET)
+            .await
+            .map_err(|e| IngressError::JetStream {
+                what: "open bucket",
+                message: e.to_string(),
+            })?;
         let jobs = js
             .get_stream_no_info(names::JOBS_STREAM)
             .await
@@ -151,9 +148,7 @@ impl AppState {
 
 /// Binds the listener (port 0 picks a free one).
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, IngressError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|e| IngressError::Bind(addr, e))
+    TcpListener::bind(addr).await.map_err(|e| IngressError::Bind(addr, e))
 }
 
 /// Runs the ingress on `listener` until `shutdown`, without an object store (uploads
@@ -282,11 +277,7 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     }
 }
 
-async fn create(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
+async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let traceparent = headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
@@ -309,10 +300,7 @@ async fn create(
         .into_response())
 }
 
-async fn status(
-    State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> Result<Json<JobView>, ApiError> {
+async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
     let not_found = || ApiError {
         status: StatusCode::NOT_FOUND,
         code: "not_found",
@@ -335,10 +323,7 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-async fn list(
-    State(state): State<AppState>,
-    Query(q): Query<ListQuery>,
-) -> Result<Response, ApiError> {
+async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
     let bad = |field: &str, message: String| ApiError {
         status: StatusCode::UNPROCESSABLE_ENTITY,
         code: "invalid_request",
@@ -347,9 +332,7 @@ async fn list(
     };
     let status = match q.status.as_deref() {
         None | Some("") => None,
-        Some(s) => Some(
-            JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?,
-        ),
+        Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),
     };
     let limit = q.limit.unwrap_or(50);
     if !(1..=1000).contains(&limit) {
@@ -373,15 +356,11 @@ async fn list(
             })
         })
         .flatten();
-    Ok(Json(
-        json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() }),
-    )
-    .into_response())
+    Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
 }
 
 async fn ready(State(state): State<AppState>) -> Response {
-    let connected =
-        state.js.client().connection_state() == async_nats::connection::State::Connected;
+    let connected = state.js.client().connection_state() == async_nats::connection::State::Connected;
     if connected && names::ready(&state.js).await {
         (StatusCode::OK, "ready").into_response()
     } else {
@@ -395,9 +374,5 @@ async fn ready(State(state): State<AppState>) -> Response {
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
     let body = state.metrics.render().await;
-    (
-        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-        body,
-    )
-        .into_response()
+    ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }

@@ -56,11 +56,7 @@ impl Metrics {
         let submits = Family::<SubmitLabels, Counter>::default();
         let pending = Family::<ConsumerLabels, Gauge>::default();
         let in_flight = Family::<ConsumerLabels, Gauge>::default();
-        registry.register(
-            "stemq_http_requests",
-            "HTTP requests by route and status",
-            http.clone(),
-        );
+        registry.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
         registry.register(
             "stemq_http_request_duration_seconds",
             "HTTP request latency",
@@ -100,9 +96,7 @@ impl Metrics {
             status,
         };
         self.http.get_or_create(&l).inc();
-        self.http_latency
-            .get_or_create(&l)
-            .observe(took.as_secs_f64());
+        self.http_latency.get_or_create(&l).observe(took.as_secs_f64());
     }
 
     /// Records one submit.
@@ -122,8 +116,7 @@ impl Metrics {
             (names::JOBS_STREAM, names::WORKERS_CONSUMER),
             (names::JOBS_STREAM, names::PROJECTOR_CONSUMER),
         ] {
-            let c: Result<PullConsumer, _> =
-                self.js.get_consumer_from_stream(consumer, stream).await;
+            let c: Result<PullConsumer, _> = self.js.get_consumer_from_stream(consumer, stream).await;
             if let Ok(mut c) = c {
                 if let Ok(info) = c.info().await {
                     let l = ConsumerLabels {
@@ -134,15 +127,12 @@ impl Metrics {
                         },
                     };
                     self.pending.get_or_create(&l).set(info.num_pending as i64);
-                    self.in_flight
-                        .get_or_create(&l)
-                        .set(info.num_ack_pending as i64);
+                    self.in_flight.get_or_create(&l).set(info.num_ack_pending as i64);
                 }
             }
         }
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("metrics encode");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("metrics encode");
         out
     }
 }

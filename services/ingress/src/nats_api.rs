@@ -20,9 +20,7 @@ pub async fn serve(
     state: AppState,
     shutdown: CancellationToken,
 ) -> Result<(), async_nats::SubscribeError> {
-    let mut sub = client
-        .queue_subscribe(SUBMIT_SUBJECT, "ingress".to_string())
-        .await?;
+    let mut sub = client.queue_subscribe(SUBMIT_SUBJECT, "ingress".to_string()).await?;
     loop {
         let msg = tokio::select! {
             _ = shutdown.cancelled() => break,

@@ -9,10 +9,7 @@ use serde_json::{json, Value};
 fn schema<T: schemars::JsonSchema>() -> Value {
     let mut v = serde_json::to_value(schemars::schema_for!(T)).expect("schema");
     // Component schemas refer to each other through #/components/schemas.
-    let defs = v
-        .as_object_mut()
-        .and_then(|o| o.remove("$defs"))
-        .unwrap_or(json!({}));
+    let defs = v.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(json!({}));
     let text = serde_json::to_string(&v)
         .expect("json")
         .replace("#/$defs/", "#/components/schemas/");

@@ -121,28 +121,17 @@ pub(crate) async fn download(
             Ok((_, key)) => key.to_string(),
             Err(e) => {
                 warn!(uri = %output.uri, error = %e, "stem is not in this ingress's store");
-                return Err(not_found(format!(
-                    "stem `{stem}` of job {job_id} is not in this store"
-                )));
+                return Err(not_found(format!("stem `{stem}` of job {job_id} is not in this store")));
             }
         };
         if store.can_presign() {
-            let url = store
-                .presigned_get(&key, storage.presign_ttl)
-                .await
-                .map_err(internal)?;
+            let url = store.presigned_get(&key, storage.presign_ttl).await.map_err(internal)?;
             if let Some(url) = url {
-                return Ok((
-                    StatusCode::TEMPORARY_REDIRECT,
-                    [(header::LOCATION, url.to_string())],
-                )
-                    .into_response());
+                return Ok((StatusCode::TEMPORARY_REDIRECT, [(header::LOCATION, url.to_string())]).into_response());
             }
         }
         let Some(size) = store.size(&key).await.map_err(internal)? else {
-            return Err(not_found(format!(
-                "stem `{stem}` of job {job_id} is no longer stored"
-            )));
+            return Err(not_found(format!("stem `{stem}` of job {job_id} is no longer stored")));
         };
         let ext = key.rsplit_once('.').map(|(_, e)| e).unwrap_or("");
         let content_type = match ext {
@@ -159,10 +148,7 @@ pub(crate) async fn download(
         if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{stem}.{ext}\"")) {
             out.insert(header::CONTENT_DISPOSITION, v);
         }
-        let range = parse_range(
-            headers.get(header::RANGE).and_then(|v| v.to_str().ok()),
-            size,
-        );
+        let range = parse_range(headers.get(header::RANGE).and_then(|v| v.to_str().ok()), size);
         let (status, range) = match range {
             RangeRequest::Full => (StatusCode::OK, None),
             RangeRequest::Partial(r) => (StatusCode::PARTIAL_CONTENT, Some(r)),
@@ -177,10 +163,7 @@ pub(crate) async fn download(
         let len = range.as_ref().map(|r| r.end - r.start).unwrap_or(size);
         if let Some(r) = &range {
             let v = format!("bytes {}-{}/{size}", r.start, r.end - 1);
-            out.insert(
-                header::CONTENT_RANGE,
-                HeaderValue::from_str(&v).expect("ascii"),
-            );
+            out.insert(header::CONTENT_RANGE, HeaderValue::from_str(&v).expect("ascii"));
         }
         out.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         let body = if len == 0 {

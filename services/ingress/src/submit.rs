@@ -47,12 +47,7 @@ pub async fn submit(
 ) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let req = JobRequest::from_slice(body)?;
     let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
-    let mut event = Event::requested(
-        normalized,
-        req.webhook.clone(),
-        req.metadata.clone(),
-        "/stemq/ingress",
-    );
+    let mut event = Event::requested(normalized, req.webhook.clone(), req.metadata.clone(), "/stemq/ingress");
     event.traceparent = traceparent;
     let id = event.subject.clone();
     let subject = job_subject(&id, SubjectKind::Requested);

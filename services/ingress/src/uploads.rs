@@ -106,12 +106,7 @@ fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let ct = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let ct = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     Ok(match ct.as_str() {
         "audio/wav" | "audio/x-wav" | "audio/wave" | "audio/vnd.wave" => "wav",
         "audio/flac" | "audio/x-flac" => "flac",

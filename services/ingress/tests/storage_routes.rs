@@ -45,9 +45,7 @@ impl Stack {
             .unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
         let stop = CancellationToken::new();
-        let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap();
+        let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let http = listener.local_addr().unwrap();
         let mut tasks = Vec::new();
 
@@ -208,10 +206,7 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(view["status"], "succeeded", "{view}");
     let outputs = view["outputs"].as_array().unwrap();
     assert_eq!(
-        outputs
-            .iter()
-            .map(|o| o["stem"].as_str().unwrap())
-            .collect::<Vec<_>>(),
+        outputs.iter().map(|o| o["stem"].as_str().unwrap()).collect::<Vec<_>>(),
         ["vocals", "no_vocals"]
     );
 
@@ -251,21 +246,11 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(&body[..4], b"RIFF");
 
     // Ranges.
-    let resp = http
-        .get(&url)
-        .header("range", "bytes=0-3")
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(&url).header("range", "bytes=0-3").send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PARTIAL_CONTENT);
     assert_eq!(resp.headers()["content-range"], format!("bytes 0-3/{size}"));
     assert_eq!(&resp.bytes().await.unwrap()[..], b"RIFF");
-    let resp = http
-        .get(&url)
-        .header("range", "bytes=-10")
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(&url).header("range", "bytes=-10").send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PARTIAL_CONTENT);
     assert_eq!(resp.bytes().await.unwrap(), body[size - 10..]);
     let resp = http
@@ -286,10 +271,7 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
     let err: Value = resp.json().await.unwrap();
     assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("vocals, no_vocals"),
+        err["error"]["message"].as_str().unwrap().contains("vocals, no_vocals"),
         "{err}"
     );
     let other = "0".repeat(64);

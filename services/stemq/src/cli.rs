@@ -33,23 +33,13 @@ pub struct Global {
     #[arg(long, env = "STEMQ_STORE", global = true)]
     pub store: Option<String>,
     /// Worker ack deadline in ms (progress acks keep long jobs alive).
-    #[arg(
-        long,
-        env = "STEMQ_ACK_WAIT_MS",
-        default_value_t = 30_000,
-        global = true
-    )]
+    #[arg(long, env = "STEMQ_ACK_WAIT_MS", default_value_t = 30_000, global = true)]
     pub ack_wait_ms: u64,
     /// Deliveries before a job is dead-lettered.
     #[arg(long, env = "STEMQ_MAX_DELIVER", default_value_t = 5, global = true)]
     pub max_deliver: i64,
     /// Dedupe window of the job stream in ms.
-    #[arg(
-        long,
-        env = "STEMQ_DEDUPE_WINDOW_MS",
-        default_value_t = 120_000,
-        global = true
-    )]
+    #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000, global = true)]
     pub dedupe_window_ms: u64,
     /// Log format: json or text (default: text on a terminal, json otherwise).
     #[arg(long, env = "STEMQ_LOG_FORMAT", global = true)]
@@ -166,11 +156,7 @@ pub enum DlqCommand {
 #[derive(Debug, Args, Clone)]
 pub struct DevArgs {
     /// HTTP listen address.
-    #[arg(
-        long = "http",
-        env = "STEMQ_HTTP_ADDR",
-        default_value = "127.0.0.1:8080"
-    )]
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http: SocketAddr,
     #[command(flatten)]
     pub worker: WorkerOpts,
@@ -179,11 +165,7 @@ pub struct DevArgs {
 #[derive(Debug, Args, Clone)]
 pub struct IngressArgs {
     /// HTTP listen address.
-    #[arg(
-        long = "http",
-        env = "STEMQ_HTTP_ADDR",
-        default_value = "127.0.0.1:8080"
-    )]
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http: SocketAddr,
 }
 
@@ -259,12 +241,7 @@ pub struct SubmitArgs {
     pub wait: bool,
     /// With `--wait`: copy the stems into this folder as `<stem>.<ext>` once the job
     /// has succeeded.
-    #[arg(
-        short = 'o',
-        long = "output-dir",
-        value_name = "DIR",
-        requires = "wait"
-    )]
+    #[arg(short = 'o', long = "output-dir", value_name = "DIR", requires = "wait")]
     pub output_dir: Option<PathBuf>,
 }
 
@@ -291,8 +268,8 @@ pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -316,10 +293,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         } => {
             let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
             stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
-            println!(
-                "applied streams, consumers and the KV bucket at {}",
-                g.nats_url()
-            );
+            println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
             Ok(())
         }
         Command::Submit(a) => crate::client::submit(&g, a).await,

@@ -83,11 +83,7 @@ async fn download_stems(store: &Store, view: &JobView, dir: &Path) -> Result<()>
             .await
             .with_context(|| format!("downloading {}", o.uri))?;
         if bytes != o.bytes {
-            bail!(
-                "{}: got {bytes} bytes, the job recorded {}",
-                dest.display(),
-                o.bytes
-            );
+            bail!("{}: got {bytes} bytes, the job recorded {}", dest.display(), o.bytes);
         }
         println!("{:<12} {}", o.stem, dest.display());
     }
@@ -262,20 +258,9 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
         .clone()
         .ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
     request.retry_of = Some(id.clone());
-    let ev = Event::requested(
-        request,
-        view.webhook.clone(),
-        view.metadata.clone(),
-        "/stemq/cli",
-    );
+    let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
     let new_id = ev.subject.clone();
-    let created = publish_once(
-        &js,
-        &job_subject(&new_id, SubjectKind::Requested),
-        &ev,
-        new_id.as_str(),
-    )
-    .await?;
+    let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
     let link = Event::new(
         &id,
         "/stemq/cli",

@@ -22,8 +22,7 @@ use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::event::{
-    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started,
-    Succeeded,
+    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started, Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -37,11 +36,7 @@ use crate::Shared;
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
-pub(crate) async fn handle(
-    shared: &Arc<Shared>,
-    msg: jetstream::Message,
-    hard_stop: &CancellationToken,
-) {
+pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_stop: &CancellationToken) {
     let info = match msg.info() {
         Ok(i) => (i.delivered.max(1) as u32, i.stream_sequence),
         Err(e) => {
@@ -91,9 +86,7 @@ async fn run_delivery(
             return;
         }
     };
-    let traceparent = Event::from_slice(&msg.payload)
-        .ok()
-        .and_then(|e| e.traceparent);
+    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
     match shared
@@ -102,19 +95,14 @@ async fn run_delivery(
         .await
     {
         Ok(_) => {
-            info!(
-                event = "skip.already_done",
-                "job already has an outcome; acking"
-            );
+            info!(event = "skip.already_done", "job already has an outcome; acking");
             let _ = msg.double_ack().await;
             return;
         }
         Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
         Err(e) => {
             warn!(error = %e, "cannot check for an outcome; retrying later");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }
     }
@@ -135,8 +123,7 @@ async fn run_delivery(
     started.traceparent = traceparent.clone();
     let js = shared.js.clone();
     let started_subject = job_subject(&job_id, SubjectKind::Started);
-    let started_pub =
-        tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
+    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
     let t0 = Instant::now();
 
     let msg = Arc::new(msg);
@@ -246,14 +233,7 @@ async fn run_delivery(
                     retry_in_ms: Some(delay.as_millis() as u64),
                 }),
             );
-            if let Err(e) = publish(
-                &shared.js,
-                &job_subject(&job_id, SubjectKind::Failed),
-                &ev,
-                None,
-            )
-            .await
-            {
+            if let Err(e) = publish(&shared.js, &job_subject(&job_id, SubjectKind::Failed), &ev, None).await {
                 warn!(error = %e, "failure event not stored");
             }
             let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
@@ -267,15 +247,10 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
         Ok(Once::Stored(_)) => {}
-        Ok(Once::AlreadyThere) => info!(
-            event = "skip.already_done",
-            "another outcome was recorded first"
-        ),
+        Ok(Once::AlreadyThere) => info!(event = "skip.already_done", "another outcome was recorded first"),
         Err(e) => {
             warn!(error = %e, "outcome not stored; the job will be redelivered");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }
     }
@@ -286,8 +261,7 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
 }
 
 fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
-    let ev = Event::from_slice(payload)
-        .map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
+    let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
     let EventBody::Requested(r) = ev.body else {
         return Err((
             "invalid_event",
@@ -318,10 +292,7 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         n
     }) {
         Ok(n) if n == r.request => Ok(r),
-        Ok(_) => Err((
-            "invalid_request",
-            "the request is not in normalised form".into(),
-        )),
+        Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
         Err(e) => Err(("invalid_request", e.to_string())),
     }
 }
@@ -366,9 +337,7 @@ struct Ctx {
 
 impl EngineContext for Ctx {
     fn progress(&self, fraction: f32, stage: &str) {
-        let _ = self
-            .progress
-            .send(Some((fraction.clamp(0.0, 1.0), stage.to_string())));
+        let _ = self.progress.send(Some((fraction.clamp(0.0, 1.0), stage.to_string())));
     }
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
@@ -376,11 +345,7 @@ impl EngineContext for Ctx {
 }
 
 /// The rungs of the out-of-memory ladder: (device, segment).
-fn ladder(
-    devices: &[String],
-    requested: Option<f64>,
-    max_segment: Option<f64>,
-) -> Vec<(String, Option<f64>)> {
+fn ladder(devices: &[String], requested: Option<f64>, max_segment: Option<f64>) -> Vec<(String, Option<f64>)> {
     let first = devices.first().cloned().unwrap_or_else(|| "cpu".into());
     let mut rungs = vec![(first.clone(), requested)];
     let base = requested.or(max_segment);
@@ -405,12 +370,9 @@ async fn run_engine(
     let dir = shared.config.scratch.join(format!("{job_id}-{attempt}"));
     let _cleanup = ScratchDir(dir.clone());
     let out_dir = dir.join("out");
-    tokio::fs::create_dir_all(&out_dir).await.map_err(|e| {
-        Failure::transient(
-            "scratch",
-            format!("cannot create {}: {e}", out_dir.display()),
-        )
-    })?;
+    tokio::fs::create_dir_all(&out_dir)
+        .await
+        .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
         fetch_input(shared, &requested.request.audio_uri, &dir).await?
     } else {
@@ -503,12 +465,8 @@ async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, 
     let path = dir.join("input");
     let t0 = Instant::now();
     let bytes = store.get_to_file(key, &path).await.map_err(|e| match e {
-        e if e.is_not_found() => {
-            Failure::permanent("input_not_found", format!("{uri} does not exist"))
-        }
-        e @ stemq_core::storage::StorageError::Io { .. } => {
-            Failure::transient("scratch", e.to_string())
-        }
+        e if e.is_not_found() => Failure::permanent("input_not_found", format!("{uri} does not exist")),
+        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient("scratch", e.to_string()),
         e => Failure::transient("storage", e.to_string()),
     })?;
     info!(
