@@ -51,10 +51,7 @@ impl Cursor {
     /// Parses [`Cursor::encode`]'s form.
     pub fn decode(s: &str) -> Option<Cursor> {
         let (ms, id) = s.split_once('.')?;
-        Some(Cursor {
-            created_ms: ms.parse().ok()?,
-            id: JobId::parse(id)?,
-        })
+        Some(Cursor { created_ms: ms.parse().ok()?, id: JobId::parse(id)? })
     }
 }
 
@@ -102,10 +99,7 @@ impl ListIndex {
         let iter: Box<dyn Iterator<Item = &Key>> = match after {
             Some(c) => {
                 let start = (Reverse(c.created_ms), c.id.clone());
-                Box::new(
-                    set.range(start..)
-                        .skip_while(move |k| k.0 .0 == c.created_ms && k.1 == c.id),
-                )
+                Box::new(set.range(start..).skip_while(move |k| k.0 .0 == c.created_ms && k.1 == c.id))
             }
             None => Box::new(set.iter()),
         };
@@ -211,10 +205,7 @@ mod tests {
         let ok = idx.page(Some(JobStatus::Succeeded), 10, None);
         assert_eq!(ok.iter().map(|x| x.1).collect::<Vec<_>>(), [1007, 1003]);
         assert_eq!(idx.page(Some(JobStatus::Queued), 100, None).len(), 8);
-        let c = Cursor {
-            created_ms: all[3].1,
-            id: all[3].0.clone(),
-        };
+        let c = Cursor { created_ms: all[3].1, id: all[3].0.clone() };
         let next = idx.page(None, 3, Some(&Cursor::decode(&c.encode()).unwrap()));
         assert_eq!(next.iter().map(|x| x.1).collect::<Vec<_>>(), [1005, 1004, 1003]);
         idx.remove(&all[0].0);

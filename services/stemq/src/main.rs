@@ -11,10 +11,7 @@ use clap::Parser;
 fn main() -> std::process::ExitCode {
     let args = cli::Cli::parse();
     stemq_core::telemetry::init(args.log_format());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     match rt.block_on(cli::run(args)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
