@@ -1,1 +1,385 @@
-//! placeholder
+//! Test harness: a real `nats-server` per test and the stemq services around it.
+//!
+//! This crate owns how integration tests stand the system up. [`Stack::start`] starts a
+//! fresh `nats-server` (random port, temp store; killable and restartable), applies the
+//! NATS definitions with short timers, and runs the ingress (HTTP on port 0), the
+//! projector and, if asked, in-process workers with the fake engine. Workers can also be
+//! started as child processes of the real `stemq` command ([`Stack::spawn_worker`]) for
+//! SIGKILL, SIGTERM and crash-loop tests. Waiting is always polling with a deadline,
+//! never a fixed sleep.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use serde_json::Value;
+use stemq_core::engine::{Engine, FakeEngine};
+use stemq_core::nats::{self as names, Settings};
+use stemq_core::nats_server::NatsServer;
+use stemq_core::storage::Store;
+use stemq_core::{Event, JobId, JobStatus, JobView};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Knobs of a test stack.
+#[derive(Clone)]
+pub struct StackOptions {
+    /// NATS definition overrides (short ack wait etc.).
+    pub settings: Settings,
+    /// In-process fake workers (job loops).
+    pub workers: usize,
+    /// Backoff base of in-process workers.
+    pub backoff_base: Duration,
+    /// Hard time limit of in-process workers.
+    pub time_limit: Duration,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            settings: Settings {
+                ack_wait: Duration::from_secs(2),
+                max_deliver: 5,
+                duplicate_window: Duration::from_secs(120),
+                replicas: 1,
+            },
+            workers: 1,
+            backoff_base: Duration::from_millis(100),
+            time_limit: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A running test system.
+pub struct Stack {
+    /// The server (kill / restart it for fault tests).
+    pub server: NatsServer,
+    /// Temp dir holding the server store, object store and scratch.
+    pub dir: tempfile::TempDir,
+    /// A client for the test itself.
+    pub client: async_nats::Client,
+    /// JetStream on that client.
+    pub js: jetstream::Context,
+    /// The status bucket.
+    pub kv: kv::Store,
+    /// The ingress address.
+    pub http: SocketAddr,
+    /// The object store the workers write to.
+    pub store: Store,
+    /// Options it was started with.
+    pub options: StackOptions,
+    http_client: reqwest::Client,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    workers: Vec<(CancellationToken, JoinHandle<()>)>,
+}
+
+impl Stack {
+    /// Starts server, ingress, projector and `options.workers` in-process fake workers.
+    pub async fn start(options: StackOptions) -> Stack {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store_dir = dir.path().join("nats");
+        let server = tokio::task::spawn_blocking(move || NatsServer::start(&store_dir, 0))
+            .await
+            .unwrap()
+            .expect("nats-server starts (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
+        let client = names::connect(&server.url(), "test").await.expect("connect");
+        let js = jetstream::new(client.clone());
+        names::apply(&js, &options.settings).await.expect("apply definitions");
+        let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
+        let store = Store::local(&dir.path().join("store")).expect("store");
+        let stop = CancellationToken::new();
+        let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.expect("bind");
+        let http = listener.local_addr().unwrap();
+        let mut tasks = Vec::new();
+        {
+            let c = names::connect(&server.url(), "ingress").await.unwrap();
+            let s = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                stemq_ingress::run(
+                    c,
+                    listener,
+                    stemq_ingress::Config {
+                        listen: http,
+                        nats_submit: true,
+                    },
+                    s,
+                )
+                .await
+                .expect("ingress runs");
+            }));
+        }
+        {
+            let c = names::connect(&server.url(), "projector").await.unwrap();
+            let s = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                stemq_projector::run(c, Default::default(), s)
+                    .await
+                    .expect("projector runs");
+            }));
+        }
+        let mut stack = Stack {
+            server,
+            dir,
+            client,
+            js,
+            kv,
+            http,
+            store,
+            options: options.clone(),
+            http_client: reqwest::Client::new(),
+            stop,
+            tasks,
+            workers: Vec::new(),
+        };
+        for _ in 0..options.workers {
+            stack.add_worker(Arc::new(FakeEngine::default())).await;
+        }
+        stack
+    }
+
+    /// Starts one more in-process worker with `engine`; returns its index.
+    pub async fn add_worker(&mut self, engine: Arc<dyn Engine>) -> usize {
+        let c = names::connect(&self.server.url(), "worker").await.unwrap();
+        let mut config = stemq_worker::Config::new(self.store.clone(), self.dir.path().join("scratch"));
+        config.name = format!("inproc-{}", self.workers.len());
+        config.backoff.base = self.options.backoff_base;
+        config.time_limit = self.options.time_limit;
+        config.grace = Duration::from_secs(30);
+        let token = CancellationToken::new();
+        let t = token.clone();
+        let handle = tokio::spawn(async move {
+            stemq_worker::run(c, engine, config, t).await.expect("worker runs");
+        });
+        self.workers.push((token, handle));
+        self.workers.len() - 1
+    }
+
+    /// Stops in-process worker `i` (graceful) and waits for it.
+    pub async fn stop_worker(&mut self, i: usize) {
+        let (t, h) = &mut self.workers[i];
+        t.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
+    }
+
+    /// Base URL of the HTTP API.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.http, path)
+    }
+
+    /// POSTs a JSON body to /v1/separations; returns (status, body).
+    pub async fn submit(&self, body: &Value) -> (u16, Value) {
+        self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap())
+            .await
+    }
+
+    /// POSTs raw bytes.
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .http_client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("http");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// GETs a path; returns (status, JSON body or Null).
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self.http_client.get(self.url(path)).send().await.expect("http");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// GETs a path as text.
+    pub async fn get_text(&self, path: &str) -> (u16, String) {
+        let r = self.http_client.get(self.url(path)).send().await.expect("http");
+        (r.status().as_u16(), r.text().await.unwrap_or_default())
+    }
+
+    /// Reads a job's view from the bucket.
+    pub async fn view(&self, id: &JobId) -> Option<JobView> {
+        stemq_projector::get_view(&self.kv, id)
+            .await
+            .ok()
+            .flatten()
+            .map(|(v, _)| v)
+    }
+
+    /// Waits until the job's view satisfies `pred`; panics with the last view after
+    /// `timeout`.
+    pub async fn wait_for(&self, id: &JobId, timeout: Duration, pred: impl Fn(&JobView) -> bool) -> JobView {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let v = self.view(id).await;
+            if let Some(v) = &v {
+                if pred(v) {
+                    return v.clone();
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!("job {id} did not reach the expected state in {timeout:?}; last view: {v:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits for a terminal view.
+    pub async fn wait_terminal(&self, id: &JobId, timeout: Duration) -> JobView {
+        self.wait_for(id, timeout, |v| v.status.is_terminal()).await
+    }
+
+    /// Waits until `status`.
+    pub async fn wait_status(&self, id: &JobId, status: JobStatus, timeout: Duration) -> JobView {
+        self.wait_for(id, timeout, |v| v.status == status || v.status.is_terminal())
+            .await
+    }
+
+    /// Every event stored for a job, in log order (job stream only).
+    pub async fn events(&self, id: &JobId) -> Vec<Event> {
+        let stream = self.js.get_stream(names::JOBS_STREAM).await.unwrap();
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: format!("{}.{id}.>", names::JOBS_PREFIX),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut info = consumer.clone();
+        let pending = info.info().await.unwrap().num_pending;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return out;
+        }
+        let mut msgs = consumer.messages().await.unwrap();
+        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
+            out.push(Event::from_slice(&m.payload).expect("stored events parse"));
+            if out.len() as u64 >= pending {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Number of messages stored on `subject`.
+    pub async fn count_on(&self, subject: &str) -> u64 {
+        let stream = self.js.get_stream(names::JOBS_STREAM).await.unwrap();
+        let info = stream.info_with_subjects(subject).await.unwrap();
+        futures::pin_mut!(info);
+        let mut n = 0;
+        while let Some(Ok((_, c))) = info.next().await {
+            n += c as u64;
+        }
+        n
+    }
+
+    /// Starts `stemq worker` as a child process with the fake engine and the stack's
+    /// settings; `extra` adds environment variables.
+    pub fn spawn_worker(&self, name: &str, extra: &[(&str, &str)]) -> Child {
+        let s = &self.options.settings;
+        let mut cmd = Command::new(Stack::stemq_bin());
+        cmd.arg("worker")
+            .env("NATS_URL", self.server.url())
+            .env("STEMQ_DATA_DIR", self.dir.path())
+            .env("STEMQ_STORE", self.store.base_url())
+            .env("STEMQ_ACK_WAIT_MS", s.ack_wait.as_millis().to_string())
+            .env("STEMQ_MAX_DELIVER", s.max_deliver.to_string())
+            .env("STEMQ_DEDUPE_WINDOW_MS", s.duplicate_window.as_millis().to_string())
+            .env(
+                "STEMQ_BACKOFF_BASE_MS",
+                self.options.backoff_base.as_millis().to_string(),
+            )
+            .env("STEMQ_WORKER_NAME", name)
+            .env("STEMQ_ENGINE", "fake")
+            .env("STEMQ_LOG_FORMAT", "json")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(self.dir.path().join(format!("{name}.log"))).expect("log file"),
+            ));
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        cmd.spawn().expect("spawn stemq worker")
+    }
+
+    /// The log file of a spawned worker.
+    pub fn worker_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Path of the `stemq` binary under test: `target/<profile>/stemq-under-test`, next
+    /// to the `deps/` folder of the running test executable (Cargo builds it for this
+    /// package's integration tests).
+    pub fn stemq_bin() -> PathBuf {
+        if let Some(p) = std::env::var_os("STEMQ_BIN") {
+            return PathBuf::from(p);
+        }
+        let exe = std::env::current_exe().expect("test executable path");
+        let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+        dir.join("stemq-under-test")
+    }
+
+    /// Stops everything.
+    pub async fn shutdown(mut self) {
+        for (t, _) in &self.workers {
+            t.cancel();
+        }
+        for (_, h) in self.workers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
+        }
+        self.stop.cancel();
+        for h in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), h).await;
+        }
+    }
+}
+
+/// A request body with a unique audio URI under the stack's store.
+pub fn job_body(stack: &Stack, name: &str, fake: Option<Value>) -> Value {
+    let mut v = serde_json::json!({ "audio_uri": stack.store.uri(&format!("uploads/{name}.wav")), "model": "dsp" });
+    if let Some(f) = fake {
+        v["metadata"] = serde_json::json!({ "fake": f });
+    }
+    v
+}
+
+/// Sends a signal to a child.
+pub fn signal(child: &Child, sig: i32) {
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        kill(child.id() as i32, sig);
+    }
+}
+
+/// SIGKILL.
+pub const SIGKILL: i32 = 9;
+/// SIGTERM.
+pub const SIGTERM: i32 = 15;
+
+/// Waits for a child to exit, up to `timeout`.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// Parses the `job_id` of a submit answer.
+pub fn job_id(v: &Value) -> JobId {
+    JobId::parse(v["job_id"].as_str().expect("job_id in answer")).expect("valid job id")
+}

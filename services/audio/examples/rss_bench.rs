@@ -16,8 +16,7 @@ use std::f64::consts::PI;
 use std::time::Instant;
 
 use stemq_audio::{
-    separate_file, ClipMode, DecodeOptions, DspOptions, EncodeSettings, OutputFormat, StemEncoder,
-    StereoChunk,
+    separate_file, ClipMode, DecodeOptions, DspOptions, EncodeSettings, OutputFormat, StemEncoder, StereoChunk,
 };
 
 fn vm_hwm_kib() -> u64 {
@@ -38,12 +37,8 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let minutes: f64 = get("--minutes")
-        .map(|v| v.parse().expect("--minutes N"))
-        .unwrap_or(5.0);
-    let rate: u32 = get("--rate")
-        .map(|v| v.parse().expect("--rate HZ"))
-        .unwrap_or(44_100);
+    let minutes: f64 = get("--minutes").map(|v| v.parse().expect("--minutes N")).unwrap_or(5.0);
+    let rate: u32 = get("--rate").map(|v| v.parse().expect("--rate HZ")).unwrap_or(44_100);
     let clip = match get("--clip").as_deref() {
         None | Some("rescale") => ClipMode::Rescale,
         Some("clamp") => ClipMode::Clamp,
@@ -69,8 +64,7 @@ fn main() {
             seed ^= seed << 17;
             let noise = (seed >> 40) as f64 / (1u64 << 24) as f64 - 0.5;
             let hit = (-(t % 0.25) / 0.03).exp() * noise;
-            let voice =
-                0.2 * (2.0 * PI * 220.0 * t * (1.0 + 0.01 * (2.0 * PI * 5.0 * t).sin())).sin();
+            let voice = 0.2 * (2.0 * PI * 220.0 * t * (1.0 + 0.01 * (2.0 * PI * 5.0 * t).sin())).sin();
             let bass = 0.3 * (2.0 * PI * 55.0 * t).sin();
             let pad_l = 0.1 * (2.0 * PI * 441.3 * t).sin();
             let pad_r = 0.1 * (2.0 * PI * 438.2 * t + 1.0).sin();

@@ -42,11 +42,7 @@ impl StereoChunk {
 
     /// The samples interleaved as `L R L R ...`.
     pub fn to_interleaved(&self) -> Vec<f32> {
-        self.left
-            .iter()
-            .zip(&self.right)
-            .flat_map(|(&l, &r)| [l, r])
-            .collect()
+        self.left.iter().zip(&self.right).flat_map(|(&l, &r)| [l, r]).collect()
     }
 
     /// Number of frames.
@@ -67,9 +63,6 @@ impl StereoChunk {
 
     /// Largest absolute sample value (0 for an empty chunk).
     pub fn peak(&self) -> f32 {
-        self.left
-            .iter()
-            .chain(&self.right)
-            .fold(0.0f32, |m, &x| m.max(x.abs()))
+        self.left.iter().chain(&self.right).fold(0.0f32, |m, &x| m.max(x.abs()))
     }
 }

@@ -209,8 +209,7 @@ fn codec_name(ct: CodecType) -> String {
 fn channel_gains(ch: Channels) -> (f32, f32) {
     const H: f32 = std::f32::consts::FRAC_1_SQRT_2;
     let left_front = Channels::FRONT_LEFT | Channels::FRONT_LEFT_CENTRE | Channels::FRONT_LEFT_WIDE;
-    let right_front =
-        Channels::FRONT_RIGHT | Channels::FRONT_RIGHT_CENTRE | Channels::FRONT_RIGHT_WIDE;
+    let right_front = Channels::FRONT_RIGHT | Channels::FRONT_RIGHT_CENTRE | Channels::FRONT_RIGHT_WIDE;
     let left_sur = Channels::SIDE_LEFT
         | Channels::REAR_LEFT
         | Channels::REAR_LEFT_CENTRE
@@ -331,24 +330,18 @@ fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
         {
             AudioError::Empty
         }
-        SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
-            AudioError::NotAudio {
-                detail: "the file ends before its header is complete".into(),
-            }
-        }
+        SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => AudioError::NotAudio {
+            detail: "the file ends before its header is complete".into(),
+        },
         SymError::IoError(io) => AudioError::Io(io),
-        SymError::Unsupported(msg) if msg.contains("no suitable format reader") => {
-            AudioError::NotAudio {
-                detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into(),
-            }
-        }
+        SymError::Unsupported(msg) if msg.contains("no suitable format reader") => AudioError::NotAudio {
+            detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into(),
+        },
         SymError::Unsupported(msg) => match wav_tag {
             Some(tag) => AudioError::UnsupportedCodec {
                 codec: wav_tag_name(tag),
             },
-            None => AudioError::UnsupportedCodec {
-                codec: msg.to_string(),
-            },
+            None => AudioError::UnsupportedCodec { codec: msg.to_string() },
         },
         other => AudioError::NotAudio {
             detail: other.to_string(),
@@ -366,18 +359,12 @@ impl Decoder {
     }
 
     /// Opens any seekable byte source. `extension_hint` (e.g. `Some("mp3")`) helps the probe.
-    pub fn open<R>(
-        mut source: R,
-        extension_hint: Option<&str>,
-        opts: DecodeOptions,
-    ) -> Result<Self, AudioError>
+    pub fn open<R>(mut source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
     where
         R: Read + Seek + Send + Sync + 'static,
     {
         if opts.target_sample_rate == 0 {
-            return Err(AudioError::InvalidArgument(
-                "target sample rate must be > 0".into(),
-            ));
+            return Err(AudioError::InvalidArgument("target sample rate must be > 0".into()));
         }
         let start = source.stream_position()?;
         let end = source.seek(SeekFrom::End(0))?;
@@ -401,12 +388,7 @@ impl Decoder {
             hint.with_extension(ext);
         }
         let probed = symphonia::default::get_probe()
-            .format(
-                &hint,
-                mss,
-                &FormatOptions::default(),
-                &MetadataOptions::default(),
-            )
+            .format(&hint, mss, &FormatOptions::default(), &MetadataOptions::default())
             .map_err(|e| map_open_error(e, &sniffed))?;
         let format = probed.format;
         let track = format
@@ -527,11 +509,7 @@ impl Decoder {
         }
         if let Some(expected) = self.info.frames {
             // A stream that stops well short of what its header promised was cut off.
-            let slack = if self.lossless() {
-                0
-            } else {
-                8192 + expected / 100
-            };
+            let slack = if self.lossless() { 0 } else { 8192 + expected / 100 };
             if self.decoded_frames + slack < expected {
                 return Err(AudioError::CorruptFrame {
                     at: format_mmss(self.decoded_frames as f64 / self.info.sample_rate as f64),
@@ -598,8 +576,7 @@ impl Decoder {
                     self.decoded_frames += frames as u64;
                     let chunk = self.conv.convert(buf);
                     if self.info.channels == 0 {
-                        self.info.channels =
-                            self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
+                        self.info.channels = self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
                     }
                     chunk
                 }

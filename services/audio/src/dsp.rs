@@ -189,8 +189,7 @@ impl DspSeparator {
         let inv = planner.plan_fft_inverse(FFT_SIZE);
         let window: Vec<f32> = (0..FFT_SIZE)
             .map(|n| {
-                let hann =
-                    0.5 - 0.5 * (2.0 * std::f64::consts::PI * n as f64 / FFT_SIZE as f64).cos();
+                let hann = 0.5 - 0.5 * (2.0 * std::f64::consts::PI * n as f64 / FFT_SIZE as f64).cos();
                 hann.sqrt() as f32
             })
             .collect();
@@ -214,10 +213,7 @@ impl DspSeparator {
             window,
             lowpass,
             pending: [vec![0.0; prefix], vec![0.0; prefix]],
-            mix_delay: [
-                VecDeque::from(vec![0.0; prefix]),
-                VecDeque::from(vec![0.0; prefix]),
-            ],
+            mix_delay: [VecDeque::from(vec![0.0; prefix]), VecDeque::from(vec![0.0; prefix])],
             frames,
             spare: Vec::new(),
             ola: std::array::from_fn(|_| [vec![0.0; FFT_SIZE], vec![0.0; FFT_SIZE]]),
@@ -296,11 +292,7 @@ impl DspSeparator {
     fn analyse(&mut self) {
         let mut frame = self.spare.pop().unwrap_or_else(Frame::zero);
         for ch in 0..2 {
-            for (t, (&x, &w)) in self
-                .time_buf
-                .iter_mut()
-                .zip(self.pending[ch].iter().zip(&self.window))
-            {
+            for (t, (&x, &w)) in self.time_buf.iter_mut().zip(self.pending[ch].iter().zip(&self.window)) {
                 *t = x * w;
             }
             let dst = if ch == 0 { &mut frame.l } else { &mut frame.r };
@@ -358,11 +350,7 @@ impl DspSeparator {
                 self.spec_buf[0].im = 0.0;
                 self.spec_buf[BINS - 1].im = 0.0;
                 self.inv
-                    .process_with_scratch(
-                        &mut self.spec_buf,
-                        &mut self.time_buf,
-                        &mut self.scratch_inv,
-                    )
+                    .process_with_scratch(&mut self.spec_buf, &mut self.time_buf, &mut self.scratch_inv)
                     .expect("FFT sizes are fixed");
                 let acc = &mut self.ola[s][ch];
                 for ((a, &t), &w) in acc.iter_mut().zip(&self.time_buf).zip(&self.window) {
@@ -378,12 +366,8 @@ impl DspSeparator {
     fn emit_hop(&mut self, out: &mut [StereoChunk]) {
         for i in 0..HOP {
             let m = [
-                self.mix_delay[0]
-                    .pop_front()
-                    .expect("mixture delay holds the hop"),
-                self.mix_delay[1]
-                    .pop_front()
-                    .expect("mixture delay holds the hop"),
+                self.mix_delay[0].pop_front().expect("mixture delay holds the hop"),
+                self.mix_delay[1].pop_front().expect("mixture delay holds the hop"),
             ];
             if self.to_skip > 0 {
                 self.to_skip -= 1;
@@ -470,11 +454,7 @@ pub fn separate_file(
             let mut outs = Vec::with_capacity(paths.len());
             for (name, path) in names.into_iter().zip(paths) {
                 let summary = summarize_file(&path)?;
-                outs.push(StemOutput {
-                    name,
-                    path,
-                    summary,
-                });
+                outs.push(StemOutput { name, path, summary });
             }
             Ok(outs)
         }

@@ -103,22 +103,11 @@ pub struct StemEncoder<W: Write + Seek> {
 
 impl<W: Write + Seek> StemEncoder<W> {
     /// Starts a stem in `format` at `sample_rate` with the given clip mode.
-    pub fn new(
-        out: W,
-        format: OutputFormat,
-        clip: ClipMode,
-        sample_rate: u32,
-    ) -> Result<Self, AudioError> {
+    pub fn new(out: W, format: OutputFormat, clip: ClipMode, sample_rate: u32) -> Result<Self, AudioError> {
         let sink = match format {
-            OutputFormat::Wav16 => {
-                Sink::Wav(WavWriter::new(out, WavSampleFormat::Pcm16, sample_rate)?)
-            }
-            OutputFormat::Wav24 => {
-                Sink::Wav(WavWriter::new(out, WavSampleFormat::Pcm24, sample_rate)?)
-            }
-            OutputFormat::WavF32 => {
-                Sink::Wav(WavWriter::new(out, WavSampleFormat::Float32, sample_rate)?)
-            }
+            OutputFormat::Wav16 => Sink::Wav(WavWriter::new(out, WavSampleFormat::Pcm16, sample_rate)?),
+            OutputFormat::Wav24 => Sink::Wav(WavWriter::new(out, WavSampleFormat::Pcm24, sample_rate)?),
+            OutputFormat::WavF32 => Sink::Wav(WavWriter::new(out, WavSampleFormat::Float32, sample_rate)?),
             OutputFormat::Flac16 => Sink::Flac(Box::new(FlacWriter::new(out, 16, sample_rate)?)),
             OutputFormat::Flac24 => Sink::Flac(Box::new(FlacWriter::new(out, 24, sample_rate)?)),
         };
@@ -147,9 +136,7 @@ impl<W: Write + Seek> StemEncoder<W> {
     /// Appends a chunk.
     pub fn write(&mut self, chunk: &StereoChunk) -> Result<(), AudioError> {
         if chunk.left.len() != chunk.right.len() {
-            return Err(AudioError::InvalidArgument(
-                "left and right differ in length".into(),
-            ));
+            return Err(AudioError::InvalidArgument("left and right differ in length".into()));
         }
         self.frames += chunk.len() as u64;
         match self.clip {
@@ -167,9 +154,7 @@ impl<W: Write + Seek> StemEncoder<W> {
             ClipMode::Clamp => {
                 self.scratch.left.clear();
                 self.scratch.right.clear();
-                self.scratch
-                    .left
-                    .extend(chunk.left.iter().map(|x| x.clamp(-1.0, 1.0)));
+                self.scratch.left.extend(chunk.left.iter().map(|x| x.clamp(-1.0, 1.0)));
                 self.scratch
                     .right
                     .extend(chunk.right.iter().map(|x| x.clamp(-1.0, 1.0)));
@@ -183,10 +168,7 @@ impl<W: Write + Seek> StemEncoder<W> {
     pub fn finish(mut self) -> Result<W, AudioError> {
         if let Some(spool) = self.spool.take() {
             let scale = 1.0 / (1.01 * spool.peak).max(1.0);
-            let mut file = spool
-                .file
-                .into_inner()
-                .map_err(|e| AudioError::Io(e.into_error()))?;
+            let mut file = spool.file.into_inner().map_err(|e| AudioError::Io(e.into_error()))?;
             file.seek(SeekFrom::Start(0))?;
             let mut reader = BufReader::with_capacity(1 << 16, file);
             let mut buf = vec![0u8; 8 * 8192];

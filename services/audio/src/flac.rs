@@ -68,11 +68,7 @@ fn crc8(data: &[u8]) -> u8 {
     for &b in data {
         crc ^= b;
         for _ in 0..8 {
-            crc = if crc & 0x80 != 0 {
-                (crc << 1) ^ 0x07
-            } else {
-                crc << 1
-            };
+            crc = if crc & 0x80 != 0 { (crc << 1) ^ 0x07 } else { crc << 1 };
         }
     }
     crc
@@ -83,11 +79,7 @@ fn crc16_table() -> [u16; 256] {
     for (i, e) in t.iter_mut().enumerate() {
         let mut c = (i as u16) << 8;
         for _ in 0..8 {
-            c = if c & 0x8000 != 0 {
-                (c << 1) ^ 0x8005
-            } else {
-                c << 1
-            };
+            c = if c & 0x8000 != 0 { (c << 1) ^ 0x8005 } else { c << 1 };
         }
         *e = c;
     }
@@ -311,9 +303,7 @@ impl<W: Write + Seek> FlacWriter<W> {
             )));
         }
         if sample_rate == 0 || sample_rate >= 1 << 20 {
-            return Err(AudioError::InvalidArgument(format!(
-                "bad sample rate {sample_rate}"
-            )));
+            return Err(AudioError::InvalidArgument(format!("bad sample rate {sample_rate}")));
         }
         let start = out.stream_position()?;
         let mut h = Vec::with_capacity(42);
@@ -343,18 +333,13 @@ impl<W: Write + Seek> FlacWriter<W> {
     }
 
     fn packed_format(rate: u32, bits: u32, total: u64) -> u64 {
-        ((rate as u64) << 44)
-            | (1u64 << 41)
-            | (((bits - 1) as u64) << 36)
-            | (total & ((1 << 36) - 1))
+        ((rate as u64) << 44) | (1u64 << 41) | (((bits - 1) as u64) << 36) | (total & ((1 << 36) - 1))
     }
 
     /// Appends planar stereo float samples; they are scaled to integers and clamped.
     pub fn write(&mut self, left: &[f32], right: &[f32]) -> Result<(), AudioError> {
         if left.len() != right.len() {
-            return Err(AudioError::InvalidArgument(
-                "left and right differ in length".into(),
-            ));
+            return Err(AudioError::InvalidArgument("left and right differ in length".into()));
         }
         for (&l, &r) in left.iter().zip(right) {
             self.left.push(float_to_int(l, self.bits) as i64);
@@ -372,18 +357,8 @@ impl<W: Write + Seek> FlacWriter<W> {
             return Ok(());
         }
         let bps = self.bits;
-        let side: Vec<i64> = self
-            .left
-            .iter()
-            .zip(&self.right)
-            .map(|(l, r)| l - r)
-            .collect();
-        let mid: Vec<i64> = self
-            .left
-            .iter()
-            .zip(&self.right)
-            .map(|(l, r)| (l + r) >> 1)
-            .collect();
+        let side: Vec<i64> = self.left.iter().zip(&self.right).map(|(l, r)| l - r).collect();
+        let mid: Vec<i64> = self.left.iter().zip(&self.right).map(|(l, r)| (l + r) >> 1).collect();
         let pl = plan_channel(&self.left, bps, &mut self.scratch);
         let pr = plan_channel(&self.right, bps, &mut self.scratch);
         let ps = plan_channel(&side, bps + 1, &mut self.scratch);
@@ -461,9 +436,7 @@ impl<W: Write + Seek> FlacWriter<W> {
         };
         patch.extend_from_slice(&minf.to_be_bytes()[1..]);
         patch.extend_from_slice(&maxf.to_be_bytes()[1..]);
-        patch.extend_from_slice(
-            &Self::packed_format(self.sample_rate, self.bits, self.total).to_be_bytes(),
-        );
+        patch.extend_from_slice(&Self::packed_format(self.sample_rate, self.bits, self.total).to_be_bytes());
         self.out.seek(SeekFrom::Start(self.start + 8 + 4))?;
         self.out.write_all(&patch)?;
         self.out.seek(SeekFrom::Start(end))?;

@@ -16,9 +16,7 @@
 //! a fractional shift. `tests/formats.rs` checks the
 //! phase against an ideal sine. Memory is bounded by the block size.
 
-use rubato::{
-    Resampler, SincFixedIn, SincInterpolationParameters, SincInterpolationType, WindowFunction,
-};
+use rubato::{Resampler, SincFixedIn, SincInterpolationParameters, SincInterpolationType, WindowFunction};
 
 use crate::chunk::StereoChunk;
 use crate::error::AudioError;
@@ -86,12 +84,7 @@ impl StreamResampler {
     }
 
     /// Feeds input frames; appends whatever output is ready to `out`.
-    pub(crate) fn push(
-        &mut self,
-        left: &[f32],
-        right: &[f32],
-        out: &mut StereoChunk,
-    ) -> Result<(), AudioError> {
+    pub(crate) fn push(&mut self, left: &[f32], right: &[f32], out: &mut StereoChunk) -> Result<(), AudioError> {
         self.pending[0].extend_from_slice(left);
         self.pending[1].extend_from_slice(right);
         self.in_total += left.len() as u64;

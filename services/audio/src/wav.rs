@@ -63,9 +63,7 @@ impl<W: Write + Seek> WavWriter<W> {
     /// Writes the header and returns a writer for 2-channel audio at `sample_rate`.
     pub fn new(mut out: W, format: WavSampleFormat, sample_rate: u32) -> Result<Self, AudioError> {
         if sample_rate == 0 {
-            return Err(AudioError::InvalidArgument(
-                "sample rate must be > 0".into(),
-            ));
+            return Err(AudioError::InvalidArgument("sample rate must be > 0".into()));
         }
         let start = out.stream_position()?;
         let channels: u16 = 2;
@@ -77,11 +75,7 @@ impl<W: Write + Seek> WavWriter<W> {
         h.extend_from_slice(b"WAVE");
         h.extend_from_slice(b"fmt ");
         h.extend_from_slice(&16u32.to_le_bytes());
-        let tag: u16 = if format == WavSampleFormat::Float32 {
-            3
-        } else {
-            1
-        };
+        let tag: u16 = if format == WavSampleFormat::Float32 { 3 } else { 1 };
         h.extend_from_slice(&tag.to_le_bytes());
         h.extend_from_slice(&channels.to_le_bytes());
         h.extend_from_slice(&sample_rate.to_le_bytes());
@@ -104,22 +98,15 @@ impl<W: Write + Seek> WavWriter<W> {
     /// Integer formats clamp out-of-range values; float is written as is.
     pub fn write(&mut self, left: &[f32], right: &[f32]) -> Result<(), AudioError> {
         if left.len() != right.len() {
-            return Err(AudioError::InvalidArgument(
-                "left and right differ in length".into(),
-            ));
+            return Err(AudioError::InvalidArgument("left and right differ in length".into()));
         }
         self.buf.clear();
-        self.buf
-            .reserve(left.len() * 2 * self.format.bytes() as usize);
+        self.buf.reserve(left.len() * 2 * self.format.bytes() as usize);
         for (&l, &r) in left.iter().zip(right) {
             for x in [l, r] {
                 match self.format {
-                    WavSampleFormat::Pcm16 => self
-                        .buf
-                        .extend_from_slice(&(float_to_int(x, 16) as i16).to_le_bytes()),
-                    WavSampleFormat::Pcm24 => self
-                        .buf
-                        .extend_from_slice(&float_to_int(x, 24).to_le_bytes()[..3]),
+                    WavSampleFormat::Pcm16 => self.buf.extend_from_slice(&(float_to_int(x, 16) as i16).to_le_bytes()),
+                    WavSampleFormat::Pcm24 => self.buf.extend_from_slice(&float_to_int(x, 24).to_le_bytes()[..3]),
                     WavSampleFormat::Float32 => self.buf.extend_from_slice(&x.to_le_bytes()),
                 }
             }
@@ -141,8 +128,7 @@ impl<W: Write + Seek> WavWriter<W> {
         self.out
             .write_all(&((self.data_bytes + HEADER_LEN - 8) as u32).to_le_bytes())?;
         self.out.seek(SeekFrom::Start(self.start + 40))?;
-        self.out
-            .write_all(&(self.data_bytes as u32).to_le_bytes())?;
+        self.out.write_all(&(self.data_bytes as u32).to_le_bytes())?;
         self.out.seek(SeekFrom::Start(end))?;
         self.out.flush()?;
         Ok(self.out)

@@ -6,23 +6,15 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use stemq_audio::{
-    AudioError, ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk,
-};
+use stemq_audio::{AudioError, ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 fn decode_err(path: &Path, opts: DecodeOptions) -> AudioError {
     match decode_all(path, opts) {
-        Ok(c) => panic!(
-            "{} decoded {} frames instead of failing",
-            path.display(),
-            c.len()
-        ),
+        Ok(c) => panic!("{} decoded {} frames instead of failing", path.display(), c.len()),
         Err(e) => e,
     }
 }
@@ -45,9 +37,7 @@ fn random_bytes_are_not_audio() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("noise.mp3");
     let mut n = Noise(99);
-    let bytes: Vec<u8> = (0..50_000)
-        .map(|_| (n.next() * 127.0) as i8 as u8)
-        .collect();
+    let bytes: Vec<u8> = (0..50_000).map(|_| (n.next() * 127.0) as i8 as u8).collect();
     std::fs::write(&path, bytes).unwrap();
     let e = decode_err(&path, DecodeOptions::default());
     assert!(matches!(e, AudioError::NotAudio { .. }), "{e:?}");
@@ -72,11 +62,7 @@ fn random_bytes_are_not_audio() {
 #[test]
 fn header_without_samples_is_empty() {
     let dir = tempfile::tempdir().unwrap();
-    for fmt in [
-        OutputFormat::Wav16,
-        OutputFormat::WavF32,
-        OutputFormat::Flac16,
-    ] {
+    for fmt in [OutputFormat::Wav16, OutputFormat::WavF32, OutputFormat::Flac16] {
         let path = dir.path().join(format!("empty.{}", fmt.extension()));
         StemEncoder::create(&path, fmt, ClipMode::None, 44_100)
             .unwrap()
@@ -84,10 +70,7 @@ fn header_without_samples_is_empty() {
             .unwrap();
         let e = decode_err(&path, DecodeOptions::default());
         assert!(matches!(e, AudioError::Empty), "{fmt:?}: {e:?}");
-        assert_eq!(
-            e.to_string(),
-            "the audio file is empty: it contains no samples"
-        );
+        assert_eq!(e.to_string(), "the audio file is empty: it contains no samples");
     }
 }
 
@@ -135,10 +118,7 @@ fn truncated_flac_reports_where_it_breaks() {
         AudioError::CorruptFrame { at, .. } => assert!(at == "00:01" || at == "00:02", "{at}"),
         other => panic!("{other:?}"),
     }
-    assert!(
-        e.to_string().starts_with("corrupt audio frame at 00:0"),
-        "{e}"
-    );
+    assert!(e.to_string().starts_with("corrupt audio frame at 00:0"), "{e}");
 }
 
 #[test]
@@ -197,11 +177,7 @@ fn wav_with_tag(tag: u16) -> Vec<u8> {
 #[test]
 fn unsupported_codec_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    for (tag, name) in [
-        (0x0055u16, "MP3 inside WAV"),
-        (0x00FF, "AAC"),
-        (0x1234, "0x1234"),
-    ] {
+    for (tag, name) in [(0x0055u16, "MP3 inside WAV"), (0x00FF, "AAC"), (0x1234, "0x1234")] {
         let path = dir.path().join(format!("tag{tag:04x}.wav"));
         std::fs::write(&path, wav_with_tag(tag)).unwrap();
         let e = decode_err(&path, DecodeOptions::default());
@@ -209,10 +185,7 @@ fn unsupported_codec_is_named() {
             AudioError::UnsupportedCodec { codec } => assert!(codec.contains(name), "{codec}"),
             other => panic!("tag {tag:#x}: {other:?}"),
         }
-        assert!(
-            e.to_string().starts_with("unsupported audio codec: "),
-            "{e}"
-        );
+        assert!(e.to_string().starts_with("unsupported audio codec: "), "{e}");
         assert!(e.is_input_error());
     }
 }

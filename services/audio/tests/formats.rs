@@ -8,14 +8,10 @@ use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use stemq_audio::{
-    summarize_file, ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk,
-};
+use stemq_audio::{summarize_file, ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 /// A test signal: two sines plus a little noise, peak < 1.
@@ -185,11 +181,7 @@ fn check_sine_file(path: &Path, seconds: f64) {
     let fl = measure_freq(&got.left[mid.clone()], 44_100);
     let fr = measure_freq(&got.right[mid.clone()], 44_100);
     assert!((fl - 440.0).abs() < 1.0, "{}: left {fl} Hz", path.display());
-    assert!(
-        (fr - 660.0).abs() < 1.0,
-        "{}: right {fr} Hz",
-        path.display()
-    );
+    assert!((fr - 660.0).abs() < 1.0, "{}: right {fr} Hz", path.display());
     let al = measure_amp(&got.left[mid.clone()]);
     let ar = measure_amp(&got.right[mid]);
     assert!(
@@ -228,10 +220,7 @@ fn resamples_48k_to_44k1_keeping_frequency_and_amplitude() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("48k.wav");
     let frames = 48_000 * 3;
-    let sig = StereoChunk::from_planar(
-        sine(1000.0, 0.5, 48_000, frames),
-        sine(3000.0, 0.25, 48_000, frames),
-    );
+    let sig = StereoChunk::from_planar(sine(1000.0, 0.5, 48_000, frames), sine(3000.0, 0.25, 48_000, frames));
     write_stem(&path, &sig, OutputFormat::WavF32, ClipMode::None, 48_000);
     let d = Decoder::open_path(&path, DecodeOptions::default()).unwrap();
     assert_eq!(d.info().sample_rate, 48_000);
@@ -255,10 +244,7 @@ fn resamples_48k_to_44k1_keeping_frequency_and_amplitude() {
 fn upsamples_22k05() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("22k.flac");
-    let sig = StereoChunk::from_planar(
-        sine(440.0, 0.5, 22_050, 22_050),
-        sine(440.0, 0.5, 22_050, 22_050),
-    );
+    let sig = StereoChunk::from_planar(sine(440.0, 0.5, 22_050, 22_050), sine(440.0, 0.5, 22_050, 22_050));
     write_stem(&path, &sig, OutputFormat::Flac16, ClipMode::None, 22_050);
     let got = decode_all(&path, DecodeOptions::default()).unwrap();
     assert_eq!(got.len(), 44_100);
@@ -310,31 +296,17 @@ fn six_channels_downmix_to_stereo() {
         &path,
         6,
         44_100,
-        &[
-            fl.clone(),
-            zero.clone(),
-            fc.clone(),
-            lfe,
-            zero.clone(),
-            zero,
-        ],
+        &[fl.clone(), zero.clone(), fc.clone(), lfe, zero.clone(), zero],
     );
     let d = Decoder::open_path(&path, DecodeOptions::default()).unwrap();
     assert_eq!(d.info().channels, 6);
     let got = decode_all(&path, DecodeOptions::default()).unwrap();
     let h = std::f32::consts::FRAC_1_SQRT_2;
     let norm = 1.0 + h + h;
-    let want_l: Vec<f32> = fl
-        .iter()
-        .zip(&fc)
-        .map(|(a, c)| (a + h * c) / norm)
-        .collect();
+    let want_l: Vec<f32> = fl.iter().zip(&fc).map(|(a, c)| (a + h * c) / norm).collect();
     let want_r: Vec<f32> = fc.iter().map(|c| h * c / norm).collect();
     assert!(max_abs_diff(&got.left, &want_l) < 1e-3, "left");
-    assert!(
-        max_abs_diff(&got.right, &want_r) < 1e-3,
-        "right (LFE must be dropped)"
-    );
+    assert!(max_abs_diff(&got.right, &want_r) < 1e-3, "right (LFE must be dropped)");
 }
 
 #[test]
@@ -373,10 +345,8 @@ fn decodes_wav_written_by_another_encoder_24_and_32_bit_int() {
         let scale = (1i64 << (bits - 1)) as f64;
         let mut w = hound::WavWriter::create(&path, spec).unwrap();
         for i in 0..l.len() {
-            w.write_sample((l[i] as f64 * scale).round() as i32)
-                .unwrap();
-            w.write_sample((r[i] as f64 * scale).round() as i32)
-                .unwrap();
+            w.write_sample((l[i] as f64 * scale).round() as i32).unwrap();
+            w.write_sample((r[i] as f64 * scale).round() as i32).unwrap();
         }
         w.finalize().unwrap();
         let got = decode_all(&path, DecodeOptions::default()).unwrap();

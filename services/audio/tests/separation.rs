@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
 use stemq_audio::{
-    separate_file, AudioError, ClipMode, DecodeOptions, DspOptions, DspSeparator, EncodeSettings,
-    OutputFormat, Stem, StemEncoder, StereoChunk,
+    separate_file, AudioError, ClipMode, DecodeOptions, DspOptions, DspSeparator, EncodeSettings, OutputFormat, Stem,
+    StemEncoder, StereoChunk,
 };
 
 const RATE: f64 = 44_100.0;
@@ -90,11 +90,7 @@ fn synth(seconds: f64) -> Sources {
         let beat = (t / 0.25) as usize;
         let th = t - beat as f64 * 0.25;
         let hit = (-th / 0.025).exp() * noise.next() as f64 * 0.3;
-        let (gl, gr) = if beat % 2 == 0 {
-            (0.9, 0.35)
-        } else {
-            (0.35, 0.9)
-        };
+        let (gl, gr) = if beat % 2 == 0 { (0.9, 0.35) } else { (0.35, 0.9) };
         let tk = t - (t / 0.5).floor() * 0.5;
         let kf = 50.0 + 100.0 * (-tk / 0.03).exp();
         let kphase = 2.0 * PI * (50.0 * tk + 100.0 * 0.03 * (1.0 - (-tk / 0.03).exp()));
@@ -244,22 +240,13 @@ fn two_stems_give_stem_and_its_complement() {
 fn chunking_does_not_change_the_output() {
     let src = synth(5.0);
     let mix = src.mixture();
-    let reference = run(
-        &mut DspSeparator::new(DspOptions::default()),
-        &mix,
-        mix.len(),
-    );
+    let reference = run(&mut DspSeparator::new(DspOptions::default()), &mix, mix.len());
     for chunk in [1, 777, 1024, 4096, 44_100] {
         if chunk == 1 {
             // Tiny chunks are slow only because of per-call overhead; check a prefix.
-            let short =
-                StereoChunk::from_planar(mix.left[..20_000].to_vec(), mix.right[..20_000].to_vec());
+            let short = StereoChunk::from_planar(mix.left[..20_000].to_vec(), mix.right[..20_000].to_vec());
             let a = run(&mut DspSeparator::new(DspOptions::default()), &short, 1);
-            let b = run(
-                &mut DspSeparator::new(DspOptions::default()),
-                &short,
-                short.len(),
-            );
+            let b = run(&mut DspSeparator::new(DspOptions::default()), &short, short.len());
             assert_eq!(a, b);
             continue;
         }
@@ -288,8 +275,7 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("song.flac");
     let mix = synth(3.0).mixture();
-    let mut enc =
-        StemEncoder::create(&input, OutputFormat::Flac24, ClipMode::Clamp, 44_100).unwrap();
+    let mut enc = StemEncoder::create(&input, OutputFormat::Flac24, ClipMode::Clamp, 44_100).unwrap();
     enc.write(&mix).unwrap();
     enc.finish().unwrap();
 
@@ -307,10 +293,7 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
     )
     .unwrap();
     assert_eq!(stems.len(), 4);
-    assert!(
-        seen.windows(2).all(|w| w[0] <= w[1]),
-        "progress is monotonic"
-    );
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress is monotonic");
     assert_eq!(*seen.first().unwrap(), 0.0);
     assert_eq!(*seen.last().unwrap(), 1.0);
     assert!(seen.len() > 5);
@@ -341,9 +324,6 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
     )
     .unwrap_err();
     assert!(matches!(e, AudioError::Cancelled), "{e:?}");
-    assert!(
-        !out_dir.join("drums.flac").exists(),
-        "partial files are removed"
-    );
+    assert!(!out_dir.join("drums.flac").exists(), "partial files are removed");
     assert!(!out_dir.join("no_drums.flac").exists());
 }

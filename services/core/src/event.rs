@@ -251,7 +251,15 @@ impl Event {
         source: &str,
     ) -> Event {
         let id = request.job_id();
-        Event::new(&id, source, EventBody::Requested(Requested { request, webhook, metadata }))
+        Event::new(
+            &id,
+            source,
+            EventBody::Requested(Requested {
+                request,
+                webhook,
+                metadata,
+            }),
+        )
     }
 
     /// Serialises to the structured-mode JSON body.
@@ -290,10 +298,21 @@ mod tests {
     #[test]
     fn terminal_kinds() {
         let failed = |class| {
-            EventBody::Failed(Failed { attempt: 1, class, code: "x".into(), message: "y".into(), retry_in_ms: None })
+            EventBody::Failed(Failed {
+                attempt: 1,
+                class,
+                code: "x".into(),
+                message: "y".into(),
+                retry_in_ms: None,
+            })
         };
         assert!(failed(FailureClass::Permanent).is_terminal());
         assert!(!failed(FailureClass::Transient).is_terminal());
-        assert!(!EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }).is_terminal());
+        assert!(!EventBody::Started(Started {
+            attempt: 1,
+            worker: "w".into(),
+            device: "cpu".into()
+        })
+        .is_terminal());
     }
 }

@@ -167,7 +167,10 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
         .connection_timeout(Duration::from_secs(5))
         .connect(url)
         .await
-        .map_err(|source| NatsError::Connect { url: url.to_string(), source })?;
+        .map_err(|source| NatsError::Connect {
+            url: url.to_string(),
+            source,
+        })?;
     // retry_on_initial_connect returns at once; wait for the first connection so the
     // version check below sees the real server.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -193,7 +196,9 @@ pub fn check_version(version: &str) -> Result<(), NatsError> {
     let major = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     let minor = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     if (major, minor) < MIN_SERVER {
-        return Err(NatsError::ServerTooOld { found: version.to_string() });
+        return Err(NatsError::ServerTooOld {
+            found: version.to_string(),
+        });
     }
     Ok(())
 }
@@ -215,14 +220,32 @@ struct KvDef {
 
 const STREAMS: [(&str, &str); 3] = [
     ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
-    ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
-    ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
+    (
+        "streams/progress.json",
+        include_str!("../../../nats/streams/progress.json"),
+    ),
+    (
+        "streams/advisories.json",
+        include_str!("../../../nats/streams/advisories.json"),
+    ),
 ];
 const CONSUMERS: [(&str, &str); 4] = [
-    ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
-    ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
-    ("consumers/projector-progress.json", include_str!("../../../nats/consumers/projector-progress.json")),
-    ("consumers/deadletter.json", include_str!("../../../nats/consumers/deadletter.json")),
+    (
+        "consumers/workers.json",
+        include_str!("../../../nats/consumers/workers.json"),
+    ),
+    (
+        "consumers/projector.json",
+        include_str!("../../../nats/consumers/projector.json"),
+    ),
+    (
+        "consumers/projector-progress.json",
+        include_str!("../../../nats/consumers/projector-progress.json"),
+    ),
+    (
+        "consumers/deadletter.json",
+        include_str!("../../../nats/consumers/deadletter.json"),
+    ),
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
 /// The server configuration used by tests and `stemq dev`.
@@ -263,7 +286,10 @@ pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pu
 
 /// The status bucket definition with `settings` applied.
 pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
-    let d: KvDef = serde_json::from_str(KV_JOBS.1).map_err(|source| NatsError::Definition { name: KV_JOBS.0, source })?;
+    let d: KvDef = serde_json::from_str(KV_JOBS.1).map_err(|source| NatsError::Definition {
+        name: KV_JOBS.0,
+        source,
+    })?;
     Ok(kv::Config {
         bucket: d.bucket,
         description: d.description,
@@ -276,7 +302,10 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 }
 
 fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
-    NatsError::Apply { what: what.into(), message: e.to_string() }
+    NatsError::Apply {
+        what: what.into(),
+        message: e.to_string(),
+    }
 }
 
 /// Creates or updates every stream, consumer and bucket. Safe to run any number of times
@@ -294,11 +323,16 @@ pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), N
     }
     for (stream_name, c) in consumer_configs(settings)? {
         let what = format!("consumer {stream_name}/{}", c.durable_name.clone().unwrap_or_default());
-        let stream = js.get_stream_no_info(&stream_name).await.map_err(|e| apply_err(&what, e))?;
+        let stream = js
+            .get_stream_no_info(&stream_name)
+            .await
+            .map_err(|e| apply_err(&what, e))?;
         stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
     }
     let kv = kv_config(settings)?;
-    js.create_or_update_key_value(kv).await.map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
+    js.create_or_update_key_value(kv)
+        .await
+        .map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
     Ok(())
 }
 
@@ -313,12 +347,21 @@ mod tests {
 
     #[test]
     fn definitions_parse_and_take_settings() {
-        let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
+        let s = Settings {
+            ack_wait: Duration::from_secs(2),
+            max_deliver: 3,
+            ..Default::default()
+        };
         let streams = stream_configs(&s).unwrap();
         assert_eq!(streams.len(), 3);
-        assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
+        assert!(streams
+            .iter()
+            .any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
-        let w = consumers.iter().find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER)).unwrap();
+        let w = consumers
+            .iter()
+            .find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER))
+            .unwrap();
         assert_eq!((w.1.ack_wait, w.1.max_deliver), (Duration::from_secs(2), 3));
         assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
     }
@@ -335,8 +378,14 @@ mod tests {
     #[test]
     fn subjects_round_trip() {
         let id = JobId("a".repeat(64));
-        assert_eq!(job_subject(&id, SubjectKind::Outcome), format!("stemq.jobs.{id}.outcome"));
-        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
+        assert_eq!(
+            job_subject(&id, SubjectKind::Outcome),
+            format!("stemq.jobs.{id}.outcome")
+        );
+        assert_eq!(
+            job_id_of_subject(&job_subject(&id, SubjectKind::Requested)),
+            Some(id.clone())
+        );
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
     }

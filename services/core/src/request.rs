@@ -192,7 +192,10 @@ pub struct RequestError {
 
 impl RequestError {
     fn new(field: &str, message: impl Into<String>) -> Self {
-        RequestError { field: field.to_string(), message: message.into() }
+        RequestError {
+            field: field.to_string(),
+            message: message.into(),
+        }
     }
 }
 
@@ -211,8 +214,8 @@ const FIELDS: [&str; 9] = [
 impl JobRequest {
     /// Parses and validates a request body, naming the offending field on error.
     pub fn from_slice(body: &[u8]) -> Result<JobRequest, RequestError> {
-        let value: Value = serde_json::from_slice(body)
-            .map_err(|e| RequestError::new("body", format!("not valid JSON: {e}")))?;
+        let value: Value =
+            serde_json::from_slice(body).map_err(|e| RequestError::new("body", format!("not valid JSON: {e}")))?;
         JobRequest::from_value(value)
     }
 
@@ -222,7 +225,10 @@ impl JobRequest {
             return Err(RequestError::new("body", "expected a JSON object"));
         };
         if let Some(k) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(RequestError::new(k, format!("unknown field; expected one of {}", FIELDS.join(", "))));
+            return Err(RequestError::new(
+                k,
+                format!("unknown field; expected one of {}", FIELDS.join(", ")),
+            ));
         }
         if !map.contains_key("audio_uri") {
             return Err(RequestError::new("audio_uri", "is required"));
@@ -233,8 +239,8 @@ impl JobRequest {
                 check_type(field, v)?;
             }
         }
-        let req: JobRequest = serde_json::from_value(Value::Object(map))
-            .map_err(|e| RequestError::new("body", e.to_string()))?;
+        let req: JobRequest =
+            serde_json::from_value(Value::Object(map)).map_err(|e| RequestError::new("body", e.to_string()))?;
         req.normalize(ANONYMOUS)?;
         Ok(req)
     }
@@ -252,7 +258,10 @@ impl JobRequest {
             return Err(RequestError::new("audio_uri", "must not be empty"));
         }
         if uri.len() > MAX_URI_LEN {
-            return Err(RequestError::new("audio_uri", format!("longer than {MAX_URI_LEN} bytes")));
+            return Err(RequestError::new(
+                "audio_uri",
+                format!("longer than {MAX_URI_LEN} bytes"),
+            ));
         }
         if uri != self.audio_uri {
             return Err(RequestError::new("audio_uri", "must not start or end with whitespace"));
@@ -264,7 +273,10 @@ impl JobRequest {
             if !model.sources().contains(&stem.as_str()) {
                 return Err(RequestError::new(
                     "two_stems",
-                    format!("`{stem}` is not a source of {model}; expected one of {}", model.sources().join(", ")),
+                    format!(
+                        "`{stem}` is not a source of {model}; expected one of {}",
+                        model.sources().join(", ")
+                    ),
                 ));
             }
         }
@@ -311,7 +323,10 @@ impl JobRequest {
                 return Err(RequestError::new("metadata", "must be a JSON object"));
             }
             if serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX) > MAX_METADATA_BYTES {
-                return Err(RequestError::new("metadata", format!("larger than {MAX_METADATA_BYTES} bytes")));
+                return Err(RequestError::new(
+                    "metadata",
+                    format!("larger than {MAX_METADATA_BYTES} bytes"),
+                ));
             }
         }
         if owner.is_empty() {
@@ -338,13 +353,21 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
             Some(s) if Model::parse(s).is_some() => true,
             Some(s) => {
                 let names: Vec<_> = Model::ALL.iter().map(|m| m.as_str()).collect();
-                return Err(RequestError::new(field, format!("unknown model `{s}`; expected one of {}", names.join(", "))));
+                return Err(RequestError::new(
+                    field,
+                    format!("unknown model `{s}`; expected one of {}", names.join(", ")),
+                ));
             }
             None => false,
         },
         "output_format" => match v.as_str() {
             Some("wav" | "flac") => true,
-            Some(s) => return Err(RequestError::new(field, format!("unknown format `{s}`; expected wav or flac"))),
+            Some(s) => {
+                return Err(RequestError::new(
+                    field,
+                    format!("unknown format `{s}`; expected wav or flac"),
+                ))
+            }
             None => false,
         },
         "two_stems" => v.is_string() || v.is_null(),
@@ -427,7 +450,11 @@ mod tests {
     use serde_json::json;
 
     fn id_of(v: Value) -> JobId {
-        JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().job_id()
+        JobRequest::from_value(v)
+            .unwrap()
+            .normalize(ANONYMOUS)
+            .unwrap()
+            .job_id()
     }
 
     #[test]
@@ -463,7 +490,10 @@ mod tests {
             assert_ne!(base, id_of(v.clone()), "{v}");
         }
         let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap();
-        assert_ne!(req.normalize("alice").unwrap().job_id(), req.normalize("bob").unwrap().job_id());
+        assert_ne!(
+            req.normalize("alice").unwrap().job_id(),
+            req.normalize("bob").unwrap().job_id()
+        );
     }
 
     #[test]
@@ -488,22 +518,34 @@ mod tests {
             (json!({"audio_uri": "not a uri"}), "audio_uri"),
             (json!({"audio_uri": "file:///a", "model": "spleeter"}), "model"),
             (json!({"audio_uri": "file:///a", "two_stems": "guitar"}), "two_stems"),
-            (json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}), "two_stems"),
+            (
+                json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}),
+                "two_stems",
+            ),
             (json!({"audio_uri": "file:///a", "segment": 9.0}), "segment"),
             (json!({"audio_uri": "file:///a", "segment": -1}), "segment"),
             (json!({"audio_uri": "file:///a", "overlap": 1.0}), "overlap"),
             (json!({"audio_uri": "file:///a", "shifts": -1}), "shifts"),
             (json!({"audio_uri": "file:///a", "shifts": 99}), "shifts"),
-            (json!({"audio_uri": "file:///a", "output_format": "mp3"}), "output_format"),
+            (
+                json!({"audio_uri": "file:///a", "output_format": "mp3"}),
+                "output_format",
+            ),
             (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
-            (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}), "webhook"),
+            (
+                json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}),
+                "webhook",
+            ),
             (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
         ];
         for (v, field) in cases {
             let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());
             assert_eq!(err.field, field, "{v}: {err}");
         }
-        assert!(JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "guitar"})).is_ok());
+        assert!(JobRequest::from_value(
+            json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "guitar"})
+        )
+        .is_ok());
     }
 
     #[test]

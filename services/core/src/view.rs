@@ -221,7 +221,9 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         }
     }
     let at = event.time;
-    let mut v = view.cloned().unwrap_or_else(|| JobView::empty(event.subject.clone(), at));
+    let mut v = view
+        .cloned()
+        .unwrap_or_else(|| JobView::empty(event.subject.clone(), at));
     match pos {
         Position::Log(s) => v.last_seq = s,
         Position::Progress(s) => v.progress_seq = s,
@@ -260,7 +262,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             if v.status != JobStatus::Running || p.attempt != v.attempt {
                 return None;
             }
-            v.progress = Some(ProgressView { percent: p.percent, stage: p.stage.clone(), message: p.message.clone() });
+            v.progress = Some(ProgressView {
+                percent: p.percent,
+                stage: p.stage.clone(),
+                message: p.message.clone(),
+            });
         }
         EventBody::Succeeded(s) => {
             v.attempt = v.attempt.max(s.attempt);
@@ -268,7 +274,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.manifest_uri = s.manifest_uri.clone();
             v.degraded = s.degraded;
             v.device = Some(s.device.clone());
-            v.progress = Some(ProgressView { percent: 100.0, stage: "done".into(), message: None });
+            v.progress = Some(ProgressView {
+                percent: 100.0,
+                stage: "done".into(),
+                message: None,
+            });
             v.finish(JobStatus::Succeeded, at);
         }
         EventBody::Failed(f) => {
@@ -276,7 +286,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
                 return None;
             }
             v.attempt = f.attempt;
-            v.error = Some(ErrorView { class: f.class, code: f.code.clone(), message: f.message.clone() });
+            v.error = Some(ErrorView {
+                class: f.class,
+                code: f.code.clone(),
+                message: f.message.clone(),
+            });
             match f.class {
                 FailureClass::Transient => {
                     v.retries += 1;
@@ -289,7 +303,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         EventBody::DeadLettered(d) => {
             v.attempt = v.attempt.max(d.deliveries);
             if let Some(e) = &d.last_error {
-                v.error = Some(ErrorView { class: FailureClass::Transient, code: d.reason.clone(), message: e.clone() });
+                v.error = Some(ErrorView {
+                    class: FailureClass::Transient,
+                    code: d.reason.clone(),
+                    message: e.clone(),
+                });
             } else {
                 v.error = Some(ErrorView {
                     class: FailureClass::Transient,
@@ -300,7 +318,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.finish(JobStatus::DeadLettered, at);
         }
         EventBody::Rejected(r) => {
-            v.error = Some(ErrorView { class: FailureClass::Permanent, code: r.code.clone(), message: r.message.clone() });
+            v.error = Some(ErrorView {
+                class: FailureClass::Permanent,
+                code: r.code.clone(),
+                message: r.message.clone(),
+            });
             v.finish(JobStatus::Rejected, at);
         }
     }
@@ -317,7 +339,10 @@ mod tests {
     use serde_json::json;
 
     fn job() -> (JobId, NormalizedRequest) {
-        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap().normalize(ANONYMOUS).unwrap();
+        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"}))
+            .unwrap()
+            .normalize(ANONYMOUS)
+            .unwrap();
         (n.job_id(), n)
     }
 
@@ -328,13 +353,28 @@ mod tests {
         Event::requested(job().1, None, None, "/test")
     }
     fn started(attempt: u32) -> Event {
-        ev(EventBody::Started(Started { attempt, worker: "w1".into(), device: "fake".into() }))
+        ev(EventBody::Started(Started {
+            attempt,
+            worker: "w1".into(),
+            device: "fake".into(),
+        }))
     }
     fn progress(attempt: u32, percent: f32) -> Event {
-        ev(EventBody::Progress(Progress { attempt, percent, stage: "separate".into(), message: None }))
+        ev(EventBody::Progress(Progress {
+            attempt,
+            percent,
+            stage: "separate".into(),
+            message: None,
+        }))
     }
     fn failed(attempt: u32, class: FailureClass) -> Event {
-        ev(EventBody::Failed(Failed { attempt, class, code: "boom".into(), message: "it broke".into(), retry_in_ms: None }))
+        ev(EventBody::Failed(Failed {
+            attempt,
+            class,
+            code: "boom".into(),
+            message: "it broke".into(),
+            retry_in_ms: None,
+        }))
     }
     fn succeeded(attempt: u32) -> Event {
         ev(EventBody::Succeeded(Succeeded {
@@ -365,7 +405,10 @@ mod tests {
         assert_eq!(v.status, JobStatus::Queued);
         assert!(v.request.is_some() && v.created_at.is_some());
         let v = given(&[requested(), started(1)]);
-        assert_eq!((v.status, v.attempt, v.worker.as_deref()), (JobStatus::Running, 1, Some("w1")));
+        assert_eq!(
+            (v.status, v.attempt, v.worker.as_deref()),
+            (JobStatus::Running, 1, Some("w1"))
+        );
         let v = given(&[requested(), started(1), succeeded(1)]);
         assert_eq!(v.status, JobStatus::Succeeded);
         assert!(v.finished_at.is_some());
@@ -377,7 +420,13 @@ mod tests {
         let v = given(&[requested(), started(1), failed(1, FailureClass::Transient)]);
         assert_eq!((v.status, v.retries), (JobStatus::Queued, 1));
         assert_eq!(v.error.as_ref().unwrap().class, FailureClass::Transient);
-        let v = given(&[requested(), started(1), failed(1, FailureClass::Transient), started(2), succeeded(2)]);
+        let v = given(&[
+            requested(),
+            started(1),
+            failed(1, FailureClass::Transient),
+            started(2),
+            succeeded(2),
+        ]);
         assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Succeeded, 2, 1));
     }
 
@@ -401,7 +450,12 @@ mod tests {
     #[test]
     fn terminal_absorbs_late_events() {
         let done = given(&[requested(), started(1), succeeded(1)]);
-        for late in [started(2), progress(1, 50.0), failed(1, FailureClass::Transient), failed(2, FailureClass::Permanent)] {
+        for late in [
+            started(2),
+            progress(1, 50.0),
+            failed(1, FailureClass::Transient),
+            failed(2, FailureClass::Permanent),
+        ] {
             assert_eq!(apply(Some(&done), Position::Log(99), &late), None);
         }
         let dl = ev(EventBody::DeadLettered(DeadLettered {
@@ -445,14 +499,19 @@ mod tests {
     fn retried_links_a_finished_job() {
         let done = given(&[requested(), started(1), failed(1, FailureClass::Permanent)]);
         let new_id = JobId("b".repeat(64));
-        let r = ev(EventBody::Retried(Retried { retried_by: new_id.clone() }));
+        let r = ev(EventBody::Retried(Retried {
+            retried_by: new_id.clone(),
+        }));
         let v = apply(Some(&done), Position::Log(10), &r).unwrap();
         assert_eq!((v.status, v.retried_by), (JobStatus::Failed, Some(new_id)));
     }
 
     #[test]
     fn rejected_and_dead_lettered() {
-        let r = ev(EventBody::Rejected(Rejected { code: "id_mismatch".into(), message: "forged".into() }));
+        let r = ev(EventBody::Rejected(Rejected {
+            code: "id_mismatch".into(),
+            message: "forged".into(),
+        }));
         let v = given(&[r]);
         assert_eq!(v.status, JobStatus::Rejected);
         let dl = ev(EventBody::DeadLettered(DeadLettered {

@@ -349,7 +349,7 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
         .then(|| {
             page.last().map(|(id, ms)| {
                 Cursor {
-                    created_ms: *ms,
+                    created_ns: *ms,
                     id: id.clone(),
                 }
                 .encode()

@@ -57,16 +57,44 @@ impl Metrics {
         let pending = Family::<ConsumerLabels, Gauge>::default();
         let in_flight = Family::<ConsumerLabels, Gauge>::default();
         registry.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
-        registry.register("stemq_http_request_duration_seconds", "HTTP request latency", http_latency.clone());
-        registry.register("stemq_submits", "Job submits by outcome (created, cached, invalid, unavailable)", submits.clone());
-        registry.register("stemq_queue_pending_jobs", "Messages not yet delivered to the consumer", pending.clone());
-        registry.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight.clone());
-        Metrics { registry, http, http_latency, submits, pending, in_flight, js }
+        registry.register(
+            "stemq_http_request_duration_seconds",
+            "HTTP request latency",
+            http_latency.clone(),
+        );
+        registry.register(
+            "stemq_submits",
+            "Job submits by outcome (created, cached, invalid, unavailable)",
+            submits.clone(),
+        );
+        registry.register(
+            "stemq_queue_pending_jobs",
+            "Messages not yet delivered to the consumer",
+            pending.clone(),
+        );
+        registry.register(
+            "stemq_queue_in_flight_jobs",
+            "Messages delivered and not yet acked",
+            in_flight.clone(),
+        );
+        Metrics {
+            registry,
+            http,
+            http_latency,
+            submits,
+            pending,
+            in_flight,
+            js,
+        }
     }
 
     /// Records one HTTP request.
     pub fn observe_http(&self, method: &str, route: &str, status: u16, took: Duration) {
-        let l = HttpLabels { method: method.to_string(), route: route.to_string(), status };
+        let l = HttpLabels {
+            method: method.to_string(),
+            route: route.to_string(),
+            status,
+        };
         self.http.get_or_create(&l).inc();
         self.http_latency.get_or_create(&l).observe(took.as_secs_f64());
     }
@@ -91,7 +119,13 @@ impl Metrics {
             let c: Result<PullConsumer, _> = self.js.get_consumer_from_stream(consumer, stream).await;
             if let Ok(mut c) = c {
                 if let Ok(info) = c.info().await {
-                    let l = ConsumerLabels { consumer: if consumer == names::WORKERS_CONSUMER { "workers" } else { "projector" } };
+                    let l = ConsumerLabels {
+                        consumer: if consumer == names::WORKERS_CONSUMER {
+                            "workers"
+                        } else {
+                            "projector"
+                        },
+                    };
                     self.pending.get_or_create(&l).set(info.num_pending as i64);
                     self.in_flight.get_or_create(&l).set(info.num_ack_pending as i64);
                 }

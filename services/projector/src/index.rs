@@ -33,32 +33,42 @@ pub struct ListIndex {
     inner: RwLock<Inner>,
 }
 
-/// A page position: the creation time (ms) and id of the last job of the previous page.
+/// Sort key of a view: its creation time in Unix nanoseconds.
+fn created_key(view: &JobView) -> i64 {
+    let t = view.created_at.unwrap_or(view.updated_at);
+    t.timestamp_nanos_opt()
+        .unwrap_or_else(|| t.timestamp_micros().saturating_mul(1000))
+}
+
+/// A page position: the creation time (ns) and id of the last job of the previous page.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cursor {
-    /// Creation time of the last job shown, in Unix milliseconds.
-    pub created_ms: i64,
+    /// Creation time of the last job shown, in Unix nanoseconds.
+    pub created_ns: i64,
     /// Its id.
     pub id: JobId,
 }
 
 impl Cursor {
-    /// `<created_ms>.<id>`.
+    /// `<created_ns>.<id>`.
     pub fn encode(&self) -> String {
-        format!("{}.{}", self.created_ms, self.id)
+        format!("{}.{}", self.created_ns, self.id)
     }
 
     /// Parses [`Cursor::encode`]'s form.
     pub fn decode(s: &str) -> Option<Cursor> {
         let (ms, id) = s.split_once('.')?;
-        Some(Cursor { created_ms: ms.parse().ok()?, id: JobId::parse(id)? })
+        Some(Cursor {
+            created_ns: ms.parse().ok()?,
+            id: JobId::parse(id)?,
+        })
     }
 }
 
 impl ListIndex {
     /// Records a view (insert or move between statuses).
     pub fn upsert(&self, view: &JobView) {
-        let created = view.created_at.unwrap_or(view.updated_at).timestamp_millis();
+        let created = created_key(view);
         let mut g = self.inner.write().expect("index lock");
         if let Some((old_created, old_status)) = g.by_id.get(&view.job_id).copied() {
             if old_created == created && old_status == view.status {
@@ -98,8 +108,11 @@ impl ListIndex {
         };
         let iter: Box<dyn Iterator<Item = &Key>> = match after {
             Some(c) => {
-                let start = (Reverse(c.created_ms), c.id.clone());
-                Box::new(set.range(start..).skip_while(move |k| k.0 .0 == c.created_ms && k.1 == c.id))
+                let start = (Reverse(c.created_ns), c.id.clone());
+                Box::new(
+                    set.range(start..)
+                        .skip_while(move |k| k.0 .0 == c.created_ns && k.1 == c.id),
+                )
             }
             None => Box::new(set.iter()),
         };
@@ -178,8 +191,8 @@ mod tests {
     use super::*;
     use chrono::TimeZone;
 
-    fn view(n: u8, created_ms: i64, status: JobStatus) -> JobView {
-        let at = chrono::Utc.timestamp_millis_opt(created_ms).unwrap();
+    fn view(n: u8, created_ns: i64, status: JobStatus) -> JobView {
+        let at = chrono::Utc.timestamp_nanos(created_ns);
         let mut v: JobView = serde_json::from_value(serde_json::json!({
             "job_id": format!("{:064x}", n),
             "status": "queued",
@@ -205,7 +218,10 @@ mod tests {
         let ok = idx.page(Some(JobStatus::Succeeded), 10, None);
         assert_eq!(ok.iter().map(|x| x.1).collect::<Vec<_>>(), [1007, 1003]);
         assert_eq!(idx.page(Some(JobStatus::Queued), 100, None).len(), 8);
-        let c = Cursor { created_ms: all[3].1, id: all[3].0.clone() };
+        let c = Cursor {
+            created_ns: all[3].1,
+            id: all[3].0.clone(),
+        };
         let next = idx.page(None, 3, Some(&Cursor::decode(&c.encode()).unwrap()));
         assert_eq!(next.iter().map(|x| x.1).collect::<Vec<_>>(), [1005, 1004, 1003]);
         idx.remove(&all[0].0);

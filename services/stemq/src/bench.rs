@@ -47,7 +47,13 @@ pub enum BenchCommand {
 }
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
-    let BenchCommand::Pipeline { jobs, rate, workers, in_flight, store } = cmd;
+    let BenchCommand::Pipeline {
+        jobs,
+        rate,
+        workers,
+        in_flight,
+        store,
+    } = cmd;
     let tmp = tempfile::tempdir()?;
     let mut _server = None;
     let url = match &g.nats_url {
@@ -76,7 +82,12 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     wc.deadletter = false;
     let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
     let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
-    let w = tokio::spawn(stemq_worker::run(worker_client, Arc::new(FakeEngine::default()), wc, stop.clone()));
+    let w = tokio::spawn(stemq_worker::run(
+        worker_client,
+        Arc::new(FakeEngine::default()),
+        wc,
+        stop.clone(),
+    ));
     let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
 
     // Terminal times, from a watch on the whole bucket.
@@ -148,11 +159,18 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
         .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
         .collect();
     lat.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
     let last_done = done.values().max().copied().unwrap_or(t0);
     let e2e = last_done.duration_since(t0).as_secs_f64();
     println!("stemq bench pipeline");
-    println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", lat.len());
+    println!(
+        "  jobs            {jobs} ({} completed, {failed_submits} failed submits)",
+        lat.len()
+    );
     match rate {
         Some(r) => println!("  mode            steady {r} jobs/s"),
         None => println!("  mode            throughput, {in_flight} submits in flight"),

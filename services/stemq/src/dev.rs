@@ -17,7 +17,11 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     if g.nats_url.is_none() {
         let store = g.data_dir.join("nats");
         // The usual port when free, any port otherwise.
-        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() { 4222 } else { 0 };
+        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() {
+            4222
+        } else {
+            0
+        };
         let s = tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await??;
         info!(url = %s.url(), "nats-server started");
         g.nats_url = Some(s.url());
@@ -26,7 +30,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let client = crate::services::connect(&g, "stemq-dev").await?;
     let shutdown = crate::cli::shutdown_on_signals();
 
-    let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
+    let listener = stemq_ingress::bind(a.http)
+        .await
+        .with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
     let engine = crate::services::engine(&a.worker)?;
     let wconfig = crate::services::worker_config(&g, &a.worker)?;
@@ -36,10 +42,17 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let ingress = tokio::spawn(stemq_ingress::run(
         client.clone(),
         listener,
-        stemq_ingress::Config { listen: addr, nats_submit: true },
+        stemq_ingress::Config {
+            listen: addr,
+            nats_submit: true,
+        },
         children.clone(),
     ));
-    let projector = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), children.clone()));
+    let projector = tokio::spawn(stemq_projector::run(
+        client.clone(),
+        Default::default(),
+        children.clone(),
+    ));
     let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
 
     eprintln!();

@@ -112,15 +112,27 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     let js = jetstream::new(client);
-    let err = |what| move |e: &dyn std::fmt::Display| WorkerError::JetStream { what, message: e.to_string() };
+    let err = |what| {
+        move |e: &dyn std::fmt::Display| WorkerError::JetStream {
+            what,
+            message: e.to_string(),
+        }
+    };
     let mut consumer: PullConsumer = js
         .get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM)
         .await
         .map_err(|e| err("open workers consumer")(&e))?;
     let info = consumer.info().await.map_err(|e| err("consumer info")(&e))?.clone();
-    let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| err("open job stream")(&e))?;
+    let jobs_stream = js
+        .get_stream_no_info(names::JOBS_STREAM)
+        .await
+        .map_err(|e| err("open job stream")(&e))?;
     std::fs::create_dir_all(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
-    let max_deliver = if info.config.max_deliver <= 0 { u32::MAX } else { info.config.max_deliver as u32 };
+    let max_deliver = if info.config.max_deliver <= 0 {
+        u32::MAX
+    } else {
+        info.config.max_deliver as u32
+    };
     let shared = Arc::new(Shared {
         js: js.clone(),
         jobs_stream,
@@ -161,7 +173,10 @@ pub async fn run(
     tracker.close();
 
     shutdown.cancelled().await;
-    info!(grace_s = config.grace.as_secs(), "shutting down: finishing current jobs");
+    info!(
+        grace_s = config.grace.as_secs(),
+        "shutting down: finishing current jobs"
+    );
     if tokio::time::timeout(config.grace, tracker.wait()).await.is_err() {
         warn!("grace period over: handing running jobs back");
         hard_stop.cancel();
@@ -179,7 +194,12 @@ async fn job_loop(
     hard: CancellationToken,
 ) {
     while !stop.is_cancelled() {
-        let batch = consumer.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await;
+        let batch = consumer
+            .batch()
+            .max_messages(1)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await;
         let mut batch = match batch {
             Ok(b) => b,
             Err(e) => {

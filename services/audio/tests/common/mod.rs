@@ -23,10 +23,7 @@ impl Noise {
     }
 }
 
-pub fn decode_all(
-    path: &Path,
-    opts: DecodeOptions,
-) -> Result<StereoChunk, stemq_audio::AudioError> {
+pub fn decode_all(path: &Path, opts: DecodeOptions) -> Result<StereoChunk, stemq_audio::AudioError> {
     let mut d = Decoder::open_path(path, opts)?;
     let mut all = StereoChunk::default();
     while let Some(c) = d.next_chunk()? {
@@ -58,7 +55,5 @@ pub fn measure_amp(x: &[f32]) -> f64 {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
 }

@@ -1,0 +1,33 @@
+//! The `stemq` command line as a library, so the binary stays thin and the integration
+//! tests can run the very same commands as child processes.
+//!
+//! - [`cli`]: arguments and dispatch;
+//! - [`dev`]: the one-process development stack;
+//! - [`services`]: each service alone;
+//! - [`client`]: submit, status, list, watch, dead-letter replay;
+//! - [`bench`]: the pipeline benchmark.
+
+pub mod bench;
+pub mod cli;
+pub mod client;
+pub mod dev;
+pub mod services;
+
+use clap::Parser;
+
+/// Parses `std::env::args`, runs the command, and returns the process exit code.
+pub fn main_entry() -> std::process::ExitCode {
+    let args = cli::Cli::parse();
+    stemq_core::telemetry::init(args.log_format());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(cli::run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The contracts other services rely on: raw CloudEvents on the stream, forged ids,
+//! validation, the NATS submit endpoint, the rebuildable view, and the HTTP surface.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use stemq_core::nats::{job_subject, SubjectKind, JOBS_STREAM, SUBMIT_SUBJECT};
+use stemq_core::{JobRequest, JobStatus};
+use stemq_tests::{job_body, job_id, Stack, StackOptions};
+
+const T: Duration = Duration::from_secs(30);
+
+async fn stream_messages(stack: &Stack) -> u64 {
+    let mut s = stack.js.get_stream(JOBS_STREAM).await.unwrap();
+    s.info().await.unwrap().state.messages
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_cloudevent_on_the_stream_is_run() {
+    let stack = Stack::start(StackOptions::default()).await;
+    // Written by hand, as a service in another language would: canonical request,
+    // sha256 of its JCS form as id, subject and Nats-Msg-Id.
+    let req = JobRequest::from_value(job_body(&stack, "foreign", None))
+        .unwrap()
+        .normalize("anonymous")
+        .unwrap();
+    let id = req.job_id();
+    let ce = json!({
+        "specversion": "1.0",
+        "id": id,
+        "source": "urn:example:catalog-service",
+        "type": "io.stemq.job.requested.v1",
+        "subject": id,
+        "time": "2026-11-30T12:00:00Z",
+        "datacontenttype": "application/json",
+        "data": {"request": serde_json::to_value(&req).unwrap(), "metadata": {"from": "elsewhere"}}
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id.as_str());
+    stack
+        .js
+        .publish_with_headers(
+            job_subject(&id, SubjectKind::Requested),
+            headers,
+            serde_json::to_vec(&ce).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let v = stack.wait_terminal(&id, T).await;
+    assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
+    assert_eq!(v.metadata, Some(json!({"from": "elsewhere"})));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_id_is_rejected_and_never_run() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let req = JobRequest::from_value(job_body(&stack, "forged", None))
+        .unwrap()
+        .normalize("anonymous")
+        .unwrap();
+    // Claims someone else's id (say, to overwrite their outputs).
+    let victim = JobRequest::from_value(job_body(&stack, "victim", None))
+        .unwrap()
+        .normalize("anonymous")
+        .unwrap();
+    let claimed = victim.job_id();
+    let mut ev = stemq_core::Event::requested(req, None, None, "urn:example:attacker");
+    ev.id = claimed.to_string();
+    ev.subject = claimed.clone();
+    stack
+        .js
+        .publish(job_subject(&claimed, SubjectKind::Requested), ev.to_bytes())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let v = stack.wait_terminal(&claimed, T).await;
+    assert_eq!(v.status, JobStatus::Rejected);
+    assert_eq!(v.error.as_ref().unwrap().code, "id_mismatch");
+    assert_eq!(
+        stack.count_on(&job_subject(&claimed, SubjectKind::Started)).await,
+        0,
+        "never ran"
+    );
+
+    // Garbage on a job subject is rejected too.
+    let junk_id = JobRequest::from_value(job_body(&stack, "junk", None))
+        .unwrap()
+        .normalize("x")
+        .unwrap()
+        .job_id();
+    stack
+        .js
+        .publish(job_subject(&junk_id, SubjectKind::Requested), "not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let v = stack.wait_terminal(&junk_id, T).await;
+    assert_eq!(
+        (v.status, v.error.as_ref().unwrap().code.as_str()),
+        (JobStatus::Rejected, "invalid_event")
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
+    let stack = Stack::start(StackOptions {
+        workers: 0,
+        ..Default::default()
+    })
+    .await;
+    let before = stream_messages(&stack).await;
+    let uri = job_body(&stack, "x", None)["audio_uri"].clone();
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"model": "dsp"}), "audio_uri"),
+        (json!({"audio_uri": uri, "model": "nope"}), "model"),
+        (json!({"audio_uri": uri, "overlap": 2}), "overlap"),
+        (json!({"audio_uri": uri, "segment": 30, "model": "htdemucs"}), "segment"),
+        (json!({"audio_uri": uri, "two_stems": "kazoo"}), "two_stems"),
+        (json!({"audio_uri": uri, "surprise": true}), "surprise"),
+    ];
+    for (body, field) in cases {
+        let (code, resp) = stack.submit(&body).await;
+        assert_eq!(code, 422, "{body} → {resp}");
+        assert_eq!(resp["error"]["field"], field, "{resp}");
+        assert_eq!(resp["error"]["code"], "invalid_request");
+    }
+    let (code, resp) = stack.post_raw("/v1/separations", b"{not json".to_vec()).await;
+    assert_eq!((code, resp["error"]["field"].as_str()), (422, Some("body")));
+    assert_eq!(stream_messages(&stack).await, before, "nothing was published");
+    let (code, resp) = stack.get("/v1/separations?status=bogus").await;
+    assert_eq!((code, resp["error"]["field"].as_str()), (422, Some("status")));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_request_reply_submit_answers_like_http() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let body = job_body(&stack, "via-nats", None);
+    let ask = |b: &Value| {
+        let c = stack.client.clone();
+        let payload = serde_json::to_vec(b).unwrap();
+        async move {
+            let m = c.request(SUBMIT_SUBJECT, payload.into()).await.expect("reply");
+            serde_json::from_slice::<Value>(&m.payload).unwrap()
+        }
+    };
+    let first = ask(&body).await;
+    assert_eq!(
+        (first["http_status"].as_u64(), first["cached"].as_bool()),
+        (Some(202), Some(false)),
+        "{first}"
+    );
+    let again = ask(&body).await;
+    assert_eq!(
+        (again["http_status"].as_u64(), again["cached"].as_bool()),
+        (Some(200), Some(true))
+    );
+    assert_eq!(first["job_id"], again["job_id"]);
+    let (code, http) = stack.submit(&body).await;
+    assert_eq!((code, http["job_id"].clone()), (200, first["job_id"].clone()));
+    let bad = ask(&json!({"audio_uri": 5})).await;
+    assert_eq!(
+        (bad["http_status"].as_u64(), bad["error"]["field"].as_str()),
+        (Some(422), Some("audio_uri"))
+    );
+    assert_eq!(
+        stack.wait_terminal(&job_id(&first), T).await.status,
+        JobStatus::Succeeded
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebuilding_the_view_from_the_log_gives_the_same_view() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let mut ids = Vec::new();
+    for (name, fake) in [
+        ("ok", None),
+        ("flaky", Some(json!({"fail_transient": 1}))),
+        ("bad", Some(json!({"fail_permanent": true}))),
+        ("oom", Some(json!({"oom_until": "cpu"}))),
+    ] {
+        let (_, b) = stack.submit(&job_body(&stack, name, fake)).await;
+        ids.push(job_id(&b));
+    }
+    let mut before = Vec::new();
+    for id in &ids {
+        before.push(stack.wait_terminal(id, T).await);
+    }
+    stemq_projector::wait_caught_up(&stack.js, T).await.unwrap();
+
+    // Drop the view and replay the log (what `stemq projector --rebuild` does), while the
+    // running projector keeps going.
+    let replayed = stemq_projector::reset(&stack.js, &stack.options.settings)
+        .await
+        .unwrap();
+    assert!(replayed >= 12, "{replayed} events to replay");
+    let kv = stack.js.get_key_value(stemq_core::nats::JOBS_BUCKET).await.unwrap();
+    let rebuild = tokio_util::sync::CancellationToken::new();
+    let c = stemq_core::nats::connect(&stack.server.url(), "rebuild").await.unwrap();
+    let task = tokio::spawn(stemq_projector::run(c, Default::default(), rebuild.clone()));
+    assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap());
+    for (id, old) in ids.iter().zip(&before) {
+        let (new, _) = stemq_projector::get_view(&kv, id).await.unwrap().expect("view rebuilt");
+        assert_eq!(&new, old, "view of {id} differs after rebuild");
+    }
+    rebuild.cancel();
+    task.await.unwrap().unwrap();
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_metrics_and_openapi() {
+    let mut stack = Stack::start(StackOptions {
+        workers: 0,
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(stack.get_text("/healthz").await.0, 200);
+    assert_eq!(stack.get_text("/readyz").await.0, 200);
+    for i in 0..3 {
+        stack.submit(&job_body(&stack, &format!("m{i}"), None)).await;
+    }
+    let (code, text) = stack.get_text("/metrics").await;
+    assert_eq!(code, 200);
+    assert!(text.contains("stemq_submits_total{outcome=\"created\"} 3"), "{text}");
+    assert!(
+        text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3"),
+        "{text}"
+    );
+    assert!(text.contains("stemq_http_request_duration_seconds_bucket"), "{text}");
+    let (code, doc) = stack.get("/openapi.json").await;
+    assert_eq!(code, 200);
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(doc["paths"]["/v1/separations"]["post"]["responses"]["422"].is_object());
+    assert!(doc["components"]["schemas"]["JobRequest"]["properties"]["audio_uri"].is_object());
+    // Every $ref resolves.
+    let text = doc.to_string();
+    for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
+        let name = &r[..r.find('"').unwrap()];
+        assert!(doc["components"]["schemas"][name].is_object(), "dangling $ref {name}");
+    }
+    // Not ready while NATS is down.
+    stack.server.kill();
+    let deadline = tokio::time::Instant::now() + T;
+    while stack.get_text("/readyz").await.0 != 503 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "readyz stayed 200 with NATS down"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stack.server.restart().unwrap();
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_dlq_replay_creates_a_linked_job() {
+    let mut opts = StackOptions::default();
+    opts.settings.max_deliver = 1;
+    let stack = Stack::start(opts).await;
+    let (_, b) = stack
+        .submit(&job_body(&stack, "dead", Some(json!({"fail_transient": 1}))))
+        .await;
+    let old = job_id(&b);
+    assert_eq!(stack.wait_terminal(&old, T).await.status, JobStatus::DeadLettered);
+
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(Stack::stemq_bin())
+            .args(args)
+            .env("NATS_URL", stack.server.url())
+            .env("STEMQ_MAX_DELIVER", "1")
+            .env(
+                "STEMQ_ACK_WAIT_MS",
+                stack.options.settings.ack_wait.as_millis().to_string(),
+            )
+            .output()
+            .expect("run stemq");
+        assert!(
+            out.status.success(),
+            "stemq {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let listed = cli(&["dlq", "list"]);
+    assert!(listed.contains(old.as_str()), "{listed}");
+    let out = cli(&["dlq", "replay", old.as_str()]);
+    let new = stemq_core::JobId::parse(out.trim().rsplit(' ').next().unwrap()).expect(&out);
+    assert_ne!(new, old);
+    // attempt 1 of the new job: `fail_transient: 1` fails again on its first attempt,
+    // so the replay dead-letters too — what matters here is the link and the new id.
+    let v = stack.wait_terminal(&new, T).await;
+    assert_eq!(v.retry_of.as_ref(), Some(&old));
+    let o = stack.wait_for(&old, T, |v| v.retried_by.is_some()).await;
+    assert_eq!(o.retried_by.as_ref(), Some(&new));
+    assert_eq!(o.status, JobStatus::DeadLettered, "the old job is unchanged");
+    // Replaying twice is idempotent.
+    let again = cli(&["dlq", "replay", old.as_str()]);
+    assert!(again.contains(new.as_str()) && again.contains("already"), "{again}");
+    let status = cli(&["status", new.as_str()]);
+    assert!(status.contains("retry_of"), "{status}");
+    stack.shutdown().await;
+}
