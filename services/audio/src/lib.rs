@@ -6,6 +6,7 @@
 //!   stem writers with Demucs's clip modes, and file summaries for manifests;
 //! * [`dsp`] — the weight-free baseline separation engine (vocals, drums,
 //!   bass, other), streamed with bounded memory;
+//! * [`engine`] — [`DspEngine`], the `dsp` separator behind stemq's engine seam;
 //! * [`error`] — the single error enum, [`AudioError`].
 //!
 //! The typical pipeline is [`separate_file`]: decode → separate → encode,
@@ -15,6 +16,7 @@ pub mod chunk;
 pub mod decode;
 pub mod dsp;
 pub mod encode;
+pub mod engine;
 pub mod error;
 pub mod flac;
 mod resample;
@@ -24,4 +26,5 @@ pub use chunk::StereoChunk;
 pub use decode::{DecodeOptions, Decoder, SourceInfo, ENGINE_SAMPLE_RATE};
 pub use dsp::{separate_file, DspOptions, DspSeparator, EncodeSettings, Stem, StemOutput};
 pub use encode::{summarize_file, ClipMode, FileSummary, OutputFormat, StemEncoder};
+pub use engine::DspEngine;
 pub use error::AudioError;

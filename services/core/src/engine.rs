@@ -50,6 +50,18 @@ pub struct StemFile {
     pub stem: String,
     /// Local file.
     pub path: PathBuf,
+    /// What the engine knows about the audio in the file (for the manifest); `None`
+    /// when it wrote no real audio (the fake engine).
+    pub audio: Option<StemAudio>,
+}
+
+/// Audio facts of a written stem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StemAudio {
+    /// Sample rate in Hz.
+    pub sample_rate: u32,
+    /// Length in sample frames (duration = frames / sample_rate).
+    pub frames: u64,
 }
 
 /// How an engine attempt failed.
@@ -214,7 +226,11 @@ impl Engine for FakeEngine {
                     job.job_id, job.request.audio_uri
                 );
                 std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
-                Ok(StemFile { stem, path })
+                Ok(StemFile {
+                    stem,
+                    path,
+                    audio: None,
+                })
             })
             .collect()
     }

@@ -7,7 +7,8 @@
 //! - [`publish`]: publishing events once (request, outcome) or plainly;
 //! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
 //! - [`engine`]: the separation engine seam and the fake engine;
-//! - [`storage`]: object storage for inputs and outputs;
+//! - [`storage`]: object storage for inputs and outputs (local files, S3);
+//! - [`uri`]: which input URIs may be read (only objects inside the configured stores);
 //! - [`schema`]: JSON Schemas generated from these types;
 //! - [`telemetry`]: logging set-up shared by the binaries.
 
@@ -20,6 +21,7 @@ pub mod request;
 pub mod schema;
 pub mod storage;
 pub mod telemetry;
+pub mod uri;
 pub mod view;
 
 pub use event::{Event, EventBody};

@@ -6,6 +6,8 @@
 //! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid
 //! - `GET /v1/separations/{id}` → the status view, 404 unknown
 //! - `GET /v1/separations?status=&limit=&cursor=` → newest first
+//! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`])
+//! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
@@ -13,7 +15,9 @@
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
+pub mod stems;
 pub mod submit;
+pub mod uploads;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -75,6 +79,7 @@ pub struct AppState {
     jobs: jetstream::stream::Stream<()>,
     index: Arc<ListIndex>,
     metrics: Arc<Metrics>,
+    storage: Option<Arc<uploads::StorageConfig>>,
 }
 
 impl AppState {
@@ -103,7 +108,14 @@ impl AppState {
             jobs,
             index,
             metrics,
+            storage: None,
         })
+    }
+
+    /// Serves uploads and stems from this store.
+    pub fn with_storage(mut self, storage: uploads::StorageConfig) -> AppState {
+        self.storage = Some(Arc::new(storage));
+        self
     }
 
     /// The JetStream context.
@@ -139,14 +151,30 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, IngressError> {
     TcpListener::bind(addr).await.map_err(|e| IngressError::Bind(addr, e))
 }
 
-/// Runs the ingress on `listener` until `shutdown`.
+/// Runs the ingress on `listener` until `shutdown`, without an object store (uploads
+/// and stem downloads answer 503); see [`run_with_storage`].
 pub async fn run(
     client: async_nats::Client,
     listener: TcpListener,
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), IngressError> {
-    let state = AppState::new(client.clone(), shutdown.clone()).await?;
+    run_with_storage(client, listener, config, None, shutdown).await
+}
+
+/// Runs the ingress on `listener` until `shutdown`, serving uploads and stems from
+/// `storage` when given.
+pub async fn run_with_storage(
+    client: async_nats::Client,
+    listener: TcpListener,
+    config: Config,
+    storage: Option<uploads::StorageConfig>,
+    shutdown: CancellationToken,
+) -> Result<(), IngressError> {
+    let mut state = AppState::new(client.clone(), shutdown.clone()).await?;
+    if let Some(s) = storage {
+        state = state.with_storage(s);
+    }
     let nats_task = if config.nats_submit {
         let (c, s, st) = (client.clone(), shutdown.clone(), state.clone());
         Some(tokio::spawn(async move { nats_api::serve(c, st, s).await }))
@@ -174,6 +202,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/separations", post(create).get(list))
         .route("/v1/separations/{id}", get(status))
+        .route("/v1/separations/{id}/stems/{stem}", get(stems::download))
+        .route("/v1/uploads", post(uploads::upload))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))

@@ -26,6 +26,7 @@ pub fn document() -> Value {
         ("JobRequest", schema::<stemq_core::JobRequest>()),
         ("JobView", schema::<stemq_core::JobView>()),
         ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
+        ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
     ] {
         if let Some(defs) = s.as_object_mut().and_then(|o| o.remove("x-defs")) {
             let text = serde_json::to_string(&defs)
@@ -83,6 +84,40 @@ pub fn document() -> Value {
                     "summary": "The status view of one job",
                     "parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}],
                     "responses": {"200": ok("The job", "JobView"), "404": err("No such job")}
+                }
+            },
+            "/v1/separations/{id}/stems/{stem}": {
+                "get": {
+                    "summary": "Download one stem of a succeeded job (single-range HTTP Range supported; S3 stores redirect to a presigned URL)",
+                    "parameters": [
+                        {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+                        {"name": "stem", "in": "path", "required": true, "schema": {"type": "string"}, "description": "`vocals`, `no_vocals`, ..."},
+                        {"name": "Range", "in": "header", "schema": {"type": "string"}, "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`"}
+                    ],
+                    "responses": {
+                        "200": {"description": "The whole stem", "content": {"audio/wav": {}, "audio/flac": {}}},
+                        "206": {"description": "The requested byte range (`Content-Range`)", "content": {"audio/wav": {}, "audio/flac": {}}},
+                        "307": {"description": "Redirect to a short-lived presigned URL (S3 stores)"},
+                        "404": err("No such job or stem"),
+                        "409": err("The job has not succeeded"),
+                        "416": {"description": "Range not satisfiable (`Content-Range: bytes */size`)"},
+                        "503": err("No object store configured, or the store is unavailable"),
+                    }
+                }
+            },
+            "/v1/uploads": {
+                "post": {
+                    "summary": "Upload a song (streamed, content-addressed: uploads/<sha256>.<ext>); use the returned audio_uri in a separation request",
+                    "parameters": [{"name": "filename", "in": "query", "schema": {"type": "string"},
+                                    "description": "Original file name; its extension is kept (else it comes from Content-Type)"}],
+                    "requestBody": {"required": true, "content": {"application/octet-stream": {}, "audio/*": {}}},
+                    "responses": {
+                        "201": ok("Stored", "UploadResponse"),
+                        "400": err("The upload was interrupted"),
+                        "413": err("Larger than the configured limit (default 1 GiB)"),
+                        "422": err("Empty upload or bad file name"),
+                        "503": err("No object store configured, or the store is unavailable"),
+                    }
                 }
             },
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},

@@ -239,6 +239,10 @@ pub struct SubmitArgs {
     /// Wait for the job to end, with a progress bar.
     #[arg(long)]
     pub wait: bool,
+    /// With `--wait`: copy the stems into this folder as `<stem>.<ext>` once the job
+    /// has succeeded.
+    #[arg(short = 'o', long = "output-dir", value_name = "DIR", requires = "wait")]
+    pub output_dir: Option<PathBuf>,
 }
 
 impl Cli {

@@ -9,7 +9,6 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 use stemq_core::event::{EventBody, Retried};
 use stemq_core::nats::{self as names, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -35,13 +34,13 @@ fn parse_id(id: &str) -> Result<JobId> {
     JobId::parse(id).ok_or_else(|| anyhow!("`{id}` is not a job id (64 lowercase hex characters)"))
 }
 
-/// Uploads a local file to the store, content-addressed; returns its URI.
-async fn upload(g: &Global, file: &Path) -> Result<String> {
-    let store = Store::open(&g.store_url()?)?;
-    let bytes = tokio::fs::read(file)
+/// Uploads a local file to the store, content-addressed (`uploads/<sha256>.<ext>`);
+/// returns its URI. The file is streamed and hashed on the way, then moved to its key.
+async fn upload(store: &Store, file: &Path) -> Result<String> {
+    let meta = tokio::fs::metadata(file)
         .await
         .with_context(|| format!("reading {}", file.display()))?;
-    if bytes.is_empty() {
+    if meta.len() == 0 {
         bail!("{} is empty", file.display());
     }
     let ext = file
@@ -49,17 +48,58 @@ async fn upload(g: &Global, file: &Path) -> Result<String> {
         .and_then(|e| e.to_str())
         .unwrap_or("bin")
         .to_ascii_lowercase();
-    let key = format!("uploads/{}.{ext}", hex::encode(Sha256::digest(&bytes)));
-    let stored = store.put_bytes(&key, bytes).await?;
-    Ok(stored.uri)
+    let tmp = format!("uploads/tmp/{}", uuid::Uuid::new_v4());
+    let stored = store
+        .put_file(&tmp, file)
+        .await
+        .with_context(|| format!("uploading {}", file.display()))?;
+    let key = format!("uploads/{}.{ext}", stored.sha256);
+    if let Err(e) = store.rename(&tmp, &key).await {
+        let _ = store.delete(&tmp).await;
+        return Err(e).context("moving the upload to its final key");
+    }
+    Ok(store.uri(&key))
+}
+
+/// Copies a succeeded job's stems from the store into `dir` as `<stem>.<ext>`.
+async fn download_stems(store: &Store, view: &JobView, dir: &Path) -> Result<()> {
+    tokio::fs::create_dir_all(dir)
+        .await
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let allowed = [store.base_url().to_string()];
+    for o in &view.outputs {
+        let (_, key) = stemq_core::uri::store_key(&o.uri, &allowed).map_err(|e| {
+            anyhow!(
+                "stem {} is at {}, outside the configured store: {}",
+                o.stem,
+                o.uri,
+                e.message
+            )
+        })?;
+        let ext = key.rsplit_once('.').map(|(_, e)| e).unwrap_or("bin");
+        let dest = dir.join(format!("{}.{ext}", o.stem));
+        let bytes = store
+            .get_to_file(key, &dest)
+            .await
+            .with_context(|| format!("downloading {}", o.uri))?;
+        if bytes != o.bytes {
+            bail!("{}: got {bytes} bytes, the job recorded {}", dest.display(), o.bytes);
+        }
+        println!("{:<12} {}", o.stem, dest.display());
+    }
+    Ok(())
 }
 
 pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     let looks_like_uri = a.input.contains("://");
-    let uri = if looks_like_uri {
-        a.input.clone()
+    let store = if looks_like_uri && a.output_dir.is_none() {
+        None
     } else {
-        upload(g, Path::new(&a.input)).await?
+        Some(Store::open(&g.store_url()?).context("opening the object store")?)
+    };
+    let uri = match &store {
+        Some(store) if !looks_like_uri => upload(store, Path::new(&a.input)).await?,
+        _ => a.input.clone(),
     };
     let mut req = json!({"audio_uri": uri, "model": a.model});
     let fields = [
@@ -87,6 +127,9 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
         let view = watch(g, resp.job_id.as_str()).await?;
         if view.status != JobStatus::Succeeded {
             bail!("job ended {}", view.status.as_str());
+        }
+        if let (Some(dir), Some(store)) = (&a.output_dir, &store) {
+            download_stems(store, &view, dir).await?;
         }
     }
     Ok(())

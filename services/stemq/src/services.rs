@@ -27,7 +27,10 @@ pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
         "fake" => Ok(Arc::new(FakeEngine {
             base_delay: Duration::from_millis(opts.fake_delay_ms),
         })),
-        other => bail!("unknown engine `{other}`; available: fake"),
+        // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
+        // `model_unavailable` until the neural engine exists.
+        "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
+        other => bail!("unknown engine `{other}`; available: fake, dsp"),
     }
 }
 
@@ -50,16 +53,13 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let client = connect(g, "stemq-ingress").await?;
     let shutdown = crate::cli::shutdown_on_signals();
     let listener = stemq_ingress::bind(a.http).await?;
-    stemq_ingress::run(
-        client,
-        listener,
-        stemq_ingress::Config {
-            listen: a.http,
-            nats_submit: true,
-        },
-        shutdown,
-    )
-    .await?;
+    let store = Store::open(&g.store_url()?).context("opening the object store")?;
+    let storage = stemq_ingress::uploads::StorageConfig::new(store);
+    let config = stemq_ingress::Config {
+        listen: a.http,
+        nats_submit: true,
+    };
+    stemq_ingress::run_with_storage(client, listener, config, Some(storage), shutdown).await?;
     Ok(())
 }
 

@@ -457,28 +457,30 @@ fn classify(e: EngineError) -> Failure {
     }
 }
 
-/// Copies the input to local scratch. Only URIs inside the configured store are read.
+/// Streams the input to local scratch, chunk by chunk. Only URIs inside the configured
+/// store are read (the same policy as the ingress: no traversal, no other store).
 async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, Failure> {
-    let base = shared.config.store.base_url();
-    let Some(key) = uri.strip_prefix(base).map(|k| k.trim_start_matches('/')) else {
-        return Err(Failure::permanent(
-            "input_not_allowed",
-            format!("{uri} is not in the configured store"),
-        ));
-    };
-    let bytes = shared.config.store.get_bytes(key).await.map_err(|e| match e {
-        stemq_core::storage::StorageError::Store(object_store::Error::NotFound { .. }) => {
-            Failure::permanent("input_not_found", format!("{uri} does not exist"))
-        }
+    let store = &shared.config.store;
+    let (_, key) = stemq_core::uri::store_key(uri, &[store.base_url().to_string()])
+        .map_err(|e| Failure::permanent("input_not_allowed", e.message))?;
+    let path = dir.join("input");
+    let t0 = Instant::now();
+    let bytes = store.get_to_file(key, &path).await.map_err(|e| match e {
+        e if e.is_not_found() => Failure::permanent("input_not_found", format!("{uri} does not exist")),
+        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient("scratch", e.to_string()),
         e => Failure::transient("storage", e.to_string()),
     })?;
-    let path = dir.join("input");
-    tokio::fs::write(&path, &bytes)
-        .await
-        .map_err(|e| Failure::transient("scratch", e.to_string()))?;
+    info!(
+        event = "input.fetched",
+        bytes,
+        ms = t0.elapsed().as_millis() as u64,
+        "input fetched"
+    );
     Ok(path)
 }
 
+/// Stores the stems, then `jobs/<id>/manifest.json` describing them (the manifest last,
+/// so its presence means every stem is there).
 async fn store_outputs(
     shared: &Shared,
     job_id: &JobId,
@@ -490,12 +492,23 @@ async fn store_outputs(
     let store = &shared.config.store;
     let ext = requested.request.output_format.extension();
     let mut outputs = Vec::with_capacity(stems.len());
+    let mut entries = Vec::with_capacity(stems.len());
     for s in stems {
-        let key = output_key(job_id.as_str(), &format!("{}.{ext}", s.stem));
+        let file = format!("{}.{ext}", s.stem);
+        let key = output_key(job_id.as_str(), &file);
         let stored = store
             .put_file(&key, &s.path)
             .await
             .map_err(|e| Failure::transient("storage", e.to_string()))?;
+        let mut entry = json!({
+            "stem": s.stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
+        });
+        if let Some(a) = s.audio {
+            entry["sample_rate"] = json!(a.sample_rate);
+            entry["frames"] = json!(a.frames);
+            entry["duration_secs"] = json!(a.frames as f64 / f64::from(a.sample_rate.max(1)));
+        }
+        entries.push(entry);
         outputs.push(Output {
             stem: s.stem.clone(),
             uri: stored.uri,
@@ -503,15 +516,19 @@ async fn store_outputs(
             sha256: stored.sha256,
         });
     }
+    let first_audio = stems.iter().find_map(|s| s.audio);
     let manifest = json!({
+        "manifest_version": 1,
         "job_id": job_id,
         "model": requested.request.model,
         "format": ext,
+        "sample_rate": first_audio.map(|a| a.sample_rate),
+        "duration_secs": first_audio.map(|a| a.frames as f64 / f64::from(a.sample_rate.max(1))),
         "device": device,
         "degraded": degraded,
-        "stems": outputs,
+        "stems": entries,
     });
-    let key = output_key(job_id.as_str(), "manifest.json");
+    let key = stemq_core::storage::manifest_key(job_id.as_str());
     let stored = store
         .put_bytes(&key, serde_json::to_vec_pretty(&manifest).expect("json"))
         .await

@@ -1,0 +1,164 @@
+//! The `dsp` separator as a pipeline engine: [`DspEngine`] implements
+//! [`stemq_core::engine::Engine`].
+//!
+//! This module owns the translation between the worker's engine seam and this crate:
+//! request fields → [`DecodeOptions`], [`DspOptions`] and [`EncodeSettings`], the
+//! worker's progress and cancellation callbacks → [`separate_file`]'s, and
+//! [`AudioError`] → [`EngineError`] (input errors are permanent with a stable code and a
+//! message for people, cancellation is [`EngineError::Cancelled`], I/O is transient).
+//! It also keeps the model allow-list honest: this engine runs `dsp` and nothing else.
+
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
+use stemq_core::request::{Model, OutputFormat as RequestFormat};
+use tracing::{debug, info_span};
+
+use crate::dsp::{separate_file, DspOptions, EncodeSettings, Stem};
+use crate::encode::{ClipMode, OutputFormat};
+use crate::error::AudioError;
+use crate::{DecodeOptions, ENGINE_SAMPLE_RATE};
+
+/// Default longest accepted input: 3 hours.
+pub const DEFAULT_MAX_DURATION_SECS: f64 = 3.0 * 3600.0;
+
+/// The weight-free `dsp` separation engine (CPU only).
+#[derive(Debug, Clone)]
+pub struct DspEngine {
+    /// Inputs longer than this many seconds fail with `too_long`.
+    pub max_duration_secs: f64,
+    /// Clip handling of every stem (default: rescale, as Demucs).
+    pub clip: ClipMode,
+}
+
+impl Default for DspEngine {
+    fn default() -> Self {
+        DspEngine {
+            max_duration_secs: DEFAULT_MAX_DURATION_SECS,
+            clip: ClipMode::Rescale,
+        }
+    }
+}
+
+impl DspEngine {
+    /// An engine rejecting inputs longer than `max_duration_secs`.
+    pub fn with_max_duration(max_duration_secs: f64) -> Self {
+        DspEngine {
+            max_duration_secs,
+            ..DspEngine::default()
+        }
+    }
+}
+
+/// Maps this crate's errors onto the engine seam.
+pub fn engine_error(e: AudioError) -> EngineError {
+    let invalid = |code: &str, message: String| EngineError::InvalidInput {
+        code: code.into(),
+        message,
+    };
+    match e {
+        AudioError::NotAudio { detail } => invalid(
+            "invalid_audio",
+            format!("the input is not an audio file stemq can read ({detail})"),
+        ),
+        AudioError::UnsupportedCodec { codec } => invalid(
+            "unsupported_codec",
+            format!("the input uses the {codec} codec, which is not supported; use WAV, FLAC, MP3 or Ogg Vorbis"),
+        ),
+        AudioError::Empty => invalid("empty_audio", "the input contains no audio samples".into()),
+        AudioError::TooLong { duration, max } => invalid(
+            "too_long",
+            format!("the input lasts {duration}, longer than the maximum of {max}"),
+        ),
+        AudioError::CorruptFrame { at, detail } => invalid(
+            "corrupt_audio",
+            format!("the input is damaged: corrupt frame at {at} ({detail})"),
+        ),
+        AudioError::Cancelled => EngineError::Cancelled,
+        AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
+        // Our own bugs: not the input's fault, and another try will not fix them.
+        e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => EngineError::Unsupported {
+            code: "engine_error".into(),
+            message: e.to_string(),
+        },
+    }
+}
+
+fn stem_of(name: &str) -> Option<Stem> {
+    Stem::ALL.into_iter().find(|s| s.name() == name)
+}
+
+impl Engine for DspEngine {
+    fn name(&self) -> &str {
+        "dsp"
+    }
+
+    fn devices(&self) -> Vec<String> {
+        vec!["cpu".to_string()]
+    }
+
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let req = job.request;
+        let span = info_span!("dsp.separate", job_id = %job.job_id, attempt = job.attempt);
+        let _enter = span.enter();
+        if req.model != Model::Dsp {
+            return Err(EngineError::Unsupported {
+                code: "model_unavailable".into(),
+                message: format!(
+                    "model `{}` is not available on this worker (it needs the neural engine); use model `dsp`",
+                    req.model
+                ),
+            });
+        }
+        let two_stems = match &req.two_stems {
+            None => None,
+            Some(s) => Some(stem_of(s).ok_or_else(|| EngineError::Unsupported {
+                code: "invalid_stem".into(),
+                message: format!("the dsp engine has no `{s}` stem"),
+            })?),
+        };
+        let format = match req.output_format {
+            RequestFormat::Wav => OutputFormat::Wav16,
+            RequestFormat::Flac => OutputFormat::Flac16,
+        };
+        let decode = DecodeOptions {
+            target_sample_rate: ENGINE_SAMPLE_RATE,
+            max_duration_secs: Some(self.max_duration_secs),
+        };
+        let mut progress = |f: f32| ctx.progress(f, "separate");
+        let cancel = || ctx.cancelled();
+        let outputs = separate_file(
+            job.input,
+            job.out_dir,
+            &decode,
+            &DspOptions { two_stems },
+            EncodeSettings {
+                format,
+                clip: self.clip,
+            },
+            &mut progress,
+            &cancel,
+        )
+        .map_err(engine_error)?;
+        // In the order the request lists its stems.
+        let mut files = Vec::with_capacity(outputs.len());
+        for name in req.stems() {
+            let out = outputs
+                .iter()
+                .find(|o| o.name == name)
+                .ok_or_else(|| EngineError::Unsupported {
+                    code: "engine_error".into(),
+                    message: format!("no `{name}` stem was written"),
+                })?;
+            let rate = out.summary.sample_rate;
+            debug!(stem = %name, bytes = out.summary.bytes, "stem written");
+            files.push(StemFile {
+                stem: name,
+                path: out.path.clone(),
+                audio: Some(StemAudio {
+                    sample_rate: rate,
+                    frames: (out.summary.duration_secs * f64::from(rate)).round() as u64,
+                }),
+            });
+        }
+        Ok(files)
+    }
+}
