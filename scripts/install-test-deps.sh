@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs besides Rust and nats-server:
-# - moto's S3-compatible server (`moto_server`), used by services/core/tests/s3.rs,
-#   which skips (with a printed message) when it is absent.
+# Installs what the test suite needs besides Rust and nats-server, into ./.venv:
+# - moto's S3-compatible server (`moto_server`), used by services/core/tests/s3.rs.
 set -euo pipefail
-python3 -m pip install --quiet 'moto[server]==5.2.1'
-command -v moto_server >/dev/null || { echo "moto_server not on PATH after install" >&2; exit 1; }
+cd "$(dirname "$0")/.."
+[[ -x .venv/bin/pip ]] || python3 -m venv .venv
+if [[ ! -x .venv/bin/moto_server ]]; then
+  .venv/bin/pip install -q --disable-pip-version-check 'moto[server]==5.2.1'
+fi
+.venv/bin/moto_server --help >/dev/null

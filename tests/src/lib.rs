@@ -99,6 +99,7 @@ impl Stack {
         {
             let c = names::connect(&server.url(), "ingress").await.unwrap();
             let s = stop.clone();
+            let ingress_store = store.clone();
             tasks.push(tokio::spawn(async move {
                 stemq_ingress::run(
                     c,
@@ -106,6 +107,7 @@ impl Stack {
                     stemq_ingress::Config {
                         listen: http,
                         nats_submit: true,
+                        storage: Some(stemq_ingress::uploads::StorageConfig::new(ingress_store)),
                     },
                     s,
                 )

@@ -123,6 +123,22 @@ async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
         (json!({"audio_uri": uri, "segment": 30, "model": "htdemucs"}), "segment"),
         (json!({"audio_uri": uri, "two_stems": "kazoo"}), "two_stems"),
         (json!({"audio_uri": uri, "surprise": true}), "surprise"),
+        // Untrusted URIs: refused before anything is published.
+        (json!({"audio_uri": "file:///etc/passwd"}), "audio_uri"),
+        (
+            json!({"audio_uri": "http://169.254.169.254/latest/meta-data/"}),
+            "audio_uri",
+        ),
+        (json!({"audio_uri": "https://10.0.0.7/song.wav"}), "audio_uri"),
+        (
+            json!({"audio_uri": format!("{}/../../etc/passwd", stack.store.base_url())}),
+            "audio_uri",
+        ),
+        (
+            json!({"audio_uri": format!("{}/uploads/%2e%2e/x.wav", stack.store.base_url())}),
+            "audio_uri",
+        ),
+        (json!({"audio_uri": "gs://bucket/song.wav"}), "audio_uri"),
     ];
     for (body, field) in cases {
         let (code, resp) = stack.submit(&body).await;

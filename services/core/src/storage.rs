@@ -163,7 +163,7 @@ impl Store {
     pub fn memory() -> Store {
         Store {
             inner: Arc::new(object_store::memory::InMemory::new()),
-            base: "memory://".to_string(),
+            base: "memory://mem".to_string(),
             s3: None,
         }
     }

@@ -63,12 +63,15 @@ pub enum IngressError {
 }
 
 /// Ingress configuration.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Config {
     /// Where to listen.
     pub listen: SocketAddr,
     /// Serve the NATS request-reply submit endpoint too.
     pub nats_submit: bool,
+    /// The object store: uploads and stem downloads are served from it, and an
+    /// `audio_uri` must point into it. Without one every submit is refused.
+    pub storage: Option<uploads::StorageConfig>,
 }
 
 /// Shared handler state.
@@ -80,6 +83,7 @@ pub struct AppState {
     index: Arc<ListIndex>,
     metrics: Arc<Metrics>,
     storage: Option<Arc<uploads::StorageConfig>>,
+    stores: Arc<Vec<String>>,
 }
 
 impl AppState {
@@ -109,13 +113,20 @@ impl AppState {
             index,
             metrics,
             storage: None,
+            stores: Arc::new(Vec::new()),
         })
     }
 
     /// Serves uploads and stems from this store.
     pub fn with_storage(mut self, storage: uploads::StorageConfig) -> AppState {
+        self.stores = Arc::new(vec![storage.store.base_url().to_string()]);
         self.storage = Some(Arc::new(storage));
         self
+    }
+
+    /// Base URLs of the stores an `audio_uri` may point into.
+    pub fn stores(&self) -> &[String] {
+        &self.stores
     }
 
     /// The JetStream context.
@@ -151,28 +162,15 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, IngressError> {
     TcpListener::bind(addr).await.map_err(|e| IngressError::Bind(addr, e))
 }
 
-/// Runs the ingress on `listener` until `shutdown`, without an object store (uploads
-/// and stem downloads answer 503); see [`run_with_storage`].
+/// Runs the ingress on `listener` until `shutdown`.
 pub async fn run(
     client: async_nats::Client,
     listener: TcpListener,
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), IngressError> {
-    run_with_storage(client, listener, config, None, shutdown).await
-}
-
-/// Runs the ingress on `listener` until `shutdown`, serving uploads and stems from
-/// `storage` when given.
-pub async fn run_with_storage(
-    client: async_nats::Client,
-    listener: TcpListener,
-    config: Config,
-    storage: Option<uploads::StorageConfig>,
-    shutdown: CancellationToken,
-) -> Result<(), IngressError> {
     let mut state = AppState::new(client.clone(), shutdown.clone()).await?;
-    if let Some(s) = storage {
+    if let Some(s) = config.storage {
         state = state.with_storage(s);
     }
     let nats_task = if config.nats_submit {
@@ -282,7 +280,7 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let result = submit::submit(&state.js, &body, None, traceparent).await;
+    let result = submit::submit(&state.js, &body, None, traceparent, state.stores()).await;
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
     if resp.cached {

@@ -37,7 +37,7 @@ pub async fn serve(
                 .as_ref()
                 .and_then(|h| h.get("traceparent"))
                 .map(|v| v.to_string());
-            let body = match submit(state.jetstream(), &msg.payload, None, tp).await {
+            let body = match submit(state.jetstream(), &msg.payload, None, tp, state.stores()).await {
                 Ok((r, _)) => {
                     let mut v = serde_json::to_value(&r).expect("json");
                     let mut status = 202;

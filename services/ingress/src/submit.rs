@@ -37,15 +37,18 @@ pub enum SubmitError {
     Unavailable(String),
 }
 
-/// Validates and queues `body` for `owner`. `status_of` reads the status of an existing
-/// job (for the cached answer).
+/// Validates and queues `body` for `owner`; `stores` are the base URLs of the stores an
+/// `audio_uri` may point into.
 pub async fn submit(
     js: &jetstream::Context,
     body: &[u8],
     owner: Option<&str>,
     traceparent: Option<String>,
+    stores: &[String],
 ) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let req = JobRequest::from_slice(body)?;
+    // Only objects inside the configured stores: refused before anything is published.
+    stemq_core::uri::check_audio_uri(&req.audio_uri, stores)?;
     let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
     let mut event = Event::requested(normalized, req.webhook.clone(), req.metadata.clone(), "/stemq/ingress");
     event.traceparent = traceparent;

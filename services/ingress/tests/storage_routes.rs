@@ -58,10 +58,9 @@ impl Stack {
             let config = stemq_ingress::Config {
                 listen: http,
                 nats_submit: false,
+                storage: Some(storage),
             };
-            stemq_ingress::run_with_storage(c, listener, config, Some(storage), s)
-                .await
-                .expect("ingress runs");
+            stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {

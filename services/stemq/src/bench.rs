@@ -85,7 +85,7 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     } else {
         tempfile::tempdir()?
     };
-    let mut wc = stemq_worker::Config::new(store, scratch_root.path().join("scratch"));
+    let mut wc = stemq_worker::Config::new(store.clone(), scratch_root.path().join("scratch"));
     wc.concurrency = workers;
     wc.deadletter = false;
     let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
@@ -122,6 +122,7 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     let sem = Arc::new(Semaphore::new(in_flight));
     let t0 = Instant::now();
     let mut handles = Vec::with_capacity(jobs);
+    let stores = vec![store.base_url().to_string()];
     let interval = rate.map(|r| Duration::from_secs_f64(1.0 / r));
     for i in 0..jobs {
         if let Some(iv) = interval {
@@ -131,10 +132,12 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
         let permit = sem.clone().acquire_owned().await?;
         let js = js.clone();
         let submitted = submitted.clone();
+        let (store, stores) = (store.clone(), stores.clone());
         handles.push(tokio::spawn(async move {
-            let body = format!(r#"{{"audio_uri":"file:///bench/{run_id}/{i}.wav","model":"dsp"}}"#);
+            let uri = store.uri(&format!("bench/{run_id}/{i}.wav"));
+            let body = format!(r#"{{"audio_uri":"{uri}","model":"dsp"}}"#);
             let start = Instant::now();
-            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None).await;
+            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None, &stores).await;
             drop(permit);
             if let Ok((resp, _)) = r {
                 submitted.lock().await.insert(resp.job_id, start);

@@ -119,7 +119,8 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     }
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None)
+    let stores = vec![g.store_url()?];
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores)
         .await
         .map_err(|e| anyhow!("{e}"))?;
     println!("{}", serde_json::to_string_pretty(&resp)?);

@@ -45,6 +45,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         stemq_ingress::Config {
             listen: addr,
             nats_submit: true,
+            storage: Some(stemq_ingress::uploads::StorageConfig::new(wconfig.store.clone())),
         },
         children.clone(),
     ));

@@ -58,8 +58,9 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let config = stemq_ingress::Config {
         listen: a.http,
         nats_submit: true,
+        storage: Some(storage),
     };
-    stemq_ingress::run_with_storage(client, listener, config, Some(storage), shutdown).await?;
+    stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
 }
 
