@@ -9,7 +9,7 @@
 //! It also keeps the model allow-list honest: this engine runs `dsp` and nothing else.
 
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
-use stemq_core::request::{Model, OutputFormat as RequestFormat};
+use stemq_core::request::{ClipMode as RequestClip, Encoding, Model, OutputFormat as RequestFormat};
 use tracing::{debug, info_span};
 
 use crate::dsp::{separate_file, DspOptions, EncodeSettings, Stem};
@@ -25,15 +25,12 @@ pub const DEFAULT_MAX_DURATION_SECS: f64 = 3.0 * 3600.0;
 pub struct DspEngine {
     /// Inputs longer than this many seconds fail with `too_long`.
     pub max_duration_secs: f64,
-    /// Clip handling of every stem (default: rescale, as Demucs).
-    pub clip: ClipMode,
 }
 
 impl Default for DspEngine {
     fn default() -> Self {
         DspEngine {
             max_duration_secs: DEFAULT_MAX_DURATION_SECS,
-            clip: ClipMode::Rescale,
         }
     }
 }
@@ -115,9 +112,18 @@ impl Engine for DspEngine {
                 message: format!("the dsp engine has no `{s}` stem"),
             })?),
         };
-        let format = match req.output_format {
-            RequestFormat::Wav => OutputFormat::Wav16,
-            RequestFormat::Flac => OutputFormat::Flac16,
+        let format = match (req.output_format, req.encoding) {
+            (RequestFormat::Wav, Encoding::S16) => OutputFormat::Wav16,
+            (RequestFormat::Wav, Encoding::S24) => OutputFormat::Wav24,
+            (RequestFormat::Wav, Encoding::F32) => OutputFormat::WavF32,
+            (RequestFormat::Flac, Encoding::S24) => OutputFormat::Flac24,
+            // f32 FLAC is refused at validation; 16 bit is the safe reading.
+            (RequestFormat::Flac, _) => OutputFormat::Flac16,
+        };
+        let clip = match req.clip_mode {
+            RequestClip::Rescale => ClipMode::Rescale,
+            RequestClip::Clamp => ClipMode::Clamp,
+            RequestClip::None => ClipMode::None,
         };
         let decode = DecodeOptions {
             target_sample_rate: ENGINE_SAMPLE_RATE,
@@ -130,10 +136,7 @@ impl Engine for DspEngine {
             job.out_dir,
             &decode,
             &DspOptions { two_stems },
-            EncodeSettings {
-                format,
-                clip: self.clip,
-            },
+            EncodeSettings { format, clip },
             &mut progress,
             &cancel,
         )

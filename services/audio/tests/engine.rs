@@ -125,6 +125,47 @@ fn two_stems_as_flac() {
 }
 
 #[test]
+fn encodings_and_clip_modes_follow_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("song.wav");
+    write_song(&input, 1.0);
+    // (request fields, container magic, bits per sample or FLAC, expected by the decoder)
+    for (fields, ext, bits) in [
+        (json!({"encoding": "s24"}), "wav", 24u16),
+        (json!({"encoding": "f32"}), "wav", 32),
+        (json!({"encoding": "s24", "output_format": "flac"}), "flac", 24),
+        (json!({"clip_mode": "clamp"}), "wav", 16),
+        (json!({"clip_mode": "none"}), "wav", 16),
+    ] {
+        let mut v = json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "two_stems": "vocals"});
+        for (k, x) in fields.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        let out = dir.path().join(format!("out-{}", fields.to_string().len()));
+        std::fs::create_dir_all(&out).unwrap();
+        let stems = run(&DspEngine::default(), &request(v), &input, &out, &Ctx::default()).unwrap();
+        for s in &stems {
+            assert_eq!(s.path.extension().unwrap(), ext, "{fields}");
+            let bytes = std::fs::read(&s.path).unwrap();
+            if ext == "wav" {
+                assert_eq!(u16::from_le_bytes([bytes[34], bytes[35]]), bits, "{fields}");
+                let format_tag = u16::from_le_bytes([bytes[20], bytes[21]]);
+                assert_eq!(
+                    format_tag == 3 || format_tag == 0xFFFE,
+                    bits == 32,
+                    "{fields}: tag {format_tag}"
+                );
+            } else {
+                assert_eq!(&bytes[..4], b"fLaC");
+                // STREAMINFO: bits per sample − 1 spans bytes 20..22 of the block body.
+                let bps = (((bytes[8 + 12] as u16 & 0x01) << 4) | (bytes[8 + 13] as u16 >> 4)) + 1;
+                assert_eq!(bps, bits, "{fields}");
+            }
+        }
+    }
+}
+
+#[test]
 fn neural_models_are_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     for model in ["htdemucs", "htdemucs_ft", "htdemucs_6s"] {

@@ -102,6 +102,32 @@ impl OutputFormat {
     }
 }
 
+/// Sample encoding of the stems (Demucs's default, `--int24`, `--float32`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    /// 16-bit signed integers.
+    #[default]
+    S16,
+    /// 24-bit signed integers.
+    S24,
+    /// 32-bit IEEE float (WAV only).
+    F32,
+}
+
+/// How samples outside [-1, 1] are handled before writing (Demucs's `--clip-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ClipMode {
+    /// Scale the whole stem down so it never clips (divides by max(1.01 · peak, 1)).
+    #[default]
+    Rescale,
+    /// Clamp each sample to [-1, 1].
+    Clamp,
+    /// Leave samples alone (integer formats still saturate).
+    None,
+}
+
 /// Where and which job events a client wants to be told about (delivered by the relay).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -134,6 +160,12 @@ pub struct JobRequest {
     /// Container of the stems; default `wav`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_format: Option<OutputFormat>,
+    /// Sample encoding: `s16` (default), `s24`, `f32` (WAV only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<Encoding>,
+    /// Clipping: `rescale` (default), `clamp`, `none`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_mode: Option<ClipMode>,
     /// Segment length in seconds; default the model's own (7.8 s for HTDemucs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment: Option<f64>,
@@ -165,6 +197,10 @@ pub struct NormalizedRequest {
     pub two_stems: Option<String>,
     /// Container of the stems.
     pub output_format: OutputFormat,
+    /// Sample encoding.
+    pub encoding: Encoding,
+    /// Clipping.
+    pub clip_mode: ClipMode,
     /// Segment length in seconds; absent means the model's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment: Option<f64>,
@@ -199,11 +235,13 @@ impl RequestError {
     }
 }
 
-const FIELDS: [&str; 9] = [
+const FIELDS: [&str; 11] = [
     "audio_uri",
     "model",
     "two_stems",
     "output_format",
+    "encoding",
+    "clip_mode",
     "segment",
     "overlap",
     "shifts",
@@ -301,6 +339,14 @@ impl JobRequest {
         if !(0.0..1.0).contains(&overlap) {
             return Err(RequestError::new("overlap", "must be in [0, 1)"));
         }
+        let output_format = self.output_format.unwrap_or_default();
+        let encoding = self.encoding.unwrap_or_default();
+        if encoding == Encoding::F32 && output_format == OutputFormat::Flac {
+            return Err(RequestError::new(
+                "encoding",
+                "FLAC has no float encoding; use s16 or s24, or wav",
+            ));
+        }
         let shifts = self.shifts.unwrap_or(0);
         if shifts > MAX_SHIFTS {
             return Err(RequestError::new("shifts", format!("at most {MAX_SHIFTS}")));
@@ -336,7 +382,9 @@ impl JobRequest {
             audio_uri: self.audio_uri.clone(),
             model,
             two_stems: self.two_stems.clone(),
-            output_format: self.output_format.unwrap_or_default(),
+            output_format,
+            encoding,
+            clip_mode: self.clip_mode.unwrap_or_default(),
             segment,
             overlap,
             shifts,
@@ -461,7 +509,7 @@ mod tests {
     fn key_order_whitespace_and_explicit_defaults_share_an_id() {
         let a = id_of(json!({"audio_uri": "file:///a.wav", "model": "htdemucs"}));
         let b: Value = serde_json::from_str(
-            r#"{ "overlap" : 0.25, "shifts": 0,  "output_format":"wav", "segment": 7.8,
+            r#"{ "overlap" : 0.25, "shifts": 0,  "output_format":"wav", "segment": 7.8, "encoding": "s16", "clip_mode": "rescale",
                  "model":"htdemucs", "audio_uri":"file:///a.wav" }"#,
         )
         .unwrap();
@@ -483,6 +531,8 @@ mod tests {
             json!({"audio_uri": "file:///a.wav", "model": "htdemucs_ft"}),
             json!({"audio_uri": "file:///a.wav", "two_stems": "vocals"}),
             json!({"audio_uri": "file:///a.wav", "output_format": "flac"}),
+            json!({"audio_uri": "file:///a.wav", "encoding": "s24"}),
+            json!({"audio_uri": "file:///a.wav", "clip_mode": "clamp"}),
             json!({"audio_uri": "file:///a.wav", "segment": 6.0}),
             json!({"audio_uri": "file:///a.wav", "overlap": 0.5}),
             json!({"audio_uri": "file:///a.wav", "shifts": 1}),
@@ -502,7 +552,7 @@ mod tests {
         let n = req.normalize(ANONYMOUS).unwrap();
         assert_eq!(
             String::from_utf8(n.canonical_json()).unwrap(),
-            r#"{"audio_uri":"file:///a.wav","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
+            r#"{"audio_uri":"file:///a.wav","clip_mode":"rescale","encoding":"s16","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
         );
         // The documented example in docs/job-id.md.
         assert_eq!(n.job_id().as_str(), hex::encode(Sha256::digest(n.canonical_json())));

@@ -178,8 +178,9 @@ pub struct WorkerArgs {
 /// Worker options shared by `stemq worker` and `stemq dev`.
 #[derive(Debug, Args, Clone)]
 pub struct WorkerOpts {
-    /// Separation engine: `fake` (no audio work; for tests and benchmarks).
-    #[arg(long, env = "STEMQ_ENGINE", default_value = "fake")]
+    /// Separation engine: `dsp` (built-in, no weights) or `fake` (no audio work; for
+    /// tests and benchmarks).
+    #[arg(long, env = "STEMQ_ENGINE", default_value = "dsp")]
     pub engine: String,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
@@ -215,8 +216,8 @@ pub struct ProjectorArgs {
 pub struct SubmitArgs {
     /// An audio URI in the store, or a local file to upload first.
     pub input: String,
-    /// Model.
-    #[arg(short = 'n', long, default_value = "htdemucs")]
+    /// Model (`dsp` until the neural engine is installed on the workers).
+    #[arg(short = 'n', long, default_value = "dsp")]
     pub model: String,
     /// Only this stem and its complement.
     #[arg(long)]
@@ -224,6 +225,12 @@ pub struct SubmitArgs {
     /// Output container: wav or flac.
     #[arg(long)]
     pub format: Option<String>,
+    /// Sample encoding: s16 (default), s24, f32 (wav only).
+    #[arg(long)]
+    pub encoding: Option<String>,
+    /// Clipping: rescale (default), clamp, none.
+    #[arg(long)]
+    pub clip_mode: Option<String>,
     /// Segment length in seconds.
     #[arg(long)]
     pub segment: Option<f64>,
