@@ -20,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod flac;
 mod resample;
+pub mod synth;
 pub mod wav;
 
 pub use chunk::StereoChunk;

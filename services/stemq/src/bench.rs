@@ -44,16 +44,127 @@ pub enum BenchCommand {
         #[arg(long, default_value = "memory")]
         store: String,
     },
+    /// Peak RSS of a `stemq worker` process (dsp engine) separating songs of several
+    /// lengths through the whole pipeline, side by side.
+    Rss {
+        /// Song lengths in minutes.
+        #[arg(long, num_args = 1.., default_values_t = [5.0, 60.0])]
+        minutes: Vec<f64>,
+    },
 }
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
-    let BenchCommand::Pipeline {
-        jobs,
-        rate,
-        workers,
-        in_flight,
-        store,
-    } = cmd;
+    match cmd {
+        BenchCommand::Pipeline {
+            jobs,
+            rate,
+            workers,
+            in_flight,
+            store,
+        } => pipeline(g, jobs, rate, workers, in_flight, store).await,
+        BenchCommand::Rss { minutes } => rss(g, &minutes).await,
+    }
+}
+
+fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Runs each song length through a fresh worker process and reports its peak RSS.
+async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("nats");
+    let server = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
+    let client = stemq_core::nats::connect(&server.url(), "stemq-bench").await?;
+    let js = jetstream::new(client.clone());
+    stemq_core::nats::apply(&js, &g.settings()).await?;
+    let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
+    let store = Store::local(&tmp.path().join("store"))?;
+    let stop = CancellationToken::new();
+    let p = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), stop.clone()));
+    let exe = std::env::current_exe()?;
+    let mut rows = Vec::new();
+    for &m in minutes {
+        let song = tmp.path().join(format!("song-{m}.wav"));
+        let s2 = song.clone();
+        tokio::task::spawn_blocking(move || stemq_audio::synth::write_demo_song(&s2, m * 60.0, 44_100)).await??;
+        let key = format!("uploads/song-{m}.wav");
+        store.put_file(&key, &song).await?;
+        std::fs::remove_file(&song)?;
+        let mut child = std::process::Command::new(&exe)
+            .arg("worker")
+            .env("NATS_URL", server.url())
+            .env("STEMQ_STORE", store.base_url())
+            .env("STEMQ_DATA_DIR", tmp.path())
+            .env("STEMQ_ENGINE", "dsp")
+            .env("STEMQ_LOG_FORMAT", "json")
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        let pid = child.id();
+        let body = format!(r#"{{"audio_uri":"{}","model":"dsp"}}"#, store.uri(&key));
+        let t0 = Instant::now();
+        let stores = [store.base_url().to_string()];
+        let (resp, _) = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None, &stores)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let view = loop {
+            if let Some((v, _)) = stemq_projector::get_view(&kv, &resp.job_id).await? {
+                if v.status.is_terminal() {
+                    break v;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let secs = t0.elapsed().as_secs_f64();
+        let hwm = vm_hwm_kib(pid).unwrap_or(0);
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status();
+        let _ = child.wait();
+        if view.status != stemq_core::JobStatus::Succeeded {
+            bail!("{m}-minute job ended {:?}: {:?}", view.status, view.error);
+        }
+        store.delete_prefix(&format!("jobs/{}", resp.job_id)).await?;
+        println!(
+            "{m:>5} min: worker peak RSS {:>7.1} MiB, {secs:>6.1} s end to end (real-time factor {:.3})",
+            hwm as f64 / 1024.0,
+            secs / (m * 60.0)
+        );
+        rows.push((m, hwm));
+    }
+    if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
+        if rows.len() > 1 && first.1 > 0 {
+            println!(
+                "ratio {} min / {} min: {:.3}",
+                last.0,
+                first.0,
+                last.1 as f64 / first.1 as f64
+            );
+        }
+    }
+    stop.cancel();
+    let _ = p.await;
+    drop(server);
+    Ok(())
+}
+
+async fn pipeline(
+    g: &Global,
+    jobs: usize,
+    rate: Option<f64>,
+    workers: usize,
+    in_flight: usize,
+    store: String,
+) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let mut _server = None;
     let url = match &g.nats_url {

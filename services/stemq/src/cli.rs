@@ -125,6 +125,15 @@ pub enum Command {
         #[arg(long, default_value = "schemas")]
         write: PathBuf,
     },
+    /// Write the synthetic demo song (voice, drums, bass, pad) as a 16-bit WAV.
+    Synth {
+        /// Length in seconds.
+        #[arg(long, default_value_t = 20.0)]
+        seconds: f64,
+        /// Output file.
+        #[arg(short = 'o', long, default_value = "demo-song.wav")]
+        output: PathBuf,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -320,6 +329,12 @@ pub async fn run(cli: Cli) -> Result<()> {
                 stemq_core::schema::all().len(),
                 write.display()
             );
+            Ok(())
+        }
+        Command::Synth { seconds, output } => {
+            let o = output.clone();
+            tokio::task::spawn_blocking(move || stemq_audio::synth::write_demo_song(&o, seconds, 44_100)).await??;
+            println!("wrote {seconds} s of the demo song to {}", output.display());
             Ok(())
         }
         Command::Bench { command } => crate::bench::run(&g, command).await,
