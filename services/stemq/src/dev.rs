@@ -28,6 +28,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         server = Some(s);
     }
     let client = crate::services::connect(&g, "stemq-dev").await?;
+    // For scripts and other terminals: where this stack's NATS is.
+    std::fs::create_dir_all(&g.data_dir)?;
+    std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
     let shutdown = crate::cli::shutdown_on_signals();
 
     let listener = stemq_ingress::bind(a.http)
