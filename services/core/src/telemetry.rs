@@ -21,6 +21,9 @@ pub fn init(format: LogFormat) {
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).try_init(),
-        LogFormat::Text => builder.compact().try_init(),
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            builder.compact().with_ansi(std::io::stderr().is_terminal()).try_init()
+        }
     };
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# HTTP submit benchmark: wrk (2 threads, 32 connections, distinct bodies) against the
+# ingress of a `stemq dev` stack with the fake engine, everything on this machine.
+# Usage: scripts/bench-http.sh [seconds]   (needs wrk: apt-get install wrk)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-15}"
+scripts/install-nats.sh >/dev/null
+export PATH="$PWD/.venv/bin:$PATH"
+command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
+cargo build --release --locked -p stemq >/dev/null
+data="$(mktemp -d)"
+http=127.0.0.1:18181
+RUST_LOG=warn target/release/stemq dev --engine fake --concurrency 8 --data-dir "$data" --http "$http" \
+  --log-format json >"$data/dev.log" 2>&1 &
+dev=$!
+trap 'kill -TERM $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$data"' EXIT
+for _ in $(seq 1 300); do
+  curl -fs "http://$http/readyz" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+export STEMQ_STORE_BASE="file://$(cd "$data" && pwd)/store"
+wrk -t2 -c32 -d"${secs}s" --latency -s scripts/wrk-submit.lua "http://$http/v1/separations"
+curl -fs "http://$http/metrics" | grep -E '^stemq_submits_total' || true

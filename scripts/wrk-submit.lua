@@ -1,0 +1,21 @@
+-- wrk script for scripts/bench-http.sh: POST /v1/separations with a distinct body every
+-- time (a new job each), so the ingress does its full work (validate, hash, publish).
+local counter = 0
+local tag = ""
+local base = os.getenv("STEMQ_STORE_BASE") or "file:///tmp/store"
+
+function init(args)
+  math.randomseed(os.time() + tonumber(tostring({}):sub(8), 16) % 100000)
+  tag = tostring(math.random(1, 1000000000))
+end
+
+function request()
+  counter = counter + 1
+  local body = string.format('{"audio_uri":"%s/uploads/wrk-%s-%d.wav","model":"dsp"}', base, tag, counter)
+  return wrk.format("POST", "/v1/separations", { ["Content-Type"] = "application/json" }, body)
+end
+
+local statuses = {}
+function response(status, headers, body)
+  statuses[status] = (statuses[status] or 0) + 1
+end
