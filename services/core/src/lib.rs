@@ -3,6 +3,7 @@
 //! - [`request`]: the job request, its validation and the job id;
 //! - [`event`]: the CloudEvents the pipeline records;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
+//! - [`metrics`]: the Prometheus metrics every process shares;
 //! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
 //! - [`publish`]: publishing events once (request, outcome) or plainly;
 //! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
@@ -14,6 +15,7 @@
 
 pub mod engine;
 pub mod event;
+pub mod metrics;
 pub mod nats;
 pub mod nats_server;
 pub mod publish;

@@ -555,7 +555,10 @@ mod tests {
             r#"{"audio_uri":"file:///a.wav","clip_mode":"rescale","encoding":"s16","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
         );
         // The documented example in docs/job-id.md.
-        assert_eq!(n.job_id().as_str(), "542ebe90ff7f7b97334d77cb5a4d19f44862779d40f2a7724461aa270fbef4d0");
+        assert_eq!(
+            n.job_id().as_str(),
+            "542ebe90ff7f7b97334d77cb5a4d19f44862779d40f2a7724461aa270fbef4d0"
+        );
     }
 
     #[test]

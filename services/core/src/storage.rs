@@ -183,6 +183,12 @@ impl Store {
         self.s3.is_some()
     }
 
+    /// A streaming writer with bounded memory: 8 MiB parts (S3's minimum is 5 MiB), at
+    /// most two in flight — so memory does not grow with the length of a stem.
+    fn writer(&self, path: ObjPath) -> object_store::buffered::BufWriter {
+        object_store::buffered::BufWriter::with_capacity(self.inner.clone(), path, 8 << 20).with_max_concurrency(2)
+    }
+
     /// Streams a local file to `key`, hashing it on the way.
     pub async fn put_file(&self, key: &str, file: &Path) -> Result<Stored, StorageError> {
         let io = |source| StorageError::Io {
@@ -196,7 +202,7 @@ impl Store {
             return self.put_bytes(key, bytes).await;
         }
         let mut f = tokio::fs::File::open(file).await.map_err(io)?;
-        let mut w = object_store::buffered::BufWriter::new(self.inner.clone(), ObjPath::from(key));
+        let mut w = self.writer(ObjPath::from(key));
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut total = 0u64;
@@ -232,7 +238,7 @@ impl Store {
         E: std::fmt::Display,
     {
         let path = ObjPath::from(key);
-        let mut w = object_store::buffered::BufWriter::new(self.inner.clone(), path.clone());
+        let mut w = self.writer(path.clone());
         let result = async {
             let mut body = body;
             let mut hasher = Sha256::new();

@@ -38,7 +38,7 @@ use stemq_core::{apply, Event, JobId, JobStatus, JobView, Position};
 use stemq_projector::index::{Cursor, ListIndex};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{info, warn, Instrument};
 
 use crate::metrics::Metrics;
 use crate::submit::{SubmitError, SubmitResponse};
@@ -276,11 +276,20 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 }
 
 async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let traceparent = headers
+    let incoming = headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let result = submit::submit(&state.js, &body, None, traceparent, state.stores()).await;
+    let span = tracing::info_span!("http.submit", trace_id = tracing::field::Empty);
+    stemq_core::telemetry::set_parent(&span, incoming.as_deref());
+    let result = {
+        // The job's trace continues from this span (or from the caller's, when tracing
+        // is off here).
+        let traceparent = span.in_scope(stemq_core::telemetry::current_traceparent).or(incoming);
+        submit::submit(&state.js, &body, None, traceparent, state.stores())
+            .instrument(span)
+            .await
+    };
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
     if resp.cached {

@@ -1,19 +1,17 @@
 //! Prometheus metrics of the ingress, named `stemq_<name>_<unit>`.
 //!
-//! This module owns what `/metrics` shows: HTTP traffic, submits by outcome, and the
-//! queue as NATS sees it (pending and in-flight jobs of the worker consumer, projector
-//! lag), read from consumer info at scrape time so they need no extra bookkeeping.
+//! This module owns what the ingress records: HTTP traffic by route and status, and
+//! submits by outcome. They live in the process-wide registry of
+//! [`stemq_core::metrics`], so `/metrics` also shows the queue figures (read from NATS
+//! at scrape time) and, in `stemq dev`, the worker's and projector's metrics.
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
-use stemq_core::nats as names;
 
 use crate::submit::{SubmitError, SubmitResponse};
 
@@ -29,61 +27,49 @@ struct SubmitLabels {
     outcome: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ConsumerLabels {
-    consumer: &'static str,
-}
-
 /// The ingress's metrics.
 pub struct Metrics {
-    registry: Registry,
     http: Family<HttpLabels, Counter>,
     http_latency: Family<HttpLabels, Histogram>,
     submits: Family<SubmitLabels, Counter>,
-    pending: Family<ConsumerLabels, Gauge>,
-    in_flight: Family<ConsumerLabels, Gauge>,
     js: jetstream::Context,
 }
 
 impl Metrics {
-    /// Registers every metric.
+    /// Registers the ingress's metrics in the shared registry (once per process).
     pub fn new(js: jetstream::Context) -> Metrics {
-        let mut registry = Registry::default();
-        let http = Family::<HttpLabels, Counter>::default();
-        let http_latency = Family::<HttpLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
-        });
-        let submits = Family::<SubmitLabels, Counter>::default();
-        let pending = Family::<ConsumerLabels, Gauge>::default();
-        let in_flight = Family::<ConsumerLabels, Gauge>::default();
-        registry.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
-        registry.register(
-            "stemq_http_request_duration_seconds",
-            "HTTP request latency",
-            http_latency.clone(),
-        );
-        registry.register(
-            "stemq_submits",
-            "Job submits by outcome (created, cached, invalid, unavailable)",
-            submits.clone(),
-        );
-        registry.register(
-            "stemq_queue_pending_jobs",
-            "Messages not yet delivered to the consumer",
-            pending.clone(),
-        );
-        registry.register(
-            "stemq_queue_in_flight_jobs",
-            "Messages delivered and not yet acked",
-            in_flight.clone(),
-        );
+        static FAMILIES: std::sync::OnceLock<(
+            Family<HttpLabels, Counter>,
+            Family<HttpLabels, Histogram>,
+            Family<SubmitLabels, Counter>,
+        )> = std::sync::OnceLock::new();
+        let (http, http_latency, submits) = FAMILIES
+            .get_or_init(|| {
+                let http = Family::<HttpLabels, Counter>::default();
+                let http_latency = Family::<HttpLabels, Histogram>::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+                });
+                let submits = Family::<SubmitLabels, Counter>::default();
+                stemq_core::metrics::metrics().register(|r| {
+                    r.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
+                    r.register(
+                        "stemq_http_request_duration_seconds",
+                        "HTTP request latency",
+                        http_latency.clone(),
+                    );
+                    r.register(
+                        "stemq_submits",
+                        "Job submits by outcome (created, cached, invalid, unavailable)",
+                        submits.clone(),
+                    );
+                });
+                (http, http_latency, submits)
+            })
+            .clone();
         Metrics {
-            registry,
             http,
             http_latency,
             submits,
-            pending,
-            in_flight,
             js,
         }
     }
@@ -112,27 +98,7 @@ impl Metrics {
 
     /// Refreshes the queue gauges and renders the text format.
     pub async fn render(&self) -> String {
-        for (stream, consumer) in [
-            (names::JOBS_STREAM, names::WORKERS_CONSUMER),
-            (names::JOBS_STREAM, names::PROJECTOR_CONSUMER),
-        ] {
-            let c: Result<PullConsumer, _> = self.js.get_consumer_from_stream(consumer, stream).await;
-            if let Ok(mut c) = c {
-                if let Ok(info) = c.info().await {
-                    let l = ConsumerLabels {
-                        consumer: if consumer == names::WORKERS_CONSUMER {
-                            "workers"
-                        } else {
-                            "projector"
-                        },
-                    };
-                    self.pending.get_or_create(&l).set(info.num_pending as i64);
-                    self.in_flight.get_or_create(&l).set(info.num_ack_pending as i64);
-                }
-            }
-        }
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("metrics encode");
-        out
+        stemq_core::metrics::refresh_queue(&self.js).await;
+        stemq_core::metrics::metrics().render()
     }
 }

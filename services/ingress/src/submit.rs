@@ -12,6 +12,7 @@ use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::{publish_once, Once};
 use stemq_core::request::{RequestError, ANONYMOUS};
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
+use tracing::Instrument;
 
 /// Answer to a submit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -55,6 +56,7 @@ pub async fn submit(
     let id = event.subject.clone();
     let subject = job_subject(&id, SubjectKind::Requested);
     let once = publish_once(js, &subject, &event, id.as_str())
+        .instrument(tracing::info_span!("nats.publish", subject = %subject))
         .await
         .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
     let cached = once == Once::AlreadyThere;

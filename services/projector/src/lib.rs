@@ -219,7 +219,11 @@ async fn lane_loop(lane: usize, kv: kv::Store, mut rx: mpsc::Receiver<(jetstream
         }
         for (id, events) in per_job {
             let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
-            match fold(&kv, &mut cache, &id, &refs).await {
+            let span =
+                tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
+            let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
+            stemq_core::telemetry::set_parent(&span, tp);
+            match tracing::Instrument::instrument(fold(&kv, &mut cache, &id, &refs), span).await {
                 Ok(()) => {
                     for (_, _, msg) in &events {
                         if let Err(e) = msg.ack().await {

@@ -262,6 +262,17 @@ pub struct SubmitArgs {
 }
 
 impl Cli {
+    /// The service name in traces.
+    pub fn service_name(&self) -> &'static str {
+        match self.command {
+            Command::Dev(_) => "stemq-dev",
+            Command::Ingress(_) => "stemq-ingress",
+            Command::Worker(_) => "stemq-worker",
+            Command::Projector(_) => "stemq-projector",
+            _ => "stemq-cli",
+        }
+    }
+
     /// The log format to install.
     pub fn log_format(&self) -> LogFormat {
         match self.global.log_format.as_deref() {

@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::Shared;
+use stemq_core::metrics::{metrics, JobLabels};
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
@@ -51,7 +52,10 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
         let _ = msg.ack_with(AckKind::Term).await;
         return;
     };
-    let span = info_span!("job", job_id = %job_id, attempt, seq);
+    let span = info_span!("job", job_id = %job_id, attempt, seq, trace_id = tracing::field::Empty);
+    // Continue the request's trace (set before the span is first entered).
+    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
+    stemq_core::telemetry::set_parent(&span, traceparent.as_deref());
     run_delivery(shared, msg, job_id, attempt, seq, hard_stop)
         .instrument(span)
         .await
@@ -74,6 +78,7 @@ async fn run_delivery(
         Ok(r) => r,
         Err((code, message)) => {
             warn!(code, %message, "rejecting request event");
+            metrics().outcome("unknown", "rejected");
             let ev = Event::new(
                 &job_id,
                 &source(shared),
@@ -86,7 +91,9 @@ async fn run_delivery(
             return;
         }
     };
-    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
+    let envelope = Event::from_slice(&msg.payload).ok();
+    let traceparent = envelope.as_ref().and_then(|e| e.traceparent.clone());
+    let model = requested.request.model.as_str();
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
     match shared
@@ -121,6 +128,17 @@ async fn run_delivery(
         }),
     );
     started.traceparent = traceparent.clone();
+    if let (1, Some(env)) = (attempt, &envelope) {
+        let waited = (started.time - env.time).to_std().unwrap_or_default();
+        let labels = JobLabels {
+            model: model.into(),
+            device: first_device.clone(),
+        };
+        metrics()
+            .queue_wait
+            .get_or_create(&labels)
+            .observe(waited.as_secs_f64());
+    }
     let js = shared.js.clone();
     let started_subject = job_subject(&job_id, SubjectKind::Started);
     let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
@@ -178,7 +196,7 @@ async fn run_delivery(
                     outputs: done.outputs,
                     manifest_uri: Some(done.manifest_uri),
                     degraded: done.degraded,
-                    device: done.device,
+                    device: done.device.clone(),
                     segment: done.segment,
                     duration_ms: elapsed.as_millis() as u64,
                 }),
@@ -188,10 +206,28 @@ async fn run_delivery(
                 duration_ms = elapsed.as_millis() as u64,
                 degraded = done.degraded
             );
+            let labels = JobLabels {
+                model: model.into(),
+                device: done.device.clone(),
+            };
+            metrics()
+                .job_duration
+                .get_or_create(&labels)
+                .observe(elapsed.as_secs_f64());
+            if let Some(audio) = done.audio_secs.filter(|s| *s > 0.0) {
+                metrics()
+                    .realtime_factor
+                    .get_or_create(&labels)
+                    .observe(elapsed.as_secs_f64() / audio);
+            }
+            metrics().outcome(model, if done.degraded { "degraded" } else { "succeeded" });
+            metrics().deliveries.observe(attempt as f64);
             finish(shared, &msg, &job_id, outcome).await;
         }
         Err(f) if f.class == FailureClass::Permanent => {
             info!(event = "job.failed", code = %f.code, message = %f.message, "permanent failure");
+            metrics().outcome(model, "failed_permanent");
+            metrics().deliveries.observe(attempt as f64);
             let ev = Event::new(
                 &job_id,
                 &src,
@@ -207,6 +243,8 @@ async fn run_delivery(
         }
         Err(f) if attempt >= shared.max_deliver => {
             warn!(event = "job.dead_lettered", code = %f.code, message = %f.message, "last delivery failed");
+            metrics().outcome(model, "dead_lettered");
+            metrics().deliveries.observe(attempt as f64);
             let ev = Event::new(
                 &job_id,
                 &src,
@@ -222,6 +260,7 @@ async fn run_delivery(
         Err(f) => {
             let delay = shared.config.backoff.delay(attempt);
             info!(event = "job.retry", code = %f.code, message = %f.message, delay_ms = delay.as_millis() as u64);
+            metrics().outcome(model, "failed_transient");
             let ev = Event::new(
                 &job_id,
                 &src,
@@ -243,7 +282,10 @@ async fn run_delivery(
 
 /// Publishes a terminal event (first one wins) and acks. If the publish fails we do not
 /// ack: the delivery comes back and tries again.
-async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: Event) {
+async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut ev: Event) {
+    let _span = info_span!("publish_outcome", kind = ev.body.kind()).entered();
+    ev.traceparent = stemq_core::telemetry::current_traceparent();
+    drop(_span);
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
         Ok(Once::Stored(_)) => {}
@@ -326,6 +368,8 @@ impl Failure {
 }
 
 struct Done {
+    /// Length of the separated audio, when the engine reports it.
+    audio_secs: Option<f64>,
     outputs: Vec<Output>,
     manifest_uri: String,
     degraded: bool,
@@ -377,7 +421,9 @@ async fn run_engine(
         .await
         .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
-        fetch_input(shared, &requested.request.audio_uri, &dir).await?
+        fetch_input(shared, &requested.request.audio_uri, &dir)
+            .instrument(info_span!("fetch_input"))
+            .await?
     } else {
         dir.join("input")
     };
@@ -400,7 +446,9 @@ async fn run_engine(
             ctx.clone(),
         );
         let segment = *segment;
+        let engine_span = info_span!("engine.separate", %device, segment = ?segment);
         let res = tokio::task::spawn_blocking(move || {
+            let _entered = engine_span.entered();
             let job = EngineJob {
                 job_id: &job_id2,
                 request: &req.request,
@@ -421,9 +469,15 @@ async fn run_engine(
                 if degraded {
                     warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
                 }
-                let (outputs, manifest_uri) =
-                    store_outputs(shared, job_id, requested, &stems, device, degraded).await?;
+                let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded)
+                    .instrument(info_span!("store_outputs", stems = stems.len()))
+                    .await?;
+                let audio_secs = stems
+                    .first()
+                    .and_then(|s| s.audio)
+                    .map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
                 return Ok(Done {
+                    audio_secs,
                     outputs,
                     manifest_uri,
                     degraded,

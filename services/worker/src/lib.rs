@@ -170,6 +170,19 @@ pub async fn run(
             }
         });
     }
+    {
+        // Heartbeat for the "worker missing" alert.
+        let (name, stop) = (config.name.clone(), shutdown.clone());
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => stemq_core::metrics::metrics().heartbeat(&name),
+                }
+            }
+        });
+    }
     tracker.close();
 
     shutdown.cancelled().await;
