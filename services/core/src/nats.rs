@@ -11,6 +11,10 @@
 //! - `stemq.jobs.<id>.started`, `stemq.jobs.<id>.failed` — attempts;
 //! - `stemq.jobs.<id>.outcome` — the terminal event; published with expected last
 //!   subject sequence 0, so the first terminal event wins and there is exactly one;
+//! - `stemq.jobs.<id>.cancel_requested` — a cancel request (workers also listen here
+//!   with a plain subscription while they run the job);
+//! - `stemq.jobs.<id>.delivery`, `stemq.jobs.<id>.delivery_replay` — webhook delivery
+//!   attempts and replay requests (the relay's);
 //! - `stemq.progress.<id>` — latest progress (compacted stream);
 //! - `stemq.api.submit` — request-reply submit endpoint (queue group `ingress`).
 
@@ -37,8 +41,14 @@ pub const PROJECTOR_CONSUMER: &str = "projector";
 pub const PROJECTOR_PROGRESS_CONSUMER: &str = "projector-progress";
 /// The dead-letter handler's durable consumer over advisories.
 pub const DEADLETTER_CONSUMER: &str = "deadletter";
+/// The webhook relay's durable consumer over job events.
+pub const RELAY_CONSUMER: &str = "relay";
+/// The webhook relay's durable consumer over progress.
+pub const RELAY_PROGRESS_CONSUMER: &str = "relay-progress";
 /// The status view bucket.
 pub const JOBS_BUCKET: &str = "stemq_jobs";
+/// Per-owner webhook signing secrets (and endpoints disabled by a 410).
+pub const WEBHOOKS_BUCKET: &str = "stemq_webhooks";
 /// Request-reply submit subject.
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
@@ -65,6 +75,12 @@ pub enum SubjectKind {
     Outcome,
     /// `stemq.jobs.<id>.retried` (link to the re-run)
     Retried,
+    /// `stemq.jobs.<id>.cancel_requested`
+    CancelRequested,
+    /// `stemq.jobs.<id>.delivery` (webhook attempts)
+    Delivery,
+    /// `stemq.jobs.<id>.delivery_replay`
+    DeliveryReplay,
     /// `stemq.progress.<id>`
     Progress,
 }
@@ -77,6 +93,9 @@ impl SubjectKind {
             SubjectKind::Failed => "failed",
             SubjectKind::Outcome => "outcome",
             SubjectKind::Retried => "retried",
+            SubjectKind::CancelRequested => "cancel_requested",
+            SubjectKind::Delivery => "delivery",
+            SubjectKind::DeliveryReplay => "delivery_replay",
             SubjectKind::Progress => "progress",
         }
     }
@@ -229,7 +248,7 @@ const STREAMS: [(&str, &str); 3] = [
         include_str!("../../../nats/streams/advisories.json"),
     ),
 ];
-const CONSUMERS: [(&str, &str); 4] = [
+const CONSUMERS: [(&str, &str); 6] = [
     (
         "consumers/workers.json",
         include_str!("../../../nats/consumers/workers.json"),
@@ -246,8 +265,17 @@ const CONSUMERS: [(&str, &str); 4] = [
         "consumers/deadletter.json",
         include_str!("../../../nats/consumers/deadletter.json"),
     ),
+    (
+        "consumers/relay.json",
+        include_str!("../../../nats/consumers/relay.json"),
+    ),
+    (
+        "consumers/relay-progress.json",
+        include_str!("../../../nats/consumers/relay-progress.json"),
+    ),
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
+const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
 /// The server configuration used by tests and `stemq dev`.
 pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
 
@@ -286,10 +314,16 @@ pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pu
 
 /// The status bucket definition with `settings` applied.
 pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
-    let d: KvDef = serde_json::from_str(KV_JOBS.1).map_err(|source| NatsError::Definition {
-        name: KV_JOBS.0,
-        source,
-    })?;
+    kv_def(KV_JOBS, settings)
+}
+
+/// The webhook secrets bucket definition with `settings` applied.
+pub fn webhooks_kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
+    kv_def(KV_WEBHOOKS, settings)
+}
+
+fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
+    let d: KvDef = serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
     Ok(kv::Config {
         bucket: d.bucket,
         description: d.description,
@@ -333,6 +367,9 @@ pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), N
     js.create_or_update_key_value(kv)
         .await
         .map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
+    js.create_or_update_key_value(webhooks_kv_config(settings)?)
+        .await
+        .map_err(|e| apply_err(format!("bucket {WEBHOOKS_BUCKET}"), e))?;
     Ok(())
 }
 

@@ -3,7 +3,8 @@
 //!
 //! This module owns the *identity* of a job. The job id is the lowercase hex SHA-256 of
 //! the RFC 8785 (JCS) canonical JSON of the [`NormalizedRequest`]: every default filled
-//! in, `webhook` and `metadata` left out, the owner included. Two requests that differ
+//! in, `webhook`, `metadata` and the deadlines (`start_before`, `max_runtime`) left out
+//! — they say when and how to tell, not what to compute — the owner included. Two requests that differ
 //! only in key order, whitespace or an explicitly given default share one id; anything
 //! the output depends on changes it. `docs/job-id.md` describes the algorithm for
 //! implementers in other languages.
@@ -20,6 +21,8 @@ pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 /// Most random shifts a request may ask for (Demucs's own CLI has no cap; each shift
 /// costs a full extra pass).
 pub const MAX_SHIFTS: u32 = 20;
+/// Largest accepted `max_runtime`, in seconds (a day).
+pub const MAX_RUNTIME_S: u64 = 86_400;
 /// The owner used until API keys exist.
 pub const ANONYMOUS: &str = "anonymous";
 
@@ -181,6 +184,14 @@ pub struct JobRequest {
     /// Free JSON kept with the job. Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Value>,
+    /// RFC 3339 deadline: a job not started by then becomes `expired` and never runs.
+    /// Not part of the job id (it does not change the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_before: Option<chrono::DateTime<chrono::Utc>>,
+    /// Time limit of one attempt in seconds (1 to 86400); the worker's own hard limit
+    /// still applies (the smaller wins). Not part of the job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<u64>,
 }
 
 /// The canonical form of a request: what the output depends on, with defaults filled
@@ -235,7 +246,7 @@ impl RequestError {
     }
 }
 
-const FIELDS: [&str; 11] = [
+const FIELDS: [&str; 13] = [
     "audio_uri",
     "model",
     "two_stems",
@@ -247,6 +258,8 @@ const FIELDS: [&str; 11] = [
     "shifts",
     "webhook",
     "metadata",
+    "start_before",
+    "max_runtime",
 ];
 
 impl JobRequest {
@@ -375,6 +388,14 @@ impl JobRequest {
                 ));
             }
         }
+        if let Some(m) = self.max_runtime {
+            if m == 0 || m > MAX_RUNTIME_S {
+                return Err(RequestError::new(
+                    "max_runtime",
+                    format!("must be between 1 and {MAX_RUNTIME_S} seconds"),
+                ));
+            }
+        }
         if owner.is_empty() {
             return Err(RequestError::new("owner", "must not be empty"));
         }
@@ -421,6 +442,17 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
         "two_stems" => v.is_string() || v.is_null(),
         "segment" | "overlap" => v.is_number() || v.is_null(),
         "shifts" => v.is_u64() || v.is_null(),
+        "max_runtime" => v.is_u64() || v.is_null(),
+        "start_before" => match v {
+            Value::Null => true,
+            Value::String(s) => {
+                if let Err(e) = chrono::DateTime::parse_from_rfc3339(s) {
+                    return Err(RequestError::new(field, format!("not an RFC 3339 timestamp: {e}")));
+                }
+                true
+            }
+            _ => false,
+        },
         "webhook" => {
             if let Err(e) = serde_json::from_value::<Webhook>(v.clone()) {
                 return Err(RequestError::new(field, e.to_string()));
@@ -435,6 +467,8 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
         let want = match field {
             "segment" | "overlap" => "a number",
             "shifts" => "a non-negative integer",
+            "max_runtime" => "a positive integer number of seconds",
+            "start_before" => "an RFC 3339 timestamp string",
             _ => "a string",
         };
         Err(RequestError::new(field, format!("expected {want}")))
@@ -515,11 +549,12 @@ mod tests {
         .unwrap();
         assert_eq!(a, id_of(b));
         assert_eq!(a, id_of(json!({"audio_uri": "file:///a.wav"})));
-        // webhook and metadata are not part of the key
+        // webhook, metadata and the deadlines are not part of the key
         assert_eq!(
             a,
             id_of(json!({"audio_uri": "file:///a.wav", "metadata": {"x": 1},
-                         "webhook": {"url": "https://example.com/h"}}))
+                         "webhook": {"url": "https://example.com/h"},
+                         "start_before": "2030-01-01T00:00:00Z", "max_runtime": 60}))
         );
     }
 
@@ -587,6 +622,14 @@ mod tests {
                 "webhook",
             ),
             (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
+            (
+                json!({"audio_uri": "file:///a", "start_before": "tomorrow"}),
+                "start_before",
+            ),
+            (json!({"audio_uri": "file:///a", "start_before": 5}), "start_before"),
+            (json!({"audio_uri": "file:///a", "max_runtime": 0}), "max_runtime"),
+            (json!({"audio_uri": "file:///a", "max_runtime": -3}), "max_runtime"),
+            (json!({"audio_uri": "file:///a", "max_runtime": 90000}), "max_runtime"),
         ];
         for (v, field) in cases {
             let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());

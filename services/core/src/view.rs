@@ -7,6 +7,8 @@
 //!   ▲                   │  ├────failed(permanent)──▶ failed
 //!   └─failed(transient)─┘  └────dead_lettered──────▶ dead_lettered
 //! (any non-terminal) ──rejected──▶ rejected
+//! (any non-terminal) ──cancelled─▶ cancelled   (after a cancel request)
+//! queued ──expired──▶ expired                  (start_before passed)
 //! ```
 //!
 //! [`apply`] is the only way a view changes. It is pure, idempotent by stream position
@@ -38,17 +40,23 @@ pub enum JobStatus {
     DeadLettered,
     /// Its request event was not acceptable; never ran.
     Rejected,
+    /// Stopped on request; no outputs kept.
+    Cancelled,
+    /// Not started before its `start_before` deadline; never ran.
+    Expired,
 }
 
 impl JobStatus {
     /// Every status.
-    pub const ALL: [JobStatus; 6] = [
+    pub const ALL: [JobStatus; 8] = [
         JobStatus::Queued,
         JobStatus::Running,
         JobStatus::Succeeded,
         JobStatus::Failed,
         JobStatus::DeadLettered,
         JobStatus::Rejected,
+        JobStatus::Cancelled,
+        JobStatus::Expired,
     ];
 
     /// True when nothing will change the job any more.
@@ -65,6 +73,8 @@ impl JobStatus {
             JobStatus::Failed => "failed",
             JobStatus::DeadLettered => "dead_lettered",
             JobStatus::Rejected => "rejected",
+            JobStatus::Cancelled => "cancelled",
+            JobStatus::Expired => "expired",
         }
     }
 
@@ -156,6 +166,15 @@ pub struct JobView {
     /// The job that re-ran this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retried_by: Option<JobId>,
+    /// Deadline to start; past it a queued job becomes `expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_before: Option<DateTime<Utc>>,
+    /// Per-job time limit in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<u64>,
+    /// When a cancel was asked for (the job stops at its worker's next check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_requested_at: Option<DateTime<Utc>>,
     /// Stream sequence of the last applied job event (idempotency).
     pub last_seq: u64,
     /// Stream sequence of the last applied progress event.
@@ -196,6 +215,9 @@ impl JobView {
             error: None,
             retry_of: None,
             retried_by: None,
+            start_before: None,
+            max_runtime: None,
+            cancel_requested_at: None,
             last_seq: 0,
             progress_seq: 0,
         }
@@ -238,6 +260,8 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.request = Some(r.request.clone());
             v.webhook = r.webhook.clone();
             v.metadata = r.metadata.clone();
+            v.start_before = r.start_before;
+            v.max_runtime = r.max_runtime;
             v.created_at = Some(at);
         }
         EventBody::Retried(r) => {
@@ -246,7 +270,27 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             }
             v.retried_by = Some(r.retried_by.clone());
         }
+        // Delivery records live in the log, not in the view (`GET .../deliveries`).
+        EventBody::DeliveryAttempted(_) | EventBody::DeliveryReplayRequested(_) => return None,
         _ if terminal => return None,
+        EventBody::CancelRequested(_) => {
+            if v.cancel_requested_at.is_some() {
+                return None;
+            }
+            v.cancel_requested_at = Some(at);
+        }
+        EventBody::Cancelled(c) => {
+            v.attempt = v.attempt.max(c.attempt);
+            v.finish(JobStatus::Cancelled, at);
+        }
+        EventBody::Expired(e) => {
+            v.error = Some(ErrorView {
+                class: FailureClass::Permanent,
+                code: "expired".into(),
+                message: format!("not started before {}", e.start_before.to_rfc3339()),
+            });
+            v.finish(JobStatus::Expired, at);
+        }
         EventBody::Started(s) => {
             if s.attempt < v.attempt {
                 return None;
@@ -504,6 +548,46 @@ mod tests {
         }));
         let v = apply(Some(&done), Position::Log(10), &r).unwrap();
         assert_eq!((v.status, v.retried_by), (JobStatus::Failed, Some(new_id)));
+    }
+
+    #[test]
+    fn cancel_request_then_cancelled_is_terminal() {
+        let asked = ev(EventBody::CancelRequested(CancelRequested {
+            by: Some("http".into()),
+        }));
+        let v = given(&[requested(), started(1), asked.clone()]);
+        assert_eq!(v.status, JobStatus::Running);
+        assert!(v.cancel_requested_at.is_some());
+        let c = ev(EventBody::Cancelled(Cancelled {
+            attempt: 1,
+            interrupted: true,
+        }));
+        let v = given(&[requested(), started(1), asked, c]);
+        assert_eq!(v.status, JobStatus::Cancelled);
+        assert!(v.finished_at.is_some() && v.progress.is_none());
+        // a late success of the interrupted attempt changes nothing
+        assert_eq!(apply(Some(&v), Position::Log(99), &succeeded(1)), None);
+    }
+
+    #[test]
+    fn queued_job_expires() {
+        let e = ev(EventBody::Expired(Expired {
+            start_before: chrono::Utc::now(),
+        }));
+        let v = given(&[requested(), e]);
+        assert_eq!(v.status, JobStatus::Expired);
+        assert_eq!(v.error.unwrap().code, "expired");
+        assert!(v.started_at.is_none());
+    }
+
+    #[test]
+    fn delivery_records_do_not_touch_the_view() {
+        let v = given(&[requested()]);
+        let d = ev(EventBody::DeliveryReplayRequested(DeliveryReplayRequested {
+            webhook_id: "msg_1".into(),
+            event_type: "io.stemq.job.succeeded.v1".into(),
+        }));
+        assert_eq!(apply(Some(&v), Position::Log(9), &d), None);
     }
 
     #[test]

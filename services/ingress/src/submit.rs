@@ -50,7 +50,20 @@ pub async fn submit(
     // Only objects inside the configured stores: refused before anything is published.
     stemq_core::uri::check_audio_uri(&req.audio_uri, stores)?;
     let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
+    if let Some(t) = req.start_before {
+        if t <= chrono::Utc::now() {
+            return Err(RequestError {
+                field: "start_before".into(),
+                message: format!("{} is in the past", t.to_rfc3339()),
+            }
+            .into());
+        }
+    }
     let mut event = Event::requested(normalized, req.webhook.clone(), req.metadata.clone(), "/stemq/ingress");
+    if let stemq_core::EventBody::Requested(r) = &mut event.body {
+        r.start_before = req.start_before;
+        r.max_runtime = req.max_runtime;
+    }
     event.traceparent = traceparent;
     let id = event.subject.clone();
     let subject = job_subject(&id, SubjectKind::Requested);

@@ -114,6 +114,16 @@ pub enum Command {
         /// Job id.
         id: String,
     },
+    /// Cancel a queued or running job (a running job stops within about a second).
+    Cancel {
+        /// Job id.
+        id: String,
+    },
+    /// Re-run a failed, dead-lettered, cancelled or expired job as a new job.
+    Retry {
+        /// Job id.
+        id: String,
+    },
     /// Dead letters.
     Dlq {
         #[command(subcommand)]
@@ -313,6 +323,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Dlq {
             command: DlqCommand::Replay { id },
         } => crate::client::replay(&g, &id).await,
+        Command::Cancel { id } => crate::client::cancel(&g, &id).await,
+        Command::Retry { id } => crate::client::replay(&g, &id).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
             println!(

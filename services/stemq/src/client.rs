@@ -9,11 +9,9 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use stemq_core::event::{EventBody, Retried};
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::nats as names;
 use stemq_core::storage::Store;
-use stemq_core::{Event, JobId, JobStatus, JobView};
+use stemq_core::{JobId, JobStatus, JobView};
 use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
@@ -242,7 +240,8 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
     bail!("the watch ended before the job did")
 }
 
-/// Re-runs a dead-lettered (or failed) job as a new job linked both ways.
+/// Re-runs a failed, dead-lettered, cancelled or expired job as a new job linked both
+/// ways (`stemq retry`, `stemq dlq replay`): the same code as `POST .../retry`.
 pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
@@ -250,37 +249,29 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let (view, _) = stemq_projector::get_view(&kv, &id)
         .await?
         .ok_or_else(|| anyhow!("no job {id}"))?;
-    if !matches!(view.status, JobStatus::DeadLettered | JobStatus::Failed) {
-        bail!(
-            "job {id} is {}: only dead-lettered or failed jobs can be replayed",
-            view.status.as_str()
-        );
+    let (new_id, created) = stemq_ingress::control::retry(&js, &view, "/stemq/cli").await?;
+    if created {
+        println!("retrying {id} as {new_id}");
+    } else {
+        println!("{id} was already retried as {new_id}");
     }
-    let mut request = view
-        .request
-        .clone()
-        .ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
-    request.retry_of = Some(id.clone());
-    let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
-    let new_id = ev.subject.clone();
-    let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
-    let link = Event::new(
-        &id,
-        "/stemq/cli",
-        EventBody::Retried(Retried {
-            retried_by: new_id.clone(),
-        }),
-    );
-    publish(
-        &js,
-        &job_subject(&id, SubjectKind::Retried),
-        &link,
-        Some(&format!("{id}.retried.{new_id}")),
-    )
-    .await?;
-    match created {
-        Once::Stored(_) => println!("replaying {id} as {new_id}"),
-        Once::AlreadyThere => println!("{id} was already replayed as {new_id}"),
+    Ok(())
+}
+
+/// Cancels a queued or running job: the same code as `POST .../cancel`.
+pub async fn cancel(g: &Global, id: &str) -> Result<()> {
+    let id = parse_id(id)?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    let (view, _) = stemq_projector::get_view(&kv, &id)
+        .await?
+        .ok_or_else(|| anyhow!("no job {id}"))?;
+    match stemq_ingress::control::cancel(&js, &view, "cli").await? {
+        stemq_ingress::control::CancelOutcome::Cancelled => println!("{id} cancelled"),
+        stemq_ingress::control::CancelOutcome::AlreadyCancelled => println!("{id} was already cancelled"),
+        stemq_ingress::control::CancelOutcome::Cancelling => {
+            println!("{id} is running; its worker stops it within about a second")
+        }
     }
     Ok(())
 }

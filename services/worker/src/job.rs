@@ -22,7 +22,8 @@ use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::event::{
-    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started, Succeeded,
+    Cancelled, DeadLettered, EventBody, Expired, Failed, FailureClass, Output, Progress, Rejected, Requested, Started,
+    Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -32,7 +33,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
-use crate::Shared;
+use crate::{control, Shared};
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
@@ -107,6 +108,58 @@ async fn run_delivery(
         }
     }
 
+    // 2b. Cancelled or past its start deadline? Then it never starts. Listen for a
+    // cancel request first, so one that arrives from now on is not missed.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let user_cancel = Arc::new(AtomicBool::new(false));
+    let cancel_watch = match control::watch_cancel(shared, &job_id, cancel.clone(), user_cancel.clone()).await {
+        Ok(h) => h,
+        Err(e) => {
+            warn!(error = %e, "cannot listen for cancel requests; retrying later");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    };
+    let _cancel_watch = AbortOnDrop(cancel_watch);
+    match control::cancel_requested_in_log(shared, &job_id).await {
+        Ok(true) => {
+            info!(event = "job.cancelled", "cancel requested before start; not running it");
+            let ev = Event::new(
+                &job_id,
+                &source(shared),
+                EventBody::Cancelled(Cancelled {
+                    attempt,
+                    interrupted: false,
+                }),
+            );
+            finish(shared, &msg, &job_id, ev).await;
+            return;
+        }
+        Ok(false) => {}
+        Err(e) => {
+            warn!(error = %e, "cannot check for a cancel request; retrying later");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    }
+    if let Some(deadline) = requested.start_before {
+        if chrono::Utc::now() > deadline {
+            info!(event = "job.expired", start_before = %deadline, "start deadline passed; not running it");
+            let ev = Event::new(
+                &job_id,
+                &source(shared),
+                EventBody::Expired(Expired { start_before: deadline }),
+            );
+            finish(shared, &msg, &job_id, ev).await;
+            return;
+        }
+    }
+    // The per-job limit, never above the worker's own.
+    let time_limit = match requested.max_runtime {
+        Some(s) => shared.config.time_limit.min(Duration::from_secs(s)),
+        None => shared.config.time_limit,
+    };
+
     // 3. Started, and keep the delivery alive while we work.
     let engine = shared.engine.clone();
     let devices = engine.devices();
@@ -128,7 +181,6 @@ async fn run_delivery(
 
     let msg = Arc::new(msg);
     let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
-    let cancel = Arc::new(AtomicBool::new(false));
     let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
 
     // 4. The engine, under the time limit, down the out-of-memory ladder.
@@ -143,12 +195,12 @@ async fn run_delivery(
             cancel.clone(),
         );
         tokio::select! {
-            r = tokio::time::timeout(shared.config.time_limit, work) => match r {
+            r = tokio::time::timeout(time_limit, work) => match r {
                 Ok(r) => r,
                 Err(_) => {
                     cancel.store(true, Ordering::SeqCst);
                     Err(Failure::permanent("time_limit", format!(
-                        "the job ran longer than the {} s limit", shared.config.time_limit.as_secs())))
+                        "the job ran longer than the {} s limit", time_limit.as_secs())))
                 }
             },
             _ = hard_stop.cancelled() => {
@@ -168,6 +220,21 @@ async fn run_delivery(
 
     // 5./6. Outcome, then ack.
     let src = source(shared);
+    if user_cancel.load(Ordering::SeqCst) {
+        // Stopped on request (or finished just as the request came): keep nothing.
+        control::discard_outputs(shared, &job_id).await;
+        info!(event = "job.cancelled", "cancelled while running; outputs discarded");
+        let ev = Event::new(
+            &job_id,
+            &src,
+            EventBody::Cancelled(Cancelled {
+                attempt,
+                interrupted: true,
+            }),
+        );
+        finish(shared, &msg, &job_id, ev).await;
+        return;
+    }
     match result {
         Ok(done) => {
             let outcome = Event::new(
@@ -247,7 +314,13 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
         Ok(Once::Stored(_)) => {}
-        Ok(Once::AlreadyThere) => info!(event = "skip.already_done", "another outcome was recorded first"),
+        Ok(Once::AlreadyThere) => {
+            info!(event = "skip.already_done", "another outcome was recorded first");
+            // A cancel that won the race against our success: its outputs must go.
+            if matches!(ev.body, EventBody::Succeeded(_)) && outcome_is_cancelled(shared, job_id).await {
+                control::discard_outputs(shared, job_id).await;
+            }
+        }
         Err(e) => {
             warn!(error = %e, "outcome not stored; the job will be redelivered");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
@@ -258,6 +331,28 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, ev: E
     // redelivery finds the outcome and is skipped (step 2) — the job never runs twice.
     if let Err(e) = msg.ack().await {
         warn!(error = %e, "ack not sent; a redelivery will be skipped");
+    }
+}
+
+async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
+    match shared
+        .jobs_stream
+        .direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome))
+        .await
+    {
+        Ok(m) => Event::from_slice(&m.payload)
+            .map(|e| matches!(e.body, EventBody::Cancelled(_)))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Aborts a helper task when the attempt ends, however it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -289,6 +384,8 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         shifts: Some(r.request.shifts),
         webhook: r.webhook.clone(),
         metadata: r.metadata.clone(),
+        start_before: None,
+        max_runtime: r.max_runtime,
     };
     match req.normalize(&r.request.owner).map(|mut n| {
         n.retry_of = r.request.retry_of.clone();
@@ -552,17 +649,34 @@ fn spawn_keepalive(
     let subject = job_subject(job_id, SubjectKind::Progress);
     let job_id = job_id.clone();
     let src = source(shared);
+    let heartbeat = shared.config.progress_heartbeat;
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.tick().await;
+        let mut beat = tokio::time::interval(heartbeat);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        beat.tick().await;
         let mut engine_done = false;
         let mut last_sent: Option<Instant> = None;
+        let mut last: (f32, String) = (0.0, "starting".to_string());
         loop {
             tokio::select! {
                 _ = tick.tick() => {
                     if let Err(e) = msg.ack_with(AckKind::Progress).await {
                         warn!(error = %e, "progress ack failed");
                     }
+                }
+                _ = beat.tick(), if !engine_done => {
+                    if last_sent.map(|t| t.elapsed() + Duration::from_millis(50) < heartbeat).unwrap_or(false) {
+                        continue;
+                    }
+                    let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
+                        attempt, percent: (last.0 * 100.0).round(), stage: last.1.clone(), message: None,
+                    }));
+                    if let Err(e) = publish(&js, &subject, &ev, None).await {
+                        warn!(error = %e, "progress heartbeat not stored");
+                    }
+                    last_sent = Some(Instant::now());
                 }
                 changed = progress.changed(), if !engine_done => {
                     if changed.is_err() {
@@ -575,6 +689,7 @@ fn spawn_keepalive(
                         }
                     }
                     let Some((fraction, stage)) = progress.borrow_and_update().clone() else { continue };
+                    last = (fraction, stage.clone());
                     let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
                         attempt, percent: (fraction * 100.0).round(), stage, message: None,
                     }));

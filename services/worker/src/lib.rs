@@ -14,6 +14,7 @@
 //! (nak) for another worker, with no outcome recorded.
 
 pub mod backoff;
+mod control;
 pub mod deadletter;
 pub mod job;
 
@@ -67,6 +68,10 @@ pub struct Config {
     pub backoff: Backoff,
     /// Least time between two published progress updates of a job.
     pub progress_every: Duration,
+    /// Most time between two published progress updates of a running job: the last
+    /// progress is re-sent even when unchanged, so watchers see the job is alive. The
+    /// progress stream keeps one message per job, so this costs the log nothing.
+    pub progress_heartbeat: Duration,
     /// Run the dead-letter handler in this process.
     pub deadletter: bool,
 }
@@ -83,6 +88,7 @@ impl Config {
             time_limit: Duration::from_secs(3600),
             backoff: Backoff::default(),
             progress_every: Duration::from_millis(500),
+            progress_heartbeat: Duration::from_secs(1),
             deadletter: true,
         }
     }
