@@ -9,11 +9,13 @@
 //! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`])
 //! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
 //! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
+//! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
 
 pub mod control;
+pub mod events;
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
@@ -206,6 +208,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/uploads", post(uploads::upload))
         .route("/v1/separations/{id}/cancel", post(control::cancel_http))
         .route("/v1/separations/{id}/retry", post(control::retry_http))
+        .route("/v1/separations/{id}/events", get(events::sse))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
