@@ -161,6 +161,15 @@ impl Stack {
         self.workers.len() - 1
     }
 
+    /// Starts the webhook relay in-process (stopped with the stack).
+    pub async fn start_relay(&mut self, config: stemq_relay::Config) {
+        let c = names::connect(&self.server.url(), "relay").await.unwrap();
+        let s = self.stop.clone();
+        self.tasks.push(tokio::spawn(async move {
+            stemq_relay::run(c, config, s).await.expect("relay runs");
+        }));
+    }
+
     /// Stops in-process worker `i` (graceful) and waits for it.
     pub async fn stop_worker(&mut self, i: usize) {
         let (t, h) = &mut self.workers[i];

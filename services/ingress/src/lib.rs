@@ -10,6 +10,8 @@
 //! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
 //! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
 //! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
+//! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
+//!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate` ([`webhooks`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
@@ -22,6 +24,7 @@ pub mod openapi;
 pub mod stems;
 pub mod submit;
 pub mod uploads;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -209,6 +212,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/separations/{id}/cancel", post(control::cancel_http))
         .route("/v1/separations/{id}/retry", post(control::retry_http))
         .route("/v1/separations/{id}/events", get(events::sse))
+        .route("/v1/separations/{id}/deliveries", get(webhooks::list))
+        .route("/v1/separations/{id}/deliveries/{n}/replay", post(webhooks::replay))
+        .route("/v1/webhooks/secret", get(webhooks::get_secret))
+        .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))

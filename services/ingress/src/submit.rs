@@ -50,6 +50,17 @@ pub async fn submit(
     // Only objects inside the configured stores: refused before anything is published.
     stemq_core::uri::check_audio_uri(&req.audio_uri, stores)?;
     let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
+    // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
+    if let Some(w) = &req.webhook {
+        let allow = stemq_core::webhook::Allowlist::from_env();
+        if let Err(message) = stemq_core::webhook::check_url(&w.url, &allow).await {
+            return Err(RequestError {
+                field: "webhook".into(),
+                message,
+            }
+            .into());
+        }
+    }
     if let Some(t) = req.start_before {
         if t <= chrono::Utc::now() {
             return Err(RequestError {

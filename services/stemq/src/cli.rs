@@ -88,6 +88,8 @@ pub enum Command {
     Worker(WorkerArgs),
     /// Run the projector alone (or rebuild the view).
     Projector(ProjectorArgs),
+    /// Run the webhook relay alone.
+    Relay(RelayArgs),
     /// Apply the stream, consumer and bucket definitions of nats/.
     Nats {
         #[command(subcommand)]
@@ -170,6 +172,8 @@ pub struct DevArgs {
     pub http: SocketAddr,
     #[command(flatten)]
     pub worker: WorkerOpts,
+    #[command(flatten)]
+    pub relay: RelayArgs,
 }
 
 #[derive(Debug, Args, Clone)]
@@ -213,6 +217,43 @@ pub struct WorkerOpts {
     /// Worker name (default host-pid).
     #[arg(long, env = "STEMQ_WORKER_NAME")]
     pub name: Option<String>,
+}
+
+/// Webhook relay options (`stemq relay`, `stemq dev`).
+#[derive(Debug, Args, Clone)]
+pub struct RelayArgs {
+    /// Delays before each attempt, in ms, comma-separated (default: 0, 5 s, 5 min,
+    /// 30 min, 2 h, 5 h, 10 h, 14 h, 20 h, 24 h).
+    #[arg(long, env = "STEMQ_WEBHOOK_SCHEDULE_MS")]
+    pub schedule_ms: Option<String>,
+    /// Request timeout in ms.
+    #[arg(long, env = "STEMQ_WEBHOOK_TIMEOUT_MS", default_value_t = 15_000)]
+    pub timeout_ms: u64,
+    /// Deliveries in flight at once.
+    #[arg(long, env = "STEMQ_WEBHOOK_CONCURRENCY", default_value_t = 256)]
+    pub concurrency: usize,
+}
+
+impl RelayArgs {
+    /// The relay configuration (the SSRF allow-list comes from `STEMQ_WEBHOOK_ALLOW`).
+    pub fn config(&self) -> Result<stemq_relay::Config> {
+        let mut c = stemq_relay::Config {
+            timeout: Duration::from_millis(self.timeout_ms),
+            concurrency: self.concurrency,
+            ..Default::default()
+        };
+        if let Some(s) = &self.schedule_ms {
+            c.schedule = s
+                .split(',')
+                .map(|x| x.trim().parse::<u64>().map(Duration::from_millis))
+                .collect::<Result<_, _>>()
+                .context("--schedule-ms: comma-separated milliseconds")?;
+            if c.schedule.is_empty() {
+                anyhow::bail!("--schedule-ms needs at least one delay");
+            }
+        }
+        Ok(c)
+    }
 }
 
 #[derive(Debug, Args, Clone)]
@@ -305,6 +346,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Ingress(a) => crate::services::ingress(&g, a).await,
         Command::Worker(a) => crate::services::worker(&g, a.opts).await,
         Command::Projector(a) => crate::services::projector(&g, a).await,
+        Command::Relay(a) => crate::services::relay(&g, a).await,
         Command::Nats {
             command: NatsCommand::Apply,
         } => {

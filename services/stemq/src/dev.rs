@@ -1,7 +1,8 @@
 //! `stemq dev`: the whole pipeline in one process, for a laptop.
 //!
 //! Starts a `nats-server` (from PATH) with its store in the data dir unless `NATS_URL`
-//! is given, applies the definitions, and runs the ingress, one worker and the projector
+//! is given, applies the definitions, and runs the ingress, one worker, the projector and
+//! the webhook relay (printing the webhook signing secret)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
 
 use anyhow::{Context, Result};
@@ -55,12 +56,17 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         children.clone(),
     ));
     let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
+    let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config()?, children.clone()));
+    let js = async_nats::jetstream::new(client.clone());
+    let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
+    let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, stemq_core::request::ANONYMOUS).await?;
 
     eprintln!();
     eprintln!("stemq dev is up");
     eprintln!("  HTTP    http://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
     eprintln!("  NATS    {}", g.nats_url());
     eprintln!("  store   {store}");
+    eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
     eprintln!("  Ctrl-C to stop");
     eprintln!();
 
@@ -70,6 +76,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     children.cancel();
     ingress.await??;
     projector.await??;
+    relay.await??;
     client.flush().await.ok();
     drop(client);
     if let Some(mut s) = server {

@@ -12,7 +12,7 @@ use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Global, IngressArgs, ProjectorArgs, WorkerOpts};
+use crate::cli::{Global, IngressArgs, ProjectorArgs, RelayArgs, WorkerOpts};
 
 /// Connects and applies the definitions.
 pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
@@ -97,5 +97,12 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
         return Ok(());
     }
     stemq_projector::run(client, Default::default(), shutdown).await?;
+    Ok(())
+}
+
+pub async fn relay(g: &Global, a: RelayArgs) -> Result<()> {
+    let client = connect(g, "stemq-relay").await?;
+    let shutdown = crate::cli::shutdown_on_signals();
+    stemq_relay::run(client, a.config()?, shutdown).await?;
     Ok(())
 }
