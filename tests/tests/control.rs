@@ -221,3 +221,31 @@ async fn max_runtime_limits_one_job() {
     assert_eq!(v.error.unwrap().code, "time_limit");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_describes_the_issue_5_routes() {
+    let stack = Stack::start(StackOptions {
+        workers: 0,
+        ..Default::default()
+    })
+    .await;
+    let (code, doc) = stack.get("/openapi.json").await;
+    assert_eq!(code, 200);
+    for (path, method) in [
+        ("/v1/separations/{id}/cancel", "post"),
+        ("/v1/separations/{id}/retry", "post"),
+        ("/v1/separations/{id}/events", "get"),
+        ("/v1/separations/{id}/deliveries", "get"),
+        ("/v1/separations/{id}/deliveries/{n}/replay", "post"),
+        ("/v1/webhooks/secret", "get"),
+        ("/v1/webhooks/secret/rotate", "post"),
+    ] {
+        assert!(doc["paths"][path][method].is_object(), "{path} {method} missing");
+    }
+    let req = &doc["components"]["schemas"]["JobRequest"]["properties"];
+    assert!(req["start_before"].is_object() && req["max_runtime"].is_object());
+    assert!(doc["components"]["schemas"]["DeliveryAttempted"].is_object());
+    let text = doc.to_string();
+    assert!(!text.contains("#/$defs/"), "dangling $defs reference");
+    stack.shutdown().await;
+}

@@ -201,10 +201,20 @@ pub(crate) async fn cancel_http(State(state): State<AppState>, Path(id): Path<St
 pub(crate) async fn retry_http(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
     let view = view_or_404(&state, &id).await?;
     let (new_id, created) = retry(&state.js, &view, "/stemq/ingress").await?;
+    let status = match created {
+        true => JobStatus::Queued,
+        false => state
+            .view(&new_id)
+            .await
+            .ok()
+            .flatten()
+            .map(|v| v.status)
+            .unwrap_or(JobStatus::Queued),
+    };
     let resp = SubmitResponse {
         status_url: format!("/v1/separations/{new_id}"),
         job_id: new_id,
-        status: JobStatus::Queued,
+        status,
         cached: !created,
     };
     let code = if created { StatusCode::ACCEPTED } else { StatusCode::OK };
