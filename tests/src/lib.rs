@@ -119,9 +119,7 @@ impl Stack {
             let c = names::connect(&server.url(), "projector").await.unwrap();
             let s = stop.clone();
             tasks.push(tokio::spawn(async move {
-                stemq_projector::run(c, Default::default(), s)
-                    .await
-                    .expect("projector runs");
+                stemq_projector::run(c, Default::default(), s).await.expect("projector runs");
             }));
         }
         let mut stack = Stack {
@@ -161,6 +159,15 @@ impl Stack {
         self.workers.len() - 1
     }
 
+    /// Starts the webhook relay in-process (stopped with the stack).
+    pub async fn start_relay(&mut self, config: stemq_relay::Config) {
+        let c = names::connect(&self.server.url(), "relay").await.unwrap();
+        let s = self.stop.clone();
+        self.tasks.push(tokio::spawn(async move {
+            stemq_relay::run(c, config, s).await.expect("relay runs");
+        }));
+    }
+
     /// Stops in-process worker `i` (graceful) and waits for it.
     pub async fn stop_worker(&mut self, i: usize) {
         let (t, h) = &mut self.workers[i];
@@ -175,8 +182,7 @@ impl Stack {
 
     /// POSTs a JSON body to /v1/separations; returns (status, body).
     pub async fn submit(&self, body: &Value) -> (u16, Value) {
-        self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap())
-            .await
+        self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap()).await
     }
 
     /// POSTs raw bytes.
@@ -208,11 +214,7 @@ impl Stack {
 
     /// Reads a job's view from the bucket.
     pub async fn view(&self, id: &JobId) -> Option<JobView> {
-        stemq_projector::get_view(&self.kv, id)
-            .await
-            .ok()
-            .flatten()
-            .map(|(v, _)| v)
+        stemq_projector::get_view(&self.kv, id).await.ok().flatten().map(|(v, _)| v)
     }
 
     /// Waits until the job's view satisfies `pred`; panics with the last view after
@@ -240,8 +242,7 @@ impl Stack {
 
     /// Waits until `status`.
     pub async fn wait_status(&self, id: &JobId, status: JobStatus, timeout: Duration) -> JobView {
-        self.wait_for(id, timeout, |v| v.status == status || v.status.is_terminal())
-            .await
+        self.wait_for(id, timeout, |v| v.status == status || v.status.is_terminal()).await
     }
 
     /// Every event stored for a job, in log order (job stream only).
@@ -294,18 +295,13 @@ impl Stack {
             .env("STEMQ_ACK_WAIT_MS", s.ack_wait.as_millis().to_string())
             .env("STEMQ_MAX_DELIVER", s.max_deliver.to_string())
             .env("STEMQ_DEDUPE_WINDOW_MS", s.duplicate_window.as_millis().to_string())
-            .env(
-                "STEMQ_BACKOFF_BASE_MS",
-                self.options.backoff_base.as_millis().to_string(),
-            )
+            .env("STEMQ_BACKOFF_BASE_MS", self.options.backoff_base.as_millis().to_string())
             .env("STEMQ_WORKER_NAME", name)
             .env("STEMQ_ENGINE", "fake")
             .env("STEMQ_LOG_FORMAT", "json")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(self.dir.path().join(format!("{name}.log"))).expect("log file"),
-            ));
+            .stderr(Stdio::from(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).expect("log file")));
         for (k, v) in extra {
             cmd.env(k, v);
         }

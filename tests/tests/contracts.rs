@@ -20,10 +20,7 @@ async fn a_foreign_cloudevent_on_the_stream_is_run() {
     let stack = Stack::start(StackOptions::default()).await;
     // Written by hand, as a service in another language would: canonical request,
     // sha256 of its JCS form as id, subject and Nats-Msg-Id.
-    let req = JobRequest::from_value(job_body(&stack, "foreign", None))
-        .unwrap()
-        .normalize("anonymous")
-        .unwrap();
+    let req = JobRequest::from_value(job_body(&stack, "foreign", None)).unwrap().normalize("anonymous").unwrap();
     let id = req.job_id();
     let ce = json!({
         "specversion": "1.0",
@@ -57,63 +54,30 @@ async fn a_foreign_cloudevent_on_the_stream_is_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_id_is_rejected_and_never_run() {
     let stack = Stack::start(StackOptions::default()).await;
-    let req = JobRequest::from_value(job_body(&stack, "forged", None))
-        .unwrap()
-        .normalize("anonymous")
-        .unwrap();
+    let req = JobRequest::from_value(job_body(&stack, "forged", None)).unwrap().normalize("anonymous").unwrap();
     // Claims someone else's id (say, to overwrite their outputs).
-    let victim = JobRequest::from_value(job_body(&stack, "victim", None))
-        .unwrap()
-        .normalize("anonymous")
-        .unwrap();
+    let victim = JobRequest::from_value(job_body(&stack, "victim", None)).unwrap().normalize("anonymous").unwrap();
     let claimed = victim.job_id();
     let mut ev = stemq_core::Event::requested(req, None, None, "urn:example:attacker");
     ev.id = claimed.to_string();
     ev.subject = claimed.clone();
-    stack
-        .js
-        .publish(job_subject(&claimed, SubjectKind::Requested), ev.to_bytes())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    stack.js.publish(job_subject(&claimed, SubjectKind::Requested), ev.to_bytes()).await.unwrap().await.unwrap();
     let v = stack.wait_terminal(&claimed, T).await;
     assert_eq!(v.status, JobStatus::Rejected);
     assert_eq!(v.error.as_ref().unwrap().code, "id_mismatch");
-    assert_eq!(
-        stack.count_on(&job_subject(&claimed, SubjectKind::Started)).await,
-        0,
-        "never ran"
-    );
+    assert_eq!(stack.count_on(&job_subject(&claimed, SubjectKind::Started)).await, 0, "never ran");
 
     // Garbage on a job subject is rejected too.
-    let junk_id = JobRequest::from_value(job_body(&stack, "junk", None))
-        .unwrap()
-        .normalize("x")
-        .unwrap()
-        .job_id();
-    stack
-        .js
-        .publish(job_subject(&junk_id, SubjectKind::Requested), "not json".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let junk_id = JobRequest::from_value(job_body(&stack, "junk", None)).unwrap().normalize("x").unwrap().job_id();
+    stack.js.publish(job_subject(&junk_id, SubjectKind::Requested), "not json".into()).await.unwrap().await.unwrap();
     let v = stack.wait_terminal(&junk_id, T).await;
-    assert_eq!(
-        (v.status, v.error.as_ref().unwrap().code.as_str()),
-        (JobStatus::Rejected, "invalid_event")
-    );
+    assert_eq!((v.status, v.error.as_ref().unwrap().code.as_str()), (JobStatus::Rejected, "invalid_event"));
     stack.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
-    let stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let before = stream_messages(&stack).await;
     let uri = job_body(&stack, "x", None)["audio_uri"].clone();
     let cases: Vec<(Value, &str)> = vec![
@@ -125,19 +89,10 @@ async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
         (json!({"audio_uri": uri, "surprise": true}), "surprise"),
         // Untrusted URIs: refused before anything is published.
         (json!({"audio_uri": "file:///etc/passwd"}), "audio_uri"),
-        (
-            json!({"audio_uri": "http://169.254.169.254/latest/meta-data/"}),
-            "audio_uri",
-        ),
+        (json!({"audio_uri": "http://169.254.169.254/latest/meta-data/"}), "audio_uri"),
         (json!({"audio_uri": "https://10.0.0.7/song.wav"}), "audio_uri"),
-        (
-            json!({"audio_uri": format!("{}/../../etc/passwd", stack.store.base_url())}),
-            "audio_uri",
-        ),
-        (
-            json!({"audio_uri": format!("{}/uploads/%2e%2e/x.wav", stack.store.base_url())}),
-            "audio_uri",
-        ),
+        (json!({"audio_uri": format!("{}/../../etc/passwd", stack.store.base_url())}), "audio_uri"),
+        (json!({"audio_uri": format!("{}/uploads/%2e%2e/x.wav", stack.store.base_url())}), "audio_uri"),
         (json!({"audio_uri": "gs://bucket/song.wav"}), "audio_uri"),
     ];
     for (body, field) in cases {
@@ -167,28 +122,15 @@ async fn nats_request_reply_submit_answers_like_http() {
         }
     };
     let first = ask(&body).await;
-    assert_eq!(
-        (first["http_status"].as_u64(), first["cached"].as_bool()),
-        (Some(202), Some(false)),
-        "{first}"
-    );
+    assert_eq!((first["http_status"].as_u64(), first["cached"].as_bool()), (Some(202), Some(false)), "{first}");
     let again = ask(&body).await;
-    assert_eq!(
-        (again["http_status"].as_u64(), again["cached"].as_bool()),
-        (Some(200), Some(true))
-    );
+    assert_eq!((again["http_status"].as_u64(), again["cached"].as_bool()), (Some(200), Some(true)));
     assert_eq!(first["job_id"], again["job_id"]);
     let (code, http) = stack.submit(&body).await;
     assert_eq!((code, http["job_id"].clone()), (200, first["job_id"].clone()));
     let bad = ask(&json!({"audio_uri": 5})).await;
-    assert_eq!(
-        (bad["http_status"].as_u64(), bad["error"]["field"].as_str()),
-        (Some(422), Some("audio_uri"))
-    );
-    assert_eq!(
-        stack.wait_terminal(&job_id(&first), T).await.status,
-        JobStatus::Succeeded
-    );
+    assert_eq!((bad["http_status"].as_u64(), bad["error"]["field"].as_str()), (Some(422), Some("audio_uri")));
+    assert_eq!(stack.wait_terminal(&job_id(&first), T).await.status, JobStatus::Succeeded);
     stack.shutdown().await;
 }
 
@@ -213,9 +155,7 @@ async fn rebuilding_the_view_from_the_log_gives_the_same_view() {
 
     // Drop the view and replay the log (what `stemq projector --rebuild` does), while the
     // running projector keeps going.
-    let replayed = stemq_projector::reset(&stack.js, &stack.options.settings)
-        .await
-        .unwrap();
+    let replayed = stemq_projector::reset(&stack.js, &stack.options.settings).await.unwrap();
     assert!(replayed >= 12, "{replayed} events to replay");
     let kv = stack.js.get_key_value(stemq_core::nats::JOBS_BUCKET).await.unwrap();
     let rebuild = tokio_util::sync::CancellationToken::new();
@@ -233,11 +173,7 @@ async fn rebuilding_the_view_from_the_log_gives_the_same_view() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_metrics_and_openapi() {
-    let mut stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     assert_eq!(stack.get_text("/healthz").await.0, 200);
     assert_eq!(stack.get_text("/readyz").await.0, 200);
     for i in 0..3 {
@@ -246,10 +182,7 @@ async fn health_readiness_metrics_and_openapi() {
     let (code, text) = stack.get_text("/metrics").await;
     assert_eq!(code, 200);
     assert!(text.contains("stemq_submits_total{outcome=\"created\"} 3"), "{text}");
-    assert!(
-        text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3"),
-        "{text}"
-    );
+    assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3"), "{text}");
     assert!(text.contains("stemq_http_request_duration_seconds_bucket"), "{text}");
     let (code, doc) = stack.get("/openapi.json").await;
     assert_eq!(code, 200);
@@ -266,10 +199,7 @@ async fn health_readiness_metrics_and_openapi() {
     stack.server.kill();
     let deadline = tokio::time::Instant::now() + T;
     while stack.get_text("/readyz").await.0 != 503 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "readyz stayed 200 with NATS down"
-        );
+        assert!(tokio::time::Instant::now() < deadline, "readyz stayed 200 with NATS down");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stack.server.restart().unwrap();
@@ -281,9 +211,7 @@ async fn cli_dlq_replay_creates_a_linked_job() {
     let mut opts = StackOptions::default();
     opts.settings.max_deliver = 1;
     let stack = Stack::start(opts).await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "dead", Some(json!({"fail_transient": 1}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "dead", Some(json!({"fail_transient": 1})))).await;
     let old = job_id(&b);
     assert_eq!(stack.wait_terminal(&old, T).await.status, JobStatus::DeadLettered);
 
@@ -292,17 +220,10 @@ async fn cli_dlq_replay_creates_a_linked_job() {
             .args(args)
             .env("NATS_URL", stack.server.url())
             .env("STEMQ_MAX_DELIVER", "1")
-            .env(
-                "STEMQ_ACK_WAIT_MS",
-                stack.options.settings.ack_wait.as_millis().to_string(),
-            )
+            .env("STEMQ_ACK_WAIT_MS", stack.options.settings.ack_wait.as_millis().to_string())
             .output()
             .expect("run stemq");
-        assert!(
-            out.status.success(),
-            "stemq {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "stemq {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
     let listed = cli(&["dlq", "list"]);

@@ -25,24 +25,14 @@ async fn normal_run_stores_stems_and_reports_status() {
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
     assert_eq!(v.attempt, 1);
-    assert_eq!(
-        v.outputs.iter().map(|o| o.stem.as_str()).collect::<Vec<_>>(),
-        ["drums", "bass", "other", "vocals"]
-    );
+    assert_eq!(v.outputs.iter().map(|o| o.stem.as_str()).collect::<Vec<_>>(), ["drums", "bass", "other", "vocals"]);
     for o in &v.outputs {
-        let key = o
-            .uri
-            .strip_prefix(&format!("{}/", stack.store.base_url()))
-            .expect("output in the store");
+        let key = o.uri.strip_prefix(&format!("{}/", stack.store.base_url())).expect("output in the store");
         assert_eq!(key, format!("jobs/{id}/{}.wav", o.stem));
         let bytes = stack.store.get_bytes(key).await.expect("stem stored");
         assert_eq!(bytes.len() as u64, o.bytes);
     }
-    assert!(v
-        .manifest_uri
-        .as_deref()
-        .unwrap()
-        .ends_with(&format!("jobs/{id}/manifest.json")));
+    assert!(v.manifest_uri.as_deref().unwrap().ends_with(&format!("jobs/{id}/manifest.json")));
 
     let (code, got) = stack.get(&format!("/v1/separations/{id}")).await;
     assert_eq!(code, 200);
@@ -60,11 +50,7 @@ async fn normal_run_stores_stems_and_reports_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_submits_create_one_job() {
-    let stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let body = job_body(&stack, "dup", None);
     let (c1, b1) = stack.submit(&body).await;
     // Same request with keys reordered, an explicit default and other metadata.
@@ -79,12 +65,7 @@ async fn duplicate_submits_create_one_job() {
     let answers = futures::future::join_all((0..200).map(|_| stack.submit(&body))).await;
     let created = answers.iter().filter(|(c, _)| *c == 202).count();
     let cached = answers.iter().filter(|(c, b)| *c == 200 && b["cached"] == true).count();
-    assert_eq!(
-        (created, cached),
-        (1, 199),
-        "{:?}",
-        answers.iter().map(|a| a.0).collect::<Vec<_>>()
-    );
+    assert_eq!((created, cached), (1, 199), "{:?}", answers.iter().map(|a| a.0).collect::<Vec<_>>());
     let ids: std::collections::HashSet<_> = answers.iter().map(|(_, b)| b["job_id"].clone()).collect();
     assert_eq!(ids.len(), 1);
     let id = job_id(&answers[0].1);
@@ -94,10 +75,7 @@ async fn duplicate_submits_create_one_job() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_after_the_dedupe_window_is_still_the_same_job() {
-    let mut opts = StackOptions {
-        workers: 0,
-        ..Default::default()
-    };
+    let mut opts = StackOptions { workers: 0, ..Default::default() };
     opts.settings.duplicate_window = Duration::from_millis(500);
     let stack = Stack::start(opts).await;
     let body = job_body(&stack, "later", None);
@@ -108,23 +86,14 @@ async fn duplicate_after_the_dedupe_window_is_still_the_same_job() {
     let (c2, b2) = stack.submit(&body).await;
     assert_eq!(c2, 200, "{b2}");
     assert_eq!(b1["job_id"], b2["job_id"]);
-    assert_eq!(
-        stack.count_on(&job_subject(&job_id(&b1), SubjectKind::Requested)).await,
-        1
-    );
+    assert_eq!(stack.count_on(&job_subject(&job_id(&b1), SubjectKind::Requested)).await, 1);
     stack.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_failures_are_retried_with_backoff_then_succeed() {
-    let stack = Stack::start(StackOptions {
-        backoff_base: Duration::from_millis(200),
-        ..Default::default()
-    })
-    .await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "flaky", Some(json!({"fail_transient": 2}))))
-        .await;
+    let stack = Stack::start(StackOptions { backoff_base: Duration::from_millis(200), ..Default::default() }).await;
+    let (_, b) = stack.submit(&job_body(&stack, "flaky", Some(json!({"fail_transient": 2})))).await;
     let id = job_id(&b);
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Succeeded, 3, 2), "{v:#?}");
@@ -144,11 +113,7 @@ async fn transient_failures_are_retried_with_backoff_then_succeed() {
     // 200 ms then 400 ms, ±20 % jitter.
     assert!((160..=240).contains(&d1) && (320..=480).contains(&d2), "{d1} {d2}");
     // The next attempt did wait for the backoff.
-    let starts: Vec<_> = events
-        .iter()
-        .filter(|e| e.body.kind() == "started")
-        .map(|e| e.time)
-        .collect();
+    let starts: Vec<_> = events.iter().filter(|e| e.body.kind() == "started").map(|e| e.time).collect();
     assert_eq!(starts.len(), 3);
     assert!((starts[1] - failures[0].1).num_milliseconds() >= d1 as i64 - 20);
     assert!((starts[2] - failures[1].1).num_milliseconds() >= d2 as i64 - 20);
@@ -159,9 +124,7 @@ async fn transient_failures_are_retried_with_backoff_then_succeed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failure_is_not_retried() {
     let stack = Stack::start(StackOptions::default()).await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "bad", Some(json!({"fail_permanent": true}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "bad", Some(json!({"fail_permanent": true})))).await;
     let id = job_id(&b);
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!((v.status, v.attempt), (JobStatus::Failed, 1));
@@ -169,27 +132,16 @@ async fn permanent_failure_is_not_retried() {
     assert_eq!(v.error.as_ref().unwrap().code, "invalid_audio");
     // Twice the ack wait later, still exactly one attempt.
     tokio::time::sleep(stack.options.settings.ack_wait * 2).await;
-    let starts = stack
-        .events(&id)
-        .await
-        .iter()
-        .filter(|e| e.body.kind() == "started")
-        .count();
+    let starts = stack.events(&id).await.iter().filter(|e| e.body.kind() == "started").count();
     assert_eq!(starts, 1);
     stack.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_job_is_redelivered_and_succeeds_once() {
-    let stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let mut w1 = stack.spawn_worker("w1", &[]);
-    let (_, b) = stack
-        .submit(&job_body(&stack, "long", Some(json!({"sleep_ms": 1500}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "long", Some(json!({"sleep_ms": 1500})))).await;
     let id = job_id(&b);
     let v = stack.wait_status(&id, JobStatus::Running, T).await;
     assert_eq!((v.status, v.worker.as_deref()), (JobStatus::Running, Some("w1")));
@@ -198,11 +150,7 @@ async fn worker_killed_mid_job_is_redelivered_and_succeeds_once() {
 
     let mut w2 = stack.spawn_worker("w2", &[]);
     let v = stack.wait_terminal(&id, T).await;
-    assert_eq!(
-        (v.status, v.attempt, v.worker.as_deref()),
-        (JobStatus::Succeeded, 2, Some("w2")),
-        "{v:#?}"
-    );
+    assert_eq!((v.status, v.attempt, v.worker.as_deref()), (JobStatus::Succeeded, 2, Some("w2")), "{v:#?}");
     // Give any stray redelivery time to happen: still one outcome.
     tokio::time::sleep(stack.options.settings.ack_wait + Duration::from_millis(500)).await;
     assert_eq!(stack.count_on(&job_subject(&id, SubjectKind::Outcome)).await, 1);
@@ -213,52 +161,30 @@ async fn worker_killed_mid_job_is_redelivered_and_succeeds_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_current_job_then_exits_zero() {
-    let stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let mut w = stack.spawn_worker("graceful", &[]);
-    let (_, b) = stack
-        .submit(&job_body(&stack, "term", Some(json!({"sleep_ms": 1500}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "term", Some(json!({"sleep_ms": 1500})))).await;
     let id = job_id(&b);
     stack.wait_status(&id, JobStatus::Running, T).await;
     signal(&w, SIGTERM);
     let status = wait_exit(&mut w, T).expect("worker exits after its job");
-    assert!(
-        status.success(),
-        "exit status {status:?}\n{}",
-        stack.worker_log("graceful")
-    );
+    assert!(status.success(), "exit status {status:?}\n{}", stack.worker_log("graceful"));
     let v = stack.wait_terminal(&id, Duration::from_secs(5)).await;
-    assert_eq!(
-        (v.status, v.attempt),
-        (JobStatus::Succeeded, 1),
-        "finished by the same worker, first attempt"
-    );
+    assert_eq!((v.status, v.attempt), (JobStatus::Succeeded, 1), "finished by the same worker, first attempt");
     // It pulled nothing after the signal.
     let (_, b2) = stack.submit(&job_body(&stack, "after-term", None)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        stack.view(&job_id(&b2)).await.map(|v| v.status),
-        Some(JobStatus::Queued)
-    );
+    assert_eq!(stack.view(&job_id(&b2)).await.map(|v| v.status), Some(JobStatus::Queued));
     stack.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_looping_job_is_dead_lettered_while_others_flow() {
-    let mut opts = StackOptions {
-        workers: 0,
-        ..Default::default()
-    };
+    let mut opts = StackOptions { workers: 0, ..Default::default() };
     opts.settings.ack_wait = Duration::from_millis(1000);
     opts.settings.max_deliver = 3;
     let stack = Stack::start(opts).await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "poison", Some(json!({"abort": u32::MAX}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "poison", Some(json!({"abort": u32::MAX})))).await;
     let poison = job_id(&b);
 
     // Two worker processes, each restarted by a supervisor when it dies, as Kubernetes
@@ -289,10 +215,7 @@ async fn crash_looping_job_is_dead_lettered_while_others_flow() {
     let v = stack.view(&poison).await.unwrap();
     assert_eq!(v.status, JobStatus::DeadLettered, "{v:#?}");
     assert_eq!(v.error.as_ref().unwrap().code, "crash_loop");
-    assert!(
-        restarts >= 3,
-        "a worker process died on each of the 3 deliveries ({restarts} restarts)"
-    );
+    assert!(restarts >= 3, "a worker process died on each of the 3 deliveries ({restarts} restarts)");
     for id in &others {
         assert_eq!(stack.wait_terminal(id, T).await.status, JobStatus::Succeeded);
     }
@@ -313,9 +236,7 @@ async fn transient_failure_on_the_last_delivery_dead_letters() {
     let mut opts = StackOptions::default();
     opts.settings.max_deliver = 2;
     let stack = Stack::start(opts).await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "always-flaky", Some(json!({"fail_transient": 99}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "always-flaky", Some(json!({"fail_transient": 99})))).await;
     let id = job_id(&b);
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!((v.status, v.attempt), (JobStatus::DeadLettered, 2), "{v:#?}");
@@ -330,25 +251,16 @@ async fn transient_failure_on_the_last_delivery_dead_letters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_steps_down_the_ladder_and_marks_degraded() {
     let stack = Stack::start(StackOptions::default()).await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "oom-cpu", Some(json!({"oom_until": "cpu"}))))
-        .await;
+    let (_, b) = stack.submit(&job_body(&stack, "oom-cpu", Some(json!({"oom_until": "cpu"})))).await;
     let v = stack.wait_terminal(&job_id(&b), T).await;
-    assert_eq!(
-        (v.status, v.degraded, v.device.as_deref()),
-        (JobStatus::Succeeded, true, Some("cpu")),
-        "{v:#?}"
-    );
+    assert_eq!((v.status, v.degraded, v.device.as_deref()), (JobStatus::Succeeded, true, Some("cpu")), "{v:#?}");
     // A model with segments: the middle rung halves the trained 7.8 s.
     let mut body = job_body(&stack, "oom-seg", Some(json!({"oom_until": "segment"})));
     body["model"] = json!("htdemucs");
     let (_, b) = stack.submit(&body).await;
     let id = job_id(&b);
     let v = stack.wait_terminal(&id, T).await;
-    assert_eq!(
-        (v.status, v.degraded, v.device.as_deref()),
-        (JobStatus::Succeeded, true, Some("fake-gpu"))
-    );
+    assert_eq!((v.status, v.degraded, v.device.as_deref()), (JobStatus::Succeeded, true, Some("fake-gpu")));
     let seg = stack.events(&id).await.iter().find_map(|e| match &e.body {
         EventBody::Succeeded(s) => s.segment,
         _ => None,
@@ -359,14 +271,8 @@ async fn out_of_memory_steps_down_the_ladder_and_marks_degraded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hard_time_limit_fails_the_job() {
-    let stack = Stack::start(StackOptions {
-        time_limit: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
-    let (_, b) = stack
-        .submit(&job_body(&stack, "slow", Some(json!({"sleep_ms": 5000}))))
-        .await;
+    let stack = Stack::start(StackOptions { time_limit: Duration::from_millis(500), ..Default::default() }).await;
+    let (_, b) = stack.submit(&job_body(&stack, "slow", Some(json!({"sleep_ms": 5000})))).await;
     let v = stack.wait_terminal(&job_id(&b), T).await;
     assert_eq!(v.status, JobStatus::Failed);
     assert_eq!(v.error.as_ref().unwrap().code, "time_limit");
@@ -377,11 +283,7 @@ async fn hard_time_limit_fails_the_job() {
 async fn lost_ack_does_not_run_the_job_again() {
     // An outcome is already recorded (a worker finished, its ack was lost): the
     // redelivered request must be skipped, not run.
-    let stack = Stack::start(StackOptions {
-        workers: 0,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let req = stemq_core::JobRequest::from_value(job_body(&stack, "acked-late", None)).unwrap();
     let ev = stemq_core::Event::requested(req.normalize("anonymous").unwrap(), None, None, "/test");
     let id = ev.subject.clone();
@@ -398,21 +300,12 @@ async fn lost_ack_does_not_run_the_job_again() {
             duration_ms: 1,
         }),
     );
-    stemq_core::publish::publish(
-        &stack.js,
-        &job_subject(&id, SubjectKind::Requested),
-        &ev,
-        Some(id.as_str()),
-    )
-    .await
-    .unwrap();
-    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Outcome), &done, None)
+    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))
         .await
         .unwrap();
+    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Outcome), &done, None).await.unwrap();
     let mut stack = stack;
-    stack
-        .add_worker(std::sync::Arc::new(stemq_core::engine::FakeEngine::default()))
-        .await;
+    stack.add_worker(std::sync::Arc::new(stemq_core::engine::FakeEngine::default())).await;
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!(v.status, JobStatus::Succeeded);
     // Wait until the worker consumer has nothing pending, then check nothing started.
@@ -436,11 +329,7 @@ async fn lost_ack_does_not_run_the_job_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_jobs_all_succeed() {
-    let stack = Stack::start(StackOptions {
-        workers: 8,
-        ..Default::default()
-    })
-    .await;
+    let stack = Stack::start(StackOptions { workers: 8, ..Default::default() }).await;
     let bodies: Vec<_> = (0..300).map(|i| job_body(&stack, &format!("many-{i}"), None)).collect();
     let answers = futures::future::join_all(bodies.iter().map(|b| stack.submit(b))).await;
     assert!(answers.iter().all(|(c, _)| *c == 202));
@@ -449,27 +338,11 @@ async fn many_jobs_all_succeed() {
     }
     // Listing is newest first and pages with a cursor.
     let (_, p1) = stack.get("/v1/separations?limit=100").await;
-    let (_, p2) = stack
-        .get(&format!(
-            "/v1/separations?limit=100&cursor={}",
-            p1["next_cursor"].as_str().unwrap()
-        ))
-        .await;
-    let jobs: Vec<_> = p1["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(p2["jobs"].as_array().unwrap())
-        .collect();
+    let (_, p2) = stack.get(&format!("/v1/separations?limit=100&cursor={}", p1["next_cursor"].as_str().unwrap())).await;
+    let jobs: Vec<_> = p1["jobs"].as_array().unwrap().iter().chain(p2["jobs"].as_array().unwrap()).collect();
     assert_eq!(jobs.len(), 200);
-    let created: Vec<_> = jobs
-        .iter()
-        .map(|j| j["created_at"].as_str().unwrap().to_string())
-        .collect();
-    let parsed: Vec<_> = created
-        .iter()
-        .map(|c| chrono::DateTime::parse_from_rfc3339(c).expect("RFC 3339"))
-        .collect();
+    let created: Vec<_> = jobs.iter().map(|j| j["created_at"].as_str().unwrap().to_string()).collect();
+    let parsed: Vec<_> = created.iter().map(|c| chrono::DateTime::parse_from_rfc3339(c).expect("RFC 3339")).collect();
     assert!(parsed.windows(2).all(|w| w[0] >= w[1]), "not newest first: {created:?}");
     let (_, ok) = stack.get("/v1/separations?status=succeeded&limit=1000").await;
     assert_eq!(ok["jobs"].as_array().unwrap().len(), 300);
@@ -497,19 +370,12 @@ async fn nats_server_restart_loses_nothing() {
         if c == 202 || c == 200 {
             break job_id(&b);
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "ingress never recovered: {c} {b}"
-        );
+        assert!(tokio::time::Instant::now() < deadline, "ingress never recovered: {c} {b}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
     for old in &ids {
-        assert_eq!(
-            stack.view(old).await.unwrap().status,
-            JobStatus::Succeeded,
-            "durable view survived"
-        );
+        assert_eq!(stack.view(old).await.unwrap().status, JobStatus::Succeeded, "durable view survived");
     }
     stack.shutdown().await;
 }

@@ -94,6 +94,7 @@ async fn one_trace_per_job_and_clean_logs() {
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     std::env::set_var("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf");
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
     let logs = Logs::default();
     stemq_core::telemetry::init_with_writer(stemq_core::telemetry::LogFormat::Json, "stemq-test", logs.clone());
 
@@ -104,7 +105,8 @@ async fn one_trace_per_job_and_clean_logs() {
     let secret = "sk_live_51HzTOPSECRETvalue9f8e7d6c5b4a";
     let mut body = job_body(&stack, "traced", None);
     body["metadata"] = json!({"api_key": secret, "note": "secret-shaped values must not be logged"});
-    body["webhook"] = json!({"url": format!("https://hooks.example.com/in?token={secret}")});
+    // A loopback receiver (allowed for this test); no relay runs here, nothing is sent.
+    body["webhook"] = json!({"url": format!("http://127.0.0.1:9/in?token={secret}")});
     let resp = reqwest::Client::new()
         .post(stack.url("/v1/separations"))
         .header("traceparent", format!("00-{client_trace}-{client_span}-01"))
@@ -114,34 +116,15 @@ async fn one_trace_per_job_and_clean_logs() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 202);
     let id = job_id(&resp.json::<Value>().await.unwrap());
-    assert_eq!(
-        stack.wait_terminal(&id, Duration::from_secs(30)).await.status,
-        JobStatus::Succeeded
-    );
-    stemq_projector::wait_caught_up(&stack.js, Duration::from_secs(30))
-        .await
-        .unwrap();
+    assert_eq!(stack.wait_terminal(&id, Duration::from_secs(30)).await.status, JobStatus::Succeeded);
+    stemq_projector::wait_caught_up(&stack.js, Duration::from_secs(30)).await.unwrap();
 
     // Wait for the spans of the job's trace to arrive.
-    let want = [
-        "http.submit",
-        "nats.publish",
-        "job",
-        "engine.separate",
-        "store_outputs",
-        "publish_outcome",
-        "project",
-    ];
+    let want = ["http.submit", "nats.publish", "job", "engine.separate", "store_outputs", "publish_outcome", "project"];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let trace: Vec<SpanRec> = loop {
         stemq_core::telemetry::flush();
-        let t: Vec<SpanRec> = spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.trace_id == client_trace)
-            .cloned()
-            .collect();
+        let t: Vec<SpanRec> = spans.lock().unwrap().iter().filter(|s| s.trace_id == client_trace).cloned().collect();
         if want.iter().all(|w| t.iter().any(|s| s.name == *w)) {
             break t;
         }
@@ -160,19 +143,12 @@ async fn one_trace_per_job_and_clean_logs() {
     // projector's spans continue the events' context.
     assert_eq!(one("http.submit").parent, client_span);
     assert_eq!(parent_name(one("nats.publish")).as_deref(), Some("http.submit"));
-    assert_eq!(
-        parent_name(one("job")).as_deref(),
-        Some("http.submit"),
-        "worker joined across the queue"
-    );
+    assert_eq!(parent_name(one("job")).as_deref(), Some("http.submit"), "worker joined across the queue");
     for child in ["engine.separate", "store_outputs", "publish_outcome"] {
         assert_eq!(parent_name(one(child)).as_deref(), Some("job"), "{child}");
     }
     for p in trace.iter().filter(|s| s.name == "project") {
-        assert!(
-            by_id.contains_key(p.parent.as_str()),
-            "project span's parent is in the trace"
-        );
+        assert!(by_id.contains_key(p.parent.as_str()), "project span's parent is in the trace");
     }
 
     // Logs: JSON, job lines carry job_id and trace_id, and no secret anywhere.

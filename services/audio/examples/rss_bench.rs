@@ -31,12 +31,7 @@ fn vm_hwm_kib() -> u64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let get = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let minutes: f64 = get("--minutes").map(|v| v.parse().expect("--minutes N")).unwrap_or(5.0);
     let rate: u32 = get("--rate").map(|v| v.parse().expect("--rate HZ")).unwrap_or(44_100);
     let clip = match get("--clip").as_deref() {
@@ -87,10 +82,7 @@ fn main() {
         &out,
         &DecodeOptions::default(),
         &DspOptions::default(),
-        EncodeSettings {
-            format: OutputFormat::Wav16,
-            clip,
-        },
+        EncodeSettings { format: OutputFormat::Wav16, clip },
         &mut |f| {
             let pct = (f * 10.0) as i32;
             if pct != last {
@@ -113,13 +105,7 @@ fn main() {
         );
     }
     println!("input: {minutes} min stereo at {rate} Hz ({frames} frames), clip mode {clip:?}");
-    println!(
-        "generate input WAV: {gen_secs:.1} s (VmHWM so far {:.1} MiB)",
-        hwm_after_gen as f64 / 1024.0
-    );
-    println!(
-        "decode+separate+encode 4 stems: {sep_secs:.1} s ({:.1}x realtime)",
-        minutes * 60.0 / sep_secs
-    );
+    println!("generate input WAV: {gen_secs:.1} s (VmHWM so far {:.1} MiB)", hwm_after_gen as f64 / 1024.0);
+    println!("decode+separate+encode 4 stems: {sep_secs:.1} s ({:.1}x realtime)", minutes * 60.0 / sep_secs);
     println!("peak RSS (VmHWM): {:.1} MiB", vm_hwm_kib() as f64 / 1024.0);
 }

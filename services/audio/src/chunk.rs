@@ -15,10 +15,7 @@ pub struct StereoChunk {
 impl StereoChunk {
     /// An empty chunk with room for `frames` frames.
     pub fn with_capacity(frames: usize) -> Self {
-        StereoChunk {
-            left: Vec::with_capacity(frames),
-            right: Vec::with_capacity(frames),
-        }
+        StereoChunk { left: Vec::with_capacity(frames), right: Vec::with_capacity(frames) }
     }
 
     /// Builds a chunk from two channels of equal length.

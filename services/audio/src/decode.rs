@@ -50,10 +50,7 @@ pub struct DecodeOptions {
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        DecodeOptions {
-            target_sample_rate: ENGINE_SAMPLE_RATE,
-            max_duration_secs: None,
-        }
+        DecodeOptions { target_sample_rate: ENGINE_SAMPLE_RATE, max_duration_secs: None }
     }
 }
 
@@ -126,10 +123,7 @@ fn sniff<R: Read + Seek>(r: &mut R) -> Sniff {
         return Sniff::default();
     }
     let head = &head[..n];
-    let mut s = Sniff {
-        wav_tag: wav_format_tag(head),
-        flac_total: None,
-    };
+    let mut s = Sniff { wav_tag: wav_format_tag(head), flac_total: None };
     if head.len() >= 26 && &head[0..4] == b"fLaC" && head[4] & 0x7F == 0 {
         let v = u64::from_be_bytes(head[18..26].try_into().expect("8 bytes"));
         s.flac_total = Some(v & ((1 << 36) - 1));
@@ -276,11 +270,7 @@ impl Converter {
             self.spec = Some(spec);
         }
         let need = buf.capacity() as u64;
-        if self
-            .sample_buf
-            .as_ref()
-            .is_none_or(|b| (b.capacity() as u64) < need * channels as u64)
-        {
+        if self.sample_buf.as_ref().is_none_or(|b| (b.capacity() as u64) < need * channels as u64) {
             self.sample_buf = Some(SampleBuffer::<f32>::new(need, spec));
         }
         let sb = self.sample_buf.as_mut().expect("allocated above");
@@ -330,22 +320,18 @@ fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
         {
             AudioError::Empty
         }
-        SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => AudioError::NotAudio {
-            detail: "the file ends before its header is complete".into(),
-        },
+        SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+            AudioError::NotAudio { detail: "the file ends before its header is complete".into() }
+        }
         SymError::IoError(io) => AudioError::Io(io),
-        SymError::Unsupported(msg) if msg.contains("no suitable format reader") => AudioError::NotAudio {
-            detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into(),
-        },
+        SymError::Unsupported(msg) if msg.contains("no suitable format reader") => {
+            AudioError::NotAudio { detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into() }
+        }
         SymError::Unsupported(msg) => match wav_tag {
-            Some(tag) => AudioError::UnsupportedCodec {
-                codec: wav_tag_name(tag),
-            },
+            Some(tag) => AudioError::UnsupportedCodec { codec: wav_tag_name(tag) },
             None => AudioError::UnsupportedCodec { codec: msg.to_string() },
         },
-        other => AudioError::NotAudio {
-            detail: other.to_string(),
-        },
+        other => AudioError::NotAudio { detail: other.to_string() },
     }
 }
 
@@ -370,17 +356,12 @@ impl Decoder {
         let end = source.seek(SeekFrom::End(0))?;
         source.seek(SeekFrom::Start(start))?;
         if end <= start {
-            return Err(AudioError::NotAudio {
-                detail: "the file is zero bytes long".into(),
-            });
+            return Err(AudioError::NotAudio { detail: "the file is zero bytes long".into() });
         }
         let sniffed = sniff(&mut source);
         let wav_tag = sniffed.wav_tag;
         let mss = MediaSourceStream::new(
-            Box::new(SeekableSource {
-                inner: source,
-                len: Some(end - start),
-            }),
+            Box::new(SeekableSource { inner: source, len: Some(end - start) }),
             MediaSourceStreamOptions::default(),
         );
         let mut hint = Hint::new();
@@ -396,31 +377,24 @@ impl Decoder {
             .iter()
             .find(|t| t.codec_params.codec != CODEC_TYPE_NULL)
             .or_else(|| format.default_track())
-            .ok_or_else(|| AudioError::NotAudio {
-                detail: "the container has no audio track".into(),
-            })?
+            .ok_or_else(|| AudioError::NotAudio { detail: "the container has no audio track".into() })?
             .clone();
         let params = &track.codec_params;
-        let codec = symphonia::default::get_codecs()
-            .make(params, &DecoderOptions { verify: false })
-            .map_err(|e| match e {
+        let codec =
+            symphonia::default::get_codecs().make(params, &DecoderOptions { verify: false }).map_err(|e| match e {
                 SymError::Unsupported(_) => match wav_tag {
-                    Some(tag) if params.codec == CODEC_TYPE_NULL => AudioError::UnsupportedCodec {
-                        codec: wav_tag_name(tag),
-                    },
-                    _ => AudioError::UnsupportedCodec {
-                        codec: codec_name(params.codec),
-                    },
+                    Some(tag) if params.codec == CODEC_TYPE_NULL => {
+                        AudioError::UnsupportedCodec { codec: wav_tag_name(tag) }
+                    }
+                    _ => AudioError::UnsupportedCodec { codec: codec_name(params.codec) },
                 },
                 other => map_open_error(other, &sniffed),
             })?;
-        let sample_rate = params.sample_rate.ok_or_else(|| AudioError::NotAudio {
-            detail: "the stream does not state its sample rate".into(),
-        })?;
+        let sample_rate = params
+            .sample_rate
+            .ok_or_else(|| AudioError::NotAudio { detail: "the stream does not state its sample rate".into() })?;
         if sample_rate == 0 {
-            return Err(AudioError::NotAudio {
-                detail: "sample rate of 0 Hz".into(),
-            });
+            return Err(AudioError::NotAudio { detail: "sample rate of 0 Hz".into() });
         }
         let frames = params.n_frames;
         let duration_secs = frames.map(|f| f as f64 / sample_rate as f64);
@@ -436,10 +410,7 @@ impl Decoder {
         }
         if let (Some(d), Some(max)) = (duration_secs, opts.max_duration_secs) {
             if d > max {
-                return Err(AudioError::TooLong {
-                    duration: format_mmss(d),
-                    max: format_mmss(max),
-                });
+                return Err(AudioError::TooLong { duration: format_mmss(d), max: format_mmss(max) });
             }
         }
         let resampler = if sample_rate != opts.target_sample_rate {
@@ -454,11 +425,7 @@ impl Decoder {
             time_base: params.time_base,
             info,
             opts,
-            conv: Converter {
-                matrix: Vec::new(),
-                spec: None,
-                sample_buf: None,
-            },
+            conv: Converter { matrix: Vec::new(), spec: None, sample_buf: None },
             resampler,
             decoded_frames: 0,
             done: false,
@@ -496,10 +463,7 @@ impl Decoder {
     }
 
     fn corrupt(&self, ts: Option<u64>, detail: impl Into<String>) -> AudioError {
-        AudioError::CorruptFrame {
-            at: format_mmss(self.position_secs(ts)),
-            detail: detail.into(),
-        }
+        AudioError::CorruptFrame { at: format_mmss(self.position_secs(ts)), detail: detail.into() }
     }
 
     fn finish_stream(&mut self) -> Result<Option<StereoChunk>, AudioError> {
@@ -568,10 +532,8 @@ impl Decoder {
                         // The reader skipped damaged bytes and resynchronised.
                         let at = self.decoded_frames;
                         self.done = true;
-                        return Err(self.corrupt(
-                            Some(at),
-                            format!("{} samples are missing (damaged data was skipped)", ts - at),
-                        ));
+                        return Err(self
+                            .corrupt(Some(at), format!("{} samples are missing (damaged data was skipped)", ts - at)));
                     }
                     self.decoded_frames += frames as u64;
                     let chunk = self.conv.convert(buf);
@@ -582,9 +544,7 @@ impl Decoder {
                 }
                 Err(SymError::Unsupported(msg)) => {
                     self.done = true;
-                    return Err(AudioError::UnsupportedCodec {
-                        codec: format!("{} ({msg})", self.info.codec),
-                    });
+                    return Err(AudioError::UnsupportedCodec { codec: format!("{} ({msg})", self.info.codec) });
                 }
                 Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof => {
                     self.done = true;

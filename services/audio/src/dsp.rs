@@ -134,11 +134,7 @@ struct Frame {
 
 impl Frame {
     fn zero() -> Self {
-        Frame {
-            l: vec![Complex32::new(0.0, 0.0); BINS],
-            r: vec![Complex32::new(0.0, 0.0); BINS],
-            mag: vec![0.0; BINS],
-        }
+        Frame { l: vec![Complex32::new(0.0, 0.0); BINS], r: vec![Complex32::new(0.0, 0.0); BINS], mag: vec![0.0; BINS] }
     }
 }
 
@@ -296,9 +292,7 @@ impl DspSeparator {
                 *t = x * w;
             }
             let dst = if ch == 0 { &mut frame.l } else { &mut frame.r };
-            self.fwd
-                .process_with_scratch(&mut self.time_buf, dst, &mut self.scratch_fwd)
-                .expect("FFT sizes are fixed");
+            self.fwd.process_with_scratch(&mut self.time_buf, dst, &mut self.scratch_fwd).expect("FFT sizes are fixed");
         }
         for k in 0..BINS {
             frame.mag[k] = ((frame.l[k].norm_sqr() + frame.r[k].norm_sqr()) * 0.5).sqrt();
@@ -328,11 +322,7 @@ impl DspSeparator {
             let mp = 1.0 - mh;
             let (l, r) = (cur.l[k], cur.r[k]);
             let energy = l.norm_sqr() + r.norm_sqr();
-            let sim = if energy > 0.0 {
-                2.0 * (l * r.conj()).re / energy
-            } else {
-                0.0
-            };
+            let sim = if energy > 0.0 { 2.0 * (l * r.conj()).re / energy } else { 0.0 };
             let centre = smoothstep((sim - CENTRE_LO) / (CENTRE_HI - CENTRE_LO));
             let lp = self.lowpass[k];
             let hp = 1.0 - lp;
@@ -444,10 +434,8 @@ pub fn separate_file(
     cancel: &dyn Fn() -> bool,
 ) -> Result<Vec<StemOutput>, AudioError> {
     let names = opts.stem_names();
-    let paths: Vec<PathBuf> = names
-        .iter()
-        .map(|n| out_dir.join(format!("{n}.{}", encode.format.extension())))
-        .collect();
+    let paths: Vec<PathBuf> =
+        names.iter().map(|n| out_dir.join(format!("{n}.{}", encode.format.extension()))).collect();
     let result = separate_into(input, &paths, decode, opts, encode, progress, cancel);
     match result {
         Ok(()) => {

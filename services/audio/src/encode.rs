@@ -112,20 +112,11 @@ impl<W: Write + Seek> StemEncoder<W> {
             OutputFormat::Flac24 => Sink::Flac(Box::new(FlacWriter::new(out, 24, sample_rate)?)),
         };
         let spool = if clip == ClipMode::Rescale {
-            Some(Spool {
-                file: BufWriter::with_capacity(1 << 16, tempfile::tempfile()?),
-                peak: 0.0,
-            })
+            Some(Spool { file: BufWriter::with_capacity(1 << 16, tempfile::tempfile()?), peak: 0.0 })
         } else {
             None
         };
-        Ok(StemEncoder {
-            sink,
-            clip,
-            spool,
-            scratch: StereoChunk::default(),
-            frames: 0,
-        })
+        Ok(StemEncoder { sink, clip, spool, scratch: StereoChunk::default(), frames: 0 })
     }
 
     /// Frames written so far.
@@ -155,9 +146,7 @@ impl<W: Write + Seek> StemEncoder<W> {
                 self.scratch.left.clear();
                 self.scratch.right.clear();
                 self.scratch.left.extend(chunk.left.iter().map(|x| x.clamp(-1.0, 1.0)));
-                self.scratch
-                    .right
-                    .extend(chunk.right.iter().map(|x| x.clamp(-1.0, 1.0)));
+                self.scratch.right.extend(chunk.right.iter().map(|x| x.clamp(-1.0, 1.0)));
                 self.sink.write(&self.scratch.left, &self.scratch.right)
             }
             ClipMode::None => self.sink.write(&chunk.left, &chunk.right),
@@ -250,21 +239,10 @@ pub fn summarize_file(path: impl AsRef<Path>) -> Result<FileSummary, AudioError>
         Some(d) => d,
         None => {
             drop(probe);
-            let mut d = Decoder::open_path(
-                path,
-                DecodeOptions {
-                    target_sample_rate: rate,
-                    max_duration_secs: None,
-                },
-            )?;
+            let mut d = Decoder::open_path(path, DecodeOptions { target_sample_rate: rate, max_duration_secs: None })?;
             while d.next_chunk()?.is_some() {}
             d.decoded_frames() as f64 / rate as f64
         }
     };
-    Ok(FileSummary {
-        sha256,
-        bytes,
-        duration_secs,
-        sample_rate: rate,
-    })
+    Ok(FileSummary { sha256, bytes, duration_secs, sample_rate: rate })
 }

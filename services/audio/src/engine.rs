@@ -29,53 +29,41 @@ pub struct DspEngine {
 
 impl Default for DspEngine {
     fn default() -> Self {
-        DspEngine {
-            max_duration_secs: DEFAULT_MAX_DURATION_SECS,
-        }
+        DspEngine { max_duration_secs: DEFAULT_MAX_DURATION_SECS }
     }
 }
 
 impl DspEngine {
     /// An engine rejecting inputs longer than `max_duration_secs`.
     pub fn with_max_duration(max_duration_secs: f64) -> Self {
-        DspEngine {
-            max_duration_secs,
-            ..DspEngine::default()
-        }
+        DspEngine { max_duration_secs, ..DspEngine::default() }
     }
 }
 
 /// Maps this crate's errors onto the engine seam.
 pub fn engine_error(e: AudioError) -> EngineError {
-    let invalid = |code: &str, message: String| EngineError::InvalidInput {
-        code: code.into(),
-        message,
-    };
+    let invalid = |code: &str, message: String| EngineError::InvalidInput { code: code.into(), message };
     match e {
-        AudioError::NotAudio { detail } => invalid(
-            "invalid_audio",
-            format!("the input is not an audio file stemq can read ({detail})"),
-        ),
+        AudioError::NotAudio { detail } => {
+            invalid("invalid_audio", format!("the input is not an audio file stemq can read ({detail})"))
+        }
         AudioError::UnsupportedCodec { codec } => invalid(
             "unsupported_codec",
             format!("the input uses the {codec} codec, which is not supported; use WAV, FLAC, MP3 or Ogg Vorbis"),
         ),
         AudioError::Empty => invalid("empty_audio", "the input contains no audio samples".into()),
-        AudioError::TooLong { duration, max } => invalid(
-            "too_long",
-            format!("the input lasts {duration}, longer than the maximum of {max}"),
-        ),
-        AudioError::CorruptFrame { at, detail } => invalid(
-            "corrupt_audio",
-            format!("the input is damaged: corrupt frame at {at} ({detail})"),
-        ),
+        AudioError::TooLong { duration, max } => {
+            invalid("too_long", format!("the input lasts {duration}, longer than the maximum of {max}"))
+        }
+        AudioError::CorruptFrame { at, detail } => {
+            invalid("corrupt_audio", format!("the input is damaged: corrupt frame at {at} ({detail})"))
+        }
         AudioError::Cancelled => EngineError::Cancelled,
         AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
         // Our own bugs: not the input's fault, and another try will not fix them.
-        e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => EngineError::Unsupported {
-            code: "engine_error".into(),
-            message: e.to_string(),
-        },
+        e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => {
+            EngineError::Unsupported { code: "engine_error".into(), message: e.to_string() }
+        }
     }
 }
 
@@ -125,10 +113,8 @@ impl Engine for DspEngine {
             RequestClip::Clamp => ClipMode::Clamp,
             RequestClip::None => ClipMode::None,
         };
-        let decode = DecodeOptions {
-            target_sample_rate: ENGINE_SAMPLE_RATE,
-            max_duration_secs: Some(self.max_duration_secs),
-        };
+        let decode =
+            DecodeOptions { target_sample_rate: ENGINE_SAMPLE_RATE, max_duration_secs: Some(self.max_duration_secs) };
         let mut progress = |f: f32| ctx.progress(f, "separate");
         let cancel = || ctx.cancelled();
         let outputs = separate_file(
@@ -144,13 +130,10 @@ impl Engine for DspEngine {
         // In the order the request lists its stems.
         let mut files = Vec::with_capacity(outputs.len());
         for name in req.stems() {
-            let out = outputs
-                .iter()
-                .find(|o| o.name == name)
-                .ok_or_else(|| EngineError::Unsupported {
-                    code: "engine_error".into(),
-                    message: format!("no `{name}` stem was written"),
-                })?;
+            let out = outputs.iter().find(|o| o.name == name).ok_or_else(|| EngineError::Unsupported {
+                code: "engine_error".into(),
+                message: format!("no `{name}` stem was written"),
+            })?;
             let rate = out.summary.sample_rate;
             debug!(stem = %name, bytes = out.summary.bytes, "stem written");
             files.push(StemFile {

@@ -72,11 +72,7 @@ impl AudioError {
 
 /// Formats seconds as `mm:ss` (minutes may exceed 59, e.g. `75:03`).
 pub fn format_mmss(secs: f64) -> String {
-    let total = if secs.is_finite() && secs > 0.0 {
-        secs.floor() as u64
-    } else {
-        0
-    };
+    let total = if secs.is_finite() && secs > 0.0 { secs.floor() as u64 } else { 0 };
     format!("{:02}:{:02}", total / 60, total % 60)
 }
 

@@ -25,11 +25,7 @@ struct BitWriter {
 
 impl BitWriter {
     fn new() -> Self {
-        BitWriter {
-            bytes: Vec::with_capacity(BLOCK * 8),
-            acc: 0,
-            nbits: 0,
-        }
+        BitWriter { bytes: Vec::with_capacity(BLOCK * 8), acc: 0, nbits: 0 }
     }
     /// Writes the low `n` bits of `value` (n <= 32).
     #[inline]
@@ -151,12 +147,7 @@ fn rice_param(sum: u64, count: usize, max_k: u32) -> (u32, u64) {
 enum Sub {
     Constant(i64),
     Verbatim,
-    Fixed {
-        order: usize,
-        porder: u32,
-        params: Vec<u32>,
-        wide: bool,
-    },
+    Fixed { order: usize, porder: u32, params: Vec<u32>, wide: bool },
 }
 
 struct Planned {
@@ -167,10 +158,7 @@ struct Planned {
 fn plan_channel(x: &[i64], bps: u32, scratch: &mut Vec<i64>) -> Planned {
     let n = x.len();
     if x.iter().all(|&v| v == x[0]) {
-        return Planned {
-            sub: Sub::Constant(x[0]),
-            bits: bps as u64,
-        };
+        return Planned { sub: Sub::Constant(x[0]), bits: bps as u64 };
     }
     let verbatim_bits = n as u64 * bps as u64;
     // Pick the predictor order by sum of absolute residuals.
@@ -217,20 +205,9 @@ fn plan_channel(x: &[i64], bps: u32, scratch: &mut Vec<i64>) -> Planned {
     let (rbits, porder, params, wide) = best.expect("partition order 0 is always valid");
     let fixed_bits = best_order as u64 * bps as u64 + 6 + rbits;
     if fixed_bits >= verbatim_bits {
-        return Planned {
-            sub: Sub::Verbatim,
-            bits: verbatim_bits,
-        };
+        return Planned { sub: Sub::Verbatim, bits: verbatim_bits };
     }
-    Planned {
-        sub: Sub::Fixed {
-            order: best_order,
-            porder,
-            params,
-            wide,
-        },
-        bits: fixed_bits,
-    }
+    Planned { sub: Sub::Fixed { order: best_order, porder, params, wide }, bits: fixed_bits }
 }
 
 fn write_subframe(w: &mut BitWriter, x: &[i64], bps: u32, plan: &Planned, scratch: &mut Vec<i64>) {
@@ -248,12 +225,7 @@ fn write_subframe(w: &mut BitWriter, x: &[i64], bps: u32, plan: &Planned, scratc
                 w.put_signed(v, bps);
             }
         }
-        Sub::Fixed {
-            order,
-            porder,
-            params,
-            wide,
-        } => {
+        Sub::Fixed { order, porder, params, wide } => {
             w.put(0b001000 | *order as u64, 6);
             w.put(0, 1);
             for &v in &x[..*order] {
@@ -298,9 +270,7 @@ impl<W: Write + Seek> FlacWriter<W> {
     /// Writes the stream header for 2 channels of `bits` (16 or 24) at `sample_rate`.
     pub fn new(mut out: W, bits: u32, sample_rate: u32) -> Result<Self, AudioError> {
         if bits != 16 && bits != 24 {
-            return Err(AudioError::InvalidArgument(format!(
-                "FLAC bit depth must be 16 or 24, not {bits}"
-            )));
+            return Err(AudioError::InvalidArgument(format!("FLAC bit depth must be 16 or 24, not {bits}")));
         }
         if sample_rate == 0 || sample_rate >= 1 << 20 {
             return Err(AudioError::InvalidArgument(format!("bad sample rate {sample_rate}")));
@@ -429,11 +399,7 @@ impl<W: Write + Seek> FlacWriter<W> {
         self.flush_block()?;
         let end = self.out.stream_position()?;
         let mut patch = Vec::with_capacity(14);
-        let (minf, maxf) = if self.frame_no == 0 {
-            (0, 0)
-        } else {
-            (self.min_frame, self.max_frame)
-        };
+        let (minf, maxf) = if self.frame_no == 0 { (0, 0) } else { (self.min_frame, self.max_frame) };
         patch.extend_from_slice(&minf.to_be_bytes()[1..]);
         patch.extend_from_slice(&maxf.to_be_bytes()[1..]);
         patch.extend_from_slice(&Self::packed_format(self.sample_rate, self.bits, self.total).to_be_bytes());

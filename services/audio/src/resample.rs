@@ -94,10 +94,7 @@ impl StreamResampler {
             if self.pending[0].len() - offset < need {
                 break;
             }
-            let input = [
-                &self.pending[0][offset..offset + need],
-                &self.pending[1][offset..offset + need],
-            ];
+            let input = [&self.pending[0][offset..offset + need], &self.pending[1][offset..offset + need]];
             let (used, produced) = self
                 .inner
                 .process_into_buffer(&input, &mut self.out_buf, None)
@@ -118,11 +115,9 @@ impl StreamResampler {
         while self.out_total < expected {
             let produced = if first && !self.pending[0].is_empty() {
                 let input = [&self.pending[0][..], &self.pending[1][..]];
-                self.inner
-                    .process_partial_into_buffer(Some(&input), &mut self.out_buf, None)
+                self.inner.process_partial_into_buffer(Some(&input), &mut self.out_buf, None)
             } else {
-                self.inner
-                    .process_partial_into_buffer(None::<&[&[f32]]>, &mut self.out_buf, None)
+                self.inner.process_partial_into_buffer(None::<&[&[f32]]>, &mut self.out_buf, None)
             }
             .map_err(|e| AudioError::Internal(format!("resampler: {e}")))?
             .1;

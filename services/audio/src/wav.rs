@@ -85,13 +85,7 @@ impl<W: Write + Seek> WavWriter<W> {
         h.extend_from_slice(b"data");
         h.extend_from_slice(&0u32.to_le_bytes());
         out.write_all(&h)?;
-        Ok(WavWriter {
-            out,
-            format,
-            data_bytes: 0,
-            start,
-            buf: Vec::new(),
-        })
+        Ok(WavWriter { out, format, data_bytes: 0, start, buf: Vec::new() })
     }
 
     /// Appends planar stereo samples (`left.len()` must equal `right.len()`).
@@ -113,9 +107,7 @@ impl<W: Write + Seek> WavWriter<W> {
         }
         self.data_bytes += self.buf.len() as u64;
         if self.data_bytes + HEADER_LEN - 8 > u32::MAX as u64 {
-            return Err(AudioError::InvalidArgument(
-                "WAV output would exceed 4 GiB; use FLAC for this length".into(),
-            ));
+            return Err(AudioError::InvalidArgument("WAV output would exceed 4 GiB; use FLAC for this length".into()));
         }
         self.out.write_all(&self.buf)?;
         Ok(())
@@ -125,8 +117,7 @@ impl<W: Write + Seek> WavWriter<W> {
     pub fn finish(mut self) -> Result<W, AudioError> {
         let end = self.out.stream_position()?;
         self.out.seek(SeekFrom::Start(self.start + 4))?;
-        self.out
-            .write_all(&((self.data_bytes + HEADER_LEN - 8) as u32).to_le_bytes())?;
+        self.out.write_all(&((self.data_bytes + HEADER_LEN - 8) as u32).to_le_bytes())?;
         self.out.seek(SeekFrom::Start(self.start + 40))?;
         self.out.write_all(&(self.data_bytes as u32).to_le_bytes())?;
         self.out.seek(SeekFrom::Start(end))?;

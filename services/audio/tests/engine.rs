@@ -43,14 +43,8 @@ fn request(v: serde_json::Value) -> NormalizedRequest {
 fn write_song(path: &Path, seconds: f64) {
     let n = (44_100.0 * seconds) as usize;
     let mut noise = Noise(11);
-    let l: Vec<f32> = sine(220.0, 0.3, 44_100, n)
-        .iter()
-        .map(|x| x + 0.05 * noise.next())
-        .collect();
-    let r: Vec<f32> = sine(330.0, 0.3, 44_100, n)
-        .iter()
-        .map(|x| x + 0.05 * noise.next())
-        .collect();
+    let l: Vec<f32> = sine(220.0, 0.3, 44_100, n).iter().map(|x| x + 0.05 * noise.next()).collect();
+    let r: Vec<f32> = sine(330.0, 0.3, 44_100, n).iter().map(|x| x + 0.05 * noise.next()).collect();
     let mut enc = StemEncoder::create(path, OutputFormat::Wav16, ClipMode::Clamp, 44_100).unwrap();
     enc.write(&StereoChunk::from_planar(l, r)).unwrap();
     enc.finish().unwrap();
@@ -150,11 +144,7 @@ fn encodings_and_clip_modes_follow_the_request() {
             if ext == "wav" {
                 assert_eq!(u16::from_le_bytes([bytes[34], bytes[35]]), bits, "{fields}");
                 let format_tag = u16::from_le_bytes([bytes[20], bytes[21]]);
-                assert_eq!(
-                    format_tag == 3 || format_tag == 0xFFFE,
-                    bits == 32,
-                    "{fields}: tag {format_tag}"
-                );
+                assert_eq!(format_tag == 3 || format_tag == 0xFFFE, bits == 32, "{fields}: tag {format_tag}");
             } else {
                 assert_eq!(&bytes[..4], b"fLaC");
                 // STREAMINFO: bits per sample − 1 spans bytes 20..22 of the block body.
@@ -170,14 +160,7 @@ fn neural_models_are_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     for model in ["htdemucs", "htdemucs_ft", "htdemucs_6s"] {
         let req = request(json!({"audio_uri": "file:///x/song.wav", "model": model}));
-        let e = run(
-            &DspEngine::default(),
-            &req,
-            &dir.path().join("missing"),
-            dir.path(),
-            &Ctx::default(),
-        )
-        .unwrap_err();
+        let e = run(&DspEngine::default(), &req, &dir.path().join("missing"), dir.path(), &Ctx::default()).unwrap_err();
         match e {
             EngineError::Unsupported { code, message } => {
                 assert_eq!(code, "model_unavailable");
@@ -196,14 +179,8 @@ fn cancellation_stops_between_chunks_and_leaves_nothing() {
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
     let req = request(json!({"audio_uri": "file:///x/song.wav", "model": "dsp"}));
-    let ctx = Ctx {
-        cancel_after: Some(1),
-        ..Ctx::default()
-    };
-    assert_eq!(
-        run(&DspEngine::default(), &req, &input, &out, &ctx).unwrap_err(),
-        EngineError::Cancelled
-    );
+    let ctx = Ctx { cancel_after: Some(1), ..Ctx::default() };
+    assert_eq!(run(&DspEngine::default(), &req, &input, &out, &ctx).unwrap_err(), EngineError::Cancelled);
     assert!(ctx.cancelled.load(Ordering::SeqCst));
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
 }
@@ -260,10 +237,7 @@ fn input_errors_have_stable_codes_and_readable_messages() {
     let flac = dir.path().join("t.flac");
     let n = 44_100 * 4;
     let mut noise = Noise(3);
-    let l: Vec<f32> = sine(440.0, 0.4, 44_100, n)
-        .iter()
-        .map(|x| x + 0.1 * noise.next())
-        .collect();
+    let l: Vec<f32> = sine(440.0, 0.4, 44_100, n).iter().map(|x| x + 0.1 * noise.next()).collect();
     let mut enc = StemEncoder::create(&flac, OutputFormat::Flac16, ClipMode::Clamp, 44_100).unwrap();
     enc.write(&StereoChunk::from_planar(l.clone(), l)).unwrap();
     enc.finish().unwrap();
@@ -277,13 +251,6 @@ fn input_errors_have_stable_codes_and_readable_messages() {
 fn a_missing_input_is_transient() {
     let dir = tempfile::tempdir().unwrap();
     let req = request(json!({"audio_uri": "file:///x/in", "model": "dsp"}));
-    let e = run(
-        &DspEngine::default(),
-        &req,
-        &dir.path().join("nope.wav"),
-        dir.path(),
-        &Ctx::default(),
-    )
-    .unwrap_err();
+    let e = run(&DspEngine::default(), &req, &dir.path().join("nope.wav"), dir.path(), &Ctx::default()).unwrap_err();
     assert!(matches!(e, EngineError::Transient(_)), "{e:?}");
 }

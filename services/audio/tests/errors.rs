@@ -22,10 +22,7 @@ fn decode_err(path: &Path, opts: DecodeOptions) -> AudioError {
 fn write_tone(path: &Path, format: OutputFormat, seconds: f64) {
     let n = (44_100.0 * seconds) as usize;
     let mut noise = Noise(3);
-    let l: Vec<f32> = sine(440.0, 0.4, 44_100, n)
-        .iter()
-        .map(|x| x + 0.1 * noise.next())
-        .collect();
+    let l: Vec<f32> = sine(440.0, 0.4, 44_100, n).iter().map(|x| x + 0.1 * noise.next()).collect();
     let chunk = StereoChunk::from_planar(l.clone(), l);
     let mut enc = StemEncoder::create(path, format, ClipMode::Clamp, 44_100).unwrap();
     enc.write(&chunk).unwrap();
@@ -46,17 +43,11 @@ fn random_bytes_are_not_audio() {
 
     let text = dir.path().join("readme.txt");
     std::fs::write(&text, "hello, this is not a song").unwrap();
-    assert!(matches!(
-        decode_err(&text, DecodeOptions::default()),
-        AudioError::NotAudio { .. }
-    ));
+    assert!(matches!(decode_err(&text, DecodeOptions::default()), AudioError::NotAudio { .. }));
 
     let zero = dir.path().join("zero.wav");
     std::fs::write(&zero, b"").unwrap();
-    assert!(matches!(
-        decode_err(&zero, DecodeOptions::default()),
-        AudioError::NotAudio { .. }
-    ));
+    assert!(matches!(decode_err(&zero, DecodeOptions::default()), AudioError::NotAudio { .. }));
 }
 
 #[test]
@@ -64,10 +55,7 @@ fn header_without_samples_is_empty() {
     let dir = tempfile::tempdir().unwrap();
     for fmt in [OutputFormat::Wav16, OutputFormat::WavF32, OutputFormat::Flac16] {
         let path = dir.path().join(format!("empty.{}", fmt.extension()));
-        StemEncoder::create(&path, fmt, ClipMode::None, 44_100)
-            .unwrap()
-            .finish()
-            .unwrap();
+        StemEncoder::create(&path, fmt, ClipMode::None, 44_100).unwrap().finish().unwrap();
         let e = decode_err(&path, DecodeOptions::default());
         assert!(matches!(e, AudioError::Empty), "{fmt:?}: {e:?}");
         assert_eq!(e.to_string(), "the audio file is empty: it contains no samples");
@@ -79,10 +67,7 @@ fn too_long_is_rejected_from_the_header_and_while_decoding() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("long.wav");
     write_tone(&path, OutputFormat::Wav16, 3.0);
-    let opts = DecodeOptions {
-        max_duration_secs: Some(1.0),
-        ..Default::default()
-    };
+    let opts = DecodeOptions { max_duration_secs: Some(1.0), ..Default::default() };
     // From the header: open fails before any decoding.
     match Decoder::open_path(&path, opts.clone()) {
         Err(AudioError::TooLong { duration, max }) => {
@@ -98,10 +83,7 @@ fn too_long_is_rejected_from_the_header_and_while_decoding() {
         assert!(e.to_string().contains("too long"), "{e}");
     }
     // Within the limit: fine.
-    let ok = DecodeOptions {
-        max_duration_secs: Some(3.5),
-        ..Default::default()
-    };
+    let ok = DecodeOptions { max_duration_secs: Some(3.5), ..Default::default() };
     assert_eq!(decode_all(&path, ok).unwrap().len(), 3 * 44_100);
 }
 
@@ -149,10 +131,7 @@ fn truncated_mp3_gives_a_clear_error() {
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let e = decode_err(&cut, DecodeOptions::default());
     assert!(matches!(e, AudioError::CorruptFrame { .. }), "{e:?}");
-    assert!(
-        e.to_string().contains("at 00:00") || e.to_string().contains("at 00:01"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("at 00:00") || e.to_string().contains("at 00:01"), "{e}");
 }
 
 fn wav_with_tag(tag: u16) -> Vec<u8> {
@@ -192,9 +171,7 @@ fn unsupported_codec_is_named() {
 
 #[test]
 fn io_errors_are_separate() {
-    let e = Decoder::open_path("/nonexistent/dir/song.wav", DecodeOptions::default())
-        .err()
-        .unwrap();
+    let e = Decoder::open_path("/nonexistent/dir/song.wav", DecodeOptions::default()).err().unwrap();
     assert!(matches!(e, AudioError::Io(_)), "{e:?}");
     assert!(!e.is_input_error());
 }

@@ -31,21 +31,14 @@ fn write_stem(path: &Path, chunk: &StereoChunk, format: OutputFormat, clip: Clip
     let mut i = 0;
     while i < chunk.len() {
         let j = (i + 3001).min(chunk.len());
-        enc.write(&StereoChunk::from_planar(
-            chunk.left[i..j].to_vec(),
-            chunk.right[i..j].to_vec(),
-        ))
-        .unwrap();
+        enc.write(&StereoChunk::from_planar(chunk.left[i..j].to_vec(), chunk.right[i..j].to_vec())).unwrap();
         i = j;
     }
     enc.finish().unwrap();
 }
 
 fn native(rate: u32) -> DecodeOptions {
-    DecodeOptions {
-        target_sample_rate: rate,
-        max_duration_secs: None,
-    }
+    DecodeOptions { target_sample_rate: rate, max_duration_secs: None }
 }
 
 #[test]
@@ -90,10 +83,7 @@ fn flac_is_lossless_against_wav_for_hard_content() {
     l.extend((0..123).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }));
     r.extend((0..123).map(|_| -1.0));
     let sig = StereoChunk::from_planar(l, r);
-    for (wav, flac) in [
-        (OutputFormat::Wav16, OutputFormat::Flac16),
-        (OutputFormat::Wav24, OutputFormat::Flac24),
-    ] {
+    for (wav, flac) in [(OutputFormat::Wav16, OutputFormat::Flac16), (OutputFormat::Wav24, OutputFormat::Flac24)] {
         let pw = dir.path().join(format!("{wav:?}.wav"));
         let pf = dir.path().join(format!("{flac:?}.flac"));
         write_stem(&pw, &sig, wav, ClipMode::None, rate);
@@ -184,11 +174,7 @@ fn check_sine_file(path: &Path, seconds: f64) {
     assert!((fr - 660.0).abs() < 1.0, "{}: right {fr} Hz", path.display());
     let al = measure_amp(&got.left[mid.clone()]);
     let ar = measure_amp(&got.right[mid]);
-    assert!(
-        (al - 0.5).abs() < 0.05 && (ar - 0.5).abs() < 0.05,
-        "{}: amps {al} {ar}",
-        path.display()
-    );
+    assert!((al - 0.5).abs() < 0.05 && (ar - 0.5).abs() < 0.05, "{}: amps {al} {ar}", path.display());
 }
 
 #[test]
@@ -256,12 +242,8 @@ fn upsamples_22k05() {
 }
 
 fn hound_write(path: &Path, channels: u16, rate: u32, data: &[Vec<f32>]) {
-    let spec = hound::WavSpec {
-        channels,
-        sample_rate: rate,
-        bits_per_sample: 16,
-        sample_format: hound::SampleFormat::Int,
-    };
+    let spec =
+        hound::WavSpec { channels, sample_rate: rate, bits_per_sample: 16, sample_format: hound::SampleFormat::Int };
     let mut w = hound::WavWriter::new(BufWriter::new(File::create(path).unwrap()), spec).unwrap();
     for i in 0..data[0].len() {
         for ch in data {
@@ -292,12 +274,7 @@ fn six_channels_downmix_to_stereo() {
     let lfe = sine(50.0, 0.9, 44_100, n);
     let zero = vec![0.0f32; n];
     // hound writes WAVEFORMATEXTENSIBLE with mask 0x3F: FL FR FC LFE BL BR.
-    hound_write(
-        &path,
-        6,
-        44_100,
-        &[fl.clone(), zero.clone(), fc.clone(), lfe, zero.clone(), zero],
-    );
+    hound_write(&path, 6, 44_100, &[fl.clone(), zero.clone(), fc.clone(), lfe, zero.clone(), zero]);
     let d = Decoder::open_path(&path, DecodeOptions::default()).unwrap();
     assert_eq!(d.info().channels, 6);
     let got = decode_all(&path, DecodeOptions::default()).unwrap();

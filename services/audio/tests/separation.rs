@@ -141,12 +141,7 @@ fn synth(seconds: f64) -> Sources {
 fn sdr(truth: &StereoChunk, est: &StereoChunk) -> f64 {
     let mut num = 0.0f64;
     let mut den = 0.0f64;
-    for (s, e) in truth
-        .left
-        .iter()
-        .chain(&truth.right)
-        .zip(est.left.iter().chain(&est.right))
-    {
+    for (s, e) in truth.left.iter().chain(&truth.right).zip(est.left.iter().chain(&est.right)) {
         num += (*s as f64).powi(2);
         den += (*s as f64 - *e as f64).powi(2);
     }
@@ -173,12 +168,7 @@ fn run(sep: &mut DspSeparator, mix: &StereoChunk, chunk: usize) -> Vec<StereoChu
 
 /// Asserted SDR improvements over the mixture baseline, in dB (a bit below
 /// the measured figures documented in the crate README).
-const MARGINS: [(Stem, f64); 4] = [
-    (Stem::Vocals, 16.0),
-    (Stem::Drums, 13.5),
-    (Stem::Bass, 6.5),
-    (Stem::Other, 18.5),
-];
+const MARGINS: [(Stem, f64); 4] = [(Stem::Vocals, 16.0), (Stem::Drums, 13.5), (Stem::Bass, 6.5), (Stem::Other, 18.5)];
 
 #[test]
 fn dsp_beats_the_mixture_on_every_stem_and_stems_sum_to_the_mixture() {
@@ -194,10 +184,7 @@ fn dsp_beats_the_mixture_on_every_stem_and_stems_sum_to_the_mixture() {
     for i in 0..mix.len() {
         let l: f32 = out.iter().map(|o| o.left[i]).sum();
         let r: f32 = out.iter().map(|o| o.right[i]).sum();
-        assert!(
-            (l - mix.left[i]).abs() < 1e-5 && (r - mix.right[i]).abs() < 1e-5,
-            "frame {i}"
-        );
+        assert!((l - mix.left[i]).abs() < 1e-5 && (r - mix.right[i]).abs() < 1e-5, "frame {i}");
     }
     let mut report = String::new();
     let mut failures = Vec::new();
@@ -223,9 +210,7 @@ fn two_stems_give_stem_and_its_complement() {
     let src = synth(4.0);
     let mix = src.mixture();
     let four = run(&mut DspSeparator::new(DspOptions::default()), &mix, 4096);
-    let mut sep = DspSeparator::new(DspOptions {
-        two_stems: Some(Stem::Vocals),
-    });
+    let mut sep = DspSeparator::new(DspOptions { two_stems: Some(Stem::Vocals) });
     assert_eq!(sep.stem_names(), ["vocals", "no_vocals"]);
     let two = run(&mut sep, &mix, 4096);
     assert_eq!(two.len(), 2);
@@ -299,11 +284,7 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
     assert!(seen.len() > 5);
     for s in &stems {
         assert!(s.path.ends_with(format!("{}.wav", s.name)));
-        assert!(
-            (s.summary.duration_secs - 3.0).abs() < 1e-9,
-            "{}",
-            s.summary.duration_secs
-        );
+        assert!((s.summary.duration_secs - 3.0).abs() < 1e-9, "{}", s.summary.duration_secs);
         assert_eq!(s.summary.sha256.len(), 64);
     }
 
@@ -312,13 +293,8 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
         &input,
         &out_dir,
         &DecodeOptions::default(),
-        &DspOptions {
-            two_stems: Some(Stem::Drums),
-        },
-        EncodeSettings {
-            format: OutputFormat::Flac16,
-            clip: ClipMode::Rescale,
-        },
+        &DspOptions { two_stems: Some(Stem::Drums) },
+        EncodeSettings { format: OutputFormat::Flac16, clip: ClipMode::Rescale },
         &mut |_| {},
         &|| calls.fetch_add(1, Ordering::SeqCst) >= 3,
     )

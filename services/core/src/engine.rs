@@ -146,9 +146,7 @@ pub struct FakeEngine {
 
 impl Default for FakeEngine {
     fn default() -> Self {
-        FakeEngine {
-            base_delay: Duration::ZERO,
-        }
+        FakeEngine { base_delay: Duration::ZERO }
     }
 }
 
@@ -167,29 +165,18 @@ impl Engine for FakeEngine {
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
-            Some(v) => serde_json::from_value(v.clone()).map_err(|e| EngineError::Unsupported {
-                code: "bad_fake_script".into(),
-                message: e.to_string(),
-            })?,
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|e| EngineError::Unsupported { code: "bad_fake_script".into(), message: e.to_string() })?,
             None => FakeScript::default(),
         };
         if job.attempt <= script.abort {
-            eprintln!(
-                "fake engine: aborting the process as scripted (attempt {})",
-                job.attempt
-            );
+            eprintln!("fake engine: aborting the process as scripted (attempt {})", job.attempt);
             std::process::abort();
         }
         match script.oom_until.as_deref() {
-            Some("cpu") if job.device != "cpu" => {
-                return Err(EngineError::OutOfMemory {
-                    device: job.device.into(),
-                })
-            }
+            Some("cpu") if job.device != "cpu" => return Err(EngineError::OutOfMemory { device: job.device.into() }),
             Some("segment") if job.segment.is_none() => {
-                return Err(EngineError::OutOfMemory {
-                    device: job.device.into(),
-                })
+                return Err(EngineError::OutOfMemory { device: job.device.into() })
             }
             _ => {}
         }
@@ -210,10 +197,7 @@ impl Engine for FakeEngine {
             }
         }
         if job.attempt <= script.fail_transient {
-            return Err(EngineError::Transient(format!(
-                "scripted transient failure on attempt {}",
-                job.attempt
-            )));
+            return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
         }
         let ext = job.request.output_format.extension();
         job.request
@@ -221,16 +205,9 @@ impl Engine for FakeEngine {
             .into_iter()
             .map(|stem| {
                 let path = job.out_dir.join(format!("{stem}.{ext}"));
-                let body = format!(
-                    "fake stem {stem} of job {} from {}\n",
-                    job.job_id, job.request.audio_uri
-                );
+                let body = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
                 std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
-                Ok(StemFile {
-                    stem,
-                    path,
-                    audio: None,
-                })
+                Ok(StemFile { stem, path, audio: None })
             })
             .collect()
     }

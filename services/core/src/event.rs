@@ -67,6 +67,99 @@ pub enum EventBody {
     /// A finished job was re-run as a new job (dead-letter replay, retry).
     #[serde(rename = "io.stemq.job.retried.v1")]
     Retried(Retried),
+    /// Someone asked to stop the job (`POST .../cancel`, `stemq cancel`). Not terminal:
+    /// the worker running it (or the next one to pull it) records `cancelled`.
+    #[serde(rename = "io.stemq.job.cancel_requested.v1")]
+    CancelRequested(CancelRequested),
+    /// The job was stopped on request; no outputs are kept.
+    #[serde(rename = "io.stemq.job.cancelled.v1")]
+    Cancelled(Cancelled),
+    /// The job had not started by its `start_before` deadline; it never ran.
+    #[serde(rename = "io.stemq.job.expired.v1")]
+    Expired(Expired),
+    /// The relay tried to deliver a webhook (one event per HTTP attempt).
+    #[serde(rename = "io.stemq.job.delivery_attempted.v1")]
+    DeliveryAttempted(DeliveryAttempted),
+    /// Someone asked the relay to send one delivery again.
+    #[serde(rename = "io.stemq.job.delivery_replay_requested.v1")]
+    DeliveryReplayRequested(DeliveryReplayRequested),
+}
+
+/// Data of `io.stemq.job.cancel_requested.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CancelRequested {
+    /// Who asked (`http`, `cli`, ...), for the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// Data of `io.stemq.job.cancelled.v1` (a terminal event).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Cancelled {
+    /// The attempt that was stopped; 0 when the job never started.
+    pub attempt: u32,
+    /// True when a running attempt was interrupted (its partial outputs were deleted).
+    #[serde(default)]
+    pub interrupted: bool,
+}
+
+/// Data of `io.stemq.job.expired.v1` (a terminal event).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Expired {
+    /// The deadline that passed.
+    pub start_before: DateTime<Utc>,
+}
+
+/// What became of one webhook delivery attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryResult {
+    /// 2xx: delivered.
+    Delivered,
+    /// Timeout, connection error, 5xx or 429: another attempt follows.
+    Retrying,
+    /// Not retried (3xx, other 4xx, refused URL) or the schedule ran out.
+    Failed,
+    /// 410 Gone: the endpoint is disabled for the owner; nothing more is sent to it.
+    Disabled,
+}
+
+/// Data of `io.stemq.job.delivery_attempted.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeliveryAttempted {
+    /// The `webhook-id` header: the same for every attempt (and replay) of one delivery.
+    pub webhook_id: String,
+    /// The event type the delivery reports (`io.stemq.job.succeeded.v1`, ...).
+    pub event_type: String,
+    /// The receiver.
+    pub url: String,
+    /// Attempt number within this delivery, from 1 (a replay starts again at 1).
+    pub attempt: u32,
+    /// HTTP status, when an answer came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_code: Option<u16>,
+    /// Time to the answer (or the error), in milliseconds.
+    pub latency_ms: u64,
+    /// What it means.
+    pub result: DeliveryResult,
+    /// Transport error or refusal reason, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// When the next attempt is due, in milliseconds (`retrying` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_in_ms: Option<u64>,
+    /// True when this attempt belongs to a replay.
+    #[serde(default)]
+    pub replay: bool,
+}
+
+/// Data of `io.stemq.job.delivery_replay_requested.v1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeliveryReplayRequested {
+    /// The delivery to send again.
+    pub webhook_id: String,
+    /// Its event type.
+    pub event_type: String,
 }
 
 /// Data of `io.stemq.job.retried.v1` (recorded on the old job).
@@ -87,6 +180,12 @@ pub struct Requested {
     /// Client metadata (not part of the job id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Value>,
+    /// Deadline to start (not part of the job id: it does not change the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_before: Option<DateTime<Utc>>,
+    /// Per-job time limit in seconds (not part of the job id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<u64>,
 }
 
 /// Data of `io.stemq.job.started.v1`.
@@ -210,6 +309,11 @@ impl EventBody {
             EventBody::DeadLettered(_) => "dead_lettered",
             EventBody::Rejected(_) => "rejected",
             EventBody::Retried(_) => "retried",
+            EventBody::CancelRequested(_) => "cancel_requested",
+            EventBody::Cancelled(_) => "cancelled",
+            EventBody::Expired(_) => "expired",
+            EventBody::DeliveryAttempted(_) => "delivery_attempted",
+            EventBody::DeliveryReplayRequested(_) => "delivery_replay_requested",
         }
     }
 
@@ -217,7 +321,11 @@ impl EventBody {
     /// first one wins.
     pub fn is_terminal(&self) -> bool {
         match self {
-            EventBody::Succeeded(_) | EventBody::DeadLettered(_) | EventBody::Rejected(_) => true,
+            EventBody::Succeeded(_)
+            | EventBody::DeadLettered(_)
+            | EventBody::Rejected(_)
+            | EventBody::Cancelled(_)
+            | EventBody::Expired(_) => true,
             EventBody::Failed(f) => f.class == FailureClass::Permanent,
             _ => false,
         }
@@ -254,12 +362,16 @@ impl Event {
         Event::new(
             &id,
             source,
-            EventBody::Requested(Requested {
-                request,
-                webhook,
-                metadata,
-            }),
+            EventBody::Requested(Requested { request, webhook, metadata, start_before: None, max_runtime: None }),
         )
+    }
+
+    /// The CloudEvents `type` of this event (`io.stemq.job.<kind>.v1`).
+    pub fn event_type(&self) -> String {
+        serde_json::to_value(&self.body)
+            .ok()
+            .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string))
+            .unwrap_or_default()
     }
 
     /// Serialises to the structured-mode JSON body.
@@ -298,21 +410,10 @@ mod tests {
     #[test]
     fn terminal_kinds() {
         let failed = |class| {
-            EventBody::Failed(Failed {
-                attempt: 1,
-                class,
-                code: "x".into(),
-                message: "y".into(),
-                retry_in_ms: None,
-            })
+            EventBody::Failed(Failed { attempt: 1, class, code: "x".into(), message: "y".into(), retry_in_ms: None })
         };
         assert!(failed(FailureClass::Permanent).is_terminal());
         assert!(!failed(FailureClass::Transient).is_terminal());
-        assert!(!EventBody::Started(Started {
-            attempt: 1,
-            worker: "w".into(),
-            device: "cpu".into()
-        })
-        .is_terminal());
+        assert!(!EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }).is_terminal());
     }
 }

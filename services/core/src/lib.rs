@@ -11,7 +11,8 @@
 //! - [`storage`]: object storage for inputs and outputs (local files, S3);
 //! - [`uri`]: which input URIs may be read (only objects inside the configured stores);
 //! - [`schema`]: JSON Schemas generated from these types;
-//! - [`telemetry`]: logging set-up shared by the binaries.
+//! - [`telemetry`]: logging set-up shared by the binaries;
+//! - [`webhook`]: webhook signing, per-owner secrets and the SSRF policy for receivers.
 
 pub mod engine;
 pub mod event;
@@ -25,6 +26,7 @@ pub mod storage;
 pub mod telemetry;
 pub mod uri;
 pub mod view;
+pub mod webhook;
 
 pub use event::{Event, EventBody};
 pub use request::{JobId, JobRequest, NormalizedRequest};

@@ -88,16 +88,8 @@ pub fn metrics() -> &'static Metrics {
         let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         let projector_lag = Gauge::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        r.register(
-            "stemq_job_duration_seconds",
-            "Wall time of successful attempts",
-            job_duration.clone(),
-        );
-        r.register(
-            "stemq_job_queue_wait_seconds",
-            "Time from request to the first start",
-            queue_wait.clone(),
-        );
+        r.register("stemq_job_duration_seconds", "Wall time of successful attempts", job_duration.clone());
+        r.register("stemq_job_queue_wait_seconds", "Time from request to the first start", queue_wait.clone());
         r.register(
             "stemq_job_realtime_factor",
             "Processing seconds per second of audio (lower is faster)",
@@ -109,21 +101,9 @@ pub fn metrics() -> &'static Metrics {
              cancelled, rejected, expired",
             outcomes.clone(),
         );
-        r.register(
-            "stemq_job_deliveries",
-            "Deliveries a job took before it ended",
-            deliveries.clone(),
-        );
-        r.register(
-            "stemq_queue_pending_jobs",
-            "Messages not yet delivered to the consumer",
-            pending.clone(),
-        );
-        r.register(
-            "stemq_queue_in_flight_jobs",
-            "Messages delivered and not yet acked",
-            in_flight.clone(),
-        );
+        r.register("stemq_job_deliveries", "Deliveries a job took before it ended", deliveries.clone());
+        r.register("stemq_queue_pending_jobs", "Messages not yet delivered to the consumer", pending.clone());
+        r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight.clone());
         r.register(
             "stemq_queue_oldest_pending_age_seconds",
             "Age of the oldest job request not yet finished by a worker",
@@ -163,22 +143,13 @@ impl Metrics {
 
     /// Counts one outcome.
     pub fn outcome(&self, model: &str, outcome: &str) {
-        self.outcomes
-            .get_or_create(&OutcomeLabels {
-                model: model.into(),
-                outcome: outcome.into(),
-            })
-            .inc();
+        self.outcomes.get_or_create(&OutcomeLabels { model: model.into(), outcome: outcome.into() }).inc();
     }
 
     /// Records a worker heartbeat.
     pub fn heartbeat(&self, worker: &str) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        self.heartbeat
-            .get_or_create(&WorkerLabels { worker: worker.into() })
-            .set(now.as_secs_f64());
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        self.heartbeat.get_or_create(&WorkerLabels { worker: worker.into() }).set(now.as_secs_f64());
     }
 
     /// The Prometheus text format of everything.
@@ -199,9 +170,7 @@ pub async fn refresh_queue(js: &jetstream::Context) {
         let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
         let Ok(mut c) = c else { continue };
         let Ok(info) = c.info().await else { continue };
-        let l = ConsumerLabels {
-            consumer: consumer.to_string(),
-        };
+        let l = ConsumerLabels { consumer: consumer.to_string() };
         m.pending.get_or_create(&l).set(info.num_pending as i64);
         m.in_flight.get_or_create(&l).set(info.num_ack_pending as i64);
         let floor = info.ack_floor.stream_sequence;
@@ -232,8 +201,7 @@ pub async fn refresh_queue(js: &jetstream::Context) {
     m.oldest_pending_age.set(age);
     if let (Some(floor), Ok(mut s)) = (projector_floor, js.get_stream(names::JOBS_STREAM).await) {
         if let Ok(info) = s.info().await {
-            m.projector_lag
-                .set(info.state.last_sequence.saturating_sub(floor) as i64);
+            m.projector_lag.set(info.state.last_sequence.saturating_sub(floor) as i64);
         }
     }
 }
@@ -247,12 +215,13 @@ mod tests {
         let m = metrics();
         m.outcome("dsp", "succeeded");
         m.heartbeat("w1");
-        m.job_duration
-            .get_or_create(&JobLabels {
-                model: "dsp".into(),
-                device: "cpu".into(),
-            })
-            .observe(1.5);
+        let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
+        m.job_duration.get_or_create(&l).observe(1.5);
+        m.queue_wait.get_or_create(&l).observe(0.1);
+        m.realtime_factor.get_or_create(&l).observe(0.05);
+        let c = ConsumerLabels { consumer: "workers".into() };
+        m.pending.get_or_create(&c).set(3);
+        m.in_flight.get_or_create(&c).set(1);
         let text = m.render();
         for name in [
             "stemq_job_duration_seconds",
@@ -266,17 +235,11 @@ mod tests {
             "stemq_projector_lag_events",
             "stemq_worker_heartbeat_timestamp_seconds",
         ] {
-            assert!(
-                text.contains(&format!("# TYPE {name}")) || text.contains(&format!("{name}{{")),
-                "{name}"
-            );
+            assert!(text.contains(&format!("# TYPE {name}")) || text.contains(&format!("{name}{{")), "{name}");
         }
         for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
             assert!(line.starts_with("# TYPE stemq_"), "{line}");
         }
-        assert!(
-            text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} 1"#),
-            "{text}"
-        );
+        assert!(text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} 1"#), "{text}");
     }
 }

@@ -11,6 +11,10 @@
 //! - `stemq.jobs.<id>.started`, `stemq.jobs.<id>.failed` — attempts;
 //! - `stemq.jobs.<id>.outcome` — the terminal event; published with expected last
 //!   subject sequence 0, so the first terminal event wins and there is exactly one;
+//! - `stemq.jobs.<id>.cancel_requested` — a cancel request (workers also listen here
+//!   with a plain subscription while they run the job);
+//! - `stemq.jobs.<id>.delivery`, `stemq.jobs.<id>.delivery_replay` — webhook delivery
+//!   attempts and replay requests (the relay's);
 //! - `stemq.progress.<id>` — latest progress (compacted stream);
 //! - `stemq.api.submit` — request-reply submit endpoint (queue group `ingress`).
 
@@ -37,8 +41,14 @@ pub const PROJECTOR_CONSUMER: &str = "projector";
 pub const PROJECTOR_PROGRESS_CONSUMER: &str = "projector-progress";
 /// The dead-letter handler's durable consumer over advisories.
 pub const DEADLETTER_CONSUMER: &str = "deadletter";
+/// The webhook relay's durable consumer over job events.
+pub const RELAY_CONSUMER: &str = "relay";
+/// The webhook relay's durable consumer over progress.
+pub const RELAY_PROGRESS_CONSUMER: &str = "relay-progress";
 /// The status view bucket.
 pub const JOBS_BUCKET: &str = "stemq_jobs";
+/// Per-owner webhook signing secrets (and endpoints disabled by a 410).
+pub const WEBHOOKS_BUCKET: &str = "stemq_webhooks";
 /// Request-reply submit subject.
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
@@ -65,6 +75,12 @@ pub enum SubjectKind {
     Outcome,
     /// `stemq.jobs.<id>.retried` (link to the re-run)
     Retried,
+    /// `stemq.jobs.<id>.cancel_requested`
+    CancelRequested,
+    /// `stemq.jobs.<id>.delivery` (webhook attempts)
+    Delivery,
+    /// `stemq.jobs.<id>.delivery_replay`
+    DeliveryReplay,
     /// `stemq.progress.<id>`
     Progress,
 }
@@ -77,6 +93,9 @@ impl SubjectKind {
             SubjectKind::Failed => "failed",
             SubjectKind::Outcome => "outcome",
             SubjectKind::Retried => "retried",
+            SubjectKind::CancelRequested => "cancel_requested",
+            SubjectKind::Delivery => "delivery",
+            SubjectKind::DeliveryReplay => "delivery_replay",
             SubjectKind::Progress => "progress",
         }
     }
@@ -167,10 +186,7 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
         .connection_timeout(Duration::from_secs(5))
         .connect(url)
         .await
-        .map_err(|source| NatsError::Connect {
-            url: url.to_string(),
-            source,
-        })?;
+        .map_err(|source| NatsError::Connect { url: url.to_string(), source })?;
     // retry_on_initial_connect returns at once; wait for the first connection so the
     // version check below sees the real server.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -196,9 +212,7 @@ pub fn check_version(version: &str) -> Result<(), NatsError> {
     let major = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     let minor = it.next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
     if (major, minor) < MIN_SERVER {
-        return Err(NatsError::ServerTooOld {
-            found: version.to_string(),
-        });
+        return Err(NatsError::ServerTooOld { found: version.to_string() });
     }
     Ok(())
 }
@@ -220,34 +234,19 @@ struct KvDef {
 
 const STREAMS: [(&str, &str); 3] = [
     ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
-    (
-        "streams/progress.json",
-        include_str!("../../../nats/streams/progress.json"),
-    ),
-    (
-        "streams/advisories.json",
-        include_str!("../../../nats/streams/advisories.json"),
-    ),
+    ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
+    ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
 ];
-const CONSUMERS: [(&str, &str); 4] = [
-    (
-        "consumers/workers.json",
-        include_str!("../../../nats/consumers/workers.json"),
-    ),
-    (
-        "consumers/projector.json",
-        include_str!("../../../nats/consumers/projector.json"),
-    ),
-    (
-        "consumers/projector-progress.json",
-        include_str!("../../../nats/consumers/projector-progress.json"),
-    ),
-    (
-        "consumers/deadletter.json",
-        include_str!("../../../nats/consumers/deadletter.json"),
-    ),
+const CONSUMERS: [(&str, &str); 6] = [
+    ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
+    ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
+    ("consumers/projector-progress.json", include_str!("../../../nats/consumers/projector-progress.json")),
+    ("consumers/deadletter.json", include_str!("../../../nats/consumers/deadletter.json")),
+    ("consumers/relay.json", include_str!("../../../nats/consumers/relay.json")),
+    ("consumers/relay-progress.json", include_str!("../../../nats/consumers/relay-progress.json")),
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
+const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
 /// The server configuration used by tests and `stemq dev`.
 pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
 
@@ -286,10 +285,16 @@ pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pu
 
 /// The status bucket definition with `settings` applied.
 pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
-    let d: KvDef = serde_json::from_str(KV_JOBS.1).map_err(|source| NatsError::Definition {
-        name: KV_JOBS.0,
-        source,
-    })?;
+    kv_def(KV_JOBS, settings)
+}
+
+/// The webhook secrets bucket definition with `settings` applied.
+pub fn webhooks_kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
+    kv_def(KV_WEBHOOKS, settings)
+}
+
+fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
+    let d: KvDef = serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
     Ok(kv::Config {
         bucket: d.bucket,
         description: d.description,
@@ -302,10 +307,7 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 }
 
 fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
-    NatsError::Apply {
-        what: what.into(),
-        message: e.to_string(),
-    }
+    NatsError::Apply { what: what.into(), message: e.to_string() }
 }
 
 /// Creates or updates every stream, consumer and bucket. Safe to run any number of times
@@ -323,16 +325,14 @@ pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), N
     }
     for (stream_name, c) in consumer_configs(settings)? {
         let what = format!("consumer {stream_name}/{}", c.durable_name.clone().unwrap_or_default());
-        let stream = js
-            .get_stream_no_info(&stream_name)
-            .await
-            .map_err(|e| apply_err(&what, e))?;
+        let stream = js.get_stream_no_info(&stream_name).await.map_err(|e| apply_err(&what, e))?;
         stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
     }
     let kv = kv_config(settings)?;
-    js.create_or_update_key_value(kv)
+    js.create_or_update_key_value(kv).await.map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
+    js.create_or_update_key_value(webhooks_kv_config(settings)?)
         .await
-        .map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
+        .map_err(|e| apply_err(format!("bucket {WEBHOOKS_BUCKET}"), e))?;
     Ok(())
 }
 
@@ -347,21 +347,12 @@ mod tests {
 
     #[test]
     fn definitions_parse_and_take_settings() {
-        let s = Settings {
-            ack_wait: Duration::from_secs(2),
-            max_deliver: 3,
-            ..Default::default()
-        };
+        let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
         let streams = stream_configs(&s).unwrap();
         assert_eq!(streams.len(), 3);
-        assert!(streams
-            .iter()
-            .any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
+        assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
-        let w = consumers
-            .iter()
-            .find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER))
-            .unwrap();
+        let w = consumers.iter().find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER)).unwrap();
         assert_eq!((w.1.ack_wait, w.1.max_deliver), (Duration::from_secs(2), 3));
         assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
     }
@@ -378,14 +369,8 @@ mod tests {
     #[test]
     fn subjects_round_trip() {
         let id = JobId("a".repeat(64));
-        assert_eq!(
-            job_subject(&id, SubjectKind::Outcome),
-            format!("stemq.jobs.{id}.outcome")
-        );
-        assert_eq!(
-            job_id_of_subject(&job_subject(&id, SubjectKind::Requested)),
-            Some(id.clone())
-        );
+        assert_eq!(job_subject(&id, SubjectKind::Outcome), format!("stemq.jobs.{id}.outcome"));
+        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
     }

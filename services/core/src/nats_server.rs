@@ -49,12 +49,7 @@ impl NatsServer {
     pub fn start(store: &Path, port: u16) -> Result<NatsServer, ServerError> {
         let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".to_string());
         std::fs::create_dir_all(store).map_err(|e| ServerError::Store(store.to_path_buf(), e))?;
-        let mut s = NatsServer {
-            child: None,
-            bin,
-            store: store.to_path_buf(),
-            port,
-        };
+        let mut s = NatsServer { child: None, bin, store: store.to_path_buf(), port };
         s.spawn()?;
         Ok(s)
     }
@@ -66,11 +61,7 @@ impl NatsServer {
         let _ = std::fs::remove_dir_all(&ports_dir);
         std::fs::create_dir_all(&ports_dir).map_err(|e| ServerError::Store(ports_dir.clone(), e))?;
         let log = self.store.join("nats-server.log");
-        let port = if self.port == 0 {
-            "-1".to_string()
-        } else {
-            self.port.to_string()
-        };
+        let port = if self.port == 0 { "-1".to_string() } else { self.port.to_string() };
         let child = Command::new(&self.bin)
             .arg("-c")
             .arg(&conf)
@@ -84,10 +75,7 @@ impl NatsServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|source| ServerError::Spawn {
-                bin: self.bin.clone(),
-                source,
-            })?;
+            .map_err(|source| ServerError::Spawn { bin: self.bin.clone(), source })?;
         self.child = Some(child);
         let wait = Duration::from_secs(20);
         let deadline = Instant::now() + wait;
@@ -172,10 +160,7 @@ impl Drop for NatsServer {
 }
 
 fn read_port(dir: &Path) -> Option<u16> {
-    let entry = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .find(|e| e.file_name().to_string_lossy().ends_with(".ports"))?;
+    let entry = std::fs::read_dir(dir).ok()?.flatten().find(|e| e.file_name().to_string_lossy().ends_with(".ports"))?;
     let text = std::fs::read_to_string(entry.path()).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let url = v["nats"].as_array()?.first()?.as_str()?;

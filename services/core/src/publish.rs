@@ -75,9 +75,7 @@ pub async fn publish_once(
     let payload = event.to_bytes();
     let mut last = String::new();
     for attempt in 0..ATTEMPTS {
-        let msg = PublishMessage::build()
-            .payload(payload.clone())
-            .headers(headers_of(event, Some(msg_id), true));
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, Some(msg_id), true));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
             Err(e) => Err(e),
@@ -90,25 +88,14 @@ pub async fn publish_once(
                 last = e.to_string();
                 tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
             }
-            Err(e) => {
-                return Err(PublishError {
-                    subject: subject.to_string(),
-                    message: e.to_string(),
-                })
-            }
+            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
         }
     }
-    Err(PublishError {
-        subject: subject.to_string(),
-        message: last,
-    })
+    Err(PublishError { subject: subject.to_string(), message: last })
 }
 
 fn retryable(e: &jetstream::context::PublishError) -> bool {
-    matches!(
-        e.kind(),
-        PublishErrorKind::StreamNotFound | PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
-    )
+    matches!(e.kind(), PublishErrorKind::StreamNotFound | PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe)
 }
 
 /// Publishes `event` to `subject` and waits for the PubAck. `msg_id` makes retries
@@ -122,9 +109,7 @@ pub async fn publish(
     let payload = event.to_bytes();
     let mut last = String::new();
     for attempt in 0..ATTEMPTS {
-        let msg = PublishMessage::build()
-            .payload(payload.clone())
-            .headers(headers_of(event, msg_id, false));
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, false));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
             Err(e) => Err(e),
@@ -135,16 +120,8 @@ pub async fn publish(
                 last = e.to_string();
                 tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
             }
-            Err(e) => {
-                return Err(PublishError {
-                    subject: subject.to_string(),
-                    message: e.to_string(),
-                })
-            }
+            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
         }
     }
-    Err(PublishError {
-        subject: subject.to_string(),
-        message: last,
-    })
+    Err(PublishError { subject: subject.to_string(), message: last })
 }

@@ -3,7 +3,8 @@
 //!
 //! This module owns the *identity* of a job. The job id is the lowercase hex SHA-256 of
 //! the RFC 8785 (JCS) canonical JSON of the [`NormalizedRequest`]: every default filled
-//! in, `webhook` and `metadata` left out, the owner included. Two requests that differ
+//! in, `webhook`, `metadata` and the deadlines (`start_before`, `max_runtime`) left out
+//! — they say when and how to tell, not what to compute — the owner included. Two requests that differ
 //! only in key order, whitespace or an explicitly given default share one id; anything
 //! the output depends on changes it. `docs/job-id.md` describes the algorithm for
 //! implementers in other languages.
@@ -20,6 +21,8 @@ pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 /// Most random shifts a request may ask for (Demucs's own CLI has no cap; each shift
 /// costs a full extra pass).
 pub const MAX_SHIFTS: u32 = 20;
+/// Largest accepted `max_runtime`, in seconds (a day).
+pub const MAX_RUNTIME_S: u64 = 86_400;
 /// The owner used until API keys exist.
 pub const ANONYMOUS: &str = "anonymous";
 
@@ -181,6 +184,14 @@ pub struct JobRequest {
     /// Free JSON kept with the job. Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Value>,
+    /// RFC 3339 deadline: a job not started by then becomes `expired` and never runs.
+    /// Not part of the job id (it does not change the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_before: Option<chrono::DateTime<chrono::Utc>>,
+    /// Time limit of one attempt in seconds (1 to 86400); the worker's own hard limit
+    /// still applies (the smaller wins). Not part of the job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<u64>,
 }
 
 /// The canonical form of a request: what the output depends on, with defaults filled
@@ -228,14 +239,11 @@ pub struct RequestError {
 
 impl RequestError {
     fn new(field: &str, message: impl Into<String>) -> Self {
-        RequestError {
-            field: field.to_string(),
-            message: message.into(),
-        }
+        RequestError { field: field.to_string(), message: message.into() }
     }
 }
 
-const FIELDS: [&str; 11] = [
+const FIELDS: [&str; 13] = [
     "audio_uri",
     "model",
     "two_stems",
@@ -247,6 +255,8 @@ const FIELDS: [&str; 11] = [
     "shifts",
     "webhook",
     "metadata",
+    "start_before",
+    "max_runtime",
 ];
 
 impl JobRequest {
@@ -263,10 +273,7 @@ impl JobRequest {
             return Err(RequestError::new("body", "expected a JSON object"));
         };
         if let Some(k) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(RequestError::new(
-                k,
-                format!("unknown field; expected one of {}", FIELDS.join(", ")),
-            ));
+            return Err(RequestError::new(k, format!("unknown field; expected one of {}", FIELDS.join(", "))));
         }
         if !map.contains_key("audio_uri") {
             return Err(RequestError::new("audio_uri", "is required"));
@@ -296,10 +303,7 @@ impl JobRequest {
             return Err(RequestError::new("audio_uri", "must not be empty"));
         }
         if uri.len() > MAX_URI_LEN {
-            return Err(RequestError::new(
-                "audio_uri",
-                format!("longer than {MAX_URI_LEN} bytes"),
-            ));
+            return Err(RequestError::new("audio_uri", format!("longer than {MAX_URI_LEN} bytes")));
         }
         if uri != self.audio_uri {
             return Err(RequestError::new("audio_uri", "must not start or end with whitespace"));
@@ -311,10 +315,7 @@ impl JobRequest {
             if !model.sources().contains(&stem.as_str()) {
                 return Err(RequestError::new(
                     "two_stems",
-                    format!(
-                        "`{stem}` is not a source of {model}; expected one of {}",
-                        model.sources().join(", ")
-                    ),
+                    format!("`{stem}` is not a source of {model}; expected one of {}", model.sources().join(", ")),
                 ));
             }
         }
@@ -342,10 +343,7 @@ impl JobRequest {
         let output_format = self.output_format.unwrap_or_default();
         let encoding = self.encoding.unwrap_or_default();
         if encoding == Encoding::F32 && output_format == OutputFormat::Flac {
-            return Err(RequestError::new(
-                "encoding",
-                "FLAC has no float encoding; use s16 or s24, or wav",
-            ));
+            return Err(RequestError::new("encoding", "FLAC has no float encoding; use s16 or s24, or wav"));
         }
         let shifts = self.shifts.unwrap_or(0);
         if shifts > MAX_SHIFTS {
@@ -369,10 +367,12 @@ impl JobRequest {
                 return Err(RequestError::new("metadata", "must be a JSON object"));
             }
             if serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX) > MAX_METADATA_BYTES {
-                return Err(RequestError::new(
-                    "metadata",
-                    format!("larger than {MAX_METADATA_BYTES} bytes"),
-                ));
+                return Err(RequestError::new("metadata", format!("larger than {MAX_METADATA_BYTES} bytes")));
+            }
+        }
+        if let Some(m) = self.max_runtime {
+            if m == 0 || m > MAX_RUNTIME_S {
+                return Err(RequestError::new("max_runtime", format!("must be between 1 and {MAX_RUNTIME_S} seconds")));
             }
         }
         if owner.is_empty() {
@@ -410,17 +410,23 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
         },
         "output_format" => match v.as_str() {
             Some("wav" | "flac") => true,
-            Some(s) => {
-                return Err(RequestError::new(
-                    field,
-                    format!("unknown format `{s}`; expected wav or flac"),
-                ))
-            }
+            Some(s) => return Err(RequestError::new(field, format!("unknown format `{s}`; expected wav or flac"))),
             None => false,
         },
         "two_stems" => v.is_string() || v.is_null(),
         "segment" | "overlap" => v.is_number() || v.is_null(),
         "shifts" => v.is_u64() || v.is_null(),
+        "max_runtime" => v.is_u64() || v.is_null(),
+        "start_before" => match v {
+            Value::Null => true,
+            Value::String(s) => {
+                if let Err(e) = chrono::DateTime::parse_from_rfc3339(s) {
+                    return Err(RequestError::new(field, format!("not an RFC 3339 timestamp: {e}")));
+                }
+                true
+            }
+            _ => false,
+        },
         "webhook" => {
             if let Err(e) = serde_json::from_value::<Webhook>(v.clone()) {
                 return Err(RequestError::new(field, e.to_string()));
@@ -435,6 +441,8 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
         let want = match field {
             "segment" | "overlap" => "a number",
             "shifts" => "a non-negative integer",
+            "max_runtime" => "a positive integer number of seconds",
+            "start_before" => "an RFC 3339 timestamp string",
             _ => "a string",
         };
         Err(RequestError::new(field, format!("expected {want}")))
@@ -498,11 +506,7 @@ mod tests {
     use serde_json::json;
 
     fn id_of(v: Value) -> JobId {
-        JobRequest::from_value(v)
-            .unwrap()
-            .normalize(ANONYMOUS)
-            .unwrap()
-            .job_id()
+        JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().job_id()
     }
 
     #[test]
@@ -515,11 +519,12 @@ mod tests {
         .unwrap();
         assert_eq!(a, id_of(b));
         assert_eq!(a, id_of(json!({"audio_uri": "file:///a.wav"})));
-        // webhook and metadata are not part of the key
+        // webhook, metadata and the deadlines are not part of the key
         assert_eq!(
             a,
             id_of(json!({"audio_uri": "file:///a.wav", "metadata": {"x": 1},
-                         "webhook": {"url": "https://example.com/h"}}))
+                         "webhook": {"url": "https://example.com/h"},
+                         "start_before": "2030-01-01T00:00:00Z", "max_runtime": 60}))
         );
     }
 
@@ -540,10 +545,7 @@ mod tests {
             assert_ne!(base, id_of(v.clone()), "{v}");
         }
         let req = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap();
-        assert_ne!(
-            req.normalize("alice").unwrap().job_id(),
-            req.normalize("bob").unwrap().job_id()
-        );
+        assert_ne!(req.normalize("alice").unwrap().job_id(), req.normalize("bob").unwrap().job_id());
     }
 
     #[test]
@@ -555,10 +557,7 @@ mod tests {
             r#"{"audio_uri":"file:///a.wav","clip_mode":"rescale","encoding":"s16","model":"htdemucs","output_format":"wav","overlap":0.25,"owner":"anonymous","segment":5,"shifts":0}"#
         );
         // The documented example in docs/job-id.md.
-        assert_eq!(
-            n.job_id().as_str(),
-            "542ebe90ff7f7b97334d77cb5a4d19f44862779d40f2a7724461aa270fbef4d0"
-        );
+        assert_eq!(n.job_id().as_str(), "542ebe90ff7f7b97334d77cb5a4d19f44862779d40f2a7724461aa270fbef4d0");
     }
 
     #[test]
@@ -571,25 +570,21 @@ mod tests {
             (json!({"audio_uri": "not a uri"}), "audio_uri"),
             (json!({"audio_uri": "file:///a", "model": "spleeter"}), "model"),
             (json!({"audio_uri": "file:///a", "two_stems": "guitar"}), "two_stems"),
-            (
-                json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}),
-                "two_stems",
-            ),
+            (json!({"audio_uri": "file:///a", "model": "htdemucs_6s", "two_stems": "kazoo"}), "two_stems"),
             (json!({"audio_uri": "file:///a", "segment": 9.0}), "segment"),
             (json!({"audio_uri": "file:///a", "segment": -1}), "segment"),
             (json!({"audio_uri": "file:///a", "overlap": 1.0}), "overlap"),
             (json!({"audio_uri": "file:///a", "shifts": -1}), "shifts"),
             (json!({"audio_uri": "file:///a", "shifts": 99}), "shifts"),
-            (
-                json!({"audio_uri": "file:///a", "output_format": "mp3"}),
-                "output_format",
-            ),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3"}), "output_format"),
             (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
-            (
-                json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}),
-                "webhook",
-            ),
+            (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}), "webhook"),
             (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
+            (json!({"audio_uri": "file:///a", "start_before": "tomorrow"}), "start_before"),
+            (json!({"audio_uri": "file:///a", "start_before": 5}), "start_before"),
+            (json!({"audio_uri": "file:///a", "max_runtime": 0}), "max_runtime"),
+            (json!({"audio_uri": "file:///a", "max_runtime": -3}), "max_runtime"),
+            (json!({"audio_uri": "file:///a", "max_runtime": 90000}), "max_runtime"),
         ];
         for (v, field) in cases {
             let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());

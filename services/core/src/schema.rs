@@ -7,7 +7,10 @@
 use schemars::{schema_for, JsonSchema};
 use serde_json::Value;
 
-use crate::event::{DeadLettered, Event, Failed, Progress, Rejected, Requested, Retried, Started, Succeeded};
+use crate::event::{
+    CancelRequested, Cancelled, DeadLettered, DeliveryAttempted, DeliveryReplayRequested, Event, Expired, Failed,
+    Progress, Rejected, Requested, Retried, Started, Succeeded,
+};
 use crate::request::JobRequest;
 use crate::view::JobView;
 
@@ -29,6 +32,11 @@ pub fn all() -> Vec<(&'static str, Value)> {
         ("event-dead_lettered.v1.json", one::<DeadLettered>()),
         ("event-rejected.v1.json", one::<Rejected>()),
         ("event-retried.v1.json", one::<Retried>()),
+        ("event-cancel_requested.v1.json", one::<CancelRequested>()),
+        ("event-cancelled.v1.json", one::<Cancelled>()),
+        ("event-expired.v1.json", one::<Expired>()),
+        ("event-delivery_attempted.v1.json", one::<DeliveryAttempted>()),
+        ("event-delivery_replay_requested.v1.json", one::<DeliveryReplayRequested>()),
     ]
 }
 

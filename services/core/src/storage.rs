@@ -75,9 +75,7 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store")
-            .field("base", &self.base)
-            .finish_non_exhaustive()
+        f.debug_struct("Store").field("base", &self.base).finish_non_exhaustive()
     }
 }
 
@@ -101,25 +99,15 @@ impl Store {
         let parsed = url::Url::parse(url).map_err(|_| StorageError::BadUrl(url.to_string()))?;
         match parsed.scheme() {
             "file" => {
-                let dir = parsed
-                    .to_file_path()
-                    .map_err(|_| StorageError::BadUrl(url.to_string()))?;
-                std::fs::create_dir_all(&dir).map_err(|source| StorageError::Io {
-                    path: dir.display().to_string(),
-                    source,
-                })?;
+                let dir = parsed.to_file_path().map_err(|_| StorageError::BadUrl(url.to_string()))?;
+                std::fs::create_dir_all(&dir)
+                    .map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
                 let fs = LocalFileSystem::new_with_prefix(&dir)?;
-                Ok(Store {
-                    inner: Arc::new(fs),
-                    base: url.trim_end_matches('/').to_string(),
-                    s3: None,
-                })
+                Ok(Store { inner: Arc::new(fs), base: url.trim_end_matches('/').to_string(), s3: None })
             }
             "s3" => {
-                let bucket = parsed
-                    .host_str()
-                    .filter(|b| !b.is_empty())
-                    .ok_or_else(|| StorageError::BadUrl(url.into()))?;
+                let bucket =
+                    parsed.host_str().filter(|b| !b.is_empty()).ok_or_else(|| StorageError::BadUrl(url.into()))?;
                 if parsed.query().is_some() || parsed.fragment().is_some() {
                     return Err(StorageError::BadUrl(url.to_string()));
                 }
@@ -130,16 +118,8 @@ impl Store {
                 } else {
                     Arc::new(PrefixStore::new(s3.clone() as Arc<dyn ObjectStore>, prefix.as_str()))
                 };
-                let base = if prefix.is_empty() {
-                    format!("s3://{bucket}")
-                } else {
-                    format!("s3://{bucket}/{prefix}")
-                };
-                Ok(Store {
-                    inner,
-                    base,
-                    s3: Some((s3, prefix)),
-                })
+                let base = if prefix.is_empty() { format!("s3://{bucket}") } else { format!("s3://{bucket}/{prefix}") };
+                Ok(Store { inner, base, s3: Some((s3, prefix)) })
             }
             _ => Err(StorageError::BadUrl(url.to_string())),
         }
@@ -147,25 +127,15 @@ impl Store {
 
     /// A local store in `dir` (created if needed).
     pub fn local(dir: &Path) -> Result<Store, StorageError> {
-        std::fs::create_dir_all(dir).map_err(|source| StorageError::Io {
-            path: dir.display().to_string(),
-            source,
-        })?;
-        let abs = dir.canonicalize().map_err(|source| StorageError::Io {
-            path: dir.display().to_string(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
+        let abs = dir.canonicalize().map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
         let url = url::Url::from_directory_path(&abs).map_err(|_| StorageError::BadUrl(abs.display().to_string()))?;
         Store::open(url.as_str())
     }
 
     /// An in-memory store (benchmarks and tests of code that only needs *a* store).
     pub fn memory() -> Store {
-        Store {
-            inner: Arc::new(object_store::memory::InMemory::new()),
-            base: "memory://mem".to_string(),
-            s3: None,
-        }
+        Store { inner: Arc::new(object_store::memory::InMemory::new()), base: "memory://mem".to_string(), s3: None }
     }
 
     /// The store's URL prefix.
@@ -191,10 +161,7 @@ impl Store {
 
     /// Streams a local file to `key`, hashing it on the way.
     pub async fn put_file(&self, key: &str, file: &Path) -> Result<Stored, StorageError> {
-        let io = |source| StorageError::Io {
-            path: file.display().to_string(),
-            source,
-        };
+        let io = |source| StorageError::Io { path: file.display().to_string(), source };
         let len = tokio::fs::metadata(file).await.map_err(io)?.len();
         if len <= SMALL_FILE {
             // One blocking read instead of a thread hand-off per chunk.
@@ -213,20 +180,10 @@ impl Store {
             }
             hasher.update(&buf[..n]);
             total += n as u64;
-            w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io {
-                path: key.to_string(),
-                source,
-            })?;
+            w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
         }
-        w.shutdown().await.map_err(|source| StorageError::Io {
-            path: key.to_string(),
-            source,
-        })?;
-        Ok(Stored {
-            uri: self.uri(key),
-            bytes: total,
-            sha256: hex::encode(hasher.finalize()),
-        })
+        w.shutdown().await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
+        Ok(Stored { uri: self.uri(key), bytes: total, sha256: hex::encode(hasher.finalize()) })
     }
 
     /// Streams `body` to `key`, hashing and counting on the way; past `limit` bytes it
@@ -257,15 +214,8 @@ impl Store {
         .await;
         match result {
             Ok((bytes, sha256)) => {
-                w.shutdown().await.map_err(|source| StorageError::Io {
-                    path: key.to_string(),
-                    source,
-                })?;
-                Ok(Stored {
-                    uri: self.uri(key),
-                    bytes,
-                    sha256,
-                })
+                w.shutdown().await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
+                Ok(Stored { uri: self.uri(key), bytes, sha256 })
             }
             Err(e) => {
                 let _ = w.abort().await;
@@ -285,11 +235,7 @@ impl Store {
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let n = bytes.len() as u64;
         self.inner.put(&ObjPath::from(key), bytes.into()).await?;
-        Ok(Stored {
-            uri: self.uri(key),
-            bytes: n,
-            sha256,
-        })
+        Ok(Stored { uri: self.uri(key), bytes: n, sha256 })
     }
 
     /// Reads a whole object (small objects only: manifests, tests).
@@ -308,10 +254,7 @@ impl Store {
 
     /// Streams an object (or the byte `range` of it).
     pub async fn get_stream(&self, key: &str, range: Option<Range<u64>>) -> Result<ByteStream, StorageError> {
-        let opts = GetOptions {
-            range: range.map(GetRange::Bounded),
-            ..GetOptions::default()
-        };
+        let opts = GetOptions { range: range.map(GetRange::Bounded), ..GetOptions::default() };
         let res = self.inner.get_opts(&ObjPath::from(key), opts).await?;
         Ok(res.into_stream().map_err(StorageError::from).boxed())
     }
@@ -319,10 +262,7 @@ impl Store {
     /// Streams an object to a local file chunk by chunk; returns its size. A partial
     /// file is removed on error.
     pub async fn get_to_file(&self, key: &str, file: &Path) -> Result<u64, StorageError> {
-        let io = |source| StorageError::Io {
-            path: file.display().to_string(),
-            source,
-        };
+        let io = |source| StorageError::Io { path: file.display().to_string(), source };
         let mut stream = self.get_stream(key, None).await?;
         let result = async {
             let mut f = tokio::fs::File::create(file).await.map_err(io)?;
@@ -349,15 +289,8 @@ impl Store {
         let Some((s3, prefix)) = &self.s3 else {
             return Ok(None);
         };
-        let full = if prefix.is_empty() {
-            key.to_string()
-        } else {
-            format!("{prefix}/{key}")
-        };
-        Ok(Some(
-            s3.signed_url(http::Method::GET, &ObjPath::from(full), expires_in)
-                .await?,
-        ))
+        let full = if prefix.is_empty() { key.to_string() } else { format!("{prefix}/{key}") };
+        Ok(Some(s3.signed_url(http::Method::GET, &ObjPath::from(full), expires_in).await?))
     }
 
     /// Lists keys under `prefix`.
@@ -415,30 +348,14 @@ mod tests {
         assert_eq!(store.size("jobs/x/nope").await.unwrap(), None);
 
         let back = dir.path().join("back.bin");
-        assert_eq!(
-            store.get_to_file("jobs/x/a.wav", &back).await.unwrap(),
-            data.len() as u64
-        );
+        assert_eq!(store.get_to_file("jobs/x/a.wav", &back).await.unwrap(), data.len() as u64);
         assert_eq!(std::fs::read(&back).unwrap(), data);
-        let part: Vec<Bytes> = store
-            .get_stream("jobs/x/a.wav", Some(10..20))
-            .await
-            .unwrap()
-            .try_collect()
-            .await
-            .unwrap();
+        let part: Vec<Bytes> =
+            store.get_stream("jobs/x/a.wav", Some(10..20)).await.unwrap().try_collect().await.unwrap();
         assert_eq!(part.concat(), data[10..20]);
-        assert!(store
-            .get_to_file("jobs/x/nope", &dir.path().join("n"))
-            .await
-            .unwrap_err()
-            .is_not_found());
+        assert!(store.get_to_file("jobs/x/nope", &dir.path().join("n")).await.unwrap_err().is_not_found());
         assert!(!dir.path().join("n").exists());
-        assert!(store
-            .presigned_get("jobs/x/a.wav", Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_none());
+        assert!(store.presigned_get("jobs/x/a.wav", Duration::from_secs(60)).await.unwrap().is_none());
 
         store.delete_prefix("jobs/x").await.unwrap();
         assert!(store.list("jobs/x").await.unwrap().is_empty());
@@ -460,10 +377,8 @@ mod tests {
         assert!(matches!(e, StorageError::TooLarge { limit: 9_999 }), "{e}");
         assert_eq!(store.size("uploads/tmp/c").await.unwrap(), None);
 
-        let failing = futures::stream::iter(vec![
-            Ok(Bytes::from_static(b"abc")),
-            Err(std::io::Error::other("client went away")),
-        ]);
+        let failing =
+            futures::stream::iter(vec![Ok(Bytes::from_static(b"abc")), Err(std::io::Error::other("client went away"))]);
         let e = store.put_stream("uploads/tmp/d", failing, 100).await.unwrap_err();
         assert!(e.to_string().contains("client went away"), "{e}");
         assert_eq!(store.size("uploads/tmp/d").await.unwrap(), None);

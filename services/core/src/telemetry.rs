@@ -48,9 +48,7 @@ fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
     if !tracing_enabled() {
         return None;
     }
-    let grpc = std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL")
-        .map(|p| p == "grpc")
-        .unwrap_or(false);
+    let grpc = std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL").map(|p| p == "grpc").unwrap_or(false);
     let exporter = if grpc {
         opentelemetry_otlp::SpanExporter::builder().with_tonic().build()
     } else {
@@ -67,12 +65,7 @@ fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name(service.to_string());
     }
-    Some(
-        SdkTracerProvider::builder()
-            .with_batch_exporter(exporter)
-            .with_resource(resource.build())
-            .build(),
-    )
+    Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build())
 }
 
 /// Installs the global subscriber (once; later calls are ignored). `service` names the
@@ -88,19 +81,12 @@ where
 {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
     let logs = match format {
-        LogFormat::Json => fmt::layer()
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
-            .with_writer(writer)
-            .boxed(),
+        LogFormat::Json => {
+            fmt::layer().json().with_current_span(true).with_span_list(false).with_writer(writer).boxed()
+        }
         LogFormat::Text => {
             use std::io::IsTerminal;
-            fmt::layer()
-                .compact()
-                .with_ansi(std::io::stderr().is_terminal())
-                .with_writer(writer)
-                .boxed()
+            fmt::layer().compact().with_ansi(std::io::stderr().is_terminal()).with_writer(writer).boxed()
         }
     };
     let otel = tracer_provider(service).map(|p| {
@@ -109,11 +95,7 @@ where
         let _ = PROVIDER.set(p);
         tracing_opentelemetry::layer().with_tracer(tracer)
     });
-    let _ = tracing_subscriber::registry()
-        .with(filter)
-        .with(logs)
-        .with(otel)
-        .try_init();
+    let _ = tracing_subscriber::registry().with(filter).with(logs).with(otel).try_init();
 }
 
 /// Exports what is buffered (call before exit; tests call it before asserting).

@@ -21,10 +21,7 @@ use crate::request::RequestError;
 const FIELD: &str = "audio_uri";
 
 fn refuse(message: impl Into<String>) -> RequestError {
-    RequestError {
-        field: FIELD.to_string(),
-        message: message.into(),
-    }
+    RequestError { field: FIELD.to_string(), message: message.into() }
 }
 
 /// Accepts `uri` only when it names an object inside one of the `allowed` store base
@@ -50,20 +47,13 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
              and use the audio_uri it returns"
         )));
     }
-    let schemes: Vec<&str> = allowed
-        .iter()
-        .filter_map(|b| b.split_once("://").map(|(s, _)| s))
-        .collect();
+    let schemes: Vec<&str> = allowed.iter().filter_map(|b| b.split_once("://").map(|(s, _)| s)).collect();
     if !schemes.contains(&scheme) {
         let mut expected = schemes.clone();
         expected.dedup();
         return Err(refuse(format!(
             "scheme `{scheme}` is not accepted; expected a URI in the configured store ({})",
-            if expected.is_empty() {
-                "none configured".to_string()
-            } else {
-                expected.join(", ")
-            }
+            if expected.is_empty() { "none configured".to_string() } else { expected.join(", ") }
         )));
     }
     if uri.contains('?') || uri.contains('#') {
@@ -75,9 +65,7 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
     let lower = uri.to_ascii_lowercase();
     for (enc, what) in [("%2e", "dot"), ("%2f", "slash"), ("%5c", "backslash"), ("%00", "NUL")] {
         if lower.contains(enc) {
-            return Err(refuse(format!(
-                "must not contain `{enc}` (a percent-encoded {what}): path traversal"
-            )));
+            return Err(refuse(format!("must not contain `{enc}` (a percent-encoded {what}): path traversal")));
         }
     }
     let after_scheme = &uri[scheme.len() + 3..];
@@ -98,10 +86,7 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
         "s3" => "an object outside the configured bucket and prefix",
         _ => "outside the configured store",
     };
-    Err(refuse(format!(
-        "{uri} is {place}; only objects under {} are read",
-        allowed.join(" or ")
-    )))
+    Err(refuse(format!("{uri} is {place}; only objects under {} are read", allowed.join(" or "))))
 }
 
 fn describe_ip(ip: IpAddr) -> String {
@@ -135,14 +120,8 @@ mod tests {
 
     #[test]
     fn objects_inside_the_stores_are_accepted() {
-        assert_eq!(
-            store_key("file:///srv/stemq/store/uploads/ab.wav", &allowed()).unwrap(),
-            (0, "uploads/ab.wav")
-        );
-        assert_eq!(
-            store_key("s3://songs/prod/uploads/ab.flac", &allowed()).unwrap(),
-            (1, "uploads/ab.flac")
-        );
+        assert_eq!(store_key("file:///srv/stemq/store/uploads/ab.wav", &allowed()).unwrap(), (0, "uploads/ab.wav"));
+        assert_eq!(store_key("s3://songs/prod/uploads/ab.flac", &allowed()).unwrap(), (1, "uploads/ab.flac"));
         // A trailing slash on the configured base changes nothing.
         let a = vec!["file:///srv/stemq/store/".to_string()];
         assert_eq!(store_key("file:///srv/stemq/store/x.wav", &a).unwrap(), (0, "x.wav"));
@@ -171,12 +150,7 @@ mod tests {
 
     #[test]
     fn other_schemes_are_refused() {
-        for uri in [
-            "ftp://example.com/a.wav",
-            "gs://bucket/a.wav",
-            "data:audio/wav;base64,AAAA",
-            "memory:///a",
-        ] {
+        for uri in ["ftp://example.com/a.wav", "gs://bucket/a.wav", "data:audio/wav;base64,AAAA", "memory:///a"] {
             let m = refused(uri);
             assert!(m.contains("is not accepted") && m.contains("file, s3"), "{uri}: {m}");
         }
@@ -203,11 +177,7 @@ mod tests {
 
     #[test]
     fn other_buckets_and_prefixes_are_refused() {
-        for uri in [
-            "s3://other/prod/a.wav",
-            "s3://songs/staging/a.wav",
-            "s3://songs/production/a.wav",
-        ] {
+        for uri in ["s3://other/prod/a.wav", "s3://songs/staging/a.wav", "s3://songs/production/a.wav"] {
             assert!(refused(uri).contains("outside the configured bucket"), "{uri}");
         }
     }
@@ -230,10 +200,7 @@ mod tests {
             "s3://songs/prod/a%00.wav",
         ] {
             let m = refused(uri);
-            assert!(
-                m.contains("percent-encoded") && m.contains("path traversal"),
-                "{uri}: {m}"
-            );
+            assert!(m.contains("percent-encoded") && m.contains("path traversal"), "{uri}: {m}");
         }
         assert!(refused("file:///srv/stemq/store/..\\x").contains("backslash"));
         assert!(refused("file:///srv/stemq/store/a.wav?x=1").contains("query"));

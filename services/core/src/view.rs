@@ -7,6 +7,8 @@
 //!   ▲                   │  ├────failed(permanent)──▶ failed
 //!   └─failed(transient)─┘  └────dead_lettered──────▶ dead_lettered
 //! (any non-terminal) ──rejected──▶ rejected
+//! (any non-terminal) ──cancelled─▶ cancelled   (after a cancel request)
+//! queued ──expired──▶ expired                  (start_before passed)
 //! ```
 //!
 //! [`apply`] is the only way a view changes. It is pure, idempotent by stream position
@@ -38,17 +40,23 @@ pub enum JobStatus {
     DeadLettered,
     /// Its request event was not acceptable; never ran.
     Rejected,
+    /// Stopped on request; no outputs kept.
+    Cancelled,
+    /// Not started before its `start_before` deadline; never ran.
+    Expired,
 }
 
 impl JobStatus {
     /// Every status.
-    pub const ALL: [JobStatus; 6] = [
+    pub const ALL: [JobStatus; 8] = [
         JobStatus::Queued,
         JobStatus::Running,
         JobStatus::Succeeded,
         JobStatus::Failed,
         JobStatus::DeadLettered,
         JobStatus::Rejected,
+        JobStatus::Cancelled,
+        JobStatus::Expired,
     ];
 
     /// True when nothing will change the job any more.
@@ -65,6 +73,8 @@ impl JobStatus {
             JobStatus::Failed => "failed",
             JobStatus::DeadLettered => "dead_lettered",
             JobStatus::Rejected => "rejected",
+            JobStatus::Cancelled => "cancelled",
+            JobStatus::Expired => "expired",
         }
     }
 
@@ -156,6 +166,15 @@ pub struct JobView {
     /// The job that re-ran this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retried_by: Option<JobId>,
+    /// Deadline to start; past it a queued job becomes `expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_before: Option<DateTime<Utc>>,
+    /// Per-job time limit in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_runtime: Option<u64>,
+    /// When a cancel was asked for (the job stops at its worker's next check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel_requested_at: Option<DateTime<Utc>>,
     /// Stream sequence of the last applied job event (idempotency).
     pub last_seq: u64,
     /// Stream sequence of the last applied progress event.
@@ -196,6 +215,9 @@ impl JobView {
             error: None,
             retry_of: None,
             retried_by: None,
+            start_before: None,
+            max_runtime: None,
+            cancel_requested_at: None,
             last_seq: 0,
             progress_seq: 0,
         }
@@ -221,9 +243,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         }
     }
     let at = event.time;
-    let mut v = view
-        .cloned()
-        .unwrap_or_else(|| JobView::empty(event.subject.clone(), at));
+    let mut v = view.cloned().unwrap_or_else(|| JobView::empty(event.subject.clone(), at));
     match pos {
         Position::Log(s) => v.last_seq = s,
         Position::Progress(s) => v.progress_seq = s,
@@ -238,6 +258,8 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.request = Some(r.request.clone());
             v.webhook = r.webhook.clone();
             v.metadata = r.metadata.clone();
+            v.start_before = r.start_before;
+            v.max_runtime = r.max_runtime;
             v.created_at = Some(at);
         }
         EventBody::Retried(r) => {
@@ -246,7 +268,27 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             }
             v.retried_by = Some(r.retried_by.clone());
         }
+        // Delivery records live in the log, not in the view (`GET .../deliveries`).
+        EventBody::DeliveryAttempted(_) | EventBody::DeliveryReplayRequested(_) => return None,
         _ if terminal => return None,
+        EventBody::CancelRequested(_) => {
+            if v.cancel_requested_at.is_some() {
+                return None;
+            }
+            v.cancel_requested_at = Some(at);
+        }
+        EventBody::Cancelled(c) => {
+            v.attempt = v.attempt.max(c.attempt);
+            v.finish(JobStatus::Cancelled, at);
+        }
+        EventBody::Expired(e) => {
+            v.error = Some(ErrorView {
+                class: FailureClass::Permanent,
+                code: "expired".into(),
+                message: format!("not started before {}", e.start_before.to_rfc3339()),
+            });
+            v.finish(JobStatus::Expired, at);
+        }
         EventBody::Started(s) => {
             if s.attempt < v.attempt {
                 return None;
@@ -262,11 +304,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             if v.status != JobStatus::Running || p.attempt != v.attempt {
                 return None;
             }
-            v.progress = Some(ProgressView {
-                percent: p.percent,
-                stage: p.stage.clone(),
-                message: p.message.clone(),
-            });
+            v.progress = Some(ProgressView { percent: p.percent, stage: p.stage.clone(), message: p.message.clone() });
         }
         EventBody::Succeeded(s) => {
             v.attempt = v.attempt.max(s.attempt);
@@ -274,11 +312,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.manifest_uri = s.manifest_uri.clone();
             v.degraded = s.degraded;
             v.device = Some(s.device.clone());
-            v.progress = Some(ProgressView {
-                percent: 100.0,
-                stage: "done".into(),
-                message: None,
-            });
+            v.progress = Some(ProgressView { percent: 100.0, stage: "done".into(), message: None });
             v.finish(JobStatus::Succeeded, at);
         }
         EventBody::Failed(f) => {
@@ -286,11 +320,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
                 return None;
             }
             v.attempt = f.attempt;
-            v.error = Some(ErrorView {
-                class: f.class,
-                code: f.code.clone(),
-                message: f.message.clone(),
-            });
+            v.error = Some(ErrorView { class: f.class, code: f.code.clone(), message: f.message.clone() });
             match f.class {
                 FailureClass::Transient => {
                     v.retries += 1;
@@ -303,11 +333,8 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         EventBody::DeadLettered(d) => {
             v.attempt = v.attempt.max(d.deliveries);
             if let Some(e) = &d.last_error {
-                v.error = Some(ErrorView {
-                    class: FailureClass::Transient,
-                    code: d.reason.clone(),
-                    message: e.clone(),
-                });
+                v.error =
+                    Some(ErrorView { class: FailureClass::Transient, code: d.reason.clone(), message: e.clone() });
             } else {
                 v.error = Some(ErrorView {
                     class: FailureClass::Transient,
@@ -318,11 +345,8 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.finish(JobStatus::DeadLettered, at);
         }
         EventBody::Rejected(r) => {
-            v.error = Some(ErrorView {
-                class: FailureClass::Permanent,
-                code: r.code.clone(),
-                message: r.message.clone(),
-            });
+            v.error =
+                Some(ErrorView { class: FailureClass::Permanent, code: r.code.clone(), message: r.message.clone() });
             v.finish(JobStatus::Rejected, at);
         }
     }
@@ -339,10 +363,7 @@ mod tests {
     use serde_json::json;
 
     fn job() -> (JobId, NormalizedRequest) {
-        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"}))
-            .unwrap()
-            .normalize(ANONYMOUS)
-            .unwrap();
+        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap().normalize(ANONYMOUS).unwrap();
         (n.job_id(), n)
     }
 
@@ -353,19 +374,10 @@ mod tests {
         Event::requested(job().1, None, None, "/test")
     }
     fn started(attempt: u32) -> Event {
-        ev(EventBody::Started(Started {
-            attempt,
-            worker: "w1".into(),
-            device: "fake".into(),
-        }))
+        ev(EventBody::Started(Started { attempt, worker: "w1".into(), device: "fake".into() }))
     }
     fn progress(attempt: u32, percent: f32) -> Event {
-        ev(EventBody::Progress(Progress {
-            attempt,
-            percent,
-            stage: "separate".into(),
-            message: None,
-        }))
+        ev(EventBody::Progress(Progress { attempt, percent, stage: "separate".into(), message: None }))
     }
     fn failed(attempt: u32, class: FailureClass) -> Event {
         ev(EventBody::Failed(Failed {
@@ -405,10 +417,7 @@ mod tests {
         assert_eq!(v.status, JobStatus::Queued);
         assert!(v.request.is_some() && v.created_at.is_some());
         let v = given(&[requested(), started(1)]);
-        assert_eq!(
-            (v.status, v.attempt, v.worker.as_deref()),
-            (JobStatus::Running, 1, Some("w1"))
-        );
+        assert_eq!((v.status, v.attempt, v.worker.as_deref()), (JobStatus::Running, 1, Some("w1")));
         let v = given(&[requested(), started(1), succeeded(1)]);
         assert_eq!(v.status, JobStatus::Succeeded);
         assert!(v.finished_at.is_some());
@@ -420,13 +429,7 @@ mod tests {
         let v = given(&[requested(), started(1), failed(1, FailureClass::Transient)]);
         assert_eq!((v.status, v.retries), (JobStatus::Queued, 1));
         assert_eq!(v.error.as_ref().unwrap().class, FailureClass::Transient);
-        let v = given(&[
-            requested(),
-            started(1),
-            failed(1, FailureClass::Transient),
-            started(2),
-            succeeded(2),
-        ]);
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Transient), started(2), succeeded(2)]);
         assert_eq!((v.status, v.attempt, v.retries), (JobStatus::Succeeded, 2, 1));
     }
 
@@ -450,12 +453,9 @@ mod tests {
     #[test]
     fn terminal_absorbs_late_events() {
         let done = given(&[requested(), started(1), succeeded(1)]);
-        for late in [
-            started(2),
-            progress(1, 50.0),
-            failed(1, FailureClass::Transient),
-            failed(2, FailureClass::Permanent),
-        ] {
+        for late in
+            [started(2), progress(1, 50.0), failed(1, FailureClass::Transient), failed(2, FailureClass::Permanent)]
+        {
             assert_eq!(apply(Some(&done), Position::Log(99), &late), None);
         }
         let dl = ev(EventBody::DeadLettered(DeadLettered {
@@ -499,19 +499,47 @@ mod tests {
     fn retried_links_a_finished_job() {
         let done = given(&[requested(), started(1), failed(1, FailureClass::Permanent)]);
         let new_id = JobId("b".repeat(64));
-        let r = ev(EventBody::Retried(Retried {
-            retried_by: new_id.clone(),
-        }));
+        let r = ev(EventBody::Retried(Retried { retried_by: new_id.clone() }));
         let v = apply(Some(&done), Position::Log(10), &r).unwrap();
         assert_eq!((v.status, v.retried_by), (JobStatus::Failed, Some(new_id)));
     }
 
     #[test]
-    fn rejected_and_dead_lettered() {
-        let r = ev(EventBody::Rejected(Rejected {
-            code: "id_mismatch".into(),
-            message: "forged".into(),
+    fn cancel_request_then_cancelled_is_terminal() {
+        let asked = ev(EventBody::CancelRequested(CancelRequested { by: Some("http".into()) }));
+        let v = given(&[requested(), started(1), asked.clone()]);
+        assert_eq!(v.status, JobStatus::Running);
+        assert!(v.cancel_requested_at.is_some());
+        let c = ev(EventBody::Cancelled(Cancelled { attempt: 1, interrupted: true }));
+        let v = given(&[requested(), started(1), asked, c]);
+        assert_eq!(v.status, JobStatus::Cancelled);
+        assert!(v.finished_at.is_some() && v.progress.is_none());
+        // a late success of the interrupted attempt changes nothing
+        assert_eq!(apply(Some(&v), Position::Log(99), &succeeded(1)), None);
+    }
+
+    #[test]
+    fn queued_job_expires() {
+        let e = ev(EventBody::Expired(Expired { start_before: chrono::Utc::now() }));
+        let v = given(&[requested(), e]);
+        assert_eq!(v.status, JobStatus::Expired);
+        assert_eq!(v.error.unwrap().code, "expired");
+        assert!(v.started_at.is_none());
+    }
+
+    #[test]
+    fn delivery_records_do_not_touch_the_view() {
+        let v = given(&[requested()]);
+        let d = ev(EventBody::DeliveryReplayRequested(DeliveryReplayRequested {
+            webhook_id: "msg_1".into(),
+            event_type: "io.stemq.job.succeeded.v1".into(),
         }));
+        assert_eq!(apply(Some(&v), Position::Log(9), &d), None);
+    }
+
+    #[test]
+    fn rejected_and_dead_lettered() {
+        let r = ev(EventBody::Rejected(Rejected { code: "id_mismatch".into(), message: "forged".into() }));
         let v = given(&[r]);
         assert_eq!(v.status, JobStatus::Rejected);
         let dl = ev(EventBody::DeadLettered(DeadLettered {

@@ -30,9 +30,7 @@ fn find_binary() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join("moto_server"))
-        .find(|p| p.is_file())
+    std::env::split_paths(&path).map(|d| d.join("moto_server")).find(|p| p.is_file())
 }
 
 fn free_port() -> u16 {
@@ -83,11 +81,7 @@ fn start(bin: &PathBuf) -> (Server, u16) {
     let server = Server(child);
     let deadline = Instant::now() + Duration::from_secs(30);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{} did not listen on port {port} within 30 s",
-            bin.display()
-        );
+        assert!(Instant::now() < deadline, "{} did not listen on port {port} within 30 s", bin.display());
         std::thread::sleep(Duration::from_millis(100));
     }
     (server, port)
@@ -128,29 +122,15 @@ async fn s3_store_round_trip() {
     assert_eq!(s.bytes, data.len() as u64);
     assert_eq!(s.sha256, hex::encode(Sha256::digest(&data)));
     assert_eq!(s.uri, "s3://stemq-test/pre/jobs/x/a.wav");
-    store
-        .put_bytes("jobs/x/manifest.json", b"{\"ok\":true}".to_vec())
-        .await
-        .unwrap();
+    store.put_bytes("jobs/x/manifest.json", b"{\"ok\":true}".to_vec()).await.unwrap();
 
     // Reads: whole, streamed to a file, ranged, size.
-    assert_eq!(
-        store.get_bytes("jobs/x/manifest.json").await.unwrap(),
-        Bytes::from_static(b"{\"ok\":true}")
-    );
+    assert_eq!(store.get_bytes("jobs/x/manifest.json").await.unwrap(), Bytes::from_static(b"{\"ok\":true}"));
     let back = dir.path().join("back.bin");
-    assert_eq!(
-        store.get_to_file("jobs/x/a.wav", &back).await.unwrap(),
-        data.len() as u64
-    );
+    assert_eq!(store.get_to_file("jobs/x/a.wav", &back).await.unwrap(), data.len() as u64);
     assert_eq!(std::fs::read(&back).unwrap(), data);
-    let part: Vec<Bytes> = store
-        .get_stream("jobs/x/a.wav", Some(1000..1010))
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let part: Vec<Bytes> =
+        store.get_stream("jobs/x/a.wav", Some(1000..1010)).await.unwrap().try_collect().await.unwrap();
     assert_eq!(part.concat(), data[1000..1010]);
     assert_eq!(store.size("jobs/x/a.wav").await.unwrap(), Some(data.len() as u64));
     assert_eq!(store.size("jobs/x/none").await.unwrap(), None);
@@ -167,25 +147,15 @@ async fn s3_store_round_trip() {
     let chunks = futures::stream::iter((0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))));
     let up = store.put_stream("uploads/tmp/u1", chunks, 1 << 20).await.unwrap();
     assert_eq!(up.bytes, 400_000);
-    store
-        .rename("uploads/tmp/u1", &format!("uploads/{}.bin", up.sha256))
-        .await
-        .unwrap();
-    assert_eq!(
-        store.list("uploads").await.unwrap(),
-        vec![format!("uploads/{}.bin", up.sha256)]
-    );
+    store.rename("uploads/tmp/u1", &format!("uploads/{}.bin", up.sha256)).await.unwrap();
+    assert_eq!(store.list("uploads").await.unwrap(), vec![format!("uploads/{}.bin", up.sha256)]);
     let too_big = futures::stream::iter((0..4u8).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i; 100_000]))));
     let e = store.put_stream("uploads/tmp/u2", too_big, 250_000).await.unwrap_err();
     assert!(matches!(e, StorageError::TooLarge { .. }), "{e}");
     assert_eq!(store.size("uploads/tmp/u2").await.unwrap(), None);
 
     // A presigned URL works without credentials.
-    let url = store
-        .presigned_get("jobs/x/manifest.json", Duration::from_secs(300))
-        .await
-        .unwrap()
-        .unwrap();
+    let url = store.presigned_get("jobs/x/manifest.json", Duration::from_secs(300)).await.unwrap().unwrap();
     assert_eq!(url.port(), Some(port));
     assert!(url.path().ends_with("/pre/jobs/x/manifest.json"), "{url}");
     let pq = format!("{}?{}", url.path(), url.query().unwrap());

@@ -8,16 +8,23 @@
 //! - `GET /v1/separations?status=&limit=&cursor=` → newest first
 //! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`])
 //! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
+//! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
+//! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
+//! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
+//!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate` ([`webhooks`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
 
+pub mod control;
+pub mod events;
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
 pub mod stems;
 pub mod submit;
 pub mod uploads;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -93,28 +100,14 @@ impl AppState {
         let kv = js
             .get_key_value(names::JOBS_BUCKET)
             .await
-            .map_err(|e| IngressError::JetStream {
-                what: "open bucket",
-                message: e.to_string(),
-            })?;
+            .map_err(|e| IngressError::JetStream { what: "open bucket", message: e.to_string() })?;
         let jobs = js
             .get_stream_no_info(names::JOBS_STREAM)
             .await
-            .map_err(|e| IngressError::JetStream {
-                what: "open job stream",
-                message: e.to_string(),
-            })?;
+            .map_err(|e| IngressError::JetStream { what: "open job stream", message: e.to_string() })?;
         let index = ListIndex::follow(kv.clone(), shutdown).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
-        Ok(AppState {
-            js,
-            kv,
-            jobs,
-            index,
-            metrics,
-            storage: None,
-            stores: Arc::new(Vec::new()),
-        })
+        Ok(AppState { js, kv, jobs, index, metrics, storage: None, stores: Arc::new(Vec::new()) })
     }
 
     /// Serves uploads and stems from this store.
@@ -137,20 +130,11 @@ impl AppState {
     /// Reads a job's view; falls back to the log when the projector has not caught up
     /// (right after a submit), so a job that exists is never a 404.
     pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, String> {
-        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id)
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id).await.map_err(|e| e.to_string())? {
             return Ok(Some(v));
         }
-        match self
-            .jobs
-            .direct_get_last_for_subject(job_subject(id, SubjectKind::Requested))
-            .await
-        {
-            Ok(m) => Ok(Event::from_slice(&m.payload)
-                .ok()
-                .and_then(|e| apply(None, Position::Log(m.sequence), &e))),
+        match self.jobs.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
+            Ok(m) => Ok(Event::from_slice(&m.payload).ok().and_then(|e| apply(None, Position::Log(m.sequence), &e))),
             Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.to_string()),
         }
@@ -202,6 +186,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/separations/{id}", get(status))
         .route("/v1/separations/{id}/stems/{stem}", get(stems::download))
         .route("/v1/uploads", post(uploads::upload))
+        .route("/v1/separations/{id}/cancel", post(control::cancel_http))
+        .route("/v1/separations/{id}/retry", post(control::retry_http))
+        .route("/v1/separations/{id}/events", get(events::sse))
+        .route("/v1/separations/{id}/deliveries", get(webhooks::list))
+        .route("/v1/separations/{id}/deliveries/{n}/replay", post(webhooks::replay))
+        .route("/v1/webhooks/secret", get(webhooks::get_secret))
+        .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
@@ -211,17 +202,11 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| "other".into());
+    let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
     let method = req.method().to_string();
     let t0 = Instant::now();
     let resp = next.run(req).await;
-    state
-        .metrics
-        .observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
+    state.metrics.observe_http(&method, &route, resp.status().as_u16(), t0.elapsed());
     resp
 }
 
@@ -276,19 +261,14 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 }
 
 async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let incoming = headers
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let incoming = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
     let span = tracing::info_span!("http.submit", trace_id = tracing::field::Empty);
     stemq_core::telemetry::set_parent(&span, incoming.as_deref());
     let result = {
         // The job's trace continues from this span (or from the caller's, when tracing
         // is off here).
         let traceparent = span.in_scope(stemq_core::telemetry::current_traceparent).or(incoming);
-        submit::submit(&state.js, &body, None, traceparent, state.stores())
-            .instrument(span)
-            .await
+        submit::submit(&state.js, &body, None, traceparent, state.stores()).instrument(span).await
     };
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
@@ -299,21 +279,12 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
         return Ok((StatusCode::OK, Json(resp)).into_response());
     }
     let location = resp.status_url.clone();
-    Ok((
-        StatusCode::ACCEPTED,
-        [("location", location)],
-        Json::<SubmitResponse>(resp),
-    )
-        .into_response())
+    Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
 }
 
 async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
-    let not_found = || ApiError {
-        status: StatusCode::NOT_FOUND,
-        code: "not_found",
-        message: format!("no job {id}"),
-        field: None,
-    };
+    let not_found =
+        || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
     let Some(job_id) = JobId::parse(&id) else {
         return Err(not_found());
     };
@@ -353,15 +324,7 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
     let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
     let next_cursor = (page.len() == limit)
-        .then(|| {
-            page.last().map(|(id, ms)| {
-                Cursor {
-                    created_ns: *ms,
-                    id: id.clone(),
-                }
-                .encode()
-            })
-        })
+        .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))
         .flatten();
     Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
 }
@@ -371,11 +334,7 @@ async fn ready(State(state): State<AppState>) -> Response {
     if connected && names::ready(&state.js).await {
         (StatusCode::OK, "ready").into_response()
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: NATS not connected or job stream missing",
-        )
-            .into_response()
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: NATS not connected or job stream missing").into_response()
     }
 }
 

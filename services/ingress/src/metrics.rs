@@ -52,11 +52,7 @@ impl Metrics {
                 let submits = Family::<SubmitLabels, Counter>::default();
                 stemq_core::metrics::metrics().register(|r| {
                     r.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
-                    r.register(
-                        "stemq_http_request_duration_seconds",
-                        "HTTP request latency",
-                        http_latency.clone(),
-                    );
+                    r.register("stemq_http_request_duration_seconds", "HTTP request latency", http_latency.clone());
                     r.register(
                         "stemq_submits",
                         "Job submits by outcome (created, cached, invalid, unavailable)",
@@ -66,21 +62,12 @@ impl Metrics {
                 (http, http_latency, submits)
             })
             .clone();
-        Metrics {
-            http,
-            http_latency,
-            submits,
-            js,
-        }
+        Metrics { http, http_latency, submits, js }
     }
 
     /// Records one HTTP request.
     pub fn observe_http(&self, method: &str, route: &str, status: u16, took: Duration) {
-        let l = HttpLabels {
-            method: method.to_string(),
-            route: route.to_string(),
-            status,
-        };
+        let l = HttpLabels { method: method.to_string(), route: route.to_string(), status };
         self.http.get_or_create(&l).inc();
         self.http_latency.get_or_create(&l).observe(took.as_secs_f64());
     }

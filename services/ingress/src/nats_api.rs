@@ -32,11 +32,7 @@ pub async fn serve(
         let state = state.clone();
         let client = client.clone();
         tokio::spawn(async move {
-            let tp = msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("traceparent"))
-                .map(|v| v.to_string());
+            let tp = msg.headers.as_ref().and_then(|h| h.get("traceparent")).map(|v| v.to_string());
             let body = match submit(state.jetstream(), &msg.payload, None, tp, state.stores()).await {
                 Ok((r, _)) => {
                     let mut v = serde_json::to_value(&r).expect("json");
@@ -59,10 +55,7 @@ pub async fn serve(
                     "error": {"code": "unavailable", "message": m}
                 }),
             };
-            if let Err(e) = client
-                .publish(reply, serde_json::to_vec(&body).expect("json").into())
-                .await
-            {
+            if let Err(e) = client.publish(reply, serde_json::to_vec(&body).expect("json").into()).await {
                 warn!(error = %e, "cannot reply to a NATS submit");
             }
         });

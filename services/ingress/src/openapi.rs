@@ -10,9 +10,7 @@ fn schema<T: schemars::JsonSchema>() -> Value {
     let mut v = serde_json::to_value(schemars::schema_for!(T)).expect("schema");
     // Component schemas refer to each other through #/components/schemas.
     let defs = v.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(json!({}));
-    let text = serde_json::to_string(&v)
-        .expect("json")
-        .replace("#/$defs/", "#/components/schemas/");
+    let text = serde_json::to_string(&v).expect("json").replace("#/$defs/", "#/components/schemas/");
     let mut v: Value = serde_json::from_str(&text).expect("json");
     v.as_object_mut().map(|o| o.remove("$schema"));
     v["x-defs"] = defs;
@@ -27,11 +25,10 @@ pub fn document() -> Value {
         ("JobView", schema::<stemq_core::JobView>()),
         ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
         ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
+        ("DeliveryAttempted", schema::<stemq_core::event::DeliveryAttempted>()),
     ] {
         if let Some(defs) = s.as_object_mut().and_then(|o| o.remove("x-defs")) {
-            let text = serde_json::to_string(&defs)
-                .expect("json")
-                .replace("#/$defs/", "#/components/schemas/");
+            let text = serde_json::to_string(&defs).expect("json").replace("#/$defs/", "#/components/schemas/");
             if let Ok(Value::Object(d)) = serde_json::from_str::<Value>(&text) {
                 components.extend(d);
             }
@@ -45,6 +42,15 @@ pub fn document() -> Value {
                 "code": {"type": "string"}, "message": {"type": "string"},
                 "field": {"type": "string", "description": "The offending request field (422 only)."}}}}}),
     );
+    let id_param = json!({"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}});
+    let cancel_body = json!({"type": "object", "properties": {"job_id": {"type": "string"},
+        "status": {"type": "string", "enum": ["cancelled", "cancelling"]},
+        "outcome": {"type": "string", "enum": ["cancelled", "cancelling", "already_cancelled"]}}});
+    let secret_body = json!({"type": "object", "required": ["secret"], "properties": {
+        "secret": {"type": "string", "description": "`whsec_` + base64"},
+        "previous": {"type": ["string", "null"], "description": "The previous secret, still signing during the grace period"},
+        "previous_valid_until": {"type": ["string", "null"], "format": "date-time"},
+        "disabled_urls": {"type": "array", "items": {"type": "string"}, "description": "Receivers that answered 410 Gone"}}});
     let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
     let ok = |d: &str, s: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{s}")}}}});
     json!({
@@ -66,7 +72,7 @@ pub fn document() -> Value {
                 "get": {
                     "summary": "List jobs, newest first",
                     "parameters": [
-                        {"name": "status", "in": "query", "schema": {"type": "string", "enum": ["queued","running","succeeded","failed","dead_lettered","rejected"]}},
+                        {"name": "status", "in": "query", "schema": {"type": "string", "enum": ["queued","running","succeeded","failed","dead_lettered","rejected","cancelled","expired"]}},
                         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
                         {"name": "cursor", "in": "query", "schema": {"type": "string"}, "description": "next_cursor of the previous page"}
                     ],
@@ -118,6 +124,74 @@ pub fn document() -> Value {
                         "422": err("Empty upload or bad file name"),
                         "503": err("No object store configured, or the store is unavailable"),
                     }
+                }
+            },
+            "/v1/separations/{id}/cancel": {
+                "post": {
+                    "summary": "Cancel a job: a queued job never starts; a running job stops within about a second and keeps no outputs (status `cancelled`)",
+                    "parameters": [id_param.clone()],
+                    "responses": {
+                        "200": {"description": "Cancelled (it was queued, or already cancelled)", "content": {"application/json": {"schema": cancel_body.clone()}}},
+                        "202": {"description": "Running: its worker stops it shortly", "content": {"application/json": {"schema": cancel_body.clone()}}},
+                        "404": err("No such job"),
+                        "409": err("The job has already finished"),
+                    }
+                }
+            },
+            "/v1/separations/{id}/retry": {
+                "post": {
+                    "summary": "Re-run a failed, dead-lettered, cancelled or expired job as a new job (`retry_of` / `retried_by` link both); the old job is unchanged",
+                    "parameters": [id_param.clone()],
+                    "responses": {
+                        "202": ok("The new job was queued", "SubmitResponse"),
+                        "200": ok("This job was already retried: the same new job (cached: true)", "SubmitResponse"),
+                        "404": err("No such job"),
+                        "409": err("The job is not failed, dead-lettered, cancelled or expired"),
+                    }
+                }
+            },
+            "/v1/separations/{id}/events": {
+                "get": {
+                    "summary": "Live status as Server-Sent Events: one message per change of the status view (event `status` when the status changed, `progress` otherwise; data = JobView; id = KV revision). Running jobs send at least one message every 2 s. Ends after the terminal status.",
+                    "parameters": [id_param.clone(),
+                        {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}, "description": "Resume: only revisions newer than this id are sent"}],
+                    "responses": {
+                        "200": {"description": "The event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                        "404": err("No such job"),
+                    }
+                }
+            },
+            "/v1/separations/{id}/deliveries": {
+                "get": {
+                    "summary": "Webhook deliveries of a job and every attempt (attempt, status code, latency, result)",
+                    "parameters": [id_param.clone()],
+                    "responses": {
+                        "200": {"description": "Deliveries, numbered from 1 in order of first attempt", "content": {"application/json": {"schema": {"type": "object",
+                            "properties": {"job_id": {"type": "string"}, "deliveries": {"type": "array", "items": {"type": "object", "properties": {
+                                "n": {"type": "integer"}, "webhook_id": {"type": "string"}, "event_type": {"type": "string"}, "url": {"type": "string"},
+                                "result": {"type": "string", "enum": ["delivered", "retrying", "failed", "disabled"]},
+                                "attempts": {"type": "array", "items": {"$ref": "#/components/schemas/DeliveryAttempted"}}}}}}}}}},
+                        "404": err("No such job"),
+                    }
+                }
+            },
+            "/v1/separations/{id}/deliveries/{n}/replay": {
+                "post": {
+                    "summary": "Send delivery n again (same webhook-id, the job's current status view)",
+                    "parameters": [id_param.clone(), {"name": "n", "in": "path", "required": true, "schema": {"type": "integer", "minimum": 1}}],
+                    "responses": {"202": {"description": "Queued for the relay"}, "404": err("No such job or delivery")}
+                }
+            },
+            "/v1/webhooks/secret": {
+                "get": {
+                    "summary": "The owner's webhook signing secret (`whsec_...`, Standard Webhooks); created on first use",
+                    "responses": {"200": {"description": "The secret", "content": {"application/json": {"schema": secret_body.clone()}}}}
+                }
+            },
+            "/v1/webhooks/secret/rotate": {
+                "post": {
+                    "summary": "Rotate the signing secret; during the grace period (default 24 h) deliveries carry signatures with both the new and the previous secret",
+                    "responses": {"200": {"description": "The new secret", "content": {"application/json": {"schema": secret_body}}}}
                 }
             },
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},

@@ -74,12 +74,7 @@ pub fn parse_range(value: Option<&str>, size: u64) -> RangeRequest {
 }
 
 fn not_found(message: String) -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        code: "not_found",
-        message,
-        field: None,
-    }
+    ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message, field: None }
 }
 
 pub(crate) async fn download(
@@ -93,28 +88,18 @@ pub(crate) async fn download(
     };
     let span = info_span!("stem.download", job_id = %job_id, stem = %stem);
     async move {
-        let view = state
-            .view(&job_id)
-            .await
-            .map_err(internal)?
-            .ok_or_else(|| not_found(format!("no job {job_id}")))?;
+        let view = state.view(&job_id).await.map_err(internal)?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
         if view.status != JobStatus::Succeeded {
             return Err(ApiError {
                 status: StatusCode::CONFLICT,
                 code: "not_ready",
-                message: format!(
-                    "job {job_id} is {}; stems exist once it has succeeded",
-                    view.status.as_str()
-                ),
+                message: format!("job {job_id} is {}; stems exist once it has succeeded", view.status.as_str()),
                 field: None,
             });
         }
         let Some(output) = view.outputs.iter().find(|o| o.stem == stem) else {
             let names: Vec<_> = view.outputs.iter().map(|o| o.stem.as_str()).collect();
-            return Err(not_found(format!(
-                "job {job_id} has no stem `{stem}`; it has {}",
-                names.join(", ")
-            )));
+            return Err(not_found(format!("job {job_id} has no stem `{stem}`; it has {}", names.join(", "))));
         };
         let store = &storage.store;
         let key = match stemq_core::uri::store_key(&output.uri, &[store.base_url().to_string()]) {
@@ -153,10 +138,7 @@ pub(crate) async fn download(
             RangeRequest::Full => (StatusCode::OK, None),
             RangeRequest::Partial(r) => (StatusCode::PARTIAL_CONTENT, Some(r)),
             RangeRequest::Unsatisfiable => {
-                out.insert(
-                    header::CONTENT_RANGE,
-                    HeaderValue::from_str(&format!("bytes */{size}")).expect("ascii"),
-                );
+                out.insert(header::CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{size}")).expect("ascii"));
                 return Ok((StatusCode::RANGE_NOT_SATISFIABLE, out).into_response());
             }
         };

@@ -51,7 +51,27 @@ pub async fn submit(
     // Only objects inside the configured stores: refused before anything is published.
     stemq_core::uri::check_audio_uri(&req.audio_uri, stores)?;
     let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
+    // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
+    if let Some(w) = &req.webhook {
+        let allow = stemq_core::webhook::Allowlist::from_env();
+        if let Err(message) = stemq_core::webhook::check_url(&w.url, &allow).await {
+            return Err(RequestError { field: "webhook".into(), message }.into());
+        }
+    }
+    if let Some(t) = req.start_before {
+        if t <= chrono::Utc::now() {
+            return Err(RequestError {
+                field: "start_before".into(),
+                message: format!("{} is in the past", t.to_rfc3339()),
+            }
+            .into());
+        }
+    }
     let mut event = Event::requested(normalized, req.webhook.clone(), req.metadata.clone(), "/stemq/ingress");
+    if let stemq_core::EventBody::Requested(r) = &mut event.body {
+        r.start_before = req.start_before;
+        r.max_runtime = req.max_runtime;
+    }
     event.traceparent = traceparent;
     let id = event.subject.clone();
     let subject = job_subject(&id, SubjectKind::Requested);
@@ -60,11 +80,7 @@ pub async fn submit(
         .await
         .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
     let cached = once == Once::AlreadyThere;
-    let resp = SubmitResponse {
-        status_url: format!("/v1/separations/{id}"),
-        job_id: id,
-        status: JobStatus::Queued,
-        cached,
-    };
+    let resp =
+        SubmitResponse { status_url: format!("/v1/separations/{id}"), job_id: id, status: JobStatus::Queued, cached };
     Ok((resp, (!cached).then_some(event)))
 }

@@ -40,11 +40,7 @@ pub struct StorageConfig {
 impl StorageConfig {
     /// Defaults for `store`: 1 GiB uploads, 15-minute presigned URLs.
     pub fn new(store: Store) -> StorageConfig {
-        StorageConfig {
-            store,
-            max_upload_bytes: DEFAULT_MAX_UPLOAD_BYTES,
-            presign_ttl: DEFAULT_PRESIGN_TTL,
-        }
+        StorageConfig { store, max_upload_bytes: DEFAULT_MAX_UPLOAD_BYTES, presign_ttl: DEFAULT_PRESIGN_TTL }
     }
 }
 
@@ -74,21 +70,13 @@ pub(crate) fn no_store() -> ApiError {
 }
 
 fn bad(status: StatusCode, code: &'static str, message: String) -> ApiError {
-    ApiError {
-        status,
-        code,
-        message,
-        field: None,
-    }
+    ApiError { status, code, message, field: None }
 }
 
 /// The file extension: from `?filename=`, else from the content type, else `bin`.
 fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
     if let Some(name) = &q.filename {
-        let ext = name
-            .rsplit_once('.')
-            .map(|(_, e)| e.to_ascii_lowercase())
-            .unwrap_or_default();
+        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase()).unwrap_or_default();
         if ext.is_empty() {
             return Ok("bin".into());
         }
@@ -102,10 +90,7 @@ fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
         }
         return Ok(ext);
     }
-    let ct = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let ct = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     Ok(match ct.as_str() {
         "audio/wav" | "audio/x-wav" | "audio/wave" | "audio/vnd.wave" => "wav",
@@ -125,17 +110,9 @@ pub(crate) async fn upload(
 ) -> Result<Response, ApiError> {
     let storage = state.storage.clone().ok_or_else(no_store)?;
     let limit = storage.max_upload_bytes;
-    let too_large = || {
-        bad(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
-            format!("uploads are limited to {limit} bytes"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = || bad(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("uploads are limited to {limit} bytes"));
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
         return Err(too_large());
     }
@@ -165,11 +142,7 @@ pub(crate) async fn upload(
         };
         if stored.bytes == 0 {
             let _ = storage.store.delete(&tmp).await;
-            return Err(bad(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "empty_upload",
-                "the upload is empty".into(),
-            ));
+            return Err(bad(StatusCode::UNPROCESSABLE_ENTITY, "empty_upload", "the upload is empty".into()));
         }
         let key = format!("uploads/{}.{ext}", stored.sha256);
         if let Err(e) = storage.store.rename(&tmp, &key).await {
@@ -181,11 +154,7 @@ pub(crate) async fn upload(
                 "the store is unavailable; retrying is safe".into(),
             ));
         }
-        let resp = UploadResponse {
-            audio_uri: storage.store.uri(&key),
-            bytes: stored.bytes,
-            sha256: stored.sha256,
-        };
+        let resp = UploadResponse { audio_uri: storage.store.uri(&key), bytes: stored.bytes, sha256: stored.sha256 };
         info!(event = "upload.stored", bytes = resp.bytes, sha256 = %resp.sha256, "upload stored");
         Ok((StatusCode::CREATED, Json(resp)).into_response())
     }

@@ -35,56 +35,33 @@ impl Stack {
             .await
             .unwrap()
             .expect("nats-server starts (is nats-server on PATH?)");
-        let settings = Settings {
-            ack_wait: Duration::from_secs(5),
-            ..Settings::default()
-        };
+        let settings = Settings { ack_wait: Duration::from_secs(5), ..Settings::default() };
         let client = names::connect(&server.url(), "test").await.unwrap();
-        names::apply(&async_nats::jetstream::new(client.clone()), &settings)
-            .await
-            .unwrap();
+        names::apply(&async_nats::jetstream::new(client.clone()), &settings).await.unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
         let stop = CancellationToken::new();
         let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let http = listener.local_addr().unwrap();
         let mut tasks = Vec::new();
 
-        let storage = StorageConfig {
-            max_upload_bytes,
-            ..StorageConfig::new(store.clone())
-        };
+        let storage = StorageConfig { max_upload_bytes, ..StorageConfig::new(store.clone()) };
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let config = stemq_ingress::Config {
-                listen: http,
-                nats_submit: false,
-                storage: Some(storage),
-            };
+            let config = stemq_ingress::Config { listen: http, nats_submit: false, storage: Some(storage) };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            stemq_projector::run(c, Default::default(), s)
-                .await
-                .expect("projector runs");
+            stemq_projector::run(c, Default::default(), s).await.expect("projector runs");
         }));
         let mut wc = stemq_worker::Config::new(store.clone(), dir.path().join("scratch"));
         wc.name = "test-worker".into();
         wc.grace = Duration::from_secs(1);
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            stemq_worker::run(c, Arc::new(stemq_audio::DspEngine::default()), wc, s)
-                .await
-                .expect("worker runs");
+            stemq_worker::run(c, Arc::new(stemq_audio::DspEngine::default()), wc, s).await.expect("worker runs");
         }));
-        Stack {
-            _server: server,
-            _dir: dir,
-            http,
-            store,
-            stop,
-            tasks,
-        }
+        Stack { _server: server, _dir: dir, http, store, stop, tasks }
     }
 
     fn url(&self, path: &str) -> String {
@@ -94,10 +71,7 @@ impl Stack {
     async fn stop(self) {
         self.stop.cancel();
         for t in self.tasks {
-            tokio::time::timeout(Duration::from_secs(20), t)
-                .await
-                .expect("service stops")
-                .expect("no panic");
+            tokio::time::timeout(Duration::from_secs(20), t).await.expect("service stops").expect("no panic");
         }
     }
 }
@@ -148,12 +122,7 @@ async fn upload_separate_and_download_stems() {
     let wav = song();
 
     // Upload: content-addressed, the same bytes twice give the same URI.
-    let resp = http
-        .post(stack.url("/v1/uploads?filename=My%20Song.WAV"))
-        .body(wav.clone())
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads?filename=My%20Song.WAV")).body(wav.clone()).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::CREATED);
     let up: Value = resp.json().await.unwrap();
     let sha = hex::encode(Sha256::digest(&wav));
@@ -172,11 +141,7 @@ async fn upload_separate_and_download_stems() {
         .await
         .unwrap();
     assert_eq!(again["audio_uri"], audio_uri);
-    assert_eq!(
-        stack.store.list("uploads").await.unwrap(),
-        vec![format!("uploads/{sha}.wav")],
-        "no temp objects left"
-    );
+    assert_eq!(stack.store.list("uploads").await.unwrap(), vec![format!("uploads/{sha}.wav")], "no temp objects left");
 
     // Separate it with the dsp engine.
     let resp = http
@@ -190,34 +155,17 @@ async fn upload_separate_and_download_stems() {
     let id = job["job_id"].as_str().unwrap().to_string();
 
     // Not ready yet, or already done: never a 404 for a known job's known stem.
-    let early = http
-        .get(stack.url(&format!("/v1/separations/{id}/stems/vocals")))
-        .send()
-        .await
-        .unwrap();
-    assert!(
-        early.status() == StatusCode::CONFLICT || early.status() == StatusCode::OK,
-        "{}",
-        early.status()
-    );
+    let early = http.get(stack.url(&format!("/v1/separations/{id}/stems/vocals"))).send().await.unwrap();
+    assert!(early.status() == StatusCode::CONFLICT || early.status() == StatusCode::OK, "{}", early.status());
 
     let view = wait_terminal(&http, &stack.url(&format!("/v1/separations/{id}"))).await;
     assert_eq!(view["status"], "succeeded", "{view}");
     let outputs = view["outputs"].as_array().unwrap();
-    assert_eq!(
-        outputs.iter().map(|o| o["stem"].as_str().unwrap()).collect::<Vec<_>>(),
-        ["vocals", "no_vocals"]
-    );
+    assert_eq!(outputs.iter().map(|o| o["stem"].as_str().unwrap()).collect::<Vec<_>>(), ["vocals", "no_vocals"]);
 
     // The manifest describes every stem.
-    let manifest: Value = serde_json::from_slice(
-        &stack
-            .store
-            .get_bytes(&format!("jobs/{id}/manifest.json"))
-            .await
-            .unwrap(),
-    )
-    .unwrap();
+    let manifest: Value =
+        serde_json::from_slice(&stack.store.get_bytes(&format!("jobs/{id}/manifest.json")).await.unwrap()).unwrap();
     assert_eq!(manifest["format"], "wav");
     assert_eq!(manifest["sample_rate"], 44_100);
     assert_eq!(manifest["duration_secs"], 2.0);
@@ -237,10 +185,7 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(resp.headers()["accept-ranges"], "bytes");
     assert_eq!(resp.headers()["content-type"], "audio/wav");
     let body = resp.bytes().await.unwrap();
-    assert_eq!(
-        hex::encode(Sha256::digest(&body)),
-        outputs[0]["sha256"].as_str().unwrap()
-    );
+    assert_eq!(hex::encode(Sha256::digest(&body)), outputs[0]["sha256"].as_str().unwrap());
     let size = body.len();
     assert_eq!(&body[..4], b"RIFF");
 
@@ -252,50 +197,23 @@ async fn upload_separate_and_download_stems() {
     let resp = http.get(&url).header("range", "bytes=-10").send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PARTIAL_CONTENT);
     assert_eq!(resp.bytes().await.unwrap(), body[size - 10..]);
-    let resp = http
-        .get(&url)
-        .header("range", format!("bytes={size}-"))
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(&url).header("range", format!("bytes={size}-")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::RANGE_NOT_SATISFIABLE);
     assert_eq!(resp.headers()["content-range"], format!("bytes */{size}"));
 
     // Unknown stem, unknown job, not a job id.
-    let resp = http
-        .get(stack.url(&format!("/v1/separations/{id}/stems/drums")))
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(stack.url(&format!("/v1/separations/{id}/stems/drums"))).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
     let err: Value = resp.json().await.unwrap();
-    assert!(
-        err["error"]["message"].as_str().unwrap().contains("vocals, no_vocals"),
-        "{err}"
-    );
+    assert!(err["error"]["message"].as_str().unwrap().contains("vocals, no_vocals"), "{err}");
     let other = "0".repeat(64);
-    let resp = http
-        .get(stack.url(&format!("/v1/separations/{other}/stems/vocals")))
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(stack.url(&format!("/v1/separations/{other}/stems/vocals"))).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
-    let resp = http
-        .get(stack.url("/v1/separations/..%2Fetc/stems/vocals"))
-        .send()
-        .await
-        .unwrap();
+    let resp = http.get(stack.url("/v1/separations/..%2Fetc/stems/vocals")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
 
     // The routes are documented.
-    let doc: Value = http
-        .get(stack.url("/openapi.json"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let doc: Value = http.get(stack.url("/openapi.json")).send().await.unwrap().json().await.unwrap();
     assert!(doc["paths"]["/v1/uploads"]["post"].is_object());
     assert!(doc["paths"]["/v1/separations/{id}/stems/{stem}"]["get"].is_object());
 
@@ -307,49 +225,24 @@ async fn uploads_over_the_limit_are_refused() {
     let stack = Stack::start(1000).await;
     let http = reqwest::Client::new();
     // Declared too large: refused before reading.
-    let resp = http
-        .post(stack.url("/v1/uploads"))
-        .body(vec![7u8; 1001])
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads")).body(vec![7u8; 1001]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["code"], "too_large");
     // Streamed without a length: refused while reading, nothing kept.
     let chunks = futures::stream::iter((0..5).map(|_| Ok::<_, std::io::Error>(vec![1u8; 300])));
-    let resp = http
-        .post(stack.url("/v1/uploads"))
-        .body(reqwest::Body::wrap_stream(chunks))
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads")).body(reqwest::Body::wrap_stream(chunks)).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
     // At the limit: fine.
-    let resp = http
-        .post(stack.url("/v1/uploads?filename=a.flac"))
-        .body(vec![7u8; 1000])
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads?filename=a.flac")).body(vec![7u8; 1000]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::CREATED);
     let keys = stack.store.list("uploads").await.unwrap();
     assert_eq!(keys.len(), 1, "{keys:?}");
     assert!(keys[0].ends_with(".flac"));
     // Empty and badly named uploads.
-    let resp = http
-        .post(stack.url("/v1/uploads"))
-        .body(Vec::<u8>::new())
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads")).body(Vec::<u8>::new()).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::UNPROCESSABLE_ENTITY);
-    let resp = http
-        .post(stack.url("/v1/uploads?filename=a.w/../x"))
-        .body(vec![1u8; 10])
-        .send()
-        .await
-        .unwrap();
+    let resp = http.post(stack.url("/v1/uploads?filename=a.w/../x")).body(vec![1u8; 10]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::UNPROCESSABLE_ENTITY);
     stack.stop().await;
 }

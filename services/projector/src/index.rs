@@ -36,8 +36,7 @@ pub struct ListIndex {
 /// Sort key of a view: its creation time in Unix nanoseconds.
 fn created_key(view: &JobView) -> i64 {
     let t = view.created_at.unwrap_or(view.updated_at);
-    t.timestamp_nanos_opt()
-        .unwrap_or_else(|| t.timestamp_micros().saturating_mul(1000))
+    t.timestamp_nanos_opt().unwrap_or_else(|| t.timestamp_micros().saturating_mul(1000))
 }
 
 /// A page position: the creation time (ns) and id of the last job of the previous page.
@@ -58,10 +57,7 @@ impl Cursor {
     /// Parses [`Cursor::encode`]'s form.
     pub fn decode(s: &str) -> Option<Cursor> {
         let (ms, id) = s.split_once('.')?;
-        Some(Cursor {
-            created_ns: ms.parse().ok()?,
-            id: JobId::parse(id)?,
-        })
+        Some(Cursor { created_ns: ms.parse().ok()?, id: JobId::parse(id)? })
     }
 }
 
@@ -109,10 +105,7 @@ impl ListIndex {
         let iter: Box<dyn Iterator<Item = &Key>> = match after {
             Some(c) => {
                 let start = (Reverse(c.created_ns), c.id.clone());
-                Box::new(
-                    set.range(start..)
-                        .skip_while(move |k| k.0 .0 == c.created_ns && k.1 == c.id),
-                )
+                Box::new(set.range(start..).skip_while(move |k| k.0 .0 == c.created_ns && k.1 == c.id))
             }
             None => Box::new(set.iter()),
         };
@@ -218,10 +211,7 @@ mod tests {
         let ok = idx.page(Some(JobStatus::Succeeded), 10, None);
         assert_eq!(ok.iter().map(|x| x.1).collect::<Vec<_>>(), [1007, 1003]);
         assert_eq!(idx.page(Some(JobStatus::Queued), 100, None).len(), 8);
-        let c = Cursor {
-            created_ns: all[3].1,
-            id: all[3].0.clone(),
-        };
+        let c = Cursor { created_ns: all[3].1, id: all[3].0.clone() };
         let next = idx.page(None, 3, Some(&Cursor::decode(&c.encode()).unwrap()));
         assert_eq!(next.iter().map(|x| x.1).collect::<Vec<_>>(), [1005, 1004, 1003]);
         idx.remove(&all[0].0);

@@ -42,10 +42,7 @@ pub enum ProjectorError {
 }
 
 fn js_err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> ProjectorError {
-    move |e| ProjectorError::JetStream {
-        what,
-        message: e.to_string(),
-    }
+    move |e| ProjectorError::JetStream { what, message: e.to_string() }
 }
 
 /// Projector configuration.
@@ -59,10 +56,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            lanes: 32,
-            cache_per_lane: 4096,
-        }
+        Config { lanes: 32, cache_per_lane: 4096 }
     }
 }
 
@@ -70,9 +64,9 @@ impl Default for Config {
 pub async fn get_view(kv: &kv::Store, id: &JobId) -> Result<Option<(JobView, u64)>, ProjectorError> {
     let entry = kv.entry(id.as_str()).await.map_err(|e| js_err("kv get")(&e))?;
     Ok(match entry {
-        Some(e) if e.operation == kv::Operation::Put => serde_json::from_slice::<JobView>(&e.value)
-            .ok()
-            .map(|v| (v, e.revision)),
+        Some(e) if e.operation == kv::Operation::Put => {
+            serde_json::from_slice::<JobView>(&e.value).ok().map(|v| (v, e.revision))
+        }
         _ => None,
     })
 }
@@ -84,10 +78,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), ProjectorError> {
     let js = jetstream::new(client);
-    let kv = js
-        .get_key_value(names::JOBS_BUCKET)
-        .await
-        .map_err(|e| js_err("open bucket")(&e))?;
+    let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(|e| js_err("open bucket")(&e))?;
     let jobs: PullConsumer = js
         .get_consumer_from_stream(names::PROJECTOR_CONSUMER, names::JOBS_STREAM)
         .await
@@ -198,11 +189,7 @@ async fn lane_loop(lane: usize, kv: kv::Store, mut rx: mpsc::Receiver<(jetstream
                     continue;
                 }
             };
-            let pos = if is_progress {
-                Position::Progress(seq)
-            } else {
-                Position::Log(seq)
-            };
+            let pos = if is_progress { Position::Progress(seq) } else { Position::Log(seq) };
             let event = match Event::from_slice(&msg.payload) {
                 Ok(e) => e,
                 Err(e) => {
@@ -294,29 +281,22 @@ async fn fold(
             Err(e) => return Err(js_err("kv update")(&e)),
         }
     }
-    Err(ProjectorError::JetStream {
-        what: "kv update",
-        message: "too many revision conflicts".into(),
-    })
+    Err(ProjectorError::JetStream { what: "kv update", message: "too many revision conflicts".into() })
 }
 
 /// Drops the view and the projector's consumers and recreates them empty, so a running
 /// (or next) projector replays the whole log. Returns the number of job events to replay.
 pub async fn reset(js: &jetstream::Context, settings: &Settings) -> Result<u64, ProjectorError> {
-    for (stream, consumer) in [
-        (names::JOBS_STREAM, names::PROJECTOR_CONSUMER),
-        (names::PROGRESS_STREAM, names::PROJECTOR_PROGRESS_CONSUMER),
-    ] {
+    for (stream, consumer) in
+        [(names::JOBS_STREAM, names::PROJECTOR_CONSUMER), (names::PROGRESS_STREAM, names::PROJECTOR_PROGRESS_CONSUMER)]
+    {
         if let Ok(s) = js.get_stream_no_info(stream).await {
             let _ = s.delete_consumer(consumer).await;
         }
     }
     let _ = js.delete_key_value(names::JOBS_BUCKET).await;
     names::apply(js, settings).await?;
-    let mut s = js
-        .get_stream(names::JOBS_STREAM)
-        .await
-        .map_err(|e| js_err("stream info")(&e))?;
+    let mut s = js.get_stream(names::JOBS_STREAM).await.map_err(|e| js_err("stream info")(&e))?;
     let info = s.info().await.map_err(|e| js_err("stream info")(&e))?;
     Ok(info.state.messages)
 }
@@ -330,10 +310,8 @@ pub async fn wait_caught_up(js: &jetstream::Context, timeout: Duration) -> Resul
             (names::JOBS_STREAM, names::PROJECTOR_CONSUMER),
             (names::PROGRESS_STREAM, names::PROJECTOR_PROGRESS_CONSUMER),
         ] {
-            let mut c: PullConsumer = js
-                .get_consumer_from_stream(consumer, stream)
-                .await
-                .map_err(|e| js_err("consumer")(&e))?;
+            let mut c: PullConsumer =
+                js.get_consumer_from_stream(consumer, stream).await.map_err(|e| js_err("consumer")(&e))?;
             let info = c.info().await.map_err(|e| js_err("consumer info")(&e))?;
             if info.num_pending > 0 || info.num_ack_pending > 0 {
                 done = false;

@@ -55,26 +55,16 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline {
-            jobs,
-            rate,
-            workers,
-            in_flight,
-            store,
-        } => pipeline(g, jobs, rate, workers, in_flight, store).await,
+        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store } => {
+            pipeline(g, jobs, rate, workers, in_flight, store).await
+        }
         BenchCommand::Rss { minutes } => rss(g, &minutes).await,
     }
 }
 
 fn vm_hwm_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+    status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Runs each song length through a fresh worker process and reports its peak RSS.
@@ -125,10 +115,7 @@ async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
         };
         let secs = t0.elapsed().as_secs_f64();
         let hwm = vm_hwm_kib(pid).unwrap_or(0);
-        let _ = std::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status();
+        let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
         let _ = child.wait();
         if view.status != stemq_core::JobStatus::Succeeded {
             bail!("{m}-minute job ended {:?}: {:?}", view.status, view.error);
@@ -143,12 +130,7 @@ async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
     }
     if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
         if rows.len() > 1 && first.1 > 0 {
-            println!(
-                "ratio {} min / {} min: {:.3}",
-                last.0,
-                first.0,
-                last.1 as f64 / first.1 as f64
-            );
+            println!("ratio {} min / {} min: {:.3}", last.0, first.0, last.1 as f64 / first.1 as f64);
         }
     }
     stop.cancel();
@@ -191,22 +173,13 @@ async fn pipeline(
     // Scratch on tmpfs when there is one: the fake engine's stem files otherwise cost
     // more in ext4 inode churn than everything else together.
     let shm = std::path::Path::new("/dev/shm");
-    let scratch_root = if shm.is_dir() {
-        tempfile::tempdir_in(shm)?
-    } else {
-        tempfile::tempdir()?
-    };
+    let scratch_root = if shm.is_dir() { tempfile::tempdir_in(shm)? } else { tempfile::tempdir()? };
     let mut wc = stemq_worker::Config::new(store.clone(), scratch_root.path().join("scratch"));
     wc.concurrency = workers;
     wc.deadletter = false;
     let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
     let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
-    let w = tokio::spawn(stemq_worker::run(
-        worker_client,
-        Arc::new(FakeEngine::default()),
-        wc,
-        stop.clone(),
-    ));
+    let w = tokio::spawn(stemq_worker::run(worker_client, Arc::new(FakeEngine::default()), wc, stop.clone()));
     let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
 
     // Terminal times, from a watch on the whole bucket.
@@ -281,18 +254,11 @@ async fn pipeline(
         .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
         .collect();
     lat.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| {
-        lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1))
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
+    let pct = |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
     let last_done = done.values().max().copied().unwrap_or(t0);
     let e2e = last_done.duration_since(t0).as_secs_f64();
     println!("stemq bench pipeline");
-    println!(
-        "  jobs            {jobs} ({} completed, {failed_submits} failed submits)",
-        lat.len()
-    );
+    println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", lat.len());
     match rate {
         Some(r) => println!("  mode            steady {r} jobs/s"),
         None => println!("  mode            throughput, {in_flight} submits in flight"),

@@ -59,9 +59,7 @@ impl Global {
 
     /// The NATS URL, or the default local one.
     pub fn nats_url(&self) -> String {
-        self.nats_url
-            .clone()
-            .unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+        self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
     }
 
     /// The object store URL.
@@ -72,9 +70,7 @@ impl Global {
         let dir = self.data_dir.join("store");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let abs = dir.canonicalize()?;
-        Ok(url::Url::from_directory_path(abs)
-            .map_err(|_| anyhow::anyhow!("bad data dir"))?
-            .to_string())
+        Ok(url::Url::from_directory_path(abs).map_err(|_| anyhow::anyhow!("bad data dir"))?.to_string())
     }
 }
 
@@ -88,6 +84,8 @@ pub enum Command {
     Worker(WorkerArgs),
     /// Run the projector alone (or rebuild the view).
     Projector(ProjectorArgs),
+    /// Run the webhook relay alone.
+    Relay(RelayArgs),
     /// Apply the stream, consumer and bucket definitions of nats/.
     Nats {
         #[command(subcommand)]
@@ -111,6 +109,16 @@ pub enum Command {
     },
     /// Follow a job with a progress bar until it ends.
     Watch {
+        /// Job id.
+        id: String,
+    },
+    /// Cancel a queued or running job (a running job stops within about a second).
+    Cancel {
+        /// Job id.
+        id: String,
+    },
+    /// Re-run a failed, dead-lettered, cancelled or expired job as a new job.
+    Retry {
         /// Job id.
         id: String,
     },
@@ -169,6 +177,8 @@ pub struct DevArgs {
     pub http: SocketAddr,
     #[command(flatten)]
     pub worker: WorkerOpts,
+    #[command(flatten)]
+    pub relay: RelayArgs,
 }
 
 #[derive(Debug, Args, Clone)]
@@ -212,6 +222,43 @@ pub struct WorkerOpts {
     /// Worker name (default host-pid).
     #[arg(long, env = "STEMQ_WORKER_NAME")]
     pub name: Option<String>,
+}
+
+/// Webhook relay options (`stemq relay`, `stemq dev`).
+#[derive(Debug, Args, Clone)]
+pub struct RelayArgs {
+    /// Delays before each attempt, in ms, comma-separated (default: 0, 5 s, 5 min,
+    /// 30 min, 2 h, 5 h, 10 h, 14 h, 20 h, 24 h).
+    #[arg(long, env = "STEMQ_WEBHOOK_SCHEDULE_MS")]
+    pub schedule_ms: Option<String>,
+    /// Request timeout in ms.
+    #[arg(long, env = "STEMQ_WEBHOOK_TIMEOUT_MS", default_value_t = 15_000)]
+    pub timeout_ms: u64,
+    /// Deliveries in flight at once.
+    #[arg(long, env = "STEMQ_WEBHOOK_CONCURRENCY", default_value_t = 256)]
+    pub concurrency: usize,
+}
+
+impl RelayArgs {
+    /// The relay configuration (the SSRF allow-list comes from `STEMQ_WEBHOOK_ALLOW`).
+    pub fn config(&self) -> Result<stemq_relay::Config> {
+        let mut c = stemq_relay::Config {
+            timeout: Duration::from_millis(self.timeout_ms),
+            concurrency: self.concurrency,
+            ..Default::default()
+        };
+        if let Some(s) = &self.schedule_ms {
+            c.schedule = s
+                .split(',')
+                .map(|x| x.trim().parse::<u64>().map(Duration::from_millis))
+                .collect::<Result<_, _>>()
+                .context("--schedule-ms: comma-separated milliseconds")?;
+            if c.schedule.is_empty() {
+                anyhow::bail!("--schedule-ms needs at least one delay");
+            }
+        }
+        Ok(c)
+    }
 }
 
 #[derive(Debug, Args, Clone)]
@@ -315,9 +362,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Ingress(a) => crate::services::ingress(&g, a).await,
         Command::Worker(a) => crate::services::worker(&g, a.opts).await,
         Command::Projector(a) => crate::services::projector(&g, a).await,
-        Command::Nats {
-            command: NatsCommand::Apply,
-        } => {
+        Command::Relay(a) => crate::services::relay(&g, a).await,
+        Command::Nats { command: NatsCommand::Apply } => {
             let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
             stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
             println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
@@ -327,19 +373,15 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Status { id } => crate::client::status(&g, &id).await,
         Command::List { status, limit } => crate::client::list(&g, status.as_deref(), limit).await,
         Command::Watch { id } => crate::client::watch(&g, &id).await.map(|_| ()),
-        Command::Dlq {
-            command: DlqCommand::List { limit },
-        } => crate::client::list(&g, Some("dead_lettered"), limit).await,
-        Command::Dlq {
-            command: DlqCommand::Replay { id },
-        } => crate::client::replay(&g, &id).await,
+        Command::Dlq { command: DlqCommand::List { limit } } => {
+            crate::client::list(&g, Some("dead_lettered"), limit).await
+        }
+        Command::Dlq { command: DlqCommand::Replay { id } } => crate::client::replay(&g, &id).await,
+        Command::Cancel { id } => crate::client::cancel(&g, &id).await,
+        Command::Retry { id } => crate::client::replay(&g, &id).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            println!(
-                "wrote {} schemas to {}",
-                stemq_core::schema::all().len(),
-                write.display()
-            );
+            println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
             Ok(())
         }
         Command::Synth { seconds, output } => {

@@ -9,11 +9,9 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use stemq_core::event::{EventBody, Retried};
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::nats as names;
 use stemq_core::storage::Store;
-use stemq_core::{Event, JobId, JobStatus, JobView};
+use stemq_core::{JobId, JobStatus, JobView};
 use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
@@ -37,22 +35,13 @@ fn parse_id(id: &str) -> Result<JobId> {
 /// Uploads a local file to the store, content-addressed (`uploads/<sha256>.<ext>`);
 /// returns its URI. The file is streamed and hashed on the way, then moved to its key.
 async fn upload(store: &Store, file: &Path) -> Result<String> {
-    let meta = tokio::fs::metadata(file)
-        .await
-        .with_context(|| format!("reading {}", file.display()))?;
+    let meta = tokio::fs::metadata(file).await.with_context(|| format!("reading {}", file.display()))?;
     if meta.len() == 0 {
         bail!("{} is empty", file.display());
     }
-    let ext = file
-        .extension()
-        .and_then(|e| e.to_str())
-        .unwrap_or("bin")
-        .to_ascii_lowercase();
+    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("bin").to_ascii_lowercase();
     let tmp = format!("uploads/tmp/{}", uuid::Uuid::new_v4());
-    let stored = store
-        .put_file(&tmp, file)
-        .await
-        .with_context(|| format!("uploading {}", file.display()))?;
+    let stored = store.put_file(&tmp, file).await.with_context(|| format!("uploading {}", file.display()))?;
     let key = format!("uploads/{}.{ext}", stored.sha256);
     if let Err(e) = store.rename(&tmp, &key).await {
         let _ = store.delete(&tmp).await;
@@ -63,25 +52,14 @@ async fn upload(store: &Store, file: &Path) -> Result<String> {
 
 /// Copies a succeeded job's stems from the store into `dir` as `<stem>.<ext>`.
 async fn download_stems(store: &Store, view: &JobView, dir: &Path) -> Result<()> {
-    tokio::fs::create_dir_all(dir)
-        .await
-        .with_context(|| format!("creating {}", dir.display()))?;
+    tokio::fs::create_dir_all(dir).await.with_context(|| format!("creating {}", dir.display()))?;
     let allowed = [store.base_url().to_string()];
     for o in &view.outputs {
-        let (_, key) = stemq_core::uri::store_key(&o.uri, &allowed).map_err(|e| {
-            anyhow!(
-                "stem {} is at {}, outside the configured store: {}",
-                o.stem,
-                o.uri,
-                e.message
-            )
-        })?;
+        let (_, key) = stemq_core::uri::store_key(&o.uri, &allowed)
+            .map_err(|e| anyhow!("stem {} is at {}, outside the configured store: {}", o.stem, o.uri, e.message))?;
         let ext = key.rsplit_once('.').map(|(_, e)| e).unwrap_or("bin");
         let dest = dir.join(format!("{}.{ext}", o.stem));
-        let bytes = store
-            .get_to_file(key, &dest)
-            .await
-            .with_context(|| format!("downloading {}", o.uri))?;
+        let bytes = store.get_to_file(key, &dest).await.with_context(|| format!("downloading {}", o.uri))?;
         if bytes != o.bytes {
             bail!("{}: got {bytes} bytes, the job recorded {}", dest.display(), o.bytes);
         }
@@ -122,9 +100,7 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
     let stores = vec![g.store_url()?];
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores)
-        .await
-        .map_err(|e| anyhow!("{e}"))?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores).await.map_err(|e| anyhow!("{e}"))?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;
@@ -150,9 +126,7 @@ pub async fn status(g: &Global, id: &str) -> Result<()> {
 }
 
 pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> {
-    let status = status
-        .map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`")))
-        .transpose()?;
+    let status = status.map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`"))).transpose()?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let stop = CancellationToken::new();
@@ -161,25 +135,12 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
     while !index.caught_up() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    println!(
-        "{:<64}  {:<13}  {:<7}  {:<9}  created",
-        "job id", "status", "attempt", "progress"
-    );
+    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
     for (id, _) in index.page(status, limit, None) {
         if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
-            let progress = v
-                .progress
-                .as_ref()
-                .map(|p| format!("{:.0}%", p.percent))
-                .unwrap_or_default();
+            let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
             let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
-            println!(
-                "{:<64}  {:<13}  {:<7}  {:<9}  {created}",
-                id,
-                v.status.as_str(),
-                v.attempt,
-                progress
-            );
+            println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", id, v.status.as_str(), v.attempt, progress);
         }
     }
     stop.cancel();
@@ -208,11 +169,7 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
         let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else {
             continue;
         };
-        let (pct, stage) = v
-            .progress
-            .as_ref()
-            .map(|p| (p.percent, p.stage.clone()))
-            .unwrap_or((0.0, String::new()));
+        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
         bar.set_position(pct as u64);
         let mut msg = v.status.as_str().to_string();
         if !stage.is_empty() && v.status == JobStatus::Running {
@@ -242,45 +199,34 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
     bail!("the watch ended before the job did")
 }
 
-/// Re-runs a dead-lettered (or failed) job as a new job linked both ways.
+/// Re-runs a failed, dead-lettered, cancelled or expired job as a new job linked both
+/// ways (`stemq retry`, `stemq dlq replay`): the same code as `POST .../retry`.
 pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
-    let (view, _) = stemq_projector::get_view(&kv, &id)
-        .await?
-        .ok_or_else(|| anyhow!("no job {id}"))?;
-    if !matches!(view.status, JobStatus::DeadLettered | JobStatus::Failed) {
-        bail!(
-            "job {id} is {}: only dead-lettered or failed jobs can be replayed",
-            view.status.as_str()
-        );
+    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let (new_id, created) = stemq_ingress::control::retry(&js, &view, "/stemq/cli").await?;
+    if created {
+        println!("retrying {id} as {new_id}");
+    } else {
+        println!("{id} was already retried as {new_id}");
     }
-    let mut request = view
-        .request
-        .clone()
-        .ok_or_else(|| anyhow!("job {id} has no recorded request"))?;
-    request.retry_of = Some(id.clone());
-    let ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), "/stemq/cli");
-    let new_id = ev.subject.clone();
-    let created = publish_once(&js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
-    let link = Event::new(
-        &id,
-        "/stemq/cli",
-        EventBody::Retried(Retried {
-            retried_by: new_id.clone(),
-        }),
-    );
-    publish(
-        &js,
-        &job_subject(&id, SubjectKind::Retried),
-        &link,
-        Some(&format!("{id}.retried.{new_id}")),
-    )
-    .await?;
-    match created {
-        Once::Stored(_) => println!("replaying {id} as {new_id}"),
-        Once::AlreadyThere => println!("{id} was already replayed as {new_id}"),
+    Ok(())
+}
+
+/// Cancels a queued or running job: the same code as `POST .../cancel`.
+pub async fn cancel(g: &Global, id: &str) -> Result<()> {
+    let id = parse_id(id)?;
+    let js = js(g).await?;
+    let kv = bucket(&js).await?;
+    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    match stemq_ingress::control::cancel(&js, &view, "cli").await? {
+        stemq_ingress::control::CancelOutcome::Cancelled => println!("{id} cancelled"),
+        stemq_ingress::control::CancelOutcome::AlreadyCancelled => println!("{id} was already cancelled"),
+        stemq_ingress::control::CancelOutcome::Cancelling => {
+            println!("{id} is running; its worker stops it within about a second")
+        }
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! `stemq dev`: the whole pipeline in one process, for a laptop.
 //!
 //! Starts a `nats-server` (from PATH) with its store in the data dir unless `NATS_URL`
-//! is given, applies the definitions, and runs the ingress, one worker and the projector
+//! is given, applies the definitions, and runs the ingress, one worker, the projector and
+//! the webhook relay (printing the webhook signing secret)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
 
 use anyhow::{Context, Result};
@@ -17,11 +18,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     if g.nats_url.is_none() {
         let store = g.data_dir.join("nats");
         // The usual port when free, any port otherwise.
-        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() {
-            4222
-        } else {
-            0
-        };
+        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() { 4222 } else { 0 };
         let s = tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await??;
         info!(url = %s.url(), "nats-server started");
         g.nats_url = Some(s.url());
@@ -33,9 +30,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
     let shutdown = crate::cli::shutdown_on_signals();
 
-    let listener = stemq_ingress::bind(a.http)
-        .await
-        .with_context(|| format!("is something else on {}?", a.http))?;
+    let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
     let engine = crate::services::engine(&a.worker)?;
     let wconfig = crate::services::worker_config(&g, &a.worker)?;
@@ -52,18 +47,19 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         },
         children.clone(),
     ));
-    let projector = tokio::spawn(stemq_projector::run(
-        client.clone(),
-        Default::default(),
-        children.clone(),
-    ));
+    let projector = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), children.clone()));
     let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
+    let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config()?, children.clone()));
+    let js = async_nats::jetstream::new(client.clone());
+    let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
+    let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, stemq_core::request::ANONYMOUS).await?;
 
     eprintln!();
     eprintln!("stemq dev is up");
     eprintln!("  HTTP    http://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
     eprintln!("  NATS    {}", g.nats_url());
     eprintln!("  store   {store}");
+    eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
     eprintln!("  Ctrl-C to stop");
     eprintln!();
 
@@ -73,6 +69,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     children.cancel();
     ingress.await??;
     projector.await??;
+    relay.await??;
     client.flush().await.ok();
     drop(client);
     if let Some(mut s) = server {

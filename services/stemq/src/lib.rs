@@ -19,10 +19,7 @@ use clap::Parser;
 pub fn main_entry() -> std::process::ExitCode {
     let args = cli::Cli::parse();
     stemq_core::telemetry::init(args.log_format(), args.service_name());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = rt.block_on(cli::run(args));
     stemq_core::telemetry::flush();
     match result {

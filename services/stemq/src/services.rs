@@ -12,7 +12,7 @@ use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Global, IngressArgs, ProjectorArgs, WorkerOpts};
+use crate::cli::{Global, IngressArgs, ProjectorArgs, RelayArgs, WorkerOpts};
 
 /// Connects and applies the definitions.
 pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
@@ -24,9 +24,7 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 /// Loads the engine named in the options.
 pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     match opts.engine.as_str() {
-        "fake" => Ok(Arc::new(FakeEngine {
-            base_delay: Duration::from_millis(opts.fake_delay_ms),
-        })),
+        "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` until the neural engine exists.
         "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
@@ -55,11 +53,7 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let listener = stemq_ingress::bind(a.http).await?;
     let store = Store::open(&g.store_url()?).context("opening the object store")?;
     let storage = stemq_ingress::uploads::StorageConfig::new(store);
-    let config = stemq_ingress::Config {
-        listen: a.http,
-        nats_submit: true,
-        storage: Some(storage),
-    };
+    let config = stemq_ingress::Config { listen: a.http, nats_submit: true, storage: Some(storage) };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
 }
@@ -82,11 +76,7 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
         let events = stemq_projector::reset(&js, &g.settings()).await?;
         eprintln!("view dropped; replaying {events} events");
         let run_token = CancellationToken::new();
-        let task = tokio::spawn(stemq_projector::run(
-            client.clone(),
-            Default::default(),
-            run_token.clone(),
-        ));
+        let task = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), run_token.clone()));
         let caught_up = stemq_projector::wait_caught_up(&js, Duration::from_secs(3600)).await?;
         run_token.cancel();
         task.await??;
@@ -97,5 +87,12 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
         return Ok(());
     }
     stemq_projector::run(client, Default::default(), shutdown).await?;
+    Ok(())
+}
+
+pub async fn relay(g: &Global, a: RelayArgs) -> Result<()> {
+    let client = connect(g, "stemq-relay").await?;
+    let shutdown = crate::cli::shutdown_on_signals();
+    stemq_relay::run(client, a.config()?, shutdown).await?;
     Ok(())
 }

@@ -21,11 +21,7 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Backoff {
-            base: Duration::from_secs(2),
-            cap: Duration::from_secs(300),
-            jitter: 0.2,
-        }
+        Backoff { base: Duration::from_secs(2), cap: Duration::from_secs(300), jitter: 0.2 }
     }
 }
 
@@ -40,11 +36,7 @@ impl Backoff {
     pub fn delay(&self, attempt: u32) -> Duration {
         let d = self.nominal(attempt).as_secs_f64();
         let j = self.jitter.clamp(0.0, 1.0);
-        let factor = if j > 0.0 {
-            rand::rng().random_range(1.0 - j..=1.0 + j)
-        } else {
-            1.0
-        };
+        let factor = if j > 0.0 { rand::rng().random_range(1.0 - j..=1.0 + j) } else { 1.0 };
         Duration::from_secs_f64(d * factor)
     }
 }
@@ -55,11 +47,7 @@ mod tests {
 
     #[test]
     fn grows_exponentially_and_caps() {
-        let b = Backoff {
-            base: Duration::from_millis(100),
-            cap: Duration::from_secs(1),
-            jitter: 0.0,
-        };
+        let b = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(1), jitter: 0.0 };
         let got: Vec<_> = (1..=6).map(|n| b.nominal(n).as_millis()).collect();
         assert_eq!(got, [100, 200, 400, 800, 1000, 1000]);
         assert_eq!(b.delay(3), Duration::from_millis(400));
@@ -68,11 +56,7 @@ mod tests {
 
     #[test]
     fn jitter_stays_in_bounds_and_varies() {
-        let b = Backoff {
-            base: Duration::from_millis(1000),
-            cap: Duration::from_secs(10),
-            jitter: 0.2,
-        };
+        let b = Backoff { base: Duration::from_millis(1000), cap: Duration::from_secs(10), jitter: 0.2 };
         let ds: Vec<_> = (0..200).map(|_| b.delay(1).as_millis()).collect();
         assert!(ds.iter().all(|&d| (800..=1200).contains(&d)), "{ds:?}");
         assert!(ds.iter().any(|&d| d != ds[0]), "jitter must vary");

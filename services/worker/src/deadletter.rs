@@ -44,26 +44,17 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) -> Result<
     let consumer: PullConsumer = js
         .get_consumer_from_stream(names::DEADLETTER_CONSUMER, names::ADVISORY_STREAM)
         .await
-        .map_err(|e| DeadLetterError {
-            what: "open deadletter consumer",
-            message: e.to_string(),
-        })?;
+        .map_err(|e| DeadLetterError { what: "open deadletter consumer", message: e.to_string() })?;
     let jobs = js
         .get_stream_no_info(names::JOBS_STREAM)
         .await
-        .map_err(|e| DeadLetterError {
-            what: "open job stream",
-            message: e.to_string(),
-        })?;
+        .map_err(|e| DeadLetterError { what: "open job stream", message: e.to_string() })?;
     let mut messages = consumer
         .stream()
         .max_messages_per_batch(10)
         .messages()
         .await
-        .map_err(|e| DeadLetterError {
-            what: "pull",
-            message: e.to_string(),
-        })?;
+        .map_err(|e| DeadLetterError { what: "pull", message: e.to_string() })?;
     loop {
         let msg = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
@@ -105,10 +96,10 @@ async fn handle(
     if adv.stream != names::JOBS_STREAM {
         return Ok(());
     }
-    let original = jobs.direct_get(adv.stream_seq).await.map_err(|e| DeadLetterError {
-        what: "fetch dead message",
-        message: e.to_string(),
-    })?;
+    let original = jobs
+        .direct_get(adv.stream_seq)
+        .await
+        .map_err(|e| DeadLetterError { what: "fetch dead message", message: e.to_string() })?;
     let Some(job_id) = job_id_of_subject(&original.subject) else {
         return Ok(());
     };
@@ -122,11 +113,7 @@ async fn handle(
             EventBody::Failed(f) => Some(format!("{}: {}", f.code, f.message)),
             _ => None,
         });
-    let reason = if last_error.is_some() {
-        "max_deliveries"
-    } else {
-        "crash_loop"
-    };
+    let reason = if last_error.is_some() { "max_deliveries" } else { "crash_loop" };
     let ev = Event::new(
         &job_id,
         "/stemq/deadletter",
@@ -140,10 +127,8 @@ async fn handle(
     let subject = job_subject(&job_id, SubjectKind::Outcome);
     match publish_once(js, &subject, &ev, &format!("{job_id}.outcome"))
         .await
-        .map_err(|e| DeadLetterError {
-            what: "publish dead letter",
-            message: e.to_string(),
-        })? {
+        .map_err(|e| DeadLetterError { what: "publish dead letter", message: e.to_string() })?
+    {
         Once::Stored(_) => {
             warn!(job_id = %job_id, deliveries = adv.deliveries, reason, "job dead-lettered")
         }

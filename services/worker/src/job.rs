@@ -22,7 +22,8 @@ use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::event::{
-    DeadLettered, EventBody, Failed, FailureClass, Output, Progress, Rejected, Requested, Started, Succeeded,
+    Cancelled, DeadLettered, EventBody, Expired, Failed, FailureClass, Output, Progress, Rejected, Requested, Started,
+    Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -32,7 +33,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
-use crate::Shared;
+use crate::{control, Shared};
 use stemq_core::metrics::{metrics, JobLabels};
 
 /// Handles one delivery; never panics, never leaves the message without an answer
@@ -56,9 +57,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
     // Continue the request's trace (set before the span is first entered).
     let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
     stemq_core::telemetry::set_parent(&span, traceparent.as_deref());
-    run_delivery(shared, msg, job_id, attempt, seq, hard_stop)
-        .instrument(span)
-        .await
+    run_delivery(shared, msg, job_id, attempt, seq, hard_stop).instrument(span).await
 }
 
 fn source(shared: &Shared) -> String {
@@ -79,14 +78,7 @@ async fn run_delivery(
         Err((code, message)) => {
             warn!(code, %message, "rejecting request event");
             metrics().outcome("unknown", "rejected");
-            let ev = Event::new(
-                &job_id,
-                &source(shared),
-                EventBody::Rejected(Rejected {
-                    code: code.into(),
-                    message,
-                }),
-            );
+            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
             finish(shared, &msg, &job_id, ev).await;
             return;
         }
@@ -96,11 +88,7 @@ async fn run_delivery(
     let model = requested.request.model.as_str();
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
-    match shared
-        .jobs_stream
-        .direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome))
-        .await
-    {
+    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
         Ok(_) => {
             info!(event = "skip.already_done", "job already has an outcome; acking");
             let _ = msg.double_ack().await;
@@ -114,6 +102,50 @@ async fn run_delivery(
         }
     }
 
+    // 2b. Cancelled or past its start deadline? Then it never starts. Listen for a
+    // cancel request first, so one that arrives from now on is not missed.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let user_cancel = Arc::new(AtomicBool::new(false));
+    let cancel_watch = match control::watch_cancel(shared, &job_id, cancel.clone(), user_cancel.clone()).await {
+        Ok(h) => h,
+        Err(e) => {
+            warn!(error = %e, "cannot listen for cancel requests; retrying later");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    };
+    let _cancel_watch = AbortOnDrop(cancel_watch);
+    match control::cancel_requested_in_log(shared, &job_id).await {
+        Ok(true) => {
+            info!(event = "job.cancelled", "cancel requested before start; not running it");
+            metrics().outcome(model, "cancelled");
+            let ev =
+                Event::new(&job_id, &source(shared), EventBody::Cancelled(Cancelled { attempt, interrupted: false }));
+            finish(shared, &msg, &job_id, ev).await;
+            return;
+        }
+        Ok(false) => {}
+        Err(e) => {
+            warn!(error = %e, "cannot check for a cancel request; retrying later");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
+    }
+    if let Some(deadline) = requested.start_before {
+        if chrono::Utc::now() > deadline {
+            info!(event = "job.expired", start_before = %deadline, "start deadline passed; not running it");
+            metrics().outcome(model, "expired");
+            let ev = Event::new(&job_id, &source(shared), EventBody::Expired(Expired { start_before: deadline }));
+            finish(shared, &msg, &job_id, ev).await;
+            return;
+        }
+    }
+    // The per-job limit, never above the worker's own.
+    let time_limit = match requested.max_runtime {
+        Some(s) => shared.config.time_limit.min(Duration::from_secs(s)),
+        None => shared.config.time_limit,
+    };
+
     // 3. Started, and keep the delivery alive while we work.
     let engine = shared.engine.clone();
     let devices = engine.devices();
@@ -121,23 +153,13 @@ async fn run_delivery(
     let mut started = Event::new(
         &job_id,
         &source(shared),
-        EventBody::Started(Started {
-            attempt,
-            worker: shared.config.name.clone(),
-            device: first_device.clone(),
-        }),
+        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
     );
     started.traceparent = traceparent.clone();
     if let (1, Some(env)) = (attempt, &envelope) {
         let waited = (started.time - env.time).to_std().unwrap_or_default();
-        let labels = JobLabels {
-            model: model.into(),
-            device: first_device.clone(),
-        };
-        metrics()
-            .queue_wait
-            .get_or_create(&labels)
-            .observe(waited.as_secs_f64());
+        let labels = JobLabels { model: model.into(), device: first_device.clone() };
+        metrics().queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
     }
     let js = shared.js.clone();
     let started_subject = job_subject(&job_id, SubjectKind::Started);
@@ -146,27 +168,18 @@ async fn run_delivery(
 
     let msg = Arc::new(msg);
     let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
-    let cancel = Arc::new(AtomicBool::new(false));
     let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
 
     // 4. The engine, under the time limit, down the out-of-memory ladder.
     let result = {
-        let work = run_engine(
-            shared,
-            &job_id,
-            &requested,
-            attempt,
-            &devices,
-            progress_tx,
-            cancel.clone(),
-        );
+        let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
         tokio::select! {
-            r = tokio::time::timeout(shared.config.time_limit, work) => match r {
+            r = tokio::time::timeout(time_limit, work) => match r {
                 Ok(r) => r,
                 Err(_) => {
                     cancel.store(true, Ordering::SeqCst);
                     Err(Failure::permanent("time_limit", format!(
-                        "the job ran longer than the {} s limit", shared.config.time_limit.as_secs())))
+                        "the job ran longer than the {} s limit", time_limit.as_secs())))
                 }
             },
             _ = hard_stop.cancelled() => {
@@ -186,6 +199,15 @@ async fn run_delivery(
 
     // 5./6. Outcome, then ack.
     let src = source(shared);
+    if user_cancel.load(Ordering::SeqCst) {
+        // Stopped on request (or finished just as the request came): keep nothing.
+        control::discard_outputs(shared, &job_id).await;
+        info!(event = "job.cancelled", "cancelled while running; outputs discarded");
+        metrics().outcome(model, "cancelled");
+        let ev = Event::new(&job_id, &src, EventBody::Cancelled(Cancelled { attempt, interrupted: true }));
+        finish(shared, &msg, &job_id, ev).await;
+        return;
+    }
     match result {
         Ok(done) => {
             let outcome = Event::new(
@@ -201,24 +223,11 @@ async fn run_delivery(
                     duration_ms: elapsed.as_millis() as u64,
                 }),
             );
-            info!(
-                event = "job.succeeded",
-                duration_ms = elapsed.as_millis() as u64,
-                degraded = done.degraded
-            );
-            let labels = JobLabels {
-                model: model.into(),
-                device: done.device.clone(),
-            };
-            metrics()
-                .job_duration
-                .get_or_create(&labels)
-                .observe(elapsed.as_secs_f64());
+            info!(event = "job.succeeded", duration_ms = elapsed.as_millis() as u64, degraded = done.degraded);
+            let labels = JobLabels { model: model.into(), device: done.device.clone() };
+            metrics().job_duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
             if let Some(audio) = done.audio_secs.filter(|s| *s > 0.0) {
-                metrics()
-                    .realtime_factor
-                    .get_or_create(&labels)
-                    .observe(elapsed.as_secs_f64() / audio);
+                metrics().realtime_factor.get_or_create(&labels).observe(elapsed.as_secs_f64() / audio);
             }
             metrics().outcome(model, if done.degraded { "degraded" } else { "succeeded" });
             metrics().deliveries.observe(attempt as f64);
@@ -289,7 +298,13 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut e
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
         Ok(Once::Stored(_)) => {}
-        Ok(Once::AlreadyThere) => info!(event = "skip.already_done", "another outcome was recorded first"),
+        Ok(Once::AlreadyThere) => {
+            info!(event = "skip.already_done", "another outcome was recorded first");
+            // A cancel that won the race against our success: its outputs must go.
+            if matches!(ev.body, EventBody::Succeeded(_)) && outcome_is_cancelled(shared, job_id).await {
+                control::discard_outputs(shared, job_id).await;
+            }
+        }
         Err(e) => {
             warn!(error = %e, "outcome not stored; the job will be redelivered");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
@@ -303,13 +318,26 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut e
     }
 }
 
+async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
+    match shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome)).await {
+        Ok(m) => Event::from_slice(&m.payload).map(|e| matches!(e.body, EventBody::Cancelled(_))).unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Aborts a helper task when the attempt ends, however it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
     let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
     let EventBody::Requested(r) = ev.body else {
-        return Err((
-            "invalid_event",
-            format!("expected a requested event, got {}", ev.body.kind()),
-        ));
+        return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
     };
     let computed = r.request.job_id();
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
@@ -331,6 +359,8 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         shifts: Some(r.request.shifts),
         webhook: r.webhook.clone(),
         metadata: r.metadata.clone(),
+        start_before: None,
+        max_runtime: r.max_runtime,
     };
     match req.normalize(&r.request.owner).map(|mut n| {
         n.retry_of = r.request.retry_of.clone();
@@ -352,18 +382,10 @@ struct Failure {
 
 impl Failure {
     fn permanent(code: &str, message: String) -> Failure {
-        Failure {
-            class: FailureClass::Permanent,
-            code: code.into(),
-            message,
-        }
+        Failure { class: FailureClass::Permanent, code: code.into(), message }
     }
     fn transient(code: &str, message: String) -> Failure {
-        Failure {
-            class: FailureClass::Transient,
-            code: code.into(),
-            message,
-        }
+        Failure { class: FailureClass::Transient, code: code.into(), message }
     }
 }
 
@@ -421,30 +443,18 @@ async fn run_engine(
         .await
         .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
-        fetch_input(shared, &requested.request.audio_uri, &dir)
-            .instrument(info_span!("fetch_input"))
-            .await?
+        fetch_input(shared, &requested.request.audio_uri, &dir).instrument(info_span!("fetch_input")).await?
     } else {
         dir.join("input")
     };
 
     let ctx = Arc::new(Ctx { progress, cancel });
-    let rungs = ladder(
-        devices,
-        requested.request.segment,
-        requested.request.model.max_segment(),
-    );
+    let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
     let mut last_oom = String::new();
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
-        let (job_id2, req, input2, out2, dev, ctx2) = (
-            job_id.clone(),
-            requested.clone(),
-            input.clone(),
-            out_dir.clone(),
-            device.clone(),
-            ctx.clone(),
-        );
+        let (job_id2, req, input2, out2, dev, ctx2) =
+            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
         let segment = *segment;
         let engine_span = info_span!("engine.separate", %device, segment = ?segment);
         let res = tokio::task::spawn_blocking(move || {
@@ -472,18 +482,9 @@ async fn run_engine(
                 let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded)
                     .instrument(info_span!("store_outputs", stems = stems.len()))
                     .await?;
-                let audio_secs = stems
-                    .first()
-                    .and_then(|s| s.audio)
-                    .map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
-                return Ok(Done {
-                    audio_secs,
-                    outputs,
-                    manifest_uri,
-                    degraded,
-                    device: device.clone(),
-                    segment,
-                });
+                let audio_secs =
+                    stems.first().and_then(|s| s.audio).map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
+                return Ok(Done { audio_secs, outputs, manifest_uri, degraded, device: device.clone(), segment });
             }
             Err(EngineError::OutOfMemory { device }) => {
                 warn!(event = "job.oom", %device, ?segment, "out of memory; stepping down");
@@ -495,10 +496,7 @@ async fn run_engine(
             Err(e) => return Err(classify(e)),
         }
     }
-    Err(Failure::transient(
-        "out_of_memory",
-        format!("out of memory on {last_oom} at every rung"),
-    ))
+    Err(Failure::transient("out_of_memory", format!("out of memory on {last_oom} at every rung")))
 }
 
 fn classify(e: EngineError) -> Failure {
@@ -526,12 +524,7 @@ async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, 
         e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient("scratch", e.to_string()),
         e => Failure::transient("storage", e.to_string()),
     })?;
-    info!(
-        event = "input.fetched",
-        bytes,
-        ms = t0.elapsed().as_millis() as u64,
-        "input fetched"
-    );
+    info!(event = "input.fetched", bytes, ms = t0.elapsed().as_millis() as u64, "input fetched");
     Ok(path)
 }
 
@@ -552,10 +545,7 @@ async fn store_outputs(
     for s in stems {
         let file = format!("{}.{ext}", s.stem);
         let key = output_key(job_id.as_str(), &file);
-        let stored = store
-            .put_file(&key, &s.path)
-            .await
-            .map_err(|e| Failure::transient("storage", e.to_string()))?;
+        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient("storage", e.to_string()))?;
         let mut entry = json!({
             "stem": s.stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
         });
@@ -565,12 +555,7 @@ async fn store_outputs(
             entry["duration_secs"] = json!(a.frames as f64 / f64::from(a.sample_rate.max(1)));
         }
         entries.push(entry);
-        outputs.push(Output {
-            stem: s.stem.clone(),
-            uri: stored.uri,
-            bytes: stored.bytes,
-            sha256: stored.sha256,
-        });
+        outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
     }
     let first_audio = stems.iter().find_map(|s| s.audio);
     let manifest = json!({
@@ -606,17 +591,34 @@ fn spawn_keepalive(
     let subject = job_subject(job_id, SubjectKind::Progress);
     let job_id = job_id.clone();
     let src = source(shared);
+    let heartbeat = shared.config.progress_heartbeat;
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.tick().await;
+        let mut beat = tokio::time::interval(heartbeat);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        beat.tick().await;
         let mut engine_done = false;
         let mut last_sent: Option<Instant> = None;
+        let mut last: (f32, String) = (0.0, "starting".to_string());
         loop {
             tokio::select! {
                 _ = tick.tick() => {
                     if let Err(e) = msg.ack_with(AckKind::Progress).await {
                         warn!(error = %e, "progress ack failed");
                     }
+                }
+                _ = beat.tick(), if !engine_done => {
+                    if last_sent.map(|t| t.elapsed() + Duration::from_millis(50) < heartbeat).unwrap_or(false) {
+                        continue;
+                    }
+                    let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
+                        attempt, percent: (last.0 * 100.0).round(), stage: last.1.clone(), message: None,
+                    }));
+                    if let Err(e) = publish(&js, &subject, &ev, None).await {
+                        warn!(error = %e, "progress heartbeat not stored");
+                    }
+                    last_sent = Some(Instant::now());
                 }
                 changed = progress.changed(), if !engine_done => {
                     if changed.is_err() {
@@ -629,6 +631,7 @@ fn spawn_keepalive(
                         }
                     }
                     let Some((fraction, stage)) = progress.borrow_and_update().clone() else { continue };
+                    last = (fraction, stage.clone());
                     let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
                         attempt, percent: (fraction * 100.0).round(), stage, message: None,
                     }));
@@ -660,17 +663,10 @@ mod tests {
         let devs = vec!["cuda:0".to_string(), "cpu".to_string()];
         assert_eq!(
             ladder(&devs, None, Some(7.8)),
-            vec![
-                ("cuda:0".into(), None),
-                ("cuda:0".into(), Some(3.9)),
-                ("cpu".into(), None)
-            ]
+            vec![("cuda:0".into(), None), ("cuda:0".into(), Some(3.9)), ("cpu".into(), None)]
         );
         let cpu_only = vec!["cpu".to_string()];
-        assert_eq!(
-            ladder(&cpu_only, Some(4.0), Some(7.8)),
-            vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]
-        );
+        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]);
         assert_eq!(ladder(&cpu_only, None, None), vec![("cpu".into(), None)]);
     }
 }

@@ -14,6 +14,7 @@
 //! (nak) for another worker, with no outcome recorded.
 
 pub mod backoff;
+mod control;
 pub mod deadletter;
 pub mod job;
 
@@ -67,6 +68,10 @@ pub struct Config {
     pub backoff: Backoff,
     /// Least time between two published progress updates of a job.
     pub progress_every: Duration,
+    /// Most time between two published progress updates of a running job: the last
+    /// progress is re-sent even when unchanged, so watchers see the job is alive. The
+    /// progress stream keeps one message per job, so this costs the log nothing.
+    pub progress_heartbeat: Duration,
     /// Run the dead-letter handler in this process.
     pub deadletter: bool,
 }
@@ -83,6 +88,7 @@ impl Config {
             time_limit: Duration::from_secs(3600),
             backoff: Backoff::default(),
             progress_every: Duration::from_millis(500),
+            progress_heartbeat: Duration::from_secs(1),
             deadletter: true,
         }
     }
@@ -112,27 +118,15 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     let js = jetstream::new(client);
-    let err = |what| {
-        move |e: &dyn std::fmt::Display| WorkerError::JetStream {
-            what,
-            message: e.to_string(),
-        }
-    };
+    let err = |what| move |e: &dyn std::fmt::Display| WorkerError::JetStream { what, message: e.to_string() };
     let mut consumer: PullConsumer = js
         .get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM)
         .await
         .map_err(|e| err("open workers consumer")(&e))?;
     let info = consumer.info().await.map_err(|e| err("consumer info")(&e))?.clone();
-    let jobs_stream = js
-        .get_stream_no_info(names::JOBS_STREAM)
-        .await
-        .map_err(|e| err("open job stream")(&e))?;
+    let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| err("open job stream")(&e))?;
     std::fs::create_dir_all(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
-    let max_deliver = if info.config.max_deliver <= 0 {
-        u32::MAX
-    } else {
-        info.config.max_deliver as u32
-    };
+    let max_deliver = if info.config.max_deliver <= 0 { u32::MAX } else { info.config.max_deliver as u32 };
     let shared = Arc::new(Shared {
         js: js.clone(),
         jobs_stream,
@@ -186,10 +180,7 @@ pub async fn run(
     tracker.close();
 
     shutdown.cancelled().await;
-    info!(
-        grace_s = config.grace.as_secs(),
-        "shutting down: finishing current jobs"
-    );
+    info!(grace_s = config.grace.as_secs(), "shutting down: finishing current jobs");
     if tokio::time::timeout(config.grace, tracker.wait()).await.is_err() {
         warn!("grace period over: handing running jobs back");
         hard_stop.cancel();
@@ -207,12 +198,7 @@ async fn job_loop(
     hard: CancellationToken,
 ) {
     while !stop.is_cancelled() {
-        let batch = consumer
-            .batch()
-            .max_messages(1)
-            .expires(Duration::from_secs(5))
-            .messages()
-            .await;
+        let batch = consumer.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await;
         let mut batch = match batch {
             Ok(b) => b,
             Err(e) => {

@@ -6,9 +6,7 @@ use std::path::Path;
 use stemq_audio::{DecodeOptions, Decoder, StereoChunk};
 
 pub fn sine(freq: f64, amp: f64, rate: u32, frames: usize) -> Vec<f32> {
-    (0..frames)
-        .map(|i| (amp * (2.0 * std::f64::consts::PI * freq * i as f64 / rate as f64).sin()) as f32)
-        .collect()
+    (0..frames).map(|i| (amp * (2.0 * std::f64::consts::PI * freq * i as f64 / rate as f64).sin()) as f32).collect()
 }
 
 /// Deterministic xorshift noise in [-1, 1).

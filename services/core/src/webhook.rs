@@ -1,0 +1,457 @@
+//! Webhooks: Standard Webhooks signing, the per-owner signing secrets, and the SSRF
+//! policy for receiver URLs.
+//!
+//! This module owns the webhook contract shared by the ingress (secret endpoints, URL
+//! check at submit) and the relay (signing, URL check and address pinning at delivery):
+//! - [`Secret`], [`sign`], [`verify`]: Standard Webhooks 1.0 symmetric signatures,
+//!   `v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">` with `whsec_` secrets;
+//! - [`OwnerWebhooks`] in the `stemq_webhooks` bucket (key = owner): the current secret,
+//!   the previous one while a rotation's grace period lasts (both sign), and the
+//!   endpoints a receiver disabled with `410 Gone`;
+//! - [`Allowlist`] and [`check_url`]: https only, public addresses only, unless
+//!   `STEMQ_WEBHOOK_ALLOW` names the host or a CIDR holding its address (which then also
+//!   permits plain http). The check resolves the host once and returns the address, so
+//!   the caller connects to exactly what was checked (no DNS rebinding).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use chrono::{DateTime, Utc};
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Prefix of symmetric secrets.
+pub const SECRET_PREFIX: &str = "whsec_";
+/// Largest accepted clock difference when verifying, in seconds.
+pub const TOLERANCE_S: i64 = 300;
+
+/// A symmetric signing secret (24–64 random bytes).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// A new random secret of 32 bytes.
+    pub fn generate() -> Secret {
+        Secret(rand::random::<[u8; 32]>().to_vec())
+    }
+
+    /// Parses `whsec_<base64>` (the prefix is optional).
+    pub fn parse(s: &str) -> Option<Secret> {
+        let b = B64.decode(s.strip_prefix(SECRET_PREFIX).unwrap_or(s)).ok()?;
+        (!b.is_empty()).then_some(Secret(b))
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{SECRET_PREFIX}{}", B64.encode(&self.0))
+    }
+}
+
+/// The `v1,<base64>` signature of one message.
+pub fn sign(secret: &Secret, msg_id: &str, timestamp: i64, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(&secret.0).expect("HMAC takes any key length");
+    mac.update(msg_id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    format!("v1,{}", B64.encode(mac.finalize().into_bytes()))
+}
+
+/// The `webhook-signature` header value: one signature per secret, space-separated.
+pub fn signature_header(secrets: &[Secret], msg_id: &str, timestamp: i64, body: &[u8]) -> String {
+    secrets.iter().map(|s| sign(s, msg_id, timestamp, body)).collect::<Vec<_>>().join(" ")
+}
+
+/// Why a signature did not verify.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    /// The timestamp is more than [`TOLERANCE_S`] away from now.
+    #[error("timestamp too far from now")]
+    Timestamp,
+    /// No `v1` signature matched.
+    #[error("no matching signature")]
+    Signature,
+}
+
+/// Verifies a `webhook-signature` header against `secret` (constant-time compare).
+pub fn verify(
+    secret: &Secret,
+    msg_id: &str,
+    timestamp: i64,
+    body: &[u8],
+    header: &str,
+    now: i64,
+) -> Result<(), VerifyError> {
+    if (now - timestamp).abs() > TOLERANCE_S {
+        return Err(VerifyError::Timestamp);
+    }
+    let mut mac = Hmac::<Sha256>::new_from_slice(&secret.0).expect("HMAC takes any key length");
+    mac.update(format!("{msg_id}.{timestamp}.").as_bytes());
+    mac.update(body);
+    for sig in header.split(' ') {
+        let Some(b64) = sig.strip_prefix("v1,") else {
+            continue;
+        };
+        let Ok(bytes) = B64.decode(b64) else { continue };
+        if mac.clone().verify_slice(&bytes).is_ok() {
+            return Ok(());
+        }
+    }
+    Err(VerifyError::Signature)
+}
+
+/// An owner's webhook settings, the value in the `stemq_webhooks` bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct OwnerWebhooks {
+    /// The current signing secret (`whsec_...`).
+    pub secret: String,
+    /// The secret before the last rotation, still signing until `previous_until`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+    /// End of the rotation grace period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_until: Option<DateTime<Utc>>,
+    /// Receiver URLs that answered `410 Gone`: nothing more is sent to them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disabled: Vec<String>,
+}
+
+impl OwnerWebhooks {
+    fn fresh() -> OwnerWebhooks {
+        OwnerWebhooks {
+            secret: Secret::generate().to_string(),
+            previous: None,
+            previous_until: None,
+            disabled: Vec::new(),
+        }
+    }
+
+    /// The secrets that sign now: the current one, and the previous one during the
+    /// grace period.
+    pub fn signing_secrets(&self, now: DateTime<Utc>) -> Vec<Secret> {
+        let mut out: Vec<Secret> = Secret::parse(&self.secret).into_iter().collect();
+        if let (Some(p), Some(until)) = (&self.previous, self.previous_until) {
+            if now < until {
+                out.extend(Secret::parse(p));
+            }
+        }
+        out
+    }
+}
+
+/// Failures reading or writing the secrets bucket.
+#[derive(Debug, thiserror::Error)]
+#[error("webhook settings of {owner}: {message}")]
+pub struct SecretsError {
+    /// Whose.
+    pub owner: String,
+    /// Why.
+    pub message: String,
+}
+
+/// The bucket key of an owner (the owner itself when it is a valid key).
+pub fn owner_key(owner: &str) -> String {
+    if !owner.is_empty() && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_=".contains(&b)) {
+        owner.to_string()
+    } else {
+        format!("h-{}", hex::encode(Sha256::digest(owner.as_bytes())))
+    }
+}
+
+fn secrets_err(owner: &str, e: impl std::fmt::Display) -> SecretsError {
+    SecretsError { owner: owner.to_string(), message: e.to_string() }
+}
+
+/// Reads an owner's settings, creating them (with a new secret) on first use.
+pub async fn owner_webhooks(bucket: &kv::Store, owner: &str) -> Result<(OwnerWebhooks, u64), SecretsError> {
+    let key = owner_key(owner);
+    for _ in 0..5 {
+        if let Some(e) = bucket.entry(&key).await.map_err(|e| secrets_err(owner, e))? {
+            if e.operation == kv::Operation::Put {
+                let v = serde_json::from_slice(&e.value).map_err(|e| secrets_err(owner, e))?;
+                return Ok((v, e.revision));
+            }
+        }
+        let fresh = OwnerWebhooks::fresh();
+        let body = serde_json::to_vec(&fresh).expect("serialises");
+        match bucket.create(&key, body.into()).await {
+            Ok(rev) => return Ok((fresh, rev)),
+            // Someone else created it first: read theirs.
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(secrets_err(owner, e)),
+        }
+    }
+    Err(secrets_err(owner, "too many concurrent writers"))
+}
+
+/// Changes an owner's settings with compare-and-set.
+async fn update_owner(
+    bucket: &kv::Store,
+    owner: &str,
+    change: impl Fn(&mut OwnerWebhooks) -> bool,
+) -> Result<OwnerWebhooks, SecretsError> {
+    for _ in 0..10 {
+        let (mut v, rev) = owner_webhooks(bucket, owner).await?;
+        if !change(&mut v) {
+            return Ok(v);
+        }
+        let body = serde_json::to_vec(&v).expect("serialises");
+        match bucket.update(owner_key(owner), body.into(), rev).await {
+            Ok(_) => return Ok(v),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+            Err(e) => return Err(secrets_err(owner, e)),
+        }
+    }
+    Err(secrets_err(owner, "too many concurrent writers"))
+}
+
+/// Rotates an owner's secret; the old one keeps signing for `grace`.
+pub async fn rotate(bucket: &kv::Store, owner: &str, grace: Duration) -> Result<OwnerWebhooks, SecretsError> {
+    update_owner(bucket, owner, |v| {
+        v.previous = Some(std::mem::replace(&mut v.secret, Secret::generate().to_string()));
+        v.previous_until = Some(Utc::now() + chrono::Duration::from_std(grace).unwrap_or_default());
+        true
+    })
+    .await
+}
+
+/// Disables `url` for `owner` (after a 410).
+pub async fn disable(bucket: &kv::Store, owner: &str, url: &str) -> Result<(), SecretsError> {
+    update_owner(bucket, owner, |v| {
+        if v.disabled.iter().any(|u| u == url) {
+            return false;
+        }
+        v.disabled.push(url.to_string());
+        true
+    })
+    .await
+    .map(|_| ())
+}
+
+/// Hosts and networks that webhooks may reach although they are not public, and where
+/// plain http is allowed (`STEMQ_WEBHOOK_ALLOW=127.0.0.1,10.0.0.0/8,hooks.internal`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Allowlist {
+    hosts: Vec<String>,
+    nets: Vec<(IpAddr, u8)>,
+}
+
+impl Allowlist {
+    /// Parses a comma-separated list of host names, addresses and CIDRs.
+    pub fn parse(s: &str) -> Allowlist {
+        let mut a = Allowlist::default();
+        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (addr, len) = match item.split_once('/') {
+                Some((a, l)) => (a, l.parse::<u8>().ok()),
+                None => (item, None),
+            };
+            match addr.trim_matches(|c| c == '[' || c == ']').parse::<IpAddr>() {
+                Ok(ip) => {
+                    let max = if ip.is_ipv4() { 32 } else { 128 };
+                    a.nets.push((ip, len.unwrap_or(max).min(max)));
+                }
+                Err(_) => a.hosts.push(item.to_ascii_lowercase()),
+            }
+        }
+        a
+    }
+
+    /// From `STEMQ_WEBHOOK_ALLOW` (empty when unset).
+    pub fn from_env() -> Allowlist {
+        Allowlist::parse(&std::env::var("STEMQ_WEBHOOK_ALLOW").unwrap_or_default())
+    }
+
+    fn allows_host(&self, host: &str) -> bool {
+        self.hosts.iter().any(|h| h == &host.to_ascii_lowercase())
+    }
+
+    fn allows_ip(&self, ip: IpAddr) -> bool {
+        self.nets.iter().any(|(net, len)| in_net(ip, *net, *len))
+    }
+}
+
+fn in_net(ip: IpAddr, net: IpAddr, len: u8) -> bool {
+    match (ip, net) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => {
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len as u32) };
+            u32::from(a) & mask == u32::from(b) & mask
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) => {
+            let mask = if len == 0 { 0 } else { u128::MAX << (128 - len as u32) };
+            u128::from(a) & mask == u128::from(b) & mask
+        }
+        (IpAddr::V6(a), IpAddr::V4(_)) => a.to_ipv4_mapped().is_some_and(|a4| in_net(IpAddr::V4(a4), net, len)),
+        _ => false,
+    }
+}
+
+/// True for addresses on the public internet: not private, loopback, link-local,
+/// unspecified, multicast, shared (CGNAT), documentation or unique-local.
+pub fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            !(v4.is_private()
+                || v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || v4.is_documentation()
+                || o[0] == 0
+                || (o[0] == 100 && (64..128).contains(&o[1]))
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
+                || o[0] >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || s[0] == 0x2001 && s[1] == 0x0db8)
+        }
+    }
+}
+
+/// A checked receiver: where to connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The URL.
+    pub url: url::Url,
+    /// Its host name (for the pinned resolution).
+    pub host: String,
+    /// The one address checked and to be used.
+    pub addr: SocketAddr,
+}
+
+/// Checks a receiver URL against the SSRF policy and resolves it once. The error is a
+/// sentence for the person who gave the URL.
+pub async fn check_url(raw: &str, allow: &Allowlist) -> Result<Target, String> {
+    let url = url::Url::parse(raw).map_err(|e| format!("`url` is not an absolute URL: {e}"))?;
+    let host = url.host_str().ok_or("`url` has no host")?.trim_matches(|c| c == '[' || c == ']').to_string();
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("`url` must not carry credentials".into());
+    }
+    let port = url.port_or_known_default().ok_or("`url` has no port")?;
+    let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .map_err(|e| format!("`url` host {host} does not resolve: {e}"))?
+            .collect(),
+    };
+    let addr = *addrs.first().ok_or_else(|| format!("`url` host {host} has no address"))?;
+    let host_allowed = allow.allows_host(&host);
+    // Every address the name has must be acceptable, not just the one we pick.
+    let allowed = |ip: IpAddr| host_allowed || allow.allows_ip(ip);
+    for a in &addrs {
+        if !is_public(a.ip()) && !allowed(a.ip()) {
+            return Err(format!("`url` points to a private, loopback or link-local address ({}); not allowed", a.ip()));
+        }
+    }
+    match url.scheme() {
+        "https" => {}
+        "http" if addrs.iter().all(|a| allowed(a.ip())) => {}
+        "http" => return Err("`url` must use https".into()),
+        s => return Err(format!("`url` scheme {s} is not allowed; use https")),
+    }
+    Ok(Target { url, host, addr })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test vector of the Standard Webhooks specification.
+    #[test]
+    fn standard_webhooks_test_vector() {
+        let secret = Secret::parse("whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD").unwrap();
+        let body = br#"{"email":"test@example.com","username":"test_user"}"#;
+        let sig = sign(&secret, "msg_27UH4WbU6Z5A5EzD8u03UvzRbpk", 1649367553, body);
+        assert_eq!(sig, "v1,tZ1I4/hDygAJgO5TYxiSd6Sd0kDW6hPenDe+bTa3Kkw=");
+        let ok = verify(
+            &secret,
+            "msg_27UH4WbU6Z5A5EzD8u03UvzRbpk",
+            1649367553,
+            body,
+            &format!("v1,bm90IGl0 {sig}"),
+            1649367553 + 10,
+        );
+        assert_eq!(ok, Ok(()));
+        assert_eq!(verify(&secret, "msg_x", 1649367553, body, &sig, 1649367553), Err(VerifyError::Signature));
+        assert_eq!(
+            verify(&secret, "msg_27UH4WbU6Z5A5EzD8u03UvzRbpk", 1649367553, body, &sig, 1649367553 + 301),
+            Err(VerifyError::Timestamp)
+        );
+    }
+
+    #[test]
+    fn secrets_round_trip_and_rotation_signs_with_both() {
+        let s = Secret::generate();
+        assert!(s.to_string().starts_with("whsec_"));
+        assert_eq!(Secret::parse(&s.to_string()), Some(s.clone()));
+        let now = Utc::now();
+        let mut o = OwnerWebhooks::fresh();
+        assert_eq!(o.signing_secrets(now).len(), 1);
+        o.previous = Some(s.to_string());
+        o.previous_until = Some(now + chrono::Duration::seconds(60));
+        assert_eq!(o.signing_secrets(now).len(), 2);
+        assert_eq!(o.signing_secrets(now + chrono::Duration::seconds(61)).len(), 1);
+        let header = signature_header(&o.signing_secrets(now), "m", 5, b"x");
+        assert_eq!(header.split(' ').count(), 2);
+        assert_eq!(verify(&s, "m", 5, b"x", &header, 5), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn ssrf_policy() {
+        let none = Allowlist::default();
+        for bad in [
+            "http://example.com/h",
+            "https://127.0.0.1/h",
+            "https://10.1.2.3/h",
+            "https://169.254.169.254/latest",
+            "https://[::1]/h",
+            "https://[fe80::1]/h",
+            "https://192.168.0.1:8443/h",
+            "https://user:pw@93.184.216.34/h",
+            "ftp://93.184.216.34/h",
+            "https://localhost/h",
+            "not a url",
+        ] {
+            assert!(check_url(bad, &none).await.is_err(), "{bad}");
+        }
+        let t = check_url("https://93.184.216.34/h", &none).await.unwrap();
+        assert_eq!(t.addr, "93.184.216.34:443".parse().unwrap());
+        let local = Allowlist::parse("127.0.0.1, 10.0.0.0/8");
+        let t = check_url("http://127.0.0.1:9000/h", &local).await.unwrap();
+        assert_eq!(t.addr, "127.0.0.1:9000".parse().unwrap());
+        assert!(check_url("http://10.9.8.7/h", &local).await.is_ok());
+        assert!(check_url("http://192.168.1.1/h", &local).await.is_err());
+        // plain http stays refused for public hosts even with an allow-list
+        assert!(check_url("http://93.184.216.34/h", &local).await.is_err());
+        assert!(check_url("http://localhost:1/h", &Allowlist::parse("localhost")).await.is_ok());
+    }
+
+    #[test]
+    fn owner_keys_are_valid_kv_keys() {
+        assert_eq!(owner_key("anonymous"), "anonymous");
+        assert!(owner_key("a b/c").starts_with("h-"));
+    }
+}

@@ -1,0 +1,151 @@
+"""A foreign service talking to stemq through its public contracts only.
+
+It publishes a `JobRequested` CloudEvent straight to the JetStream log (no HTTP
+ingress), reads the job's status from the `stemq_jobs` KV bucket, watches the entry to
+the end, and receives the signed webhook and verifies it with the `standardwebhooks`
+package. Run by tests/tests/python.rs; configured by environment variables:
+
+  NATS_URL         the NATS server
+  STEMQ_HTTP       the ingress base URL (only to read the webhook signing secret)
+  STEMQ_AUDIO_URI  an audio URI inside the store the workers read
+"""
+
+import asyncio
+import datetime
+import hashlib
+import http.server
+import json
+import os
+import sys
+import threading
+import urllib.request
+
+import nats
+from nats.js.errors import KeyNotFoundError
+from standardwebhooks.webhooks import Webhook
+
+TERMINAL = {"succeeded", "failed", "dead_lettered", "rejected", "cancelled", "expired"}
+
+
+class Hooks(http.server.BaseHTTPRequestHandler):
+    received = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        Hooks.received.append((dict(self.headers.items()), body))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def canonical(obj):
+    """RFC 8785 (JCS) for the values a request holds: sorted keys, no spaces."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def main():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hooks)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook_url = f"http://127.0.0.1:{server.server_address[1]}/stemq"
+
+    request = {
+        "audio_uri": os.environ["STEMQ_AUDIO_URI"],
+        "model": "dsp",
+        "output_format": "wav",
+        "encoding": "s16",
+        "clip_mode": "rescale",
+        "overlap": 0.25,
+        "shifts": 0,
+        "owner": "anonymous",
+    }
+    job_id = hashlib.sha256(canonical(request)).hexdigest()
+    event = {
+        "specversion": "1.0",
+        "id": job_id,
+        "source": "/python/foreign-service",
+        "subject": job_id,
+        "type": "io.stemq.job.requested.v1",
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "datacontenttype": "application/json",
+        "data": {
+            "request": request,
+            "webhook": {"url": hook_url, "events": ["completed"]},
+            "metadata": {"from": "python", "fake": {"sleep_ms": 300}},
+        },
+    }
+
+    nc = await nats.connect(os.environ["NATS_URL"])
+    js = nc.jetstream()
+    ack = await js.publish(
+        f"stemq.jobs.{job_id}.requested",
+        json.dumps(event).encode(),
+        headers={
+            "Nats-Msg-Id": job_id,
+            "Nats-Expected-Last-Subject-Sequence": "0",
+            "Content-Type": "application/cloudevents+json",
+        },
+    )
+    print(f"published {job_id} at seq {ack.seq}", flush=True)
+
+    kv = await js.key_value("stemq_jobs")
+    # Read once (it may not be projected yet), then watch the key to the end.
+    try:
+        entry = await kv.get(job_id)
+        print("status now:", json.loads(entry.value)["status"], flush=True)
+    except KeyNotFoundError:
+        print("not projected yet", flush=True)
+    seen = []
+    watcher = await kv.watch(job_id)
+    view = None
+    async def follow():
+        nonlocal view
+        while True:
+            # `updates` yields each new revision; None marks the end of the current values.
+            e = await watcher.updates(timeout=30)
+            if e is None or not e.value:
+                continue
+            view = json.loads(e.value)
+            seen.append(view["status"])
+            if view["status"] in TERMINAL:
+                return
+    await asyncio.wait_for(follow(), timeout=30)
+    await watcher.stop()
+    print("statuses seen:", seen, flush=True)
+    assert view["status"] == "succeeded", view
+    assert view["job_id"] == job_id
+    assert view["metadata"]["from"] == "python"
+
+    # The signed webhook.
+    base = os.environ["STEMQ_HTTP"].rstrip("/")
+    secret = json.load(urllib.request.urlopen(f"{base}/v1/webhooks/secret"))["secret"]
+    for _ in range(300):
+        if Hooks.received:
+            break
+        await asyncio.sleep(0.1)
+    assert Hooks.received, "no webhook within 30 s"
+    headers, body = Hooks.received[0]
+    headers = {k.lower(): v for k, v in headers.items()}
+    payload = Webhook(secret).verify(body, headers)
+    assert payload["type"] == "io.stemq.job.succeeded.v1", payload
+    assert payload["data"]["job_id"] == job_id
+    assert payload["data"]["status"] == "succeeded"
+    try:
+        Webhook(secret).verify(body + b" ", headers)
+        raise AssertionError("a tampered body verified")
+    except AssertionError:
+        raise
+    except Exception:
+        pass
+    await nc.close()
+    server.shutdown()
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main())
+    except Exception as e:  # a readable failure for the Rust test's output
+        print(f"FAILED: {e!r}", file=sys.stderr)
+        raise

@@ -1,0 +1,72 @@
+//! Another service as a real client: tests/python/foreign_service.py (nats-py and
+//! standardwebhooks from PyPI) publishes a JobRequested CloudEvent straight to the
+//! stream, watches the KV status to the end and verifies the signed webhook (issue 5).
+//!
+//! The Python packages come from `scripts/install-test-deps.sh` (into ./.venv). Without
+//! them the test prints why and passes.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use stemq_core::JobStatus;
+use stemq_tests::{Stack, StackOptions};
+
+fn python() -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let candidates = [root.join(".venv/bin/python"), PathBuf::from("python3")];
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", "import nats, standardwebhooks"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_service_submits_watches_and_verifies_the_webhook() {
+    let Some(py) = python() else {
+        println!(
+            "SKIPPED: python with nats-py and standardwebhooks not found; run scripts/install-test-deps.sh \
+             (pip install -r tests/python/requirements.txt into ./.venv)"
+        );
+        return;
+    };
+    let mut stack = Stack::start(StackOptions::default()).await;
+    stack
+        .start_relay(stemq_relay::Config {
+            schedule: vec![Duration::ZERO, Duration::from_millis(200), Duration::from_millis(400)],
+            timeout: Duration::from_secs(2),
+            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            ..Default::default()
+        })
+        .await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/foreign_service.py");
+    let audio = stack.store.uri("uploads/from-python.wav");
+    let (url, http) = (stack.server.url(), stack.url(""));
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(py)
+            .arg(script)
+            .env("NATS_URL", url)
+            .env("STEMQ_HTTP", http)
+            .env("STEMQ_AUDIO_URI", audio)
+            .output()
+            .expect("run python")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "python failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("OK"), "{stdout}");
+    // The job it created is an ordinary job.
+    let id = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("published "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(stemq_core::JobId::parse)
+        .expect("the script prints the job id");
+    assert_eq!(stack.view(&id).await.unwrap().status, JobStatus::Succeeded);
+    stack.shutdown().await;
+}

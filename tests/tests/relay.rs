@@ -1,0 +1,338 @@
+//! The webhook relay against a real nats-server and real HTTP receivers on loopback
+//! (issue 5): signing, retries, Retry-After, 410, 3xx, the delivery record, replay,
+//! secret rotation, and the SSRF check at submit.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use stemq_core::webhook::{verify, Secret};
+use stemq_core::{JobId, JobStatus};
+use stemq_tests::{job_body, job_id, Stack, StackOptions};
+
+const T: Duration = Duration::from_secs(30);
+
+/// One request a receiver got.
+#[derive(Debug, Clone)]
+struct Got {
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+    at: Instant,
+}
+
+/// A loopback receiver: each path answers with its script of status codes (the last
+/// one repeats); `hang` paths never answer in time.
+#[derive(Clone, Default)]
+struct Receiver {
+    got: Arc<Mutex<Vec<Got>>>,
+    scripts: Arc<Mutex<HashMap<String, Vec<u16>>>>,
+}
+
+async fn receive(State(r): State<Receiver>, Path(path): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
+    r.got.lock().unwrap().push(Got { path: path.clone(), headers, body, at: Instant::now() });
+    if path.starts_with("hang") {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    }
+    let code = {
+        let mut s = r.scripts.lock().unwrap();
+        let script = s.entry(path).or_insert_with(|| vec![204]);
+        if script.len() > 1 {
+            script.remove(0)
+        } else {
+            script[0]
+        }
+    };
+    let status = StatusCode::from_u16(code).unwrap();
+    match code {
+        429 => (status, [("retry-after", "1")]).into_response(),
+        302 => (status, [("location", "http://127.0.0.1:1/elsewhere")]).into_response(),
+        _ => status.into_response(),
+    }
+}
+
+impl Receiver {
+    async fn start() -> (Receiver, SocketAddr) {
+        let r = Receiver::default();
+        let app = axum::Router::new().route("/{path}", axum::routing::post(receive)).with_state(r.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        (r, addr)
+    }
+
+    fn script(&self, path: &str, codes: &[u16]) {
+        self.scripts.lock().unwrap().insert(path.into(), codes.to_vec());
+    }
+
+    fn on(&self, path: &str) -> Vec<Got> {
+        self.got.lock().unwrap().iter().filter(|g| g.path == path).cloned().collect()
+    }
+
+    async fn wait(&self, path: &str, n: usize) -> Vec<Got> {
+        let deadline = Instant::now() + T;
+        loop {
+            let got = self.on(path);
+            if got.len() >= n {
+                return got;
+            }
+            assert!(Instant::now() < deadline, "{path}: got {} requests, wanted {n}", got.len());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Every test in this binary uses the same allow-list (the variable is process-wide).
+fn allow_loopback() {
+    std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
+}
+
+async fn stack_with_relay() -> Stack {
+    allow_loopback();
+    let mut stack = Stack::start(StackOptions::default()).await;
+    stack
+        .start_relay(stemq_relay::Config {
+            schedule: vec![
+                Duration::ZERO,
+                Duration::from_millis(200),
+                Duration::from_millis(300),
+                Duration::from_millis(400),
+            ],
+            timeout: Duration::from_millis(800),
+            max_retry_after: Duration::from_secs(5),
+            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            concurrency: 16,
+            name: "relay-test".into(),
+        })
+        .await;
+    stack
+}
+
+fn verify_got(g: &Got, secret: &str) -> Value {
+    let id = g.headers["webhook-id"].to_str().unwrap();
+    let ts: i64 = g.headers["webhook-timestamp"].to_str().unwrap().parse().unwrap();
+    let sig = g.headers["webhook-signature"].to_str().unwrap();
+    let secret = Secret::parse(secret).unwrap();
+    verify(&secret, id, ts, &g.body, sig, chrono::Utc::now().timestamp()).expect("signature verifies");
+    serde_json::from_slice(&g.body).unwrap()
+}
+
+async fn submit_with_hook(stack: &Stack, name: &str, url: String, events: Option<Value>) -> JobId {
+    let mut body = job_body(stack, name, None);
+    body["webhook"] = json!({"url": url});
+    if let Some(e) = events {
+        body["webhook"]["events"] = e;
+    }
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!(code, 202, "{b}");
+    job_id(&b)
+}
+
+async fn deliveries(stack: &Stack, id: &JobId, n: usize, attempts: usize) -> Value {
+    let deadline = Instant::now() + T;
+    loop {
+        let (code, d) = stack.get(&format!("/v1/separations/{id}/deliveries")).await;
+        assert_eq!(code, 200);
+        let ds = d["deliveries"].as_array().unwrap();
+        let total: usize = ds.iter().map(|x| x["attempts"].as_array().unwrap().len()).sum();
+        if ds.len() >= n && total >= attempts {
+            return d;
+        }
+        assert!(Instant::now() < deadline, "deliveries: {d:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_completion_webhook_recorded_and_replayable() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    let (code, s) = stack.get("/v1/webhooks/secret").await;
+    assert_eq!(code, 200);
+    let secret = s["secret"].as_str().unwrap().to_string();
+    assert!(secret.starts_with("whsec_"));
+
+    let id = submit_with_hook(&stack, "hooked", format!("http://{addr}/ok"), None).await;
+    assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
+    let got = rx.wait("ok", 1).await;
+    let payload = verify_got(&got[0], &secret);
+    assert_eq!(payload["type"], "io.stemq.job.succeeded.v1");
+    assert_eq!(payload["data"]["job_id"], id.as_str());
+    assert_eq!(payload["data"]["status"], "succeeded");
+    assert_eq!(payload["data"]["outputs"].as_array().unwrap().len(), 4);
+    assert_eq!(got[0].headers["content-type"], "application/json");
+
+    let d = deliveries(&stack, &id, 1, 1).await;
+    let first = &d["deliveries"][0];
+    assert_eq!(first["n"], 1);
+    assert_eq!(first["result"], "delivered");
+    assert_eq!(first["attempts"][0]["status_code"], 204);
+    assert!(first["attempts"][0]["latency_ms"].is_u64());
+    assert_eq!(first["webhook_id"], got[0].headers["webhook-id"].to_str().unwrap());
+
+    // Replay: the same webhook-id, signed again.
+    let (code, r) = stack.post_raw(&format!("/v1/separations/{id}/deliveries/1/replay"), vec![]).await;
+    assert_eq!(code, 202, "{r}");
+    let got = rx.wait("ok", 2).await;
+    assert_eq!(got[1].headers["webhook-id"], got[0].headers["webhook-id"]);
+    verify_got(&got[1], &secret);
+    let d = deliveries(&stack, &id, 1, 2).await;
+    assert_eq!(d["deliveries"][0]["attempts"][1]["replay"], true);
+    let (code, _) = stack.post_raw(&format!("/v1/separations/{id}/deliveries/9/replay"), vec![]).await;
+    assert_eq!(code, 404);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn started_and_progress_when_asked() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    let mut body = job_body(&stack, "all-events", Some(json!({"sleep_ms": 1500})));
+    body["webhook"] = json!({"url": format!("http://{addr}/all"), "events": ["started", "progress", "completed"]});
+    let (_, b) = stack.submit(&body).await;
+    let id = job_id(&b);
+    stack.wait_terminal(&id, T).await;
+    let deadline = Instant::now() + T;
+    loop {
+        let types: Vec<String> = rx
+            .on("all")
+            .iter()
+            .map(|g| serde_json::from_slice::<Value>(&g.body).unwrap()["type"].as_str().unwrap().to_string())
+            .collect();
+        if types.iter().any(|t| t.ends_with("succeeded.v1")) {
+            assert!(types.iter().any(|t| t.ends_with("started.v1")), "{types:?}");
+            assert!(types.iter().any(|t| t.ends_with("progress.v1")), "{types:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{types:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_on_5xx_and_429_honouring_retry_after() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    rx.script("flaky", &[503, 429, 200]);
+    let id = submit_with_hook(&stack, "flaky", format!("http://{addr}/flaky"), None).await;
+    let got = rx.wait("flaky", 3).await;
+    let ids: Vec<_> = got.iter().map(|g| g.headers["webhook-id"].clone()).collect();
+    assert!(ids.iter().all(|x| *x == ids[0]), "webhook-id is stable across retries");
+    // Retry-After: 1 beats the 300 ms of the schedule.
+    assert!(got[2].at - got[1].at >= Duration::from_millis(950), "{:?}", got[2].at - got[1].at);
+    let d = deliveries(&stack, &id, 1, 3).await;
+    let codes: Vec<_> = d["deliveries"][0]["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["status_code"].as_u64().unwrap(), a["result"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(codes, [(503, "retrying".into()), (429, "retrying".into()), (200, "delivered".into())]);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_disables_redirect_fails_and_the_schedule_is_bounded() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    rx.script("gone", &[410]);
+    rx.script("moved", &[302]);
+    rx.script("down", &[500]);
+    let gone = submit_with_hook(&stack, "g1", format!("http://{addr}/gone"), None).await;
+    let d = deliveries(&stack, &gone, 1, 1).await;
+    assert_eq!(d["deliveries"][0]["result"], "disabled");
+    // The next job to the same URL is not sent at all.
+    let again = submit_with_hook(&stack, "g2", format!("http://{addr}/gone"), None).await;
+    let d = deliveries(&stack, &again, 1, 1).await;
+    assert_eq!(d["deliveries"][0]["result"], "disabled");
+    assert!(d["deliveries"][0]["attempts"][0]["status_code"].is_null());
+    assert_eq!(rx.on("gone").len(), 1);
+    let (_, s) = stack.get("/v1/webhooks/secret").await;
+    assert!(s["disabled_urls"].to_string().contains("/gone"));
+
+    let moved = submit_with_hook(&stack, "m", format!("http://{addr}/moved"), None).await;
+    let d = deliveries(&stack, &moved, 1, 1).await;
+    assert_eq!(d["deliveries"][0]["result"], "failed");
+    assert_eq!(d["deliveries"][0]["attempts"][0]["status_code"], 302);
+
+    let down = submit_with_hook(&stack, "d", format!("http://{addr}/down"), None).await;
+    let d = deliveries(&stack, &down, 1, 4).await;
+    assert_eq!(d["deliveries"][0]["attempts"].as_array().unwrap().len(), 4);
+    assert_eq!(d["deliveries"][0]["result"], "failed");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rx.on("down").len(), 4, "no attempt after the schedule ends");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_receiver_slows_no_worker() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    let t0 = Instant::now();
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(submit_with_hook(&stack, &format!("dead{i}"), format!("http://{addr}/hang{i}"), None).await);
+    }
+    for id in &ids {
+        assert_eq!(stack.wait_terminal(id, T).await.status, JobStatus::Succeeded);
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // The relay times out and retries each of them, concurrently.
+    let d = deliveries(&stack, &ids[0], 1, 2).await;
+    assert_eq!(d["deliveries"][0]["attempts"][0]["error"], "timeout");
+    assert!(!rx.on("hang3").is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_signs_with_both_secrets_during_the_grace_period() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    let (_, old) = stack.get("/v1/webhooks/secret").await;
+    let (code, new) = stack.post_raw("/v1/webhooks/secret/rotate", vec![]).await;
+    assert_eq!(code, 200);
+    assert_ne!(old["secret"], new["secret"]);
+    assert_eq!(new["previous"], old["secret"]);
+    assert!(new["previous_valid_until"].is_string());
+    let id = submit_with_hook(&stack, "rot", format!("http://{addr}/rot"), None).await;
+    stack.wait_terminal(&id, T).await;
+    let got = rx.wait("rot", 1).await;
+    let sig = got[0].headers["webhook-signature"].to_str().unwrap();
+    assert_eq!(sig.split(' ').count(), 2, "{sig}");
+    verify_got(&got[0], old["secret"].as_str().unwrap());
+    verify_got(&got[0], new["secret"].as_str().unwrap());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_urls_are_checked_against_ssrf_at_submit() {
+    allow_loopback();
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    for url in [
+        "http://10.0.0.1/h",
+        "https://169.254.169.254/latest/meta-data",
+        "https://192.168.1.10/h",
+        "https://[::1]/h",
+        "http://93.184.216.34/h",
+        "ftp://127.0.0.1/h",
+        "not a url",
+    ] {
+        let mut body = job_body(&stack, "ssrf", None);
+        body["webhook"] = json!({"url": url});
+        let (code, b) = stack.submit(&body).await;
+        assert_eq!(code, 422, "{url}: {b}");
+        assert_eq!(b["error"]["field"], "webhook", "{b}");
+    }
+    let mut body = job_body(&stack, "ssrf-ok", None);
+    body["webhook"] = json!({"url": "http://127.0.0.1:9/h"});
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!(code, 202, "{b}");
+    stack.shutdown().await;
+}
