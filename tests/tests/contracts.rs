@@ -176,12 +176,18 @@ async fn health_readiness_metrics_and_openapi() {
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     assert_eq!(stack.get_text("/healthz").await.0, 200);
     assert_eq!(stack.get_text("/readyz").await.0, 200);
+    // Counters are process-wide (other tests in this binary submit too): compare deltas.
+    let value = |text: &str, series: &str| -> f64 {
+        text.lines().find_map(|l| l.strip_prefix(series).map(|v| v.trim().parse().unwrap())).unwrap_or(0.0)
+    };
+    let created = "stemq_submits_total{outcome=\"created\"}";
+    let before = value(&stack.get_text("/metrics").await.1, created);
     for i in 0..3 {
         stack.submit(&job_body(&stack, &format!("m{i}"), None)).await;
     }
     let (code, text) = stack.get_text("/metrics").await;
     assert_eq!(code, 200);
-    assert!(text.contains("stemq_submits_total{outcome=\"created\"} 3"), "{text}");
+    assert!(value(&text, created) - before >= 3.0, "{text}");
     assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3"), "{text}");
     assert!(text.contains("stemq_http_request_duration_seconds_bucket"), "{text}");
     let (code, doc) = stack.get("/openapi.json").await;
