@@ -251,3 +251,49 @@ async fn cli_dlq_replay_creates_a_linked_job() {
     assert!(status.contains("retry_of"), "{status}");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_metrics_endpoint_and_stemq_top() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut w = stack.spawn_worker("metered", &[("STEMQ_METRICS_ADDR", addr.as_str())]);
+    let (_, ok) = stack.submit(&job_body(&stack, "metered-ok", None)).await;
+    let (_, bad) = stack.submit(&job_body(&stack, "metered-bad", Some(json!({"fail_permanent": true})))).await;
+    assert_eq!(stack.wait_terminal(&job_id(&ok), T).await.status, JobStatus::Succeeded);
+    assert_eq!(stack.wait_terminal(&job_id(&bad), T).await.status, JobStatus::Failed);
+
+    // The worker process's own /metrics, named stemq_<name>_<unit>.
+    let text = reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap();
+    for series in [
+        r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} 1"#,
+        r#"stemq_job_outcomes_total{model="dsp",outcome="failed_permanent"} 1"#,
+        r#"stemq_job_duration_seconds_count{model="dsp",device="fake-gpu"} 1"#,
+        r#"stemq_job_queue_wait_seconds_count{model="dsp",device="fake-gpu"} 2"#,
+        "stemq_job_deliveries_count 2",
+        r#"stemq_worker_heartbeat_timestamp_seconds{worker="metered"}"#,
+        r#"stemq_queue_pending_jobs{consumer="workers"} 0"#,
+        "stemq_queue_oldest_pending_age_seconds 0",
+        "stemq_projector_lag_events",
+    ] {
+        assert!(text.contains(series), "missing {series} in\n{text}");
+    }
+    for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+        assert!(line.starts_with("# TYPE stemq_"), "{line}");
+    }
+
+    // `stemq top --once` shows the queue and the failure, fed by NATS only.
+    let out = std::process::Command::new(Stack::stemq_bin())
+        .args(["top", "--once"])
+        .env("NATS_URL", stack.server.url())
+        .output()
+        .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(screen.contains("queue: 0 pending"), "{screen}");
+    assert!(screen.contains("succeeded 1") && screen.contains("failed 1"), "{screen}");
+    assert!(screen.contains(&job_id(&bad).as_str()[..12]) && screen.contains("invalid_audio"), "{screen}");
+    stemq_tests::signal(&w, stemq_tests::SIGTERM);
+    stemq_tests::wait_exit(&mut w, T);
+    stack.shutdown().await;
+}

@@ -46,6 +46,11 @@ struct ConsumerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WebhookLabels {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerLabels {
     worker: String,
 }
@@ -68,6 +73,8 @@ pub struct Metrics {
     oldest_pending_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     projector_lag: Gauge,
     heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    webhooks: Family<WebhookLabels, Counter>,
+    webhook_latency: Histogram,
 }
 
 /// The process-wide metrics.
@@ -88,6 +95,14 @@ pub fn metrics() -> &'static Metrics {
         let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         let projector_lag = Gauge::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let webhooks = Family::<WebhookLabels, Counter>::default();
+        let webhook_latency = Histogram::new(exponential_buckets(0.005, 2.0, 14));
+        r.register(
+            "stemq_webhook_deliveries",
+            "Webhook delivery attempts by outcome (delivered, retrying, failed, disabled)",
+            webhooks.clone(),
+        );
+        r.register("stemq_webhook_delivery_duration_seconds", "Webhook attempt latency", webhook_latency.clone());
         r.register("stemq_job_duration_seconds", "Wall time of successful attempts", job_duration.clone());
         r.register("stemq_job_queue_wait_seconds", "Time from request to the first start", queue_wait.clone());
         r.register(
@@ -131,6 +146,8 @@ pub fn metrics() -> &'static Metrics {
             oldest_pending_age,
             projector_lag,
             heartbeat,
+            webhooks,
+            webhook_latency,
         }
     })
 }
@@ -144,6 +161,12 @@ impl Metrics {
     /// Counts one outcome.
     pub fn outcome(&self, model: &str, outcome: &str) {
         self.outcomes.get_or_create(&OutcomeLabels { model: model.into(), outcome: outcome.into() }).inc();
+    }
+
+    /// Records one webhook attempt.
+    pub fn webhook(&self, outcome: &str, latency: Duration) {
+        self.webhooks.get_or_create(&WebhookLabels { outcome: outcome.into() }).inc();
+        self.webhook_latency.observe(latency.as_secs_f64());
     }
 
     /// Records a worker heartbeat.
@@ -215,6 +238,7 @@ mod tests {
         let m = metrics();
         m.outcome("dsp", "succeeded");
         m.heartbeat("w1");
+        m.webhook("delivered", Duration::from_millis(30));
         let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
         m.job_duration.get_or_create(&l).observe(1.5);
         m.queue_wait.get_or_create(&l).observe(0.1);
@@ -234,6 +258,8 @@ mod tests {
             "stemq_queue_oldest_pending_age_seconds",
             "stemq_projector_lag_events",
             "stemq_worker_heartbeat_timestamp_seconds",
+            "stemq_webhook_deliveries_total",
+            "stemq_webhook_delivery_duration_seconds",
         ] {
             assert!(text.contains(&format!("# TYPE {name}")) || text.contains(&format!("{name}{{")), "{name}");
         }

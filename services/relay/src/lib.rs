@@ -388,6 +388,13 @@ async fn deliver(shared: &Shared, d: &Delivery<'_>, msg: &jetstream::Message, st
             result = ?result,
             "webhook attempt"
         );
+        let outcome = match result {
+            DeliveryResult::Delivered => "delivered",
+            DeliveryResult::Retrying => "retrying",
+            DeliveryResult::Failed => "failed",
+            DeliveryResult::Disabled => "disabled",
+        };
+        stemq_core::metrics::metrics().webhook(outcome, a.latency);
         record(shared, d, attempt, &a, result, next).await;
         match next {
             Some(n) => wait = n,

@@ -41,6 +41,10 @@ pub struct Global {
     /// Dedupe window of the job stream in ms.
     #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000, global = true)]
     pub dedupe_window_ms: u64,
+    /// Serve Prometheus `/metrics` on this address (worker, projector and relay
+    /// processes; the ingress serves its own on its HTTP port).
+    #[arg(long = "metrics", env = "STEMQ_METRICS_ADDR", global = true)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Log format: json or text (default: text on a terminal, json otherwise).
     #[arg(long, env = "STEMQ_LOG_FORMAT", global = true)]
     pub log_format: Option<String>,
@@ -132,6 +136,15 @@ pub enum Command {
         /// Folder to write into.
         #[arg(long, default_value = "schemas")]
         write: PathBuf,
+    },
+    /// A live terminal view: queue, running jobs with progress, failures, throughput.
+    Top {
+        /// Refresh interval in seconds.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Print one screen and exit.
+        #[arg(long)]
+        once: bool,
     },
     /// Write the synthetic demo song (voice, drums, bass, pad) as a 16-bit WAV.
     Synth {
@@ -384,6 +397,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
             Ok(())
         }
+        Command::Top { interval, once } => crate::top::run(&g, Duration::from_secs_f64(interval), once).await,
         Command::Synth { seconds, output } => {
             let o = output.clone();
             tokio::task::spawn_blocking(move || stemq_audio::synth::write_demo_song(&o, seconds, 44_100)).await??;

@@ -5,13 +5,15 @@
 //! - [`dev`]: the one-process development stack;
 //! - [`services`]: each service alone;
 //! - [`client`]: submit, status, list, watch, dead-letter replay;
-//! - [`bench`]: the pipeline benchmark.
+//! - [`bench`]: the benchmarks;
+//! - [`top`]: the live terminal view.
 
 pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod dev;
 pub mod services;
+pub mod top;
 
 use clap::Parser;
 

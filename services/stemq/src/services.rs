@@ -58,8 +58,32 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     Ok(())
 }
 
+/// Serves `/metrics` (the process-wide registry, queue figures refreshed per scrape) on
+/// `--metrics ADDR` until `shutdown`, when asked to.
+pub async fn serve_metrics(g: &Global, client: &async_nats::Client, shutdown: CancellationToken) -> Result<()> {
+    let Some(addr) = g.metrics_addr else { return Ok(()) };
+    let js = async_nats::jetstream::new(client.clone());
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let js = js.clone();
+            async move {
+                stemq_core::metrics::refresh_queue(&js).await;
+                ([("content-type", "text/plain; version=0.0.4")], stemq_core::metrics::metrics().render())
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics listener on {addr}"))?;
+    tracing::info!(%addr, "serving /metrics");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+    });
+    Ok(())
+}
+
 pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
     let client = connect(g, "stemq-worker").await?;
+    serve_metrics(g, &client, crate::cli::shutdown_on_signals()).await?;
     let engine = engine(&opts)?;
     let config = worker_config(g, &opts)?;
     let shutdown = crate::cli::shutdown_on_signals();
@@ -71,6 +95,7 @@ pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
 pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
     let client = connect(g, "stemq-projector").await?;
     let shutdown = crate::cli::shutdown_on_signals();
+    serve_metrics(g, &client, shutdown.clone()).await?;
     if a.rebuild {
         let js = async_nats::jetstream::new(client.clone());
         let events = stemq_projector::reset(&js, &g.settings()).await?;
@@ -93,6 +118,7 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
 pub async fn relay(g: &Global, a: RelayArgs) -> Result<()> {
     let client = connect(g, "stemq-relay").await?;
     let shutdown = crate::cli::shutdown_on_signals();
+    serve_metrics(g, &client, shutdown.clone()).await?;
     stemq_relay::run(client, a.config()?, shutdown).await?;
     Ok(())
 }
