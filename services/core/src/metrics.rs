@@ -75,6 +75,15 @@ pub struct Metrics {
     heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     webhooks: Family<WebhookLabels, Counter>,
     webhook_latency: Histogram,
+    /// GPU memory in use per device (set by GPU engines; absent on CPU-only workers).
+    pub gpu_memory: Family<DeviceLabels, Gauge>,
+}
+
+/// Labels of per-device gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeviceLabels {
+    /// `cuda:0`, ...
+    pub device: String,
 }
 
 /// The process-wide metrics.
@@ -95,6 +104,8 @@ pub fn metrics() -> &'static Metrics {
         let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         let projector_lag = Gauge::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let gpu_memory = Family::<DeviceLabels, Gauge>::default();
+        r.register("stemq_gpu_memory_used_bytes", "GPU memory in use, per device", gpu_memory.clone());
         let webhooks = Family::<WebhookLabels, Counter>::default();
         let webhook_latency = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         r.register(
@@ -148,6 +159,7 @@ pub fn metrics() -> &'static Metrics {
             heartbeat,
             webhooks,
             webhook_latency,
+            gpu_memory,
         }
     })
 }
@@ -233,6 +245,61 @@ pub async fn refresh_queue(js: &jetstream::Context) {
 mod tests {
     use super::*;
 
+    /// Every `stemq_*` name the alert rules and the dashboard in deploy/ use is one we
+    /// export, so a rename cannot silently break paging.
+    /// Gives every family a sample, so each one appears in the text format.
+    fn populate(m: &Metrics) {
+        m.outcome("dsp", "succeeded");
+        m.heartbeat("w1");
+        m.webhook("delivered", Duration::from_millis(30));
+        let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
+        m.job_duration.get_or_create(&l).observe(1.5);
+        m.queue_wait.get_or_create(&l).observe(0.1);
+        m.realtime_factor.get_or_create(&l).observe(0.05);
+        let c = ConsumerLabels { consumer: "workers".into() };
+        m.pending.get_or_create(&c).set(3);
+        m.in_flight.get_or_create(&c).set(1);
+        m.gpu_memory.get_or_create(&DeviceLabels { device: "cuda:0".into() }).set(1 << 30);
+    }
+
+    #[test]
+    fn deploy_rules_and_dashboard_use_exported_names() {
+        let m = metrics();
+        populate(m);
+        let mut exported = String::new();
+        prometheus_client::encoding::text::encode(&mut exported, &m.registry.lock().unwrap()).unwrap();
+        let mut names: Vec<String> = exported
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_string)
+            .collect();
+        // Families registered by the ingress.
+        names.extend(["stemq_http_requests", "stemq_http_request_duration_seconds", "stemq_submits"].map(String::from));
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for file in ["deploy/prometheus/alerts.yml", "deploy/grafana/stemq-dashboard.json", "docs/operations.md"] {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            let mut rest = text.as_str();
+            while let Some(i) = rest.find("stemq_") {
+                let tail = &rest[i..];
+                let end = tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+                let used = &tail[..end];
+                rest = &tail[end..];
+                if ["stemq_jobs", "stemq_"].contains(&used) {
+                    continue; // the KV bucket, not a metric
+                }
+                let base = ["_bucket", "_count", "_sum", "_total"]
+                    .iter()
+                    .find_map(|s| used.strip_suffix(s))
+                    .unwrap_or(used);
+                assert!(
+                    names.iter().any(|n| n == used || n == base),
+                    "{file} uses `{used}`, which no stemq process exports"
+                );
+            }
+        }
+    }
+
     #[test]
     fn names_follow_the_convention() {
         let m = metrics();
@@ -266,6 +333,6 @@ mod tests {
         for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
             assert!(line.starts_with("# TYPE stemq_"), "{line}");
         }
-        assert!(text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} 1"#), "{text}");
+        assert!(text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} "#), "{text}");
     }
 }
