@@ -12,12 +12,9 @@
 //! rescale, Demucs's default), `--rate HZ` input sample rate (default 44100;
 //! anything else also exercises the resampler).
 
-use std::f64::consts::PI;
 use std::time::Instant;
 
-use stemq_audio::{
-    separate_file, ClipMode, DecodeOptions, DspOptions, EncodeSettings, OutputFormat, StemEncoder, StereoChunk,
-};
+use stemq_audio::{separate_file, ClipMode, DecodeOptions, DspOptions, EncodeSettings, OutputFormat};
 
 fn vm_hwm_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -45,31 +42,7 @@ fn main() {
     let input = dir.path().join("input.wav");
     let t0 = Instant::now();
     let frames = (minutes * 60.0 * rate as f64) as u64;
-    let mut enc = StemEncoder::create(&input, OutputFormat::Wav16, ClipMode::Clamp, rate).unwrap();
-    let block = 65_536u64;
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let mut i = 0u64;
-    while i < frames {
-        let n = block.min(frames - i);
-        let mut c = StereoChunk::with_capacity(n as usize);
-        for j in i..i + n {
-            let t = j as f64 / rate as f64;
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            let noise = (seed >> 40) as f64 / (1u64 << 24) as f64 - 0.5;
-            let hit = (-(t % 0.25) / 0.03).exp() * noise;
-            let voice = 0.2 * (2.0 * PI * 220.0 * t * (1.0 + 0.01 * (2.0 * PI * 5.0 * t).sin())).sin();
-            let bass = 0.3 * (2.0 * PI * 55.0 * t).sin();
-            let pad_l = 0.1 * (2.0 * PI * 441.3 * t).sin();
-            let pad_r = 0.1 * (2.0 * PI * 438.2 * t + 1.0).sin();
-            c.left.push((voice + bass + pad_l + 0.6 * hit) as f32);
-            c.right.push((voice + bass + pad_r + 0.3 * hit) as f32);
-        }
-        enc.write(&c).unwrap();
-        i += n;
-    }
-    enc.finish().unwrap();
+    stemq_audio::synth::write_demo_song(&input, minutes * 60.0, rate).expect("writing the input");
     let gen_secs = t0.elapsed().as_secs_f64();
     let hwm_after_gen = vm_hwm_kib();
 

@@ -282,16 +282,16 @@ mod tests {
             let mut rest = text.as_str();
             while let Some(i) = rest.find("stemq_") {
                 let tail = &rest[i..];
-                let end = tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+                let end = tail
+                    .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                    .unwrap_or(tail.len());
                 let used = &tail[..end];
                 rest = &tail[end..];
                 if ["stemq_jobs", "stemq_"].contains(&used) {
                     continue; // the KV bucket, not a metric
                 }
-                let base = ["_bucket", "_count", "_sum", "_total"]
-                    .iter()
-                    .find_map(|s| used.strip_suffix(s))
-                    .unwrap_or(used);
+                let base =
+                    ["_bucket", "_count", "_sum", "_total"].iter().find_map(|s| used.strip_suffix(s)).unwrap_or(used);
                 assert!(
                     names.iter().any(|n| n == used || n == base),
                     "{file} uses `{used}`, which no stemq process exports"
@@ -303,16 +303,7 @@ mod tests {
     #[test]
     fn names_follow_the_convention() {
         let m = metrics();
-        m.outcome("dsp", "succeeded");
-        m.heartbeat("w1");
-        m.webhook("delivered", Duration::from_millis(30));
-        let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
-        m.job_duration.get_or_create(&l).observe(1.5);
-        m.queue_wait.get_or_create(&l).observe(0.1);
-        m.realtime_factor.get_or_create(&l).observe(0.05);
-        let c = ConsumerLabels { consumer: "workers".into() };
-        m.pending.get_or_create(&c).set(3);
-        m.in_flight.get_or_create(&c).set(1);
+        populate(m);
         let text = m.render();
         for name in [
             "stemq_job_duration_seconds",
