@@ -3,16 +3,18 @@
 //! This module owns how a worker learns that a job must not run (on) any more:
 //! - before starting, [`cancel_requested_in_log`] looks for a `cancel_requested` event
 //!   and the start deadline is compared with the clock (`expired`);
-//! - while running, [`watch_cancel`] listens on `stemq.jobs.<id>.cancel_requested` with a
-//!   plain subscription (JetStream-stored messages are also delivered to subscribers)
-//!   and raises the engine's cancel flag, which the engine checks between chunks;
+//! - while running, the process-wide [`listen`]er on `stemq.jobs.*.cancel_requested`
+//!   raises the cancel flag of the job (registered in [`Running`]), which the engine
+//!   checks between chunks;
 //! - [`discard_outputs`] deletes `jobs/<id>/` so a cancelled job leaves nothing behind.
 //!
-//! The subscription is made *before* the log is checked, so a request is never missed:
-//! it is either already in the log or arrives on the subscription.
+//! A job is registered *before* the log is checked, and the subscription exists before
+//! any pull, so a request is never missed: it is either already in the log or arrives
+//! on the subscription.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream;
 use futures::StreamExt;
@@ -22,25 +24,56 @@ use tracing::{info, warn};
 
 use crate::Shared;
 
-/// Subscribes to the job's cancel subject; when a request arrives, sets `user` (why) and
-/// then `engine` (the flag the engine polls). Abort the handle when the attempt ends.
-pub(crate) async fn watch_cancel(
-    shared: &Shared,
-    job_id: &JobId,
-    engine: Arc<AtomicBool>,
-    user: Arc<AtomicBool>,
-) -> Result<tokio::task::JoinHandle<()>, String> {
-    let mut sub = shared
-        .js
-        .client()
-        .subscribe(job_subject(job_id, SubjectKind::CancelRequested))
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(tokio::spawn(async move {
-        if sub.next().await.is_some() {
-            info!(event = "job.cancel_requested", "cancel requested; stopping at the next chunk");
+/// The flags of one running job: `user` says a cancel was asked for, `engine` is the
+/// flag the engine polls between chunks.
+pub(crate) type Flags = (Arc<AtomicBool>, Arc<AtomicBool>);
+
+/// The jobs this process is running, for the process-wide cancel listener.
+#[derive(Default)]
+pub(crate) struct Running(Mutex<HashMap<JobId, Flags>>);
+
+/// Removes a job from [`Running`] when its attempt ends.
+pub(crate) struct Registration<'a> {
+    running: &'a Running,
+    job_id: JobId,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        self.running.0.lock().expect("running lock").remove(&self.job_id);
+    }
+}
+
+impl Running {
+    /// Registers a job's flags; a cancel request that arrives from now on raises them.
+    pub(crate) fn register(&self, job_id: &JobId, engine: Arc<AtomicBool>, user: Arc<AtomicBool>) -> Registration<'_> {
+        self.0.lock().expect("running lock").insert(job_id.clone(), (engine, user));
+        Registration { running: self, job_id: job_id.clone() }
+    }
+
+    fn raise(&self, job_id: &JobId) {
+        if let Some((engine, user)) = self.0.lock().expect("running lock").get(job_id) {
+            info!(job_id = %job_id, event = "job.cancel_requested", "cancel requested; stopping at the next chunk");
             user.store(true, Ordering::SeqCst);
             engine.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// One subscription per process on every job's cancel subject (JetStream-stored
+/// messages are also delivered to plain subscribers), dispatched to the running jobs.
+/// Subscribed before the first pull, so a request for a job this process starts later
+/// is either in the log (checked before start) or arrives here.
+pub(crate) async fn listen(
+    client: async_nats::Client,
+    running: Arc<Running>,
+) -> Result<tokio::task::JoinHandle<()>, async_nats::SubscribeError> {
+    let mut sub = client.subscribe(format!("{}.*.cancel_requested", stemq_core::nats::JOBS_PREFIX)).await?;
+    Ok(tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            if let Some(id) = stemq_core::nats::job_id_of_subject(&m.subject) {
+                running.raise(&id);
+            }
         }
     }))
 }

@@ -106,15 +106,7 @@ async fn run_delivery(
     // cancel request first, so one that arrives from now on is not missed.
     let cancel = Arc::new(AtomicBool::new(false));
     let user_cancel = Arc::new(AtomicBool::new(false));
-    let cancel_watch = match control::watch_cancel(shared, &job_id, cancel.clone(), user_cancel.clone()).await {
-        Ok(h) => h,
-        Err(e) => {
-            warn!(error = %e, "cannot listen for cancel requests; retrying later");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-            return;
-        }
-    };
-    let _cancel_watch = AbortOnDrop(cancel_watch);
+    let _registered = shared.running.register(&job_id, cancel.clone(), user_cancel.clone());
     match control::cancel_requested_in_log(shared, &job_id).await {
         Ok(true) => {
             info!(event = "job.cancelled", "cancel requested before start; not running it");
@@ -322,15 +314,6 @@ async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
     match shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome)).await {
         Ok(m) => Event::from_slice(&m.payload).map(|e| matches!(e.body, EventBody::Cancelled(_))).unwrap_or(false),
         Err(_) => false,
-    }
-}
-
-/// Aborts a helper task when the attempt ends, however it ends.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -108,6 +108,8 @@ pub(crate) struct Shared {
     pub config: Config,
     pub max_deliver: u32,
     pub ack_wait: Duration,
+    /// Jobs running in this process, for the cancel listener.
+    pub running: Arc<control::Running>,
 }
 
 /// Runs the worker until `shutdown`, then drains.
@@ -134,7 +136,11 @@ pub async fn run(
         config: config.clone(),
         max_deliver,
         ack_wait: info.config.ack_wait,
+        running: Arc::new(control::Running::default()),
     });
+    let cancel_listener = control::listen(js.client(), shared.running.clone())
+        .await
+        .map_err(|e| WorkerError::JetStream { what: "subscribe to cancel requests", message: e.to_string() })?;
     info!(
         worker = %config.name,
         engine = engine.name(),
@@ -186,6 +192,7 @@ pub async fn run(
         hard_stop.cancel();
         tracker.wait().await;
     }
+    cancel_listener.abort();
     info!("worker stopped");
     Ok(())
 }
