@@ -329,6 +329,7 @@ impl Cli {
             Command::Ingress(_) => "stemq-ingress",
             Command::Worker(_) => "stemq-worker",
             Command::Projector(_) => "stemq-projector",
+            Command::Relay(_) => "stemq-relay",
             _ => "stemq-cli",
         }
     }
