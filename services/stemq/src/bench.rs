@@ -18,7 +18,7 @@ use futures::StreamExt;
 use stemq_core::engine::FakeEngine;
 use stemq_core::nats_server::NatsServer;
 use stemq_core::storage::Store;
-use stemq_core::{JobId, JobView};
+use stemq_core::JobId;
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -192,7 +192,13 @@ async fn pipeline(
                 if e.operation != kv::Operation::Put {
                     continue;
                 }
-                if let Ok(v) = serde_json::from_slice::<JobView>(&e.value) {
+                // Only the two fields we need: the measuring must not cost the system much.
+                #[derive(serde::Deserialize)]
+                struct Slim {
+                    job_id: JobId,
+                    status: stemq_core::JobStatus,
+                }
+                if let Ok(v) = serde_json::from_slice::<Slim>(&e.value) {
                     if v.status.is_terminal() {
                         done.lock().await.entry(v.job_id).or_insert_with(Instant::now);
                     }
