@@ -242,13 +242,18 @@ pub struct WorkerOpts {
 pub struct RelayArgs {
     /// Delays before each attempt, in ms, comma-separated (default: 0, 5 s, 5 min,
     /// 30 min, 2 h, 5 h, 10 h, 14 h, 20 h, 24 h).
-    #[arg(long, env = "STEMQ_WEBHOOK_SCHEDULE_MS")]
+    #[arg(long = "webhook-schedule-ms", env = "STEMQ_WEBHOOK_SCHEDULE_MS")]
     pub schedule_ms: Option<String>,
     /// Request timeout in ms.
-    #[arg(long, env = "STEMQ_WEBHOOK_TIMEOUT_MS", default_value_t = 15_000)]
+    #[arg(long = "webhook-timeout-ms", env = "STEMQ_WEBHOOK_TIMEOUT_MS", default_value_t = 15_000)]
     pub timeout_ms: u64,
     /// Deliveries in flight at once.
-    #[arg(long, env = "STEMQ_WEBHOOK_CONCURRENCY", default_value_t = 256)]
+    #[arg(
+        long = "webhook-concurrency",
+        id = "webhook_concurrency",
+        env = "STEMQ_WEBHOOK_CONCURRENCY",
+        default_value_t = 256
+    )]
     pub concurrency: usize,
 }
 
@@ -406,5 +411,23 @@ pub async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench { command } => crate::bench::run(&g, command).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Clap's own consistency checks (duplicate ids, conflicting flags): `stemq dev`
+    /// flattens worker and relay options, which once both defined `--concurrency`.
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let dev = Cli::try_parse_from(["stemq", "dev", "--concurrency", "8", "--webhook-concurrency", "3"]).unwrap();
+        match dev.command {
+            Command::Dev(a) => assert_eq!((a.worker.concurrency, a.relay.concurrency), (8, 3)),
+            _ => unreachable!(),
+        }
     }
 }
