@@ -98,15 +98,36 @@ async fn one_trace_per_job_and_clean_logs() {
     let logs = Logs::default();
     stemq_core::telemetry::init_with_writer(stemq_core::telemetry::LogFormat::Json, "stemq-test", logs.clone());
 
-    let stack = Stack::start(StackOptions::default()).await;
+    let mut stack = Stack::start(StackOptions::default()).await;
+    stack
+        .start_relay(stemq_relay::Config {
+            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            ..Default::default()
+        })
+        .await;
+    // A webhook receiver on loopback (its URL carries a secret-shaped token).
+    let hits = Arc::new(Mutex::new(0usize));
+    let h2 = hits.clone();
+    let hook = axum::Router::new().route(
+        "/in",
+        post(move || {
+            let h = h2.clone();
+            async move {
+                *h.lock().unwrap() += 1;
+                "ok"
+            }
+        }),
+    );
+    let hook_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_addr = hook_listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(hook_listener, hook).await.unwrap() });
     // The caller's own trace: the job's spans must join it.
     let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let client_span = "00f067aa0ba902b7";
     let secret = "sk_live_51HzTOPSECRETvalue9f8e7d6c5b4a";
     let mut body = job_body(&stack, "traced", None);
     body["metadata"] = json!({"api_key": secret, "note": "secret-shaped values must not be logged"});
-    // A loopback receiver (allowed for this test); no relay runs here, nothing is sent.
-    body["webhook"] = json!({"url": format!("http://127.0.0.1:9/in?token={secret}")});
+    body["webhook"] = json!({"url": format!("http://{hook_addr}/in?token={secret}")});
     let resp = reqwest::Client::new()
         .post(stack.url("/v1/separations"))
         .header("traceparent", format!("00-{client_trace}-{client_span}-01"))
@@ -120,12 +141,24 @@ async fn one_trace_per_job_and_clean_logs() {
     stemq_projector::wait_caught_up(&stack.js, Duration::from_secs(30)).await.unwrap();
 
     // Wait for the spans of the job's trace to arrive.
-    let want = ["http.submit", "nats.publish", "job", "engine.separate", "store_outputs", "publish_outcome", "project"];
+    let want = [
+        "http.submit",
+        "nats.publish",
+        "job",
+        "engine.separate",
+        "store_outputs",
+        "publish_outcome",
+        "project",
+        "webhook.delivery",
+    ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let trace: Vec<SpanRec> = loop {
         stemq_core::telemetry::flush();
         let t: Vec<SpanRec> = spans.lock().unwrap().iter().filter(|s| s.trace_id == client_trace).cloned().collect();
-        if want.iter().all(|w| t.iter().any(|s| s.name == *w)) {
+        let outcome_spans: Vec<&str> =
+            t.iter().filter(|s| s.name == "publish_outcome").map(|s| s.span_id.as_str()).collect();
+        let delivered = t.iter().any(|s| s.name == "webhook.delivery" && outcome_spans.contains(&s.parent.as_str()));
+        if delivered && want.iter().all(|w| t.iter().any(|s| s.name == *w)) {
             break t;
         }
         assert!(
@@ -150,6 +183,16 @@ async fn one_trace_per_job_and_clean_logs() {
     for p in trace.iter().filter(|s| s.name == "project") {
         assert!(by_id.contains_key(p.parent.as_str()), "project span's parent is in the trace");
     }
+    // The relay looks at every event of the job; the delivery of the outcome continues
+    // from the span that published it.
+    assert!(
+        trace
+            .iter()
+            .filter(|s| s.name == "webhook.delivery")
+            .any(|s| parent_name(s).as_deref() == Some("publish_outcome")),
+        "the relay's delivery of the outcome joined the trace"
+    );
+    assert!(*hits.lock().unwrap() >= 1, "the webhook was delivered");
 
     // Logs: JSON, job lines carry job_id and trace_id, and no secret anywhere.
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();

@@ -223,7 +223,10 @@ async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_progress: bool
     };
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
     let id = event.subject.clone();
-    let span = info_span!("delivery", job_id = %id, event = event.body.kind());
+    let span =
+        info_span!("webhook.delivery", job_id = %id, event = event.body.kind(), trace_id = tracing::field::Empty);
+    // The delivery joins the job's trace (the outcome event carries its traceparent).
+    stemq_core::telemetry::set_parent(&span, event.traceparent.as_deref());
     async {
         let (webhook_id, event_type, replay, pos) = match &event.body {
             EventBody::DeliveryReplayRequested(r) => (r.webhook_id.clone(), r.event_type.clone(), true, None),
