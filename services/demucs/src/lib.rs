@@ -1,0 +1,2 @@
+//! HTDemucs v4 on Burn.
+pub use burn;
