@@ -45,7 +45,9 @@ impl<B: Backend> BagOfModels<B> {
             .clone();
         for m in &models {
             let c = m.config();
-            if c.sources != first.sources || c.samplerate != first.samplerate || c.audio_channels != first.audio_channels
+            if c.sources != first.sources
+                || c.samplerate != first.samplerate
+                || c.audio_channels != first.audio_channels
             {
                 return Err(DemucsError::InvalidArgument(
                     "models of a bag must share sources, sample rate and channels".into(),
@@ -293,7 +295,9 @@ pub fn apply_model<B: Backend>(
         }
     }
     if opts.overlap < 0.0 || opts.overlap >= 1.0 || opts.transition_power < 1.0 {
-        return Err(DemucsError::InvalidArgument("overlap must be in [0, 1), transition_power >= 1".into()));
+        return Err(DemucsError::InvalidArgument(
+            "overlap must be in [0, 1), transition_power >= 1".into(),
+        ));
     }
     let nsrc = bag.sources().len();
     let sr = bag.samplerate();
@@ -302,7 +306,11 @@ pub fn apply_model<B: Backend>(
         .segments
         .iter()
         .map(|seg| {
-            let shift_len = if opts.shifts > 0 { len + (0.5 * sr as f64) as usize } else { len };
+            let shift_len = if opts.shifts > 0 {
+                len + (0.5 * sr as f64) as usize
+            } else {
+                len
+            };
             passes * chunks_per_pass(shift_len, sr, opts.segment.unwrap_or(*seg), opts)
         })
         .sum();
@@ -392,10 +400,7 @@ impl<B: Backend> Single<'_, B> {
         let seg_len = (cfg.samplerate as f64 * segment) as usize;
         let stride = ((1.0 - opts.overlap) * seg_len as f64) as usize;
         let half = seg_len / 2;
-        let weight: Vec<f64> = (1..=half)
-            .chain((1..=seg_len - half).rev())
-            .map(|v| v as f64)
-            .collect();
+        let weight: Vec<f64> = (1..=half).chain((1..=seg_len - half).rev()).map(|v| v as f64).collect();
         let wmax = weight.iter().cloned().fold(0.0, f64::max);
         let weight: Vec<f32> = weight
             .iter()

@@ -172,7 +172,9 @@ fn as_fraction(key: &str, v: &Value) -> Result<(i64, i64), DemucsError> {
             }
             Err(bad(key, v))
         }
-        Value::Object { callable, args, state, .. } => {
+        Value::Object {
+            callable, args, state, ..
+        } => {
             let is_fraction = matches!(callable.as_ref(), Value::Global(m, n) if m == "fractions" && n == "Fraction");
             if !is_fraction {
                 return Err(bad(key, v));
@@ -264,7 +266,9 @@ impl HTDemucsConfig {
                 "wiener_iters" | "end_iters" if as_f64(key, v)? != 0.0 => {
                     return Err(DemucsError::Unsupported(format!("{key} > 0 (Wiener filtering)")))
                 }
-                "multi_freqs" if !matches!(v, Value::None | Value::List(_)) || matches!(v, Value::List(l) if !l.is_empty()) => {
+                "multi_freqs"
+                    if !matches!(v, Value::None | Value::List(_)) || matches!(v, Value::List(l) if !l.is_empty()) =>
+                {
                     return Err(DemucsError::Unsupported("multi_freqs (MultiWrap)".into()))
                 }
                 "t_emb" if v.as_str() != Some("sin") => {

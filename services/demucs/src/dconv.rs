@@ -56,9 +56,17 @@ impl DConvConfig {
                         .with_dilation(dilation)
                         .with_padding(dilation)
                         .init(device),
-                    norm1: GroupNormConfig { groups: 1, channels: hidden }.init(device),
+                    norm1: GroupNormConfig {
+                        groups: 1,
+                        channels: hidden,
+                    }
+                    .init(device),
                     conv2: Conv1dConfig::new(hidden, 2 * c, 1).init(device),
-                    norm2: GroupNormConfig { groups: 1, channels: 2 * c }.init(device),
+                    norm2: GroupNormConfig {
+                        groups: 1,
+                        channels: 2 * c,
+                    }
+                    .init(device),
                     scale: LayerScale::init(c, device),
                 }
             })

@@ -55,8 +55,14 @@ pub struct HDecLayerConfig {
 
 #[derive(Debug, Clone)]
 enum Layers<B: Backend> {
-    Freq { rewrite: Option<Conv2d<B>>, conv_tr: ConvTranspose2d<B> },
-    Time { rewrite: Option<Conv1d<B>>, conv_tr: ConvTranspose1d<B> },
+    Freq {
+        rewrite: Option<Conv2d<B>>,
+        conv_tr: ConvTranspose2d<B>,
+    },
+    Time {
+        rewrite: Option<Conv1d<B>>,
+        conv_tr: ConvTranspose1d<B>,
+    },
 }
 
 /// `HDecLayer`.
@@ -86,17 +92,39 @@ impl HDecLayerConfig {
                     }
                     .init(device)
                 }),
-                conv_tr: ConvTranspose2dConfig { chin, chout, kernel: [k, 1], stride: [s, 1] }.init(device),
+                conv_tr: ConvTranspose2dConfig {
+                    chin,
+                    chout,
+                    kernel: [k, 1],
+                    stride: [s, 1],
+                }
+                .init(device),
             }
         } else {
             Layers::Time {
-                rewrite: self
-                    .rewrite
-                    .then(|| Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx).with_padding(ctx).init(device)),
-                conv_tr: ConvTranspose1dConfig { chin, chout, kernel: k, stride: s }.init(device),
+                rewrite: self.rewrite.then(|| {
+                    Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx)
+                        .with_padding(ctx)
+                        .init(device)
+                }),
+                conv_tr: ConvTranspose1dConfig {
+                    chin,
+                    chout,
+                    kernel: k,
+                    stride: s,
+                }
+                .init(device),
             }
         };
-        let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
+        let norm = |c| {
+            self.norm.then(|| {
+                GroupNormConfig {
+                    groups: self.norm_groups,
+                    channels: c,
+                }
+                .init(device)
+            })
+        };
         HDecLayer {
             layers,
             norm1: if self.rewrite { norm(2 * chin) } else { None },

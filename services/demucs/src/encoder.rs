@@ -81,15 +81,30 @@ impl HEncLayerConfig {
                     .init(device),
                 )
             } else {
-                Conv::Time(Conv1dConfig::new(chin, chout, k).with_stride(s).with_padding(p).init(device))
+                Conv::Time(
+                    Conv1dConfig::new(chin, chout, k)
+                        .with_stride(s)
+                        .with_padding(p)
+                        .init(device),
+                )
             }
         };
-        let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
+        let norm = |c| {
+            self.norm.then(|| {
+                GroupNormConfig {
+                    groups: self.norm_groups,
+                    channels: c,
+                }
+                .init(device)
+            })
+        };
         let ctx = self.context;
         HEncLayer {
             conv: conv(self.chin, self.chout, self.kernel_size, self.stride, pad, true),
             norm1: norm(self.chout),
-            rewrite: self.rewrite.then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
+            rewrite: self
+                .rewrite
+                .then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
             norm2: if self.rewrite { norm(2 * self.chout) } else { None },
             dconv: self.dconv.as_ref().map(|d| d.init(device)),
             stride: self.stride,

@@ -133,7 +133,9 @@ impl DemucsEngine {
     ) -> Result<Vec<StemFile>, DemucsError> {
         let req = job.request;
         if bag.audio_channels() != 2 {
-            return Err(DemucsError::Unsupported("models with other than 2 audio channels".into()));
+            return Err(DemucsError::Unsupported(
+                "models with other than 2 audio channels".into(),
+            ));
         }
         let sr = bag.samplerate();
         let mix = self.read_input(job, sr)?;

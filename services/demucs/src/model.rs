@@ -387,7 +387,11 @@ impl<B: Backend> HTDemucs<B> {
         let nsrc = c.sources.len();
         let x = to_host(x);
         let xt = to_host(xt);
-        let out_len = if c.use_train_segment { training_length.max(length) } else { length };
+        let out_len = if c.use_train_segment {
+            training_length.max(length)
+        } else {
+            length
+        };
         debug_assert_eq!(xt.shape, vec![b, nsrc * ch, out_len]);
         let mut out = vec![0f32; b * nsrc * ch * out_len];
         for bi in 0..b {
@@ -423,8 +427,7 @@ impl<B: Backend> HTDemucs<B> {
         if out_len != length {
             let mut cropped = vec![0f32; b * nsrc * ch * length];
             for row in 0..b * nsrc * ch {
-                cropped[row * length..(row + 1) * length]
-                    .copy_from_slice(&out[row * out_len..row * out_len + length]);
+                cropped[row * length..(row + 1) * length].copy_from_slice(&out[row * out_len..row * out_len + length]);
             }
             out = cropped;
         }

@@ -120,10 +120,9 @@ impl ModelRepo {
 
     /// The checkpoint of a signature, with its checksum verified.
     pub fn checkpoint_path(&self, sig: &str) -> Result<PathBuf, DemucsError> {
-        let f = self
-            .checkpoints
-            .get(sig)
-            .ok_or_else(|| DemucsError::Repo(format!("no checkpoint with signature {sig} in {}", self.root.display())))?;
+        let f = self.checkpoints.get(sig).ok_or_else(|| {
+            DemucsError::Repo(format!("no checkpoint with signature {sig} in {}", self.root.display()))
+        })?;
         if let Some(expected) = &f.checksum {
             let actual = sha256_hex(&f.path)?;
             if !actual.starts_with(expected.as_str()) {

@@ -144,7 +144,11 @@ impl Stft {
             }
             let t = f - 2;
             for (k, s) in spec.iter_mut().enumerate() {
-                *s = if k < z.freqs { z.data[k * z.frames + t] } else { Complex::new(0.0, 0.0) };
+                *s = if k < z.freqs {
+                    z.data[k * z.frames + t]
+                } else {
+                    Complex::new(0.0, 0.0)
+                };
             }
             spec[0].im = 0.0;
             let last = spec.len() - 1;

@@ -232,8 +232,12 @@ impl CrossTransformerEncoderConfig {
         let parity = if self.cross_first { 1 } else { 0 };
         let mk = |i: usize| TransformerLayer::init(self, i % 2 != parity, device);
         CrossTransformerEncoder {
-            norm_in: self.norm_in.then(|| LayerNormConfig { channels: self.dim }.init(device)),
-            norm_in_t: self.norm_in.then(|| LayerNormConfig { channels: self.dim }.init(device)),
+            norm_in: self
+                .norm_in
+                .then(|| LayerNormConfig { channels: self.dim }.init(device)),
+            norm_in_t: self
+                .norm_in
+                .then(|| LayerNormConfig { channels: self.dim }.init(device)),
             layers: (0..self.num_layers).map(mk).collect(),
             layers_t: (0..self.num_layers).map(mk).collect(),
             max_period: self.max_period,
@@ -327,8 +331,10 @@ impl<B: Backend> CrossTransformerEncoder<B> {
         }
         let mut x = x + pos2d * w;
 
-        let pos1d: Tensor<B, 3> =
-            Tensor::from_data(TensorData::new(sin_embedding(t2, c, self.max_period), [1, t2, c]), &device);
+        let pos1d: Tensor<B, 3> = Tensor::from_data(
+            TensorData::new(sin_embedding(t2, c, self.max_period), [1, t2, c]),
+            &device,
+        );
         let mut xt = xt.swap_dims(1, 2);
         if let Some(n) = &self.norm_in_t {
             xt = n.forward(xt);

@@ -168,5 +168,8 @@ fn two_stems_and_cancellation_and_missing_model() {
 
     let ft = request(Model::HtdemucsFt, None);
     let err = s.engine.separate(&job(&s, &ft, &id), &Ctx::new(None)).unwrap_err();
-    assert!(matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"), "{err:?}");
+    assert!(
+        matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"),
+        "{err:?}"
+    );
 }

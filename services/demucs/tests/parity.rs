@@ -35,7 +35,10 @@ fn checkpoint_is_read_without_python() {
     assert_eq!(cfg.training_length(), 12000);
     // packed attention and the DConv Sequential indices are there, untouched.
     assert_eq!(
-        ckpt.state.get("crosstransformer.layers.0.self_attn.in_proj_weight").unwrap().shape,
+        ckpt.state
+            .get("crosstransformer.layers.0.self_attn.in_proj_weight")
+            .unwrap()
+            .shape,
         vec![96, 32]
     );
     assert!(ckpt.state.get("encoder.0.dconv.layers.1.6.scale").is_some());
@@ -73,8 +76,24 @@ fn stft_and_istft() {
         };
         back.extend(m.stft().ispec(&z, len));
     }
-    check("stft", spec_ref, &HostTensor { shape: spec_ref.shape.clone(), data: spec }, BLOCK_DB);
-    check("istft", &f["ispec"], &HostTensor { shape: vec![2, len], data: back }, BLOCK_DB);
+    check(
+        "stft",
+        spec_ref,
+        &HostTensor {
+            shape: spec_ref.shape.clone(),
+            data: spec,
+        },
+        BLOCK_DB,
+    );
+    check(
+        "istft",
+        &f["ispec"],
+        &HostTensor {
+            shape: vec![2, len],
+            data: back,
+        },
+        BLOCK_DB,
+    );
 }
 
 #[test]
@@ -96,7 +115,10 @@ fn transformer_layers() {
     let tr = m.crosstransformer().unwrap();
     let y = to_host(tr.layer(false, 0).forward(dev(&f["tlayer0.in0"]), None));
     check("transformer self layer", &f["tlayer0.out0"], &y, BLOCK_DB);
-    let y = to_host(tr.layer(true, 1).forward(dev(&f["tlayer_t1.in0"]), Some(dev(&f["tlayer_t1.in1"]))));
+    let y = to_host(
+        tr.layer(true, 1)
+            .forward(dev(&f["tlayer_t1.in0"]), Some(dev(&f["tlayer_t1.in1"]))),
+    );
     check("transformer cross layer", &f["tlayer_t1.out0"], &y, BLOCK_DB);
     let (x, xt) = tr.forward(dev(&f["transformer.in0"]), dev(&f["transformer.in1"]));
     check("transformer (freq out)", &f["transformer.out0"], &to_host(x), BLOCK_DB);
@@ -113,7 +135,9 @@ fn decoder_layers() {
     let (z, _) = m.decoder(1).forward_freq(dev(&f["dec1.in0"]), dev(&f["dec1.in1"]));
     check("decoder[1] (freq)", &f["dec1.out0"], &to_host(z), BLOCK_DB);
     let length = f["tdec2.in2"].data[0] as usize;
-    let (z, _) = m.tdecoder(2).forward_time(dev(&f["tdec2.in0"]), dev(&f["tdec2.in1"]), length);
+    let (z, _) = m
+        .tdecoder(2)
+        .forward_time(dev(&f["tdec2.in0"]), dev(&f["tdec2.in1"]), length);
     check("tdecoder[2] (time)", &f["tdec2.out0"], &to_host(z), BLOCK_DB);
 }
 
@@ -133,7 +157,6 @@ fn opts(shifts: usize) -> ApplyOptions {
         ..ApplyOptions::default()
     }
 }
-
 
 #[test]
 fn apply_model_split_overlap_segment_short() {

@@ -66,6 +66,9 @@ pub fn check(label: &str, reference: &HostTensor, est: &HostTensor, min_db: f64)
     assert_eq!(reference.shape, est.shape, "{label}: shape");
     let (snr, max) = figures(&reference.data, &est.data);
     eprintln!("PARITY {label:<28} SNR {snr:7.1} dB   max abs {max:.2e}");
-    assert!(snr >= min_db, "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})");
+    assert!(
+        snr >= min_db,
+        "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})"
+    );
     snr
 }
