@@ -274,6 +274,27 @@ impl<B: Backend> ConvTranspose2d<B> {
     }
 }
 
+/// Mean over the last axis of `[B, G, N]` → `[B, G, 1]`, summed in blocks of
+/// [`BLOCK`] then across blocks, so long rows (GroupNorm over 500k+ values in the time
+/// branch, `norm_out` over all tokens) keep f32 accuracy like PyTorch's cascade sums.
+pub fn mean_last<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [b, g, n] = x.dims();
+    if n <= 2 * BLOCK {
+        return x.mean_dim(2);
+    }
+    let blocks = n.div_ceil(BLOCK);
+    let x = if blocks * BLOCK != n {
+        let device = x.device();
+        Tensor::cat(vec![x, Tensor::zeros([b, g, blocks * BLOCK - n], &device)], 2)
+    } else {
+        x
+    };
+    x.reshape([b, g, blocks, BLOCK]).sum_dim(3).sum_dim(2).reshape([b, g, 1]).div_scalar(n as f32)
+}
+
+/// Block length of [`mean_last`].
+pub const BLOCK: usize = 1024;
+
 /// `nn.GroupNorm(groups, C, eps=1e-5)` on `[B, C, ...]` (flattened to `[B, C, N]`).
 #[derive(Debug, Clone)]
 pub struct GroupNorm<B: Backend> {
@@ -316,9 +337,9 @@ impl<B: Backend> GroupNorm<B> {
         let [b, c, n] = x.dims();
         let g = self.groups;
         let xg = x.reshape([b, g, (c / g) * n]);
-        let mean = xg.clone().mean_dim(2);
+        let mean = mean_last(xg.clone());
         let xc = xg - mean;
-        let var = xc.clone().powi_scalar(2).mean_dim(2);
+        let var = mean_last(xc.clone().powi_scalar(2));
         let y = (xc / (var + 1e-5).sqrt()).reshape([b, c, n]);
         y * self.weight.clone().reshape([1, c, 1]) + self.bias.clone().reshape([1, c, 1])
     }
