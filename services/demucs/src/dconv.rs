@@ -92,6 +92,21 @@ impl<B: Backend> DConv<B> {
         Ok(DConv { layers })
     }
 
+    /// The branch on every frequency row of `[B, C, F, T]` (PyTorch folds F into the
+    /// batch: `[B·F, C, T]`); computed in place with `[1, k]` convolutions.
+    pub fn forward_rows(&self, mut x: Tensor<B, 4>) -> Tensor<B, 4> {
+        for l in &self.layers {
+            let y = l.conv1.forward_rows(x.clone());
+            let y = gelu(l.norm1.forward_rows(y));
+            let y = l.conv2.forward_rows(y);
+            let y = glu(l.norm2.forward_rows(y), 1);
+            let [b, c, f, _] = y.dims();
+            let scale = l.scale.scale.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
+            x = x + y * scale;
+        }
+        x
+    }
+
     /// `[N, C, T]` → `[N, C, T]`.
     pub fn forward(&self, mut x: Tensor<B, 3>) -> Tensor<B, 3> {
         for l in &self.layers {

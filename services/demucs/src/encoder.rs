@@ -135,9 +135,7 @@ fn norm3<B: Backend>(n: &Option<GroupNorm<B>>, x: Tensor<B, 3>) -> Tensor<B, 3> 
 
 /// Runs a DConv over the frequency rows of `[B, C, F, T]`.
 pub(crate) fn dconv_freq<B: Backend>(d: &DConv<B>, y: Tensor<B, 4>) -> Tensor<B, 4> {
-    let [b, c, f, t] = y.dims();
-    let rows = y.permute([0, 2, 1, 3]).reshape([b * f, c, t]);
-    d.forward(rows).reshape([b, f, c, t]).permute([0, 2, 1, 3])
+    d.forward_rows(y)
 }
 
 impl<B: Backend> HEncLayer<B> {

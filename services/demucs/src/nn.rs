@@ -118,6 +118,19 @@ impl<B: Backend> Conv1d<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         conv1d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
     }
+
+    /// The same convolution along the last axis of every row `f` of `[B, in, F, L]`
+    /// (a `[1, k]` Conv2d), equal to running it on `[B·F, in, L]` without permuting.
+    pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let o = &self.options;
+        let w: Tensor<B, 4> = self.weight.clone().unsqueeze_dim(2);
+        conv2d(
+            x,
+            w,
+            Some(self.bias.clone()),
+            ConvOptions::new([1, o.stride[0]], [0, o.padding[0]], [1, o.dilation[0]], 1),
+        )
+    }
 }
 
 /// `nn.Conv2d`: weight `[out, in, kh, kw]`; input `[B, in, H, W]`.
@@ -343,6 +356,23 @@ impl<B: Backend> GroupNorm<B> {
         let y = (xc / (var + 1e-5).sqrt()).reshape([b, c, n]);
         y * self.weight.clone().reshape([1, c, 1]) + self.bias.clone().reshape([1, c, 1])
     }
+    /// One-group norm of each row `f` of `[B, C, F, T]` over its `(C, T)` values (what
+    /// `GroupNorm(1, C)` does on `[B·F, C, T]`).
+    pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        assert_eq!(self.groups, 1, "row norm is for GroupNorm(1, C)");
+        let [b, c, f, _] = x.dims();
+        // Statistics per (b, f), materialised as contiguous [B, C, F, 1] so every
+        // full-size op is a per-row-scalar broadcast (the backend's fast path).
+        let mean = x.clone().mean_dim(3).mean_dim(1).repeat_dim(1, c);
+        let xc = x - mean;
+        let var = xc.clone().powi_scalar(2).mean_dim(3).mean_dim(1);
+        let inv = (var + 1e-5).sqrt().recip(); // [B, 1, F, 1]
+        let w = self.weight.clone().reshape([1, c, 1, 1]);
+        let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
+        let bias = self.bias.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
+        xc * a + bias
+    }
+
     /// `[B, C, H, W]` → `[B, C, H, W]`.
     pub fn forward4(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, c, h, w] = x.dims();
