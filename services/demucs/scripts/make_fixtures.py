@@ -312,6 +312,22 @@ def full(out: Path, bench_seconds: float) -> None:
     print(json.dumps(meta, indent=1))
 
 
+def bench_only(out: Path, seconds: float, threads: int) -> None:
+    """Times PyTorch apply_model (shifts 0, overlap 0.25) on the existing full model."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(out / "repo" / "f0f0f0f0.th").eval()
+    sr = FULL["samplerate"]
+    bench = f32(noise(2, int(seconds * sr), 22))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        separate(model, bench, shifts=0, split=True, overlap=0.25)
+        dt = time.perf_counter() - t0
+    res = {"torch": torch.__version__, "seconds_audio": seconds, "seconds": dt, "rtf": dt / seconds,
+           "threads": torch.get_num_threads()}
+    print(json.dumps(res))
+
+
 def main():
     here = Path(__file__).resolve().parent.parent
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,8 +335,13 @@ def main():
     p.add_argument("--out", type=Path, help="output folder")
     p.add_argument("--bench-seconds", type=float, default=30.0,
                    help="with --full: time PyTorch apply_model on this much audio (0 = skip)")
+    p.add_argument("--bench-only", action="store_true",
+                   help="with --full: only time PyTorch on the already generated full model")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for --bench-only (0 = default)")
     args = p.parse_args()
-    if args.full:
+    if args.full and args.bench_only:
+        bench_only(args.out or here.parent.parent / "target" / "demucs-full", args.bench_seconds, args.threads)
+    elif args.full:
         full(args.out or here.parent.parent / "target" / "demucs-full", args.bench_seconds)
     else:
         reduced(args.out or here / "tests" / "fixtures")

@@ -266,3 +266,23 @@ mod serde_json_like {
         Meta { shift_offsets }
     }
 }
+
+/// The full-size check: needs `make_fixtures.py --full` (target/demucs-full/).
+/// `cargo test -p stemq-demucs --release --test parity -- --ignored`
+#[test]
+#[ignore]
+fn full_size_parity() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demucs-full");
+    let bytes = std::fs::read(dir.join("apply_full.safetensors")).expect("run make_fixtures.py --full");
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let get = |k: &str| {
+        let v = st.tensor(k).unwrap();
+        HostTensor {
+            shape: v.shape().to_vec(),
+            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        }
+    };
+    let bag = ModelRepo::open(dir.join("repo")).unwrap().load::<B>("f0f0f0f0", &Default::default()).unwrap();
+    let y = separate(&bag, &get("track"), &opts(0), &mut NoProgress).unwrap();
+    check("full-size apply (10 s)", &get("out.split"), &y, E2E_DB);
+}
