@@ -132,6 +132,9 @@ pub struct ApplyOptions {
     pub seed: u64,
     /// Explicit shift offsets (samples), used instead of the seeded RNG (parity tests).
     pub shift_offsets: Option<Vec<usize>>,
+    /// Chunks run together in one forward pass (batch dimension); 1 on the CPU, more on
+    /// a GPU. Results do not depend on it.
+    pub batch_size: usize,
 }
 
 impl Default for ApplyOptions {
@@ -144,6 +147,7 @@ impl Default for ApplyOptions {
             segment: None,
             seed: 0,
             shift_offsets: None,
+            batch_size: 1,
         }
     }
 }
@@ -408,20 +412,27 @@ impl<B: Backend> Single<'_, B> {
             .collect();
         let mut out = vec![0f32; nsrc * ch * length];
         let mut sum_weight = vec![0f32; length];
-        let mut offset = 0;
-        while offset < length {
-            let chunk = mix.sub(offset, seg_len);
-            let res = self.apply_one(chunk, opts, run)?;
-            let clen = chunk.length;
-            for row in 0..nsrc * ch {
+        let offsets: Vec<usize> = (0..length).step_by(stride.max(1)).collect();
+        // Chunks of one batch must share their padded length.
+        let batch = if opts.segment.is_none() && !cfg.use_train_segment {
+            1
+        } else {
+            opts.batch_size.max(1)
+        };
+        for group in offsets.chunks(batch) {
+            let chunks: Vec<Chunk<'_>> = group.iter().map(|o| mix.sub(*o, seg_len)).collect();
+            let results = self.apply_batch(&chunks, opts, run)?;
+            for ((offset, chunk), res) in group.iter().zip(&chunks).zip(results) {
+                let clen = chunk.length;
+                for row in 0..nsrc * ch {
+                    for i in 0..clen {
+                        out[row * length + offset + i] += weight[i] * res[row * clen + i];
+                    }
+                }
                 for i in 0..clen {
-                    out[row * length + offset + i] += weight[i] * res[row * clen + i];
+                    sum_weight[offset + i] += weight[i];
                 }
             }
-            for i in 0..clen {
-                sum_weight[offset + i] += weight[i];
-            }
-            offset += stride.max(1);
         }
         for row in 0..nsrc * ch {
             for i in 0..length {
@@ -431,39 +442,60 @@ impl<B: Backend> Single<'_, B> {
         Ok(out)
     }
 
-    /// The last branch of `apply_model`: pad to the valid length, run, centre-trim.
+    /// The last branch of `apply_model` on one chunk.
     fn apply_one(&self, mix: Chunk<'_>, opts: &ApplyOptions, run: &mut Run<'_>) -> Result<Vec<f32>, DemucsError> {
+        Ok(self.apply_batch(&[mix], opts, run)?.remove(0))
+    }
+
+    /// The last branch of `apply_model` on several chunks at once: pad each to the
+    /// valid length, run them as one batch, centre-trim; one progress tick per chunk.
+    fn apply_batch(
+        &self,
+        chunks: &[Chunk<'_>],
+        opts: &ApplyOptions,
+        run: &mut Run<'_>,
+    ) -> Result<Vec<Vec<f32>>, DemucsError> {
         let cfg = self.model.config();
-        let length = mix.length;
-        let valid_length = match opts.segment {
-            Some(s) => (s * cfg.samplerate as f64) as usize,
-            None if cfg.use_train_segment => {
-                if length > self.training_length {
-                    return Err(DemucsError::InvalidArgument(format!(
-                        "given length {length} is longer than the training length {}",
-                        self.training_length
-                    )));
+        let ch = chunks[0].channels;
+        let mut valid_length = 0;
+        let mut input = Vec::new();
+        for mix in chunks {
+            let length = mix.length;
+            valid_length = match opts.segment {
+                Some(s) => (s * cfg.samplerate as f64) as usize,
+                None if cfg.use_train_segment => {
+                    if length > self.training_length {
+                        return Err(DemucsError::InvalidArgument(format!(
+                            "given length {length} is longer than the training length {}",
+                            self.training_length
+                        )));
+                    }
+                    self.training_length
                 }
-                self.training_length
-            }
-            None => length,
-        };
-        let padded = mix.padded(valid_length);
+                None => length,
+            };
+            input.extend(mix.padded(valid_length));
+        }
+        let n = chunks.len();
         let input = HostTensor {
-            shape: vec![1, mix.channels, valid_length],
-            data: padded,
+            shape: vec![n, ch, valid_length],
+            data: input,
         };
         let out = self.model.forward_with_training_length(&input, self.training_length)?;
-        run.tick()?;
-        // center_trim to `length`.
-        let nrows = cfg.sources.len() * mix.channels;
-        let delta = valid_length - length;
-        let start = delta / 2;
-        let mut trimmed = Vec::with_capacity(nrows * length);
-        for row in 0..nrows {
-            trimmed.extend_from_slice(&out.data[row * valid_length + start..row * valid_length + start + length]);
+        // center_trim each to its length.
+        let nrows = cfg.sources.len() * ch;
+        let mut results = Vec::with_capacity(n);
+        for (bi, mix) in chunks.iter().enumerate() {
+            let length = mix.length;
+            let start = (valid_length - length) / 2;
+            let mut trimmed = Vec::with_capacity(nrows * length);
+            for row in bi * nrows..(bi + 1) * nrows {
+                trimmed.extend_from_slice(&out.data[row * valid_length + start..row * valid_length + start + length]);
+            }
+            results.push(trimmed);
+            run.tick()?;
         }
-        Ok(trimmed)
+        Ok(results)
     }
 }
 

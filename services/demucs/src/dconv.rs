@@ -101,7 +101,13 @@ impl<B: Backend> DConv<B> {
             let y = l.conv2.forward_rows(y);
             let y = glu(l.norm2.forward_rows(y), 1);
             let [b, c, f, _] = y.dims();
-            let scale = l.scale.scale.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
+            let scale = l
+                .scale
+                .scale
+                .clone()
+                .reshape([1, c, 1, 1])
+                .repeat_dim(0, b)
+                .repeat_dim(2, f);
             x = x + y * scale;
         }
         x

@@ -29,6 +29,8 @@ pub struct DemucsEngineConfig {
     pub clip: ClipMode,
     /// Refuse inputs longer than this (seconds).
     pub max_duration_secs: Option<f64>,
+    /// Segments per forward pass on CUDA (the CPU always runs one at a time).
+    pub gpu_batch: usize,
 }
 
 /// HTDemucs as a stemq engine.
@@ -130,6 +132,7 @@ impl DemucsEngine {
         bag: &BagOfModels<B>,
         job: &EngineJob<'_>,
         ctx: &dyn EngineContext,
+        batch_size: usize,
     ) -> Result<Vec<StemFile>, DemucsError> {
         let req = job.request;
         if bag.audio_channels() != 2 {
@@ -148,6 +151,7 @@ impl DemucsEngine {
             segment: job.segment.or(req.segment),
             seed,
             shift_offsets: None,
+            batch_size,
         };
         let out = separate(bag, &mix, &opts, &mut Ctx(ctx))?;
         let len = mix.shape[1];
@@ -213,7 +217,7 @@ impl DemucsEngine {
                     }
                 }
             };
-            self.run(&bag, job, ctx)
+            self.run(&bag, job, ctx, self.config.gpu_batch.max(1))
         }));
         match attempt {
             Ok(r) => r.map_err(engine_error),
@@ -258,7 +262,7 @@ impl Engine for DemucsEngine {
         match job.device {
             "cpu" => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;
-                self.run(&bag, job, ctx).map_err(engine_error)
+                self.run(&bag, job, ctx, 1).map_err(engine_error)
             }
             #[cfg(feature = "cuda")]
             "cuda" => self.run_cuda(name, job, ctx),

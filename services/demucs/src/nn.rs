@@ -302,7 +302,11 @@ pub fn mean_last<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
     } else {
         x
     };
-    x.reshape([b, g, blocks, BLOCK]).sum_dim(3).sum_dim(2).reshape([b, g, 1]).div_scalar(n as f32)
+    x.reshape([b, g, blocks, BLOCK])
+        .sum_dim(3)
+        .sum_dim(2)
+        .reshape([b, g, 1])
+        .div_scalar(n as f32)
 }
 
 /// Block length of [`mean_last`].
@@ -369,7 +373,12 @@ impl<B: Backend> GroupNorm<B> {
         let inv = (var + 1e-5).sqrt().recip(); // [B, 1, F, 1]
         let w = self.weight.clone().reshape([1, c, 1, 1]);
         let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
-        let bias = self.bias.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
+        let bias = self
+            .bias
+            .clone()
+            .reshape([1, c, 1, 1])
+            .repeat_dim(0, b)
+            .repeat_dim(2, f);
         xc * a + bias
     }
 

@@ -88,6 +88,7 @@ fn setup() -> Setup {
         repo,
         clip: ClipMode::None,
         max_duration_secs: None,
+        gpu_batch: 4,
     })
     .unwrap();
     Setup {

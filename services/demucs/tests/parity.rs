@@ -175,6 +175,18 @@ fn apply_model_split_overlap_segment_short() {
     )
     .unwrap();
     check("apply segment=1.0", &f["out.segment"], &y2, E2E_DB);
+    // Batching chunks (the GPU path) gives the same result.
+    let y4 = separate(
+        &bag,
+        &f["track"],
+        &ApplyOptions {
+            batch_size: 3,
+            ..opts(0)
+        },
+        &mut NoProgress,
+    )
+    .unwrap();
+    check("apply split, 3 chunks per batch", &f["out.split"], &y4, E2E_DB);
     let y3 = separate(&bag, &f["short_track"], &opts(0), &mut NoProgress).unwrap();
     check("apply short input", &f["out.short"], &y3, E2E_DB);
 
@@ -279,10 +291,17 @@ fn full_size_parity() {
         let v = st.tensor(k).unwrap();
         HostTensor {
             shape: v.shape().to_vec(),
-            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+            data: v
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
         }
     };
-    let bag = ModelRepo::open(dir.join("repo")).unwrap().load::<B>("f0f0f0f0", &Default::default()).unwrap();
+    let bag = ModelRepo::open(dir.join("repo"))
+        .unwrap()
+        .load::<B>("f0f0f0f0", &Default::default())
+        .unwrap();
     let y = separate(&bag, &get("track"), &opts(0), &mut NoProgress).unwrap();
     check("full-size apply (10 s)", &get("out.split"), &y, E2E_DB);
 }
