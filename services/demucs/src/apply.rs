@@ -291,7 +291,7 @@ pub fn apply_model<B: Backend>(
         )));
     }
     if let Some(s) = opts.segment {
-        if !(s > 0.0) || s > bag.max_allowed_segment() {
+        if s.is_nan() || s <= 0.0 || s > bag.max_allowed_segment() {
             return Err(DemucsError::InvalidArgument(format!(
                 "segment {s} s is not in (0, {}] (the trained segment)",
                 bag.max_allowed_segment()

@@ -69,7 +69,7 @@ impl HTDemucsConfig {
         let mut chout_z = c.channels;
         let mut freqs = c.nfft / 2;
         let dconv = |on: bool, ch: usize| {
-            on.then(|| DConvConfig {
+            on.then_some(DConvConfig {
                 channels: ch,
                 compress: c.dconv_comp,
                 depth: c.dconv_depth,

@@ -347,9 +347,9 @@ pub fn unpickle(data: &[u8]) -> Result<Value, DemucsError> {
             }
             b'b' => {
                 let st = pop(&mut stack)?;
-                match top(&mut stack)? {
-                    Value::Object { state, .. } => *state = Some(Box::new(st)),
-                    _ => {} // BUILD on a plain value: ignore the state
+                // BUILD on a plain value: the state is ignored.
+                if let Value::Object { state, .. } = top(&mut stack)? {
+                    *state = Some(Box::new(st));
                 }
             }
             b'Q' => {
