@@ -23,11 +23,11 @@ use crate::model::HTDemucs;
 /// bag of one with unit weights.
 #[derive(Debug)]
 pub struct BagOfModels<B: Backend> {
-    models: Vec<HTDemucs<B>>,
-    weights: Vec<Vec<f32>>,
+    pub(crate) models: Vec<HTDemucs<B>>,
+    pub(crate) weights: Vec<Vec<f32>>,
     /// Each model's effective segment in seconds (the bag's `segment` when it is not
     /// above the model's own).
-    segments: Vec<f64>,
+    pub(crate) segments: Vec<f64>,
 }
 
 impl<B: Backend> BagOfModels<B> {

@@ -11,6 +11,7 @@
 //! | [`transformer`] | `CrossTransformerEncoder` and its layers |
 //! | [`model`] | `HTDemucs` |
 //! | [`apply`] | `apply_model`, `BagOfModels`, the whole-track normalisation of `Separator` |
+//! | [`stream`] | the same with bounded memory, fed block by block |
 //! | [`repo`] | a local model folder laid out like demucs `--repo` |
 //! | [`engine`] | the stemq [`stemq_core::engine::Engine`] |
 //!
@@ -30,6 +31,7 @@ pub mod nn;
 pub mod pickle;
 pub mod repo;
 pub mod stft;
+pub mod stream;
 pub mod transformer;
 
 pub use burn;
