@@ -15,6 +15,7 @@ use std::time::Instant;
 use stemq_demucs::apply::{separate, ApplyOptions, NoProgress};
 use stemq_demucs::checkpoint::HostTensor;
 use stemq_demucs::repo::ModelRepo;
+use stemq_demucs::stream::{separate_stream, StatsAccumulator};
 use stemq_demucs::CpuBackend;
 
 fn main() {
@@ -60,7 +61,25 @@ fn main() {
         ..ApplyOptions::default()
     };
     let t0 = Instant::now();
-    let _ = separate(&bag, &mix, &opts, &mut NoProgress).expect("separate");
+    if args.iter().any(|a| a == "--stream") {
+        // Bounded memory: blocks of 1 s in, finished samples out and dropped.
+        let (l, r) = mix.data.split_at(len);
+        let mut acc = StatsAccumulator::default();
+        acc.push(&[l, r]);
+        let mut pos = 0;
+        let mut next = || {
+            if pos >= len {
+                return Ok(None);
+            }
+            let end = (pos + sr).min(len);
+            let b = vec![l[pos..end].to_vec(), r[pos..end].to_vec()];
+            pos = end;
+            Ok(Some(b))
+        };
+        separate_stream(&bag, acc.finish(), &mut next, &opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
+    } else {
+        let _ = separate(&bag, &mix, &opts, &mut NoProgress).expect("separate");
+    }
     let dt = t0.elapsed().as_secs_f64();
     println!(
         "burn/flex: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (threads: {})",

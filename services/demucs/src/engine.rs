@@ -1,8 +1,10 @@
-//! The stemq [`Engine`] backed by HTDemucs: reads the input with `stemq-audio`'s
-//! decoder (resampled to the model's rate, stereo), runs [`separate`] (whole-track
-//! normalisation, segments with overlap, shifts seeded from the job id), reports
-//! progress and honours cancellation per chunk, and writes one file per stem with
-//! `StemEncoder` (two-stem requests get `STEM` and `no_STEM`, the sum of the others).
+//! The stemq [`Engine`] backed by HTDemucs: reads the input twice with `stemq-audio`'s
+//! decoder (resampled to the model's rate, stereo): once for the whole-track
+//! statistics, once streamed through [`separate_stream`] (segments with overlap, shifts
+//! seeded from the job id) straight into one `StemEncoder` per stem, so memory does not
+//! grow with the track. Progress is reported and cancellation honoured per chunk;
+//! partial files are removed on failure. Two-stem requests get `STEM` and `no_STEM`
+//! (the sum of the others, demucs's `--other-method add`).
 //!
 //! Models come from a local folder ([`ModelRepo`]) and stay resident once loaded.
 
@@ -14,10 +16,11 @@ use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, S
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
 use stemq_core::request::{Model, OutputFormat as RequestFormat};
 
-use crate::apply::{separate, two_stems, ApplyOptions, BagOfModels, OtherMethod, Progress};
+use crate::apply::{ApplyOptions, BagOfModels, Progress};
 use crate::checkpoint::HostTensor;
 use crate::error::DemucsError;
 use crate::repo::ModelRepo;
+use crate::stream::{separate_stream, StatsAccumulator};
 use crate::CpuBackend;
 
 /// Settings of a [`DemucsEngine`].
@@ -103,30 +106,18 @@ impl DemucsEngine {
         Ok(m)
     }
 
-    fn read_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<HostTensor, DemucsError> {
-        let mut dec = Decoder::open_path(
+    fn open_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<Decoder, DemucsError> {
+        Ok(Decoder::open_path(
             job.input,
             DecodeOptions {
                 target_sample_rate: samplerate,
                 max_duration_secs: self.config.max_duration_secs,
             },
-        )?;
-        let mut all = StereoChunk::with_capacity(0);
-        while let Some(chunk) = dec.next_chunk()? {
-            all.extend_from(&chunk);
-        }
-        if all.is_empty() {
-            return Err(DemucsError::Audio(stemq_audio::AudioError::Empty));
-        }
-        let len = all.len();
-        let mut data = all.left;
-        data.extend_from_slice(&all.right);
-        Ok(HostTensor {
-            shape: vec![2, len],
-            data,
-        })
+        )?)
     }
 
+    /// Two passes over the decoder: the whole-track statistics, then the streamed
+    /// separation straight into the stem encoders (memory does not grow with the track).
     fn run<B: burn::tensor::backend::Backend>(
         &self,
         bag: &BagOfModels<B>,
@@ -141,7 +132,15 @@ impl DemucsEngine {
             ));
         }
         let sr = bag.samplerate();
-        let mix = self.read_input(job, sr)?;
+        let mut stats = StatsAccumulator::default();
+        let mut dec = self.open_input(job, sr)?;
+        while let Some(chunk) = dec.next_chunk()? {
+            stats.push(&[&chunk.left, &chunk.right]);
+        }
+        let stats = stats.finish();
+        if stats.length == 0 {
+            return Err(DemucsError::Audio(stemq_audio::AudioError::Empty));
+        }
         let seed = u64::from_str_radix(&job.job_id.0.chars().take(16).collect::<String>(), 16).unwrap_or(0);
         let opts = ApplyOptions {
             shifts: req.shifts as usize,
@@ -153,54 +152,84 @@ impl DemucsEngine {
             shift_offsets: None,
             batch_size,
         };
-        let out = separate(bag, &mix, &opts, &mut Ctx(ctx))?;
-        let len = mix.shape[1];
-        let stems: Vec<(String, HostTensor)> = match &req.two_stems {
-            Some(stem) => two_stems(bag.sources(), &out, &mix, stem, OtherMethod::Add)?,
-            None => bag
-                .sources()
-                .iter()
-                .enumerate()
-                .map(|(s, name)| {
-                    (
-                        name.clone(),
-                        HostTensor {
-                            shape: vec![2, len],
-                            data: out.data[s * 2 * len..(s + 1) * 2 * len].to_vec(),
-                        },
-                    )
-                })
-                .collect(),
+        let sources = bag.sources().to_vec();
+        let selected = match &req.two_stems {
+            Some(stem) => Some(
+                sources
+                    .iter()
+                    .position(|s| s == stem)
+                    .ok_or_else(|| DemucsError::InvalidArgument(format!("stem `{stem}` is not one of {sources:?}")))?,
+            ),
+            None => None,
+        };
+        let names: Vec<String> = match (&req.two_stems, selected) {
+            (Some(stem), Some(_)) => vec![stem.clone(), format!("no_{stem}")],
+            _ => sources.clone(),
         };
         let (format, ext) = match req.output_format {
             RequestFormat::Wav => (OutputFormat::Wav16, "wav"),
             RequestFormat::Flac => (OutputFormat::Flac16, "flac"),
         };
-        let mut files = Vec::new();
-        for (name, audio) in stems {
-            let path = job.out_dir.join(format!("{name}.{ext}"));
-            let mut enc = StemEncoder::create(&path, format, self.config.clip, sr)?;
-            const BLOCK: usize = 1 << 16;
-            let mut start = 0;
-            while start < len {
-                let end = (start + BLOCK).min(len);
-                enc.write(&StereoChunk::from_planar(
-                    audio.data[start..end].to_vec(),
-                    audio.data[len + start..len + end].to_vec(),
-                ))?;
-                start = end;
+        let paths: Vec<PathBuf> = names.iter().map(|n| job.out_dir.join(format!("{n}.{ext}"))).collect();
+        let result = (|| {
+            let mut encoders = paths
+                .iter()
+                .map(|p| StemEncoder::create(p, format, self.config.clip, sr))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut dec = self.open_input(job, sr)?;
+            let mut next = || -> Result<Option<Vec<Vec<f32>>>, DemucsError> {
+                Ok(dec.next_chunk()?.map(|c| vec![c.left, c.right]))
+            };
+            let mut sink = |block: HostTensor| -> Result<(), DemucsError> {
+                let n = block.shape[2];
+                let row = |s: usize, c: usize| &block.data[(s * 2 + c) * n..(s * 2 + c + 1) * n];
+                match selected {
+                    None => {
+                        for (s, enc) in encoders.iter_mut().enumerate() {
+                            enc.write(&StereoChunk::from_planar(row(s, 0).to_vec(), row(s, 1).to_vec()))?;
+                        }
+                    }
+                    Some(idx) => {
+                        encoders[0].write(&StereoChunk::from_planar(row(idx, 0).to_vec(), row(idx, 1).to_vec()))?;
+                        // demucs --other-method add: the sum of the other stems.
+                        let mut other = [vec![0f32; n], vec![0f32; n]];
+                        for s in (0..sources.len()).filter(|s| *s != idx) {
+                            for (c, o) in other.iter_mut().enumerate() {
+                                for (a, v) in o.iter_mut().zip(row(s, c)) {
+                                    *a += v;
+                                }
+                            }
+                        }
+                        let [l, r] = other;
+                        encoders[1].write(&StereoChunk::from_planar(l, r))?;
+                    }
+                }
+                Ok(())
+            };
+            separate_stream(bag, stats, &mut next, &opts, &mut Ctx(ctx), &mut sink)?;
+            for enc in encoders {
+                enc.finish()?;
             }
-            enc.finish()?;
-            files.push(StemFile {
-                stem: name,
+            Ok::<(), DemucsError>(())
+        })();
+        if let Err(e) = result {
+            for p in &paths {
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(e);
+        }
+        Ok(names
+            .into_iter()
+            .zip(paths)
+            .map(|(stem, path)| StemFile {
+                stem,
                 path,
                 audio: Some(StemAudio {
                     sample_rate: sr,
-                    frames: len as u64,
+                    frames: stats.length as u64,
                 }),
-            });
-        }
-        Ok(files)
+            })
+            .collect())
     }
 
     #[cfg(feature = "cuda")]

@@ -166,6 +166,7 @@ fn two_stems_and_cancellation_and_missing_model() {
 
     let err = s.engine.separate(&job(&s, &req, &id), &Ctx::new(Some(1))).unwrap_err();
     assert_eq!(err, EngineError::Cancelled);
+    assert!(files.iter().all(|f| !f.path.exists()), "partial stems are removed");
 
     let ft = request(Model::HtdemucsFt, None);
     let err = s.engine.separate(&job(&s, &ft, &id), &Ctx::new(None)).unwrap_err();
