@@ -7,7 +7,9 @@
 //!
 //! Prints seconds and real-time factor, and the PyTorch figure recorded by the script
 //! (`target/demucs-full/meta.json`) when present. `--parity` also compares the 10 s
-//! end-to-end reference of the script.
+//! end-to-end reference of the script; `--stream` uses the bounded-memory path;
+//! `--batch N` runs N segments per forward pass; `--device cuda` (with
+//! `--features cuda`) runs on the GPU.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -33,8 +35,23 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demucs-full"));
     let repo = ModelRepo::open(dir.join("repo")).expect("run make_fixtures.py --full first");
+    match arg("--device").as_deref() {
+        None | Some("cpu") => run::<CpuBackend>(&repo, &dir, &args, seconds, "burn/flex"),
+        #[cfg(feature = "cuda")]
+        Some("cuda") => run::<stemq_demucs::CudaBackend>(&repo, &dir, &args, seconds, "burn/cuda"),
+        Some(other) => panic!("unknown --device {other} (cpu, or cuda with --features cuda)"),
+    }
+}
+
+fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
+    repo: &ModelRepo,
+    dir: &std::path::Path,
+    args: &[String],
+    seconds: f64,
+    label: &str,
+) {
     let t0 = Instant::now();
-    let bag = repo.load::<CpuBackend>("f0f0f0f0", &Default::default()).expect("load");
+    let bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
     eprintln!("loaded in {:.2} s", t0.elapsed().as_secs_f64());
     let sr = bag.samplerate() as usize;
     let len = (seconds * sr as f64) as usize;
@@ -56,8 +73,15 @@ fn main() {
         shape: vec![2, len],
         data,
     };
+    let batch = args
+        .iter()
+        .position(|a| a == "--batch")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.parse().expect("--batch N"))
+        .unwrap_or(1);
     let opts = ApplyOptions {
         shifts: 0,
+        batch_size: batch,
         ..ApplyOptions::default()
     };
     let t0 = Instant::now();
@@ -82,7 +106,7 @@ fn main() {
     }
     let dt = t0.elapsed().as_secs_f64();
     println!(
-        "burn/flex: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (threads: {})",
+        "{label}: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (threads: {})",
         dt / seconds,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
@@ -93,11 +117,14 @@ fn main() {
         );
     }
     if args.iter().any(|a| a == "--parity") {
-        parity(&dir, &bag);
+        parity(dir, &bag);
     }
 }
 
-fn parity(dir: &std::path::Path, bag: &stemq_demucs::apply::BagOfModels<CpuBackend>) {
+fn parity<B: stemq_demucs::burn::tensor::backend::Backend>(
+    dir: &std::path::Path,
+    bag: &stemq_demucs::apply::BagOfModels<B>,
+) {
     let bytes = std::fs::read(dir.join("apply_full.safetensors")).expect("apply_full.safetensors");
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let get = |k: &str| {

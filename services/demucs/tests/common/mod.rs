@@ -7,9 +7,15 @@ use std::path::PathBuf;
 use burn::tensor::{Tensor, TensorData};
 use stemq_demucs::burn;
 use stemq_demucs::checkpoint::HostTensor;
+#[cfg(not(feature = "cuda"))]
 use stemq_demucs::CpuBackend;
 
+/// The backend the parity tests run on: the CPU, or CUDA with `--features cuda`.
+#[cfg(not(feature = "cuda"))]
 pub type B = CpuBackend;
+/// The backend the parity tests run on: the CPU, or CUDA with `--features cuda`.
+#[cfg(feature = "cuda")]
+pub type B = stemq_demucs::CudaBackend;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
