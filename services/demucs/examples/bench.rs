@@ -8,7 +8,8 @@
 //! Prints seconds and real-time factor, and the PyTorch figure recorded by the script
 //! (`target/demucs-full/meta.json`) when present. `--parity` also compares the 10 s
 //! end-to-end reference of the script; `--stream` uses the bounded-memory path;
-//! `--batch N` runs N segments per forward pass; `--device cuda` (with
+//! `--batch N` runs N segments per forward pass; `--jobs N` runs N passes on
+//! parallel threads; `--device cuda` (with
 //! `--features cuda`) runs on the GPU.
 
 use std::path::PathBuf;
@@ -79,9 +80,16 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         .and_then(|i| args.get(i + 1))
         .map(|s| s.parse().expect("--batch N"))
         .unwrap_or(1);
+    let jobs = args
+        .iter()
+        .position(|a| a == "--jobs")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.parse().expect("--jobs N"))
+        .unwrap_or(1);
     let opts = ApplyOptions {
         shifts: 0,
         batch_size: batch,
+        jobs,
         ..ApplyOptions::default()
     };
     let t0 = Instant::now();
@@ -106,8 +114,10 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     }
     let dt = t0.elapsed().as_secs_f64();
     println!(
-        "{label}: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (threads: {})",
+        "{label}: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (jobs {}, batch {}, cores {})",
         dt / seconds,
+        opts.jobs,
+        opts.batch_size,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
     if let Ok(meta) = std::fs::read_to_string(dir.join("meta.json")) {

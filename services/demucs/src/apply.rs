@@ -135,6 +135,9 @@ pub struct ApplyOptions {
     /// Chunks run together in one forward pass (batch dimension); 1 on the CPU, more on
     /// a GPU. Results do not depend on it.
     pub batch_size: usize,
+    /// Batches run concurrently on their own threads (demucs's `-j`); the CPU
+    /// backend's kernels alone keep barely more than one core busy.
+    pub jobs: usize,
 }
 
 impl Default for ApplyOptions {
@@ -148,6 +151,7 @@ impl Default for ApplyOptions {
             seed: 0,
             shift_offsets: None,
             batch_size: 1,
+            jobs: 1,
         }
     }
 }
@@ -419,9 +423,9 @@ impl<B: Backend> Single<'_, B> {
         } else {
             opts.batch_size.max(1)
         };
-        for group in offsets.chunks(batch) {
+        for group in offsets.chunks(batch * opts.jobs.max(1)) {
             let chunks: Vec<Chunk<'_>> = group.iter().map(|o| mix.sub(*o, seg_len)).collect();
-            let results = self.apply_batch(&chunks, opts, run)?;
+            let results = self.apply_batch(&chunks, batch, opts, run)?;
             for ((offset, chunk), res) in group.iter().zip(&chunks).zip(results) {
                 let clen = chunk.length;
                 for row in 0..nsrc * ch {
@@ -444,48 +448,53 @@ impl<B: Backend> Single<'_, B> {
 
     /// The last branch of `apply_model` on one chunk.
     fn apply_one(&self, mix: Chunk<'_>, opts: &ApplyOptions, run: &mut Run<'_>) -> Result<Vec<f32>, DemucsError> {
-        Ok(self.apply_batch(&[mix], opts, run)?.remove(0))
+        Ok(self.apply_batch(&[mix], 1, opts, run)?.remove(0))
     }
 
     /// The last branch of `apply_model` on several chunks at once: pad each to the
-    /// valid length, run them as one batch, centre-trim; one progress tick per chunk.
+    /// valid length, run them in batches of `batch` (batches on parallel threads),
+    /// centre-trim; one progress tick per chunk.
     fn apply_batch(
         &self,
         chunks: &[Chunk<'_>],
+        batch: usize,
         opts: &ApplyOptions,
         run: &mut Run<'_>,
     ) -> Result<Vec<Vec<f32>>, DemucsError> {
         let cfg = self.model.config();
         let ch = chunks[0].channels;
         let mut valid_length = 0;
-        let mut input = Vec::new();
-        for mix in chunks {
-            let length = mix.length;
-            valid_length = match opts.segment {
-                Some(s) => (s * cfg.samplerate as f64) as usize,
-                None if cfg.use_train_segment => {
-                    if length > self.training_length {
-                        return Err(DemucsError::InvalidArgument(format!(
-                            "given length {length} is longer than the training length {}",
-                            self.training_length
-                        )));
+        let mut inputs = Vec::new();
+        for group in chunks.chunks(batch.max(1)) {
+            let mut input = Vec::new();
+            for mix in group {
+                let length = mix.length;
+                valid_length = match opts.segment {
+                    Some(s) => (s * cfg.samplerate as f64) as usize,
+                    None if cfg.use_train_segment => {
+                        if length > self.training_length {
+                            return Err(DemucsError::InvalidArgument(format!(
+                                "given length {length} is longer than the training length {}",
+                                self.training_length
+                            )));
+                        }
+                        self.training_length
                     }
-                    self.training_length
-                }
-                None => length,
-            };
-            input.extend(mix.padded(valid_length));
+                    None => length,
+                };
+                input.extend(mix.padded(valid_length));
+            }
+            inputs.push(HostTensor {
+                shape: vec![group.len(), ch, valid_length],
+                data: input,
+            });
         }
-        let n = chunks.len();
-        let input = HostTensor {
-            shape: vec![n, ch, valid_length],
-            data: input,
-        };
-        let out = self.model.forward_with_training_length(&input, self.training_length)?;
+        let outs = self.model.forward_parallel(inputs, self.training_length)?;
         // center_trim each to its length.
         let nrows = cfg.sources.len() * ch;
-        let mut results = Vec::with_capacity(n);
-        for (bi, mix) in chunks.iter().enumerate() {
+        let mut results = Vec::with_capacity(chunks.len());
+        let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
+        for ((out, bi), mix) in per_chunk.zip(chunks) {
             let length = mix.length;
             let start = (valid_length - length) / 2;
             let mut trimmed = Vec::with_capacity(nrows * length);

@@ -34,6 +34,9 @@ pub struct DemucsEngineConfig {
     pub max_duration_secs: Option<f64>,
     /// Segments per forward pass on CUDA (the CPU always runs one at a time).
     pub gpu_batch: usize,
+    /// Forward passes run concurrently (threads); the number of cores is a good value
+    /// on the CPU.
+    pub cpu_jobs: usize,
 }
 
 /// HTDemucs as a stemq engine.
@@ -151,6 +154,7 @@ impl DemucsEngine {
             seed,
             shift_offsets: None,
             batch_size,
+            jobs: self.config.cpu_jobs.max(1),
         };
         let sources = bag.sources().to_vec();
         let selected = match &req.two_stems {

@@ -308,6 +308,28 @@ impl<B: Backend> HTDemucs<B> {
         self.forward_with_training_length(mix, self.config.training_length())
     }
 
+    /// Several independent forward passes, each on its own thread (scoped): the CPU
+    /// backend's kernels alone use barely more than one core.
+    pub fn forward_parallel(
+        &self,
+        inputs: Vec<HostTensor>,
+        training_length: usize,
+    ) -> Result<Vec<HostTensor>, DemucsError> {
+        if inputs.len() == 1 {
+            return Ok(vec![self.forward_with_training_length(&inputs[0], training_length)?]);
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = inputs
+                .iter()
+                .map(|input| scope.spawn(move || self.forward_with_training_length(input, training_length)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                .collect()
+        })
+    }
+
     /// `HTDemucs.forward` where `int(self.segment * samplerate)` is `training_length`
     /// (a bag may override the segment): `[B, C, L]` → `[B, S, C, L]`.
     pub fn forward_with_training_length(

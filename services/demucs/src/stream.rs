@@ -99,8 +99,13 @@ impl<B: Backend> Pass<'_, B> {
 
     /// Mix range `[start, end)` the next chunk reads (clipped to the track).
     fn next_read(&self, len: usize) -> (isize, usize) {
-        let clen = self.seg_len.min(self.lv - self.next);
-        let start = self.next as isize - ((self.valid_length - clen) / 2) as isize - self.k as isize;
+        self.read_at(self.next, len)
+    }
+
+    /// Mix range `[start, end)` read by the chunk at virtual offset `o`.
+    fn read_at(&self, o: usize, len: usize) -> (isize, usize) {
+        let clen = self.seg_len.min(self.lv - o);
+        let start = o as isize - ((self.valid_length - clen) / 2) as isize - self.k as isize;
         let end = (start + self.valid_length as isize).clamp(0, len as isize) as usize;
         (start, end)
     }
@@ -211,65 +216,82 @@ pub fn separate_stream<B: Backend>(
     loop {
         // Run every chunk whose input is available.
         let available = base + buf[0].len();
+        let group_max = opts.batch_size.max(1) * opts.jobs.max(1);
         for p in passes.iter_mut() {
-            while !p.done() {
-                let (start, end) = p.next_read(len);
-                if end > available && !eof {
+            loop {
+                // The chunks whose input is available, up to one round of batches.
+                let mut ready = Vec::new();
+                let mut o = p.next;
+                while o < p.lv && ready.len() < group_max {
+                    let (start, end) = p.read_at(o, len);
+                    if end > available && !eof {
+                        break;
+                    }
+                    ready.push((o, start, p.seg_len.min(p.lv - o)));
+                    o += p.stride;
+                }
+                if ready.is_empty() {
                     break;
                 }
-                let clen = p.seg_len.min(p.lv - p.next);
-                let mut input = vec![0f32; ch * p.valid_length];
-                for c in 0..ch {
-                    for i in 0..p.valid_length {
-                        let m = start + i as isize;
-                        if m >= 0 && (m as usize) < len {
-                            let m = m as usize;
-                            debug_assert!(m >= base, "input window dropped too early");
-                            input[c * p.valid_length + i] = buf[c][m - base];
+                let mut inputs = Vec::new();
+                for group in ready.chunks(opts.batch_size.max(1)) {
+                    let mut input = vec![0f32; group.len() * ch * p.valid_length];
+                    for (bi, (_, start, _)) in group.iter().enumerate() {
+                        for c in 0..ch {
+                            let dst = &mut input[(bi * ch + c) * p.valid_length..(bi * ch + c + 1) * p.valid_length];
+                            for (i, d) in dst.iter_mut().enumerate() {
+                                let m = start + i as isize;
+                                if m >= 0 && (m as usize) < len {
+                                    *d = buf[c][m as usize - base];
+                                }
+                            }
                         }
                     }
-                }
-                let out = p.model.forward_with_training_length(
-                    &HostTensor {
-                        shape: vec![1, ch, p.valid_length],
+                    inputs.push(HostTensor {
+                        shape: vec![group.len(), ch, p.valid_length],
                         data: input,
-                    },
-                    p.training_length,
-                )?;
-                let trim = (p.valid_length - clen) / 2;
-                let rel = p.next - p.fin;
-                while p.sum_weight.len() < rel + clen {
-                    p.sum_weight.push_back(0.0);
-                    for a in p.acc.iter_mut() {
-                        a.push_back(0.0);
-                    }
+                    });
                 }
-                for (r, a) in p.acc.iter_mut().enumerate() {
-                    let row = &out.data[r * p.valid_length + trim..r * p.valid_length + trim + clen];
-                    for i in 0..clen {
-                        a[rel + i] += p.weight[i] * row[i];
-                    }
-                }
-                for i in 0..clen {
-                    p.sum_weight[rel + i] += p.weight[i];
-                }
-                p.next += p.stride;
-                let new_fin = p.next.min(p.lv);
-                for _ in p.fin..new_fin {
-                    let sw = p.sum_weight.pop_front().unwrap_or(1.0);
-                    let keep = p.fin >= p.k;
-                    for (r, a) in p.acc.iter_mut().enumerate() {
-                        let v = a.pop_front().unwrap_or(0.0) / sw;
-                        if keep {
-                            p.out[r].push_back(v * p.scale[r / ch]);
+                let outs = p.model.forward_parallel(inputs, p.training_length)?;
+                let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
+                for ((out, bi), (o, _, clen)) in per_chunk.zip(ready) {
+                    debug_assert_eq!(o, p.next);
+                    let trim = (p.valid_length - clen) / 2;
+                    let rel = p.next - p.fin;
+                    while p.sum_weight.len() < rel + clen {
+                        p.sum_weight.push_back(0.0);
+                        for a in p.acc.iter_mut() {
+                            a.push_back(0.0);
                         }
                     }
-                    p.fin += 1;
-                }
-                done_chunks += 1;
-                progress.chunk_done(done_chunks as f32 / total_chunks.max(1) as f32);
-                if progress.cancelled() {
-                    return Err(DemucsError::Cancelled);
+                    for (r, a) in p.acc.iter_mut().enumerate() {
+                        let at = (bi * rows + r) * p.valid_length + trim;
+                        let row = &out.data[at..at + clen];
+                        for i in 0..clen {
+                            a[rel + i] += p.weight[i] * row[i];
+                        }
+                    }
+                    for i in 0..clen {
+                        p.sum_weight[rel + i] += p.weight[i];
+                    }
+                    p.next += p.stride;
+                    let new_fin = p.next.min(p.lv);
+                    for _ in p.fin..new_fin {
+                        let sw = p.sum_weight.pop_front().unwrap_or(1.0);
+                        let keep = p.fin >= p.k;
+                        for (r, a) in p.acc.iter_mut().enumerate() {
+                            let v = a.pop_front().unwrap_or(0.0) / sw;
+                            if keep {
+                                p.out[r].push_back(v * p.scale[r / ch]);
+                            }
+                        }
+                        p.fin += 1;
+                    }
+                    done_chunks += 1;
+                    progress.chunk_done(done_chunks as f32 / total_chunks.max(1) as f32);
+                    if progress.cancelled() {
+                        return Err(DemucsError::Cancelled);
+                    }
                 }
             }
         }

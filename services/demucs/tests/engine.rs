@@ -89,6 +89,7 @@ fn setup() -> Setup {
         clip: ClipMode::None,
         max_duration_secs: None,
         gpu_batch: 4,
+        cpu_jobs: 2,
     })
     .unwrap();
     Setup {

@@ -180,13 +180,14 @@ fn apply_model_split_overlap_segment_short() {
         &bag,
         &f["track"],
         &ApplyOptions {
-            batch_size: 3,
+            batch_size: 2,
+            jobs: 2,
             ..opts(0)
         },
         &mut NoProgress,
     )
     .unwrap();
-    check("apply split, 3 chunks per batch", &f["out.split"], &y4, E2E_DB);
+    check("apply split, 2 jobs × batch 2", &f["out.split"], &y4, E2E_DB);
     let y3 = separate(&bag, &f["short_track"], &opts(0), &mut NoProgress).unwrap();
     check("apply short input", &f["out.short"], &y3, E2E_DB);
 

@@ -94,4 +94,16 @@ fn streaming_matches_the_reference() {
     let bag2 = repo.load::<B>("tinybag", &Default::default()).unwrap();
     let y = run(&bag2, &f["track"], &opts(0), 3000);
     check("stream bag", &f["out.bag"], &y, 90.0);
+    // Concurrent forward passes and batches give the same samples.
+    let y = run(
+        &bag2,
+        &f["track"],
+        &ApplyOptions {
+            jobs: 2,
+            batch_size: 2,
+            ..opts(0)
+        },
+        3000,
+    );
+    check("stream bag, 2 jobs × batch 2", &f["out.bag"], &y, 90.0);
 }
