@@ -1,0 +1,296 @@
+//! Official Demucs `.th` checkpoints, read with no Python.
+//!
+//! A `.th` file is `torch.save({'klass', 'args', 'kwargs', 'state', 'training_args',
+//! ...})`: a zip archive holding `<prefix>/data.pkl` (the pickle) and one
+//! `<prefix>/data/<key>` file per tensor storage. The state dict is stored in fp16 (by
+//! `demucs.states.get_state(half=True)`); tensors are cast to `f32` here. `klass` is a
+//! class reference and stays opaque ([`Value::Global`]); `kwargs` are kept as decoded
+//! pickle values for [`crate::config::HTDemucsConfig::from_kwargs`].
+//!
+//! The state dict keys are PyTorch's, unchanged (`encoder.0.dconv.layers.0.3.weight`,
+//! `crosstransformer.layers.0.self_attn.in_proj_weight`, ...); the blocks' `load`
+//! functions say which keys they take, and [`StateDict::finish`] refuses leftovers
+//! (strict, like `load_state_dict`).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::Path;
+
+use half::{bf16, f16};
+
+use crate::error::DemucsError;
+use crate::pickle::{unpickle, Value};
+
+/// A tensor on the host: row-major `f32` values and a shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Values, row-major.
+    pub data: Vec<f32>,
+}
+
+/// The named tensors of a model, consumed as blocks load.
+#[derive(Debug, Clone, Default)]
+pub struct StateDict {
+    tensors: BTreeMap<String, HostTensor>,
+}
+
+impl StateDict {
+    /// Wraps a map of tensors.
+    pub fn new(tensors: BTreeMap<String, HostTensor>) -> Self {
+        StateDict { tensors }
+    }
+
+    /// Names still present.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// Borrows a tensor.
+    pub fn get(&self, name: &str) -> Option<&HostTensor> {
+        self.tensors.get(name)
+    }
+
+    /// Removes and returns a tensor, checking its shape.
+    pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, DemucsError> {
+        let t = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| DemucsError::MissingTensor(name.to_string()))?;
+        if t.shape != expected {
+            return Err(DemucsError::Shape {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: t.shape,
+            });
+        }
+        Ok(t)
+    }
+
+    /// Removes and returns a tensor whatever its shape.
+    pub fn take_any(&mut self, name: &str) -> Result<HostTensor, DemucsError> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| DemucsError::MissingTensor(name.to_string()))
+    }
+
+    /// Keeps only the tensors under `prefix.` and strips it (for loading one block).
+    pub fn sub(&self, prefix: &str) -> StateDict {
+        let p = format!("{prefix}.");
+        StateDict {
+            tensors: self
+                .tensors
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix(&p).map(|s| (s.to_string(), v.clone())))
+                .collect(),
+        }
+    }
+
+    /// Fails when tensors were left unused.
+    pub fn finish(self) -> Result<(), DemucsError> {
+        if self.tensors.is_empty() {
+            Ok(())
+        } else {
+            Err(DemucsError::UnexpectedTensors(self.tensors.into_keys().collect()))
+        }
+    }
+}
+
+/// A decoded Demucs package.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// The pickled class reference (`demucs.htdemucs.HTDemucs`), opaque.
+    pub klass: Value,
+    /// Positional constructor arguments.
+    pub args: Value,
+    /// Keyword constructor arguments.
+    pub kwargs: Value,
+    /// The weights, cast to `f32`.
+    pub state: StateDict,
+}
+
+impl Checkpoint {
+    /// The class name `module.Name`, when `klass` is a plain class reference.
+    pub fn class_name(&self) -> Option<String> {
+        match &self.klass {
+            Value::Global(m, n) => Some(format!("{m}.{n}")),
+            _ => None,
+        }
+    }
+
+    /// Reads a `.th` file.
+    pub fn load(path: &Path) -> Result<Self, DemucsError> {
+        let file = std::fs::File::open(path).map_err(|e| DemucsError::io(path, e))?;
+        Self::from_reader(file)
+    }
+
+    /// Reads a `.th` archive from any seekable reader.
+    pub fn from_reader<R: Read + std::io::Seek>(reader: R) -> Result<Self, DemucsError> {
+        let mut zip = zip::ZipArchive::new(reader).map_err(|e| DemucsError::Archive(e.to_string()))?;
+        let pkl_name = zip
+            .file_names()
+            .find(|n| n.ends_with("/data.pkl") || *n == "data.pkl")
+            .map(str::to_string)
+            .ok_or_else(|| DemucsError::Archive("no data.pkl (not a torch zip checkpoint)".into()))?;
+        let prefix = pkl_name.strip_suffix("data.pkl").unwrap_or("").to_string();
+        let pkl = read_entry(&mut zip, &pkl_name)?;
+        let root = unpickle(&pkl)?;
+
+        let field = |k: &str| {
+            root.get(k)
+                .cloned()
+                .ok_or_else(|| DemucsError::Checkpoint(format!("no `{k}` in the package")))
+        };
+        let klass = field("klass")?;
+        let args = root.get("args").cloned().unwrap_or(Value::List(vec![]));
+        let kwargs = field("kwargs")?;
+        let state_v = field("state")?;
+        if state_v.get("__quantized").is_some() {
+            return Err(DemucsError::Unsupported(
+                "quantised (diffq) checkpoints are not supported".into(),
+            ));
+        }
+        let items = state_v
+            .dict_items()
+            .ok_or_else(|| DemucsError::Checkpoint("`state` is not a dict".into()))?;
+        let mut tensors = BTreeMap::new();
+        let mut storages: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for (k, v) in items {
+            let name = k
+                .as_str()
+                .ok_or_else(|| DemucsError::Checkpoint("non-string state key".into()))?;
+            let t = rebuild_tensor(v, &prefix, &mut zip, &mut storages)
+                .map_err(|e| DemucsError::Checkpoint(format!("tensor `{name}`: {e}")))?;
+            tensors.insert(name.to_string(), t);
+        }
+        Ok(Checkpoint {
+            klass,
+            args,
+            kwargs,
+            state: StateDict::new(tensors),
+        })
+    }
+}
+
+fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str) -> Result<Vec<u8>, DemucsError> {
+    let mut f = zip
+        .by_name(name)
+        .map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    let mut buf = Vec::with_capacity(f.size() as usize);
+    f.read_to_end(&mut buf)
+        .map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    Ok(buf)
+}
+
+#[derive(Clone, Copy)]
+enum DType {
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    fn from_storage(name: &str) -> Result<Self, String> {
+        Ok(match name {
+            "HalfStorage" => DType::F16,
+            "BFloat16Storage" => DType::BF16,
+            "FloatStorage" => DType::F32,
+            "DoubleStorage" => DType::F64,
+            other => return Err(format!("unsupported storage type {other}")),
+        })
+    }
+    fn size(self) -> usize {
+        match self {
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+    fn read(self, b: &[u8], i: usize) -> f32 {
+        let s = &b[i * self.size()..(i + 1) * self.size()];
+        match self {
+            DType::F16 => f16::from_le_bytes([s[0], s[1]]).to_f32(),
+            DType::BF16 => bf16::from_le_bytes([s[0], s[1]]).to_f32(),
+            DType::F32 => f32::from_le_bytes(s.try_into().unwrap()),
+            DType::F64 => f64::from_le_bytes(s.try_into().unwrap()) as f32,
+        }
+    }
+}
+
+fn ints(v: &Value) -> Result<Vec<usize>, String> {
+    match v {
+        Value::Tuple(items) | Value::List(items) => items
+            .iter()
+            .map(|x| match x {
+                Value::Int(i) if *i >= 0 => Ok(*i as usize),
+                _ => Err("expected a non-negative integer".to_string()),
+            })
+            .collect(),
+        _ => Err("expected a tuple of integers".into()),
+    }
+}
+
+/// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`.
+fn rebuild_tensor<R: Read + std::io::Seek>(
+    v: &Value,
+    prefix: &str,
+    zip: &mut zip::ZipArchive<R>,
+    storages: &mut BTreeMap<String, Vec<u8>>,
+) -> Result<HostTensor, String> {
+    let (callable, args) = match v {
+        Value::Object { callable, args, .. } => (callable, args),
+        _ => return Err("not a tensor".into()),
+    };
+    match callable.as_ref() {
+        Value::Global(m, n) if m == "torch._utils" && n == "_rebuild_tensor_v2" => {}
+        other => return Err(format!("unsupported tensor constructor {other:?}")),
+    }
+    let args = match args.as_ref() {
+        Value::Tuple(a) if a.len() >= 4 => a,
+        _ => return Err("bad _rebuild_tensor_v2 arguments".into()),
+    };
+    let pid = match &args[0] {
+        Value::PersId(p) => match p.as_ref() {
+            Value::Tuple(t) if t.len() >= 5 => t.clone(),
+            _ => return Err("bad storage id".into()),
+        },
+        _ => return Err("tensor without a storage".into()),
+    };
+    let dtype = match &pid[1] {
+        Value::Global(_, name) => DType::from_storage(name)?,
+        _ => return Err("bad storage type".into()),
+    };
+    let key = pid[2].as_str().ok_or("bad storage key")?.to_string();
+    let offset = match &args[1] {
+        Value::Int(i) => *i as usize,
+        _ => return Err("bad storage offset".into()),
+    };
+    let shape = ints(&args[2])?;
+    let stride = ints(&args[3])?;
+    if !storages.contains_key(&key) {
+        let bytes = read_entry(zip, &format!("{prefix}data/{key}")).map_err(|e| e.to_string())?;
+        storages.insert(key.clone(), bytes);
+    }
+    let bytes = &storages[&key];
+    let numel: usize = shape.iter().product();
+    let mut data = Vec::with_capacity(numel);
+    let n_storage = bytes.len() / dtype.size();
+    let mut idx = vec![0usize; shape.len()];
+    for _ in 0..numel {
+        let pos = offset + idx.iter().zip(&stride).map(|(i, s)| i * s).sum::<usize>();
+        if pos >= n_storage {
+            return Err("tensor view outside its storage".into());
+        }
+        data.push(dtype.read(bytes, pos));
+        for d in (0..shape.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    Ok(HostTensor { shape, data })
+}

@@ -1,0 +1,317 @@
+//! Hyperparameters of `demucs.htdemucs.HTDemucs.__init__` (demucs 4.1.0), read from a
+//! checkpoint's pickled `kwargs`, with the same defaults. Options this port does not
+//! implement are refused with [`DemucsError::Unsupported`] when their value differs
+//! from what the released models use.
+
+use crate::error::DemucsError;
+use crate::pickle::Value;
+
+/// `HTDemucs(...)` keyword arguments that matter for inference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HTDemucsConfig {
+    /// Source names, in output order.
+    pub sources: Vec<String>,
+    /// Audio channels (2).
+    pub audio_channels: usize,
+    /// Hidden channels of the first layer (48).
+    pub channels: usize,
+    /// Time-branch channels when different (`channels_time`).
+    pub channels_time: Option<usize>,
+    /// Channel growth per layer (2).
+    pub growth: f64,
+    /// STFT size (4096); hop is nfft / 4.
+    pub nfft: usize,
+    /// Complex-as-channels (must be true).
+    pub cac: bool,
+    /// Encoder/decoder depth (4).
+    pub depth: usize,
+    /// 1x1 "rewrite" convolutions.
+    pub rewrite: bool,
+    /// Weight of the frequency embedding (0.2; 0 = none).
+    pub freq_emb: f64,
+    /// Scale of the frequency embedding (10).
+    pub emb_scale: f64,
+    /// Kernel size (8).
+    pub kernel_size: usize,
+    /// Stride of the time layer after a merge (2).
+    pub time_stride: usize,
+    /// Stride (4).
+    pub stride: usize,
+    /// Decoder rewrite context (1).
+    pub context: usize,
+    /// Encoder rewrite context (0).
+    pub context_enc: usize,
+    /// First layer with GroupNorm (4).
+    pub norm_starts: usize,
+    /// GroupNorm groups (4).
+    pub norm_groups: usize,
+    /// DConv in encoder (bit 1) and decoder (bit 2).
+    pub dconv_mode: usize,
+    /// DConv depth (2; negative = no dilation).
+    pub dconv_depth: i64,
+    /// DConv compression (8).
+    pub dconv_comp: f64,
+    /// Channels of the transformer (512; 0 = no up/down 1x1 convs).
+    pub bottom_channels: usize,
+    /// Transformer layers per branch (5).
+    pub t_layers: usize,
+    /// FFN hidden scale (4).
+    pub t_hidden_scale: f64,
+    /// Attention heads (8).
+    pub t_heads: usize,
+    /// LayerNorm before the transformer.
+    pub t_norm_in: bool,
+    /// Pre-norm layers (must be true).
+    pub t_norm_first: bool,
+    /// GroupNorm(1) at the end of each layer.
+    pub t_norm_out: bool,
+    /// Sin embedding max period (1e4).
+    pub t_max_period: f64,
+    /// LayerScale in the transformer layers.
+    pub t_layer_scale: bool,
+    /// GELU (true) or ReLU FFN activation.
+    pub t_gelu: bool,
+    /// Weight of the positional embedding (1).
+    pub t_weight_pos_embed: f64,
+    /// Cross attention first (false).
+    pub t_cross_first: bool,
+    /// Sample rate (44100).
+    pub samplerate: u32,
+    /// Training segment in seconds as a fraction (39/5).
+    pub segment: (i64, i64),
+    /// Pad inputs to the training segment.
+    pub use_train_segment: bool,
+}
+
+impl Default for HTDemucsConfig {
+    fn default() -> Self {
+        HTDemucsConfig {
+            sources: ["drums", "bass", "other", "vocals"].map(String::from).to_vec(),
+            audio_channels: 2,
+            channels: 48,
+            channels_time: None,
+            growth: 2.0,
+            nfft: 4096,
+            cac: true,
+            depth: 4,
+            rewrite: true,
+            freq_emb: 0.2,
+            emb_scale: 10.0,
+            kernel_size: 8,
+            time_stride: 2,
+            stride: 4,
+            context: 1,
+            context_enc: 0,
+            norm_starts: 4,
+            norm_groups: 4,
+            dconv_mode: 1,
+            dconv_depth: 2,
+            dconv_comp: 8.0,
+            bottom_channels: 0,
+            t_layers: 5,
+            t_hidden_scale: 4.0,
+            t_heads: 8,
+            t_norm_in: true,
+            t_norm_first: true,
+            t_norm_out: true,
+            t_max_period: 10000.0,
+            t_layer_scale: true,
+            t_gelu: true,
+            t_weight_pos_embed: 1.0,
+            t_cross_first: false,
+            samplerate: 44100,
+            segment: (10, 1),
+            use_train_segment: true,
+        }
+    }
+}
+
+fn bad(key: &str, v: &Value) -> DemucsError {
+    DemucsError::Checkpoint(format!("kwarg `{key}` has an unexpected value {v:?}"))
+}
+
+fn as_f64(key: &str, v: &Value) -> Result<f64, DemucsError> {
+    match v {
+        Value::Int(i) => Ok(*i as f64),
+        Value::Float(f) => Ok(*f),
+        Value::Bool(b) => Ok(*b as i64 as f64),
+        _ => Err(bad(key, v)),
+    }
+}
+
+fn as_usize(key: &str, v: &Value) -> Result<usize, DemucsError> {
+    match v {
+        Value::Int(i) if *i >= 0 => Ok(*i as usize),
+        Value::Bool(b) => Ok(*b as usize),
+        Value::Float(f) if f.fract() == 0.0 && *f >= 0.0 => Ok(*f as usize),
+        _ => Err(bad(key, v)),
+    }
+}
+
+fn as_bool(key: &str, v: &Value) -> Result<bool, DemucsError> {
+    match v {
+        Value::Bool(b) => Ok(*b),
+        Value::Int(i) => Ok(*i != 0),
+        Value::None => Ok(false),
+        Value::Float(f) => Ok(*f != 0.0),
+        _ => Err(bad(key, v)),
+    }
+}
+
+/// Parses `Fraction('39/5')`, `Fraction(39, 5)`, an int or a float into num/den.
+fn as_fraction(key: &str, v: &Value) -> Result<(i64, i64), DemucsError> {
+    match v {
+        Value::Int(i) => Ok((*i, 1)),
+        Value::Float(f) => {
+            // Exact enough for segments like 7.8: find a small denominator.
+            for den in 1..=1000i64 {
+                let num = (f * den as f64).round();
+                if (num / den as f64 - f).abs() < 1e-9 {
+                    return Ok((num as i64, den));
+                }
+            }
+            Err(bad(key, v))
+        }
+        Value::Object {
+            callable, args, state, ..
+        } => {
+            let is_fraction = matches!(callable.as_ref(), Value::Global(m, n) if m == "fractions" && n == "Fraction");
+            if !is_fraction {
+                return Err(bad(key, v));
+            }
+            let parts: Vec<Value> = match (args.as_ref(), state) {
+                (Value::Tuple(a), _) if !a.is_empty() => a.clone(),
+                (_, Some(s)) => vec![s.as_ref().clone()],
+                _ => return Err(bad(key, v)),
+            };
+            match parts.as_slice() {
+                [Value::Str(s)] => {
+                    let (n, d) = s.split_once('/').unwrap_or((s.as_str(), "1"));
+                    let n: i64 = n.trim().parse().map_err(|_| bad(key, v))?;
+                    let d: i64 = d.trim().parse().map_err(|_| bad(key, v))?;
+                    Ok((n, d))
+                }
+                [Value::Int(n), Value::Int(d)] => Ok((*n, *d)),
+                [Value::Int(n)] => Ok((*n, 1)),
+                _ => Err(bad(key, v)),
+            }
+        }
+        _ => Err(bad(key, v)),
+    }
+}
+
+impl HTDemucsConfig {
+    /// Reads the pickled `kwargs` of a checkpoint. Unknown keys are ignored (demucs
+    /// drops them too); options with behaviour this port lacks are refused.
+    pub fn from_kwargs(kwargs: &Value) -> Result<Self, DemucsError> {
+        let items = kwargs
+            .dict_items()
+            .ok_or_else(|| DemucsError::Checkpoint("`kwargs` is not a dict".into()))?;
+        let mut c = HTDemucsConfig::default();
+        let mut have_sources = false;
+        for (k, v) in items {
+            let Some(key) = k.as_str() else { continue };
+            match key {
+                "sources" => {
+                    let (Value::List(l) | Value::Tuple(l)) = v else {
+                        return Err(bad(key, v));
+                    };
+                    c.sources = l
+                        .iter()
+                        .map(|s| s.as_str().map(String::from).ok_or_else(|| bad(key, v)))
+                        .collect::<Result<_, _>>()?;
+                    have_sources = true;
+                }
+                "audio_channels" => c.audio_channels = as_usize(key, v)?,
+                "channels" => c.channels = as_usize(key, v)?,
+                "channels_time" => {
+                    c.channels_time = match v {
+                        Value::None => None,
+                        _ => Some(as_usize(key, v)?),
+                    }
+                }
+                "growth" => c.growth = as_f64(key, v)?,
+                "nfft" => c.nfft = as_usize(key, v)?,
+                "cac" => c.cac = as_bool(key, v)?,
+                "depth" => c.depth = as_usize(key, v)?,
+                "rewrite" => c.rewrite = as_bool(key, v)?,
+                "freq_emb" => c.freq_emb = as_f64(key, v)?,
+                "emb_scale" => c.emb_scale = as_f64(key, v)?,
+                "kernel_size" => c.kernel_size = as_usize(key, v)?,
+                "time_stride" => c.time_stride = as_usize(key, v)?,
+                "stride" => c.stride = as_usize(key, v)?,
+                "context" => c.context = as_usize(key, v)?,
+                "context_enc" => c.context_enc = as_usize(key, v)?,
+                "norm_starts" => c.norm_starts = as_usize(key, v)?,
+                "norm_groups" => c.norm_groups = as_usize(key, v)?,
+                "dconv_mode" => c.dconv_mode = as_usize(key, v)?,
+                "dconv_depth" => c.dconv_depth = as_f64(key, v)? as i64,
+                "dconv_comp" => c.dconv_comp = as_f64(key, v)?,
+                "bottom_channels" => c.bottom_channels = as_usize(key, v)?,
+                "t_layers" => c.t_layers = as_usize(key, v)?,
+                "t_hidden_scale" => c.t_hidden_scale = as_f64(key, v)?,
+                "t_heads" => c.t_heads = as_usize(key, v)?,
+                "t_norm_in" => c.t_norm_in = as_bool(key, v)?,
+                "t_norm_first" => c.t_norm_first = as_bool(key, v)?,
+                "t_norm_out" => c.t_norm_out = as_bool(key, v)?,
+                "t_max_period" => c.t_max_period = as_f64(key, v)?,
+                "t_layer_scale" => c.t_layer_scale = as_bool(key, v)?,
+                "t_gelu" => c.t_gelu = as_bool(key, v)?,
+                "t_weight_pos_embed" => c.t_weight_pos_embed = as_f64(key, v)?,
+                "t_cross_first" => c.t_cross_first = as_bool(key, v)?,
+                "samplerate" => c.samplerate = as_usize(key, v)? as u32,
+                "segment" => c.segment = as_fraction(key, v)?,
+                "use_train_segment" => c.use_train_segment = as_bool(key, v)?,
+                // Options whose non-default values change inference and are not ported.
+                "wiener_iters" | "end_iters" if as_f64(key, v)? != 0.0 => {
+                    return Err(DemucsError::Unsupported(format!("{key} > 0 (Wiener filtering)")))
+                }
+                "multi_freqs"
+                    if !matches!(v, Value::None | Value::List(_)) || matches!(v, Value::List(l) if !l.is_empty()) =>
+                {
+                    return Err(DemucsError::Unsupported("multi_freqs (MultiWrap)".into()))
+                }
+                "t_emb" if v.as_str() != Some("sin") => {
+                    return Err(DemucsError::Unsupported(format!("t_emb {v:?} (only `sin`)")))
+                }
+                "t_norm_in_group" | "t_group_norm" | "t_sparse_self_attn" | "t_sparse_cross_attn"
+                    if as_bool(key, v)? =>
+                {
+                    return Err(DemucsError::Unsupported(format!("{key} = true")))
+                }
+                "t_sin_random_shift" if as_f64(key, v)? != 0.0 => {
+                    return Err(DemucsError::Unsupported("t_sin_random_shift > 0".into()))
+                }
+                _ => {}
+            }
+        }
+        if !have_sources {
+            return Err(DemucsError::Checkpoint("kwargs without `sources`".into()));
+        }
+        if !c.cac {
+            return Err(DemucsError::Unsupported("cac = false (masking models)".into()));
+        }
+        if !c.t_norm_first && c.t_layers > 0 {
+            return Err(DemucsError::Unsupported("t_norm_first = false".into()));
+        }
+        if c.nfft % 4 != 0 || !c.nfft.is_power_of_two() {
+            return Err(DemucsError::Unsupported(format!("nfft {}", c.nfft)));
+        }
+        Ok(c)
+    }
+
+    /// STFT hop length (nfft / 4).
+    pub fn hop_length(&self) -> usize {
+        self.nfft / 4
+    }
+
+    /// Training segment in seconds.
+    pub fn segment_seconds(&self) -> f64 {
+        self.segment.0 as f64 / self.segment.1 as f64
+    }
+
+    /// `int(segment * samplerate)`, exactly as Python computes it with a Fraction.
+    pub fn training_length(&self) -> usize {
+        ((self.segment.0 * self.samplerate as i64) / self.segment.1) as usize
+    }
+}

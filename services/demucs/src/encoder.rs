@@ -1,0 +1,201 @@
+//! Port of `demucs.hdemucs.HEncLayer` (as HTDemucs builds it: no `empty`/`inject`, no
+//! `MultiWrap`).
+//!
+//! Frequency layer: `Conv2d(chin → chout, [k, 1], [s, 1], [k/4, 0])` on
+//! `[B, chin, F, T]` → `[B, chout, F/s, T]` → (GroupNorm) → GELU → [`DConv`] over
+//! `B·F` rows of `[chout, T]` → `Conv2d(chout → 2·chout, 1 + 2·context)` → (GroupNorm)
+//! → GLU over channels.
+//!
+//! Time layer: right-pad `[B, chin, L]` with zeros to a multiple of s, then the same
+//! chain with `Conv1d(k, s, k/4)`: → `[B, chout, ceil(L/s)]`.
+
+use burn::tensor::activation::{gelu, glu};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::checkpoint::StateDict;
+use crate::dconv::{DConv, DConvConfig};
+use crate::error::DemucsError;
+use crate::nn::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, GroupNorm, GroupNormConfig};
+
+/// Shape of an [`HEncLayer`].
+#[derive(Debug, Clone)]
+pub struct HEncLayerConfig {
+    /// Input channels.
+    pub chin: usize,
+    /// Output channels.
+    pub chout: usize,
+    /// Kernel size (along frequency or time).
+    pub kernel_size: usize,
+    /// Stride.
+    pub stride: usize,
+    /// GroupNorm groups (when `norm`).
+    pub norm_groups: usize,
+    /// Frequency (Conv2d) or time (Conv1d) layer.
+    pub freq: bool,
+    /// DConv branch, with its settings.
+    pub dconv: Option<DConvConfig>,
+    /// GroupNorm after the convolutions.
+    pub norm: bool,
+    /// Context of the rewrite convolution.
+    pub context: usize,
+    /// Pad by kernel/4.
+    pub pad: bool,
+    /// 1x1 rewrite + GLU.
+    pub rewrite: bool,
+}
+
+#[derive(Debug, Clone)]
+enum Conv<B: Backend> {
+    Freq(Conv2d<B>),
+    Time(Conv1d<B>),
+}
+
+/// `HEncLayer`.
+#[derive(Debug, Clone)]
+pub struct HEncLayer<B: Backend> {
+    conv: Conv<B>,
+    norm1: Option<GroupNorm<B>>,
+    rewrite: Option<Conv<B>>,
+    norm2: Option<GroupNorm<B>>,
+    dconv: Option<DConv<B>>,
+    stride: usize,
+}
+
+impl HEncLayerConfig {
+    /// Zero-initialised layer.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> HEncLayer<B> {
+        let pad = if self.pad { self.kernel_size / 4 } else { 0 };
+        // `main`: the strided [k, 1] convolution; otherwise the square rewrite kernel.
+        let conv = |chin, chout, k: usize, s, p: usize, main: bool| {
+            if self.freq {
+                let (kw, pw) = if main { (1, 0) } else { (k, p) };
+                Conv::Freq(
+                    Conv2dConfig {
+                        chin,
+                        chout,
+                        kernel: [k, kw],
+                        stride: [s, 1],
+                        padding: [p, pw],
+                    }
+                    .init(device),
+                )
+            } else {
+                Conv::Time(
+                    Conv1dConfig::new(chin, chout, k)
+                        .with_stride(s)
+                        .with_padding(p)
+                        .init(device),
+                )
+            }
+        };
+        let norm = |c| {
+            self.norm.then(|| {
+                GroupNormConfig {
+                    groups: self.norm_groups,
+                    channels: c,
+                }
+                .init(device)
+            })
+        };
+        let ctx = self.context;
+        HEncLayer {
+            conv: conv(self.chin, self.chout, self.kernel_size, self.stride, pad, true),
+            norm1: norm(self.chout),
+            rewrite: self
+                .rewrite
+                .then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
+            norm2: if self.rewrite { norm(2 * self.chout) } else { None },
+            dconv: self.dconv.as_ref().map(|d| d.init(device)),
+            stride: self.stride,
+        }
+    }
+}
+
+fn load_conv<B: Backend>(c: Conv<B>, state: &mut StateDict, prefix: &str) -> Result<Conv<B>, DemucsError> {
+    Ok(match c {
+        Conv::Freq(c) => Conv::Freq(c.load(state, prefix)?),
+        Conv::Time(c) => Conv::Time(c.load(state, prefix)?),
+    })
+}
+
+fn norm4<B: Backend>(n: &Option<GroupNorm<B>>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    match n {
+        Some(n) => n.forward4(x),
+        None => x,
+    }
+}
+
+fn norm3<B: Backend>(n: &Option<GroupNorm<B>>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    match n {
+        Some(n) => n.forward3(x),
+        None => x,
+    }
+}
+
+/// Runs a DConv over the frequency rows of `[B, C, F, T]`.
+pub(crate) fn dconv_freq<B: Backend>(d: &DConv<B>, y: Tensor<B, 4>) -> Tensor<B, 4> {
+    d.forward_rows(y)
+}
+
+impl<B: Backend> HEncLayer<B> {
+    /// Takes `{prefix}.conv`, `.norm1`, `.rewrite`, `.norm2`, `.dconv`.
+    pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        let load_norm = |n: Option<GroupNorm<B>>, state: &mut StateDict, name: &str| {
+            n.map(|n| n.load(state, &format!("{prefix}.{name}"))).transpose()
+        };
+        Ok(HEncLayer {
+            conv: load_conv(self.conv, state, &format!("{prefix}.conv"))?,
+            norm1: load_norm(self.norm1, state, "norm1")?,
+            rewrite: self
+                .rewrite
+                .map(|r| load_conv(r, state, &format!("{prefix}.rewrite")))
+                .transpose()?,
+            norm2: load_norm(self.norm2, state, "norm2")?,
+            dconv: self
+                .dconv
+                .map(|d| d.load(state, &format!("{prefix}.dconv")))
+                .transpose()?,
+            stride: self.stride,
+        })
+    }
+
+    /// Frequency layer: `[B, chin, F, T]` → `[B, chout, F/s, T]`.
+    pub fn forward_freq(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let Conv::Freq(conv) = &self.conv else {
+            panic!("forward_freq on a time layer")
+        };
+        let y = gelu(norm4(&self.norm1, conv.forward(x)));
+        let y = match &self.dconv {
+            Some(d) => dconv_freq(d, y),
+            None => y,
+        };
+        match &self.rewrite {
+            Some(Conv::Freq(r)) => glu(norm4(&self.norm2, r.forward(y)), 1),
+            _ => y,
+        }
+    }
+
+    /// Time layer: `[B, chin, L]` → `[B, chout, ceil(L/s)]`.
+    pub fn forward_time(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let Conv::Time(conv) = &self.conv else {
+            panic!("forward_time on a frequency layer")
+        };
+        let [b, c, le] = x.dims();
+        let x = if le % self.stride != 0 {
+            let extra = self.stride - le % self.stride;
+            Tensor::cat(vec![x.clone(), Tensor::zeros([b, c, extra], &x.device())], 2)
+        } else {
+            x
+        };
+        let y = gelu(norm3(&self.norm1, conv.forward(x)));
+        let y = match &self.dconv {
+            Some(d) => d.forward(y),
+            None => y,
+        };
+        match &self.rewrite {
+            Some(Conv::Time(r)) => glu(norm3(&self.norm2, r.forward(y)), 1),
+            _ => y,
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! The stemq [`Engine`] backed by HTDemucs: reads the input twice with `stemq-audio`'s
+//! decoder (resampled to the model's rate, stereo): once for the whole-track
+//! statistics, once streamed through [`separate_stream`] (segments with overlap, shifts
+//! seeded from the job id) straight into one `StemEncoder` per stem, so memory does not
+//! grow with the track. Progress is reported and cancellation honoured per chunk;
+//! partial files are removed on failure. Two-stem requests get `STEM` and `no_STEM`
+//! (the sum of the others, demucs's `--other-method add`).
+//!
+//! Models come from a local folder ([`ModelRepo`]) and stay resident once loaded.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
+use stemq_core::request::{Model, OutputFormat as RequestFormat};
+
+use crate::apply::{ApplyOptions, BagOfModels, Progress};
+use crate::checkpoint::HostTensor;
+use crate::error::DemucsError;
+use crate::repo::ModelRepo;
+use crate::stream::{separate_stream, StatsAccumulator};
+use crate::CpuBackend;
+
+/// Settings of a [`DemucsEngine`].
+#[derive(Debug, Clone)]
+pub struct DemucsEngineConfig {
+    /// The model folder (demucs `--repo` layout).
+    pub repo: PathBuf,
+    /// Clip mode of the written stems.
+    pub clip: ClipMode,
+    /// Refuse inputs longer than this (seconds).
+    pub max_duration_secs: Option<f64>,
+    /// Segments per forward pass on CUDA (the CPU always runs one at a time).
+    pub gpu_batch: usize,
+    /// Forward passes run concurrently (threads); the number of cores is a good value
+    /// on the CPU.
+    pub cpu_jobs: usize,
+}
+
+/// HTDemucs as a stemq engine.
+pub struct DemucsEngine {
+    repo: ModelRepo,
+    config: DemucsEngineConfig,
+    cpu: Mutex<HashMap<String, Arc<BagOfModels<CpuBackend>>>>,
+    #[cfg(feature = "cuda")]
+    cuda: Mutex<HashMap<String, Arc<BagOfModels<crate::CudaBackend>>>>,
+}
+
+impl std::fmt::Debug for DemucsEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DemucsEngine").field("repo", &self.repo.root()).finish()
+    }
+}
+
+/// Maps crate errors onto the worker's failure kinds.
+pub fn engine_error(e: DemucsError) -> EngineError {
+    match e {
+        DemucsError::Cancelled => EngineError::Cancelled,
+        DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
+        DemucsError::InvalidArgument(m) => EngineError::Unsupported {
+            code: "invalid_argument".into(),
+            message: m,
+        },
+        DemucsError::Io { .. } => EngineError::Transient(e.to_string()),
+        other => EngineError::Unsupported {
+            code: "model_unavailable".into(),
+            message: other.to_string(),
+        },
+    }
+}
+
+struct Ctx<'a>(&'a dyn EngineContext);
+
+impl Progress for Ctx<'_> {
+    fn chunk_done(&mut self, fraction: f32) {
+        self.0.progress(fraction, "separate");
+    }
+    fn cancelled(&self) -> bool {
+        self.0.cancelled()
+    }
+}
+
+fn cuda_present() -> bool {
+    cfg!(feature = "cuda") && std::path::Path::new("/proc/driver/nvidia/version").exists()
+}
+
+impl DemucsEngine {
+    /// Opens the model folder; models load on first use.
+    pub fn new(config: DemucsEngineConfig) -> Result<Self, DemucsError> {
+        Ok(DemucsEngine {
+            repo: ModelRepo::open(&config.repo)?,
+            config,
+            cpu: Mutex::new(HashMap::new()),
+            #[cfg(feature = "cuda")]
+            cuda: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Loads (once) and returns the CPU copy of a model.
+    pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
+        let mut cache = self.cpu.lock().expect("model cache poisoned");
+        if let Some(m) = cache.get(name) {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(self.repo.load::<CpuBackend>(name, &Default::default())?);
+        cache.insert(name.to_string(), m.clone());
+        Ok(m)
+    }
+
+    fn open_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<Decoder, DemucsError> {
+        Ok(Decoder::open_path(
+            job.input,
+            DecodeOptions {
+                target_sample_rate: samplerate,
+                max_duration_secs: self.config.max_duration_secs,
+            },
+        )?)
+    }
+
+    /// Two passes over the decoder: the whole-track statistics, then the streamed
+    /// separation straight into the stem encoders (memory does not grow with the track).
+    fn run<B: burn::tensor::backend::Backend>(
+        &self,
+        bag: &BagOfModels<B>,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+        batch_size: usize,
+    ) -> Result<Vec<StemFile>, DemucsError> {
+        let req = job.request;
+        if bag.audio_channels() != 2 {
+            return Err(DemucsError::Unsupported(
+                "models with other than 2 audio channels".into(),
+            ));
+        }
+        let sr = bag.samplerate();
+        let mut stats = StatsAccumulator::default();
+        let mut dec = self.open_input(job, sr)?;
+        while let Some(chunk) = dec.next_chunk()? {
+            stats.push(&[&chunk.left, &chunk.right]);
+        }
+        let stats = stats.finish();
+        if stats.length == 0 {
+            return Err(DemucsError::Audio(stemq_audio::AudioError::Empty));
+        }
+        let seed = u64::from_str_radix(&job.job_id.0.chars().take(16).collect::<String>(), 16).unwrap_or(0);
+        let opts = ApplyOptions {
+            shifts: req.shifts as usize,
+            split: true,
+            overlap: req.overlap,
+            transition_power: 1.0,
+            segment: job.segment.or(req.segment),
+            seed,
+            shift_offsets: None,
+            batch_size,
+            jobs: self.config.cpu_jobs.max(1),
+        };
+        let sources = bag.sources().to_vec();
+        let selected = match &req.two_stems {
+            Some(stem) => Some(
+                sources
+                    .iter()
+                    .position(|s| s == stem)
+                    .ok_or_else(|| DemucsError::InvalidArgument(format!("stem `{stem}` is not one of {sources:?}")))?,
+            ),
+            None => None,
+        };
+        let names: Vec<String> = match (&req.two_stems, selected) {
+            (Some(stem), Some(_)) => vec![stem.clone(), format!("no_{stem}")],
+            _ => sources.clone(),
+        };
+        let (format, ext) = match req.output_format {
+            RequestFormat::Wav => (OutputFormat::Wav16, "wav"),
+            RequestFormat::Flac => (OutputFormat::Flac16, "flac"),
+        };
+        let paths: Vec<PathBuf> = names.iter().map(|n| job.out_dir.join(format!("{n}.{ext}"))).collect();
+        let result = (|| {
+            let mut encoders = paths
+                .iter()
+                .map(|p| StemEncoder::create(p, format, self.config.clip, sr))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut dec = self.open_input(job, sr)?;
+            let mut next = || -> Result<Option<Vec<Vec<f32>>>, DemucsError> {
+                Ok(dec.next_chunk()?.map(|c| vec![c.left, c.right]))
+            };
+            let mut sink = |block: HostTensor| -> Result<(), DemucsError> {
+                let n = block.shape[2];
+                let row = |s: usize, c: usize| &block.data[(s * 2 + c) * n..(s * 2 + c + 1) * n];
+                match selected {
+                    None => {
+                        for (s, enc) in encoders.iter_mut().enumerate() {
+                            enc.write(&StereoChunk::from_planar(row(s, 0).to_vec(), row(s, 1).to_vec()))?;
+                        }
+                    }
+                    Some(idx) => {
+                        encoders[0].write(&StereoChunk::from_planar(row(idx, 0).to_vec(), row(idx, 1).to_vec()))?;
+                        // demucs --other-method add: the sum of the other stems.
+                        let mut other = [vec![0f32; n], vec![0f32; n]];
+                        for s in (0..sources.len()).filter(|s| *s != idx) {
+                            for (c, o) in other.iter_mut().enumerate() {
+                                for (a, v) in o.iter_mut().zip(row(s, c)) {
+                                    *a += v;
+                                }
+                            }
+                        }
+                        let [l, r] = other;
+                        encoders[1].write(&StereoChunk::from_planar(l, r))?;
+                    }
+                }
+                Ok(())
+            };
+            separate_stream(bag, stats, &mut next, &opts, &mut Ctx(ctx), &mut sink)?;
+            for enc in encoders {
+                enc.finish()?;
+            }
+            Ok::<(), DemucsError>(())
+        })();
+        if let Err(e) = result {
+            for p in &paths {
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(e);
+        }
+        Ok(names
+            .into_iter()
+            .zip(paths)
+            .map(|(stem, path)| StemFile {
+                stem,
+                path,
+                audio: Some(StemAudio {
+                    sample_rate: sr,
+                    frames: stats.length as u64,
+                }),
+            })
+            .collect())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn run_cuda(&self, name: &str, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let bag = {
+                let mut cache = self.cuda.lock().expect("model cache poisoned");
+                match cache.get(name) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let m = Arc::new(self.repo.load::<crate::CudaBackend>(name, &Default::default())?);
+                        cache.insert(name.to_string(), m.clone());
+                        m
+                    }
+                }
+            };
+            self.run(&bag, job, ctx, self.config.gpu_batch.max(1))
+        }));
+        match attempt {
+            Ok(r) => r.map_err(engine_error),
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                if msg.to_lowercase().contains("out of memory") {
+                    Err(EngineError::OutOfMemory { device: "cuda".into() })
+                } else {
+                    Err(EngineError::Transient(format!("cuda backend panicked: {msg}")))
+                }
+            }
+        }
+    }
+}
+
+impl Engine for DemucsEngine {
+    fn name(&self) -> &str {
+        "demucs"
+    }
+
+    fn devices(&self) -> Vec<String> {
+        let mut d = Vec::new();
+        if cuda_present() {
+            d.push("cuda".to_string());
+        }
+        d.push("cpu".to_string());
+        d
+    }
+
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let name = job.request.model.as_str();
+        if job.request.model == Model::Dsp || !self.repo.has(name) {
+            return Err(EngineError::Unsupported {
+                code: "model_unavailable".into(),
+                message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
+            });
+        }
+        match job.device {
+            "cpu" => {
+                let bag = self.cpu_model(name).map_err(engine_error)?;
+                self.run(&bag, job, ctx, 1).map_err(engine_error)
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => self.run_cuda(name, job, ctx),
+            other => Err(EngineError::Unsupported {
+                code: "device_unavailable".into(),
+                message: format!("device `{other}` is not available to the demucs engine"),
+            }),
+        }
+    }
+}

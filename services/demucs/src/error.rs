@@ -1,0 +1,77 @@
+//! The crate's error type: one variant per failing step, the source kept.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a Demucs model.
+#[derive(Debug, thiserror::Error)]
+pub enum DemucsError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The checkpoint is not a readable torch zip archive.
+    #[error("checkpoint archive: {0}")]
+    Archive(String),
+    /// The pickle inside the checkpoint could not be decoded.
+    #[error("checkpoint pickle: {0}")]
+    Pickle(String),
+    /// The checkpoint decoded but does not hold what an HTDemucs package holds.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// A tensor the model needs is not in the state dict.
+    #[error("missing tensor `{0}` in the checkpoint state")]
+    MissingTensor(String),
+    /// The state dict holds tensors the model does not use (strict loading).
+    #[error("unexpected tensors in the checkpoint state: {0:?}")]
+    UnexpectedTensors(Vec<String>),
+    /// A tensor has the wrong shape.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// What the model expects.
+        expected: Vec<usize>,
+        /// What the checkpoint holds.
+        found: Vec<usize>,
+    },
+    /// A model option this port does not implement (wiener filtering, sparse attention,
+    /// quantised packages, ...).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A bad argument (segment longer than the trained one, unknown stem, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The model folder has no such model, or a bag refers to a missing checkpoint.
+    #[error("model repository: {0}")]
+    Repo(String),
+    /// A checkpoint's sha256 does not match the checksum in its file name.
+    #[error("checksum mismatch for {path}: expected {expected}, got {actual}")]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// From the file name.
+        expected: String,
+        /// Computed.
+        actual: String,
+    },
+    /// Decoding or encoding audio failed.
+    #[error(transparent)]
+    Audio(#[from] stemq_audio::AudioError),
+    /// Stopped at a chunk boundary because the caller asked.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl DemucsError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        DemucsError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! HTDemucs v4 (demucs 4.1.0) ported to Burn.
+//!
+//! | module | ports |
+//! |---|---|
+//! | [`checkpoint`] | `.th` packages (torch zip + pickle, fp16 state) without Python |
+//! | [`config`] | `HTDemucs.__init__` keyword arguments |
+//! | [`stft`] | `HTDemucs._spec` / `_ispec` (`spectro` / `ispectro`) |
+//! | [`nn`] | Conv1d/2d, ConvTranspose1d/2d, GroupNorm, LayerNorm, Linear, LayerScale |
+//! | [`dconv`] | `DConv` |
+//! | [`encoder`] / [`decoder`] | `HEncLayer` / `HDecLayer` |
+//! | [`transformer`] | `CrossTransformerEncoder` and its layers |
+//! | [`model`] | `HTDemucs` |
+//! | [`apply`] | `apply_model`, `BagOfModels`, the whole-track normalisation of `Separator` |
+//! | [`stream`] | the same with bounded memory, fed block by block |
+//! | [`repo`] | a local model folder laid out like demucs `--repo` |
+//! | [`engine`] | the stemq [`stemq_core::engine::Engine`] |
+//!
+//! The default backend is Burn's `Flex` CPU backend ([`CpuBackend`]); the `cuda` feature
+//! adds [`CudaBackend`].
+
+pub mod apply;
+pub mod checkpoint;
+pub mod config;
+pub mod dconv;
+pub mod decoder;
+pub mod encoder;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod nn;
+pub mod pickle;
+pub mod repo;
+pub mod stft;
+pub mod stream;
+pub mod transformer;
+
+pub use burn;
+pub use error::DemucsError;
+
+/// The CPU backend.
+pub type CpuBackend = burn_flex::Flex;
+
+/// The CUDA backend.
+#[cfg(feature = "cuda")]
+pub type CudaBackend = burn::backend::Cuda;

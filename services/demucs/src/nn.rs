@@ -1,0 +1,519 @@
+//! The PyTorch primitives HTDemucs is built from, as small Burn blocks whose weights
+//! come from a [`StateDict`] under PyTorch's own names: `nn.Conv1d`, `nn.Conv2d`,
+//! `nn.ConvTranspose1d`, `nn.ConvTranspose2d`, `nn.GroupNorm`, `nn.LayerNorm`,
+//! `nn.Linear` and demucs's `LayerScale`.
+//!
+//! Each has a `*Config` with `init(&device)` (zero weights of the right shapes) and a
+//! `load(self, &mut StateDict)` that moves the checkpoint's weights in, checking shapes.
+//! Reductions (norm statistics) are two-pass (mean, then mean of squared deviations) as
+//! PyTorch does, with the biased variance of `GroupNorm`/`LayerNorm` and eps 1e-5.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::module::{conv1d, conv2d, conv_transpose1d, conv_transpose2d};
+use burn::tensor::ops::{ConvOptions, ConvTransposeOptions};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::checkpoint::{HostTensor, StateDict};
+use crate::error::DemucsError;
+
+/// Moves a host tensor to the device.
+pub fn to_device<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
+    let shape: [usize; D] = t.shape.clone().try_into().expect("rank checked by StateDict::take");
+    Tensor::from_data(TensorData::new(t.data, shape), device)
+}
+
+/// Copies a tensor back to the host.
+pub fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
+    let shape = t.dims().to_vec();
+    let data = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("float tensor data");
+    HostTensor { shape, data }
+}
+
+fn load_param<B: Backend, const D: usize>(
+    state: &mut StateDict,
+    name: &str,
+    target: &Tensor<B, D>,
+) -> Result<Tensor<B, D>, DemucsError> {
+    let t = state.take(name, &target.dims())?;
+    Ok(to_device(t, &target.device()))
+}
+
+/// `nn.Conv1d`: weight `[out, in, k]`, bias `[out]`; input `[B, in, L]` →
+/// `[B, out, (L + 2p − d(k − 1) − 1) / s + 1]`.
+#[derive(Debug, Clone)]
+pub struct Conv1d<B: Backend> {
+    /// `[out, in, k]`.
+    pub weight: Tensor<B, 3>,
+    /// `[out]`.
+    pub bias: Tensor<B, 1>,
+    options: ConvOptions<1>,
+}
+
+/// Shape of a [`Conv1d`].
+#[derive(Debug, Clone)]
+pub struct Conv1dConfig {
+    /// Input channels.
+    pub chin: usize,
+    /// Output channels.
+    pub chout: usize,
+    /// Kernel size.
+    pub kernel: usize,
+    /// Stride.
+    pub stride: usize,
+    /// Zero padding on both sides.
+    pub padding: usize,
+    /// Dilation.
+    pub dilation: usize,
+}
+
+impl Conv1dConfig {
+    /// A stride-1, unpadded convolution.
+    pub fn new(chin: usize, chout: usize, kernel: usize) -> Self {
+        Conv1dConfig {
+            chin,
+            chout,
+            kernel,
+            stride: 1,
+            padding: 0,
+            dilation: 1,
+        }
+    }
+    /// Sets the stride.
+    pub fn with_stride(mut self, s: usize) -> Self {
+        self.stride = s;
+        self
+    }
+    /// Sets the padding.
+    pub fn with_padding(mut self, p: usize) -> Self {
+        self.padding = p;
+        self
+    }
+    /// Sets the dilation.
+    pub fn with_dilation(mut self, d: usize) -> Self {
+        self.dilation = d;
+        self
+    }
+    /// Zero weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Conv1d<B> {
+        Conv1d {
+            weight: Tensor::zeros([self.chout, self.chin, self.kernel], device),
+            bias: Tensor::zeros([self.chout], device),
+            options: ConvOptions::new([self.stride], [self.padding], [self.dilation], 1),
+        }
+    }
+}
+
+impl<B: Backend> Conv1d<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, in, L]` → `[B, out, L']`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        conv1d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
+    }
+
+    /// The same convolution along the last axis of every row `f` of `[B, in, F, L]`
+    /// (a `[1, k]` Conv2d), equal to running it on `[B·F, in, L]` without permuting.
+    pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let o = &self.options;
+        let w: Tensor<B, 4> = self.weight.clone().unsqueeze_dim(2);
+        conv2d(
+            x,
+            w,
+            Some(self.bias.clone()),
+            ConvOptions::new([1, o.stride[0]], [0, o.padding[0]], [1, o.dilation[0]], 1),
+        )
+    }
+}
+
+/// `nn.Conv2d`: weight `[out, in, kh, kw]`; input `[B, in, H, W]`.
+#[derive(Debug, Clone)]
+pub struct Conv2d<B: Backend> {
+    /// `[out, in, kh, kw]`.
+    pub weight: Tensor<B, 4>,
+    /// `[out]`.
+    pub bias: Tensor<B, 1>,
+    options: ConvOptions<2>,
+}
+
+/// Shape of a [`Conv2d`].
+#[derive(Debug, Clone)]
+pub struct Conv2dConfig {
+    /// Input channels.
+    pub chin: usize,
+    /// Output channels.
+    pub chout: usize,
+    /// Kernel `[kh, kw]`.
+    pub kernel: [usize; 2],
+    /// Stride.
+    pub stride: [usize; 2],
+    /// Padding.
+    pub padding: [usize; 2],
+}
+
+impl Conv2dConfig {
+    /// Zero weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Conv2d<B> {
+        Conv2d {
+            weight: Tensor::zeros([self.chout, self.chin, self.kernel[0], self.kernel[1]], device),
+            bias: Tensor::zeros([self.chout], device),
+            options: ConvOptions::new(self.stride, self.padding, [1, 1], 1),
+        }
+    }
+}
+
+impl<B: Backend> Conv2d<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, in, H, W]` → `[B, out, H', W']`.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        conv2d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
+    }
+}
+
+/// `nn.ConvTranspose1d` (no padding): weight `[in, out, k]`; `[B, in, L]` →
+/// `[B, out, (L − 1)s + k]`.
+#[derive(Debug, Clone)]
+pub struct ConvTranspose1d<B: Backend> {
+    /// `[in, out, k]`.
+    pub weight: Tensor<B, 3>,
+    /// `[out]`.
+    pub bias: Tensor<B, 1>,
+    stride: usize,
+}
+
+/// Shape of a [`ConvTranspose1d`].
+#[derive(Debug, Clone)]
+pub struct ConvTranspose1dConfig {
+    /// Input channels.
+    pub chin: usize,
+    /// Output channels.
+    pub chout: usize,
+    /// Kernel size.
+    pub kernel: usize,
+    /// Stride.
+    pub stride: usize,
+}
+
+impl ConvTranspose1dConfig {
+    /// Zero weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> ConvTranspose1d<B> {
+        ConvTranspose1d {
+            weight: Tensor::zeros([self.chin, self.chout, self.kernel], device),
+            bias: Tensor::zeros([self.chout], device),
+            stride: self.stride,
+        }
+    }
+}
+
+impl<B: Backend> ConvTranspose1d<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, in, L]` → `[B, out, (L − 1)s + k]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        conv_transpose1d(
+            x,
+            self.weight.clone(),
+            Some(self.bias.clone()),
+            ConvTransposeOptions::new([self.stride], [0], [0], [1], 1),
+        )
+    }
+}
+
+/// `nn.ConvTranspose2d` (no padding): weight `[in, out, kh, kw]`.
+#[derive(Debug, Clone)]
+pub struct ConvTranspose2d<B: Backend> {
+    /// `[in, out, kh, kw]`.
+    pub weight: Tensor<B, 4>,
+    /// `[out]`.
+    pub bias: Tensor<B, 1>,
+    stride: [usize; 2],
+}
+
+/// Shape of a [`ConvTranspose2d`].
+#[derive(Debug, Clone)]
+pub struct ConvTranspose2dConfig {
+    /// Input channels.
+    pub chin: usize,
+    /// Output channels.
+    pub chout: usize,
+    /// Kernel.
+    pub kernel: [usize; 2],
+    /// Stride.
+    pub stride: [usize; 2],
+}
+
+impl ConvTranspose2dConfig {
+    /// Zero weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> ConvTranspose2d<B> {
+        ConvTranspose2d {
+            weight: Tensor::zeros([self.chin, self.chout, self.kernel[0], self.kernel[1]], device),
+            bias: Tensor::zeros([self.chout], device),
+            stride: self.stride,
+        }
+    }
+}
+
+impl<B: Backend> ConvTranspose2d<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, in, H, W]` → `[B, out, (H − 1)s + kh, (W − 1)s + kw]`.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        conv_transpose2d(
+            x,
+            self.weight.clone(),
+            Some(self.bias.clone()),
+            ConvTransposeOptions::new(self.stride, [0, 0], [0, 0], [1, 1], 1),
+        )
+    }
+}
+
+/// Mean over the last axis of `[B, G, N]` → `[B, G, 1]`, summed in blocks of
+/// [`BLOCK`] then across blocks, so long rows (GroupNorm over 500k+ values in the time
+/// branch, `norm_out` over all tokens) keep f32 accuracy like PyTorch's cascade sums.
+pub fn mean_last<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [b, g, n] = x.dims();
+    if n <= 2 * BLOCK {
+        return x.mean_dim(2);
+    }
+    let blocks = n.div_ceil(BLOCK);
+    let x = if blocks * BLOCK != n {
+        let device = x.device();
+        Tensor::cat(vec![x, Tensor::zeros([b, g, blocks * BLOCK - n], &device)], 2)
+    } else {
+        x
+    };
+    x.reshape([b, g, blocks, BLOCK])
+        .sum_dim(3)
+        .sum_dim(2)
+        .reshape([b, g, 1])
+        .div_scalar(n as f32)
+}
+
+/// Block length of [`mean_last`].
+pub const BLOCK: usize = 1024;
+
+/// `nn.GroupNorm(groups, C, eps=1e-5)` on `[B, C, ...]` (flattened to `[B, C, N]`).
+#[derive(Debug, Clone)]
+pub struct GroupNorm<B: Backend> {
+    /// `[C]`.
+    pub weight: Tensor<B, 1>,
+    /// `[C]`.
+    pub bias: Tensor<B, 1>,
+    groups: usize,
+}
+
+/// Shape of a [`GroupNorm`].
+#[derive(Debug, Clone)]
+pub struct GroupNormConfig {
+    /// Groups.
+    pub groups: usize,
+    /// Channels.
+    pub channels: usize,
+}
+
+impl GroupNormConfig {
+    /// Identity affine parameters.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> GroupNorm<B> {
+        GroupNorm {
+            weight: Tensor::ones([self.channels], device),
+            bias: Tensor::zeros([self.channels], device),
+            groups: self.groups,
+        }
+    }
+}
+
+impl<B: Backend> GroupNorm<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, C, N]` → `[B, C, N]`.
+    pub fn forward3(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, c, n] = x.dims();
+        let g = self.groups;
+        let xg = x.reshape([b, g, (c / g) * n]);
+        let mean = mean_last(xg.clone());
+        let xc = xg - mean;
+        let var = mean_last(xc.clone().powi_scalar(2));
+        let y = (xc / (var + 1e-5).sqrt()).reshape([b, c, n]);
+        y * self.weight.clone().reshape([1, c, 1]) + self.bias.clone().reshape([1, c, 1])
+    }
+    /// One-group norm of each row `f` of `[B, C, F, T]` over its `(C, T)` values (what
+    /// `GroupNorm(1, C)` does on `[B·F, C, T]`).
+    pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        assert_eq!(self.groups, 1, "row norm is for GroupNorm(1, C)");
+        let [b, c, f, _] = x.dims();
+        // Statistics per (b, f), materialised as contiguous [B, C, F, 1] so every
+        // full-size op is a per-row-scalar broadcast (the backend's fast path).
+        let mean = x.clone().mean_dim(3).mean_dim(1).repeat_dim(1, c);
+        let xc = x - mean;
+        let var = xc.clone().powi_scalar(2).mean_dim(3).mean_dim(1);
+        let inv = (var + 1e-5).sqrt().recip(); // [B, 1, F, 1]
+        let w = self.weight.clone().reshape([1, c, 1, 1]);
+        let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
+        let bias = self
+            .bias
+            .clone()
+            .reshape([1, c, 1, 1])
+            .repeat_dim(0, b)
+            .repeat_dim(2, f);
+        xc * a + bias
+    }
+
+    /// `[B, C, H, W]` → `[B, C, H, W]`.
+    pub fn forward4(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, c, h, w] = x.dims();
+        self.forward3(x.reshape([b, c, h * w])).reshape([b, c, h, w])
+    }
+}
+
+/// `nn.LayerNorm(C, eps=1e-5)` over the last dimension of `[B, T, C]`.
+#[derive(Debug, Clone)]
+pub struct LayerNorm<B: Backend> {
+    /// `[C]`.
+    pub weight: Tensor<B, 1>,
+    /// `[C]`.
+    pub bias: Tensor<B, 1>,
+}
+
+/// Shape of a [`LayerNorm`].
+#[derive(Debug, Clone)]
+pub struct LayerNormConfig {
+    /// Channels.
+    pub channels: usize,
+}
+
+impl LayerNormConfig {
+    /// Identity affine parameters.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> LayerNorm<B> {
+        LayerNorm {
+            weight: Tensor::ones([self.channels], device),
+            bias: Tensor::zeros([self.channels], device),
+        }
+    }
+}
+
+impl<B: Backend> LayerNorm<B> {
+    /// Takes `weight` and `bias`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
+        self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        Ok(self)
+    }
+    /// `[B, T, C]` → `[B, T, C]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let c = x.dims()[2];
+        let mean = x.clone().mean_dim(2);
+        let xc = x - mean;
+        let var = xc.clone().powi_scalar(2).mean_dim(2);
+        let y = xc / (var + 1e-5).sqrt();
+        y * self.weight.clone().reshape([1, 1, c]) + self.bias.clone().reshape([1, 1, c])
+    }
+}
+
+/// `nn.Linear`: weight `[out, in]`, bias `[out]`; `[B, T, in]` → `[B, T, out]`.
+#[derive(Debug, Clone)]
+pub struct Linear<B: Backend> {
+    /// `[in, out]` (transposed once at load).
+    pub weight_t: Tensor<B, 2>,
+    /// `[out]`.
+    pub bias: Tensor<B, 1>,
+}
+
+/// Shape of a [`Linear`].
+#[derive(Debug, Clone)]
+pub struct LinearConfig {
+    /// Input features.
+    pub din: usize,
+    /// Output features.
+    pub dout: usize,
+}
+
+impl LinearConfig {
+    /// Zero weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Linear<B> {
+        Linear {
+            weight_t: Tensor::zeros([self.din, self.dout], device),
+            bias: Tensor::zeros([self.dout], device),
+        }
+    }
+}
+
+impl<B: Backend> Linear<B> {
+    /// Takes `weight` (`[out, in]`) and `bias`.
+    pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        let [din, dout] = self.weight_t.dims();
+        let device = self.weight_t.device();
+        let w = state.take(&format!("{prefix}.weight"), &[dout, din])?;
+        let b = state.take(&format!("{prefix}.bias"), &[dout])?;
+        Ok(Self::from_host(w, b, &device))
+    }
+    /// From a PyTorch `[out, in]` weight and `[out]` bias.
+    pub fn from_host(w: HostTensor, b: HostTensor, device: &B::Device) -> Self {
+        let w: Tensor<B, 2> = to_device(w, device);
+        Linear {
+            weight_t: w.transpose(),
+            bias: to_device(b, device),
+        }
+    }
+    /// `[B, T, in]` → `[B, T, out]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, din] = x.dims();
+        let dout = self.weight_t.dims()[1];
+        let y = x.reshape([b * t, din]).matmul(self.weight_t.clone());
+        (y + self.bias.clone().reshape([1, dout])).reshape([b, t, dout])
+    }
+}
+
+/// demucs `LayerScale`: a per-channel `scale` `[C]`.
+#[derive(Debug, Clone)]
+pub struct LayerScale<B: Backend> {
+    /// `[C]`.
+    pub scale: Tensor<B, 1>,
+}
+
+impl<B: Backend> LayerScale<B> {
+    /// Zero scale.
+    pub fn init(channels: usize, device: &B::Device) -> Self {
+        LayerScale {
+            scale: Tensor::zeros([channels], device),
+        }
+    }
+    /// Takes `scale`.
+    pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        self.scale = load_param(state, &format!("{prefix}.scale"), &self.scale)?;
+        Ok(self)
+    }
+    /// Channels first: `[B, C, T]`.
+    pub fn forward_cf(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let c = self.scale.dims()[0];
+        x * self.scale.clone().reshape([1, c, 1])
+    }
+    /// Channels last: `[B, T, C]`.
+    pub fn forward_cl(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let c = self.scale.dims()[0];
+        x * self.scale.clone().reshape([1, 1, c])
+    }
+}

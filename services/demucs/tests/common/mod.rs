@@ -1,0 +1,80 @@
+//! Shared helpers of the parity tests: fixture loading and error figures.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use burn::tensor::{Tensor, TensorData};
+use stemq_demucs::burn;
+use stemq_demucs::checkpoint::HostTensor;
+#[cfg(not(feature = "cuda"))]
+use stemq_demucs::CpuBackend;
+
+/// The backend the parity tests run on: the CPU, or CUDA with `--features cuda`.
+#[cfg(not(feature = "cuda"))]
+pub type B = CpuBackend;
+/// The backend the parity tests run on: the CPU, or CUDA with `--features cuda`.
+#[cfg(feature = "cuda")]
+pub type B = stemq_demucs::CudaBackend;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Reads a safetensors file (f32 or i64 tensors) into host tensors.
+pub fn load(name: &str) -> HashMap<String, HostTensor> {
+    let bytes = std::fs::read(fixtures().join(name)).expect("fixture file (run scripts/make_fixtures.py)");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    st.tensors()
+        .into_iter()
+        .map(|(k, v)| {
+            let shape = v.shape().to_vec();
+            let data = match v.dtype() {
+                safetensors::Dtype::F32 => v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+                safetensors::Dtype::I64 => v
+                    .data()
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
+                    .collect(),
+                d => panic!("unexpected dtype {d:?}"),
+            };
+            (k, HostTensor { shape, data })
+        })
+        .collect()
+}
+
+pub fn dev<const D: usize>(t: &HostTensor) -> Tensor<B, D> {
+    let shape: [usize; D] = t.shape.clone().try_into().unwrap();
+    Tensor::from_data(TensorData::new(t.data.clone(), shape), &Default::default())
+}
+
+/// (SNR in dB of `est` against `reference`, max abs error).
+pub fn figures(reference: &[f32], est: &[f32]) -> (f64, f64) {
+    assert_eq!(reference.len(), est.len(), "length mismatch");
+    let mut sig = 0f64;
+    let mut err = 0f64;
+    let mut max = 0f64;
+    for (r, e) in reference.iter().zip(est) {
+        let d = (*r as f64) - (*e as f64);
+        sig += (*r as f64) * (*r as f64);
+        err += d * d;
+        max = max.max(d.abs());
+    }
+    (10.0 * (sig / err.max(1e-300)).log10(), max)
+}
+
+/// Asserts shapes match and SNR ≥ `min_db`; prints the figures.
+pub fn check(label: &str, reference: &HostTensor, est: &HostTensor, min_db: f64) -> f64 {
+    assert_eq!(reference.shape, est.shape, "{label}: shape");
+    let (snr, max) = figures(&reference.data, &est.data);
+    eprintln!("PARITY {label:<28} SNR {snr:7.1} dB   max abs {max:.2e}");
+    assert!(
+        snr >= min_db,
+        "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})"
+    );
+    snr
+}

@@ -1,0 +1,178 @@
+//! The stemq `Engine` implementation end to end: a WAV file in, stem files out, through
+//! a model folder holding the reduced random checkpoint under the name `htdemucs`.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use common::{figures, fixtures, load};
+use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob};
+use stemq_core::request::{JobId, Model, NormalizedRequest, OutputFormat as RequestFormat};
+use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig};
+
+struct Ctx {
+    progress: Mutex<Vec<f32>>,
+    cancel_after: Option<usize>,
+    calls: AtomicUsize,
+    cancelled: AtomicBool,
+}
+
+impl Ctx {
+    fn new(cancel_after: Option<usize>) -> Self {
+        Ctx {
+            progress: Mutex::new(Vec::new()),
+            cancel_after,
+            calls: AtomicUsize::new(0),
+            cancelled: AtomicBool::new(false),
+        }
+    }
+}
+
+impl EngineContext for Ctx {
+    fn progress(&self, fraction: f32, _stage: &str) {
+        self.progress.lock().unwrap().push(fraction);
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.cancel_after.is_some_and(|k| n >= k) {
+            self.cancelled.store(true, Ordering::SeqCst);
+        }
+    }
+    fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+}
+
+fn request(model: Model, two_stems: Option<&str>) -> NormalizedRequest {
+    NormalizedRequest {
+        audio_uri: "file:///input.wav".into(),
+        model,
+        two_stems: two_stems.map(String::from),
+        output_format: RequestFormat::Wav,
+        segment: None,
+        overlap: 0.25,
+        shifts: 0,
+        owner: "test".into(),
+        retry_of: None,
+    }
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    engine: DemucsEngine,
+    input: std::path::PathBuf,
+    out: std::path::PathBuf,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    std::fs::create_dir(&repo).unwrap();
+    std::fs::copy(fixtures().join("repo/a0a0a0a0.th"), repo.join("a0a0a0a0.th")).unwrap();
+    std::fs::write(repo.join("htdemucs.yaml"), "models: ['a0a0a0a0']\n").unwrap();
+    // The fixture track as a float WAV at the model's 8 kHz.
+    let f = load("apply.safetensors");
+    let track = &f["track"];
+    let len = track.shape[1];
+    let input = dir.path().join("input.wav");
+    let mut enc = StemEncoder::create(&input, OutputFormat::WavF32, ClipMode::None, 8000).unwrap();
+    enc.write(&StereoChunk::from_planar(
+        track.data[..len].to_vec(),
+        track.data[len..].to_vec(),
+    ))
+    .unwrap();
+    enc.finish().unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let engine = DemucsEngine::new(DemucsEngineConfig {
+        repo,
+        clip: ClipMode::None,
+        max_duration_secs: None,
+        gpu_batch: 4,
+        cpu_jobs: 2,
+    })
+    .unwrap();
+    Setup {
+        _dir: dir,
+        engine,
+        input,
+        out,
+    }
+}
+
+fn job<'a>(s: &'a Setup, req: &'a NormalizedRequest, id: &'a JobId) -> EngineJob<'a> {
+    EngineJob {
+        job_id: id,
+        request: req,
+        metadata: None,
+        attempt: 1,
+        input: &s.input,
+        out_dir: &s.out,
+        device: "cpu",
+        segment: None,
+    }
+}
+
+fn read_wav(path: &std::path::Path) -> Vec<f32> {
+    let mut d = Decoder::open_path(
+        path,
+        DecodeOptions {
+            target_sample_rate: 8000,
+            max_duration_secs: None,
+        },
+    )
+    .unwrap();
+    let mut all = StereoChunk::with_capacity(0);
+    while let Some(c) = d.next_chunk().unwrap() {
+        all.extend_from(&c);
+    }
+    let mut v = all.left;
+    v.extend(all.right);
+    v
+}
+
+#[test]
+fn separates_a_file_into_stems() {
+    let s = setup();
+    let id = JobId("ab".repeat(32));
+    let req = request(Model::Htdemucs, None);
+    let ctx = Ctx::new(None);
+    assert_eq!(s.engine.devices().last().map(String::as_str), Some("cpu"));
+    let files = s.engine.separate(&job(&s, &req, &id), &ctx).unwrap();
+    let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
+    assert_eq!(names, ["drums", "bass", "other", "vocals"]);
+    let progress = ctx.progress.lock().unwrap().clone();
+    assert!(progress.len() >= 2, "progress per chunk: {progress:?}");
+    assert_eq!(progress.last().copied(), Some(1.0));
+    // Stems match the PyTorch reference up to 16-bit quantisation.
+    let f = load("apply.safetensors");
+    let reference = &f["out.split"];
+    let n = reference.shape[1] * reference.shape[2];
+    for (i, file) in files.iter().enumerate() {
+        assert_eq!(file.audio.unwrap().frames as usize, reference.shape[2]);
+        let got = read_wav(&file.path);
+        let (snr, _) = figures(&reference.data[i * n..(i + 1) * n], &got);
+        assert!(snr > 60.0, "{}: {snr:.1} dB", file.stem);
+    }
+}
+
+#[test]
+fn two_stems_and_cancellation_and_missing_model() {
+    let s = setup();
+    let id = JobId("cd".repeat(32));
+    let req = request(Model::Htdemucs, Some("vocals"));
+    let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
+    let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
+    assert_eq!(names, req.stems());
+
+    let err = s.engine.separate(&job(&s, &req, &id), &Ctx::new(Some(1))).unwrap_err();
+    assert_eq!(err, EngineError::Cancelled);
+    assert!(files.iter().all(|f| !f.path.exists()), "partial stems are removed");
+
+    let ft = request(Model::HtdemucsFt, None);
+    let err = s.engine.separate(&job(&s, &ft, &id), &Ctx::new(None)).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"),
+        "{err:?}"
+    );
+}
