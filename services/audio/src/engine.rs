@@ -40,6 +40,25 @@ impl DspEngine {
     }
 }
 
+/// The stem file format and clip mode a request asks for (shared by every engine that
+/// writes stems with this crate).
+pub fn output_settings(req: &stemq_core::NormalizedRequest) -> (OutputFormat, ClipMode) {
+    let format = match (req.output_format, req.encoding) {
+        (RequestFormat::Wav, Encoding::S16) => OutputFormat::Wav16,
+        (RequestFormat::Wav, Encoding::S24) => OutputFormat::Wav24,
+        (RequestFormat::Wav, Encoding::F32) => OutputFormat::WavF32,
+        (RequestFormat::Flac, Encoding::S24) => OutputFormat::Flac24,
+        // f32 FLAC is refused at validation; 16 bit is the safe reading.
+        (RequestFormat::Flac, _) => OutputFormat::Flac16,
+    };
+    let clip = match req.clip_mode {
+        RequestClip::Rescale => ClipMode::Rescale,
+        RequestClip::Clamp => ClipMode::Clamp,
+        RequestClip::None => ClipMode::None,
+    };
+    (format, clip)
+}
+
 /// Maps this crate's errors onto the engine seam.
 pub fn engine_error(e: AudioError) -> EngineError {
     let invalid = |code: &str, message: String| EngineError::InvalidInput { code: code.into(), message };
@@ -100,19 +119,7 @@ impl Engine for DspEngine {
                 message: format!("the dsp engine has no `{s}` stem"),
             })?),
         };
-        let format = match (req.output_format, req.encoding) {
-            (RequestFormat::Wav, Encoding::S16) => OutputFormat::Wav16,
-            (RequestFormat::Wav, Encoding::S24) => OutputFormat::Wav24,
-            (RequestFormat::Wav, Encoding::F32) => OutputFormat::WavF32,
-            (RequestFormat::Flac, Encoding::S24) => OutputFormat::Flac24,
-            // f32 FLAC is refused at validation; 16 bit is the safe reading.
-            (RequestFormat::Flac, _) => OutputFormat::Flac16,
-        };
-        let clip = match req.clip_mode {
-            RequestClip::Rescale => ClipMode::Rescale,
-            RequestClip::Clamp => ClipMode::Clamp,
-            RequestClip::None => ClipMode::None,
-        };
+        let (format, clip) = output_settings(req);
         let decode =
             DecodeOptions { target_sample_rate: ENGINE_SAMPLE_RATE, max_duration_secs: Some(self.max_duration_secs) };
         let mut progress = |f: f32| ctx.progress(f, "separate");

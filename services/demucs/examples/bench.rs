@@ -23,15 +23,8 @@ use stemq_demucs::CpuBackend;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let seconds: f64 = arg("--seconds")
-        .map(|s| s.parse().expect("--seconds N"))
-        .unwrap_or(30.0);
+    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let seconds: f64 = arg("--seconds").map(|s| s.parse().expect("--seconds N")).unwrap_or(30.0);
     let dir = arg("--dir")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demucs-full"));
@@ -61,19 +54,14 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     let mut data = vec![0f32; 2 * len];
     for c in 0..2 {
         for i in 0..len {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let n = ((state >> 33) as f64 / (1u64 << 31) as f64) - 0.5;
             let t = i as f64 / sr as f64;
             data[c * len + i] =
                 (0.3 * (2.0 * std::f64::consts::PI * 220.0 * t).sin() + 0.1 * n + 0.01 * c as f64) as f32;
         }
     }
-    let mix = HostTensor {
-        shape: vec![2, len],
-        data,
-    };
+    let mix = HostTensor { shape: vec![2, len], data };
     let batch = args
         .iter()
         .position(|a| a == "--batch")
@@ -86,12 +74,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         .and_then(|i| args.get(i + 1))
         .map(|s| s.parse().expect("--jobs N"))
         .unwrap_or(1);
-    let opts = ApplyOptions {
-        shifts: 0,
-        batch_size: batch,
-        jobs,
-        ..ApplyOptions::default()
-    };
+    let opts = ApplyOptions { shifts: 0, batch_size: batch, jobs, ..ApplyOptions::default() };
     let t0 = Instant::now();
     if args.iter().any(|a| a == "--stream") {
         // Bounded memory: blocks of 1 s in, finished samples out and dropped.
@@ -121,10 +104,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
     if let Ok(meta) = std::fs::read_to_string(dir.join("meta.json")) {
-        println!(
-            "pytorch (from make_fixtures.py --full): {}",
-            meta.trim().replace('\n', " ")
-        );
+        println!("pytorch (from make_fixtures.py --full): {}", meta.trim().replace('\n', " "));
     }
     if args.iter().any(|a| a == "--parity") {
         parity(dir, &bag);
@@ -141,26 +121,13 @@ fn parity<B: stemq_demucs::burn::tensor::backend::Backend>(
         let v = st.tensor(k).unwrap();
         HostTensor {
             shape: v.shape().to_vec(),
-            data: v
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
+            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
         }
     };
     let track = get("track");
     let reference = get("out.split");
     let t0 = Instant::now();
-    let y = separate(
-        bag,
-        &track,
-        &ApplyOptions {
-            shifts: 0,
-            ..ApplyOptions::default()
-        },
-        &mut NoProgress,
-    )
-    .unwrap();
+    let y = separate(bag, &track, &ApplyOptions { shifts: 0, ..ApplyOptions::default() }, &mut NoProgress).unwrap();
     let (mut sig, mut err, mut max) = (0f64, 0f64, 0f64);
     for (r, e) in reference.data.iter().zip(&y.data) {
         let d = *r as f64 - *e as f64;

@@ -75,22 +75,14 @@ impl<B: Backend> BagOfModels<B> {
                 }
             })
             .collect();
-        Ok(BagOfModels {
-            models,
-            weights,
-            segments,
-        })
+        Ok(BagOfModels { models, weights, segments })
     }
 
     /// A single model.
     pub fn single(model: HTDemucs<B>) -> Self {
         let n = model.config().sources.len();
         let seg = model.config().segment_seconds();
-        BagOfModels {
-            models: vec![model],
-            weights: vec![vec![1.0; n]],
-            segments: vec![seg],
-        }
+        BagOfModels { models: vec![model], weights: vec![vec![1.0; n]], segments: vec![seg] }
     }
 
     /// Source names.
@@ -186,23 +178,13 @@ struct Chunk<'a> {
 
 impl<'a> Chunk<'a> {
     fn whole(data: &'a [f32], channels: usize, total: usize) -> Self {
-        Chunk {
-            data,
-            channels,
-            total,
-            offset: 0,
-            length: total,
-        }
+        Chunk { data, channels, total, offset: 0, length: total }
     }
 
     /// `TensorChunk(self, offset, length)`.
     fn sub(&self, offset: usize, length: usize) -> Self {
         let length = length.min(self.length - offset);
-        Chunk {
-            offset: self.offset + offset,
-            length,
-            ..*self
-        }
+        Chunk { offset: self.offset + offset, length, ..*self }
     }
 
     /// `TensorChunk.padded(target)`: `[C, target]` centred on the chunk, real audio
@@ -262,9 +244,8 @@ pub fn separate<B: Backend>(
     if len < 2 {
         return Err(DemucsError::InvalidArgument("empty input".into()));
     }
-    let reference: Vec<f64> = (0..len)
-        .map(|i| (0..ch).map(|c| mix.data[c * len + i] as f64).sum::<f64>() / ch as f64)
-        .collect();
+    let reference: Vec<f64> =
+        (0..len).map(|i| (0..ch).map(|c| mix.data[c * len + i] as f64).sum::<f64>() / ch as f64).collect();
     let mean = reference.iter().sum::<f64>() / len as f64;
     let var = reference.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / (len as f64 - 1.0);
     let std = var.sqrt() + 1e-8;
@@ -303,9 +284,7 @@ pub fn apply_model<B: Backend>(
         }
     }
     if opts.overlap < 0.0 || opts.overlap >= 1.0 || opts.transition_power < 1.0 {
-        return Err(DemucsError::InvalidArgument(
-            "overlap must be in [0, 1), transition_power >= 1".into(),
-        ));
+        return Err(DemucsError::InvalidArgument("overlap must be in [0, 1), transition_power >= 1".into()));
     }
     let nsrc = bag.sources().len();
     let sr = bag.samplerate();
@@ -314,19 +293,11 @@ pub fn apply_model<B: Backend>(
         .segments
         .iter()
         .map(|seg| {
-            let shift_len = if opts.shifts > 0 {
-                len + (0.5 * sr as f64) as usize
-            } else {
-                len
-            };
+            let shift_len = if opts.shifts > 0 { len + (0.5 * sr as f64) as usize } else { len };
             passes * chunks_per_pass(shift_len, sr, opts.segment.unwrap_or(*seg), opts)
         })
         .sum();
-    let mut run = Run {
-        done: 0,
-        total,
-        progress,
-    };
+    let mut run = Run { done: 0, total, progress };
     let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
     let mut offsets_given = opts.shift_offsets.clone().unwrap_or_default().into_iter();
 
@@ -334,11 +305,7 @@ pub fn apply_model<B: Backend>(
     let mut totals = vec![0f32; nsrc];
     for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&bag.segments) {
         let training_length = (*seg * sr as f64) as usize;
-        let single = Single {
-            model,
-            training_length,
-            model_segment: *seg,
-        };
+        let single = Single { model, training_length, model_segment: *seg };
         let whole = Chunk::whole(&mix.data, ch, len);
         let out = if opts.shifts > 0 {
             let max_shift = (0.5 * sr as f64) as usize;
@@ -367,9 +334,8 @@ pub fn apply_model<B: Backend>(
         };
         for s in 0..nsrc {
             let w = weights[s];
-            for (e, o) in estimates[s * ch * len..(s + 1) * ch * len]
-                .iter_mut()
-                .zip(&out[s * ch * len..(s + 1) * ch * len])
+            for (e, o) in
+                estimates[s * ch * len..(s + 1) * ch * len].iter_mut().zip(&out[s * ch * len..(s + 1) * ch * len])
             {
                 *e += o * w;
             }
@@ -377,14 +343,9 @@ pub fn apply_model<B: Backend>(
         }
     }
     for s in 0..nsrc {
-        estimates[s * ch * len..(s + 1) * ch * len]
-            .iter_mut()
-            .for_each(|v| *v /= totals[s]);
+        estimates[s * ch * len..(s + 1) * ch * len].iter_mut().for_each(|v| *v /= totals[s]);
     }
-    Ok(HostTensor {
-        shape: vec![nsrc, ch, len],
-        data: estimates,
-    })
+    Ok(HostTensor { shape: vec![nsrc, ch, len], data: estimates })
 }
 
 struct Single<'m, B: Backend> {
@@ -410,19 +371,12 @@ impl<B: Backend> Single<'_, B> {
         let half = seg_len / 2;
         let weight: Vec<f64> = (1..=half).chain((1..=seg_len - half).rev()).map(|v| v as f64).collect();
         let wmax = weight.iter().cloned().fold(0.0, f64::max);
-        let weight: Vec<f32> = weight
-            .iter()
-            .map(|w| ((w / wmax) as f32).powf(opts.transition_power as f32))
-            .collect();
+        let weight: Vec<f32> = weight.iter().map(|w| ((w / wmax) as f32).powf(opts.transition_power as f32)).collect();
         let mut out = vec![0f32; nsrc * ch * length];
         let mut sum_weight = vec![0f32; length];
         let offsets: Vec<usize> = (0..length).step_by(stride.max(1)).collect();
         // Chunks of one batch must share their padded length.
-        let batch = if opts.segment.is_none() && !cfg.use_train_segment {
-            1
-        } else {
-            opts.batch_size.max(1)
-        };
+        let batch = if opts.segment.is_none() && !cfg.use_train_segment { 1 } else { opts.batch_size.max(1) };
         for group in offsets.chunks(batch * opts.jobs.max(1)) {
             let chunks: Vec<Chunk<'_>> = group.iter().map(|o| mix.sub(*o, seg_len)).collect();
             let results = self.apply_batch(&chunks, batch, opts, run)?;
@@ -484,10 +438,7 @@ impl<B: Backend> Single<'_, B> {
                 };
                 input.extend(mix.padded(valid_length));
             }
-            inputs.push(HostTensor {
-                shape: vec![group.len(), ch, valid_length],
-                data: input,
-            });
+            inputs.push(HostTensor { shape: vec![group.len(), ch, valid_length], data: input });
         }
         let outs = self.model.forward_parallel(inputs, self.training_length)?;
         // center_trim each to its length.
@@ -535,13 +486,7 @@ pub fn two_stems(
     let (ch, len) = (separated.shape[1], separated.shape[2]);
     let n = ch * len;
     let row = |s: usize| separated.data[s * n..(s + 1) * n].to_vec();
-    let mut out = vec![(
-        stem.to_string(),
-        HostTensor {
-            shape: vec![ch, len],
-            data: row(idx),
-        },
-    )];
+    let mut out = vec![(stem.to_string(), HostTensor { shape: vec![ch, len], data: row(idx) })];
     match method {
         OtherMethod::None => {}
         OtherMethod::Add => {
@@ -551,23 +496,11 @@ pub fn two_stems(
                     *a += v;
                 }
             }
-            out.push((
-                format!("no_{stem}"),
-                HostTensor {
-                    shape: vec![ch, len],
-                    data: acc,
-                },
-            ));
+            out.push((format!("no_{stem}"), HostTensor { shape: vec![ch, len], data: acc }));
         }
         OtherMethod::Minus => {
             let data = original.data.iter().zip(row(idx)).map(|(o, s)| o - s).collect();
-            out.push((
-                format!("minus_{stem}"),
-                HostTensor {
-                    shape: vec![ch, len],
-                    data,
-                },
-            ));
+            out.push((format!("minus_{stem}"), HostTensor { shape: vec![ch, len], data }));
         }
     }
     Ok(out)

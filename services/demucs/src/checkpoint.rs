@@ -54,25 +54,16 @@ impl StateDict {
 
     /// Removes and returns a tensor, checking its shape.
     pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, DemucsError> {
-        let t = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| DemucsError::MissingTensor(name.to_string()))?;
+        let t = self.tensors.remove(name).ok_or_else(|| DemucsError::MissingTensor(name.to_string()))?;
         if t.shape != expected {
-            return Err(DemucsError::Shape {
-                name: name.to_string(),
-                expected: expected.to_vec(),
-                found: t.shape,
-            });
+            return Err(DemucsError::Shape { name: name.to_string(), expected: expected.to_vec(), found: t.shape });
         }
         Ok(t)
     }
 
     /// Removes and returns a tensor whatever its shape.
     pub fn take_any(&mut self, name: &str) -> Result<HostTensor, DemucsError> {
-        self.tensors
-            .remove(name)
-            .ok_or_else(|| DemucsError::MissingTensor(name.to_string()))
+        self.tensors.remove(name).ok_or_else(|| DemucsError::MissingTensor(name.to_string()))
     }
 
     /// Keeps only the tensors under `prefix.` and strips it (for loading one block).
@@ -137,49 +128,32 @@ impl Checkpoint {
         let pkl = read_entry(&mut zip, &pkl_name)?;
         let root = unpickle(&pkl)?;
 
-        let field = |k: &str| {
-            root.get(k)
-                .cloned()
-                .ok_or_else(|| DemucsError::Checkpoint(format!("no `{k}` in the package")))
-        };
+        let field =
+            |k: &str| root.get(k).cloned().ok_or_else(|| DemucsError::Checkpoint(format!("no `{k}` in the package")));
         let klass = field("klass")?;
         let args = root.get("args").cloned().unwrap_or(Value::List(vec![]));
         let kwargs = field("kwargs")?;
         let state_v = field("state")?;
         if state_v.get("__quantized").is_some() {
-            return Err(DemucsError::Unsupported(
-                "quantised (diffq) checkpoints are not supported".into(),
-            ));
+            return Err(DemucsError::Unsupported("quantised (diffq) checkpoints are not supported".into()));
         }
-        let items = state_v
-            .dict_items()
-            .ok_or_else(|| DemucsError::Checkpoint("`state` is not a dict".into()))?;
+        let items = state_v.dict_items().ok_or_else(|| DemucsError::Checkpoint("`state` is not a dict".into()))?;
         let mut tensors = BTreeMap::new();
         let mut storages: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         for (k, v) in items {
-            let name = k
-                .as_str()
-                .ok_or_else(|| DemucsError::Checkpoint("non-string state key".into()))?;
+            let name = k.as_str().ok_or_else(|| DemucsError::Checkpoint("non-string state key".into()))?;
             let t = rebuild_tensor(v, &prefix, &mut zip, &mut storages)
                 .map_err(|e| DemucsError::Checkpoint(format!("tensor `{name}`: {e}")))?;
             tensors.insert(name.to_string(), t);
         }
-        Ok(Checkpoint {
-            klass,
-            args,
-            kwargs,
-            state: StateDict::new(tensors),
-        })
+        Ok(Checkpoint { klass, args, kwargs, state: StateDict::new(tensors) })
     }
 }
 
 fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str) -> Result<Vec<u8>, DemucsError> {
-    let mut f = zip
-        .by_name(name)
-        .map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    let mut f = zip.by_name(name).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
     let mut buf = Vec::with_capacity(f.size() as usize);
-    f.read_to_end(&mut buf)
-        .map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    f.read_to_end(&mut buf).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
     Ok(buf)
 }
 

@@ -172,9 +172,7 @@ fn as_fraction(key: &str, v: &Value) -> Result<(i64, i64), DemucsError> {
             }
             Err(bad(key, v))
         }
-        Value::Object {
-            callable, args, state, ..
-        } => {
+        Value::Object { callable, args, state, .. } => {
             let is_fraction = matches!(callable.as_ref(), Value::Global(m, n) if m == "fractions" && n == "Fraction");
             if !is_fraction {
                 return Err(bad(key, v));
@@ -204,9 +202,7 @@ impl HTDemucsConfig {
     /// Reads the pickled `kwargs` of a checkpoint. Unknown keys are ignored (demucs
     /// drops them too); options with behaviour this port lacks are refused.
     pub fn from_kwargs(kwargs: &Value) -> Result<Self, DemucsError> {
-        let items = kwargs
-            .dict_items()
-            .ok_or_else(|| DemucsError::Checkpoint("`kwargs` is not a dict".into()))?;
+        let items = kwargs.dict_items().ok_or_else(|| DemucsError::Checkpoint("`kwargs` is not a dict".into()))?;
         let mut c = HTDemucsConfig::default();
         let mut have_sources = false;
         for (k, v) in items {

@@ -52,21 +52,10 @@ impl DConvConfig {
             .map(|d| {
                 let dilation = if dilate { 1usize << d } else { 1 };
                 DConvLayer {
-                    conv1: Conv1dConfig::new(c, hidden, 3)
-                        .with_dilation(dilation)
-                        .with_padding(dilation)
-                        .init(device),
-                    norm1: GroupNormConfig {
-                        groups: 1,
-                        channels: hidden,
-                    }
-                    .init(device),
+                    conv1: Conv1dConfig::new(c, hidden, 3).with_dilation(dilation).with_padding(dilation).init(device),
+                    norm1: GroupNormConfig { groups: 1, channels: hidden }.init(device),
                     conv2: Conv1dConfig::new(hidden, 2 * c, 1).init(device),
-                    norm2: GroupNormConfig {
-                        groups: 1,
-                        channels: 2 * c,
-                    }
-                    .init(device),
+                    norm2: GroupNormConfig { groups: 1, channels: 2 * c }.init(device),
                     scale: LayerScale::init(c, device),
                 }
             })
@@ -101,13 +90,7 @@ impl<B: Backend> DConv<B> {
             let y = l.conv2.forward_rows(y);
             let y = glu(l.norm2.forward_rows(y), 1);
             let [b, c, f, _] = y.dims();
-            let scale = l
-                .scale
-                .scale
-                .clone()
-                .reshape([1, c, 1, 1])
-                .repeat_dim(0, b)
-                .repeat_dim(2, f);
+            let scale = l.scale.scale.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
             x = x + y * scale;
         }
         x

@@ -55,14 +55,8 @@ pub struct HDecLayerConfig {
 
 #[derive(Debug, Clone)]
 enum Layers<B: Backend> {
-    Freq {
-        rewrite: Option<Conv2d<B>>,
-        conv_tr: ConvTranspose2d<B>,
-    },
-    Time {
-        rewrite: Option<Conv1d<B>>,
-        conv_tr: ConvTranspose1d<B>,
-    },
+    Freq { rewrite: Option<Conv2d<B>>, conv_tr: ConvTranspose2d<B> },
+    Time { rewrite: Option<Conv1d<B>>, conv_tr: ConvTranspose1d<B> },
 }
 
 /// `HDecLayer`.
@@ -92,39 +86,17 @@ impl HDecLayerConfig {
                     }
                     .init(device)
                 }),
-                conv_tr: ConvTranspose2dConfig {
-                    chin,
-                    chout,
-                    kernel: [k, 1],
-                    stride: [s, 1],
-                }
-                .init(device),
+                conv_tr: ConvTranspose2dConfig { chin, chout, kernel: [k, 1], stride: [s, 1] }.init(device),
             }
         } else {
             Layers::Time {
-                rewrite: self.rewrite.then(|| {
-                    Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx)
-                        .with_padding(ctx)
-                        .init(device)
-                }),
-                conv_tr: ConvTranspose1dConfig {
-                    chin,
-                    chout,
-                    kernel: k,
-                    stride: s,
-                }
-                .init(device),
+                rewrite: self
+                    .rewrite
+                    .then(|| Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx).with_padding(ctx).init(device)),
+                conv_tr: ConvTranspose1dConfig { chin, chout, kernel: k, stride: s }.init(device),
             }
         };
-        let norm = |c| {
-            self.norm.then(|| {
-                GroupNormConfig {
-                    groups: self.norm_groups,
-                    channels: c,
-                }
-                .init(device)
-            })
-        };
+        let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
         HDecLayer {
             layers,
             norm1: if self.rewrite { norm(2 * chin) } else { None },
@@ -162,9 +134,7 @@ impl<B: Backend> HDecLayer<B> {
 
     /// Frequency layer: `x`, `skip` `[B, chin, F, T]` → (`[B, chout, F·s, T]`, pre).
     pub fn forward_freq(&self, x: Tensor<B, 4>, skip: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let Layers::Freq { rewrite, conv_tr } = &self.layers else {
-            panic!("forward_freq on a time layer")
-        };
+        let Layers::Freq { rewrite, conv_tr } = &self.layers else { panic!("forward_freq on a time layer") };
         let x = x + skip;
         let y = match rewrite {
             Some(r) => {
@@ -199,9 +169,7 @@ impl<B: Backend> HDecLayer<B> {
 
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
     pub fn forward_time(&self, x: Tensor<B, 3>, skip: Tensor<B, 3>, length: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let Layers::Time { rewrite, conv_tr } = &self.layers else {
-            panic!("forward_time on a frequency layer")
-        };
+        let Layers::Time { rewrite, conv_tr } = &self.layers else { panic!("forward_time on a frequency layer") };
         let x = x + skip;
         let y = match rewrite {
             Some(r) => {

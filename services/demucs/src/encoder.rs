@@ -70,41 +70,17 @@ impl HEncLayerConfig {
         let conv = |chin, chout, k: usize, s, p: usize, main: bool| {
             if self.freq {
                 let (kw, pw) = if main { (1, 0) } else { (k, p) };
-                Conv::Freq(
-                    Conv2dConfig {
-                        chin,
-                        chout,
-                        kernel: [k, kw],
-                        stride: [s, 1],
-                        padding: [p, pw],
-                    }
-                    .init(device),
-                )
+                Conv::Freq(Conv2dConfig { chin, chout, kernel: [k, kw], stride: [s, 1], padding: [p, pw] }.init(device))
             } else {
-                Conv::Time(
-                    Conv1dConfig::new(chin, chout, k)
-                        .with_stride(s)
-                        .with_padding(p)
-                        .init(device),
-                )
+                Conv::Time(Conv1dConfig::new(chin, chout, k).with_stride(s).with_padding(p).init(device))
             }
         };
-        let norm = |c| {
-            self.norm.then(|| {
-                GroupNormConfig {
-                    groups: self.norm_groups,
-                    channels: c,
-                }
-                .init(device)
-            })
-        };
+        let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
         let ctx = self.context;
         HEncLayer {
             conv: conv(self.chin, self.chout, self.kernel_size, self.stride, pad, true),
             norm1: norm(self.chout),
-            rewrite: self
-                .rewrite
-                .then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
+            rewrite: self.rewrite.then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
             norm2: if self.rewrite { norm(2 * self.chout) } else { None },
             dconv: self.dconv.as_ref().map(|d| d.init(device)),
             stride: self.stride,
@@ -147,24 +123,16 @@ impl<B: Backend> HEncLayer<B> {
         Ok(HEncLayer {
             conv: load_conv(self.conv, state, &format!("{prefix}.conv"))?,
             norm1: load_norm(self.norm1, state, "norm1")?,
-            rewrite: self
-                .rewrite
-                .map(|r| load_conv(r, state, &format!("{prefix}.rewrite")))
-                .transpose()?,
+            rewrite: self.rewrite.map(|r| load_conv(r, state, &format!("{prefix}.rewrite"))).transpose()?,
             norm2: load_norm(self.norm2, state, "norm2")?,
-            dconv: self
-                .dconv
-                .map(|d| d.load(state, &format!("{prefix}.dconv")))
-                .transpose()?,
+            dconv: self.dconv.map(|d| d.load(state, &format!("{prefix}.dconv"))).transpose()?,
             stride: self.stride,
         })
     }
 
     /// Frequency layer: `[B, chin, F, T]` → `[B, chout, F/s, T]`.
     pub fn forward_freq(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let Conv::Freq(conv) = &self.conv else {
-            panic!("forward_freq on a time layer")
-        };
+        let Conv::Freq(conv) = &self.conv else { panic!("forward_freq on a time layer") };
         let y = gelu(norm4(&self.norm1, conv.forward(x)));
         let y = match &self.dconv {
             Some(d) => dconv_freq(d, y),
@@ -178,9 +146,7 @@ impl<B: Backend> HEncLayer<B> {
 
     /// Time layer: `[B, chin, L]` → `[B, chout, ceil(L/s)]`.
     pub fn forward_time(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let Conv::Time(conv) = &self.conv else {
-            panic!("forward_time on a frequency layer")
-        };
+        let Conv::Time(conv) = &self.conv else { panic!("forward_time on a frequency layer") };
         let [b, c, le] = x.dims();
         let x = if le % self.stride != 0 {
             let extra = self.stride - le % self.stride;

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
+use stemq_audio::{ClipMode, DecodeOptions, Decoder, StemEncoder, StereoChunk};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
-use stemq_core::request::{Model, OutputFormat as RequestFormat};
+use stemq_core::request::Model;
 
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
 use crate::checkpoint::HostTensor;
@@ -28,7 +28,7 @@ use crate::CpuBackend;
 pub struct DemucsEngineConfig {
     /// The model folder (demucs `--repo` layout).
     pub repo: PathBuf,
-    /// Clip mode of the written stems.
+    /// Clip mode used where a request does not say (requests always do today).
     pub clip: ClipMode,
     /// Refuse inputs longer than this (seconds).
     pub max_duration_secs: Option<f64>,
@@ -59,15 +59,9 @@ pub fn engine_error(e: DemucsError) -> EngineError {
     match e {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
-        DemucsError::InvalidArgument(m) => EngineError::Unsupported {
-            code: "invalid_argument".into(),
-            message: m,
-        },
+        DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: "invalid_argument".into(), message: m },
         DemucsError::Io { .. } => EngineError::Transient(e.to_string()),
-        other => EngineError::Unsupported {
-            code: "model_unavailable".into(),
-            message: other.to_string(),
-        },
+        other => EngineError::Unsupported { code: "model_unavailable".into(), message: other.to_string() },
     }
 }
 
@@ -112,10 +106,7 @@ impl DemucsEngine {
     fn open_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<Decoder, DemucsError> {
         Ok(Decoder::open_path(
             job.input,
-            DecodeOptions {
-                target_sample_rate: samplerate,
-                max_duration_secs: self.config.max_duration_secs,
-            },
+            DecodeOptions { target_sample_rate: samplerate, max_duration_secs: self.config.max_duration_secs },
         )?)
     }
 
@@ -130,9 +121,7 @@ impl DemucsEngine {
     ) -> Result<Vec<StemFile>, DemucsError> {
         let req = job.request;
         if bag.audio_channels() != 2 {
-            return Err(DemucsError::Unsupported(
-                "models with other than 2 audio channels".into(),
-            ));
+            return Err(DemucsError::Unsupported("models with other than 2 audio channels".into()));
         }
         let sr = bag.samplerate();
         let mut stats = StatsAccumulator::default();
@@ -170,16 +159,12 @@ impl DemucsEngine {
             (Some(stem), Some(_)) => vec![stem.clone(), format!("no_{stem}")],
             _ => sources.clone(),
         };
-        let (format, ext) = match req.output_format {
-            RequestFormat::Wav => (OutputFormat::Wav16, "wav"),
-            RequestFormat::Flac => (OutputFormat::Flac16, "flac"),
-        };
+        let (format, clip) = stemq_audio::engine::output_settings(req);
+        let ext = req.output_format.extension();
         let paths: Vec<PathBuf> = names.iter().map(|n| job.out_dir.join(format!("{n}.{ext}"))).collect();
         let result = (|| {
-            let mut encoders = paths
-                .iter()
-                .map(|p| StemEncoder::create(p, format, self.config.clip, sr))
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut encoders =
+                paths.iter().map(|p| StemEncoder::create(p, format, clip, sr)).collect::<Result<Vec<_>, _>>()?;
             let mut dec = self.open_input(job, sr)?;
             let mut next = || -> Result<Option<Vec<Vec<f32>>>, DemucsError> {
                 Ok(dec.next_chunk()?.map(|c| vec![c.left, c.right]))
@@ -228,10 +213,7 @@ impl DemucsEngine {
             .map(|(stem, path)| StemFile {
                 stem,
                 path,
-                audio: Some(StemAudio {
-                    sample_rate: sr,
-                    frames: stats.length as u64,
-                }),
+                audio: Some(StemAudio { sample_rate: sr, frames: stats.length as u64 }),
             })
             .collect())
     }

@@ -69,9 +69,6 @@ pub enum DemucsError {
 
 impl DemucsError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        DemucsError::Io {
-            path: path.into(),
-            source,
-        }
+        DemucsError::Io { path: path.into(), source }
     }
 }

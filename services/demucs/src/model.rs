@@ -69,11 +69,7 @@ impl HTDemucsConfig {
         let mut chout_z = c.channels;
         let mut freqs = c.nfft / 2;
         let dconv = |on: bool, ch: usize| {
-            on.then_some(DConvConfig {
-                channels: ch,
-                compress: c.dconv_comp,
-                depth: c.dconv_depth,
-            })
+            on.then_some(DConvConfig { channels: ch, compress: c.dconv_comp, depth: c.dconv_depth })
         };
         let mut encoder = Vec::new();
         let mut tencoder = Vec::new();
@@ -258,10 +254,7 @@ impl<B: Backend> HTDemucs<B> {
             tdecoder: load_dec(self.tdecoder, "tdecoder", state)?,
             freq_emb,
             bottleneck,
-            crosstransformer: self
-                .crosstransformer
-                .map(|t| t.load(state, "crosstransformer"))
-                .transpose()?,
+            crosstransformer: self.crosstransformer.map(|t| t.load(state, "crosstransformer")).transpose()?,
             config: self.config,
             stft: self.stft,
             device: self.device,
@@ -323,10 +316,7 @@ impl<B: Backend> HTDemucs<B> {
                 .iter()
                 .map(|input| scope.spawn(move || self.forward_with_training_length(input, training_length)))
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-                .collect()
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
         })
     }
 
@@ -353,13 +343,7 @@ impl<B: Backend> HTDemucs<B> {
                 data[row * training_length..row * training_length + length]
                     .copy_from_slice(&mix.data[row * length..(row + 1) * length]);
             }
-            (
-                HostTensor {
-                    shape: vec![b, ch, training_length],
-                    data,
-                },
-                training_length,
-            )
+            (HostTensor { shape: vec![b, ch, training_length], data }, training_length)
         } else {
             (mix.clone(), length)
         };
@@ -409,11 +393,7 @@ impl<B: Backend> HTDemucs<B> {
         let nsrc = c.sources.len();
         let x = to_host(x);
         let xt = to_host(xt);
-        let out_len = if c.use_train_segment {
-            training_length.max(length)
-        } else {
-            length
-        };
+        let out_len = if c.use_train_segment { training_length.max(length) } else { length };
         debug_assert_eq!(xt.shape, vec![b, nsrc * ch, out_len]);
         let mut out = vec![0f32; b * nsrc * ch * out_len];
         for bi in 0..b {
@@ -429,14 +409,7 @@ impl<B: Backend> HTDemucs<B> {
                             Complex::new(re, im)
                         })
                         .collect();
-                    let wav = self.stft.ispec(
-                        &Spectrogram {
-                            freqs: fq,
-                            frames: t,
-                            data,
-                        },
-                        out_len,
-                    );
+                    let wav = self.stft.ispec(&Spectrogram { freqs: fq, frames: t, data }, out_len);
                     let row = (bi * nsrc + si) * ch + ci;
                     let trow = &xt.data[row * out_len..(row + 1) * out_len];
                     for (i, o) in out[row * out_len..(row + 1) * out_len].iter_mut().enumerate() {
@@ -453,10 +426,7 @@ impl<B: Backend> HTDemucs<B> {
             }
             out = cropped;
         }
-        Ok(HostTensor {
-            shape: vec![b, nsrc, ch, length],
-            data: out,
-        })
+        Ok(HostTensor { shape: vec![b, nsrc, ch, length], data: out })
     }
 
     /// Encoders, transformer and decoders on normalised inputs: `x` `[B, 2C, F, T]`,

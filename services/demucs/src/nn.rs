@@ -25,11 +25,7 @@ pub fn to_device<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) 
 /// Copies a tensor back to the host.
 pub fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
     let shape = t.dims().to_vec();
-    let data = t
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("float tensor data");
+    let data = t.into_data().convert::<f32>().into_vec::<f32>().expect("float tensor data");
     HostTensor { shape, data }
 }
 
@@ -73,14 +69,7 @@ pub struct Conv1dConfig {
 impl Conv1dConfig {
     /// A stride-1, unpadded convolution.
     pub fn new(chin: usize, chout: usize, kernel: usize) -> Self {
-        Conv1dConfig {
-            chin,
-            chout,
-            kernel,
-            stride: 1,
-            padding: 0,
-            dilation: 1,
-        }
+        Conv1dConfig { chin, chout, kernel, stride: 1, padding: 0, dilation: 1 }
     }
     /// Sets the stride.
     pub fn with_stride(mut self, s: usize) -> Self {
@@ -302,11 +291,7 @@ pub fn mean_last<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
     } else {
         x
     };
-    x.reshape([b, g, blocks, BLOCK])
-        .sum_dim(3)
-        .sum_dim(2)
-        .reshape([b, g, 1])
-        .div_scalar(n as f32)
+    x.reshape([b, g, blocks, BLOCK]).sum_dim(3).sum_dim(2).reshape([b, g, 1]).div_scalar(n as f32)
 }
 
 /// Block length of [`mean_last`].
@@ -373,12 +358,7 @@ impl<B: Backend> GroupNorm<B> {
         let inv = (var + 1e-5).sqrt().recip(); // [B, 1, F, 1]
         let w = self.weight.clone().reshape([1, c, 1, 1]);
         let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
-        let bias = self
-            .bias
-            .clone()
-            .reshape([1, c, 1, 1])
-            .repeat_dim(0, b)
-            .repeat_dim(2, f);
+        let bias = self.bias.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
         xc * a + bias
     }
 
@@ -408,10 +388,7 @@ pub struct LayerNormConfig {
 impl LayerNormConfig {
     /// Identity affine parameters.
     pub fn init<B: Backend>(&self, device: &B::Device) -> LayerNorm<B> {
-        LayerNorm {
-            weight: Tensor::ones([self.channels], device),
-            bias: Tensor::zeros([self.channels], device),
-        }
+        LayerNorm { weight: Tensor::ones([self.channels], device), bias: Tensor::zeros([self.channels], device) }
     }
 }
 
@@ -454,10 +431,7 @@ pub struct LinearConfig {
 impl LinearConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Linear<B> {
-        Linear {
-            weight_t: Tensor::zeros([self.din, self.dout], device),
-            bias: Tensor::zeros([self.dout], device),
-        }
+        Linear { weight_t: Tensor::zeros([self.din, self.dout], device), bias: Tensor::zeros([self.dout], device) }
     }
 }
 
@@ -473,10 +447,7 @@ impl<B: Backend> Linear<B> {
     /// From a PyTorch `[out, in]` weight and `[out]` bias.
     pub fn from_host(w: HostTensor, b: HostTensor, device: &B::Device) -> Self {
         let w: Tensor<B, 2> = to_device(w, device);
-        Linear {
-            weight_t: w.transpose(),
-            bias: to_device(b, device),
-        }
+        Linear { weight_t: w.transpose(), bias: to_device(b, device) }
     }
     /// `[B, T, in]` → `[B, T, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -497,9 +468,7 @@ pub struct LayerScale<B: Backend> {
 impl<B: Backend> LayerScale<B> {
     /// Zero scale.
     pub fn init(channels: usize, device: &B::Device) -> Self {
-        LayerScale {
-            scale: Tensor::zeros([channels], device),
-        }
+        LayerScale { scale: Tensor::zeros([channels], device) }
     }
     /// Takes `scale`.
     pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {

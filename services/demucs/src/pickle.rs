@@ -72,10 +72,7 @@ impl Value {
 
     /// Looks a string key up in a dict.
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.dict_items()?
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(key))
-            .map(|(_, v)| v)
+        self.dict_items()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
     }
 }
 
@@ -133,10 +130,7 @@ pub fn unpickle(data: &[u8]) -> Result<Value, DemucsError> {
         stack.pop().ok_or_else(|| err("pickle stack underflow"))
     }
     fn pop_mark(stack: &mut Vec<Value>) -> Result<Vec<Value>, DemucsError> {
-        let at = stack
-            .iter()
-            .rposition(|v| matches!(v, Value::Mark))
-            .ok_or_else(|| err("pickle mark not found"))?;
+        let at = stack.iter().rposition(|v| matches!(v, Value::Mark)).ok_or_else(|| err("pickle mark not found"))?;
         let items = stack.split_off(at + 1);
         stack.pop();
         Ok(items)
@@ -382,12 +376,7 @@ mod tests {
         let v = unpickle(data).unwrap();
         assert_eq!(
             v.get("a"),
-            Some(&Value::List(vec![
-                Value::Int(1),
-                Value::Int(-2),
-                Value::Float(3.5),
-                Value::Str("x".into())
-            ]))
+            Some(&Value::List(vec![Value::Int(1), Value::Int(-2), Value::Float(3.5), Value::Str("x".into())]))
         );
         assert_eq!(v.get("b"), Some(&Value::Tuple(vec![Value::Bool(true), Value::None])));
     }

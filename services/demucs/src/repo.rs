@@ -62,10 +62,9 @@ impl ModelRepo {
         let entries = std::fs::read_dir(&root).map_err(|e| DemucsError::io(&root, e))?;
         for entry in entries {
             let path = entry.map_err(|e| DemucsError::io(&root, e))?.path();
-            let (Some(stem), Some(ext)) = (
-                path.file_stem().and_then(|s| s.to_str()),
-                path.extension().and_then(|s| s.to_str()),
-            ) else {
+            let (Some(stem), Some(ext)) =
+                (path.file_stem().and_then(|s| s.to_str()), path.extension().and_then(|s| s.to_str()))
+            else {
                 continue;
             };
             match ext {
@@ -85,11 +84,7 @@ impl ModelRepo {
                 _ => {}
             }
         }
-        Ok(ModelRepo {
-            root,
-            checkpoints,
-            bags,
-        })
+        Ok(ModelRepo { root, checkpoints, bags })
     }
 
     /// The folder.
@@ -113,9 +108,7 @@ impl ModelRepo {
             return Ok(None);
         };
         let text = std::fs::read_to_string(path).map_err(|e| DemucsError::io(path, e))?;
-        serde_yaml::from_str(&text)
-            .map(Some)
-            .map_err(|e| DemucsError::Repo(format!("{}: {e}", path.display())))
+        serde_yaml::from_str(&text).map(Some).map_err(|e| DemucsError::Repo(format!("{}: {e}", path.display())))
     }
 
     /// The checkpoint of a signature, with its checksum verified.
@@ -147,10 +140,9 @@ impl ModelRepo {
                     .collect::<Result<Vec<_>, _>>()?;
                 BagOfModels::new(models, bag.weights, bag.segment)
             }
-            None if self.checkpoints.contains_key(name) => Ok(BagOfModels::single(HTDemucs::load_file(
-                &self.checkpoint_path(name)?,
-                device,
-            )?)),
+            None if self.checkpoints.contains_key(name) => {
+                Ok(BagOfModels::single(HTDemucs::load_file(&self.checkpoint_path(name)?, device)?))
+            }
             None => Err(DemucsError::Repo(format!(
                 "no model `{name}` in {} (have: {})",
                 self.root.display(),

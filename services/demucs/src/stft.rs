@@ -59,15 +59,9 @@ impl Stft {
     /// Plans the transforms.
     pub fn new(nfft: usize) -> Self {
         let mut planner = RealFftPlanner::<f64>::new();
-        let window = (0..nfft)
-            .map(|i| 0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / nfft as f64).cos())
-            .collect();
-        Stft {
-            nfft,
-            window,
-            forward: planner.plan_fft_forward(nfft),
-            inverse: planner.plan_fft_inverse(nfft),
-        }
+        let window =
+            (0..nfft).map(|i| 0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / nfft as f64).cos()).collect();
+        Stft { nfft, window, forward: planner.plan_fft_forward(nfft), inverse: planner.plan_fft_inverse(nfft) }
     }
 
     /// Hop length.
@@ -83,15 +77,11 @@ impl Stft {
         let le = len.div_ceil(hl);
         let pad = hl / 2 * 3;
         if len <= pad + le * hl - len || len <= nfft / 2 {
-            return Err(DemucsError::InvalidArgument(format!(
-                "input of {len} samples is too short for the STFT"
-            )));
+            return Err(DemucsError::InvalidArgument(format!("input of {len} samples is too short for the STFT")));
         }
         // First padding (Demucs's), reflect.
         let total = len + 2 * pad + le * hl - len;
-        let xp: Vec<f64> = (0..total)
-            .map(|i| x[reflect_index(i as isize - pad as isize, len)] as f64)
-            .collect();
+        let xp: Vec<f64> = (0..total).map(|i| x[reflect_index(i as isize - pad as isize, len)] as f64).collect();
         // torch.stft center=True: reflect-pad nfft/2 more; frame f starts at f·hl.
         let half = (nfft / 2) as isize;
         let n = xp.len();
@@ -113,11 +103,7 @@ impl Stft {
                 data[k * le + t] = out[k] * scale;
             }
         }
-        Ok(Spectrogram {
-            freqs,
-            frames: le,
-            data,
-        })
+        Ok(Spectrogram { freqs, frames: le, data })
     }
 
     /// `HTDemucs._ispec` of one channel: `[nfft/2, T]` → `[length]`.
@@ -144,18 +130,12 @@ impl Stft {
             }
             let t = f - 2;
             for (k, s) in spec.iter_mut().enumerate() {
-                *s = if k < z.freqs {
-                    z.data[k * z.frames + t]
-                } else {
-                    Complex::new(0.0, 0.0)
-                };
+                *s = if k < z.freqs { z.data[k * z.frames + t] } else { Complex::new(0.0, 0.0) };
             }
             spec[0].im = 0.0;
             let last = spec.len() - 1;
             spec[last].im = 0.0;
-            self.inverse
-                .process(&mut spec, &mut frame)
-                .expect("inverse fft with real DC and Nyquist bins");
+            self.inverse.process(&mut spec, &mut frame).expect("inverse fft with real DC and Nyquist bins");
             for (i, w) in self.window.iter().enumerate() {
                 y[start + i] += frame[i] * scale * w;
             }

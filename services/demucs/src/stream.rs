@@ -56,16 +56,8 @@ impl StatsAccumulator {
 
     /// The statistics.
     pub fn finish(&self) -> TrackStats {
-        let var = if self.n > 1 {
-            self.m2 / (self.n as f64 - 1.0)
-        } else {
-            0.0
-        };
-        TrackStats {
-            mean: self.mean,
-            std: var.sqrt() + 1e-8,
-            length: self.n,
-        }
+        let var = if self.n > 1 { self.m2 / (self.n as f64 - 1.0) } else { 0.0 };
+        TrackStats { mean: self.mean, std: var.sqrt() + 1e-8, length: self.n }
     }
 }
 
@@ -162,19 +154,12 @@ pub fn separate_stream<B: Backend>(
         let valid_length = match opts.segment {
             Some(s) => (s * sr as f64) as usize,
             None if cfg.use_train_segment => training_length,
-            None => {
-                return Err(DemucsError::Unsupported(
-                    "streaming models without a training segment".into(),
-                ))
-            }
+            None => return Err(DemucsError::Unsupported("streaming models without a training segment".into())),
         };
         let half = seg_len / 2;
         let tri: Vec<f64> = (1..=half).chain((1..=seg_len - half).rev()).map(|v| v as f64).collect();
         let wmax = tri.iter().cloned().fold(0.0, f64::max);
-        let weight: Vec<f32> = tri
-            .iter()
-            .map(|w| ((w / wmax) as f32).powf(opts.transition_power as f32))
-            .collect();
+        let weight: Vec<f32> = tri.iter().map(|w| ((w / wmax) as f32).powf(opts.transition_power as f32)).collect();
         let scale: Vec<f32> = (0..nsrc).map(|s| weights[s] / (shifts as f32 * totals[s])).collect();
         for _ in 0..shifts {
             let k = if opts.shifts == 0 {
@@ -247,10 +232,7 @@ pub fn separate_stream<B: Backend>(
                             }
                         }
                     }
-                    inputs.push(HostTensor {
-                        shape: vec![group.len(), ch, p.valid_length],
-                        data: input,
-                    });
+                    inputs.push(HostTensor { shape: vec![group.len(), ch, p.valid_length], data: input });
                 }
                 let outs = p.model.forward_parallel(inputs, p.training_length)?;
                 let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
@@ -309,21 +291,14 @@ pub fn separate_stream<B: Backend>(
             for v in block.iter_mut() {
                 *v = (*v as f64 * std + mean) as f32;
             }
-            sink(HostTensor {
-                shape: vec![nsrc, ch, n],
-                data: block,
-            })?;
+            sink(HostTensor { shape: vec![nsrc, ch, n], data: block })?;
         }
         if passes.iter().all(|p| p.done()) {
             return Ok(());
         }
         // Drop input no pass will read again.
-        let keep_from = passes
-            .iter()
-            .filter(|p| !p.done())
-            .map(|p| p.next_read(len).0.max(0) as usize)
-            .min()
-            .unwrap_or(available);
+        let keep_from =
+            passes.iter().filter(|p| !p.done()).map(|p| p.next_read(len).0.max(0) as usize).min().unwrap_or(available);
         if keep_from > base {
             let drop = (keep_from - base).min(buf[0].len());
             for b in buf.iter_mut() {

@@ -62,13 +62,7 @@ pub struct MultiheadAttention<B: Backend> {
 impl<B: Backend> MultiheadAttention<B> {
     fn init(dim: usize, heads: usize, device: &B::Device) -> Self {
         let lin = || LinearConfig { din: dim, dout: dim }.init(device);
-        MultiheadAttention {
-            q: lin(),
-            k: lin(),
-            v: lin(),
-            out: lin(),
-            heads,
-        }
+        MultiheadAttention { q: lin(), k: lin(), v: lin(), out: lin(), heads }
     }
 
     /// Takes `{prefix}.in_proj_weight` `[3C, C]`, `.in_proj_bias` `[3C]` (q, k, v stacked)
@@ -80,14 +74,8 @@ impl<B: Backend> MultiheadAttention<B> {
         let b = state.take(&format!("{prefix}.in_proj_bias"), &[3 * c])?;
         let part = |i: usize| {
             (
-                HostTensor {
-                    shape: vec![c, c],
-                    data: w.data[i * c * c..(i + 1) * c * c].to_vec(),
-                },
-                HostTensor {
-                    shape: vec![c],
-                    data: b.data[i * c..(i + 1) * c].to_vec(),
-                },
+                HostTensor { shape: vec![c, c], data: w.data[i * c * c..(i + 1) * c * c].to_vec() },
+                HostTensor { shape: vec![c], data: b.data[i * c..(i + 1) * c].to_vec() },
             )
         };
         let (qw, qb) = part(0);
@@ -146,9 +134,7 @@ impl<B: Backend> TransformerLayer<B> {
             norm1: ln(),
             norm2: ln(),
             norm3: cross.then(ln),
-            norm_out: cfg
-                .norm_out
-                .then(|| GroupNormConfig { groups: 1, channels: d }.init(device)),
+            norm_out: cfg.norm_out.then(|| GroupNormConfig { groups: 1, channels: d }.init(device)),
             gamma_1: cfg.layer_scale.then(|| LayerScale::init(d, device)),
             gamma_2: cfg.layer_scale.then(|| LayerScale::init(d, device)),
             gelu: cfg.gelu,
@@ -232,12 +218,8 @@ impl CrossTransformerEncoderConfig {
         let parity = if self.cross_first { 1 } else { 0 };
         let mk = |i: usize| TransformerLayer::init(self, i % 2 != parity, device);
         CrossTransformerEncoder {
-            norm_in: self
-                .norm_in
-                .then(|| LayerNormConfig { channels: self.dim }.init(device)),
-            norm_in_t: self
-                .norm_in
-                .then(|| LayerNormConfig { channels: self.dim }.init(device)),
+            norm_in: self.norm_in.then(|| LayerNormConfig { channels: self.dim }.init(device)),
+            norm_in_t: self.norm_in.then(|| LayerNormConfig { channels: self.dim }.init(device)),
             layers: (0..self.num_layers).map(mk).collect(),
             layers_t: (0..self.num_layers).map(mk).collect(),
             max_period: self.max_period,
@@ -321,20 +303,16 @@ impl<B: Backend> CrossTransformerEncoder<B> {
         let device = x.device();
         let w = self.weight_pos_embed as f32;
 
-        let pos2d: Tensor<B, 3> = Tensor::from_data(
-            TensorData::new(sin_embedding_2d(c, fr, t1, self.max_period), [1, t1 * fr, c]),
-            &device,
-        );
+        let pos2d: Tensor<B, 3> =
+            Tensor::from_data(TensorData::new(sin_embedding_2d(c, fr, t1, self.max_period), [1, t1 * fr, c]), &device);
         let mut x = x.permute([0, 3, 2, 1]).reshape([b, t1 * fr, c]);
         if let Some(n) = &self.norm_in {
             x = n.forward(x);
         }
         let mut x = x + pos2d * w;
 
-        let pos1d: Tensor<B, 3> = Tensor::from_data(
-            TensorData::new(sin_embedding(t2, c, self.max_period), [1, t2, c]),
-            &device,
-        );
+        let pos1d: Tensor<B, 3> =
+            Tensor::from_data(TensorData::new(sin_embedding(t2, c, self.max_period), [1, t2, c]), &device);
         let mut xt = xt.swap_dims(1, 2);
         if let Some(n) = &self.norm_in_t {
             xt = n.forward(xt);

@@ -49,6 +49,8 @@ fn request(model: Model, two_stems: Option<&str>) -> NormalizedRequest {
         model,
         two_stems: two_stems.map(String::from),
         output_format: RequestFormat::Wav,
+        encoding: Default::default(),
+        clip_mode: Default::default(),
         segment: None,
         overlap: 0.25,
         shifts: 0,
@@ -76,11 +78,7 @@ fn setup() -> Setup {
     let len = track.shape[1];
     let input = dir.path().join("input.wav");
     let mut enc = StemEncoder::create(&input, OutputFormat::WavF32, ClipMode::None, 8000).unwrap();
-    enc.write(&StereoChunk::from_planar(
-        track.data[..len].to_vec(),
-        track.data[len..].to_vec(),
-    ))
-    .unwrap();
+    enc.write(&StereoChunk::from_planar(track.data[..len].to_vec(), track.data[len..].to_vec())).unwrap();
     enc.finish().unwrap();
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
@@ -92,12 +90,7 @@ fn setup() -> Setup {
         cpu_jobs: 2,
     })
     .unwrap();
-    Setup {
-        _dir: dir,
-        engine,
-        input,
-        out,
-    }
+    Setup { _dir: dir, engine, input, out }
 }
 
 fn job<'a>(s: &'a Setup, req: &'a NormalizedRequest, id: &'a JobId) -> EngineJob<'a> {
@@ -114,14 +107,7 @@ fn job<'a>(s: &'a Setup, req: &'a NormalizedRequest, id: &'a JobId) -> EngineJob
 }
 
 fn read_wav(path: &std::path::Path) -> Vec<f32> {
-    let mut d = Decoder::open_path(
-        path,
-        DecodeOptions {
-            target_sample_rate: 8000,
-            max_duration_secs: None,
-        },
-    )
-    .unwrap();
+    let mut d = Decoder::open_path(path, DecodeOptions { target_sample_rate: 8000, max_duration_secs: None }).unwrap();
     let mut all = StereoChunk::with_capacity(0);
     while let Some(c) = d.next_chunk().unwrap() {
         all.extend_from(&c);
@@ -171,8 +157,5 @@ fn two_stems_and_cancellation_and_missing_model() {
 
     let ft = request(Model::HtdemucsFt, None);
     let err = s.engine.separate(&job(&s, &ft, &id), &Ctx::new(None)).unwrap_err();
-    assert!(
-        matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"),
-        "{err:?}"
-    );
+    assert!(matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"), "{err:?}");
 }

@@ -34,13 +34,7 @@ fn checkpoint_is_read_without_python() {
     assert_eq!(cfg.bottom_channels, 32);
     assert_eq!(cfg.training_length(), 12000);
     // packed attention and the DConv Sequential indices are there, untouched.
-    assert_eq!(
-        ckpt.state
-            .get("crosstransformer.layers.0.self_attn.in_proj_weight")
-            .unwrap()
-            .shape,
-        vec![96, 32]
-    );
+    assert_eq!(ckpt.state.get("crosstransformer.layers.0.self_attn.in_proj_weight").unwrap().shape, vec![96, 32]);
     assert!(ckpt.state.get("encoder.0.dconv.layers.1.6.scale").is_some());
 }
 
@@ -76,24 +70,8 @@ fn stft_and_istft() {
         };
         back.extend(m.stft().ispec(&z, len));
     }
-    check(
-        "stft",
-        spec_ref,
-        &HostTensor {
-            shape: spec_ref.shape.clone(),
-            data: spec,
-        },
-        BLOCK_DB,
-    );
-    check(
-        "istft",
-        &f["ispec"],
-        &HostTensor {
-            shape: vec![2, len],
-            data: back,
-        },
-        BLOCK_DB,
-    );
+    check("stft", spec_ref, &HostTensor { shape: spec_ref.shape.clone(), data: spec }, BLOCK_DB);
+    check("istft", &f["ispec"], &HostTensor { shape: vec![2, len], data: back }, BLOCK_DB);
 }
 
 #[test]
@@ -115,10 +93,7 @@ fn transformer_layers() {
     let tr = m.crosstransformer().unwrap();
     let y = to_host(tr.layer(false, 0).forward(dev(&f["tlayer0.in0"]), None));
     check("transformer self layer", &f["tlayer0.out0"], &y, BLOCK_DB);
-    let y = to_host(
-        tr.layer(true, 1)
-            .forward(dev(&f["tlayer_t1.in0"]), Some(dev(&f["tlayer_t1.in1"]))),
-    );
+    let y = to_host(tr.layer(true, 1).forward(dev(&f["tlayer_t1.in0"]), Some(dev(&f["tlayer_t1.in1"]))));
     check("transformer cross layer", &f["tlayer_t1.out0"], &y, BLOCK_DB);
     let (x, xt) = tr.forward(dev(&f["transformer.in0"]), dev(&f["transformer.in1"]));
     check("transformer (freq out)", &f["transformer.out0"], &to_host(x), BLOCK_DB);
@@ -135,9 +110,7 @@ fn decoder_layers() {
     let (z, _) = m.decoder(1).forward_freq(dev(&f["dec1.in0"]), dev(&f["dec1.in1"]));
     check("decoder[1] (freq)", &f["dec1.out0"], &to_host(z), BLOCK_DB);
     let length = f["tdec2.in2"].data[0] as usize;
-    let (z, _) = m
-        .tdecoder(2)
-        .forward_time(dev(&f["tdec2.in0"]), dev(&f["tdec2.in1"]), length);
+    let (z, _) = m.tdecoder(2).forward_time(dev(&f["tdec2.in0"]), dev(&f["tdec2.in1"]), length);
     check("tdecoder[2] (time)", &f["tdec2.out0"], &to_host(z), BLOCK_DB);
 }
 
@@ -152,10 +125,7 @@ fn forward_one_segment() {
 }
 
 fn opts(shifts: usize) -> ApplyOptions {
-    ApplyOptions {
-        shifts,
-        ..ApplyOptions::default()
-    }
+    ApplyOptions { shifts, ..ApplyOptions::default() }
 }
 
 #[test]
@@ -164,29 +134,10 @@ fn apply_model_split_overlap_segment_short() {
     let bag = BagOfModels::single(model());
     let y = separate(&bag, &f["track"], &opts(0), &mut NoProgress).unwrap();
     check("apply split+overlap", &f["out.split"], &y, E2E_DB);
-    let y2 = separate(
-        &bag,
-        &f["track"],
-        &ApplyOptions {
-            segment: Some(1.0),
-            ..opts(0)
-        },
-        &mut NoProgress,
-    )
-    .unwrap();
+    let y2 = separate(&bag, &f["track"], &ApplyOptions { segment: Some(1.0), ..opts(0) }, &mut NoProgress).unwrap();
     check("apply segment=1.0", &f["out.segment"], &y2, E2E_DB);
     // Batching chunks (the GPU path) gives the same result.
-    let y4 = separate(
-        &bag,
-        &f["track"],
-        &ApplyOptions {
-            batch_size: 2,
-            jobs: 2,
-            ..opts(0)
-        },
-        &mut NoProgress,
-    )
-    .unwrap();
+    let y4 = separate(&bag, &f["track"], &ApplyOptions { batch_size: 2, jobs: 2, ..opts(0) }, &mut NoProgress).unwrap();
     check("apply split, 2 jobs × batch 2", &f["out.split"], &y4, E2E_DB);
     let y3 = separate(&bag, &f["short_track"], &opts(0), &mut NoProgress).unwrap();
     check("apply short input", &f["out.short"], &y3, E2E_DB);
@@ -209,10 +160,7 @@ fn apply_model_shifts_replayed() {
     let y = separate(
         &bag,
         &f["track"],
-        &ApplyOptions {
-            shift_offsets: Some(meta.shift_offsets),
-            ..opts(2)
-        },
+        &ApplyOptions { shift_offsets: Some(meta.shift_offsets), ..opts(2) },
         &mut NoProgress,
     )
     .unwrap();
@@ -235,27 +183,15 @@ fn apply_bag_from_repo() {
 fn segment_above_trained_is_refused() {
     let f = load("apply.safetensors");
     let bag = BagOfModels::single(model());
-    let err = apply_model(
-        &bag,
-        &f["track"],
-        &ApplyOptions {
-            segment: Some(1.6),
-            ..opts(0)
-        },
-        &mut NoProgress,
-    )
-    .unwrap_err();
+    let err =
+        apply_model(&bag, &f["track"], &ApplyOptions { segment: Some(1.6), ..opts(0) }, &mut NoProgress).unwrap_err();
     assert!(matches!(err, DemucsError::InvalidArgument(_)), "{err}");
 }
 
 #[test]
 fn checksum_mismatch_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        fixtures().join("repo/a0a0a0a0.th"),
-        dir.path().join("a0a0a0a0-deadbeef.th"),
-    )
-    .unwrap();
+    std::fs::copy(fixtures().join("repo/a0a0a0a0.th"), dir.path().join("a0a0a0a0-deadbeef.th")).unwrap();
     let repo = ModelRepo::open(dir.path()).unwrap();
     let err = repo.load::<B>("a0a0a0a0", &Default::default()).unwrap_err();
     assert!(matches!(err, DemucsError::Checksum { .. }), "{err}");
@@ -272,10 +208,7 @@ mod serde_json_like {
         let at = text.find("\"shift_offsets\"").expect("shift_offsets in meta.json");
         let open = at + text[at..].find('[').unwrap();
         let close = open + text[open..].find(']').unwrap();
-        let shift_offsets = text[open + 1..close]
-            .split(',')
-            .map(|s| s.trim().parse().unwrap())
-            .collect();
+        let shift_offsets = text[open + 1..close].split(',').map(|s| s.trim().parse().unwrap()).collect();
         Meta { shift_offsets }
     }
 }
@@ -292,17 +225,10 @@ fn full_size_parity() {
         let v = st.tensor(k).unwrap();
         HostTensor {
             shape: v.shape().to_vec(),
-            data: v
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
+            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
         }
     };
-    let bag = ModelRepo::open(dir.join("repo"))
-        .unwrap()
-        .load::<B>("f0f0f0f0", &Default::default())
-        .unwrap();
+    let bag = ModelRepo::open(dir.join("repo")).unwrap().load::<B>("f0f0f0f0", &Default::default()).unwrap();
     let y = separate(&bag, &get("track"), &opts(0), &mut NoProgress).unwrap();
     check("full-size apply (10 s)", &get("out.split"), &y, E2E_DB);
 }

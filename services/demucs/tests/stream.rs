@@ -38,17 +38,11 @@ fn run(bag: &BagOfModels<B>, track: &HostTensor, opts: &ApplyOptions, block: usi
         Ok(())
     };
     separate_stream(bag, stats, &mut next, opts, &mut NoProgress, &mut sink).unwrap();
-    HostTensor {
-        shape: vec![nsrc, 2, len],
-        data: rows.concat(),
-    }
+    HostTensor { shape: vec![nsrc, 2, len], data: rows.concat() }
 }
 
 fn opts(shifts: usize) -> ApplyOptions {
-    ApplyOptions {
-        shifts,
-        ..ApplyOptions::default()
-    }
+    ApplyOptions { shifts, ..ApplyOptions::default() }
 }
 
 #[test]
@@ -60,15 +54,7 @@ fn streaming_matches_the_reference() {
         let y = run(&bag, &f["track"], &opts(0), block);
         check(&format!("stream split (blocks {block})"), &f["out.split"], &y, 90.0);
     }
-    let y = run(
-        &bag,
-        &f["track"],
-        &ApplyOptions {
-            segment: Some(1.0),
-            ..opts(0)
-        },
-        1000,
-    );
+    let y = run(&bag, &f["track"], &ApplyOptions { segment: Some(1.0), ..opts(0) }, 1000);
     check("stream segment=1.0", &f["out.segment"], &y, 90.0);
     let y = run(&bag, &f["short_track"], &opts(0), 1000);
     check("stream short input", &f["out.short"], &y, 90.0);
@@ -76,34 +62,14 @@ fn streaming_matches_the_reference() {
     let at = text.find("\"shift_offsets\"").unwrap();
     let open = at + text[at..].find('[').unwrap();
     let close = open + text[open..].find(']').unwrap();
-    let offsets: Vec<usize> = text[open + 1..close]
-        .split(',')
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
-    let y = run(
-        &bag,
-        &f["track"],
-        &ApplyOptions {
-            shift_offsets: Some(offsets),
-            ..opts(2)
-        },
-        1234,
-    );
+    let offsets: Vec<usize> = text[open + 1..close].split(',').map(|s| s.trim().parse().unwrap()).collect();
+    let y = run(&bag, &f["track"], &ApplyOptions { shift_offsets: Some(offsets), ..opts(2) }, 1234);
     check("stream shifts=2", &f["out.shifts"], &y, 90.0);
     let repo = ModelRepo::open(fixtures().join("repo")).unwrap();
     let bag2 = repo.load::<B>("tinybag", &Default::default()).unwrap();
     let y = run(&bag2, &f["track"], &opts(0), 3000);
     check("stream bag", &f["out.bag"], &y, 90.0);
     // Concurrent forward passes and batches give the same samples.
-    let y = run(
-        &bag2,
-        &f["track"],
-        &ApplyOptions {
-            jobs: 2,
-            batch_size: 2,
-            ..opts(0)
-        },
-        3000,
-    );
+    let y = run(&bag2, &f["track"], &ApplyOptions { jobs: 2, batch_size: 2, ..opts(0) }, 3000);
     check("stream bag, 2 jobs × batch 2", &f["out.bag"], &y, 90.0);
 }

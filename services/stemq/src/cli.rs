@@ -210,10 +210,15 @@ pub struct WorkerArgs {
 /// Worker options shared by `stemq worker` and `stemq dev`.
 #[derive(Debug, Args, Clone)]
 pub struct WorkerOpts {
-    /// Separation engine: `dsp` (built-in, no weights) or `fake` (no audio work; for
-    /// tests and benchmarks).
+    /// Separation engine: `dsp` (built-in, no weights), `demucs` (HTDemucs on Burn; needs
+    /// a build with `--features demucs` and a model folder), or `fake` (no audio work;
+    /// for tests and benchmarks).
     #[arg(long, env = "STEMQ_ENGINE", default_value = "dsp")]
     pub engine: String,
+    /// Model folder of the `demucs` engine (demucs `--repo` layout: `<sig>.th`,
+    /// `<name>.yaml`); default `<data-dir>/models`.
+    #[arg(long, env = "STEMQ_MODELS")]
+    pub models: Option<PathBuf>,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,

@@ -32,7 +32,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
 
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
-    let engine = crate::services::engine(&a.worker)?;
+    let engine = crate::services::engine(&g, &a.worker)?;
     let wconfig = crate::services::worker_config(&g, &a.worker)?;
     let store = wconfig.store.base_url().to_string();
 

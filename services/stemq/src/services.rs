@@ -22,14 +22,35 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 }
 
 /// Loads the engine named in the options.
-pub fn engine(opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     match opts.engine.as_str() {
         "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
-        // `model_unavailable` until the neural engine exists.
+        // `model_unavailable` on a dsp worker.
         "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
-        other => bail!("unknown engine `{other}`; available: fake, dsp"),
+        "demucs" => demucs_engine(g, opts),
+        other => bail!("unknown engine `{other}`; available: fake, dsp, demucs"),
     }
+}
+
+#[cfg(feature = "demucs")]
+fn demucs_engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    let repo = opts.models.clone().unwrap_or_else(|| g.data_dir.join("models"));
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let engine = stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
+        repo: repo.clone(),
+        clip: stemq_audio::ClipMode::Rescale,
+        max_duration_secs: Some(stemq_audio::engine::DEFAULT_MAX_DURATION_SECS),
+        gpu_batch: 4,
+        cpu_jobs: cores.min(2),
+    })
+    .with_context(|| format!("loading the model folder {}", repo.display()))?;
+    Ok(Arc::new(engine))
+}
+
+#[cfg(not(feature = "demucs"))]
+fn demucs_engine(_: &Global, _: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    bail!("this stemq was built without the demucs engine; build it with `cargo build --release -p stemq --features demucs`")
 }
 
 /// The worker configuration from the options.
@@ -84,7 +105,7 @@ pub async fn serve_metrics(g: &Global, client: &async_nats::Client, shutdown: Ca
 pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
     let client = connect(g, "stemq-worker").await?;
     serve_metrics(g, &client, crate::cli::shutdown_on_signals()).await?;
-    let engine = engine(&opts)?;
+    let engine = engine(g, &opts)?;
     let config = worker_config(g, &opts)?;
     let shutdown = crate::cli::shutdown_on_signals();
     stemq_worker::run(client.clone(), engine, config, shutdown).await?;

@@ -30,16 +30,12 @@ pub fn load(name: &str) -> HashMap<String, HostTensor> {
         .map(|(k, v)| {
             let shape = v.shape().to_vec();
             let data = match v.dtype() {
-                safetensors::Dtype::F32 => v
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::I64 => v
-                    .data()
-                    .chunks_exact(8)
-                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
-                    .collect(),
+                safetensors::Dtype::F32 => {
+                    v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+                }
+                safetensors::Dtype::I64 => {
+                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32).collect()
+                }
                 d => panic!("unexpected dtype {d:?}"),
             };
             (k, HostTensor { shape, data })
@@ -72,9 +68,6 @@ pub fn check(label: &str, reference: &HostTensor, est: &HostTensor, min_db: f64)
     assert_eq!(reference.shape, est.shape, "{label}: shape");
     let (snr, max) = figures(&reference.data, &est.data);
     eprintln!("PARITY {label:<28} SNR {snr:7.1} dB   max abs {max:.2e}");
-    assert!(
-        snr >= min_db,
-        "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})"
-    );
+    assert!(snr >= min_db, "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})");
     snr
 }
