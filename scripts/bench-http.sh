@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-15}"
 scripts/install-nats.sh >/dev/null
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/.stemq/venv/bin:$PATH"
 command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
 cargo build --release --locked -p stemq >/dev/null
 data="$(mktemp -d)"

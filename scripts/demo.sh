@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The main job, end to end, on local defaults: no cloud account, no GPU, no downloads.
-# Installs nats-server (into ./.venv), builds stemq, starts `stemq dev`, synthesises a
+# Installs nats-server (into ./.stemq/venv), builds stemq, starts `stemq dev`, synthesises a
 # 20-second song, separates it into stems through the whole pipeline (upload → queue →
 # worker with the built-in dsp engine → object store → status view), writes the stems
 # to ./stems/, and stops everything cleanly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-nats.sh >/dev/null
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/.stemq/venv/bin:$PATH"
 echo "== building stemq (release)"
 cargo build --release --locked -p stemq
 bin="$PWD/target/release/stemq"

@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-nats.sh
 if [[ -x scripts/install-test-deps.sh ]]; then scripts/install-test-deps.sh; fi
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/.stemq/venv/bin:$PATH"
 cargo test --workspace --locked "$@"
