@@ -95,6 +95,8 @@ pub enum Command {
         #[command(subcommand)]
         command: NatsCommand,
     },
+    /// Separate local files right here, like the `demucs` command (no queue needed).
+    Separate(crate::separate::SeparateArgs),
     /// Submit a job (a file path is uploaded to the store first).
     Submit(SubmitArgs),
     /// Print a job's status view.
@@ -393,6 +395,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
             Ok(())
         }
+        Command::Separate(a) => tokio::task::spawn_blocking(move || crate::separate::run(&g, a)).await?,
         Command::Submit(a) => crate::client::submit(&g, a).await,
         Command::Status { id } => crate::client::status(&g, &id).await,
         Command::List { status, limit } => crate::client::list(&g, status.as_deref(), limit).await,

@@ -3,6 +3,7 @@
 //!
 //! - [`cli`]: arguments and dispatch;
 //! - [`dev`]: the one-process development stack;
+//! - [`separate`]: the Demucs-compatible one-shot command;
 //! - [`services`]: each service alone;
 //! - [`client`]: submit, status, list, watch, dead-letter replay;
 //! - [`bench`]: the benchmarks;
@@ -12,6 +13,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod dev;
+pub mod separate;
 pub mod services;
 pub mod top;
 

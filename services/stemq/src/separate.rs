@@ -1,0 +1,176 @@
+//! `stemq separate`: the Demucs command line, drop-in, without a queue.
+//!
+//! This module owns the local, one-shot path for people who use `demucs` today: the same
+//! flags, the same output layout (`OUT/NAME/TRACK/STEM.EXT`, or `--filename`), a
+//! progress bar, and the same engines the workers run (`-n dsp` always; `-n htdemucs`,
+//! `htdemucs_ft`, `htdemucs_6s` with a build that has `--features demucs` and a model
+//! folder given by `--repo`). Each file becomes a normal [`NormalizedRequest`], so a
+//! request the pipeline would refuse is refused here with the same message.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use stemq_core::engine::{Engine, EngineContext, EngineJob};
+use stemq_core::request::{JobRequest, ANONYMOUS};
+
+use crate::cli::{Global, WorkerOpts};
+
+/// `demucs`-compatible options.
+#[derive(Debug, Args, Clone)]
+pub struct SeparateArgs {
+    /// Audio files to separate.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
+    /// Model name (`dsp` needs no weights).
+    #[arg(short = 'n', long = "name", default_value = "dsp")]
+    pub name: String,
+    /// Model folder (demucs `--repo` layout) for the HTDemucs models.
+    #[arg(long)]
+    pub repo: Option<PathBuf>,
+    /// Output folder.
+    #[arg(short = 'o', long = "out", default_value = "separated")]
+    pub out: PathBuf,
+    /// Output file template: `{track}`, `{trackext}`, `{stem}`, `{ext}`.
+    #[arg(long, default_value = "{track}/{stem}.{ext}")]
+    pub filename: String,
+    /// Only this stem and its complement (`no_<stem>`).
+    #[arg(long)]
+    pub two_stems: Option<String>,
+    /// Segment length in seconds.
+    #[arg(long)]
+    pub segment: Option<f64>,
+    /// Overlap between segments.
+    #[arg(long)]
+    pub overlap: Option<f64>,
+    /// Random shifts (test-time augmentation).
+    #[arg(long)]
+    pub shifts: Option<u32>,
+    /// Device: `cpu` or `cuda` (default: the engine's first).
+    #[arg(short = 'd', long)]
+    pub device: Option<String>,
+    /// Write FLAC.
+    #[arg(long)]
+    pub flac: bool,
+    /// 24-bit integer samples.
+    #[arg(long, conflicts_with = "float32")]
+    pub int24: bool,
+    /// 32-bit float samples (WAV only).
+    #[arg(long)]
+    pub float32: bool,
+    /// `rescale` (default), `clamp` or `none`.
+    #[arg(long, default_value = "rescale")]
+    pub clip_mode: String,
+}
+
+struct Bar(ProgressBar);
+
+impl EngineContext for Bar {
+    fn progress(&self, fraction: f32, stage: &str) {
+        self.0.set_position((fraction * 100.0).round() as u64);
+        self.0.set_message(stage.to_string());
+    }
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
+    let mut opts = WorkerOpts {
+        engine: if a.name == "dsp" { "dsp".into() } else { "demucs".into() },
+        models: a.repo.clone(),
+        fake_delay_ms: 0,
+        concurrency: 1,
+        grace_s: 0,
+        time_limit_s: 0,
+        backoff_base_ms: 0,
+        backoff_cap_ms: 0,
+        name: None,
+    };
+    if opts.engine == "demucs" && opts.models.is_none() {
+        opts.models = Some(g.data_dir.join("models"));
+    }
+    crate::services::engine(g, &opts)
+}
+
+/// Separates every file, writing stems like `demucs` does.
+pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
+    let engine = engine_for(g, &a)?;
+    let devices = engine.devices();
+    let device = match &a.device {
+        Some(d) if devices.iter().any(|x| x == d || x.starts_with(&format!("{d}:"))) => d.clone(),
+        Some(d) => bail!("device `{d}` is not available here; available: {}", devices.join(", ")),
+        None => devices.first().cloned().unwrap_or_else(|| "cpu".into()),
+    };
+    for file in &a.files {
+        let track =
+            file.file_stem().and_then(|s| s.to_str()).ok_or_else(|| anyhow!("bad file name {}", file.display()))?;
+        let trackext = file.extension().and_then(|s| s.to_str()).unwrap_or("");
+        let mut req = json!({
+            "audio_uri": url::Url::from_file_path(std::fs::canonicalize(file).with_context(|| format!("{} not found", file.display()))?)
+                .map_err(|_| anyhow!("bad path {}", file.display()))?.to_string(),
+            "model": a.name,
+            "output_format": if a.flac { "flac" } else { "wav" },
+            "encoding": if a.float32 { "f32" } else if a.int24 { "s24" } else { "s16" },
+            "clip_mode": a.clip_mode,
+        });
+        let optional: [(&str, Option<Value>); 4] = [
+            ("two_stems", a.two_stems.clone().map(Value::from)),
+            ("segment", a.segment.map(Value::from)),
+            ("overlap", a.overlap.map(Value::from)),
+            ("shifts", a.shifts.map(Value::from)),
+        ];
+        for (k, v) in optional {
+            if let Some(v) = v {
+                req[k] = v;
+            }
+        }
+        let request = JobRequest::from_value(req).and_then(|r| r.normalize(ANONYMOUS)).map_err(|e| anyhow!("{e}"))?;
+        let job_id = request.job_id();
+        let scratch = tempfile::tempdir()?;
+        let bar = ProgressBar::new(100);
+        bar.set_style(
+            ProgressStyle::with_template("{prefix} {bar:40} {pos:>3}% {msg}").expect("template").progress_chars("=> "),
+        );
+        bar.set_prefix(track.to_string());
+        let ctx = Bar(bar);
+        let job = EngineJob {
+            job_id: &job_id,
+            request: &request,
+            metadata: None,
+            attempt: 1,
+            input: file,
+            out_dir: scratch.path(),
+            device: &device,
+            segment: request.segment,
+        };
+        let stems = engine.separate(&job, &ctx).map_err(|e| anyhow!("{}: {e}", file.display()))?;
+        ctx.0.finish_with_message("done");
+        let ext = request.output_format.extension();
+        for s in stems {
+            let rel = a
+                .filename
+                .replace("{track}", track)
+                .replace("{trackext}", trackext)
+                .replace("{stem}", &s.stem)
+                .replace("{ext}", ext);
+            let dest = a.out.join(&a.name).join(rel);
+            move_file(&s.path, &dest)?;
+            println!("{}", dest.display());
+        }
+    }
+    Ok(())
+}
+
+fn move_file(from: &Path, to: &Path) -> Result<()> {
+    if let Some(dir) = to.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if std::fs::rename(from, to).is_err() {
+        std::fs::copy(from, to).with_context(|| format!("writing {}", to.display()))?;
+    }
+    Ok(())
+}
