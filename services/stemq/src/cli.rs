@@ -95,6 +95,14 @@ pub enum Command {
         #[command(subcommand)]
         command: NatsCommand,
     },
+    /// The Demucs model folder: pull released checkpoints, list what is installed.
+    Models {
+        #[command(subcommand)]
+        command: ModelsCommand,
+        /// The model folder (default `<data-dir>/models`).
+        #[arg(long, env = "STEMQ_MODELS", global = true)]
+        dir: Option<PathBuf>,
+    },
     /// Separate local files right here, like the `demucs` command (no queue needed).
     Separate(crate::separate::SeparateArgs),
     /// Submit a job (a file path is uploaded to the store first).
@@ -162,6 +170,20 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::bench::BenchCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelsCommand {
+    /// Download a released model (htdemucs, htdemucs_ft, htdemucs_6s), checksums verified.
+    Pull {
+        /// Model name.
+        name: String,
+        /// Download root (default: the one the demucs package uses).
+        #[arg(long, env = "STEMQ_MODELS_URL", default_value = crate::models::ROOT_URL)]
+        url: String,
+    },
+    /// Released models and local bags, and whether each is installed.
+    List,
 }
 
 #[derive(Debug, Subcommand)]
@@ -394,6 +416,13 @@ pub async fn run(cli: Cli) -> Result<()> {
             stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
             println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
             Ok(())
+        }
+        Command::Models { command, dir } => {
+            let dir = dir.unwrap_or_else(|| g.data_dir.join("models"));
+            match command {
+                ModelsCommand::Pull { name, url } => crate::models::pull(&name, &dir, &url).await,
+                ModelsCommand::List => crate::models::list(&dir),
+            }
         }
         Command::Separate(a) => tokio::task::spawn_blocking(move || crate::separate::run(&g, a)).await?,
         Command::Submit(a) => crate::client::submit(&g, a).await,

@@ -3,6 +3,7 @@
 //!
 //! - [`cli`]: arguments and dispatch;
 //! - [`dev`]: the one-process development stack;
+//! - [`models`]: pulling the official Demucs checkpoints into a model folder;
 //! - [`separate`]: the Demucs-compatible one-shot command;
 //! - [`services`]: each service alone;
 //! - [`client`]: submit, status, list, watch, dead-letter replay;
@@ -13,6 +14,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod dev;
+pub mod models;
 pub mod separate;
 pub mod services;
 pub mod top;
