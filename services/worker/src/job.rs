@@ -55,9 +55,11 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
     };
     let span = info_span!("job", job_id = %job_id, attempt, seq, trace_id = tracing::field::Empty);
     // Continue the request's trace (set before the span is first entered).
-    let traceparent = Event::from_slice(&msg.payload).ok().and_then(|e| e.traceparent);
-    stemq_core::telemetry::set_parent(&span, traceparent.as_deref());
-    run_delivery(shared, msg, job_id, attempt, seq, hard_stop).instrument(span).await
+    // The payload is parsed once, here; validation below works on this result.
+    let parsed = Event::from_slice(&msg.payload);
+    let traceparent = parsed.as_ref().ok().and_then(|e| e.traceparent.as_deref());
+    stemq_core::telemetry::set_parent(&span, traceparent);
+    run_delivery(shared, msg, parsed, job_id, attempt, seq, hard_stop).instrument(span).await
 }
 
 fn source(shared: &Shared) -> String {
@@ -67,13 +69,14 @@ fn source(shared: &Shared) -> String {
 async fn run_delivery(
     shared: &Arc<Shared>,
     msg: jetstream::Message,
+    parsed: Result<Event, serde_json::Error>,
     job_id: JobId,
     attempt: u32,
     seq: u64,
     hard_stop: &CancellationToken,
 ) {
     // 1. The request must be a `requested` event whose request hashes to its subject.
-    let requested = match validate(&msg.payload, &job_id) {
+    let (requested, requested_at, traceparent) = match validate(parsed, &job_id) {
         Ok(r) => r,
         Err((code, message)) => {
             warn!(code, %message, "rejecting request event");
@@ -83,8 +86,6 @@ async fn run_delivery(
             return;
         }
     };
-    let envelope = Event::from_slice(&msg.payload).ok();
-    let traceparent = envelope.as_ref().and_then(|e| e.traceparent.clone());
     let model = requested.request.model.as_str();
 
     // 2. Already done? The outcome subject is the source of truth (no projector lag).
@@ -148,8 +149,8 @@ async fn run_delivery(
         EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
     );
     started.traceparent = traceparent.clone();
-    if let (1, Some(env)) = (attempt, &envelope) {
-        let waited = (started.time - env.time).to_std().unwrap_or_default();
+    if attempt == 1 {
+        let waited = (started.time - requested_at).to_std().unwrap_or_default();
         let labels = JobLabels { model: model.into(), device: first_device.clone() };
         metrics().queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
     }
@@ -317,8 +318,13 @@ async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
     }
 }
 
-fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, String)> {
-    let ev = Event::from_slice(payload).map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
+/// Checks a delivered request; returns it with its recorded time and trace context.
+#[allow(clippy::type_complexity)]
+fn validate(
+    parsed: Result<Event, serde_json::Error>,
+    job_id: &JobId,
+) -> Result<(Requested, chrono::DateTime<chrono::Utc>, Option<String>), (&'static str, String)> {
+    let ev = parsed.map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
     let EventBody::Requested(r) = ev.body else {
         return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
     };
@@ -349,7 +355,7 @@ fn validate(payload: &[u8], job_id: &JobId) -> Result<Requested, (&'static str, 
         n.retry_of = r.request.retry_of.clone();
         n
     }) {
-        Ok(n) if n == r.request => Ok(r),
+        Ok(n) if n == r.request => Ok((r, ev.time, ev.traceparent)),
         Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
         Err(e) => Err(("invalid_request", e.to_string())),
     }
