@@ -322,9 +322,8 @@ pub struct SubmitArgs {
     /// Model (`dsp` until the neural engine is installed on the workers).
     #[arg(short = 'n', long, default_value = "dsp")]
     pub model: String,
-    /// Only this stem and its complement.
-    #[arg(long)]
-    pub two_stems: Option<String>,
+    #[command(flatten)]
+    pub split: SplitOpts,
     /// Output container: wav or flac.
     #[arg(long)]
     pub format: Option<String>,
@@ -334,15 +333,6 @@ pub struct SubmitArgs {
     /// Clipping: rescale (default), clamp, none.
     #[arg(long)]
     pub clip_mode: Option<String>,
-    /// Segment length in seconds.
-    #[arg(long)]
-    pub segment: Option<f64>,
-    /// Overlap between segments.
-    #[arg(long)]
-    pub overlap: Option<f64>,
-    /// Random shifts.
-    #[arg(long)]
-    pub shifts: Option<u32>,
     /// Metadata (a JSON object).
     #[arg(long)]
     pub metadata: Option<String>,
@@ -353,6 +343,41 @@ pub struct SubmitArgs {
     /// has succeeded.
     #[arg(short = 'o', long = "output-dir", value_name = "DIR", requires = "wait")]
     pub output_dir: Option<PathBuf>,
+}
+
+/// How to split, as the job request says it: shared by `submit` and `separate`.
+#[derive(Debug, Args, Clone)]
+pub struct SplitOpts {
+    /// Only this stem and its complement (`no_<stem>`).
+    #[arg(long)]
+    pub two_stems: Option<String>,
+    /// Segment length in seconds.
+    #[arg(long)]
+    pub segment: Option<f64>,
+    /// Overlap between segments.
+    #[arg(long)]
+    pub overlap: Option<f64>,
+    /// Random shifts (test-time augmentation).
+    #[arg(long)]
+    pub shifts: Option<u32>,
+}
+
+impl SplitOpts {
+    /// Sets the given options on a request document.
+    pub fn fill(&self, req: &mut serde_json::Value) {
+        use serde_json::Value;
+        let fields = [
+            ("two_stems", self.two_stems.clone().map(Value::from)),
+            ("segment", self.segment.map(Value::from)),
+            ("overlap", self.overlap.map(Value::from)),
+            ("shifts", self.shifts.map(Value::from)),
+        ];
+        for (k, v) in fields {
+            if let Some(v) = v {
+                req[k] = v;
+            }
+        }
+    }
 }
 
 impl Cli {

@@ -80,14 +80,11 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
         _ => a.input.clone(),
     };
     let mut req = json!({"audio_uri": uri, "model": a.model});
+    a.split.fill(&mut req);
     let fields = [
-        ("two_stems", a.two_stems.map(Value::from)),
         ("output_format", a.format.map(Value::from)),
         ("encoding", a.encoding.map(Value::from)),
         ("clip_mode", a.clip_mode.map(Value::from)),
-        ("segment", a.segment.map(Value::from)),
-        ("overlap", a.overlap.map(Value::from)),
-        ("shifts", a.shifts.map(Value::from)),
     ];
     for (k, v) in fields {
         if let Some(v) = v {

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::{json, Value};
+use serde_json::json;
 use stemq_core::engine::{Engine, EngineContext, EngineJob};
 use stemq_core::request::{JobRequest, ANONYMOUS};
 
-use crate::cli::{Global, WorkerOpts};
+use crate::cli::{Global, SplitOpts};
 
 /// `demucs`-compatible options.
 #[derive(Debug, Args, Clone)]
@@ -37,18 +37,8 @@ pub struct SeparateArgs {
     /// Output file template: `{track}`, `{trackext}`, `{stem}`, `{ext}`.
     #[arg(long, default_value = "{track}/{stem}.{ext}")]
     pub filename: String,
-    /// Only this stem and its complement (`no_<stem>`).
-    #[arg(long)]
-    pub two_stems: Option<String>,
-    /// Segment length in seconds.
-    #[arg(long)]
-    pub segment: Option<f64>,
-    /// Overlap between segments.
-    #[arg(long)]
-    pub overlap: Option<f64>,
-    /// Random shifts (test-time augmentation).
-    #[arg(long)]
-    pub shifts: Option<u32>,
+    #[command(flatten)]
+    pub split: SplitOpts,
     /// Device: `cpu` or `cuda` (default: the engine's first).
     #[arg(short = 'd', long)]
     pub device: Option<String>,
@@ -79,21 +69,8 @@ impl EngineContext for Bar {
 }
 
 fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
-    let mut opts = WorkerOpts {
-        engine: if a.name == "dsp" { "dsp".into() } else { "demucs".into() },
-        models: a.repo.clone(),
-        fake_delay_ms: 0,
-        concurrency: 1,
-        grace_s: 0,
-        time_limit_s: 0,
-        backoff_base_ms: 0,
-        backoff_cap_ms: 0,
-        name: None,
-    };
-    if opts.engine == "demucs" && opts.models.is_none() {
-        opts.models = Some(g.data_dir.join("models"));
-    }
-    crate::services::engine(g, &opts)
+    let kind = if a.name == "dsp" { "dsp" } else { "demucs" };
+    crate::services::engine_named(g, kind, a.repo.clone(), std::time::Duration::ZERO)
 }
 
 /// Separates every file, writing stems like `demucs` does.
@@ -117,17 +94,7 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
             "encoding": if a.float32 { "f32" } else if a.int24 { "s24" } else { "s16" },
             "clip_mode": a.clip_mode,
         });
-        let optional: [(&str, Option<Value>); 4] = [
-            ("two_stems", a.two_stems.clone().map(Value::from)),
-            ("segment", a.segment.map(Value::from)),
-            ("overlap", a.overlap.map(Value::from)),
-            ("shifts", a.shifts.map(Value::from)),
-        ];
-        for (k, v) in optional {
-            if let Some(v) = v {
-                req[k] = v;
-            }
-        }
+        a.split.fill(&mut req);
         let request = JobRequest::from_value(req).and_then(|r| r.normalize(ANONYMOUS)).map_err(|e| anyhow!("{e}"))?;
         let job_id = request.job_id();
         let scratch = tempfile::tempdir()?;

@@ -4,6 +4,7 @@
 //! (idempotent) and then calls its crate's `run` with a shutdown token tied to SIGTERM
 //! and Ctrl-C.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,19 +24,25 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 
 /// Loads the engine named in the options.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
-    match opts.engine.as_str() {
-        "fake" => Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms) })),
+    engine_named(g, &opts.engine, opts.models.clone(), Duration::from_millis(opts.fake_delay_ms))
+}
+
+/// Loads engine `name`: `models` is the demucs model folder (default
+/// `<data-dir>/models`), `fake_delay` the fake engine's extra delay.
+pub fn engine_named(g: &Global, name: &str, models: Option<PathBuf>, fake_delay: Duration) -> Result<Arc<dyn Engine>> {
+    match name {
+        "fake" => Ok(Arc::new(FakeEngine { base_delay: fake_delay })),
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` on a dsp worker.
         "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
-        "demucs" => demucs_engine(g, opts),
+        "demucs" => demucs_engine(g, models),
         other => bail!("unknown engine `{other}`; available: fake, dsp, demucs"),
     }
 }
 
 #[cfg(feature = "demucs")]
-fn demucs_engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
-    let repo = opts.models.clone().unwrap_or_else(|| g.data_dir.join("models"));
+fn demucs_engine(g: &Global, models: Option<PathBuf>) -> Result<Arc<dyn Engine>> {
+    let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let engine = stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
         repo: repo.clone(),
@@ -49,7 +56,7 @@ fn demucs_engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
 }
 
 #[cfg(not(feature = "demucs"))]
-fn demucs_engine(_: &Global, _: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+fn demucs_engine(_: &Global, _: Option<PathBuf>) -> Result<Arc<dyn Engine>> {
     bail!("this stemq was built without the demucs engine; build it with `cargo build --release -p stemq --features demucs`")
 }
 
