@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`checkpoint`] | `.th` packages (torch zip + pickle, fp16 state) without Python |
 //! | [`config`] | `HTDemucs.__init__` keyword arguments |
+//! | [`cpu`] | host kernels for the CPU backend (attention, GELU) |
 //! | [`stft`] | `HTDemucs._spec` / `_ispec` (`spectro` / `ispectro`) |
 //! | [`nn`] | Conv1d/2d, ConvTranspose1d/2d, GroupNorm, LayerNorm, Linear, LayerScale |
 //! | [`dconv`] | `DConv` |
@@ -21,6 +22,7 @@
 pub mod apply;
 pub mod checkpoint;
 pub mod config;
+pub mod cpu;
 pub mod dconv;
 pub mod decoder;
 pub mod encoder;

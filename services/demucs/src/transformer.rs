@@ -9,8 +9,9 @@
 //! cross attention where each branch attends to the other's previous output.
 //!
 //! Attention is `torch.nn.MultiheadAttention`: the packed `in_proj_weight` `[3C, C]` is
-//! split into q/k/v projections at load time; the product uses Burn's fused
-//! `attention` op (softmax(q kᵀ / √d) v).
+//! split into q/k/v projections at load time; the product (softmax(q kᵀ / √d) v) runs on
+//! the host kernels of [`crate::cpu`] on the CPU backend and on Burn's fused `attention`
+//! op elsewhere; so does the exact GELU of the feed-forward block.
 
 use burn::tensor::activation::{gelu, relu};
 use burn::tensor::backend::Backend;
@@ -19,6 +20,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::{HostTensor, StateDict};
+use crate::cpu;
 use crate::error::DemucsError;
 use crate::nn::{GroupNorm, GroupNormConfig, LayerNorm, LayerNormConfig, LayerScale, Linear, LinearConfig};
 
@@ -95,11 +97,16 @@ impl<B: Backend> MultiheadAttention<B> {
         let [b, tq, c] = query.dims();
         let tk = key.dims()[1];
         let h = self.heads;
+        let (q, k, v) = (self.q.forward(query), self.k.forward(key.clone()), self.v.forward(key));
+        if cpu::is_cpu::<B>() {
+            // Host kernel: all heads in parallel, vectorised softmax, no head transposes.
+            let device = q.device();
+            let shape = cpu::AttentionShape { batch: b, tq, tk, heads: h, head_dim: c / h };
+            let y = cpu::attention(&host_vec(q), &host_vec(k), &host_vec(v), shape);
+            return self.out.forward(Tensor::from_data(TensorData::new(y, [b, tq, c]), &device));
+        }
         let split = |x: Tensor<B, 3>, t: usize| x.reshape([b, t, h, c / h]).swap_dims(1, 2);
-        let q = split(self.q.forward(query), tq);
-        let k = split(self.k.forward(key.clone()), tk);
-        let v = split(self.v.forward(key), tk);
-        let y = attention(q, k, v, None, None, AttentionModuleOptions::default());
+        let y = attention(split(q, tq), split(k, tk), split(v, tk), None, None, AttentionModuleOptions::default());
         self.out.forward(y.swap_dims(1, 2).reshape([b, tq, c]))
     }
 }
@@ -170,7 +177,16 @@ impl<B: Backend> TransformerLayer<B> {
 
     fn ff(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = self.linear1.forward(x);
-        let h = if self.gelu { gelu(h) } else { relu(h) };
+        let h = match self.gelu {
+            true if cpu::is_cpu::<B>() => {
+                let (dims, device) = (h.dims(), h.device());
+                let mut data = host_vec(h);
+                cpu::gelu(&mut data);
+                Tensor::from_data(TensorData::new(data, dims), &device)
+            }
+            true => gelu(h),
+            false => relu(h),
+        };
         self.linear2.forward(h)
     }
 
@@ -332,4 +348,9 @@ impl<B: Backend> CrossTransformerEncoder<B> {
         let x = x.reshape([b, t1, fr, c]).permute([0, 3, 2, 1]);
         (x, xt.swap_dims(1, 2))
     }
+}
+
+/// A CPU tensor's values, row-major (a copy only where the tensor was a strided view).
+fn host_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().into_vec::<f32>().expect("the model runs in f32")
 }

@@ -1,0 +1,434 @@
+//! Host kernels for the CPU backend, where Burn's generic CPU ops leave most of the time
+//! on the table: multi-head attention (Flex runs one head at a time with a scalar
+//! softmax and libm `expf`) and the exact GELU (scalar libm `erff`). Both work on plain
+//! `f32` slices; [`is_cpu`] tells the model code when a backend's tensors can take this
+//! path (on CUDA the backend's own fused kernels run instead).
+//!
+//! The results are as close to PyTorch's as Flex's were: `exp` is a Cephes-style
+//! polynomial within 2 ulp of the correctly rounded value, `erf` a fitted polynomial
+//! within 2e-7 absolute, and the attention sums run in the same order as the gemm calls
+//! they replace (the parity tests pin all of it, block by block).
+
+use std::any::TypeId;
+
+use burn::tensor::backend::Backend;
+use rayon::prelude::*;
+
+/// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
+pub fn is_cpu<B: Backend>() -> bool {
+    TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>()
+}
+
+/// Queries per task: the score block `[QUERY_BLOCK, tk]` stays in L2 (1.4 MB at tk =
+/// 2688, the freq branch of htdemucs), and there are enough tasks to keep cores busy.
+const QUERY_BLOCK: usize = 128;
+
+/// Shapes of one [`attention`] call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    /// Batch.
+    pub batch: usize,
+    /// Query tokens.
+    pub tq: usize,
+    /// Key (and value) tokens.
+    pub tk: usize,
+    /// Heads; the model width is `heads * head_dim`.
+    pub heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+/// `softmax(q kᵀ / √d) v` per head, as `nn.MultiheadAttention` computes it after the
+/// input projections. `q` `[B, Tq, C]`, `k`, `v` `[B, Tk, C]` (heads are the `C / H`
+/// column groups, read in place: no head transposes) → `[B, Tq, C]`.
+pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32> {
+    let AttentionShape { batch, tq, tk, heads, head_dim } = s;
+    let c = heads * head_dim;
+    assert_eq!(q.len(), batch * tq * c, "attention: query shape");
+    assert_eq!(k.len(), batch * tk * c, "attention: key shape");
+    assert_eq!(v.len(), batch * tk * c, "attention: value shape");
+    let mut out = vec![0f32; batch * tq * c];
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let blocks = tq.div_ceil(QUERY_BLOCK);
+    // Tasks: (batch, head, query block). Each writes its own rows x columns of `out`,
+    // disjoint from every other task's.
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    (0..batch * heads * blocks).into_par_iter().for_each_init(
+        || vec![0f32; QUERY_BLOCK * tk],
+        |scores, task| {
+            let (bh, blk) = (task / blocks, task % blocks);
+            let (b, h) = (bh / heads, bh % heads);
+            let q0 = blk * QUERY_BLOCK;
+            let m = QUERY_BLOCK.min(tq - q0);
+            let qp = q[(b * tq + q0) * c + h * head_dim..].as_ptr();
+            let kp = k[b * tk * c + h * head_dim..].as_ptr();
+            let vp = v[b * tk * c + h * head_dim..].as_ptr();
+            let scores = &mut scores[..m * tk];
+            // SAFETY: the pointers address `m` rows (stride c) of head h of q, and `tk`
+            // rows of k and v, all in bounds (shapes asserted above); `scores` is m x tk.
+            unsafe {
+                // scores[m, tk] = scale * Q[m, d] Kᵀ[d, tk]
+                gemm::gemm(
+                    m,
+                    tk,
+                    head_dim,
+                    scores.as_mut_ptr(),
+                    1,
+                    tk as isize,
+                    false,
+                    qp,
+                    1,
+                    c as isize,
+                    kp,
+                    c as isize,
+                    1,
+                    0.0,
+                    scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            let mut inv = [0f32; QUERY_BLOCK];
+            for (row, inv) in scores.chunks_exact_mut(tk).zip(inv.iter_mut()) {
+                *inv = 1.0 / softmax_numerators(row);
+            }
+            // SAFETY: rows q0..q0+m, columns h*d..(h+1)*d of `out` belong to this task only.
+            let op = unsafe { out_ptr.get().add((b * tq + q0) * c + h * head_dim) };
+            unsafe {
+                // out[m, d] = P[m, tk] V[tk, d]
+                gemm::gemm(
+                    m,
+                    head_dim,
+                    tk,
+                    op,
+                    1,
+                    c as isize,
+                    false,
+                    scores.as_ptr(),
+                    1,
+                    tk as isize,
+                    vp,
+                    1,
+                    c as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+                for (i, inv) in inv.iter().take(m).enumerate() {
+                    let row = std::slice::from_raw_parts_mut(op.add(i * c), head_dim);
+                    row.iter_mut().for_each(|x| *x *= inv);
+                }
+            }
+        },
+    );
+    out
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint parts of the buffer behind the pointer (see `attention`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Replaces `row` by `exp(row - max(row))` and returns the sum.
+fn softmax_numerators(row: &mut [f32]) -> f32 {
+    dispatch!(softmax_numerators_impl(row))
+}
+
+/// The exact GELU, `x · Φ(x) = x/2 · (1 + erf(x/√2))`, in place.
+pub fn gelu(x: &mut [f32]) {
+    dispatch!(gelu_impl(x))
+}
+
+/// Runs the body compiled for the widest vector unit the CPU has (chosen at run time).
+macro_rules! dispatch {
+    ($f:ident($($a:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the feature was detected.
+                return unsafe { x86::avx512::$f($($a),*) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: the features were detected.
+                return unsafe { x86::avx2::$f($($a),*) };
+            }
+        }
+        $f($($a),*)
+    }};
+}
+use dispatch;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    pub mod avx512 {
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn softmax_numerators_impl(row: &mut [f32]) -> f32 {
+            super::super::softmax_numerators_impl(row)
+        }
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn gelu_impl(x: &mut [f32]) {
+            super::super::gelu_impl(x)
+        }
+    }
+    pub mod avx2 {
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn softmax_numerators_impl(row: &mut [f32]) -> f32 {
+            super::super::softmax_numerators_impl(row)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn gelu_impl(x: &mut [f32]) {
+            super::super::gelu_impl(x)
+        }
+    }
+}
+
+/// Lanes the loops below are written for; the compiler maps them onto the vector unit.
+const LANES: usize = 16;
+
+#[inline(always)]
+fn softmax_numerators_impl(row: &mut [f32]) -> f32 {
+    let mut mx = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for ch in &mut chunks {
+        for (m, &x) in mx.iter_mut().zip(ch) {
+            *m = m.max(x);
+        }
+    }
+    let mut max = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    for m in mx {
+        max = max.max(m);
+    }
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for ch in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(ch.iter_mut()) {
+            *x = exp_neg(*x - max);
+            *a += *x;
+        }
+    }
+    let mut sum = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp_neg(*x - max);
+        sum += *x;
+    }
+    sum + acc.iter().sum::<f32>()
+}
+
+#[inline(always)]
+fn gelu_impl(x: &mut [f32]) {
+    for v in x.iter_mut() {
+        *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
+    }
+}
+
+/// `exp(x)` for `x <= 0` (the softmax numerators): Cephes's `expf` reduction
+/// `x = n ln2 + r`, `|r| <= ln2/2`, and its degree-6 polynomial, then `2^n` through
+/// the exponent bits. Arguments below -87.3 are clamped there (1.2e-38, nothing against
+/// the row maximum's 1; PyTorch returns a subnormal or 0).
+#[inline(always)]
+pub fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4; // ln 2, high part (exact in few bits)
+    const C2: f32 = -2.121_944_4e-4; // ln 2 - C1
+    let x = x.max(-87.3);
+    // round-to-nearest of x·log2(e) via the 1.5·2^23 shifter
+    let shifter = 12_582_912.0f32;
+    let t = x.mul_add(LOG2E, shifter);
+    let n = t - shifter;
+    let r = n.mul_add(-C2, n.mul_add(-C1, x));
+    let mut p = 1.987_569_2e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 5.000_000_1e-1);
+    let e = (p * r).mul_add(r, r) + 1.0;
+    // 2^n: n is an integer in [-126, 0]; the shifter left it in t's low mantissa bits.
+    let bits = (t.to_bits() as i32).wrapping_sub(0x4B40_0000).wrapping_add(127) << 23;
+    e * f32::from_bits(bits as u32)
+}
+
+/// `erf(x)`, within 2e-7 absolute of the exact value (f32 carries ~6e-8 at 1):
+/// the Maclaurin series on `|x| < 1`, `1 - erfc(|x|)` from a Chebyshev fit above, both
+/// evaluated and selected without branches so the loop vectorises.
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    // |x| < 1: x · P(x²), the series to x²⁰ (the next term is 1e-9).
+    let z = a * a;
+    let mut p = ERF_SMALL[0];
+    for &c in &ERF_SMALL[1..] {
+        p = p.mul_add(z, c);
+    }
+    let small = a * p;
+    // |x| >= 1: erfc(a) = t · exp(-a² + Q(t)), t = 1/(1 + a/2).
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let mut q = ERF_LARGE[0];
+    for &c in &ERF_LARGE[1..] {
+        q = q.mul_add(t, c);
+    }
+    let large = 1.0 - t * exp_neg(-z + q);
+    let r = if a < 1.0 { small } else { large.min(1.0) };
+    r.copysign(x)
+}
+
+/// Coefficients of `erf(x)/x` as a polynomial in `x²`, highest first (Maclaurin series
+/// of erf: 2/√π · Σ (-1)ⁿ x²ⁿ / (n! (2n+1)), truncated where the terms fall below 1e-9
+/// on |x| < 1).
+const ERF_SMALL: [f32; 11] = {
+    // 2/sqrt(pi) * (-1)^n / (n! (2n+1)), n = 10..0
+    const K: f64 = 1.128_379_167_095_512_6;
+    const fn term(n: u32) -> f32 {
+        let mut fact = 1.0f64;
+        let mut i = 1;
+        while i <= n {
+            fact *= i as f64;
+            i += 1;
+        }
+        let sign = if n % 2 == 0 { 1.0 } else { -1.0 };
+        (K * sign / (fact * (2 * n + 1) as f64)) as f32
+    }
+    [term(10), term(9), term(8), term(7), term(6), term(5), term(4), term(3), term(2), term(1), term(0)]
+};
+
+/// Numerical Recipes' `erfc` Chebyshev fit (`erfcc`, fractional error < 1.2e-7):
+/// `erfc(a) = t · exp(-a² - 1.26551223 + t·(1.00002368 + t·(…)))`, `t = 1/(1 + a/2)`;
+/// highest power first, the constant term folded in.
+const ERF_LARGE: [f32; 10] = [
+    0.170_872_77,
+    -0.822_152_23,
+    1.488_515_87,
+    -1.135_203_98,
+    0.278_868_07,
+    -0.186_288_06,
+    0.096_784_18,
+    0.374_091_96,
+    1.000_023_68,
+    -1.265_512_23,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Relative error of `a` against the f64 value `b`.
+    fn close(a: f32, b: f64) -> f64 {
+        ((a as f64) - b).abs() / b.abs().max(f64::MIN_POSITIVE)
+    }
+
+    #[test]
+    fn exp_neg_is_within_two_ulp() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            worst = worst.max(close(exp_neg(x), (x as f64).exp()));
+            x += 0.000_731;
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst:e}");
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert!(exp_neg(-1000.0) < 1.3e-38);
+    }
+
+    #[test]
+    fn erf_is_within_2e7_absolute() {
+        let mut worst = 0f64;
+        let mut x = -6.0f32;
+        while x <= 6.0 {
+            let exact = libm_erf(x as f64);
+            worst = worst.max(((erf(x) as f64) - exact).abs());
+            x += 0.000_37;
+        }
+        assert!(worst < 2e-7, "worst absolute error {worst:e}");
+    }
+
+    /// erf in f64 from its continued fraction / series (reference only).
+    fn libm_erf(x: f64) -> f64 {
+        // Series for |x| < 3, asymptotic complement above: both far below f32's error.
+        let a = x.abs();
+        let r = if a < 3.0 {
+            let mut sum = 0f64;
+            let mut term = a;
+            let mut n = 0f64;
+            loop {
+                let t = term / (2.0 * n + 1.0);
+                sum += t;
+                if t.abs() < 1e-17 {
+                    break;
+                }
+                n += 1.0;
+                term *= -a * a / n;
+            }
+            sum * 2.0 / std::f64::consts::PI.sqrt()
+        } else {
+            // erfc continued fraction (Lentz), 60 terms.
+            let mut f = 0f64;
+            for k in (1..60).rev() {
+                f = (k as f64 / 2.0) / (a + f);
+            }
+            1.0 - (-a * a).exp() / std::f64::consts::PI.sqrt() / (a + f)
+        };
+        r.copysign(x)
+    }
+
+    #[test]
+    fn attention_matches_the_definition() {
+        let s = AttentionShape { batch: 2, tq: 300, tk: 77, heads: 3, head_dim: 8 };
+        let c = s.heads * s.head_dim;
+        let mut seed = 7u64;
+        let mut rnd = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+                })
+                .collect()
+        };
+        let (q, k, v) = (rnd(s.batch * s.tq * c), rnd(s.batch * s.tk * c), rnd(s.batch * s.tk * c));
+        let got = attention(&q, &k, &v, s);
+        let mut worst = 0f64;
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for i in 0..s.tq {
+                    let qi = &q[(b * s.tq + i) * c + h * s.head_dim..][..s.head_dim];
+                    let logits: Vec<f64> = (0..s.tk)
+                        .map(|j| {
+                            let kj = &k[(b * s.tk + j) * c + h * s.head_dim..][..s.head_dim];
+                            qi.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                                / (s.head_dim as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+                    let sum: f64 = w.iter().sum();
+                    for d in 0..s.head_dim {
+                        let want: f64 =
+                            (0..s.tk).map(|j| w[j] / sum * v[(b * s.tk + j) * c + h * s.head_dim + d] as f64).sum();
+                        let have = got[(b * s.tq + i) * c + h * s.head_dim + d] as f64;
+                        worst = worst.max((want - have).abs());
+                    }
+                }
+            }
+        }
+        assert!(worst < 2e-6, "worst absolute error {worst:e}");
+    }
+
+    #[test]
+    fn gelu_matches_the_definition() {
+        let mut x: Vec<f32> = (-4000..4000).map(|i| i as f32 * 0.002).collect();
+        let want: Vec<f64> = x.iter().map(|&v| 0.5 * v as f64 * (1.0 + libm_erf(v as f64 / 2f64.sqrt()))).collect();
+        gelu(&mut x);
+        let worst = x.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
+        assert!(worst < 1e-6, "worst absolute error {worst:e}");
+    }
+}
