@@ -12,6 +12,7 @@
 use std::any::TypeId;
 
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
@@ -146,8 +147,76 @@ fn softmax_numerators(row: &mut [f32]) -> f32 {
 }
 
 /// The exact GELU, `x · Φ(x) = x/2 · (1 + erf(x/√2))`, in place.
-pub fn gelu(x: &mut [f32]) {
+pub fn gelu_in_place(x: &mut [f32]) {
     dispatch!(gelu_impl(x))
+}
+
+/// `out = x + scale[c] · a · σ(b)` where `y` `[N, 2C, R]` holds `a` in its first `C`
+/// channels and `b` in the last (`nn.GLU(dim=1)`), `x` and `out` are `[N, C, R]`, in
+/// place in `x`: DConv's GLU, LayerScale and residual in one pass.
+pub fn glu_scale_add_in_place(x: &mut [f32], y: &[f32], scale: &[f32], n: usize, r: usize) {
+    let c = scale.len();
+    assert_eq!(x.len(), n * c * r, "glu: residual shape");
+    assert_eq!(y.len(), 2 * n * c * r, "glu: input shape");
+    dispatch!(glu_scale_add_impl(x, y, scale, r))
+}
+
+/// [`gelu_in_place`] on a tensor of the CPU backend, Burn's `gelu` on any other.
+pub fn gelu<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if !is_cpu::<B>() {
+        return burn::tensor::activation::gelu(t);
+    }
+    let (dims, device) = (t.dims(), t.device());
+    let mut data = host_vec(t);
+    gelu_in_place(&mut data);
+    Tensor::from_data(TensorData::new(data, dims), &device)
+}
+
+/// `nn.GLU(dim=1)`: `[N, 2C, …]` → `[N, C, …]`; host kernel on the CPU backend.
+pub fn glu<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if !is_cpu::<B>() {
+        return burn::tensor::activation::glu(t, 1);
+    }
+    let mut dims = t.dims();
+    dims[1] /= 2;
+    let device = t.device();
+    let (n, r) = (dims[0], dims[2..].iter().product::<usize>());
+    let mut out = vec![0f32; n * dims[1] * r];
+    glu_scale_add_in_place(&mut out, &host_vec(t), &vec![1.0; dims[1]], n, r);
+    Tensor::from_data(TensorData::new(out, dims), &device)
+}
+
+/// `x + scale · glu(y)` with `scale` `[C]` on dim 1 (DConv's last step); one pass on
+/// the CPU backend.
+pub fn glu_scale_add<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    y: Tensor<B, D>,
+    scale: Tensor<B, 1>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    if !is_cpu::<B>() {
+        let mut shape = [1usize; D];
+        shape[1] = dims[1];
+        let mut reps = dims;
+        reps[1] = 1;
+        let mut s = scale.reshape(shape);
+        for (d, &k) in reps.iter().enumerate() {
+            if k > 1 {
+                s = s.repeat_dim(d, k);
+            }
+        }
+        return x + burn::tensor::activation::glu(y, 1) * s;
+    }
+    let device = x.device();
+    let (n, r) = (dims[0], dims[2..].iter().product::<usize>());
+    let mut out = host_vec(x);
+    glu_scale_add_in_place(&mut out, &host_vec(y), &host_vec(scale), n, r);
+    Tensor::from_data(TensorData::new(out, dims), &device)
+}
+
+/// A CPU tensor's values, row-major (a copy only where the tensor was a strided view).
+pub fn host_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().into_vec::<f32>().expect("the model runs in f32")
 }
 
 /// Runs the body compiled for the widest vector unit the CPU has (chosen at run time).
@@ -180,6 +249,10 @@ mod x86 {
         pub unsafe fn gelu_impl(x: &mut [f32]) {
             super::super::gelu_impl(x)
         }
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn glu_scale_add_impl(x: &mut [f32], y: &[f32], scale: &[f32], r: usize) {
+            super::super::glu_scale_add_impl(x, y, scale, r)
+        }
     }
     pub mod avx2 {
         #[target_feature(enable = "avx2,fma")]
@@ -189,6 +262,10 @@ mod x86 {
         #[target_feature(enable = "avx2,fma")]
         pub unsafe fn gelu_impl(x: &mut [f32]) {
             super::super::gelu_impl(x)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn glu_scale_add_impl(x: &mut [f32], y: &[f32], scale: &[f32], r: usize) {
+            super::super::glu_scale_add_impl(x, y, scale, r)
         }
     }
 }
@@ -213,16 +290,31 @@ fn softmax_numerators_impl(row: &mut [f32]) -> f32 {
     let mut chunks = row.chunks_exact_mut(LANES);
     for ch in &mut chunks {
         for (a, x) in acc.iter_mut().zip(ch.iter_mut()) {
-            *x = exp_neg(*x - max);
+            *x = exp(*x - max);
             *a += *x;
         }
     }
     let mut sum = 0f32;
     for x in chunks.into_remainder() {
-        *x = exp_neg(*x - max);
+        *x = exp(*x - max);
         sum += *x;
     }
     sum + acc.iter().sum::<f32>()
+}
+
+#[inline(always)]
+fn glu_scale_add_impl(x: &mut [f32], y: &[f32], scale: &[f32], r: usize) {
+    let c = scale.len();
+    for (xn, yn) in x.chunks_exact_mut(c * r).zip(y.chunks_exact(2 * c * r)) {
+        let (a, b) = yn.split_at(c * r);
+        for (ch, &s) in scale.iter().enumerate() {
+            let span = ch * r..(ch + 1) * r;
+            for ((o, &a), &b) in xn[span.clone()].iter_mut().zip(&a[span.clone()]).zip(&b[span]) {
+                // σ(b) = 1 / (1 + e^-b), as PyTorch's float sigmoid
+                *o += s * (a / (1.0 + exp(-b)));
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -232,17 +324,18 @@ fn gelu_impl(x: &mut [f32]) {
     }
 }
 
-/// `exp(x)` for `x <= 0` (the softmax numerators): Cephes's `expf` reduction
-/// `x = n ln2 + r`, `|r| <= ln2/2`, and its degree-6 polynomial, then `2^n` through
-/// the exponent bits. Arguments below -87.3 are clamped there (1.2e-38, nothing against
-/// the row maximum's 1; PyTorch returns a subnormal or 0).
+/// `exp(x)`: Cephes's `expf` reduction `x = n ln2 + r`, `|r| <= ln2/2`, and its
+/// degree-6 polynomial, then `2^n` through the exponent bits. Arguments are clamped to
+/// [-87.3, 88.3]: below, 1.2e-38 (nothing against the softmax row maximum's 1 or
+/// sigmoid's 1; PyTorch returns a subnormal or 0); above, 2e38 (sigmoid's 1/(1+e^x)
+/// is 0 either way).
 #[inline(always)]
 #[allow(clippy::excessive_precision)] // Cephes's coefficients, as published
-pub fn exp_neg(x: f32) -> f32 {
+pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4; // ln 2, high part (exact in few bits)
     const C2: f32 = -2.121_944_4e-4; // ln 2 - C1
-    let x = x.max(-87.3);
+    let x = x.clamp(-87.3, 88.3);
     // round-to-nearest of x·log2(e) via the 1.5·2^23 shifter
     let shifter = 12_582_912.0f32;
     let t = x.mul_add(LOG2E, shifter);
@@ -255,7 +348,7 @@ pub fn exp_neg(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 5.000_000_1e-1);
     let e = (p * r).mul_add(r, r) + 1.0;
-    // 2^n: n is an integer in [-126, 0]; the shifter left it in t's low mantissa bits.
+    // 2^n: n is an integer in [-126, 127]; the shifter left it in t's low mantissa bits.
     let bits = (t.to_bits() as i32).wrapping_sub(0x4B40_0000).wrapping_add(127) << 23;
     e * f32::from_bits(bits as u32)
 }
@@ -279,7 +372,7 @@ pub fn erf(x: f32) -> f32 {
     for &c in &ERF_LARGE[1..] {
         q = q.mul_add(t, c);
     }
-    let large = 1.0 - t * exp_neg(-z + q);
+    let large = 1.0 - t * exp(-z + q);
     let r = if a < 1.0 { small } else { large.min(1.0) };
     r.copysign(x)
 }
@@ -330,16 +423,16 @@ mod tests {
     }
 
     #[test]
-    fn exp_neg_is_within_two_ulp() {
+    fn exp_is_within_two_ulp() {
         let mut worst = 0f64;
         let mut x = -87.0f32;
-        while x <= 0.0 {
-            worst = worst.max(close(exp_neg(x), (x as f64).exp()));
+        while x <= 88.0 {
+            worst = worst.max(close(exp(x), (x as f64).exp()));
             x += 0.000_731;
         }
         assert!(worst < 2.5e-7, "worst relative error {worst:e}");
-        assert_eq!(exp_neg(0.0), 1.0);
-        assert!(exp_neg(-1000.0) < 1.3e-38);
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) < 1.3e-38);
     }
 
     #[test]
@@ -429,8 +522,30 @@ mod tests {
     fn gelu_matches_the_definition() {
         let mut x: Vec<f32> = (-4000..4000).map(|i| i as f32 * 0.002).collect();
         let want: Vec<f64> = x.iter().map(|&v| 0.5 * v as f64 * (1.0 + libm_erf(v as f64 / 2f64.sqrt()))).collect();
-        gelu(&mut x);
+        gelu_in_place(&mut x);
         let worst = x.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
         assert!(worst < 1e-6, "worst absolute error {worst:e}");
+    }
+
+    #[test]
+    fn glu_scale_add_matches_the_definition() {
+        let (n, c, r) = (3, 5, 37);
+        let y: Vec<f32> = (0..2 * n * c * r).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 40.0).collect();
+        let x0: Vec<f32> = (0..n * c * r).map(|i| (i % 13) as f32 - 6.0).collect();
+        let scale: Vec<f32> = (0..c).map(|i| 0.1 + i as f32).collect();
+        let mut x = x0.clone();
+        glu_scale_add_in_place(&mut x, &y, &scale, n, r);
+        let mut worst = 0f64;
+        for i in 0..n {
+            for ch in 0..c {
+                for t in 0..r {
+                    let a = y[(i * 2 * c + ch) * r + t] as f64;
+                    let b = y[(i * 2 * c + c + ch) * r + t] as f64;
+                    let want = x0[(i * c + ch) * r + t] as f64 + scale[ch] as f64 * a / (1.0 + (-b).exp());
+                    worst = worst.max((x[(i * c + ch) * r + t] as f64 - want).abs() / want.abs().max(1.0));
+                }
+            }
+        }
+        assert!(worst < 1e-6, "worst error {worst:e}");
     }
 }

@@ -7,11 +7,11 @@
 //! `Conv1d(C/comp → 2C, 1)` → `GroupNorm(1)` → GLU → `LayerScale(C)`; `x = x + layer(x)`.
 //! Input and output `[N, C, T]` (the frequency branch folds its frequencies into N).
 
-use burn::tensor::activation::{gelu, glu};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::checkpoint::StateDict;
+use crate::cpu;
 use crate::error::DemucsError;
 use crate::nn::{Conv1d, Conv1dConfig, GroupNorm, GroupNormConfig, LayerScale};
 
@@ -86,12 +86,9 @@ impl<B: Backend> DConv<B> {
     pub fn forward_rows(&self, mut x: Tensor<B, 4>) -> Tensor<B, 4> {
         for l in &self.layers {
             let y = l.conv1.forward_rows(x.clone());
-            let y = gelu(l.norm1.forward_rows(y));
+            let y = cpu::gelu(l.norm1.forward_rows(y));
             let y = l.conv2.forward_rows(y);
-            let y = glu(l.norm2.forward_rows(y), 1);
-            let [b, c, f, _] = y.dims();
-            let scale = l.scale.scale.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
-            x = x + y * scale;
+            x = cpu::glu_scale_add(x, l.norm2.forward_rows(y), l.scale.scale.clone());
         }
         x
     }
@@ -100,10 +97,9 @@ impl<B: Backend> DConv<B> {
     pub fn forward(&self, mut x: Tensor<B, 3>) -> Tensor<B, 3> {
         for l in &self.layers {
             let y = l.conv1.forward(x.clone());
-            let y = gelu(l.norm1.forward3(y));
+            let y = cpu::gelu(l.norm1.forward3(y));
             let y = l.conv2.forward(y);
-            let y = glu(l.norm2.forward3(y), 1);
-            x = x + l.scale.forward_cf(y);
+            x = cpu::glu_scale_add(x, l.norm2.forward3(y), l.scale.scale.clone());
         }
         x
     }

@@ -11,11 +11,11 @@
 //!
 //! `forward_*` also returns the input of the transposed convolution (`pre` in PyTorch).
 
-use burn::tensor::activation::{gelu, glu};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::checkpoint::StateDict;
+use crate::cpu;
 use crate::dconv::{DConv, DConvConfig};
 use crate::encoder::dconv_freq;
 use crate::error::DemucsError;
@@ -139,13 +139,10 @@ impl<B: Backend> HDecLayer<B> {
         let y = match rewrite {
             Some(r) => {
                 let z = r.forward(x);
-                glu(
-                    match &self.norm1 {
-                        Some(n) => n.forward4(z),
-                        None => z,
-                    },
-                    1,
-                )
+                cpu::glu(match &self.norm1 {
+                    Some(n) => n.forward4(z),
+                    None => z,
+                })
             }
             None => x,
         };
@@ -164,7 +161,7 @@ impl<B: Backend> HDecLayer<B> {
         } else {
             z
         };
-        (if self.last { z } else { gelu(z) }, y)
+        (if self.last { z } else { cpu::gelu(z) }, y)
     }
 
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
@@ -174,13 +171,10 @@ impl<B: Backend> HDecLayer<B> {
         let y = match rewrite {
             Some(r) => {
                 let z = r.forward(x);
-                glu(
-                    match &self.norm1 {
-                        Some(n) => n.forward3(z),
-                        None => z,
-                    },
-                    1,
-                )
+                cpu::glu(match &self.norm1 {
+                    Some(n) => n.forward3(z),
+                    None => z,
+                })
             }
             None => x,
         };
@@ -194,6 +188,6 @@ impl<B: Backend> HDecLayer<B> {
             None => z,
         };
         let z = z.narrow(2, self.pad, length);
-        (if self.last { z } else { gelu(z) }, y)
+        (if self.last { z } else { cpu::gelu(z) }, y)
     }
 }

@@ -9,11 +9,11 @@
 //! Time layer: right-pad `[B, chin, L]` with zeros to a multiple of s, then the same
 //! chain with `Conv1d(k, s, k/4)`: → `[B, chout, ceil(L/s)]`.
 
-use burn::tensor::activation::{gelu, glu};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::checkpoint::StateDict;
+use crate::cpu;
 use crate::dconv::{DConv, DConvConfig};
 use crate::error::DemucsError;
 use crate::nn::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, GroupNorm, GroupNormConfig};
@@ -133,13 +133,13 @@ impl<B: Backend> HEncLayer<B> {
     /// Frequency layer: `[B, chin, F, T]` → `[B, chout, F/s, T]`.
     pub fn forward_freq(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let Conv::Freq(conv) = &self.conv else { panic!("forward_freq on a time layer") };
-        let y = gelu(norm4(&self.norm1, conv.forward(x)));
+        let y = cpu::gelu(norm4(&self.norm1, conv.forward(x)));
         let y = match &self.dconv {
             Some(d) => dconv_freq(d, y),
             None => y,
         };
         match &self.rewrite {
-            Some(Conv::Freq(r)) => glu(norm4(&self.norm2, r.forward(y)), 1),
+            Some(Conv::Freq(r)) => cpu::glu(norm4(&self.norm2, r.forward(y))),
             _ => y,
         }
     }
@@ -154,13 +154,13 @@ impl<B: Backend> HEncLayer<B> {
         } else {
             x
         };
-        let y = gelu(norm3(&self.norm1, conv.forward(x)));
+        let y = cpu::gelu(norm3(&self.norm1, conv.forward(x)));
         let y = match &self.dconv {
             Some(d) => d.forward(y),
             None => y,
         };
         match &self.rewrite {
-            Some(Conv::Time(r)) => glu(norm3(&self.norm2, r.forward(y)), 1),
+            Some(Conv::Time(r)) => cpu::glu(norm3(&self.norm2, r.forward(y))),
             _ => y,
         }
     }

@@ -13,7 +13,7 @@
 //! the host kernels of [`crate::cpu`] on the CPU backend and on Burn's fused `attention`
 //! op elsewhere; so does the exact GELU of the feed-forward block.
 
-use burn::tensor::activation::{gelu, relu};
+use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
@@ -102,7 +102,7 @@ impl<B: Backend> MultiheadAttention<B> {
             // Host kernel: all heads in parallel, vectorised softmax, no head transposes.
             let device = q.device();
             let shape = cpu::AttentionShape { batch: b, tq, tk, heads: h, head_dim: c / h };
-            let y = cpu::attention(&host_vec(q), &host_vec(k), &host_vec(v), shape);
+            let y = cpu::attention(&cpu::host_vec(q), &cpu::host_vec(k), &cpu::host_vec(v), shape);
             return self.out.forward(Tensor::from_data(TensorData::new(y, [b, tq, c]), &device));
         }
         let split = |x: Tensor<B, 3>, t: usize| x.reshape([b, t, h, c / h]).swap_dims(1, 2);
@@ -177,16 +177,7 @@ impl<B: Backend> TransformerLayer<B> {
 
     fn ff(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = self.linear1.forward(x);
-        let h = match self.gelu {
-            true if cpu::is_cpu::<B>() => {
-                let (dims, device) = (h.dims(), h.device());
-                let mut data = host_vec(h);
-                cpu::gelu(&mut data);
-                Tensor::from_data(TensorData::new(data, dims), &device)
-            }
-            true => gelu(h),
-            false => relu(h),
-        };
+        let h = if self.gelu { cpu::gelu(h) } else { relu(h) };
         self.linear2.forward(h)
     }
 
@@ -348,9 +339,4 @@ impl<B: Backend> CrossTransformerEncoder<B> {
         let x = x.reshape([b, t1, fr, c]).permute([0, 3, 2, 1]);
         (x, xt.swap_dims(1, 2))
     }
-}
-
-/// A CPU tensor's values, row-major (a copy only where the tensor was a strided view).
-fn host_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().into_vec::<f32>().expect("the model runs in f32")
 }
