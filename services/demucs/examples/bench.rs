@@ -49,19 +49,16 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     eprintln!("loaded in {:.2} s", t0.elapsed().as_secs_f64());
     let sr = bag.samplerate() as usize;
     let len = (seconds * sr as f64) as usize;
-    // deterministic test signal: tones + LCG noise
-    let mut state = 1u64;
-    let mut data = vec![0f32; 2 * len];
-    for c in 0..2 {
-        for i in 0..len {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let n = ((state >> 33) as f64 / (1u64 << 31) as f64) - 0.5;
-            let t = i as f64 / sr as f64;
-            data[c * len + i] =
-                (0.3 * (2.0 * std::f64::consts::PI * 220.0 * t).sin() + 0.1 * n + 0.01 * c as f64) as f32;
-        }
-    }
-    let mix = HostTensor { shape: vec![2, len], data };
+    // Deterministic test signal: a tone plus hashed noise, computed per sample so the
+    // streamed run holds none of the track (its memory is the model's and one pass's).
+    let sample = |c: usize, i: usize| -> f32 {
+        let mut z = (i as u64 * 2 + c as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let n = ((z ^ (z >> 31)) >> 40) as f64 / (1u64 << 24) as f64 - 0.5;
+        let t = i as f64 / sr as f64;
+        (0.3 * (2.0 * std::f64::consts::PI * 220.0 * t).sin() + 0.1 * n + 0.01 * c as f64) as f32
+    };
     let batch = args
         .iter()
         .position(|a| a == "--batch")
@@ -75,24 +72,32 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         .map(|s| s.parse().expect("--jobs N"))
         .unwrap_or(1);
     let opts = ApplyOptions { shifts: 0, batch_size: batch, jobs, ..ApplyOptions::default() };
+    let block = |pos: usize| -> Vec<Vec<f32>> {
+        let end = (pos + sr).min(len);
+        (0..2).map(|c| (pos..end).map(|i| sample(c, i)).collect()).collect()
+    };
     let t0 = Instant::now();
     if args.iter().any(|a| a == "--stream") {
-        // Bounded memory: blocks of 1 s in, finished samples out and dropped.
-        let (l, r) = mix.data.split_at(len);
+        // Bounded memory: blocks of 1 s in (generated on the fly, twice: statistics,
+        // then separation), finished samples out and dropped.
         let mut acc = StatsAccumulator::default();
-        acc.push(&[l, r]);
+        for pos in (0..len).step_by(sr) {
+            let b = block(pos);
+            acc.push(&[&b[0], &b[1]]);
+        }
         let mut pos = 0;
         let mut next = || {
             if pos >= len {
                 return Ok(None);
             }
-            let end = (pos + sr).min(len);
-            let b = vec![l[pos..end].to_vec(), r[pos..end].to_vec()];
-            pos = end;
+            let b = block(pos);
+            pos += sr;
             Ok(Some(b))
         };
         separate_stream(&bag, acc.finish(), &mut next, &opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
     } else {
+        let data = (0..2).flat_map(|c| (0..len).map(move |i| (c, i))).map(|(c, i)| sample(c, i)).collect();
+        let mix = HostTensor { shape: vec![2, len], data };
         let _ = separate(&bag, &mix, &opts, &mut NoProgress).expect("separate");
     }
     let dt = t0.elapsed().as_secs_f64();

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU benchmark: PyTorch demucs 4.1.0 against the Burn port, same machine,
+same full-size (randomised) htdemucs weights, same thread count, in one run.
+
+For each track length and thread count it runs, one after the other in fresh processes:
+  * PyTorch: demucs.apply.apply_model (shifts 0, split, overlap 0.25), torch threads = N;
+  * ours: the `bench` example's streamed path (what the worker runs), N rayon threads and
+    N concurrent segment passes;
+and prints wall seconds, real-time factor, the ratio (PyTorch time / ours) and each
+process's peak RSS (from wait4, so the figure is the child's own).
+
+    .venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 0
+    cargo build -p stemq-demucs --release --example bench
+    .venv-ref/bin/python services/demucs/scripts/bench_vs_torch.py --seconds 30 300 --threads 2 1
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+TORCH = r"""
+import json, sys, time, torch
+from demucs.states import load_model
+from demucs.apply import apply_model
+seconds, threads, path = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(threads)
+model = load_model(path).eval()
+g = torch.Generator().manual_seed(22)
+x = (torch.randn(1, 2, int(seconds * model.samplerate), generator=g) * 0.1).float()
+with torch.no_grad():
+    t0 = time.perf_counter()
+    apply_model(model, x, shifts=0, split=True, overlap=0.25, progress=False)
+    dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "torch": torch.__version__}))
+"""
+
+
+def peak_rss_run(cmd, env):
+    """Runs cmd with os.wait4 to read the child's own peak RSS (MiB)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    out = p.stdout.read()
+    err = p.stderr.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    if status != 0:
+        sys.exit(f"{cmd[0]} failed ({status}):\n{err[-2000:]}")
+    return out, usage.ru_maxrss / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, nargs="+", default=[30.0, 300.0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--dir", type=Path, default=ROOT / "target" / "demucs-full")
+    ap.add_argument("--bench", type=Path, default=ROOT / "target" / "release" / "examples" / "bench")
+    args = ap.parse_args()
+    model = args.dir / "repo" / "f0f0f0f0.th"
+    if not model.exists():
+        sys.exit(f"{model} is missing: run make_fixtures.py --full first")
+    if not args.bench.exists():
+        sys.exit(f"{args.bench} is missing: cargo build -p stemq-demucs --release --example bench")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    print(f"machine: {os.cpu_count()} cores, {cpu}; load average before: {os.getloadavg()[0]:.2f}")
+    print("| audio | threads | PyTorch s (RTF) | ours s (RTF) | PyTorch / ours | PyTorch peak RSS | ours peak RSS |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for seconds in args.seconds:
+        for threads in args.threads:
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            out, torch_rss = peak_rss_run([sys.executable, "-c", TORCH, str(seconds), str(threads), str(model)], env)
+            torch_s = json.loads(out.strip().splitlines()[-1])["seconds"]
+            env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+            out, ours_rss = peak_rss_run(
+                [str(args.bench), "--dir", str(args.dir), "--seconds", str(seconds), "--stream", "--jobs", str(threads)],
+                env,
+            )
+            m = re.search(r"in ([0-9.]+) s, real-time factor", out)
+            if not m:
+                sys.exit(f"unexpected bench output:\n{out}")
+            ours_s = float(m.group(1))
+            row = dict(audio=seconds, threads=threads, torch_s=torch_s, ours_s=ours_s,
+                       ratio=torch_s / ours_s, torch_rss_mib=torch_rss, ours_rss_mib=ours_rss)
+            rows.append(row)
+            print(f"| {seconds:g} s | {threads} | {torch_s:.1f} ({torch_s / seconds:.2f}) | "
+                  f"{ours_s:.1f} ({ours_s / seconds:.2f}) | **{torch_s / ours_s:.2f}×** | "
+                  f"{torch_rss:.0f} MiB | {ours_rss:.0f} MiB |", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
