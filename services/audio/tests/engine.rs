@@ -116,6 +116,13 @@ fn two_stems_as_flac() {
         assert_eq!(s.path.extension().unwrap(), "flac");
         assert_eq!(&std::fs::read(&s.path).unwrap()[..4], b"fLaC");
     }
+    // --other-method none: only the stem.
+    let req = request(json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "two_stems": "vocals",
+                             "other_method": "none"}));
+    let out = dir.path().join("none");
+    std::fs::create_dir(&out).unwrap();
+    let stems = run(&DspEngine::default(), &req, &input, &out, &Ctx::default()).unwrap();
+    assert_eq!(stems.iter().map(|s| s.stem.as_str()).collect::<Vec<_>>(), ["vocals"]);
 }
 
 #[test]

@@ -131,6 +131,19 @@ pub enum ClipMode {
     None,
 }
 
+/// What `no_<stem>` is when only one stem is asked for (Demucs's `--other-method`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OtherMethod {
+    /// The sum of the other stems the model predicted.
+    #[default]
+    Add,
+    /// The input mixture minus the stem.
+    Minus,
+    /// No `no_<stem>` output at all.
+    None,
+}
+
 /// Where and which job events a client wants to be told about (delivered by the relay).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -160,6 +173,10 @@ pub struct JobRequest {
     /// Produce only this stem and its complement (`no_<stem>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub two_stems: Option<String>,
+    /// With `two_stems`: how `no_<stem>` is made, `add` (default: the sum of the other
+    /// stems), `minus` (the mixture minus the stem) or `none` (not written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub other_method: Option<OtherMethod>,
     /// Container of the stems; default `wav`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_format: Option<OutputFormat>,
@@ -206,6 +223,10 @@ pub struct NormalizedRequest {
     /// The one stem asked for, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub two_stems: Option<String>,
+    /// How `no_<stem>` is made; absent means `add` (and always absent without
+    /// `two_stems`, where it changes nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub other_method: Option<OtherMethod>,
     /// Container of the stems.
     pub output_format: OutputFormat,
     /// Sample encoding.
@@ -243,10 +264,11 @@ impl RequestError {
     }
 }
 
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 14] = [
     "audio_uri",
     "model",
     "two_stems",
+    "other_method",
     "output_format",
     "encoding",
     "clip_mode",
@@ -319,6 +341,15 @@ impl JobRequest {
                 ));
             }
         }
+        let other_method = match (&self.two_stems, self.other_method) {
+            (None, Some(m)) if m != OtherMethod::Add => {
+                return Err(RequestError::new("other_method", "only applies with `two_stems`"));
+            }
+            (Some(_), Some(m)) if m != OtherMethod::Add => Some(m),
+            // The default is left out of the canonical form, so ids of requests that
+            // never named it do not change.
+            _ => None,
+        };
         let segment = match self.segment {
             None => None,
             Some(s) if !s.is_finite() || s <= 0.0 => {
@@ -382,6 +413,7 @@ impl JobRequest {
             audio_uri: self.audio_uri.clone(),
             model,
             two_stems: self.two_stems.clone(),
+            other_method,
             output_format,
             encoding,
             clip_mode: self.clip_mode.unwrap_or_default(),
@@ -407,6 +439,13 @@ fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
                 ));
             }
             None => false,
+        },
+        "other_method" => match v.as_str() {
+            Some("add" | "minus" | "none") => true,
+            Some(s) => {
+                return Err(RequestError::new(field, format!("unknown method `{s}`; expected add, minus or none")))
+            }
+            None => v.is_null(),
         },
         "output_format" => match v.as_str() {
             Some("wav" | "flac") => true,
@@ -462,9 +501,10 @@ impl NormalizedRequest {
 
     /// The stems this request produces, in order.
     pub fn stems(&self) -> Vec<String> {
-        match &self.two_stems {
-            Some(s) => vec![s.clone(), format!("no_{s}")],
-            None => self.model.sources().iter().map(|s| s.to_string()).collect(),
+        match (&self.two_stems, self.other_method) {
+            (Some(s), Some(OtherMethod::None)) => vec![s.clone()],
+            (Some(s), _) => vec![s.clone(), format!("no_{s}")],
+            (None, _) => self.model.sources().iter().map(|s| s.to_string()).collect(),
         }
     }
 }
@@ -611,5 +651,34 @@ mod tests {
         assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["vocals", "no_vocals"]);
         let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "model": "htdemucs_6s"})).unwrap();
         assert_eq!(r.normalize(ANONYMOUS).unwrap().stems().len(), 6);
+        let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "drums", "other_method": "none"}))
+            .unwrap();
+        assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["drums"]);
+    }
+
+    #[test]
+    fn other_method_is_part_of_the_key_except_its_default() {
+        let two = |m: Option<&str>| {
+            let mut v = json!({"audio_uri": "file:///a.wav", "two_stems": "vocals"});
+            if let Some(m) = m {
+                v["other_method"] = json!(m);
+            }
+            id_of(v)
+        };
+        assert_eq!(two(None), two(Some("add")));
+        assert_ne!(two(None), two(Some("minus")));
+        assert_ne!(two(Some("minus")), two(Some("none")));
+        // Without two_stems the default is harmless, anything else is refused.
+        assert_eq!(
+            id_of(json!({"audio_uri": "file:///a.wav"})),
+            id_of(json!({"audio_uri": "file:///a.wav", "other_method": "add"}))
+        );
+        let e = JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "other_method": "minus"})).unwrap_err();
+        assert_eq!(e.field, "other_method");
+        let e =
+            JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "two_stems": "vocals", "other_method": "x"}))
+                .unwrap_err();
+        assert_eq!(e.field, "other_method");
+        assert!(e.message.contains("add, minus or none"), "{}", e.message);
     }
 }

@@ -3,8 +3,9 @@
 //! statistics, once streamed through [`separate_stream`] (segments with overlap, shifts
 //! seeded from the job id) straight into one `StemEncoder` per stem, so memory does not
 //! grow with the track. Progress is reported and cancellation honoured per chunk;
-//! partial files are removed on failure. Two-stem requests get `STEM` and `no_STEM`
-//! (the sum of the others, demucs's `--other-method add`).
+//! partial files are removed on failure. Two-stem requests get `STEM` and `no_STEM`,
+//! made as demucs's `--other-method` says: the sum of the other stems (`add`), the
+//! mixture minus the stem (`minus`, reading the input a third time), or not at all.
 //!
 //! Models come from a local folder ([`ModelRepo`]) and stay resident once loaded.
 
@@ -14,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use stemq_audio::{ClipMode, DecodeOptions, Decoder, StemEncoder, StereoChunk};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
-use stemq_core::request::Model;
+use stemq_core::request::{Model, OtherMethod};
 
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
 use crate::checkpoint::HostTensor;
@@ -155,7 +156,9 @@ impl DemucsEngine {
             ),
             None => None,
         };
+        let method = req.other_method.unwrap_or_default();
         let names: Vec<String> = match (&req.two_stems, selected) {
+            (Some(stem), Some(_)) if method == OtherMethod::None => vec![stem.clone()],
             (Some(stem), Some(_)) => vec![stem.clone(), format!("no_{stem}")],
             _ => sources.clone(),
         };
@@ -165,6 +168,11 @@ impl DemucsEngine {
         let result = (|| {
             let mut encoders =
                 paths.iter().map(|p| StemEncoder::create(p, format, clip, sr)).collect::<Result<Vec<_>, _>>()?;
+            // `minus` reads the mixture a third time, in step with the finished blocks.
+            let mut mixture = match (selected, method) {
+                (Some(_), OtherMethod::Minus) => Some(MixtureReader::new(self.open_input(job, sr)?)),
+                _ => None,
+            };
             let mut dec = self.open_input(job, sr)?;
             let mut next = || -> Result<Option<Vec<Vec<f32>>>, DemucsError> {
                 Ok(dec.next_chunk()?.map(|c| vec![c.left, c.right]))
@@ -180,15 +188,27 @@ impl DemucsEngine {
                     }
                     Some(idx) => {
                         encoders[0].write(&StereoChunk::from_planar(row(idx, 0).to_vec(), row(idx, 1).to_vec()))?;
-                        // demucs --other-method add: the sum of the other stems.
-                        let mut other = [vec![0f32; n], vec![0f32; n]];
-                        for s in (0..sources.len()).filter(|s| *s != idx) {
-                            for (c, o) in other.iter_mut().enumerate() {
-                                for (a, v) in o.iter_mut().zip(row(s, c)) {
-                                    *a += v;
+                        let other = match (method, mixture.as_mut()) {
+                            (OtherMethod::None, _) => return Ok(()),
+                            // demucs --other-method minus: the mixture minus the stem.
+                            (OtherMethod::Minus, Some(mix)) => {
+                                let mut m = mix.take(n)?;
+                                for (c, o) in m.iter_mut().enumerate() {
+                                    o.iter_mut().zip(row(idx, c)).for_each(|(a, v)| *a -= v);
                                 }
+                                m
                             }
-                        }
+                            // demucs --other-method add: the sum of the other stems.
+                            _ => {
+                                let mut other = [vec![0f32; n], vec![0f32; n]];
+                                for s in (0..sources.len()).filter(|s| *s != idx) {
+                                    for (c, o) in other.iter_mut().enumerate() {
+                                        o.iter_mut().zip(row(s, c)).for_each(|(a, v)| *a += v);
+                                    }
+                                }
+                                other
+                            }
+                        };
                         let [l, r] = other;
                         encoders[1].write(&StereoChunk::from_planar(l, r))?;
                     }
@@ -249,6 +269,39 @@ impl DemucsEngine {
                 }
             }
         }
+    }
+}
+
+/// The decoded mixture handed out in runs of exactly `n` frames, however the decoder
+/// chunks it (for `--other-method minus`).
+struct MixtureReader {
+    dec: Decoder,
+    buf: [std::collections::VecDeque<f32>; 2],
+}
+
+impl MixtureReader {
+    fn new(dec: Decoder) -> Self {
+        MixtureReader { dec, buf: Default::default() }
+    }
+
+    /// The next `n` frames, left and right (zeros past the end, which the separation
+    /// never asks for: it emits exactly as many frames as it read).
+    fn take(&mut self, n: usize) -> Result<[Vec<f32>; 2], DemucsError> {
+        while self.buf[0].len() < n {
+            match self.dec.next_chunk()? {
+                Some(c) => {
+                    self.buf[0].extend(c.left);
+                    self.buf[1].extend(c.right);
+                }
+                None => break,
+            }
+        }
+        Ok(self.buf.each_mut().map(|b| {
+            let k = n.min(b.len());
+            let mut v: Vec<f32> = b.drain(..k).collect();
+            v.resize(n, 0.0);
+            v
+        }))
     }
 }
 

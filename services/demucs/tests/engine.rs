@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use common::{figures, fixtures, load};
 use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob};
-use stemq_core::request::{JobId, Model, NormalizedRequest, OutputFormat as RequestFormat};
+use stemq_core::request::{Encoding, JobId, Model, NormalizedRequest, OtherMethod, OutputFormat as RequestFormat};
 use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig};
 
 struct Ctx {
@@ -48,6 +48,7 @@ fn request(model: Model, two_stems: Option<&str>) -> NormalizedRequest {
         audio_uri: "file:///input.wav".into(),
         model,
         two_stems: two_stems.map(String::from),
+        other_method: None,
         output_format: RequestFormat::Wav,
         encoding: Default::default(),
         clip_mode: Default::default(),
@@ -158,4 +159,38 @@ fn two_stems_and_cancellation_and_missing_model() {
     let ft = request(Model::HtdemucsFt, None);
     let err = s.engine.separate(&job(&s, &ft, &id), &Ctx::new(None)).unwrap_err();
     assert!(matches!(err, EngineError::Unsupported { ref code, .. } if code == "model_unavailable"), "{err:?}");
+}
+
+#[test]
+fn other_method_add_minus_none_match_demucs() {
+    let s = setup();
+    let f = load("apply.safetensors");
+    let len = f["track"].shape[1];
+    for (method, reference) in [
+        (OtherMethod::Add, Some("two_stems.no_vocals_add")),
+        (OtherMethod::Minus, Some("two_stems.no_vocals_minus")),
+        (OtherMethod::None, None),
+    ] {
+        let mut req = request(Model::Htdemucs, Some("vocals"));
+        req.other_method = Some(method);
+        // Float samples, no clip handling: the mixture minus the stem exceeds [-1, 1].
+        req.encoding = Encoding::F32;
+        req.clip_mode = stemq_core::request::ClipMode::None;
+        let id = JobId("ef".repeat(32));
+        let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
+        let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
+        assert_eq!(names, req.stems(), "{method:?}");
+        match reference {
+            Some(key) => {
+                let got = read_wav(&files[1].path);
+                assert_eq!(got.len(), 2 * len);
+                let (snr, _) = figures(&f[key].data, &got);
+                assert!(snr > 60.0, "{method:?}: no_vocals at {snr:.1} dB from demucs's");
+            }
+            None => assert_eq!(names, ["vocals"]),
+        }
+        for file in files {
+            std::fs::remove_file(file.path).unwrap();
+        }
+    }
 }

@@ -351,6 +351,10 @@ pub struct SplitOpts {
     /// Only this stem and its complement (`no_<stem>`).
     #[arg(long)]
     pub two_stems: Option<String>,
+    /// With `--two-stems`: `no_<stem>` as the sum of the other stems (`add`, the
+    /// default), as the mixture minus the stem (`minus`), or not at all (`none`).
+    #[arg(long, value_parser = ["add", "minus", "none"], requires = "two_stems")]
+    pub other_method: Option<String>,
     /// Segment length in seconds.
     #[arg(long)]
     pub segment: Option<f64>,
@@ -368,6 +372,7 @@ impl SplitOpts {
         use serde_json::Value;
         let fields = [
             ("two_stems", self.two_stems.clone().map(Value::from)),
+            ("other_method", self.other_method.clone().map(Value::from)),
             ("segment", self.segment.map(Value::from)),
             ("overlap", self.overlap.map(Value::from)),
             ("shifts", self.shifts.map(Value::from)),

@@ -340,6 +340,7 @@ fn validate(
         audio_uri: r.request.audio_uri.clone(),
         model: Some(r.request.model),
         two_stems: r.request.two_stems.clone(),
+        other_method: r.request.other_method,
         output_format: Some(r.request.output_format),
         encoding: Some(r.request.encoding),
         clip_mode: Some(r.request.clip_mode),
