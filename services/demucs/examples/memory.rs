@@ -7,7 +7,7 @@
 //! Loads the checkpoint, builds a random `[batch, 2, seconds·samplerate]` mix, resets the
 //! kernel's peak-RSS counter (`/proc/self/clear_refs` ← 5), runs one forward pass with
 //! that length as the training length, and prints the estimate and the measured peak
-//! RSS above the pre-pass RSS (Linux only). Run each length in a fresh process: freed
+//! RSS above the pre-pass RSS (Linux with glibc: the heap is trimmed first). Run each length in a fresh process: freed
 //! memory the allocator keeps would hide the next pass's peak.
 
 use std::path::PathBuf;
@@ -44,6 +44,15 @@ fn main() {
         })
         .collect();
     let mix = HostTensor { shape: vec![batch, cfg.audio_channels, len], data };
+    // Give the heap's free pages back first (loading frees large buffers, which the next
+    // allocations would reuse without raising RSS), so the delta counts the pass.
+    extern "C" {
+        fn malloc_trim(pad: usize) -> i32;
+    }
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe {
+        malloc_trim(0);
+    }
     std::fs::write("/proc/self/clear_refs", "5").expect("reset peak RSS (Linux)");
     let before = status_kib("VmRSS:");
     let t0 = std::time::Instant::now();

@@ -31,8 +31,9 @@
 //!
 //! Measured with `cargo run -p stemq-demucs --example memory -- <checkpoint> <seconds>`
 //! (one forward pass, batch 1, in a fresh process; the figure is `VmHWM` minus `VmRSS`
-//! after loading the model and building the input, so weights and the allocator's
-//! start-up are not counted). See the table in the doc of [`forward_peak_bytes`].
+//! after loading the model, building the input and trimming the heap, so weights and
+//! freed loading buffers are not counted). See the table in the doc of
+//! [`forward_peak_bytes`].
 //!
 //! The estimate is meant as an upper bound with a small margin: the engine multiplies it
 //! by the passes that run at once (`cpu_jobs` threads, or `gpu_batch` segments).
@@ -45,15 +46,24 @@ const F32: u64 = 4;
 /// `training_length` samples allocates on top of the loaded model (host buffers
 /// included).
 ///
-/// Measured (`examples/memory.rs`, Flex CPU backend, batch 1, debug build with
-/// optimised dependencies; `measured` is the peak RSS delta of one pass):
+/// Measured with `examples/memory.rs` (Flex CPU backend, batch 1, debug build with
+/// optimised dependencies, one fresh process per row, heap trimmed before the pass;
+/// `measured` is the peak RSS above the pre-pass RSS; 2-core machine shared with other
+/// builds):
 ///
-/// | model | segment | estimate | measured |
-/// |---|---:|---:|---:|
-/// | reduced fixture (8 kHz, channels 8) | 1.5 s | see README | see README |
+/// | model | segment | estimate | measured | estimate / measured |
+/// |---|---:|---:|---:|---:|
+/// | full-size random htdemucs (44.1 kHz, channels 48) | 2 s | 129.1 MiB | 140.2 MiB | 0.92 |
+/// | full-size random htdemucs | 4 s | 256.8 MiB | 210.6 MiB | 1.22 |
+/// | reduced fixture (8 kHz, channels 8) | 1.5 s | 8.7 MiB | 11.4 MiB | 0.76 |
+/// | reduced fixture | 1.0 s | 5.8 MiB | 7.7 MiB | 0.76 |
+/// | reduced fixture | 0.5 s | 2.9 MiB | 4.7 MiB | 0.62 |
 ///
-/// (The full table, with the full-size random checkpoint, is in the crate README under
-/// "Memory guard".)
+/// So it scales with the segment as measured and is within ±25 % at full size; the
+/// small model's passes carry 2–3 MiB the formula does not count (thread-local arenas of
+/// the backend's worker threads, allocator rounding). The 7.8 s full-size row is still to
+/// measure (a debug-build pass takes minutes here). Treat a budget as approximate: leave
+/// 25 % headroom under the real limit.
 pub fn forward_peak_bytes(config: &HTDemucsConfig, training_length: usize, batch: usize) -> u64 {
     let c = config;
     let b = batch.max(1) as u64;

@@ -483,6 +483,32 @@ pub async fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Parses a byte size: a number with an optional binary (`KiB`, `MiB`, `GiB`, `TiB`) or
+/// decimal (`kB`, `MB`, `GB`, `TB`) suffix, or `B`; case-insensitive, spaces allowed.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 2GiB, 512MiB, 1000000)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, kB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v < 1.0 {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok(v as u64)
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -510,30 +536,4 @@ mod tests {
             _ => unreachable!(),
         }
     }
-}
-
-/// Parses a byte size: a number with an optional binary (`KiB`, `MiB`, `GiB`, `TiB`) or
-/// decimal (`kB`, `MB`, `GB`, `TB`) suffix, or `B`; case-insensitive, spaces allowed.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 2GiB, 512MiB, 1000000)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "m" | "mb" => 1_000_000,
-        "g" | "gb" => 1_000_000_000,
-        "t" | "tb" => 1_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, kB, MB, GB, KiB, MiB, GiB)")),
-    };
-    let v = n * mult as f64;
-    if !v.is_finite() || v < 1.0 {
-        return Err(format!("`{s}` is not a positive size"));
-    }
-    Ok(v as u64)
 }
