@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The test suite: installs what the tests need, then runs every test of the workspace.
+# The test suite: installs what the tests need, then runs every test of the workspace,
+# the HTDemucs pipeline test included.
 # Integration tests start their own nats-server per test (random port, temp store).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-nats.sh
 if [[ -x scripts/install-test-deps.sh ]]; then scripts/install-test-deps.sh; fi
 export PATH="$PWD/.stemq/venv/bin:$PATH"
-cargo test --workspace --locked "$@"
+# `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
+# which the workspace compiles for stemq-demucs's own tests anyway).
+cargo test --workspace --locked --features stemq-tests/demucs "$@"

@@ -74,6 +74,20 @@ pub enum EngineError {
         /// Where.
         device: String,
     },
+    /// The attempt would not fit the memory the engine may use on `device` (its
+    /// configured budget), so it was refused before it allocated anything. The worker
+    /// steps down the ladder as for [`EngineError::OutOfMemory`]; unlike a real
+    /// out-of-memory, the refusal is deterministic, so when the last rung is refused too
+    /// the job fails for good instead of being retried.
+    #[error("needs about {needed} bytes on {device}, over its memory budget of {budget} bytes")]
+    OverBudget {
+        /// Where.
+        device: String,
+        /// Estimated peak bytes of the attempt at its smallest setting.
+        needed: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// The input cannot be processed (not audio, corrupt, too long...). Never retried.
     #[error("{message}")]
     InvalidInput {

@@ -101,6 +101,18 @@ impl<B: Backend> BagOfModels<B> {
     pub fn models(&self) -> &[HTDemucs<B>] {
         &self.models
     }
+    /// Each model's training segment (seconds) with `opts.training_segment` applied
+    /// where it is not larger, as demucs's `BagOfModels(segment=…)` does.
+    pub fn training_segments(&self, opts: &ApplyOptions) -> Vec<f64> {
+        self.segments
+            .iter()
+            .map(|&own| match opts.training_segment {
+                Some(s) if s > 0.0 && s <= own => s,
+                _ => own,
+            })
+            .collect()
+    }
+
     /// The largest `segment` a caller may ask for (the smallest model segment).
     pub fn max_allowed_segment(&self) -> f64 {
         self.segments.iter().cloned().fold(f64::INFINITY, f64::min)
@@ -130,6 +142,11 @@ pub struct ApplyOptions {
     /// Batches run concurrently on their own threads (demucs's `-j`); the CPU
     /// backend's kernels alone keep barely more than one core busy.
     pub jobs: usize,
+    /// Shortens the models' training segment (seconds; ignored where not shorter), as
+    /// demucs's `BagOfModels(segment=…)` does: each forward pass then runs on this many
+    /// samples instead of being padded to the trained length, which is what makes a
+    /// smaller segment need less memory (the output changes a little: less context).
+    pub training_segment: Option<f64>,
 }
 
 impl Default for ApplyOptions {
@@ -144,6 +161,7 @@ impl Default for ApplyOptions {
             shift_offsets: None,
             batch_size: 1,
             jobs: 1,
+            training_segment: None,
         }
     }
 }
@@ -289,8 +307,8 @@ pub fn apply_model<B: Backend>(
     let nsrc = bag.sources().len();
     let sr = bag.samplerate();
     let passes = opts.shifts.max(1);
-    let total: usize = bag
-        .segments
+    let segments = bag.training_segments(opts);
+    let total: usize = segments
         .iter()
         .map(|seg| {
             let shift_len = if opts.shifts > 0 { len + (0.5 * sr as f64) as usize } else { len };
@@ -303,7 +321,7 @@ pub fn apply_model<B: Backend>(
 
     let mut estimates = vec![0f32; nsrc * ch * len];
     let mut totals = vec![0f32; nsrc];
-    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&bag.segments) {
+    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&segments) {
         let training_length = (*seg * sr as f64) as usize;
         let single = Single { model, training_length, model_segment: *seg };
         let whole = Chunk::whole(&mix.data, ch, len);

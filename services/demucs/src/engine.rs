@@ -8,6 +8,14 @@
 //! mixture minus the stem (`minus`, reading the input a third time), or not at all.
 //!
 //! Models come from a local folder ([`ModelRepo`]) and stay resident once loaded.
+//!
+//! With a memory budget ([`DemucsEngineConfig::memory_budget`]) each attempt is planned
+//! before it runs, from [`crate::memory::forward_peak_bytes`]: fewer concurrent passes
+//! (or a smaller batch) when all of them would not fit; then, when the worker's
+//! out-of-memory ladder asks for a segment shorter than the model's, forward passes on
+//! that segment instead of padding it to the trained length (demucs's
+//! `BagOfModels(segment=…)`); and [`EngineError::OverBudget`] when even that does not
+//! fit, so the worker steps down the ladder, or fails the job for good at its last rung.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -20,6 +28,7 @@ use stemq_core::request::{Model, OtherMethod};
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
 use crate::checkpoint::HostTensor;
 use crate::error::DemucsError;
+use crate::memory::forward_peak_bytes;
 use crate::repo::ModelRepo;
 use crate::stream::{separate_stream, StatsAccumulator};
 use crate::CpuBackend;
@@ -38,6 +47,22 @@ pub struct DemucsEngineConfig {
     /// Forward passes run concurrently (threads); the number of cores is a good value
     /// on the CPU.
     pub cpu_jobs: usize,
+    /// Bytes the forward passes of one attempt may use on top of the loaded model
+    /// (estimated before running, see [`crate::memory`]); `None` for no limit. Over it,
+    /// the engine first runs fewer passes at once, then shortens the forward pass to a
+    /// smaller requested segment, then refuses with [`EngineError::OverBudget`].
+    pub memory_budget: Option<u64>,
+}
+
+/// How one attempt runs within the memory budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryPlan {
+    /// Passes at once: concurrent threads on the CPU, the batch on CUDA.
+    pub parallel: usize,
+    /// Forward passes shortened to this segment (seconds), below the trained one.
+    pub training_segment: Option<f64>,
+    /// Estimated peak bytes of the plan.
+    pub estimate: u64,
 }
 
 /// HTDemucs as a stemq engine.
@@ -111,6 +136,49 @@ impl DemucsEngine {
         )?)
     }
 
+    /// Fits an attempt into the memory budget: `parallel` passes of one segment at the
+    /// models' trained length if they fit, else as many as fit (at least one), else one
+    /// pass shortened to the job's segment when that is shorter than the trained one;
+    /// [`EngineError::OverBudget`] when nothing fits. Without a budget: as asked.
+    pub fn plan<B: burn::tensor::backend::Backend>(
+        &self,
+        bag: &BagOfModels<B>,
+        job: &EngineJob<'_>,
+        device: &str,
+        parallel: usize,
+    ) -> Result<MemoryPlan, EngineError> {
+        let sr = bag.samplerate() as f64;
+        // One pass of the hungriest model of the bag at the given training segments.
+        let per_pass = |training_segment: Option<f64>| {
+            let opts = ApplyOptions { training_segment, ..ApplyOptions::default() };
+            bag.models()
+                .iter()
+                .zip(bag.training_segments(&opts))
+                .map(|(m, seg)| forward_peak_bytes(m.config(), (seg * sr) as usize, 1))
+                .max()
+                .unwrap_or(0)
+        };
+        let full = per_pass(None);
+        let Some(budget) = self.config.memory_budget else {
+            return Ok(MemoryPlan { parallel, training_segment: None, estimate: full * parallel as u64 });
+        };
+        let fitting = (budget / full.max(1)).min(parallel as u64) as usize;
+        if fitting >= 1 {
+            return Ok(MemoryPlan { parallel: fitting, training_segment: None, estimate: full * fitting as u64 });
+        }
+        let mut needed = full;
+        if let Some(s) = job.segment.or(job.request.segment) {
+            if s < bag.max_allowed_segment() {
+                let short = per_pass(Some(s));
+                if short <= budget {
+                    return Ok(MemoryPlan { parallel: 1, training_segment: Some(s), estimate: short });
+                }
+                needed = short;
+            }
+        }
+        Err(EngineError::OverBudget { device: device.to_string(), needed, budget })
+    }
+
     /// Two passes over the decoder: the whole-track statistics, then the streamed
     /// separation straight into the stem encoders (memory does not grow with the track).
     fn run<B: burn::tensor::backend::Backend>(
@@ -119,6 +187,8 @@ impl DemucsEngine {
         job: &EngineJob<'_>,
         ctx: &dyn EngineContext,
         batch_size: usize,
+        jobs: usize,
+        training_segment: Option<f64>,
     ) -> Result<Vec<StemFile>, DemucsError> {
         let req = job.request;
         if bag.audio_channels() != 2 {
@@ -144,7 +214,8 @@ impl DemucsEngine {
             seed,
             shift_offsets: None,
             batch_size,
-            jobs: self.config.cpu_jobs.max(1),
+            jobs: jobs.max(1),
+            training_segment,
         };
         let sources = bag.sources().to_vec();
         let selected = match &req.two_stems {
@@ -240,22 +311,31 @@ impl DemucsEngine {
 
     #[cfg(feature = "cuda")]
     fn run_cuda(&self, name: &str, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        /// Refused by the memory plan, or failed while loading or running.
+        enum Failed {
+            Planned(EngineError),
+            Run(DemucsError),
+        }
+        use Failed::{Planned, Run};
         let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let bag = {
                 let mut cache = self.cuda.lock().expect("model cache poisoned");
                 match cache.get(name) {
                     Some(m) => m.clone(),
                     None => {
-                        let m = Arc::new(self.repo.load::<crate::CudaBackend>(name, &Default::default())?);
+                        let m = Arc::new(self.repo.load::<crate::CudaBackend>(name, &Default::default()).map_err(Run)?);
                         cache.insert(name.to_string(), m.clone());
                         m
                     }
                 }
             };
-            self.run(&bag, job, ctx, self.config.gpu_batch.max(1))
+            let plan = self.plan(&bag, job, "cuda", self.config.gpu_batch.max(1)).map_err(Planned)?;
+            self.run(&bag, job, ctx, plan.parallel, 1, plan.training_segment).map_err(Run)
         }));
         match attempt {
-            Ok(r) => r.map_err(engine_error),
+            Ok(Ok(stems)) => Ok(stems),
+            Ok(Err(Planned(e))) => Err(e),
+            Ok(Err(Run(e))) => Err(engine_error(e)),
             Err(panic) => {
                 let msg = panic
                     .downcast_ref::<String>()
@@ -330,7 +410,8 @@ impl Engine for DemucsEngine {
         match job.device {
             "cpu" => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;
-                self.run(&bag, job, ctx, 1).map_err(engine_error)
+                let plan = self.plan(&bag, job, "cpu", self.config.cpu_jobs.max(1))?;
+                self.run(&bag, job, ctx, 1, plan.parallel, plan.training_segment).map_err(engine_error)
             }
             #[cfg(feature = "cuda")]
             "cuda" => self.run_cuda(name, job, ctx),

@@ -13,6 +13,7 @@
 //! | [`model`] | `HTDemucs` |
 //! | [`apply`] | `apply_model`, `BagOfModels`, the whole-track normalisation of `Separator` |
 //! | [`stream`] | the same with bounded memory, fed block by block |
+//! | [`memory`] | the peak memory of a forward pass, from the architecture |
 //! | [`repo`] | a local model folder laid out like demucs `--repo` |
 //! | [`engine`] | the stemq [`stemq_core::engine::Engine`] |
 //!
@@ -28,6 +29,7 @@ pub mod decoder;
 pub mod encoder;
 pub mod engine;
 pub mod error;
+pub mod memory;
 pub mod model;
 pub mod nn;
 pub mod pickle;

@@ -145,7 +145,8 @@ pub fn separate_stream<B: Backend>(
     }
 
     let mut passes = Vec::new();
-    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&bag.segments) {
+    let segments = bag.training_segments(opts);
+    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&segments) {
         let cfg = model.config();
         let training_length = (*seg * sr as f64) as usize;
         let segment = opts.segment.unwrap_or(*seg);

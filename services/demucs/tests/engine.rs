@@ -10,7 +10,8 @@ use common::{figures, fixtures, load};
 use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob};
 use stemq_core::request::{Encoding, JobId, Model, NormalizedRequest, OtherMethod, OutputFormat as RequestFormat};
-use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig};
+use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig, MemoryPlan};
+use stemq_demucs::memory::forward_peak_bytes;
 
 struct Ctx {
     progress: Mutex<Vec<f32>>,
@@ -68,6 +69,10 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_with_budget(None)
+}
+
+fn setup_with_budget(memory_budget: Option<u64>) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("models");
     std::fs::create_dir(&repo).unwrap();
@@ -89,6 +94,7 @@ fn setup() -> Setup {
         max_duration_secs: None,
         gpu_batch: 4,
         cpu_jobs: 2,
+        memory_budget,
     })
     .unwrap();
     Setup { _dir: dir, engine, input, out }
@@ -193,4 +199,57 @@ fn other_method_add_minus_none_match_demucs() {
             std::fs::remove_file(file.path).unwrap();
         }
     }
+}
+
+/// The memory guard: one forward pass of the fixture model (8 kHz) at its trained 1.5 s
+/// segment, and shortened to 1 s.
+fn pass_bytes(seconds: f64) -> u64 {
+    let s = setup();
+    let bag = s.engine.cpu_model("htdemucs").unwrap();
+    forward_peak_bytes(bag.models()[0].config(), (seconds * 8000.0) as usize, 1)
+}
+
+#[test]
+fn a_memory_budget_refuses_the_default_segment_and_admits_a_smaller_one() {
+    let (full, short) = (pass_bytes(1.5), pass_bytes(1.0));
+    assert!(short < full && short > full / 2, "1 s needs less than 1.5 s, not absurdly less: {short} vs {full}");
+    let id = JobId("ef".repeat(32));
+    let req = request(Model::Htdemucs, None);
+    let frames = load("apply.safetensors")["out.split"].shape[2] as u64;
+
+    // Room for one pass but not two: fewer passes at once, same segment, same result.
+    let one = setup_with_budget(Some(full));
+    let j = job(&one, &req, &id);
+    let bag = one.engine.cpu_model("htdemucs").unwrap();
+    assert_eq!(
+        one.engine.plan(&bag, &j, "cpu", 2).unwrap(),
+        MemoryPlan { parallel: 1, training_segment: None, estimate: full }
+    );
+    let files = one.engine.separate(&j, &Ctx::new(None)).unwrap();
+    assert_eq!(files.len(), 4);
+    assert!(files.iter().all(|f| f.audio.unwrap().frames == frames));
+
+    // Between the two: the trained segment is refused, the ladder's 1 s runs shortened.
+    let budget = (short + full) / 2;
+    let s = setup_with_budget(Some(budget));
+    let err = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap_err();
+    assert_eq!(err, EngineError::OverBudget { device: "cpu".into(), needed: full, budget });
+    assert!(std::fs::read_dir(&s.out).unwrap().next().is_none(), "refused before writing anything");
+    let smaller = EngineJob { segment: Some(1.0), ..job(&s, &req, &id) };
+    assert_eq!(
+        s.engine.plan(&bag, &smaller, "cpu", 2).unwrap(),
+        MemoryPlan { parallel: 1, training_segment: Some(1.0), estimate: short }
+    );
+    let files = s.engine.separate(&smaller, &Ctx::new(None)).unwrap();
+    let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
+    assert_eq!(names, ["drums", "bass", "other", "vocals"]);
+    for f in &files {
+        assert_eq!(f.audio.unwrap().frames, frames);
+        assert_eq!(read_wav(&f.path).len() as u64, 2 * frames, "{}", f.stem);
+    }
+
+    // Below even the smaller segment: refused at every rung, with what it would need.
+    let tiny = setup_with_budget(Some(short / 2));
+    let err = tiny.engine.separate(&EngineJob { segment: Some(1.0), ..job(&tiny, &req, &id) }, &Ctx::new(None));
+    assert_eq!(err.unwrap_err(), EngineError::OverBudget { device: "cpu".into(), needed: short, budget: short / 2 });
 }

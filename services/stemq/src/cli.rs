@@ -243,6 +243,13 @@ pub struct WorkerOpts {
     /// `<name>.yaml`); default `<data-dir>/models`.
     #[arg(long, env = "STEMQ_MODELS")]
     pub models: Option<PathBuf>,
+    /// Memory one attempt of the `demucs` engine may use for its forward passes, on top
+    /// of the loaded model (e.g. `2GiB`, `512MiB`, `1.5GB`, or bytes). Estimated before
+    /// running: over it the engine runs fewer passes at once, then a smaller segment (the
+    /// out-of-memory ladder), then fails the job with `over_memory_budget`. Default: no
+    /// limit.
+    #[arg(long, env = "STEMQ_MEMORY_BUDGET", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
@@ -481,8 +488,45 @@ pub async fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Parses a byte size: a number with an optional binary (`KiB`, `MiB`, `GiB`, `TiB`) or
+/// decimal (`kB`, `MB`, `GB`, `TB`) suffix, or `B`; case-insensitive, spaces allowed.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 2GiB, 512MiB, 1000000)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, kB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v < 1.0 {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok(v as u64)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn memory_budget_sizes_parse() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
     use super::*;
 
     /// Clap's own consistency checks (duplicate ids, conflicting flags): `stemq dev`

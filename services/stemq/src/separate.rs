@@ -70,7 +70,7 @@ impl EngineContext for Bar {
 
 fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
     let kind = if a.name == "dsp" { "dsp" } else { "demucs" };
-    crate::services::engine_named(g, kind, a.repo.clone(), std::time::Duration::ZERO)
+    crate::services::engine_named(g, kind, a.repo.clone(), None, std::time::Duration::ZERO)
 }
 
 /// Separates every file, writing stems like `demucs` does.

@@ -24,24 +24,31 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 
 /// Loads the engine named in the options.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
-    engine_named(g, &opts.engine, opts.models.clone(), Duration::from_millis(opts.fake_delay_ms))
+    engine_named(g, &opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
 }
 
 /// Loads engine `name`: `models` is the demucs model folder (default
-/// `<data-dir>/models`), `fake_delay` the fake engine's extra delay.
-pub fn engine_named(g: &Global, name: &str, models: Option<PathBuf>, fake_delay: Duration) -> Result<Arc<dyn Engine>> {
+/// `<data-dir>/models`), `memory_budget` the demucs engine's budget in bytes,
+/// `fake_delay` the fake engine's extra delay.
+pub fn engine_named(
+    g: &Global,
+    name: &str,
+    models: Option<PathBuf>,
+    memory_budget: Option<u64>,
+    fake_delay: Duration,
+) -> Result<Arc<dyn Engine>> {
     match name {
         "fake" => Ok(Arc::new(FakeEngine { base_delay: fake_delay })),
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` on a dsp worker.
         "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
-        "demucs" => demucs_engine(g, models),
+        "demucs" => demucs_engine(g, models, memory_budget),
         other => bail!("unknown engine `{other}`; available: fake, dsp, demucs"),
     }
 }
 
 #[cfg(feature = "demucs")]
-fn demucs_engine(g: &Global, models: Option<PathBuf>) -> Result<Arc<dyn Engine>> {
+fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Arc<dyn Engine>> {
     let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let engine = stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
@@ -50,13 +57,14 @@ fn demucs_engine(g: &Global, models: Option<PathBuf>) -> Result<Arc<dyn Engine>>
         max_duration_secs: Some(stemq_audio::engine::DEFAULT_MAX_DURATION_SECS),
         gpu_batch: 4,
         cpu_jobs: cores.min(2),
+        memory_budget,
     })
     .with_context(|| format!("loading the model folder {}", repo.display()))?;
     Ok(Arc::new(engine))
 }
 
 #[cfg(not(feature = "demucs"))]
-fn demucs_engine(_: &Global, _: Option<PathBuf>) -> Result<Arc<dyn Engine>> {
+fn demucs_engine(_: &Global, _: Option<PathBuf>, _: Option<u64>) -> Result<Arc<dyn Engine>> {
     bail!("this stemq was built without the demucs engine; build it with `cargo build --release -p stemq --features demucs`")
 }
 

@@ -440,7 +440,9 @@ async fn run_engine(
 
     let ctx = Arc::new(Ctx { progress, cancel });
     let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
-    let mut last_oom = String::new();
+    // The last rung's refusal decides the failure: a real out-of-memory may pass later
+    // (memory freed elsewhere), a budget refusal will not.
+    let mut last_oom = EngineError::OutOfMemory { device: String::new() };
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
         let (job_id2, req, input2, out2, dev, ctx2) =
@@ -476,9 +478,9 @@ async fn run_engine(
                     stems.first().and_then(|s| s.audio).map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
                 return Ok(Done { audio_secs, outputs, manifest_uri, degraded, device: device.clone(), segment });
             }
-            Err(EngineError::OutOfMemory { device }) => {
-                warn!(event = "job.oom", %device, ?segment, "out of memory; stepping down");
-                last_oom = device;
+            Err(e @ (EngineError::OutOfMemory { .. } | EngineError::OverBudget { .. })) => {
+                warn!(event = "job.oom", %device, ?segment, error = %e, "out of memory; stepping down");
+                last_oom = e;
                 // Nothing partial may survive into the next rung.
                 let _ = tokio::fs::remove_dir_all(&out_dir).await;
                 let _ = tokio::fs::create_dir_all(&out_dir).await;
@@ -486,7 +488,16 @@ async fn run_engine(
             Err(e) => return Err(classify(e)),
         }
     }
-    Err(Failure::transient("out_of_memory", format!("out of memory on {last_oom} at every rung")))
+    Err(match last_oom {
+        EngineError::OverBudget { device, needed, budget } => Failure::permanent(
+            "over_memory_budget",
+            format!(
+                "does not fit the memory budget on {device} at any rung of the ladder (the smallest needs about \
+                 {needed} bytes, the budget is {budget})"
+            ),
+        ),
+        e => Failure::transient("out_of_memory", format!("{e} at every rung")),
+    })
 }
 
 fn classify(e: EngineError) -> Failure {
@@ -498,6 +509,7 @@ fn classify(e: EngineError) -> Failure {
         EngineError::OutOfMemory { device } => {
             Failure::transient("out_of_memory", format!("out of memory on {device}"))
         }
+        e @ EngineError::OverBudget { .. } => Failure::permanent("over_memory_budget", e.to_string()),
     }
 }
 

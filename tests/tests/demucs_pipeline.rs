@@ -1,0 +1,296 @@
+//! The HTDemucs engine through the whole pipeline: upload over HTTP, submit
+//! `{"model": "htdemucs", ...}`, an in-process worker running `DemucsEngine` on a model
+//! folder whose `htdemucs.yaml` names the committed reduced checkpoint (8 kHz, 1.5 s
+//! segment, random weights), then the stems downloaded over HTTP and decoded.
+//!
+//! The weights are random, so the stems do not sum back to the mix; instead every stem
+//! is checked against a direct `DemucsEngine::separate` call on the same input with the
+//! same job id (shifts are seeded from it), which must give the same samples, and the
+//! two-stem request against the four-stem one (`no_vocals` is the sum of the others,
+//! demucs's `--other-method add`). Stems are float WAV without clipping, so the only
+//! difference allowed is float summation order (1e-6).
+//!
+//! Also the memory guard with the worker's out-of-memory ladder: a budget that fits only
+//! the ladder's smaller segment (the job succeeds, degraded, with that segment), and one
+//! that fits nothing (the job fails at once with `over_memory_budget`).
+//!
+//! Needs `--features demucs` (Burn): `scripts/test.sh` turns it on.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
+use stemq_core::engine::{Engine, EngineContext, EngineJob};
+use stemq_core::event::EventBody;
+use stemq_core::{JobId, JobStatus, JobView};
+use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig};
+use stemq_demucs::memory::forward_peak_bytes;
+use stemq_tests::{job_id, Stack, StackOptions};
+
+/// The fixture model's sample rate and trained segment.
+const SR: u32 = 8000;
+const MODEL_SEGMENT: f64 = 1.5;
+/// 2.5 s of input: two segments with overlap at 1.5 s, three at 1 s.
+const FRAMES: usize = 20_000;
+/// Debug builds are slow; the fixture model still needs well under a second per pass.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A model folder holding the reduced checkpoint as `htdemucs`.
+fn model_folder(dir: &Path) -> PathBuf {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../services/demucs/tests/fixtures/repo");
+    let repo = dir.join("models");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::copy(fixtures.join("a0a0a0a0.th"), repo.join("a0a0a0a0.th")).expect("fixture checkpoint");
+    std::fs::write(repo.join("htdemucs.yaml"), "models: ['a0a0a0a0']\n").unwrap();
+    repo
+}
+
+fn engine(repo: &Path, memory_budget: Option<u64>) -> DemucsEngine {
+    DemucsEngine::new(DemucsEngineConfig {
+        repo: repo.to_path_buf(),
+        clip: ClipMode::None,
+        max_duration_secs: None,
+        gpu_batch: 1,
+        cpu_jobs: 2,
+        memory_budget,
+    })
+    .expect("model folder")
+}
+
+/// A stereo mix with some structure (two tones, a decaying click train, noise).
+fn mix() -> [Vec<f32>; 2] {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut noise = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let mut l = Vec::with_capacity(FRAMES);
+    let mut r = Vec::with_capacity(FRAMES);
+    for i in 0..FRAMES {
+        let t = i as f32 / SR as f32;
+        let click = (-((i % 2000) as f32) / 150.0).exp();
+        let n = noise();
+        l.push(0.3 * (2.0 * std::f32::consts::PI * 220.0 * t).sin() + 0.2 * click + 0.05 * n);
+        r.push(0.3 * (2.0 * std::f32::consts::PI * 330.0 * t).sin() + 0.2 * click - 0.05 * n);
+    }
+    [l, r]
+}
+
+fn write_wav(path: &Path) {
+    let [l, r] = mix();
+    let mut enc = StemEncoder::create(path, OutputFormat::WavF32, ClipMode::None, SR).unwrap();
+    enc.write(&StereoChunk::from_planar(l, r)).unwrap();
+    enc.finish().unwrap();
+}
+
+/// Decodes a WAV (no resampling: the stems are at the model's rate); `[left, right]`.
+fn decode(path: &Path) -> [Vec<f32>; 2] {
+    let mut d = Decoder::open_path(path, DecodeOptions { target_sample_rate: SR, max_duration_secs: None })
+        .expect("a decodable WAV");
+    let mut all = StereoChunk::with_capacity(0);
+    while let Some(c) = d.next_chunk().expect("decodes") {
+        all.extend_from(&c);
+    }
+    [all.left, all.right]
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Uploads the mix over HTTP; returns its `audio_uri`.
+async fn upload(stack: &Stack) -> String {
+    let path = stack.dir.path().join("mix.wav");
+    write_wav(&path);
+    let r = reqwest::Client::new()
+        .post(stack.url("/v1/uploads?filename=mix.wav"))
+        .body(std::fs::read(&path).unwrap())
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(r.status().as_u16(), 201, "upload answer");
+    let v: Value = r.json().await.unwrap();
+    v["audio_uri"].as_str().expect("audio_uri").to_string()
+}
+
+fn request(audio_uri: &str, extra: Value) -> Value {
+    let mut v = json!({
+        "audio_uri": audio_uri, "model": "htdemucs", "output_format": "wav", "encoding": "f32",
+        "clip_mode": "none", "shifts": 0, "overlap": 0.25,
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+/// Submits and waits for a terminal state.
+async fn run_job(stack: &Stack, body: &Value) -> (JobId, JobView) {
+    let (code, answer) = stack.submit(body).await;
+    assert_eq!(code, 202, "{answer}");
+    let id = job_id(&answer);
+    let view = stack.wait_terminal(&id, WAIT).await;
+    (id, view)
+}
+
+/// Downloads every stem of a succeeded job over HTTP and decodes it.
+async fn download(stack: &Stack, id: &JobId, view: &JobView) -> Vec<(String, [Vec<f32>; 2])> {
+    let mut out = Vec::new();
+    for o in &view.outputs {
+        let r = reqwest::get(stack.url(&format!("/v1/separations/{id}/stems/{}", o.stem))).await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "stem {}", o.stem);
+        let path = stack.dir.path().join(format!("{id}-{}.wav", o.stem));
+        std::fs::write(&path, r.bytes().await.unwrap()).unwrap();
+        out.push((o.stem.clone(), decode(&path)));
+    }
+    out
+}
+
+struct NoCtx;
+impl EngineContext for NoCtx {
+    fn progress(&self, _: f32, _: &str) {}
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// The same job run by the engine directly, outside the pipeline.
+fn direct(engine: &DemucsEngine, stack: &Stack, id: &JobId, body: &Value, segment: Option<f64>) -> Vec<[Vec<f32>; 2]> {
+    let request = stemq_core::JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap();
+    let input = stack.dir.path().join("mix.wav");
+    let out = tempfile::tempdir().unwrap();
+    let job = EngineJob {
+        job_id: id,
+        request: &request,
+        metadata: None,
+        attempt: 1,
+        input: &input,
+        out_dir: out.path(),
+        device: "cpu",
+        segment,
+    };
+    engine.separate(&job, &NoCtx).expect("direct run").iter().map(|s| decode(&s.path)).collect()
+}
+
+async fn stack_with(engine: DemucsEngine) -> Stack {
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    stack.add_worker(Arc::new(engine)).await;
+    stack
+}
+
+/// Peak bytes of one forward pass of the fixture model at `seconds`.
+fn pass_bytes(engine: &DemucsEngine, seconds: f64) -> u64 {
+    let bag = engine.cpu_model("htdemucs").unwrap();
+    forward_peak_bytes(bag.models()[0].config(), (seconds * SR as f64) as usize, 1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn htdemucs_four_and_two_stems_through_the_pipeline() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let stack = stack_with(engine(&repo, None)).await;
+    let uri = upload(&stack).await;
+
+    let body = request(&uri, json!({}));
+    let (id, view) = run_job(&stack, &body).await;
+    assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
+    assert!(!view.degraded);
+    let stems = download(&stack, &id, &view).await;
+    let names: Vec<_> = stems.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["drums", "bass", "other", "vocals"]);
+    let reference = direct(&engine(&repo, None), &stack, &id, &body, None);
+    let [mix_l, _] = mix();
+    for ((name, got), want) in stems.iter().zip(&reference) {
+        for c in 0..2 {
+            assert_eq!(got[c].len(), FRAMES, "{name}: one output frame per input frame");
+            assert!(got[c].iter().any(|v| v.abs() > 1e-4), "{name} is not silent");
+            assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: same samples as the engine run directly");
+        }
+    }
+    // A model that is not installed fails for good, not in a retry loop.
+    let (_, missing) = run_job(&stack, &request(&uri, json!({"model": "htdemucs_6s"}))).await;
+    assert_eq!(missing.status, JobStatus::Failed, "{missing:#?}");
+    assert_eq!(missing.error.as_ref().map(|e| e.code.as_str()), Some("model_unavailable"));
+
+    // Two stems: vocals as above, no_vocals = drums + bass + other.
+    let (id2, view2) = run_job(&stack, &request(&uri, json!({"two_stems": "vocals"}))).await;
+    assert_eq!(view2.status, JobStatus::Succeeded, "{view2:#?}");
+    let two = download(&stack, &id2, &view2).await;
+    let names: Vec<_> = two.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["vocals", "no_vocals"]);
+    for c in 0..2 {
+        assert!(max_diff(&two[0].1[c], &stems[3].1[c]) <= 1e-6, "vocals of the two-stem job");
+        let others: Vec<f32> = (0..FRAMES).map(|i| stems[0].1[c][i] + stems[1].1[c][i] + stems[2].1[c][i]).collect();
+        assert!(max_diff(&two[1].1[c], &others) <= 1e-6, "no_vocals = drums + bass + other");
+    }
+    assert_ne!(two[0].1[0], mix_l, "the model did something");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_budget_for_a_smaller_segment_degrades_the_job() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let probe = engine(&repo, None);
+    let (full, short) = (pass_bytes(&probe, MODEL_SEGMENT), pass_bytes(&probe, 1.0));
+    assert!(short < full, "a shorter pass needs less: {short} vs {full}");
+    let budget = (short + full) / 2;
+    let stack = stack_with(engine(&repo, Some(budget))).await;
+    let uri = upload(&stack).await;
+
+    // The worker's ladder halves the requested segment (never below 1 s): 1.5 s → 1 s.
+    let body = request(&uri, json!({"segment": MODEL_SEGMENT}));
+    let (id, view) = run_job(&stack, &body).await;
+    assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
+    assert!(view.degraded, "finished on the ladder's smaller segment");
+    let succeeded = stack
+        .events(&id)
+        .await
+        .into_iter()
+        .find_map(|e| match e.body {
+            EventBody::Succeeded(s) => Some(s),
+            _ => None,
+        })
+        .expect("a succeeded event");
+    assert_eq!((succeeded.degraded, succeeded.segment, succeeded.device.as_str()), (true, Some(1.0), "cpu"));
+    let stems = download(&stack, &id, &view).await;
+    assert_eq!(stems.len(), 4);
+    let reference = direct(&engine(&repo, Some(budget)), &stack, &id, &body, Some(1.0));
+    let unlimited = direct(&probe, &stack, &id, &body, Some(1.0));
+    for ((name, got), want) in stems.iter().zip(&reference) {
+        for c in 0..2 {
+            assert_eq!(got[c].len(), FRAMES, "{name}");
+            assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: same as the engine run directly");
+        }
+    }
+    // Shortened passes really ran (1 s of context instead of 1.5 s padded), so the
+    // result differs from an unlimited engine's at the same segment.
+    assert!(max_diff(&stems[0].1[0], &unlimited[0][0]) > 1e-4, "the forward pass was shortened");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_too_small_for_every_rung_fails_the_job_at_once() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let probe = engine(&repo, None);
+    let budget = pass_bytes(&probe, 1.0) / 2;
+    let stack = stack_with(engine(&repo, Some(budget))).await;
+    let uri = upload(&stack).await;
+
+    let (id, view) = run_job(&stack, &request(&uri, json!({"segment": MODEL_SEGMENT}))).await;
+    assert_eq!(view.status, JobStatus::Failed, "{view:#?}");
+    let error = view.error.as_ref().expect("an error");
+    assert_eq!(error.code, "over_memory_budget", "{error:?}");
+    assert!(error.message.contains(&budget.to_string()), "the message names the budget: {}", error.message);
+    assert_eq!(view.attempt, 1, "a permanent failure: no redelivery");
+    assert_eq!(view.retries, 0);
+    let failed = stack.events(&id).await.into_iter().filter(|e| matches!(e.body, EventBody::Failed(_))).count();
+    assert_eq!(failed, 1, "one failure event, not a retry loop");
+    stack.shutdown().await;
+}
