@@ -15,6 +15,24 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
+/// Tunes glibc's allocator for the model's working set, once per process: large
+/// activation buffers (tens of MB, allocated and freed for every layer) come from the
+/// heap instead of fresh `mmap`s, and up to 256 MiB of freed memory stays mapped. Without
+/// it every such buffer costs page faults and zeroing: 22 % of the CPU time of a
+/// separation went to the kernel; with it 8 % (30 s of audio on 2 cores: 14.6 → 12.6 s,
+/// peak RSS 830 → 950 MB). A no-op on other C libraries.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: mallopt only changes allocator parameters; it is thread-safe.
+        ONCE.call_once(|| unsafe {
+            libc::mallopt(libc::M_MMAP_MAX, 0);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+        });
+    }
+}
+
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
 pub fn is_cpu<B: Backend>() -> bool {
     TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>()

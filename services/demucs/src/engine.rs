@@ -109,6 +109,7 @@ fn cuda_present() -> bool {
 impl DemucsEngine {
     /// Opens the model folder; models load on first use.
     pub fn new(config: DemucsEngineConfig) -> Result<Self, DemucsError> {
+        crate::cpu::tune_allocator();
         Ok(DemucsEngine {
             repo: ModelRepo::open(&config.repo)?,
             config,

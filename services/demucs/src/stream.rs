@@ -216,7 +216,9 @@ pub fn separate_stream<B: Backend>(
                     ready.push((o, start, p.seg_len.min(p.lv - o)));
                     o += p.stride;
                 }
-                if ready.is_empty() {
+                // Wait for a full round while more input can come: a round of one chunk
+                // would leave the other jobs' threads idle.
+                if ready.is_empty() || (ready.len() < group_max && !eof) {
                     break;
                 }
                 let mut inputs = Vec::new();
