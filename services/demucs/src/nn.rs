@@ -337,6 +337,9 @@ impl<B: Backend> GroupNorm<B> {
     /// `[B, C, N]` → `[B, C, N]`.
     pub fn forward3(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, c, n] = x.dims();
+        if crate::cpu::is_cpu::<B>() {
+            return self.host(x, [b, c, 1, n]);
+        }
         let g = self.groups;
         let xg = x.reshape([b, g, (c / g) * n]);
         let mean = mean_last(xg.clone());
@@ -349,7 +352,10 @@ impl<B: Backend> GroupNorm<B> {
     /// `GroupNorm(1, C)` does on `[B·F, C, T]`).
     pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         assert_eq!(self.groups, 1, "row norm is for GroupNorm(1, C)");
-        let [b, c, f, _] = x.dims();
+        let [b, c, f, t] = x.dims();
+        if crate::cpu::is_cpu::<B>() {
+            return self.host(x, [b, c, f, t]);
+        }
         // Statistics per (b, f), materialised as contiguous [B, C, F, 1] so every
         // full-size op is a per-row-scalar broadcast (the backend's fast path).
         let mean = x.clone().mean_dim(3).mean_dim(1).repeat_dim(1, c);
@@ -360,6 +366,15 @@ impl<B: Backend> GroupNorm<B> {
         let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
         let bias = self.bias.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
         xc * a + bias
+    }
+
+    /// The CPU backend's kernel ([`crate::cpu::group_norm_in_place`]).
+    fn host<const D: usize>(&self, x: Tensor<B, D>, shape: [usize; 4]) -> Tensor<B, D> {
+        let (dims, device) = (x.dims(), x.device());
+        let mut data = crate::cpu::host_vec(x);
+        let (w, b) = (crate::cpu::host_vec(self.weight.clone()), crate::cpu::host_vec(self.bias.clone()));
+        crate::cpu::group_norm_in_place(&mut data, &w, &b, shape, self.groups);
+        Tensor::from_data(TensorData::new(data, dims), &device)
     }
 
     /// `[B, C, H, W]` → `[B, C, H, W]`.
