@@ -232,6 +232,135 @@ pub fn glu_scale_add<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(out, dims), &device)
 }
 
+/// One convolution along one axis of `x` laid out `[N, Cin, R, L, I]`: the kernel
+/// runs over `L`, every one of the `R` rows and `I` inner columns shares it (so
+/// `Conv1d` is `R = I = 1`, DConv on frequency rows is `R = F`, and the encoders'
+/// `[k, 1]` Conv2d over frequency is `L = F, I = T`).
+#[derive(Debug, Clone, Copy)]
+pub struct ConvAxis {
+    /// Batch N.
+    pub batch: usize,
+    /// Input channels.
+    pub cin: usize,
+    /// Output channels.
+    pub cout: usize,
+    /// Rows R.
+    pub rows: usize,
+    /// Length L of the convolved axis.
+    pub len: usize,
+    /// Inner columns I.
+    pub inner: usize,
+    /// Kernel size.
+    pub kernel: usize,
+    /// Stride (with dilation 1).
+    pub stride: usize,
+    /// Zero padding on both ends of `L`.
+    pub pad: usize,
+    /// Dilation (with stride 1).
+    pub dilation: usize,
+}
+
+impl ConvAxis {
+    /// Output length along `L`.
+    pub fn out_len(&self) -> usize {
+        (self.len + 2 * self.pad - self.dilation * (self.kernel - 1) - 1) / self.stride + 1
+    }
+}
+
+/// The convolution of [`ConvAxis`] without im2col: the padded input is laid out once in
+/// polyphase order (`[Cin·s, R, Lq, I]`, phase `p` of channel `c` holding samples
+/// `j·s + p`), which turns a stride-`s` kernel of `k` taps into a stride-1 kernel of
+/// `⌈k/s⌉` taps over `Cin·s` channels; each tap is then one large gemm over every row
+/// and column at once, accumulated in place. `w` `[Cout, Cin, K]`, `bias` `[Cout]` →
+/// `[N, Cout, R, Lout, I]`.
+pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
+    let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride: s, pad, dilation } = c;
+    assert!(s == 1 || dilation == 1, "conv: stride and dilation together");
+    assert_eq!(x.len(), batch * cin * rows * len * inner, "conv: input shape");
+    assert_eq!(w.len(), cout * cin * kernel, "conv: weight shape");
+    assert_eq!(bias.len(), cout, "conv: bias shape");
+    let lout = c.out_len();
+    let taps = kernel.div_ceil(s);
+    let step = if s == 1 { dilation } else { 1 };
+    let lq = lout + (taps - 1) * step;
+    let cq = cin * s;
+    let ncols = rows * lq * inner;
+    // Per-tap weights [Cout, Cin·s].
+    let mut wt = vec![0f32; taps * cout * cq];
+    for tap in 0..taps {
+        for co in 0..cout {
+            for ci in 0..cin {
+                for ph in 0..s {
+                    let k = tap * s + ph;
+                    if k < kernel {
+                        wt[(tap * cout + co) * cq + ci * s + ph] = w[(co * cin + ci) * kernel + k];
+                    }
+                }
+            }
+        }
+    }
+    let mut out = vec![0f32; batch * cout * rows * lout * inner];
+    // The last taps read up to (taps-1)·step columns past a row: zeros at the very end.
+    let mut xq = vec![0f32; cq * ncols + (taps - 1) * step * inner];
+    let mut y = vec![0f32; cout * ncols];
+    for n in 0..batch {
+        xq[..cq * ncols].par_chunks_mut(ncols).enumerate().for_each(|(q, dst)| {
+            let (ci, ph) = (q / s, q % s);
+            for r in 0..rows {
+                let src = &x[((n * cin + ci) * rows + r) * len * inner..][..len * inner];
+                let dst = &mut dst[r * lq * inner..][..lq * inner];
+                for j in 0..lq {
+                    let at = j * s + ph;
+                    let d = &mut dst[j * inner..][..inner];
+                    match at.checked_sub(pad).filter(|l| *l < len) {
+                        Some(l) => d.copy_from_slice(&src[l * inner..][..inner]),
+                        None => d.fill(0.0),
+                    }
+                }
+            }
+        });
+        for tap in 0..taps {
+            // SAFETY: y is [cout, ncols]; wt's tap block is [cout, cq]; xq from the tap's
+            // offset holds cq rows of ncols (plus the zero tail) — all in bounds.
+            unsafe {
+                gemm::gemm(
+                    cout,
+                    ncols,
+                    cq,
+                    y.as_mut_ptr(),
+                    1,
+                    ncols as isize,
+                    tap > 0,
+                    wt[tap * cout * cq..].as_ptr(),
+                    1,
+                    cq as isize,
+                    xq[tap * step * inner..].as_ptr(),
+                    1,
+                    ncols as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(0),
+                );
+            }
+        }
+        out[n * cout * rows * lout * inner..][..cout * rows * lout * inner]
+            .par_chunks_mut(rows * lout * inner)
+            .enumerate()
+            .for_each(|(co, dst)| {
+                let b = bias[co];
+                for r in 0..rows {
+                    let src = &y[co * ncols + r * lq * inner..][..lout * inner];
+                    let d = &mut dst[r * lout * inner..][..lout * inner];
+                    d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                }
+            });
+    }
+    out
+}
+
 /// `GroupNorm(groups, C, eps=1e-5)` in place on `x` laid out `[N, C, F, T]`, one
 /// normalisation set per `(n, group, f)` over its `C / groups` channels × `T` values
 /// (`F = 1` is the plain `[N, C, T]` case; `groups = 1` with `F` rows is DConv on
@@ -647,6 +776,48 @@ mod tests {
                 }
             }
             assert!(worst < 2e-5, "{shape:?}: worst error {worst:e}");
+        }
+    }
+
+    #[test]
+    fn conv_axis_matches_the_definition() {
+        // (kernel, stride, pad, dilation, rows, inner)
+        for (kernel, stride, pad, dil, rows, inner) in
+            [(3, 1, 1, 1, 3, 1), (3, 1, 2, 2, 2, 1), (8, 4, 2, 1, 1, 1), (8, 4, 2, 1, 1, 5), (3, 1, 1, 1, 1, 1)]
+        {
+            let c = ConvAxis { batch: 2, cin: 3, cout: 4, rows, len: 37, inner, kernel, stride, pad, dilation: dil };
+            let x: Vec<f32> =
+                (0..c.batch * c.cin * rows * c.len * inner).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
+            let w: Vec<f32> = (0..c.cout * c.cin * kernel).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
+            let b: Vec<f32> = (0..c.cout).map(|i| i as f32 * 0.25).collect();
+            let got = conv_axis(&x, &w, &b, c);
+            let lout = c.out_len();
+            assert_eq!(got.len(), c.batch * c.cout * rows * lout * inner);
+            let mut worst = 0f64;
+            for n in 0..c.batch {
+                for co in 0..c.cout {
+                    for r in 0..rows {
+                        for t in 0..lout {
+                            for i in 0..inner {
+                                let mut want = b[co] as f64;
+                                for ci in 0..c.cin {
+                                    for k in 0..kernel {
+                                        let at = (t * stride + k * dil) as isize - pad as isize;
+                                        if at >= 0 && (at as usize) < c.len {
+                                            let xv =
+                                                x[(((n * c.cin + ci) * rows + r) * c.len + at as usize) * inner + i];
+                                            want += w[(co * c.cin + ci) * kernel + k] as f64 * xv as f64;
+                                        }
+                                    }
+                                }
+                                let have = got[(((n * c.cout + co) * rows + r) * lout + t) * inner + i] as f64;
+                                worst = worst.max((have - want).abs());
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(worst < 1e-5, "{c:?}: worst error {worst:e}");
         }
     }
 }

@@ -105,12 +105,47 @@ impl<B: Backend> Conv1d<B> {
     }
     /// `[B, in, L]` → `[B, out, L']`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [n, cin, len] = x.dims();
+        if let Some(c) = self.host_conv(n, cin, 1, len, 1) {
+            return host_conv(x, &self.weight, &self.bias, c, [n, c.cout, c.out_len()]);
+        }
         conv1d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
+    }
+
+    /// The host kernel's shape, on the CPU backend and for kernels wider than 1 (Flex
+    /// already runs 1×1 convolutions as one gemm).
+    fn host_conv(
+        &self,
+        batch: usize,
+        cin: usize,
+        rows: usize,
+        len: usize,
+        inner: usize,
+    ) -> Option<crate::cpu::ConvAxis> {
+        let [cout, _, kernel] = self.weight.dims();
+        let o = &self.options;
+        let ok = crate::cpu::is_cpu::<B>() && kernel > 1 && (o.stride[0] == 1 || o.dilation[0] == 1);
+        ok.then_some(crate::cpu::ConvAxis {
+            batch,
+            cin,
+            cout,
+            rows,
+            len,
+            inner,
+            kernel,
+            stride: o.stride[0],
+            pad: o.padding[0],
+            dilation: o.dilation[0],
+        })
     }
 
     /// The same convolution along the last axis of every row `f` of `[B, in, F, L]`
     /// (a `[1, k]` Conv2d), equal to running it on `[B·F, in, L]` without permuting.
     pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [n, cin, f, len] = x.dims();
+        if let Some(c) = self.host_conv(n, cin, f, len, 1) {
+            return host_conv(x, &self.weight, &self.bias, c, [n, c.cout, f, c.out_len()]);
+        }
         let o = &self.options;
         let w: Tensor<B, 4> = self.weight.clone().unsqueeze_dim(2);
         conv2d(
@@ -120,6 +155,20 @@ impl<B: Backend> Conv1d<B> {
             ConvOptions::new([1, o.stride[0]], [0, o.padding[0]], [1, o.dilation[0]], 1),
         )
     }
+}
+
+/// Runs [`crate::cpu::conv_axis`] on CPU tensors.
+fn host_conv<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: &Tensor<B, 3>,
+    bias: &Tensor<B, 1>,
+    c: crate::cpu::ConvAxis,
+    out: [usize; D],
+) -> Tensor<B, D> {
+    use crate::cpu::host_vec;
+    let device = x.device();
+    let y = crate::cpu::conv_axis(&host_vec(x), &host_vec(weight.clone()), &host_vec(bias.clone()), c);
+    Tensor::from_data(TensorData::new(y, out), &device)
 }
 
 /// `nn.Conv2d`: weight `[out, in, kh, kw]`; input `[B, in, H, W]`.
@@ -167,6 +216,26 @@ impl<B: Backend> Conv2d<B> {
     }
     /// `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [cout, _, kh, kw] = self.weight.dims();
+        let o = &self.options;
+        // The encoders' [k, 1] kernels over frequency: the host kernel on the CPU.
+        if crate::cpu::is_cpu::<B>() && kh > 1 && kw == 1 && o.stride[1] == 1 && o.padding[1] == 0 {
+            let [n, cin, h, w] = x.dims();
+            let c = crate::cpu::ConvAxis {
+                batch: n,
+                cin,
+                cout,
+                rows: 1,
+                len: h,
+                inner: w,
+                kernel: kh,
+                stride: o.stride[0],
+                pad: o.padding[0],
+                dilation: 1,
+            };
+            let weight = self.weight.clone().reshape([cout, cin, kh]);
+            return host_conv(x, &weight, &self.bias, c, [n, cout, c.out_len(), w]);
+        }
         conv2d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
     }
 }
