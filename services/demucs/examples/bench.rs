@@ -10,7 +10,9 @@
 //! end-to-end reference of the script; `--stream` uses the bounded-memory path;
 //! `--batch N` runs N segments per forward pass; `--jobs N` runs N passes on
 //! parallel threads; `--device cuda` (with
-//! `--features cuda`) runs on the GPU.
+//! `--features cuda`) runs on the GPU, `--device ndarray` (with `--features
+//! bench-ndarray`) on Burn's ndarray backend; `STEMQ_DEMUCS_GENERIC_OPS=1` turns the
+//! host kernels off.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -33,6 +35,8 @@ fn main() {
         None | Some("cpu") => run::<CpuBackend>(&repo, &dir, &args, seconds, "burn/flex"),
         #[cfg(feature = "cuda")]
         Some("cuda") => run::<stemq_demucs::CudaBackend>(&repo, &dir, &args, seconds, "burn/cuda"),
+        #[cfg(feature = "bench-ndarray")]
+        Some("ndarray") => run::<burn_ndarray::NdArray>(&repo, &dir, &args, seconds, "burn/ndarray"),
         Some(other) => panic!("unknown --device {other} (cpu, or cuda with --features cuda)"),
     }
 }

@@ -38,8 +38,12 @@ pub fn tune_allocator() {
 }
 
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
+/// `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host kernels off (Burn's own ops everywhere),
+/// to compare backends on equal terms.
 pub fn is_cpu<B: Backend>() -> bool {
-    TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>()
+    static GENERIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let generic = *GENERIC.get_or_init(|| std::env::var_os("STEMQ_DEMUCS_GENERIC_OPS").is_some_and(|v| v == "1"));
+    !generic && TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>()
 }
 
 /// Queries per task: the score block `[QUERY_BLOCK, tk]` stays in L2 (1.4 MB at tk =
