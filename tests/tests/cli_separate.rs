@@ -48,6 +48,17 @@ fn separate_writes_out_name_track_stem_like_demucs() {
         assert_eq!(&bytes[..4], b"fLaC");
     }
 
+    // --other-method none: only the stem.
+    let out = stemq(
+        &["separate", "-n", "dsp", "--two-stems", "drums", "--other-method", "none", "-o", "none", "song.wav"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.path().join("none/dsp/song/drums.wav").exists());
+    assert!(!dir.path().join("none/dsp/song/no_drums.wav").exists());
+    let out = stemq(&["separate", "-n", "dsp", "--other-method", "minus", "song.wav"], dir.path());
+    assert!(!out.status.success(), "--other-method needs --two-stems");
+
     // Refusals say why: a request the pipeline would refuse, and an absent engine.
     let out = stemq(&["separate", "-n", "dsp", "--overlap", "1.5", "song.wav"], dir.path());
     assert!(!out.status.success());
