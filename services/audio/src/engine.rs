@@ -36,7 +36,7 @@ impl Default for DspEngine {
 impl DspEngine {
     /// An engine rejecting inputs longer than `max_duration_secs`.
     pub fn with_max_duration(max_duration_secs: f64) -> Self {
-        DspEngine { max_duration_secs, ..DspEngine::default() }
+        DspEngine { max_duration_secs }
     }
 }
 

@@ -98,7 +98,7 @@ pub fn metrics() -> &'static Metrics {
             Histogram::new(exponential_buckets(0.005, 2.0, 14))
         });
         let outcomes = Family::<OutcomeLabels, Counter>::default();
-        let deliveries = Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 10.0].into_iter());
+        let deliveries = Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 10.0]);
         let pending = Family::<ConsumerLabels, Gauge>::default();
         let in_flight = Family::<ConsumerLabels, Gauge>::default();
         let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();

@@ -38,11 +38,8 @@ pub struct Metrics {
 impl Metrics {
     /// Registers the ingress's metrics in the shared registry (once per process).
     pub fn new(js: jetstream::Context) -> Metrics {
-        static FAMILIES: std::sync::OnceLock<(
-            Family<HttpLabels, Counter>,
-            Family<HttpLabels, Histogram>,
-            Family<SubmitLabels, Counter>,
-        )> = std::sync::OnceLock::new();
+        type Families = (Family<HttpLabels, Counter>, Family<HttpLabels, Histogram>, Family<SubmitLabels, Counter>);
+        static FAMILIES: std::sync::OnceLock<Families> = std::sync::OnceLock::new();
         let (http, http_latency, submits) = FAMILIES
             .get_or_init(|| {
                 let http = Family::<HttpLabels, Counter>::default();

@@ -25,6 +25,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+/// One delivered event waiting to be folded: where it sits in the log, the event, and
+/// the message to ack once its job's view is written.
+type Pending = (Position, Event, jetstream::Message);
+
 /// Projector failures.
 #[derive(Debug, thiserror::Error)]
 pub enum ProjectorError {
@@ -180,7 +184,7 @@ async fn lane_loop(lane: usize, kv: kv::Store, mut rx: mpsc::Receiver<(jetstream
                 Err(_) => break,
             }
         }
-        let mut per_job: Vec<(JobId, Vec<(Position, Event, jetstream::Message)>)> = Vec::new();
+        let mut per_job: Vec<(JobId, Vec<Pending>)> = Vec::new();
         for (msg, is_progress) in batch.drain(..) {
             let seq = match msg.info() {
                 Ok(i) => i.stream_sequence,

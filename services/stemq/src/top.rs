@@ -95,7 +95,7 @@ async fn snapshot(
             }
         }
     }
-    failures.sort_by(|a, b| b.updated_at.cmp(&a.updated_at));
+    failures.sort_by_key(|f| std::cmp::Reverse(f.updated_at));
     failures.truncate(5);
     let counts_map = index.counts();
     let mut counts: Vec<(JobStatus, usize)> = counts_map.iter().map(|(k, v)| (*k, *v)).collect();
