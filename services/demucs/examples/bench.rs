@@ -23,15 +23,18 @@ use stemq_demucs::repo::ModelRepo;
 use stemq_demucs::stream::{separate_stream, StatsAccumulator};
 use stemq_demucs::CpuBackend;
 
+/// The parity tests' fixture reader and error figures.
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let seconds: f64 = arg("--seconds").map(|s| s.parse().expect("--seconds N")).unwrap_or(30.0);
-    let dir = arg("--dir")
+    let seconds: f64 = flag(&args, "--seconds").map(|s| s.parse().expect("--seconds N")).unwrap_or(30.0);
+    let dir = flag(&args, "--dir")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demucs-full"));
     let repo = ModelRepo::open(dir.join("repo")).expect("run make_fixtures.py --full first");
-    match arg("--device").as_deref() {
+    match flag(&args, "--device").map(String::as_str) {
         None | Some("cpu") => run::<CpuBackend>(&repo, &dir, &args, seconds, "burn/flex"),
         #[cfg(feature = "cuda")]
         Some("cuda") => run::<stemq_demucs::CudaBackend>(&repo, &dir, &args, seconds, "burn/cuda"),
@@ -64,18 +67,8 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         let t = i as f64 / sr as f64;
         (0.3 * (2.0 * std::f64::consts::PI * 220.0 * t).sin() + 0.1 * n + 0.01 * c as f64) as f32
     };
-    let batch = args
-        .iter()
-        .position(|a| a == "--batch")
-        .and_then(|i| args.get(i + 1))
-        .map(|s| s.parse().expect("--batch N"))
-        .unwrap_or(1);
-    let jobs = args
-        .iter()
-        .position(|a| a == "--jobs")
-        .and_then(|i| args.get(i + 1))
-        .map(|s| s.parse().expect("--jobs N"))
-        .unwrap_or(1);
+    let batch = flag(args, "--batch").map(|s| s.parse().expect("--batch N")).unwrap_or(1);
+    let jobs = flag(args, "--jobs").map(|s| s.parse().expect("--jobs N")).unwrap_or(1);
     let opts = ApplyOptions { shifts: 0, batch_size: batch, jobs, ..ApplyOptions::default() };
     let block = |pos: usize| -> Vec<Vec<f32>> {
         let end = (pos + sr).min(len);
@@ -125,30 +118,18 @@ fn parity<B: stemq_demucs::burn::tensor::backend::Backend>(
     dir: &std::path::Path,
     bag: &stemq_demucs::apply::BagOfModels<B>,
 ) {
-    let bytes = std::fs::read(dir.join("apply_full.safetensors")).expect("apply_full.safetensors");
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let get = |k: &str| {
-        let v = st.tensor(k).unwrap();
-        HostTensor {
-            shape: v.shape().to_vec(),
-            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-        }
-    };
-    let track = get("track");
-    let reference = get("out.split");
+    let f = common::load_path(&dir.join("apply_full.safetensors"));
     let t0 = Instant::now();
-    let y = separate(bag, &track, &ApplyOptions { shifts: 0, ..ApplyOptions::default() }, &mut NoProgress).unwrap();
-    let (mut sig, mut err, mut max) = (0f64, 0f64, 0f64);
-    for (r, e) in reference.data.iter().zip(&y.data) {
-        let d = *r as f64 - *e as f64;
-        sig += (*r as f64).powi(2);
-        err += d * d;
-        max = max.max(d.abs());
-    }
+    let y =
+        separate(bag, &f["track"], &ApplyOptions { shifts: 0, ..ApplyOptions::default() }, &mut NoProgress).unwrap();
+    let (snr, max) = common::figures(&f["out.split"].data, &y.data);
     println!(
-        "full-size parity (10 s, split/overlap 0.25, shifts 0): SNR {:.1} dB, max abs {:.2e} ({:.1} s)",
-        10.0 * (sig / err).log10(),
-        max,
+        "full-size parity (10 s, split/overlap 0.25, shifts 0): SNR {snr:.1} dB, max abs {max:.2e} ({:.1} s)",
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// The value after `name` on the command line.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1))
 }

@@ -249,6 +249,12 @@ fn chunks_per_pass(length: usize, samplerate: u32, segment: f64, opts: &ApplyOpt
     length.div_ceil(stride.max(1))
 }
 
+/// `[C, L]` of a mixture, or why not.
+fn mix_shape(mix: &HostTensor) -> Result<[usize; 2], DemucsError> {
+    <[usize; 2]>::try_from(mix.shape.as_slice())
+        .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [C, L]", mix.shape)))
+}
+
 /// The whole-track normalisation of `Separator.separate_tensor` around [`apply_model`]:
 /// `mix` `[C, L]` → `[S, C, L]`.
 pub fn separate<B: Backend>(
@@ -257,8 +263,7 @@ pub fn separate<B: Backend>(
     opts: &ApplyOptions,
     progress: &mut dyn Progress,
 ) -> Result<HostTensor, DemucsError> {
-    let [ch, len] = <[usize; 2]>::try_from(mix.shape.as_slice())
-        .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [C, L]", mix.shape)))?;
+    let [ch, len] = mix_shape(mix)?;
     if len < 2 {
         return Err(DemucsError::InvalidArgument("empty input".into()));
     }
@@ -285,8 +290,7 @@ pub fn apply_model<B: Backend>(
     opts: &ApplyOptions,
     progress: &mut dyn Progress,
 ) -> Result<HostTensor, DemucsError> {
-    let [ch, len] = <[usize; 2]>::try_from(mix.shape.as_slice())
-        .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [C, L]", mix.shape)))?;
+    let [ch, len] = mix_shape(mix)?;
     if ch != bag.audio_channels() {
         return Err(DemucsError::InvalidArgument(format!(
             "mix has {ch} channels, the model takes {}",

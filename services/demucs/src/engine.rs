@@ -229,11 +229,8 @@ impl DemucsEngine {
             None => None,
         };
         let method = req.other_method.unwrap_or_default();
-        let names: Vec<String> = match (&req.two_stems, selected) {
-            (Some(stem), Some(_)) if method == OtherMethod::None => vec![stem.clone()],
-            (Some(stem), Some(_)) => vec![stem.clone(), format!("no_{stem}")],
-            _ => sources.clone(),
-        };
+        // With two_stems, the request says which files (`NormalizedRequest::stems`).
+        let names: Vec<String> = if selected.is_some() { req.stems() } else { sources.clone() };
         let (format, clip) = stemq_audio::engine::output_settings(req);
         let ext = req.output_format.extension();
         let paths: Vec<PathBuf> = names.iter().map(|n| job.out_dir.join(format!("{n}.{ext}"))).collect();

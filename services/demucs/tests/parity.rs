@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{check, dev, fixtures, load, B};
+use common::{check, dev, fixtures, load, load_path, B};
 use stemq_demucs::apply::{apply_model, separate, two_stems, ApplyOptions, BagOfModels, NoProgress, OtherMethod};
 use stemq_demucs::checkpoint::{Checkpoint, HostTensor};
 use stemq_demucs::config::HTDemucsConfig;
@@ -219,16 +219,8 @@ mod serde_json_like {
 #[ignore]
 fn full_size_parity() {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demucs-full");
-    let bytes = std::fs::read(dir.join("apply_full.safetensors")).expect("run make_fixtures.py --full");
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let get = |k: &str| {
-        let v = st.tensor(k).unwrap();
-        HostTensor {
-            shape: v.shape().to_vec(),
-            data: v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-        }
-    };
+    let f = load_path(&dir.join("apply_full.safetensors"));
     let bag = ModelRepo::open(dir.join("repo")).unwrap().load::<B>("f0f0f0f0", &Default::default()).unwrap();
-    let y = separate(&bag, &get("track"), &opts(0), &mut NoProgress).unwrap();
-    check("full-size apply (10 s)", &get("out.split"), &y, E2E_DB);
+    let y = separate(&bag, &f["track"], &opts(0), &mut NoProgress).unwrap();
+    check("full-size apply (10 s)", &f["out.split"], &y, E2E_DB);
 }

@@ -21,9 +21,16 @@ pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-/// Reads a safetensors file (f32 or i64 tensors) into host tensors.
+/// Reads a committed fixture (f32 or i64 tensors) into host tensors.
 pub fn load(name: &str) -> HashMap<String, HostTensor> {
-    let bytes = std::fs::read(fixtures().join(name)).expect("fixture file (run scripts/make_fixtures.py)");
+    load_path(&fixtures().join(name))
+}
+
+/// Reads a safetensors file (f32 or i64 tensors) into host tensors.
+pub fn load_path(path: &std::path::Path) -> HashMap<String, HostTensor> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| {
+        panic!("{}: {e} (run scripts/make_fixtures.py, with --full for the full size)", path.display())
+    });
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
     st.tensors()
         .into_iter()
