@@ -1,7 +1,7 @@
 //! CPU speed of the port on a full-size (randomised) htdemucs.
 //!
 //! ```text
-//! .venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 30
+//! .stemq/venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 30
 //! cargo run -p stemq-demucs --release --example bench -- --seconds 30
 //! ```
 //!

@@ -9,9 +9,9 @@ For each track length and thread count it runs, one after the other in fresh pro
 and prints wall seconds, real-time factor, the ratio (PyTorch time / ours) and each
 process's peak RSS (from wait4, so the figure is the child's own).
 
-    .venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 0
+    .stemq/venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 0
     cargo build -p stemq-demucs --release --example bench
-    .venv-ref/bin/python services/demucs/scripts/bench_vs_torch.py --seconds 30 300 --threads 2 1
+    .stemq/venv-ref/bin/python services/demucs/scripts/bench_vs_torch.py --seconds 30 300 --threads 2 1
 """
 
 import argparse

@@ -10,8 +10,8 @@ cargo test -p stemq-demucs --release --features cuda --test parity -- --include-
 # Full-size: parity on 10 s, then speed on 30 s (one segment per pass, then 4).
 cargo run -p stemq-demucs --release --features cuda --example bench -- --device cuda --seconds 30 --parity
 cargo run -p stemq-demucs --release --features cuda --example bench -- --device cuda --seconds 30 --batch 4
-if [ -x .venv-ref/bin/python ]; then
-  .venv-ref/bin/python - <<'PY'
+if [ -x .stemq/venv-ref/bin/python ]; then
+  .stemq/venv-ref/bin/python - <<'PY'
 import time, torch
 from demucs.states import load_model
 from demucs.apply import apply_model

@@ -13,8 +13,8 @@ distance to them is recorded in `meta.json` for comparison.
 
 Usage (from the repository root):
 
-    .venv-ref/bin/python services/demucs/scripts/make_fixtures.py            # reduced, committed
-    .venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full     # full htdemucs size
+    .stemq/venv-ref/bin/python services/demucs/scripts/make_fixtures.py            # reduced, committed
+    .stemq/venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full     # full htdemucs size
 
 The reduced fixtures go to services/demucs/tests/fixtures/ (a few MB); `--full` writes to
 target/demucs-full/ (not committed): a full-size random htdemucs checkpoint, a 10 s end to
