@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::request::{JobId, NormalizedRequest};
@@ -44,7 +44,7 @@ pub trait EngineContext: Sync {
 }
 
 /// One stem written by the engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StemFile {
     /// Stem name.
     pub stem: String,
@@ -56,7 +56,7 @@ pub struct StemFile {
 }
 
 /// Audio facts of a written stem.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StemAudio {
     /// Sample rate in Hz.
     pub sample_rate: u32,
@@ -64,8 +64,10 @@ pub struct StemAudio {
     pub frames: u64,
 }
 
-/// How an engine attempt failed.
-#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+/// How an engine attempt failed. It crosses process boundaries (an engine isolated in a
+/// child process reports it over a pipe), hence the serde form.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "detail", rename_all = "snake_case")]
 pub enum EngineError {
     /// The device ran out of memory: the worker retries with a smaller segment, then on
     /// the CPU.
@@ -107,6 +109,12 @@ pub enum EngineError {
     /// Worth another try later.
     #[error("{0}")]
     Transient(String),
+    /// The process running the attempt died (a crash, an abort, a kill): only an engine
+    /// isolated in a child process can report this, and it names the culprit exactly,
+    /// since that process ran this one job. Retried like a transient failure; a job that
+    /// crashes on every delivery is dead-lettered with this as its last error.
+    #[error("the engine process died: {0}")]
+    Crashed(String),
     /// Stopped because [`EngineContext::cancelled`] said so.
     #[error("cancelled")]
     Cancelled,

@@ -310,30 +310,190 @@ fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
     NatsError::Apply { what: what.into(), message: e.to_string() }
 }
 
-/// Creates or updates every stream, consumer and bucket. Safe to run any number of times
-/// from any number of processes.
-pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<(), NatsError> {
+/// What [`apply`] or [`ensure`] did to one stream, consumer or bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// `stream STEMQ_JOBS`, `consumer STEMQ_JOBS/workers`, `bucket stemq_jobs`.
+    pub what: String,
+    /// What happened.
+    pub action: Action,
+}
+
+/// See [`Change`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// It did not exist and was created.
+    Created,
+    /// It existed with these differences (`field: old -> new`) and was updated.
+    Updated(Vec<String>),
+    /// It exists as defined.
+    Unchanged,
+    /// It exists with these differences and was left as it is ([`ensure`]).
+    Differs(Vec<String>),
+}
+
+impl Change {
+    /// True when the server's definitions were changed.
+    pub fn is_change(&self) -> bool {
+        matches!(self.action, Action::Created | Action::Updated(_))
+    }
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.action {
+            Action::Created => write!(f, "created {}", self.what),
+            Action::Updated(d) => write!(f, "updated {}: {}", self.what, d.join(", ")),
+            Action::Unchanged => write!(f, "unchanged {}", self.what),
+            Action::Differs(d) => write!(f, "left as it is {} (differs from nats/: {})", self.what, d.join(", ")),
+        }
+    }
+}
+
+/// Fields of `desired` (a serialised definition: only what it sets) whose value differs
+/// on the server, as `field: server -> desired`. Durations (nanoseconds) print in
+/// seconds.
+fn diff(desired: &serde_json::Value, existing: &serde_json::Value) -> Vec<String> {
+    let Some(fields) = desired.as_object() else { return Vec::new() };
+    let show = |key: &str, v: &serde_json::Value| match (v.as_u64(), key) {
+        (Some(n), "ack_wait" | "duplicate_window" | "max_age" | "inactive_threshold") => {
+            format!("{}s", n as f64 / 1e9)
+        }
+        _ => v.to_string(),
+    };
+    let mut out = Vec::new();
+    for (k, want) in fields {
+        let have = existing.get(k).unwrap_or(&serde_json::Value::Null);
+        if have != want {
+            out.push(format!("{k}: {} -> {}", show(k, have), show(k, want)));
+        }
+    }
+    out
+}
+
+fn action(existed: bool, differences: Vec<String>, update: bool) -> Action {
+    match (existed, differences.is_empty(), update) {
+        (false, _, _) => Action::Created,
+        (true, true, _) => Action::Unchanged,
+        (true, false, true) => Action::Updated(differences),
+        (true, false, false) => Action::Differs(differences),
+    }
+}
+
+fn no_jetstream(what: String, e: impl std::fmt::Display) -> NatsError {
+    if e.to_string().contains("not enabled") {
+        NatsError::NoJetStream(e.to_string())
+    } else {
+        apply_err(what, e)
+    }
+}
+
+/// Brings the server to the definitions: creates what is missing and, when `update`,
+/// changes what differs. Reports every object.
+async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Result<Vec<Change>, NatsError> {
+    let json = |v: &dyn erased::Ser| v.value();
+    let mut changes = Vec::new();
     for c in stream_configs(settings)? {
-        let name = c.name.clone();
-        js.create_or_update_stream(c).await.map_err(|e| {
-            if e.to_string().contains("not enabled") {
-                NatsError::NoJetStream(e.to_string())
-            } else {
-                apply_err(format!("stream {name}"), e)
+        let what = format!("stream {}", c.name);
+        let existing = match js.get_stream(&c.name).await {
+            Ok(mut s) => Some(s.info().await.map_err(|e| apply_err(&what, e))?.config.clone()),
+            Err(e)
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                None
             }
-        })?;
+            Err(e) => return Err(no_jetstream(what, e)),
+        };
+        let differences = existing.as_ref().map(|x| diff(&json(&c), &json(x))).unwrap_or_default();
+        let action = action(existing.is_some(), differences, update);
+        if matches!(action, Action::Created | Action::Updated(_)) {
+            js.create_or_update_stream(c).await.map_err(|e| no_jetstream(what.clone(), e))?;
+        }
+        changes.push(Change { what, action });
     }
     for (stream_name, c) in consumer_configs(settings)? {
-        let what = format!("consumer {stream_name}/{}", c.durable_name.clone().unwrap_or_default());
+        let name = c.durable_name.clone().unwrap_or_default();
+        let what = format!("consumer {stream_name}/{name}");
         let stream = js.get_stream_no_info(&stream_name).await.map_err(|e| apply_err(&what, e))?;
-        stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
+        let existing = match stream.consumer_info(&name).await {
+            Ok(info) => Some(info.config.clone()),
+            Err(_) => None,
+        };
+        let differences = existing.as_ref().map(|x| diff(&json(&c), &json(x))).unwrap_or_default();
+        let action = action(existing.is_some(), differences, update);
+        if matches!(action, Action::Created | Action::Updated(_)) {
+            stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
+        }
+        changes.push(Change { what, action });
     }
-    let kv = kv_config(settings)?;
-    js.create_or_update_key_value(kv).await.map_err(|e| apply_err(format!("bucket {JOBS_BUCKET}"), e))?;
-    js.create_or_update_key_value(webhooks_kv_config(settings)?)
-        .await
-        .map_err(|e| apply_err(format!("bucket {WEBHOOKS_BUCKET}"), e))?;
-    Ok(())
+    for kv in [kv_config(settings)?, webhooks_kv_config(settings)?] {
+        let what = format!("bucket {}", kv.bucket);
+        let existing = match js.get_stream(format!("KV_{}", kv.bucket)).await {
+            Ok(mut s) => Some(s.info().await.map_err(|e| apply_err(&what, e))?.config.clone()),
+            Err(_) => None,
+        };
+        // The bucket's own fields, as its stream stores them.
+        let as_stream = |history: i64, replicas: usize, size: i32, description: &str| {
+            serde_json::json!({"max_msgs_per_subject": history, "num_replicas": replicas,
+                "max_msg_size": size, "description": description})
+        };
+        let want = as_stream(kv.history, kv.num_replicas, kv.max_value_size, &kv.description);
+        let differences = existing
+            .as_ref()
+            .map(|x| {
+                let have = as_stream(
+                    x.max_messages_per_subject,
+                    x.num_replicas,
+                    x.max_message_size,
+                    x.description.as_deref().unwrap_or(""),
+                );
+                diff(&want, &have)
+            })
+            .unwrap_or_default();
+        let action = action(existing.is_some(), differences, update);
+        if matches!(action, Action::Created | Action::Updated(_)) {
+            js.create_or_update_key_value(kv).await.map_err(|e| apply_err(&what, e))?;
+        }
+        changes.push(Change { what, action });
+    }
+    Ok(changes)
+}
+
+mod erased {
+    /// Serialises any definition to a JSON value (what [`super::diff`] compares).
+    pub trait Ser {
+        fn value(&self) -> serde_json::Value;
+    }
+    impl<T: serde::Serialize> Ser for T {
+        fn value(&self) -> serde_json::Value {
+            serde_json::to_value(self).unwrap_or_default()
+        }
+    }
+}
+
+/// Creates or updates every stream, consumer and bucket to match `nats/` with
+/// `settings`, and says what it changed. Safe to run any number of times from any
+/// number of processes. This is `stemq nats apply`: the one way to change existing
+/// definitions (the consumer is the source of truth that running workers follow).
+pub async fn apply(js: &jetstream::Context, settings: &Settings) -> Result<Vec<Change>, NatsError> {
+    sync(js, settings, true).await
+}
+
+/// Creates whatever is missing and leaves existing objects as the server has them (a
+/// difference from `nats/` is logged, with the advice to run `stemq nats apply`). What
+/// services run at start, so that a process started with other flags never changes the
+/// queue under the workers that are running.
+pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Vec<Change>, NatsError> {
+    let changes = sync(js, settings, false).await?;
+    for c in &changes {
+        match &c.action {
+            Action::Differs(_) => tracing::warn!(object = %c.what, "{c}; `stemq nats apply` changes it"),
+            Action::Created => tracing::info!(object = %c.what, "{c}"),
+            _ => {}
+        }
+    }
+    Ok(changes)
 }
 
 /// True when the job stream exists (readiness).

@@ -170,6 +170,10 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::bench::BenchCommand,
     },
+    /// Internal: the engine host process of a worker (`--isolation process`); speaks
+    /// the host protocol on stdin/stdout.
+    #[command(hide = true)]
+    EngineHost(WorkerArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -188,7 +192,9 @@ pub enum ModelsCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum NatsCommand {
-    /// Create or update every stream, consumer and bucket (idempotent).
+    /// Create or update every stream, consumer and bucket (idempotent), and print what
+    /// changed. This is the only command that changes existing definitions: services
+    /// create what is missing and otherwise follow what the server has.
     Apply,
 }
 
@@ -271,6 +277,20 @@ pub struct WorkerOpts {
     /// Worker name (default host-pid).
     #[arg(long, env = "STEMQ_WORKER_NAME")]
     pub name: Option<String>,
+    /// Where attempts run: `process` (each job loop's attempts in an engine host
+    /// process of its own, so a job that crashes its process fails alone) or `none` (in
+    /// the worker process; a crash takes every running job down with it).
+    #[arg(long, env = "STEMQ_ISOLATION", value_enum, default_value_t = Isolation::Process)]
+    pub isolation: Isolation,
+}
+
+/// Where a worker runs its attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Isolation {
+    /// In engine host processes (one per job loop in use).
+    Process,
+    /// In the worker process.
+    None,
 }
 
 /// Webhook relay options (`stemq relay`, `stemq dev`).
@@ -401,6 +421,7 @@ impl Cli {
             Command::Worker(_) => "stemq-worker",
             Command::Projector(_) => "stemq-projector",
             Command::Relay(_) => "stemq-relay",
+            Command::EngineHost(_) => "stemq-engine-host",
             _ => "stemq-cli",
         }
     }
@@ -450,8 +471,12 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Relay(a) => crate::services::relay(&g, a).await,
         Command::Nats { command: NatsCommand::Apply } => {
             let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
-            stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
-            println!("applied streams, consumers and the KV bucket at {}", g.nats_url());
+            let changes = stemq_core::nats::apply(&async_nats::jetstream::new(client), &g.settings()).await?;
+            for c in &changes {
+                println!("{c}");
+            }
+            let changed = changes.iter().filter(|c| c.is_change()).count();
+            println!("{} objects, {changed} created or changed, at {}", changes.len(), g.nats_url());
             Ok(())
         }
         Command::Models { command, dir } => {
@@ -485,6 +510,11 @@ pub async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench { command } => crate::bench::run(&g, command).await,
+        Command::EngineHost(a) => {
+            let engine = crate::services::engine_in_process(&g, &a.opts)?;
+            tokio::task::spawn_blocking(move || stemq_worker::isolate::serve(engine)).await??;
+            Ok(())
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! `stemq ingress|worker|projector`: each service alone, as deployed.
 //!
-//! Every service connects, checks the server version, applies the NATS definitions
-//! (idempotent) and then calls its crate's `run` with a shutdown token tied to SIGTERM
-//! and Ctrl-C.
+//! Every service connects, checks the server version, creates whatever NATS definitions
+//! are missing (existing ones are left as the server has them: `stemq nats apply` is the
+//! one command that changes them) and then calls its crate's `run` with a shutdown token
+//! tied to SIGTERM and Ctrl-C.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,17 +14,40 @@ use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Global, IngressArgs, ProjectorArgs, RelayArgs, WorkerOpts};
+use crate::cli::{Global, IngressArgs, Isolation, ProjectorArgs, RelayArgs, WorkerOpts};
 
-/// Connects and applies the definitions.
+/// Connects and creates the definitions that are missing.
 pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
     let client = stemq_core::nats::connect(&g.nats_url(), name).await?;
-    stemq_core::nats::apply(&async_nats::jetstream::new(client.clone()), &g.settings()).await?;
+    stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &g.settings()).await?;
     Ok(client)
 }
 
-/// Loads the engine named in the options.
+/// Loads the engine named in the options, isolated in engine host processes unless
+/// `--isolation none`.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    if opts.isolation == Isolation::None {
+        return engine_in_process(g, opts);
+    }
+    let program = std::env::current_exe().context("finding the stemq executable for the engine host")?;
+    let mut args: Vec<std::ffi::OsString> = vec!["--data-dir".into(), g.data_dir.clone().into()];
+    if let Some(f) = &g.log_format {
+        args.extend(["--log-format".into(), f.into()]);
+    }
+    args.extend(["engine-host".into(), "--engine".into(), opts.engine.clone().into()]);
+    if let Some(m) = &opts.models {
+        args.extend(["--models".into(), m.clone().into()]);
+    }
+    if let Some(b) = opts.memory_budget {
+        args.extend(["--memory-budget".into(), b.to_string().into()]);
+    }
+    args.extend(["--fake-delay-ms".into(), opts.fake_delay_ms.to_string().into()]);
+    let engine = stemq_worker::isolate::IsolatedEngine::start(program, args, Duration::from_secs(600))?;
+    Ok(Arc::new(engine))
+}
+
+/// Loads the engine named in the options in this process.
+pub fn engine_in_process(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     engine_named(g, &opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
 }
 

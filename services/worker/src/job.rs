@@ -163,25 +163,42 @@ async fn run_delivery(
     let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
     let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
 
-    // 4. The engine, under the time limit, down the out-of-memory ladder.
-    let result = {
-        let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
-        tokio::select! {
-            r = tokio::time::timeout(time_limit, work) => match r {
-                Ok(r) => r,
-                Err(_) => {
-                    cancel.store(true, Ordering::SeqCst);
-                    Err(Failure::permanent("time_limit", format!(
-                        "the job ran longer than the {} s limit", time_limit.as_secs())))
-                }
-            },
-            _ = hard_stop.cancelled() => {
+    // 4. The engine, under the time limit, down the out-of-memory ladder. The attempt's
+    // future is never dropped while its engine may still run: past the limit the engine
+    // is told to stop (an isolated one is killed if it does not), the failure is
+    // recorded, and this loop takes no other job until the engine has let go of the
+    // scratch folder.
+    let work = run_engine(shared, &job_id, &requested, attempt, &devices, progress_tx, cancel.clone());
+    tokio::pin!(work);
+    let result = tokio::select! {
+        r = tokio::time::timeout(time_limit, &mut work) => match r {
+            Ok(r) => r,
+            Err(_) => {
                 cancel.store(true, Ordering::SeqCst);
+                warn!(event = "job.time_limit", limit_s = time_limit.as_secs(), "time limit reached; stopping the engine");
                 keepalive.abort();
-                warn!("shutdown grace period over: handing the job back");
-                let _ = msg.ack_with(AckKind::Nak(None)).await;
+                let ev = Event::new(&job_id, &source(shared), EventBody::Failed(Failed {
+                    attempt,
+                    class: FailureClass::Permanent,
+                    code: "time_limit".into(),
+                    message: format!("the job ran longer than the {} s limit", time_limit.as_secs()),
+                    retry_in_ms: None,
+                }));
+                metrics().outcome(model, "failed_permanent");
+                finish(shared, &msg, &job_id, ev).await;
+                // Wait for the engine to stop before this loop may take another job.
+                let t = Instant::now();
+                let _ = work.await;
+                info!(waited_ms = t.elapsed().as_millis() as u64, "the engine stopped after the time limit");
                 return;
             }
+        },
+        _ = hard_stop.cancelled() => {
+            cancel.store(true, Ordering::SeqCst);
+            keepalive.abort();
+            warn!("shutdown grace period over: handing the job back");
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            return;
         }
     };
     keepalive.abort();
@@ -243,7 +260,7 @@ async fn run_delivery(
             );
             finish(shared, &msg, &job_id, ev).await;
         }
-        Err(f) if attempt >= shared.max_deliver => {
+        Err(f) if attempt >= shared.queue().max_deliver => {
             warn!(event = "job.dead_lettered", code = %f.code, message = %f.message, "last delivery failed");
             metrics().outcome(model, "dead_lettered");
             metrics().deliveries.observe(attempt as f64);
@@ -426,7 +443,12 @@ async fn run_engine(
     progress: watch::Sender<Option<(f32, String)>>,
     cancel: Arc<AtomicBool>,
 ) -> Result<Done, Failure> {
-    let dir = shared.config.scratch.join(format!("{job_id}-{attempt}"));
+    if attempt > 1 {
+        // A redelivery: some attempt may have died without cleaning up.
+        let shared = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || shared.scratch.sweep()).await;
+    }
+    let dir = shared.scratch.attempt_dir(job_id.as_str(), attempt);
     let _cleanup = ScratchDir(dir.clone());
     let out_dir = dir.join("out");
     tokio::fs::create_dir_all(&out_dir)
@@ -466,6 +488,10 @@ async fn run_engine(
         .await
         .map_err(|e| Failure::transient("engine_panic", format!("the engine crashed: {e}")))?;
         match res {
+            Ok(_) if ctx.cancel.load(Ordering::SeqCst) => {
+                // Stopped from outside (time limit, cancel) just as it finished: store nothing.
+                return Err(Failure::permanent("cancelled", "the attempt was stopped".into()));
+            }
             Ok(stems) => {
                 let degraded = i > 0;
                 if degraded {
@@ -505,6 +531,8 @@ fn classify(e: EngineError) -> Failure {
         EngineError::InvalidInput { code, message } => Failure::permanent(&code, message),
         EngineError::Unsupported { code, message } => Failure::permanent(&code, message),
         EngineError::Transient(m) => Failure::transient("engine_error", m),
+        // The attempt's own process died: this job, and only it, pays an attempt.
+        EngineError::Crashed(m) => Failure::transient("engine_crashed", m),
         EngineError::Cancelled => Failure::permanent("cancelled", "the job was cancelled".into()),
         EngineError::OutOfMemory { device } => {
             Failure::transient("out_of_memory", format!("out of memory on {device}"))
@@ -588,14 +616,14 @@ fn spawn_keepalive(
     mut progress: watch::Receiver<Option<(f32, String)>>,
 ) -> tokio::task::JoinHandle<()> {
     let js = shared.js.clone();
-    let every = (shared.ack_wait / 3).max(Duration::from_millis(100));
+    let mut queue = shared.queue.clone();
     let min_gap = shared.config.progress_every;
     let subject = job_subject(job_id, SubjectKind::Progress);
     let job_id = job_id.clone();
     let src = source(shared);
     let heartbeat = shared.config.progress_heartbeat;
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
+        let mut tick = tokio::time::interval(queue.borrow_and_update().keepalive_every());
         tick.tick().await;
         let mut beat = tokio::time::interval(heartbeat);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -609,6 +637,15 @@ fn spawn_keepalive(
                     if let Err(e) = msg.ack_with(AckKind::Progress).await {
                         warn!(error = %e, "progress ack failed");
                     }
+                }
+                Ok(()) = queue.changed() => {
+                    // The consumer's ack wait changed: ack now, then at the new pace.
+                    let every = queue.borrow_and_update().keepalive_every();
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        warn!(error = %e, "progress ack failed");
+                    }
+                    tick = tokio::time::interval(every);
+                    tick.tick().await;
                 }
                 _ = beat.tick(), if !engine_done => {
                     if last_sent.map(|t| t.elapsed() + Duration::from_millis(50) < heartbeat).unwrap_or(false) {

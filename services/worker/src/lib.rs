@@ -7,7 +7,15 @@
 //! - [`job`] handles one delivery: skip if already done, start, keep the ack deadline
 //!   alive with progress acks, run the engine (with the out-of-memory ladder and the hard
 //!   time limit), store outputs, publish the outcome, and only then ack;
-//! - [`backoff`] spaces retries of transient failures.
+//! - [`backoff`] spaces retries of transient failures;
+//! - [`isolate`] runs attempts in engine host processes, so a job that crashes its
+//!   process costs only its own attempt;
+//! - [`scratch`] owns local scratch space and sweeps what dead workers left.
+//!
+//! The `workers` consumer's configuration is the single source of truth for the queue
+//! settings: ack wait and max deliver are read from it at start and re-read every second
+//! ([`QueueSettings`]), so `stemq nats apply` takes effect on running workers (progress
+//! acks follow a shorter ack wait at once) and no flag of the worker can disagree with it.
 //!
 //! On shutdown the loops stop pulling, the current jobs finish within the grace period
 //! and the process exits; a job still running when the grace period ends is handed back
@@ -16,7 +24,9 @@
 pub mod backoff;
 mod control;
 pub mod deadletter;
+pub mod isolate;
 pub mod job;
+pub mod scratch;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,6 +37,7 @@ use futures::StreamExt;
 use stemq_core::engine::Engine;
 use stemq_core::nats as names;
 use stemq_core::storage::Store;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -100,16 +111,75 @@ pub fn default_name() -> String {
     format!("{}-{}", host.trim(), std::process::id())
 }
 
+/// The queue settings a worker obeys, as the `workers` consumer has them now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueSettings {
+    /// The consumer's ack wait: a delivery not acked (or progress-acked) within it is
+    /// redelivered.
+    pub ack_wait: Duration,
+    /// The consumer's max deliver (`u32::MAX` when unlimited).
+    pub max_deliver: u32,
+}
+
+impl QueueSettings {
+    fn of(config: &async_nats::jetstream::consumer::Config) -> QueueSettings {
+        let max_deliver = if config.max_deliver <= 0 { u32::MAX } else { config.max_deliver as u32 };
+        QueueSettings { ack_wait: config.ack_wait, max_deliver }
+    }
+
+    /// How often a running job's delivery is progress-acked: a third of the ack wait,
+    /// and at least every 2 s, so that even a sudden cut of the ack wait to a few
+    /// seconds finds a fresh ack.
+    pub fn keepalive_every(&self) -> Duration {
+        (self.ack_wait / 3).clamp(Duration::from_millis(100), Duration::from_secs(2))
+    }
+}
+
 /// Shared state of the job loops.
 pub(crate) struct Shared {
     pub js: jetstream::Context,
     pub jobs_stream: jetstream::stream::Stream<()>,
     pub engine: Arc<dyn Engine>,
     pub config: Config,
-    pub max_deliver: u32,
-    pub ack_wait: Duration,
+    /// The consumer's settings, kept current by [`watch_settings`].
+    pub queue: watch::Receiver<QueueSettings>,
+    /// This process's scratch folder.
+    pub scratch: scratch::Scratch,
     /// Jobs running in this process, for the cancel listener.
     pub running: Arc<control::Running>,
+}
+
+impl Shared {
+    /// The queue settings now.
+    pub fn queue(&self) -> QueueSettings {
+        *self.queue.borrow()
+    }
+}
+
+/// Re-reads the consumer's settings every second until `stop`, publishing changes.
+async fn watch_settings(mut consumer: PullConsumer, tx: watch::Sender<QueueSettings>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Ok(info) = consumer.info().await else { continue };
+        let now = QueueSettings::of(&info.config);
+        let before = *tx.borrow();
+        if now != before {
+            info!(
+                event = "queue.settings_changed",
+                ack_wait_ms_before = before.ack_wait.as_millis() as u64,
+                ack_wait_ms = now.ack_wait.as_millis() as u64,
+                max_deliver_before = before.max_deliver,
+                max_deliver = now.max_deliver,
+                "the workers consumer changed; following it"
+            );
+            let _ = tx.send(now);
+        }
+    }
 }
 
 /// Runs the worker until `shutdown`, then drains.
@@ -127,15 +197,17 @@ pub async fn run(
         .map_err(|e| err("open workers consumer")(&e))?;
     let info = consumer.info().await.map_err(|e| err("consumer info")(&e))?.clone();
     let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| err("open job stream")(&e))?;
-    std::fs::create_dir_all(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
-    let max_deliver = if info.config.max_deliver <= 0 { u32::MAX } else { info.config.max_deliver as u32 };
+    let scratch =
+        scratch::Scratch::open(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
+    let settings = QueueSettings::of(&info.config);
+    let (settings_tx, queue) = watch::channel(settings);
     let shared = Arc::new(Shared {
         js: js.clone(),
         jobs_stream,
         engine: engine.clone(),
         config: config.clone(),
-        max_deliver,
-        ack_wait: info.config.ack_wait,
+        queue,
+        scratch,
         running: Arc::new(control::Running::default()),
     });
     let cancel_listener = control::listen(js.client(), shared.running.clone())
@@ -146,12 +218,13 @@ pub async fn run(
         engine = engine.name(),
         devices = ?engine.devices(),
         concurrency = config.concurrency,
-        max_deliver,
-        ack_wait_ms = info.config.ack_wait.as_millis() as u64,
+        max_deliver = settings.max_deliver,
+        ack_wait_ms = settings.ack_wait.as_millis() as u64,
         "worker running"
     );
 
     let tracker = TaskTracker::new();
+    tracker.spawn(watch_settings(consumer.clone(), settings_tx, shutdown.clone()));
     // `stop_pulling` ends the loops' pulls; `hard_stop` cancels jobs past the grace period.
     let hard_stop = CancellationToken::new();
     for n in 0..config.concurrency.max(1) {

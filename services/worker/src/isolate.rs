@@ -1,0 +1,457 @@
+//! Process isolation: each job loop's attempts run in an engine process of their own.
+//!
+//! This module owns the boundary that keeps a bad job from costing its neighbours. A
+//! worker with `concurrency` N runs its jobs side by side; if one of them aborts, faults
+//! or is killed for memory inside the worker process, every job beside it dies too and
+//! loses a delivery. [`IsolatedEngine`] is an [`Engine`] that runs each attempt in a
+//! long-lived child process ("engine host") instead: one host per job loop in use, each
+//! keeping its own loaded model, each running one job at a time. When a host dies, only
+//! the job it was running fails, with [`EngineError::Crashed`] naming how it died (signal
+//! or exit status): the culprit is known exactly, it is retried and dead-lettered on its
+//! own, and its neighbours never notice. The next job on that loop starts a fresh host.
+//!
+//! The host is the same executable started with a hidden subcommand (`stemq
+//! engine-host …`) that builds the same engine and calls [`serve`]. They speak JSON
+//! lines: the worker sends `job` and `cancel`; the host answers `hello` once (name,
+//! devices), then `progress` and one `done` per job. The host's stdout is reserved for
+//! the protocol (anything an engine prints goes to stderr, with its logs); a host whose
+//! stdin closes exits at once, so hosts never outlive their worker, even after kill -9.
+//!
+//! Cancellation and the hard time limit reach a host as `cancel`; a host that has not
+//! stopped `kill_grace` later is killed, so an attempt never outlives its limit and the
+//! scratch folder is never written after the worker gave up on it.
+//!
+//! Cost: one process start and engine load per job loop (once, not per job), about 1 ms
+//! and three small pipe messages per job (see `docs/reliability.md`).
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
+use stemq_core::request::{JobId, NormalizedRequest};
+use tracing::{info, warn};
+
+/// Failures starting the first engine host.
+#[derive(Debug, thiserror::Error)]
+pub enum IsolateError {
+    /// The host process could not be started.
+    #[error("cannot start the engine host {program}: {source}")]
+    Spawn {
+        /// The executable.
+        program: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The host exited or went silent before saying hello (its stderr says why).
+    #[error("the engine host did not start: {0}")]
+    NoHello(String),
+}
+
+/// What the worker sends a host, one JSON object per line.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ToHost {
+    /// Run one attempt.
+    Job(WireJob),
+    /// Stop the running attempt at its next chunk boundary.
+    Cancel,
+}
+
+/// [`EngineJob`] with owned fields.
+#[derive(Debug, Serialize, Deserialize)]
+struct WireJob {
+    job_id: JobId,
+    request: NormalizedRequest,
+    metadata: Option<Value>,
+    attempt: u32,
+    input: PathBuf,
+    out_dir: PathBuf,
+    device: String,
+    segment: Option<f64>,
+}
+
+/// What a host sends the worker, one JSON object per line.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum FromHost {
+    /// Once, when the engine is loaded.
+    Hello { name: String, devices: Vec<String>, reads_input: bool },
+    /// Progress of the running attempt.
+    Progress { fraction: f32, stage: String },
+    /// The attempt's result.
+    Done { result: Result<Vec<StemFile>, EngineError> },
+}
+
+/// A line read from a host, or the end of its output.
+enum Line {
+    Msg(FromHost),
+    Eof,
+}
+
+/// One running engine host.
+struct Host {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<Line>,
+}
+
+impl Host {
+    fn spawn(program: &Path, args: &[OsString]) -> std::io::Result<Host> {
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::Builder::new().name("engine-host-reader".into()).spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                match serde_json::from_str::<FromHost>(&line) {
+                    Ok(m) => {
+                        if tx.send(Line::Msg(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => warn!(error = %e, line = %line.chars().take(200).collect::<String>(), "engine host said something unreadable"),
+                }
+            }
+            let _ = tx.send(Line::Eof);
+        })?;
+        Ok(Host { child, stdin, lines })
+    }
+
+    fn send(&mut self, m: &ToHost) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(m).expect("protocol messages serialise");
+        line.push(b'\n');
+        self.stdin.write_all(&line)?;
+        self.stdin.flush()
+    }
+
+    /// Waits for the host to end (after its output ended) and says how it ended.
+    fn death(mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return describe(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                _ => {
+                    let _ = self.child.kill();
+                    return "closed its output and was killed".into();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// "killed by signal 6 (SIGABRT)", "exited with status 101".
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (_, Some(sig)) => {
+            let name = match sig {
+                4 => " (SIGILL)",
+                6 => " (SIGABRT)",
+                7 => " (SIGBUS)",
+                8 => " (SIGFPE)",
+                9 => " (SIGKILL: killed, often for memory)",
+                11 => " (SIGSEGV)",
+                15 => " (SIGTERM)",
+                _ => "",
+            };
+            format!("killed by signal {sig}{name}")
+        }
+        (Some(code), None) => format!("exited with status {code}"),
+        (None, None) => "ended".into(),
+    }
+}
+
+/// An engine whose attempts run in child processes (see the module docs).
+pub struct IsolatedEngine {
+    program: PathBuf,
+    args: Vec<OsString>,
+    name: String,
+    devices: Vec<String>,
+    reads_input: bool,
+    /// Hosts waiting for a job.
+    idle: Mutex<Vec<Host>>,
+    /// How long a cancelled attempt may take to stop before its host is killed.
+    kill_grace: Duration,
+}
+
+impl IsolatedEngine {
+    /// Starts the first host (`program args…`, which must call [`serve`]) and waits up to
+    /// `startup` for it to load its engine.
+    pub fn start(program: PathBuf, args: Vec<OsString>, startup: Duration) -> Result<IsolatedEngine, IsolateError> {
+        let host =
+            Host::spawn(&program, &args).map_err(|source| IsolateError::Spawn { program: program.clone(), source })?;
+        let (name, devices, reads_input) = match host.lines.recv_timeout(startup) {
+            Ok(Line::Msg(FromHost::Hello { name, devices, reads_input })) => (name, devices, reads_input),
+            Ok(Line::Msg(other)) => return Err(IsolateError::NoHello(format!("it said {other:?} first"))),
+            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => return Err(IsolateError::NoHello(host.death())),
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(IsolateError::NoHello(format!("no hello within {} s", startup.as_secs())))
+            }
+        };
+        info!(engine = %name, pid = host.child.id(), "engine host ready");
+        Ok(IsolatedEngine {
+            program,
+            args,
+            name,
+            devices,
+            reads_input,
+            idle: Mutex::new(vec![host]),
+            kill_grace: Duration::from_secs(5),
+        })
+    }
+
+    /// Sets how long a cancelled attempt may take to stop before its host is killed.
+    pub fn with_kill_grace(mut self, grace: Duration) -> IsolatedEngine {
+        self.kill_grace = grace;
+        self
+    }
+
+    /// An idle host, or a new one (whose hello is awaited).
+    fn checkout(&self) -> Result<Host, EngineError> {
+        if let Some(h) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(h);
+        }
+        let host = Host::spawn(&self.program, &self.args)
+            .map_err(|e| EngineError::Transient(format!("cannot start an engine host: {e}")))?;
+        match host.lines.recv_timeout(Duration::from_secs(600)) {
+            Ok(Line::Msg(FromHost::Hello { .. })) => Ok(host),
+            Ok(Line::Msg(other)) => Err(EngineError::Transient(format!("the engine host said {other:?} first"))),
+            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                Err(EngineError::Transient(format!("a new engine host {}", host.death())))
+            }
+            Err(RecvTimeoutError::Timeout) => Err(EngineError::Transient("a new engine host did not load".into())),
+        }
+    }
+}
+
+impl Engine for IsolatedEngine {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn devices(&self) -> Vec<String> {
+        self.devices.clone()
+    }
+
+    fn reads_input(&self) -> bool {
+        self.reads_input
+    }
+
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let wire = ToHost::Job(WireJob {
+            job_id: job.job_id.clone(),
+            request: job.request.clone(),
+            metadata: job.metadata.cloned(),
+            attempt: job.attempt,
+            input: job.input.to_path_buf(),
+            out_dir: job.out_dir.to_path_buf(),
+            device: job.device.to_string(),
+            segment: job.segment,
+        });
+        let mut host = self.checkout()?;
+        if host.send(&wire).is_err() {
+            // The idle host died since its last job (nothing of this job ran): use a new one.
+            drop(host);
+            host = self.checkout()?;
+            host.send(&wire).map_err(|e| EngineError::Transient(format!("cannot reach the engine host: {e}")))?;
+        }
+        let mut cancel_sent: Option<Instant> = None;
+        loop {
+            match host.lines.recv_timeout(Duration::from_millis(50)) {
+                Ok(Line::Msg(FromHost::Progress { fraction, stage })) => ctx.progress(fraction, &stage),
+                Ok(Line::Msg(FromHost::Done { result })) => {
+                    if !matches!(result, Err(EngineError::Crashed(_))) {
+                        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(host);
+                    }
+                    return result;
+                }
+                Ok(Line::Msg(FromHost::Hello { .. })) => {}
+                Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                    if cancel_sent.is_some() {
+                        return Err(EngineError::Cancelled);
+                    }
+                    let how = host.death();
+                    warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the engine host died while running this job");
+                    return Err(EngineError::Crashed(how));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if ctx.cancelled() {
+                match cancel_sent {
+                    None => {
+                        let _ = host.send(&ToHost::Cancel);
+                        cancel_sent = Some(Instant::now());
+                    }
+                    Some(t) if t.elapsed() > self.kill_grace => {
+                        warn!(job_id = %job.job_id, grace_s = self.kill_grace.as_secs_f64(),
+                            "the engine did not stop when asked; killing its host");
+                        drop(host);
+                        return Err(EngineError::Cancelled);
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+}
+
+/// The host side: serves `engine` over stdin/stdout until stdin closes. Call it from the
+/// hidden subcommand that [`IsolatedEngine::start`] runs, after logging is set up on
+/// stderr. Never returns normally: the process exits when the worker goes away.
+pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
+    let out = Arc::new(Mutex::new(protocol_stdout()?));
+    let send = {
+        let out = out.clone();
+        move |m: &FromHost| -> std::io::Result<()> {
+            let mut line = serde_json::to_vec(m).expect("protocol messages serialise");
+            line.push(b'\n');
+            let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
+            o.write_all(&line)?;
+            o.flush()
+        }
+    };
+    send(&FromHost::Hello {
+        name: engine.name().to_string(),
+        devices: engine.devices(),
+        reads_input: engine.reads_input(),
+    })?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (jobs_tx, jobs) = mpsc::channel::<WireJob>();
+    {
+        let cancel = cancel.clone();
+        std::thread::Builder::new().name("engine-host-stdin".into()).spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                match serde_json::from_str::<ToHost>(&line) {
+                    Ok(ToHost::Job(j)) => {
+                        cancel.store(false, Ordering::SeqCst);
+                        let _ = jobs_tx.send(j);
+                    }
+                    Ok(ToHost::Cancel) => cancel.store(true, Ordering::SeqCst),
+                    Err(e) => eprintln!("engine host: unreadable message from the worker: {e}"),
+                }
+            }
+            // The worker is gone (or closed us): nothing to finish for anyone.
+            std::process::exit(0);
+        })?;
+    }
+    struct HostCtx<'a, F: Fn(&FromHost) -> std::io::Result<()>> {
+        send: &'a F,
+        cancel: &'a AtomicBool,
+        last: Mutex<(f32, String, Option<Instant>)>,
+    }
+    impl<F: Fn(&FromHost) -> std::io::Result<()> + Sync> EngineContext for HostCtx<'_, F> {
+        fn progress(&self, fraction: f32, stage: &str) {
+            // The worker rate-limits what it publishes; here only pipe chatter is saved.
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            let due = last.2.is_none_or(|t| t.elapsed() >= Duration::from_millis(20));
+            if !(due || last.1 != stage || (fraction >= 1.0 && last.0 < 1.0)) {
+                return;
+            }
+            *last = (fraction, stage.to_string(), Some(Instant::now()));
+            let _ = (self.send)(&FromHost::Progress { fraction, stage: stage.to_string() });
+        }
+        fn cancelled(&self) -> bool {
+            self.cancel.load(Ordering::Relaxed)
+        }
+    }
+    while let Ok(j) = jobs.recv() {
+        let ctx = HostCtx { send: &send, cancel: &cancel, last: Mutex::new((-1.0, String::new(), None)) };
+        let job = EngineJob {
+            job_id: &j.job_id,
+            request: &j.request,
+            metadata: j.metadata.as_ref(),
+            attempt: j.attempt,
+            input: &j.input,
+            out_dir: &j.out_dir,
+            device: &j.device,
+            segment: j.segment,
+        };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.separate(&job, &ctx)));
+        match result {
+            Ok(result) => send(&FromHost::Done { result })?,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                // State inside the engine may be poisoned: report, then make way for a
+                // fresh host.
+                let _ =
+                    send(&FromHost::Done { result: Err(EngineError::Crashed(format!("the engine panicked: {what}"))) });
+                std::process::exit(101);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The protocol's own copy of stdout; fd 1 itself is pointed at stderr, so whatever an
+/// engine or a library prints cannot corrupt the protocol.
+fn protocol_stdout() -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    std::io::stdout().flush()?;
+    // SAFETY: dup and dup2 on the process's own standard descriptors; the duplicate is a
+    // fresh descriptor that nothing else owns, so handing it to a File is sound.
+    unsafe {
+        let fd = libc::dup(1);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::dup2(2, 1) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(std::fs::File::from_raw_fd(fd))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_round_trips() {
+        let done = FromHost::Done { result: Err(EngineError::Crashed("killed by signal 6 (SIGABRT)".into())) };
+        let text = serde_json::to_string(&done).unwrap();
+        match serde_json::from_str::<FromHost>(&text).unwrap() {
+            FromHost::Done { result: Err(EngineError::Crashed(m)) } => assert!(m.contains("SIGABRT")),
+            other => panic!("{other:?}"),
+        }
+        let oom = FromHost::Done { result: Err(EngineError::OutOfMemory { device: "cuda:0".into() }) };
+        let back: FromHost = serde_json::from_str(&serde_json::to_string(&oom).unwrap()).unwrap();
+        assert!(matches!(back, FromHost::Done { result: Err(EngineError::OutOfMemory { .. }) }));
+        assert_eq!(serde_json::to_string(&ToHost::Cancel).unwrap(), r#"{"type":"cancel"}"#);
+    }
+
+    #[test]
+    fn deaths_are_described() {
+        assert_eq!(describe(ExitStatus::from_raw(6)), "killed by signal 6 (SIGABRT)");
+        assert_eq!(describe(ExitStatus::from_raw(101 << 8)), "exited with status 101");
+    }
+}
