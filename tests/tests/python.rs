@@ -2,8 +2,9 @@
 //! standardwebhooks from PyPI) publishes a JobRequested CloudEvent straight to the
 //! stream, watches the KV status to the end and verifies the signed webhook (issue 5).
 //!
-//! The Python packages come from `scripts/install-test-deps.sh` (into ./.venv). Without
-//! them the test prints why and passes.
+//! The Python packages come from `scripts/install-test-deps.sh` (into ./.stemq/venv).
+//! Without them the test prints why and passes on a developer's machine; under CI
+//! (`CI=true`) a missing tool is a failure, so a broken install step cannot pass as green.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,7 +15,7 @@ use stemq_tests::{Stack, StackOptions};
 
 fn python() -> Option<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let candidates = [root.join(".venv/bin/python"), PathBuf::from("python3")];
+    let candidates = [root.join(".stemq/venv/bin/python"), PathBuf::from("python3")];
     candidates.into_iter().find(|p| {
         Command::new(p)
             .args(["-c", "import nats, standardwebhooks"])
@@ -27,6 +28,11 @@ fn python() -> Option<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_service_submits_watches_and_verifies_the_webhook() {
     let Some(py) = python() else {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "python with nats-py and standardwebhooks is missing under CI: scripts/install-test-deps.sh did not run"
+        );
         println!(
             "SKIPPED: python with nats-py and standardwebhooks not found; run scripts/install-test-deps.sh \
              (pip install -r tests/python/requirements.txt into ./.venv)"

@@ -364,7 +364,10 @@ fn diff(desired: &serde_json::Value, existing: &serde_json::Value) -> Vec<String
     let mut out = Vec::new();
     for (k, want) in fields {
         let have = existing.get(k).unwrap_or(&serde_json::Value::Null);
-        if have != want {
+        // A limit left at 0 in a definition means "unlimited", which the server reports
+        // as -1.
+        let unlimited = want.as_i64() == Some(0) && have.as_i64() == Some(-1);
+        if have != want && !unlimited {
             out.push(format!("{k}: {} -> {}", show(k, have), show(k, want)));
         }
     }

@@ -90,6 +90,12 @@ fn start(bin: &PathBuf) -> (Server, u16) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_store_round_trip() {
     let Some(bin) = find_binary() else {
+        // Under CI a missing tool is a failure, never a silent pass.
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "moto_server is missing under CI: scripts/install-test-deps.sh did not run"
+        );
         println!(
             "SKIPPED s3_store_round_trip: `moto_server` is not installed (run scripts/install-test-deps.sh, \
              or set STEMQ_S3_TEST_SERVER)"

@@ -197,9 +197,34 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .layer(middleware::from_fn_with_state(state.clone(), nats_gate))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state)
 }
+
+/// Routes that read or write NATS answer 503 at once while the connection is down,
+/// instead of waiting out request timeouts or serving a stale, empty list as if it were
+/// complete. Uploads (the object store only) and the operational routes stay up.
+async fn nats_gate(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let needs_nats = path.starts_with("/v1/") && !path.starts_with("/v1/uploads");
+    if needs_nats && state.js.client().connection_state() != async_nats::connection::State::Connected {
+        let mut resp = ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            code: "unavailable",
+            message: "the queue (NATS) is unreachable right now; retrying later is safe".into(),
+            field: None,
+        }
+        .into_response();
+        resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
+        return resp;
+    }
+    next.run(req).await
+}
+
+/// Longest a submit waits for the queue to take its event before answering 503 (the
+/// submit is idempotent, so the client's retry is safe even if the event got through).
+const SUBMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
@@ -268,7 +293,11 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
         // The job's trace continues from this span (or from the caller's, when tracing
         // is off here).
         let traceparent = span.in_scope(stemq_core::telemetry::current_traceparent).or(incoming);
-        submit::submit(&state.js, &body, None, traceparent, state.stores()).instrument(span).await
+        let work = submit::submit(&state.js, &body, None, traceparent, state.stores()).instrument(span);
+        match tokio::time::timeout(SUBMIT_TIMEOUT, work).await {
+            Ok(r) => r,
+            Err(_) => Err(SubmitError::Unavailable(format!("no answer from NATS within {SUBMIT_TIMEOUT:?}"))),
+        }
     };
     state.metrics.observe_submit(&result);
     let (mut resp, _) = result?;
