@@ -4,9 +4,12 @@
 //! real parts (a real nats-server, the real `stemq worker` process) and checks that
 //! nothing but the culprit pays.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::nats::{self as names, job_subject, Action, SubjectKind};
 use stemq_core::JobStatus;
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM};
@@ -203,5 +206,69 @@ async fn during_a_nats_outage_the_api_says_so_at_once() {
         assert!(Instant::now() < deadline, "list never recovered: {code}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    stack.shutdown().await;
+}
+
+/// An engine that ignores cancellation for a while (as a stuck native call would) and
+/// records how many attempts ran at once and whether its scratch folder was still there
+/// when it finished.
+struct Stubborn {
+    running: AtomicUsize,
+    most: AtomicUsize,
+    scratch_gone: AtomicBool,
+}
+
+impl Engine for Stubborn {
+    fn name(&self) -> &str {
+        "stubborn"
+    }
+    fn devices(&self) -> Vec<String> {
+        vec!["cpu".into()]
+    }
+    fn reads_input(&self) -> bool {
+        false
+    }
+    fn separate(&self, job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        let slow = job.metadata.and_then(|m| m.get("slow")).is_some();
+        if slow {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let path = job.out_dir.join("vocals.wav");
+        if std::fs::write(&path, b"late").is_err() {
+            self.scratch_gone.store(true, Ordering::SeqCst);
+        }
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        Ok(vec![StemFile { stem: "vocals".into(), path, audio: None }])
+    }
+}
+
+/// Issue 11, item 9: at the hard time limit the attempt's future was dropped, which
+/// removed the scratch folder while the engine thread still wrote into it, and the loop
+/// took its next job beside the still-running engine. Now the job fails at its limit,
+/// and the loop waits for the engine to let go before its folder goes or the next job
+/// starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_time_limit_waits_for_the_engine_to_let_go() {
+    let mut stack =
+        Stack::start(StackOptions { workers: 0, time_limit: Duration::from_millis(300), ..Default::default() }).await;
+    let engine = Arc::new(Stubborn {
+        running: AtomicUsize::new(0),
+        most: AtomicUsize::new(0),
+        scratch_gone: AtomicBool::new(false),
+    });
+    stack.add_worker(engine.clone()).await;
+    let mut slow = job_body(&stack, "stuck", None);
+    slow["metadata"] = json!({"slow": true});
+    let (_, a) = stack.submit(&slow).await;
+    let (_, b) = stack.submit(&job_body(&stack, "next", None)).await;
+    let v = stack.wait_terminal(&job_id(&a), T).await;
+    assert_eq!(v.status, JobStatus::Failed);
+    assert_eq!(v.error.as_ref().unwrap().code, "time_limit");
+    assert_eq!(stack.wait_terminal(&job_id(&b), T).await.status, JobStatus::Succeeded);
+    assert_eq!(engine.most.load(Ordering::SeqCst), 1, "the next job started beside the stuck engine");
+    assert!(!engine.scratch_gone.load(Ordering::SeqCst), "the scratch folder was removed under the engine");
+    assert_eq!(stack.count_on(&job_subject(&job_id(&a), SubjectKind::Outcome)).await, 1);
     stack.shutdown().await;
 }

@@ -69,9 +69,39 @@ pub struct MemoryPlan {
 pub struct DemucsEngine {
     repo: ModelRepo,
     config: DemucsEngineConfig,
-    cpu: Mutex<HashMap<String, Arc<BagOfModels<CpuBackend>>>>,
+    cpu: ModelCache<BagOfModels<CpuBackend>>,
     #[cfg(feature = "cuda")]
-    cuda: Mutex<HashMap<String, Arc<BagOfModels<crate::CudaBackend>>>>,
+    cuda: ModelCache<BagOfModels<crate::CudaBackend>>,
+}
+
+/// Loaded models by name. The map's lock is held only to find a model's slot; a slot's
+/// own lock is held while that model loads (so two jobs never load the same model
+/// twice) and tolerates poisoning: a load that panicked leaves the slot empty, and the
+/// next job simply loads again instead of failing on a poisoned lock until restart.
+struct ModelCache<T> {
+    slots: Mutex<HashMap<String, Arc<Mutex<Option<Arc<T>>>>>>,
+}
+
+impl<T> Default for ModelCache<T> {
+    fn default() -> Self {
+        ModelCache { slots: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl<T> ModelCache<T> {
+    fn get_or_load<E>(&self, name: &str, load: impl FnOnce() -> Result<T, E>) -> Result<Arc<T>, E> {
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            slots.entry(name.to_string()).or_default().clone()
+        };
+        let mut slot = slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(m) = slot.as_ref() {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(load()?);
+        *slot = Some(m.clone());
+        Ok(m)
+    }
 }
 
 impl std::fmt::Debug for DemucsEngine {
@@ -113,21 +143,15 @@ impl DemucsEngine {
         Ok(DemucsEngine {
             repo: ModelRepo::open(&config.repo)?,
             config,
-            cpu: Mutex::new(HashMap::new()),
+            cpu: ModelCache::default(),
             #[cfg(feature = "cuda")]
-            cuda: Mutex::new(HashMap::new()),
+            cuda: ModelCache::default(),
         })
     }
 
     /// Loads (once) and returns the CPU copy of a model.
     pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
-        let mut cache = self.cpu.lock().expect("model cache poisoned");
-        if let Some(m) = cache.get(name) {
-            return Ok(m.clone());
-        }
-        let m = Arc::new(self.repo.load::<CpuBackend>(name, &Default::default())?);
-        cache.insert(name.to_string(), m.clone());
-        Ok(m)
+        self.cpu.get_or_load(name, || self.repo.load::<CpuBackend>(name, &Default::default()))
     }
 
     fn open_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<Decoder, DemucsError> {
@@ -316,17 +340,10 @@ impl DemucsEngine {
         }
         use Failed::{Planned, Run};
         let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let bag = {
-                let mut cache = self.cuda.lock().expect("model cache poisoned");
-                match cache.get(name) {
-                    Some(m) => m.clone(),
-                    None => {
-                        let m = Arc::new(self.repo.load::<crate::CudaBackend>(name, &Default::default()).map_err(Run)?);
-                        cache.insert(name.to_string(), m.clone());
-                        m
-                    }
-                }
-            };
+            let bag = self
+                .cuda
+                .get_or_load(name, || self.repo.load::<crate::CudaBackend>(name, &Default::default()))
+                .map_err(Run)?;
             let plan = self.plan(&bag, job, "cuda", self.config.gpu_batch.max(1)).map_err(Planned)?;
             self.run(&bag, job, ctx, plan.parallel, 1, plan.training_segment).map_err(Run)
         }));
@@ -418,5 +435,25 @@ impl Engine for DemucsEngine {
                 message: format!("device `{other}` is not available to the demucs engine"),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ModelCache;
+
+    /// Issue 11, item 9: a panic while loading a model poisoned the cache's mutex, and
+    /// every later job failed with `engine_panic` until the worker restarted.
+    #[test]
+    fn a_panicking_load_does_not_poison_the_model_cache() {
+        let cache: ModelCache<u32> = ModelCache::default();
+        let crashed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = cache.get_or_load::<()>("htdemucs", || panic!("corrupt checkpoint"));
+        }));
+        assert!(crashed.is_err());
+        assert_eq!(*cache.get_or_load::<()>("htdemucs", || Ok(7)).unwrap(), 7, "the next job loads again");
+        assert_eq!(*cache.get_or_load::<()>("htdemucs", || Ok(8)).unwrap(), 7, "and keeps what it loaded");
+        assert!(cache.get_or_load("other", || Err("missing")).is_err());
+        assert_eq!(*cache.get_or_load::<()>("other", || Ok(9)).unwrap(), 9, "a failed load is not cached");
     }
 }
