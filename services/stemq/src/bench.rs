@@ -43,6 +43,11 @@ pub enum BenchCommand {
         /// Where outputs go: `memory` or `local` (files under a temp dir).
         #[arg(long, default_value = "memory")]
         store: String,
+        /// Where the fake engine runs: `none` (in the worker; measures the pipeline) or
+        /// `process` (engine host processes, as `stemq worker` runs by default; measures
+        /// what isolation costs).
+        #[arg(long, value_enum, default_value_t = crate::cli::Isolation::None)]
+        isolation: crate::cli::Isolation,
     },
     /// Peak RSS of a `stemq worker` process (dsp engine) separating songs of several
     /// lengths through the whole pipeline, side by side.
@@ -55,8 +60,8 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store } => {
-            pipeline(g, jobs, rate, workers, in_flight, store).await
+        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation } => {
+            pipeline(g, jobs, rate, workers, in_flight, store, isolation).await
         }
         BenchCommand::Rss { minutes } => rss(g, &minutes).await,
     }
@@ -94,6 +99,9 @@ async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
             .env("STEMQ_STORE", store.base_url())
             .env("STEMQ_DATA_DIR", tmp.path())
             .env("STEMQ_ENGINE", "dsp")
+            // The engine in the worker process, so this one process's peak is the whole
+            // cost (with isolation the engine's memory sits in its host process).
+            .env("STEMQ_ISOLATION", "none")
             .env("STEMQ_LOG_FORMAT", "json")
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
@@ -146,6 +154,7 @@ async fn pipeline(
     workers: usize,
     in_flight: usize,
     store: String,
+    isolation: crate::cli::Isolation,
 ) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let mut _server = None;
@@ -179,7 +188,18 @@ async fn pipeline(
     wc.deadletter = false;
     let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
     let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
-    let w = tokio::spawn(stemq_worker::run(worker_client, Arc::new(FakeEngine::default()), wc, stop.clone()));
+    let engine: Arc<dyn stemq_core::engine::Engine> = match isolation {
+        crate::cli::Isolation::None => Arc::new(FakeEngine::default()),
+        crate::cli::Isolation::Process => {
+            let args = ["engine-host", "--engine", "fake"].map(std::ffi::OsString::from).to_vec();
+            Arc::new(stemq_worker::isolate::IsolatedEngine::start(
+                std::env::current_exe()?,
+                args,
+                Duration::from_secs(60),
+            )?)
+        }
+    };
+    let w = tokio::spawn(stemq_worker::run(worker_client, engine, wc, stop.clone()));
     let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
 
     // Terminal times, from a watch on the whole bucket.
