@@ -422,6 +422,7 @@ async fn a_failing_receiver_stalls_no_other_webhook() {
         assert!(Instant::now() < deadline, "the failing receivers were never called");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let submitted = Instant::now();
     let ok = submit_with_hook(&stack, "healthy", format!("http://{addr}/healthy"), None).await;
     stack.wait_terminal(&ok, T).await;
     let ended = Instant::now();
@@ -434,7 +435,12 @@ async fn a_failing_receiver_stalls_no_other_webhook() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    eprintln!("healthy webhook {:?} after its job ended, 4 failing receivers, 2 slots", ended.elapsed());
+    let at = rx.on("healthy")[0].at;
+    eprintln!(
+        "healthy webhook {:?} after submit (job ended in the view after {:?}); 4 failing receivers, 2 slots",
+        at - submitted,
+        ended - submitted
+    );
     // The failing ones are still retried, on the queue.
     for i in 0..4 {
         rx.wait(&format!("fail{i}"), 2).await;
