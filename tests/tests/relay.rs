@@ -1,6 +1,8 @@
 //! The webhook relay against a real nats-server and real HTTP receivers on loopback
 //! (issue 5): signing, retries, Retry-After, 410, 3xx, the delivery record, replay,
-//! secret rotation, and the SSRF check at submit.
+//! secret rotation, and the SSRF check at submit. Issue 11: retries wait on the queue,
+//! not in the relay (a restart continues them, a failing receiver stalls no other), the
+//! progress memory is cleaned up, and a URL a 410 disabled can be enabled again.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -15,6 +17,8 @@ use serde_json::{json, Value};
 use stemq_core::webhook::{verify, Secret};
 use stemq_core::{JobId, JobStatus};
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 const T: Duration = Duration::from_secs(30);
 
@@ -93,25 +97,35 @@ fn allow_loopback() {
     std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
 }
 
+/// A relay configuration for tests: loopback allowed, short timeout.
+fn relay_config(concurrency: usize, schedule_ms: &[u64]) -> stemq_relay::Config {
+    stemq_relay::Config {
+        schedule: schedule_ms.iter().map(|ms| Duration::from_millis(*ms)).collect(),
+        timeout: Duration::from_millis(800),
+        max_retry_after: Duration::from_secs(5),
+        allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+        concurrency,
+        name: "relay-test".into(),
+        progress_jobs: 1000,
+    }
+}
+
 async fn stack_with_relay() -> Stack {
     allow_loopback();
     let mut stack = Stack::start(StackOptions::default()).await;
+    stack.start_relay(relay_config(16, &[0, 200, 300, 400])).await;
     stack
-        .start_relay(stemq_relay::Config {
-            schedule: vec![
-                Duration::ZERO,
-                Duration::from_millis(200),
-                Duration::from_millis(300),
-                Duration::from_millis(400),
-            ],
-            timeout: Duration::from_millis(800),
-            max_retry_after: Duration::from_secs(5),
-            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
-            concurrency: 16,
-            name: "relay-test".into(),
-        })
-        .await;
-    stack
+}
+
+/// A relay of its own (stopped with `stop`, not with the stack), watching `memo`.
+async fn own_relay(
+    stack: &Stack,
+    config: stemq_relay::Config,
+    memo: stemq_relay::ProgressMemo,
+    stop: CancellationToken,
+) -> JoinHandle<()> {
+    let c = stemq_core::nats::connect(&stack.server.url(), "relay").await.unwrap();
+    tokio::spawn(async move { stemq_relay::serve(c, config, memo, stop).await.expect("relay runs") })
 }
 
 fn verify_got(g: &Got, secret: &str) -> Value {
@@ -334,5 +348,190 @@ async fn webhook_urls_are_checked_against_ssrf_at_submit() {
     body["webhook"] = json!({"url": "http://127.0.0.1:9/h"});
     let (code, b) = stack.submit(&body).await;
     assert_eq!(code, 202, "{b}");
+    stack.shutdown().await;
+}
+
+/// `(attempt, status_code, result)` of every attempt of delivery `n` (from 0).
+fn attempts_of(d: &Value, n: usize) -> Vec<(u64, Option<u64>, String)> {
+    d["deliveries"][n]["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["attempt"].as_u64().unwrap(), a["status_code"].as_u64(), a["result"].as_str().unwrap().into()))
+        .collect()
+}
+
+/// Issue 11: a retry waits on the queue, not in a relay. The relay is stopped while a
+/// delivery waits for its second attempt; a new relay makes that attempt, with the same
+/// `webhook-id` and the attempt number read from the log (2, not 1 again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_retry_survives_a_relay_restart() {
+    allow_loopback();
+    let stack = Stack::start(StackOptions::default()).await;
+    let (rx, addr) = Receiver::start().await;
+    rx.script("later", &[500, 200]);
+    let config = relay_config(16, &[0, 1500, 300]);
+    let memo = stemq_relay::ProgressMemo::new(100);
+    let first = CancellationToken::new();
+    let relay = own_relay(&stack, config.clone(), memo.clone(), first.clone()).await;
+    let id = submit_with_hook(&stack, "restart", format!("http://{addr}/later"), None).await;
+    let got = rx.wait("later", 1).await;
+    let d = deliveries(&stack, &id, 1, 1).await;
+    assert_eq!(attempts_of(&d, 0), [(1, Some(500), "retrying".to_string())]);
+    // Stop the relay while the retry is pending (due about 1.5 s after the first try).
+    first.cancel();
+    tokio::time::timeout(Duration::from_secs(10), relay).await.expect("relay stops").unwrap();
+    let stopped = got[0].at.elapsed();
+    assert!(stopped < Duration::from_millis(1500), "stopped {stopped:?} after the first attempt: too late to test");
+    let second = CancellationToken::new();
+    let relay = own_relay(&stack, config, memo, second.clone()).await;
+    let got = rx.wait("later", 2).await;
+    assert_eq!(got[1].headers["webhook-id"], got[0].headers["webhook-id"]);
+    let gap = got[1].at - got[0].at;
+    assert!(gap >= Duration::from_millis(1400), "the retry kept its delay: {gap:?}");
+    let d = deliveries(&stack, &id, 1, 2).await;
+    assert_eq!(attempts_of(&d, 0), [(1, Some(500), "retrying".to_string()), (2, Some(200), "delivered".to_string())]);
+    eprintln!("retry after a relay restart: {gap:?} after the first attempt (scheduled 1.5-1.8 s)");
+    second.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), relay).await;
+    stack.shutdown().await;
+}
+
+/// Issue 11: receivers that keep failing hold no relay slot while they wait for their
+/// retries, so with 2 slots and 4 failing receivers a healthy one is still served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_receiver_stalls_no_other_webhook() {
+    allow_loopback();
+    let stack = Stack::start(StackOptions::default()).await;
+    let (rx, addr) = Receiver::start().await;
+    let stop = CancellationToken::new();
+    let relay = own_relay(
+        &stack,
+        relay_config(2, &[0, 3000, 3000, 3000, 3000, 3000]),
+        stemq_relay::ProgressMemo::new(100),
+        stop.clone(),
+    )
+    .await;
+    for i in 0..4 {
+        rx.script(&format!("fail{i}"), &[500]);
+        submit_with_hook(&stack, &format!("failing{i}"), format!("http://{addr}/fail{i}"), None).await;
+    }
+    // Both slots have met a failing receiver.
+    let deadline = Instant::now() + T;
+    while (0..4).map(|i| rx.on(&format!("fail{i}")).len()).sum::<usize>() < 2 {
+        assert!(Instant::now() < deadline, "the failing receivers were never called");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let submitted = Instant::now();
+    let ok = submit_with_hook(&stack, "healthy", format!("http://{addr}/healthy"), None).await;
+    stack.wait_terminal(&ok, T).await;
+    let ended = Instant::now();
+    let deadline = ended + Duration::from_secs(2);
+    while rx.on("healthy").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the healthy receiver waited more than 2 s behind failing ones (calls to failing: {})",
+            (0..4).map(|i| rx.on(&format!("fail{i}")).len()).sum::<usize>()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let at = rx.on("healthy")[0].at;
+    eprintln!(
+        "healthy webhook {:?} after submit (job ended in the view after {:?}); 4 failing receivers, 2 slots",
+        at - submitted,
+        ended - submitted
+    );
+    // The failing ones are still retried, on the queue.
+    for i in 0..4 {
+        rx.wait(&format!("fail{i}"), 2).await;
+    }
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), relay).await;
+    stack.shutdown().await;
+}
+
+/// Issue 11: the relay's per-job progress memory is emptied when the job ends, even when
+/// the job's webhook asks for progress only (no `completed` delivery).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_memory_is_cleared_for_a_progress_only_filter() {
+    allow_loopback();
+    let stack = Stack::start(StackOptions::default()).await;
+    let (rx, addr) = Receiver::start().await;
+    let memo = stemq_relay::ProgressMemo::new(100);
+    let stop = CancellationToken::new();
+    let relay = own_relay(&stack, relay_config(16, &[0, 200]), memo.clone(), stop.clone()).await;
+    let mut body = job_body(&stack, "progress-only", Some(json!({"sleep_ms": 1500})));
+    body["webhook"] = json!({"url": format!("http://{addr}/prog"), "events": ["progress"]});
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!(code, 202, "{b}");
+    let id = job_id(&b);
+    stack.wait_terminal(&id, T).await;
+    let got = rx.wait("prog", 1).await;
+    assert!(got.iter().all(|g| verify_type(g).ends_with("progress.v1")));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while memo.contains(&id) {
+        assert!(Instant::now() < deadline, "the relay still remembers progress of an ended job ({memo:?})");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(memo.is_empty(), "{memo:?}");
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), relay).await;
+    stack.shutdown().await;
+}
+
+fn verify_type(g: &Got) -> String {
+    serde_json::from_slice::<Value>(&g.body).unwrap()["type"].as_str().unwrap().to_string()
+}
+
+/// Runs `stemq webhooks ARGS` against the stack's server.
+fn stemq_webhooks(stack: &Stack, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(Stack::stemq_bin())
+        .arg("webhooks")
+        .args(args)
+        .env("NATS_URL", stack.server.url())
+        .env("STEMQ_LOG_FORMAT", "json")
+        .output()
+        .expect("run stemq webhooks")
+}
+
+/// Issue 11: a URL that a 410 disabled can be enabled again, over HTTP and from the
+/// command line; the next event is then delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gone_url_can_be_enabled_again_over_http_and_the_cli() {
+    let stack = stack_with_relay().await;
+    let (rx, addr) = Receiver::start().await;
+    for (path, via_cli) in [("gone-http", false), ("gone-cli", true)] {
+        rx.script(path, &[410, 204]);
+        let url = format!("http://{addr}/{path}");
+        let first = submit_with_hook(&stack, &format!("{path}-1"), url.clone(), None).await;
+        let d = deliveries(&stack, &first, 1, 1).await;
+        assert_eq!(d["deliveries"][0]["result"], "disabled");
+        let (_, s) = stack.get("/v1/webhooks/secret").await;
+        assert!(s["disabled_urls"].as_array().unwrap().contains(&json!(url)), "{s}");
+
+        if via_cli {
+            let out = stemq_webhooks(&stack, &["enable", &url]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+            assert!(stdout.contains("enabled again"), "{stdout}");
+        } else {
+            let (code, b) = stack.post_raw("/v1/webhooks/enable", json!({ "url": url }).to_string().into_bytes()).await;
+            assert_eq!(code, 200, "{b}");
+            assert_eq!(b["was_disabled"], true, "{b}");
+            assert!(!b["disabled_urls"].as_array().unwrap().contains(&json!(url)), "{b}");
+        }
+        let (_, s) = stack.get("/v1/webhooks/secret").await;
+        assert!(!s["disabled_urls"].as_array().unwrap().contains(&json!(url)), "{s}");
+
+        let second = submit_with_hook(&stack, &format!("{path}-2"), url.clone(), None).await;
+        let d = deliveries(&stack, &second, 1, 1).await;
+        assert_eq!(d["deliveries"][0]["result"], "delivered", "{d:#}");
+        assert_eq!(rx.on(path).len(), 2);
+    }
+    let (code, b) = stack.post_raw("/v1/webhooks/enable", b"{}".to_vec()).await;
+    assert_eq!(code, 422, "{b}");
+    assert_eq!(b["error"]["field"], "url");
+    let (_, doc) = stack.get("/openapi.json").await;
+    assert!(doc["paths"]["/v1/webhooks/enable"]["post"].is_object());
     stack.shutdown().await;
 }

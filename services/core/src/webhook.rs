@@ -7,7 +7,11 @@
 //!   `v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">` with `whsec_` secrets;
 //! - [`OwnerWebhooks`] in the `stemq_webhooks` bucket (key = owner): the current secret,
 //!   the previous one while a rotation's grace period lasts (both sign), and the
-//!   endpoints a receiver disabled with `410 Gone`;
+//!   endpoints a receiver disabled with `410 Gone` ([`disable`]) until the owner turns
+//!   them on again ([`enable`], behind `POST /v1/webhooks/enable` and
+//!   `stemq webhooks enable`);
+//! - [`delivery_attempts`]: the `delivery_attempted` record of a job read back from the
+//!   log, which the relay numbers its attempts from and the ingress lists;
 //! - [`Allowlist`] and [`check_url`]: https only, public addresses only, unless
 //!   `STEMQ_WEBHOOK_ALLOW` names the host or a CIDR holding its address (which then also
 //!   permits plain http). The check resolves the host once and returns the address, so
@@ -16,13 +20,18 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use async_nats::jetstream::kv;
+use async_nats::jetstream::{self, consumer::pull::OrderedConfig, consumer::DeliverPolicy, kv};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
+use futures::StreamExt;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+use crate::event::{DeliveryAttempted, EventBody};
+use crate::nats::{job_subject, SubjectKind, JOBS_STREAM};
+use crate::{Event, JobId};
 
 /// Prefix of symmetric secrets.
 pub const SECRET_PREFIX: &str = "whsec_";
@@ -238,6 +247,95 @@ pub async fn disable(bucket: &kv::Store, owner: &str, url: &str) -> Result<(), S
     })
     .await
     .map(|_| ())
+}
+
+/// Enables `url` for `owner` again after a 410 disabled it. Returns whether it was
+/// disabled (enabling an enabled URL changes nothing).
+pub async fn enable(bucket: &kv::Store, owner: &str, url: &str) -> Result<(OwnerWebhooks, bool), SecretsError> {
+    // Set by the change that was written (the compare-and-set loop may run it again).
+    let was_disabled = std::sync::atomic::AtomicBool::new(false);
+    let after = update_owner(bucket, owner, |v| {
+        let n = v.disabled.len();
+        v.disabled.retain(|u| u != url);
+        let changed = v.disabled.len() != n;
+        was_disabled.store(changed, std::sync::atomic::Ordering::Relaxed);
+        changed
+    })
+    .await?;
+    Ok((after, was_disabled.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// One recorded `delivery_attempted` event and where it is in the job stream.
+#[derive(Debug, Clone)]
+pub struct RecordedAttempt {
+    /// Its sequence in `STEMQ_JOBS`.
+    pub seq: u64,
+    /// The event (its `time` is when the attempt was recorded).
+    pub event: Event,
+    /// The attempt.
+    pub attempt: DeliveryAttempted,
+}
+
+/// Why the delivery record could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The job stream could not be opened.
+    #[error("opening the job stream: {0}")]
+    Stream(#[source] async_nats::Error),
+    /// The reading consumer could not be created or asked for its state.
+    #[error("reading the delivery record of {job}: {source}")]
+    Consumer {
+        /// Whose record.
+        job: JobId,
+        /// Why.
+        #[source]
+        source: async_nats::Error,
+    },
+}
+
+/// Every `delivery_attempted` event of job `id` stored after stream sequence
+/// `after_seq` (0: all of them), in log order. Reads `stemq.jobs.<id>.delivery` with an
+/// ephemeral ordered consumer, so the cost is the job's own record, not the stream.
+pub async fn delivery_attempts(
+    js: &jetstream::Context,
+    id: &JobId,
+    after_seq: u64,
+) -> Result<Vec<RecordedAttempt>, RecordError> {
+    let stream = js.get_stream_no_info(JOBS_STREAM).await.map_err(|e| RecordError::Stream(e.into()))?;
+    let consumer_err = |e: async_nats::Error| RecordError::Consumer { job: id.clone(), source: e };
+    let deliver_policy = match after_seq {
+        0 => DeliverPolicy::All,
+        s => DeliverPolicy::ByStartSequence { start_sequence: s + 1 },
+    };
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject: job_subject(id, SubjectKind::Delivery),
+            deliver_policy,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| consumer_err(e.into()))?;
+    let mut info = consumer.clone();
+    let pending = info.info().await.map_err(|e| consumer_err(e.into()))?.num_pending;
+    let mut out = Vec::new();
+    if pending == 0 {
+        return Ok(out);
+    }
+    let mut msgs = consumer.messages().await.map_err(|e| consumer_err(e.into()))?;
+    let mut seen = 0u64;
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
+        seen += 1;
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+        if let Ok(event) = Event::from_slice(&m.payload) {
+            if let EventBody::DeliveryAttempted(attempt) = event.body.clone() {
+                out.push(RecordedAttempt { seq, event, attempt });
+            }
+        }
+        if seen >= pending {
+            break;
+        }
+    }
+    Ok(out)
 }
 
 /// Hosts and networks that webhooks may reach although they are not public, and where

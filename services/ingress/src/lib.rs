@@ -11,7 +11,8 @@
 //! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
 //! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
 //! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
-//!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate` ([`webhooks`])
+//!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate`,
+//!   `POST /v1/webhooks/enable` ([`webhooks`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
@@ -193,6 +194,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/separations/{id}/deliveries/{n}/replay", post(webhooks::replay))
         .route("/v1/webhooks/secret", get(webhooks::get_secret))
         .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
+        .route("/v1/webhooks/enable", post(webhooks::enable))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))

@@ -194,6 +194,18 @@ pub fn document() -> Value {
                     "responses": {"200": {"description": "The new secret", "content": {"application/json": {"schema": secret_body}}}}
                 }
             },
+            "/v1/webhooks/enable": {
+                "post": {
+                    "summary": "Deliver to a receiver URL again after a 410 Gone disabled it (the same as `stemq webhooks enable URL`)",
+                    "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}}}},
+                    "responses": {
+                        "200": {"description": "Enabled", "content": {"application/json": {"schema": {"type": "object", "properties": {
+                            "url": {"type": "string"}, "was_disabled": {"type": "boolean"},
+                            "disabled_urls": {"type": "array", "items": {"type": "string"}}}}}}},
+                        "422": err("No `url` in the body"),
+                    }
+                }
+            },
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness: NATS connected and the job stream present",
                                  "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},

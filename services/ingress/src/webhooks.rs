@@ -5,6 +5,8 @@
 //! - `POST /v1/webhooks/secret/rotate` → a new secret; the old one keeps signing (a
 //!   second `v1,` signature) for the grace period (`STEMQ_WEBHOOK_ROTATION_GRACE_S`,
 //!   default a day);
+//! - `POST /v1/webhooks/enable` `{"url": …}` → deliveries to a URL that a `410 Gone`
+//!   disabled are made again (the same [`webhook::enable`] as `stemq webhooks enable`);
 //! - `GET /v1/separations/{id}/deliveries` → every attempt the relay recorded, grouped
 //!   by delivery (`n` from 1, in order of first attempt);
 //! - `POST /v1/separations/{id}/deliveries/{n}/replay` → asks the relay to send
@@ -12,12 +14,12 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull::OrderedConfig};
+use async_nats::jetstream;
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
 use serde_json::{json, Value};
 use stemq_core::event::{DeliveryAttempted, DeliveryReplayRequested, EventBody};
 use stemq_core::nats::{self as names, job_subject, SubjectKind};
@@ -62,31 +64,27 @@ pub(crate) async fn rotate_secret(State(state): State<AppState>) -> Result<Json<
     Ok(Json(secret_body(&o)))
 }
 
+/// `POST /v1/webhooks/enable` with `{"url": "…"}`: 200 with `was_disabled` and the
+/// URLs still disabled; 422 without a `url`.
+pub(crate) async fn enable(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let url = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("url").and_then(Value::as_str).map(str::to_string))
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| ApiError {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+            code: "invalid_request",
+            message: "the body must be a JSON object with a `url` string".into(),
+            field: Some("url".into()),
+        })?;
+    let (o, was_disabled) = webhook::enable(&bucket(&state).await?, ANONYMOUS, &url).await.map_err(internal)?;
+    Ok(Json(json!({"url": url, "was_disabled": was_disabled, "disabled_urls": o.disabled})))
+}
+
 /// Every `delivery_attempted` event of a job, in log order.
 pub async fn attempts(js: &jetstream::Context, id: &JobId) -> Result<Vec<(Event, DeliveryAttempted)>, String> {
-    let stream = js.get_stream(names::JOBS_STREAM).await.map_err(|e| e.to_string())?;
-    let consumer = stream
-        .create_consumer(OrderedConfig { filter_subject: job_subject(id, SubjectKind::Delivery), ..Default::default() })
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut info = consumer.clone();
-    let pending = info.info().await.map_err(|e| e.to_string())?.num_pending;
-    let mut out = Vec::new();
-    if pending == 0 {
-        return Ok(out);
-    }
-    let mut msgs = consumer.messages().await.map_err(|e| e.to_string())?;
-    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
-        if let Ok(ev) = Event::from_slice(&m.payload) {
-            if let EventBody::DeliveryAttempted(a) = ev.body.clone() {
-                out.push((ev, a));
-            }
-        }
-        if out.len() as u64 >= pending {
-            break;
-        }
-    }
-    Ok(out)
+    let all = webhook::delivery_attempts(js, id, 0).await.map_err(|e| e.to_string())?;
+    Ok(all.into_iter().map(|r| (r.event, r.attempt)).collect())
 }
 
 /// Groups attempts by delivery (`webhook-id`), numbered from 1.

@@ -3,42 +3,58 @@
 //! This crate owns webhook delivery. It is a service of its own with its own durable
 //! consumers (`relay` over started/outcome/replay-request events, `relay-progress` over
 //! the compacted progress stream; both in `nats/consumers/`), so a slow or dead receiver
-//! delays no worker and no other service. For each event it:
+//! delays no worker and no other service. Each time the queue hands it an event, it
+//! (`handle`):
 //!
 //! 1. folds the event into the job's status view (the KV view, brought up to date with
 //!    the pure `apply`, so the payload never lags the event);
 //! 2. skips jobs without a webhook or whose `events` filter excludes the event
 //!    (`started`, `progress`, `completed` = any terminal status);
-//! 3. checks the URL against the SSRF policy and pins the resolved address;
-//! 4. POSTs `{"type", "timestamp", "data": <status view>}` signed with Standard Webhooks
-//!    (`webhook-id` = the event id, stable across retries and replays; one `v1,`
-//!    signature per active secret of the job's owner);
-//! 5. retries on timeout, connection errors, 5xx and 429 (honouring `Retry-After`)
-//!    along a bounded schedule with jitter; 410 disables the URL for the owner; 3xx and
-//!    other 4xx are final failures;
-//! 6. records every attempt as `delivery_attempted` on `stemq.jobs.<id>.delivery`, and
-//!    acks the event only when the delivery is over (a crash re-runs it with the same
-//!    `webhook-id`, so receivers de-duplicate).
+//! 3. finds where the event's delivery stands (`schedule`): a first delivery is
+//!    attempt 1; a redelivery reads the `delivery_attempted` events recorded for its
+//!    `webhook-id` (the log, never memory), which give the attempt number, when it is
+//!    due, or that the delivery is already over;
+//! 4. makes one attempt (`attempt`): the SSRF check with the resolved address pinned,
+//!    then a POST of `{"type", "timestamp", "data": <status view>}` signed with Standard
+//!    Webhooks (`webhook-id` = the event id, stable across retries and replays; one `v1,`
+//!    signature per active secret of the job's owner), and records it as
+//!    `delivery_attempted` on `stemq.jobs.<id>.delivery`;
+//! 5. acks when the delivery is over (2xx; 410, which disables the URL for the owner
+//!    until `stemq webhooks enable`; 3xx and other 4xx; the schedule's last attempt), or
+//!    naks with the next delay when the receiver asks for a retry (timeout, connection
+//!    error, 5xx, 429): the schedule's next step with up to +20 % jitter, or a longer
+//!    `Retry-After` (capped).
 //!
-//! Deliveries run concurrently (bounded by `concurrency`), so one slow receiver holds
-//! one slot, not the relay.
+//! The retry model: the queue holds the waiting. Between attempts nothing is held in
+//! the relay (no task, timer or concurrency slot), so receivers that keep failing cost
+//! one short attempt each per step and cannot starve others, and a relay that stops or
+//! crashes loses nothing: an event is acked only when its delivery is over, and whichever
+//! relay gets it next continues at the attempt number the log gives (a crash between an
+//! attempt and its record repeats that attempt with the same `webhook-id`, which
+//! receivers de-duplicate). The consumers have `max_deliver: -1` (the relay ends a
+//! schedule, not the server) and a `max_ack_pending` far above the deliveries that may
+//! wait for a retry at once.
+//!
+//! Deliveries run concurrently, at most `concurrency` attempts in flight.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod attempt;
+mod handle;
+mod memo;
+mod schedule;
 
-use async_nats::jetstream::{self, consumer::PullConsumer, kv, AckKind};
+pub use memo::ProgressMemo;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
-use serde_json::json;
-use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::publish::publish;
-use stemq_core::webhook::{self, Allowlist};
-use stemq_core::{apply, Event, JobId, JobView, Position};
+use stemq_core::nats as names;
+use stemq_core::webhook::Allowlist;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{info, warn};
 
 /// Relay failures at start.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +73,7 @@ pub enum RelayError {
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Delay before each attempt (the first is normally zero); its length bounds the
-    /// number of attempts. Jitter of up to +20 % is added to each non-zero delay.
+    /// number of attempts. Jitter of up to +20 % is added to each retry's delay.
     pub schedule: Vec<Duration>,
     /// Per-request timeout.
     pub timeout: Duration,
@@ -65,10 +81,12 @@ pub struct Config {
     pub max_retry_after: Duration,
     /// Hosts and networks allowed although not public (and over plain http).
     pub allow: Allowlist,
-    /// Deliveries in flight at once.
+    /// Attempts in flight at once (a delivery waiting for its retry holds none).
     pub concurrency: usize,
     /// Source name in recorded events.
     pub name: String,
+    /// Most jobs whose last progress percent is remembered (see [`ProgressMemo`]).
+    pub progress_jobs: usize,
 }
 
 impl Default for Config {
@@ -83,6 +101,7 @@ impl Default for Config {
             allow: Allowlist::from_env(),
             concurrency: 256,
             name: "relay".into(),
+            progress_jobs: 100_000,
         }
     }
 }
@@ -94,16 +113,27 @@ struct Shared {
     jobs_stream: jetstream::stream::Stream<()>,
     config: Config,
     /// Last progress percent delivered per job (progress is delivered on change only).
-    last_progress: Mutex<HashMap<JobId, i32>>,
+    last_progress: ProgressMemo,
 }
 
 fn js_err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> RelayError {
     move |e| RelayError::JetStream { what, message: e.to_string() }
 }
 
-/// Runs the relay until `shutdown`; deliveries in flight are abandoned (not acked) and
-/// resumed by the next relay.
+/// Runs the relay until `shutdown`. Nothing in flight is acked on the way out: an
+/// unfinished delivery stays with the queue and the next relay continues it.
 pub async fn run(client: async_nats::Client, config: Config, shutdown: CancellationToken) -> Result<(), RelayError> {
+    let memo = ProgressMemo::new(config.progress_jobs);
+    serve(client, config, memo, shutdown).await
+}
+
+/// [`run`] with the progress memory given by the caller, who can watch it (tests).
+pub async fn serve(
+    client: async_nats::Client,
+    config: Config,
+    memo: ProgressMemo,
+    shutdown: CancellationToken,
+) -> Result<(), RelayError> {
     let js = jetstream::new(client);
     let jobs = js.get_key_value(names::JOBS_BUCKET).await.map_err(|e| js_err("open jobs bucket")(&e))?;
     let webhooks = js.get_key_value(names::WEBHOOKS_BUCKET).await.map_err(|e| js_err("open webhooks bucket")(&e))?;
@@ -117,8 +147,7 @@ pub async fn run(client: async_nats::Client, config: Config, shutdown: Cancellat
         .await
         .map_err(|e| js_err("open relay-progress consumer")(&e))?;
     let slots = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let shared =
-        Arc::new(Shared { js, jobs, webhooks, jobs_stream, config, last_progress: Mutex::new(HashMap::new()) });
+    let shared = Arc::new(Shared { js, jobs, webhooks, jobs_stream, config, last_progress: memo });
     info!(concurrency = shared.config.concurrency, attempts = shared.config.schedule.len(), "relay running");
     let tracker = TaskTracker::new();
     for (consumer, is_progress) in [(events, false), (progress, true)] {
@@ -171,6 +200,8 @@ async fn pump(
                 }
                 None => break,
             };
+            // A slot is held for one attempt (bounded by the request timeout), never for
+            // the wait before a retry: that wait is the queue's (a nak with a delay).
             let permit = tokio::select! {
                 _ = stop.cancelled() => return,
                 p = slots.clone().acquire_owned() => p.expect("semaphore open"),
@@ -178,355 +209,8 @@ async fn pump(
             let (shared, stop) = (shared.clone(), stop.clone());
             tracker.spawn(async move {
                 let _permit = permit;
-                handle(&shared, msg, is_progress, &stop).await;
+                handle::handle(&shared, msg, is_progress, &stop).await;
             });
         }
-    }
-}
-
-/// The webhook event class of an event, if any.
-fn class_of(body: &EventBody) -> Option<&'static str> {
-    match body {
-        EventBody::Started(_) => Some("started"),
-        EventBody::Progress(_) => Some("progress"),
-        b if b.is_terminal() => Some("completed"),
-        _ => None,
-    }
-}
-
-/// The job's view with `event` folded in (from the KV view, or the log if the projector
-/// has not seen the job yet).
-async fn current_view(shared: &Shared, id: &JobId, pos: Option<Position>, event: &Event) -> Option<JobView> {
-    let mut view = stemq_projector::get_view(&shared.jobs, id).await.ok().flatten().map(|(v, _)| v);
-    if view.as_ref().is_none_or(|v| v.request.is_none()) {
-        if let Ok(m) = shared.jobs_stream.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-            if let Ok(req) = Event::from_slice(&m.payload) {
-                if let Some(v) = apply(view.as_ref(), Position::Log(m.sequence), &req) {
-                    view = Some(v);
-                }
-            }
-        }
-    }
-    if let Some(pos) = pos {
-        if let Some(v) = apply(view.as_ref(), pos, event) {
-            view = Some(v);
-        }
-    }
-    view
-}
-
-async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_progress: bool, stop: &CancellationToken) {
-    let Ok(event) = Event::from_slice(&msg.payload) else {
-        warn!(subject = %msg.subject, "unreadable event; skipping");
-        let _ = msg.ack_with(AckKind::Term).await;
-        return;
-    };
-    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-    let id = event.subject.clone();
-    let span =
-        info_span!("webhook.delivery", job_id = %id, event = event.body.kind(), trace_id = tracing::field::Empty);
-    // The delivery joins the job's trace (the outcome event carries its traceparent).
-    stemq_core::telemetry::set_parent(&span, event.traceparent.as_deref());
-    async {
-        let (webhook_id, event_type, replay, pos) = match &event.body {
-            EventBody::DeliveryReplayRequested(r) => (r.webhook_id.clone(), r.event_type.clone(), true, None),
-            body => {
-                if class_of(body).is_none() {
-                    let _ = msg.ack().await;
-                    return;
-                }
-                let pos = if is_progress { Position::Progress(seq) } else { Position::Log(seq) };
-                (format!("msg_{}", event.id), event.event_type(), false, Some(pos))
-            }
-        };
-        let Some(view) = current_view(shared, &id, pos, &event).await else {
-            let _ = msg.ack().await;
-            return;
-        };
-        let Some(hook) = view.webhook.clone() else {
-            let _ = msg.ack().await;
-            return;
-        };
-        if !replay {
-            let class = class_of(&event.body).unwrap_or("completed");
-            if !hook.events.iter().any(|e| e == class) {
-                let _ = msg.ack().await;
-                return;
-            }
-            if let EventBody::Progress(p) = &event.body {
-                // Heartbeats repeat the same progress: deliver changes only.
-                let pct = p.percent.round() as i32;
-                let unchanged = {
-                    let mut last = shared.last_progress.lock().expect("lock");
-                    last.insert(id.clone(), pct) == Some(pct)
-                };
-                if unchanged {
-                    let _ = msg.ack().await;
-                    return;
-                }
-            }
-        }
-        if view.status.is_terminal() {
-            shared.last_progress.lock().expect("lock").remove(&id);
-        }
-        let delivery = Delivery {
-            id: &id,
-            webhook_id: &webhook_id,
-            event_type: &event_type,
-            url: &hook.url,
-            owner: view.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default(),
-            view: &view,
-            replay,
-        };
-        deliver(shared, &delivery, &msg, stop).await;
-        let _ = msg.ack().await;
-    }
-    .instrument(span)
-    .await
-}
-
-struct Delivery<'a> {
-    id: &'a JobId,
-    webhook_id: &'a str,
-    event_type: &'a str,
-    url: &'a str,
-    owner: String,
-    view: &'a JobView,
-    replay: bool,
-}
-
-/// Outcome of one HTTP attempt.
-struct Attempt {
-    status: Option<u16>,
-    error: Option<String>,
-    retry_after: Option<Duration>,
-    latency: Duration,
-}
-
-fn classify(a: &Attempt) -> DeliveryResult {
-    match a.status {
-        Some(s) if (200..300).contains(&s) => DeliveryResult::Delivered,
-        Some(410) => DeliveryResult::Disabled,
-        Some(429) | Some(500..=599) | None => DeliveryResult::Retrying,
-        // 3xx (redirects are not followed) and other 4xx: the receiver said no.
-        Some(_) => DeliveryResult::Failed,
-    }
-}
-
-fn jitter(d: Duration) -> Duration {
-    if d.is_zero() {
-        return d;
-    }
-    d.mul_f64(1.0 + rand::random::<f64>() * 0.2)
-}
-
-async fn deliver(shared: &Shared, d: &Delivery<'_>, msg: &jetstream::Message, stop: &CancellationToken) {
-    let schedule = &shared.config.schedule;
-    let mut wait = Duration::ZERO;
-    for (i, planned) in schedule.iter().enumerate() {
-        let attempt = i as u32 + 1;
-        let delay = jitter(*planned).max(wait);
-        if !delay.is_zero() {
-            // Keep the event ours while we wait.
-            let deadline = Instant::now() + delay;
-            while Instant::now() < deadline {
-                let step = (deadline - Instant::now()).min(Duration::from_secs(20));
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(step) => {}
-                }
-                let _ = msg.ack_with(AckKind::Progress).await;
-            }
-        }
-        let (owner_cfg, _) = match webhook::owner_webhooks(&shared.webhooks, &d.owner).await {
-            Ok(o) => o,
-            Err(e) => {
-                warn!(error = %e, "cannot read the signing secret; retrying later");
-                wait = Duration::from_secs(1);
-                continue;
-            }
-        };
-        let t0 = Instant::now();
-        let (result, a) = if owner_cfg.disabled.iter().any(|u| u == d.url) {
-            let a = Attempt {
-                status: None,
-                error: Some("endpoint disabled after a 410 Gone".into()),
-                retry_after: None,
-                latency: Duration::ZERO,
-            };
-            (DeliveryResult::Disabled, a)
-        } else {
-            match webhook::check_url(d.url, &shared.config.allow).await {
-                Err(e) => {
-                    let a = Attempt { status: None, error: Some(e), retry_after: None, latency: t0.elapsed() };
-                    (DeliveryResult::Failed, a)
-                }
-                Ok(target) => {
-                    let a = post(shared, d, &owner_cfg, &target).await;
-                    let mut r = classify(&a);
-                    if r == DeliveryResult::Retrying && i + 1 == schedule.len() {
-                        r = DeliveryResult::Failed;
-                    }
-                    if r == DeliveryResult::Disabled {
-                        if let Err(e) = webhook::disable(&shared.webhooks, &d.owner, d.url).await {
-                            warn!(error = %e, "could not record the disabled endpoint");
-                        }
-                    }
-                    (r, a)
-                }
-            }
-        };
-        let next = (result == DeliveryResult::Retrying).then(|| {
-            let planned = schedule.get(i + 1).copied().unwrap_or_default();
-            match a.retry_after {
-                Some(ra) => ra.min(shared.config.max_retry_after).max(planned),
-                None => planned,
-            }
-        });
-        info!(
-            event = "webhook.attempt",
-            attempt,
-            status = a.status,
-            latency_ms = a.latency.as_millis() as u64,
-            result = ?result,
-            "webhook attempt"
-        );
-        let outcome = match result {
-            DeliveryResult::Delivered => "delivered",
-            DeliveryResult::Retrying => "retrying",
-            DeliveryResult::Failed => "failed",
-            DeliveryResult::Disabled => "disabled",
-        };
-        stemq_core::metrics::metrics().webhook(outcome, a.latency);
-        record(shared, d, attempt, &a, result, next).await;
-        match next {
-            Some(n) => wait = n,
-            None => return,
-        }
-    }
-}
-
-async fn post(shared: &Shared, d: &Delivery<'_>, owner: &webhook::OwnerWebhooks, target: &webhook::Target) -> Attempt {
-    let now = chrono::Utc::now();
-    let body = serde_json::to_vec(&json!({
-        "type": d.event_type,
-        "timestamp": now.to_rfc3339(),
-        "data": d.view,
-    }))
-    .expect("payload serialises");
-    let ts = now.timestamp();
-    let signature = webhook::signature_header(&owner.signing_secrets(now), d.webhook_id, ts, &body);
-    let client = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .timeout(shared.config.timeout)
-        // Connect to the address that was checked, whatever DNS says now.
-        .resolve(&target.host, target.addr)
-        .build();
-    let t0 = Instant::now();
-    let client = match client {
-        Ok(c) => c,
-        Err(e) => {
-            return Attempt { status: None, error: Some(e.to_string()), retry_after: None, latency: t0.elapsed() }
-        }
-    };
-    let res = client
-        .post(target.url.clone())
-        .header("content-type", "application/json")
-        .header("user-agent", "stemq-relay")
-        .header("webhook-id", d.webhook_id)
-        .header("webhook-timestamp", ts.to_string())
-        .header("webhook-signature", signature)
-        .body(body)
-        .send()
-        .await;
-    let latency = t0.elapsed();
-    match res {
-        Ok(r) => {
-            let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(parse_retry_after);
-            Attempt { status: Some(r.status().as_u16()), error: None, retry_after, latency }
-        }
-        Err(e) => Attempt {
-            status: None,
-            error: Some(if e.is_timeout() { "timeout".to_string() } else { e.to_string() }),
-            retry_after: None,
-            latency,
-        },
-    }
-}
-
-/// `Retry-After` as seconds or an HTTP date.
-fn parse_retry_after(v: &str) -> Option<Duration> {
-    if let Ok(s) = v.trim().parse::<u64>() {
-        return Some(Duration::from_secs(s));
-    }
-    let t = chrono::DateTime::parse_from_rfc2822(v.trim()).ok()?;
-    (t.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
-}
-
-async fn record(
-    shared: &Shared,
-    d: &Delivery<'_>,
-    attempt: u32,
-    a: &Attempt,
-    result: DeliveryResult,
-    next: Option<Duration>,
-) {
-    let ev = Event::new(
-        d.id,
-        &format!("/stemq/{}", shared.config.name),
-        EventBody::DeliveryAttempted(DeliveryAttempted {
-            webhook_id: d.webhook_id.to_string(),
-            event_type: d.event_type.to_string(),
-            url: d.url.to_string(),
-            attempt,
-            status_code: a.status,
-            latency_ms: a.latency.as_millis() as u64,
-            result,
-            error: a.error.clone(),
-            retry_in_ms: next.map(|n| n.as_millis() as u64),
-            replay: d.replay,
-        }),
-    );
-    if let Err(e) = publish(&shared.js, &job_subject(d.id, SubjectKind::Delivery), &ev, None).await {
-        warn!(error = %e, "delivery attempt not recorded");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn at(status: Option<u16>) -> Attempt {
-        Attempt { status, error: None, retry_after: None, latency: Duration::ZERO }
-    }
-
-    #[test]
-    fn status_codes_map_to_results() {
-        assert_eq!(classify(&at(Some(204))), DeliveryResult::Delivered);
-        assert_eq!(classify(&at(Some(410))), DeliveryResult::Disabled);
-        for s in [Some(429), Some(500), Some(503), None] {
-            assert_eq!(classify(&at(s)), DeliveryResult::Retrying);
-        }
-        for s in [301, 302, 307, 400, 404] {
-            assert_eq!(classify(&at(Some(s))), DeliveryResult::Failed);
-        }
-    }
-
-    #[test]
-    fn retry_after_seconds_and_dates() {
-        assert_eq!(parse_retry_after("3"), Some(Duration::from_secs(3)));
-        assert_eq!(parse_retry_after("soon"), None);
-        let later = (chrono::Utc::now() + chrono::Duration::seconds(30)).to_rfc2822();
-        let d = parse_retry_after(&later).unwrap();
-        assert!(d > Duration::from_secs(25) && d <= Duration::from_secs(30));
-    }
-
-    #[test]
-    fn jitter_is_bounded() {
-        for _ in 0..100 {
-            let j = jitter(Duration::from_secs(10));
-            assert!(j >= Duration::from_secs(10) && j <= Duration::from_secs(12));
-        }
-        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
     }
 }

@@ -141,6 +141,11 @@ pub enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
+    /// Webhook settings (re-enable a URL a 410 Gone disabled).
+    Webhooks {
+        #[command(subcommand)]
+        command: crate::webhooks::WebhooksCommand,
+    },
     /// Write the JSON Schemas of the contracts.
     Schemas {
         /// Folder to write into.
@@ -495,6 +500,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             crate::client::list(&g, Some("dead_lettered"), limit).await
         }
         Command::Dlq { command: DlqCommand::Replay { id } } => crate::client::replay(&g, &id).await,
+        Command::Webhooks { command } => crate::webhooks::run(&g, command).await,
         Command::Cancel { id } => crate::client::cancel(&g, &id).await,
         Command::Retry { id } => crate::client::replay(&g, &id).await,
         Command::Schemas { write } => {

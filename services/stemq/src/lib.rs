@@ -8,7 +8,8 @@
 //! - [`services`]: each service alone;
 //! - [`client`]: submit, status, list, watch, dead-letter replay;
 //! - [`bench`]: the benchmarks;
-//! - [`top`]: the live terminal view.
+//! - [`top`]: the live terminal view;
+//! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled).
 
 pub mod bench;
 pub mod cli;
@@ -18,6 +19,7 @@ pub mod models;
 pub mod separate;
 pub mod services;
 pub mod top;
+pub mod webhooks;
 
 use clap::Parser;
 

@@ -1,0 +1,235 @@
+//! One HTTP attempt of a delivery: the owner's secrets and disabled URLs, the SSRF
+//! check with the address pinned, the signed POST, what the answer means, and the
+//! `delivery_attempted` record of it. It never waits for a retry: it says how long the
+//! queue should wait ([`After`]).
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
+use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::publish::publish;
+use stemq_core::webhook;
+use stemq_core::{Event, JobId, JobView};
+use tracing::{info, warn};
+
+use crate::schedule::retry_delay;
+use crate::Shared;
+
+/// One delivery: an event (or a replay request) for one receiver.
+pub(crate) struct Delivery<'a> {
+    pub id: &'a JobId,
+    pub webhook_id: &'a str,
+    pub event_type: &'a str,
+    pub url: &'a str,
+    pub owner: String,
+    pub view: &'a JobView,
+    pub replay: bool,
+}
+
+/// What follows an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// The delivery ended (delivered, failed, disabled): ack.
+    Over,
+    /// The receiver asked for a retry: hand the event back for this long.
+    Retry(Duration),
+    /// Nothing was sent (the owner's settings could not be read): try again in this long.
+    NotAttempted(Duration),
+}
+
+/// Outcome of one HTTP attempt.
+pub(crate) struct Answer {
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub retry_after: Option<Duration>,
+    pub latency: Duration,
+}
+
+pub(crate) fn classify(a: &Answer) -> DeliveryResult {
+    match a.status {
+        Some(s) if (200..300).contains(&s) => DeliveryResult::Delivered,
+        Some(410) => DeliveryResult::Disabled,
+        Some(429) | Some(500..=599) | None => DeliveryResult::Retrying,
+        // 3xx (redirects are not followed) and other 4xx: the receiver said no.
+        Some(_) => DeliveryResult::Failed,
+    }
+}
+
+/// Makes attempt `n` (from 1) of `d` and records it.
+pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After {
+    let schedule = &shared.config.schedule;
+    let (owner_cfg, _) = match webhook::owner_webhooks(&shared.webhooks, &d.owner).await {
+        Ok(o) => o,
+        Err(e) => {
+            warn!(error = %e, "cannot read the signing secret; retrying later");
+            return After::NotAttempted(Duration::from_secs(1));
+        }
+    };
+    let t0 = Instant::now();
+    let (result, a) = if owner_cfg.disabled.iter().any(|u| u == d.url) {
+        let a = Answer {
+            status: None,
+            error: Some("endpoint disabled after a 410 Gone".into()),
+            retry_after: None,
+            latency: Duration::ZERO,
+        };
+        (DeliveryResult::Disabled, a)
+    } else {
+        match webhook::check_url(d.url, &shared.config.allow).await {
+            Err(e) => {
+                let a = Answer { status: None, error: Some(e), retry_after: None, latency: t0.elapsed() };
+                (DeliveryResult::Failed, a)
+            }
+            Ok(target) => {
+                let a = post(shared, d, &owner_cfg, &target).await;
+                let r = classify(&a);
+                if r == DeliveryResult::Disabled {
+                    if let Err(e) = webhook::disable(&shared.webhooks, &d.owner, d.url).await {
+                        warn!(error = %e, "could not record the disabled endpoint");
+                    }
+                }
+                (r, a)
+            }
+        }
+    };
+    let next = match result {
+        DeliveryResult::Retrying => retry_delay(schedule, n, a.retry_after, shared.config.max_retry_after),
+        _ => None,
+    };
+    // A retry the schedule has no room for is a failure.
+    let result = if result == DeliveryResult::Retrying && next.is_none() { DeliveryResult::Failed } else { result };
+    info!(
+        event = "webhook.attempt",
+        attempt = n,
+        status = a.status,
+        latency_ms = a.latency.as_millis() as u64,
+        result = ?result,
+        "webhook attempt"
+    );
+    let outcome = match result {
+        DeliveryResult::Delivered => "delivered",
+        DeliveryResult::Retrying => "retrying",
+        DeliveryResult::Failed => "failed",
+        DeliveryResult::Disabled => "disabled",
+    };
+    stemq_core::metrics::metrics().webhook(outcome, a.latency);
+    record(shared, d, n, &a, result, next).await;
+    next.map_or(After::Over, After::Retry)
+}
+
+async fn post(shared: &Shared, d: &Delivery<'_>, owner: &webhook::OwnerWebhooks, target: &webhook::Target) -> Answer {
+    let now = chrono::Utc::now();
+    let body = serde_json::to_vec(&json!({
+        "type": d.event_type,
+        "timestamp": now.to_rfc3339(),
+        "data": d.view,
+    }))
+    .expect("payload serialises");
+    let ts = now.timestamp();
+    let signature = webhook::signature_header(&owner.signing_secrets(now), d.webhook_id, ts, &body);
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(shared.config.timeout)
+        // Connect to the address that was checked, whatever DNS says now.
+        .resolve(&target.host, target.addr)
+        .build();
+    let t0 = Instant::now();
+    let client = match client {
+        Ok(c) => c,
+        Err(e) => return Answer { status: None, error: Some(e.to_string()), retry_after: None, latency: t0.elapsed() },
+    };
+    let res = client
+        .post(target.url.clone())
+        .header("content-type", "application/json")
+        .header("user-agent", "stemq-relay")
+        .header("webhook-id", d.webhook_id)
+        .header("webhook-timestamp", ts.to_string())
+        .header("webhook-signature", signature)
+        .body(body)
+        .send()
+        .await;
+    let latency = t0.elapsed();
+    match res {
+        Ok(r) => {
+            let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(parse_retry_after);
+            Answer { status: Some(r.status().as_u16()), error: None, retry_after, latency }
+        }
+        Err(e) => Answer {
+            status: None,
+            error: Some(if e.is_timeout() { "timeout".to_string() } else { e.to_string() }),
+            retry_after: None,
+            latency,
+        },
+    }
+}
+
+/// `Retry-After` as seconds or an HTTP date.
+pub(crate) fn parse_retry_after(v: &str) -> Option<Duration> {
+    if let Ok(s) = v.trim().parse::<u64>() {
+        return Some(Duration::from_secs(s));
+    }
+    let t = chrono::DateTime::parse_from_rfc2822(v.trim()).ok()?;
+    (t.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
+}
+
+/// Records the attempt on `stemq.jobs.<id>.delivery`: the record later attempts are
+/// numbered and timed from.
+async fn record(
+    shared: &Shared,
+    d: &Delivery<'_>,
+    attempt: u32,
+    a: &Answer,
+    result: DeliveryResult,
+    next: Option<Duration>,
+) {
+    let ev = Event::new(
+        d.id,
+        &format!("/stemq/{}", shared.config.name),
+        EventBody::DeliveryAttempted(DeliveryAttempted {
+            webhook_id: d.webhook_id.to_string(),
+            event_type: d.event_type.to_string(),
+            url: d.url.to_string(),
+            attempt,
+            status_code: a.status,
+            latency_ms: a.latency.as_millis() as u64,
+            result,
+            error: a.error.clone(),
+            retry_in_ms: next.map(|n| n.as_millis() as u64),
+            replay: d.replay,
+        }),
+    );
+    if let Err(e) = publish(&shared.js, &job_subject(d.id, SubjectKind::Delivery), &ev, None).await {
+        warn!(error = %e, "delivery attempt not recorded");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(status: Option<u16>) -> Answer {
+        Answer { status, error: None, retry_after: None, latency: Duration::ZERO }
+    }
+
+    #[test]
+    fn status_codes_map_to_results() {
+        assert_eq!(classify(&at(Some(204))), DeliveryResult::Delivered);
+        assert_eq!(classify(&at(Some(410))), DeliveryResult::Disabled);
+        for s in [Some(429), Some(500), Some(503), None] {
+            assert_eq!(classify(&at(s)), DeliveryResult::Retrying);
+        }
+        for s in [301, 302, 307, 400, 404] {
+            assert_eq!(classify(&at(Some(s))), DeliveryResult::Failed);
+        }
+    }
+
+    #[test]
+    fn retry_after_seconds_and_dates() {
+        assert_eq!(parse_retry_after("3"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_retry_after("soon"), None);
+        let later = (chrono::Utc::now() + chrono::Duration::seconds(30)).to_rfc2822();
+        let d = parse_retry_after(&later).unwrap();
+        assert!(d > Duration::from_secs(25) && d <= Duration::from_secs(30));
+    }
+}
