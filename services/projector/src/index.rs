@@ -156,7 +156,9 @@ impl ListIndex {
                                         Ok(v) => me.upsert(&v),
                                         // The projector reports and holds it; the index keeps
                                         // whatever it knew of the job.
-                                        Err(e) => warn!(job_id = %entry.key, error = %e, "list index: stored view does not parse"),
+                                        Err(e) => {
+                                            warn!(job_id = %entry.key, error = %e, "list index: stored view does not parse")
+                                        }
                                     }
                                 }
                                 _ => {

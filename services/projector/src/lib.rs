@@ -21,9 +21,12 @@
 //! the held ones follow in order. Only the held job waits: its lane keeps applying other
 //! jobs, and a job that keeps failing (a corrupt view) costs a few naks every
 //! [`MAX_RETRY_DELAY`] until it is fixed. Progress events only ever replace older
-//! progress, but they too wait while their job is held. The hold lives in memory: a
-//! projector that restarts while a job is held relies on the server's redelivery order
-//! (it is not re-derived from the log).
+//! progress, but they too wait while their job is held. A handed-back event comes back
+//! within [`MAX_RETRY_DELAY`] unless someone acked it (a second projector sharing the
+//! consumer during `stemq projector --rebuild`); one not seen again for [`HOLD_EXPIRY`]
+//! no longer holds its job. The hold lives in memory: a projector that restarts while a
+//! job is held relies on the server's redelivery order (it is not re-derived from the
+//! log).
 //!
 //! **A view that does not parse is an error**, never an absent view to overwrite:
 //! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
@@ -36,11 +39,11 @@
 
 pub mod index;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, AckKind};
 use futures::StreamExt;
@@ -58,6 +61,11 @@ type Pending = (Position, Event, jetstream::Message);
 
 /// The longest delay before a handed-back event comes again.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// How long a handed-back event that is not delivered again keeps holding its job: four
+/// times the projector consumer's `ack_wait` (30 s), so only an event acked elsewhere
+/// (another projector on the same consumer) stops holding.
+pub const HOLD_EXPIRY: Duration = Duration::from_secs(120);
 
 /// Projector failures.
 #[derive(Debug, thiserror::Error)]
@@ -213,11 +221,7 @@ pub async fn run(
 }
 
 /// Routes each message to its job's lane until the messages end (on shutdown).
-async fn pump(
-    mut messages: pull::Messages,
-    is_progress: bool,
-    lanes: Vec<mpsc::Sender<(jetstream::Message, bool)>>,
-) {
+async fn pump(mut messages: pull::Messages, is_progress: bool, lanes: Vec<mpsc::Sender<(jetstream::Message, bool)>>) {
     while let Some(msg) = messages.next().await {
         let lane = match names::job_id_of_subject(&msg.subject) {
             Some(id) => lane_of(&id, lanes.len()),
@@ -253,23 +257,16 @@ struct Lane {
     cap: usize,
     /// Views as last written, with their revision.
     cache: HashMap<JobId, (Option<JobView>, u64)>,
-    /// Held jobs: the log sequences handed back and not yet applied (module docs).
-    held: HashMap<JobId, BTreeSet<u64>>,
+    /// Held jobs: the log sequences handed back and not yet applied (module docs), with
+    /// when each was last handed back.
+    held: HashMap<JobId, BTreeMap<u64, Instant>>,
     resubscriptions: [Arc<AtomicU64>; 2],
     seen_resubscriptions: u64,
 }
 
 impl Lane {
     fn new(lane: usize, kv: kv::Store, cap: usize, resubscriptions: [Arc<AtomicU64>; 2]) -> Lane {
-        Lane {
-            lane,
-            kv,
-            cap,
-            cache: HashMap::new(),
-            held: HashMap::new(),
-            resubscriptions,
-            seen_resubscriptions: 0,
-        }
+        Lane { lane, kv, cap, cache: HashMap::new(), held: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
     }
 
     async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
@@ -290,6 +287,7 @@ impl Lane {
                 self.seen_resubscriptions = resubscriptions;
                 self.cache.clear();
             }
+            self.expire_holds();
             let per_job = self.group(&mut batch).await;
             for (id, events) in per_job {
                 self.job(id, events).await;
@@ -302,6 +300,25 @@ impl Lane {
                 }
             }
         }
+    }
+
+    /// Forgets held events not delivered again for [`HOLD_EXPIRY`]: someone else acked
+    /// them.
+    fn expire_holds(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        self.held.retain(|id, h| {
+            h.retain(|seq, at| {
+                let keep = now.duration_since(*at) < HOLD_EXPIRY;
+                if !keep {
+                    warn!(job_id = %id, seq, "held event not delivered again; no longer holding the job for it");
+                }
+                keep
+            });
+            !h.is_empty()
+        });
     }
 
     /// Reads the batch into events per job, each job's log events in log order.
@@ -355,7 +372,7 @@ impl Lane {
     async fn job(&mut self, id: JobId, events: Vec<Pending>) {
         let in_batch: BTreeSet<u64> = events.iter().filter_map(|(p, _, _)| log_seq(p)).collect();
         // The first held event that is not here: nothing after it may be applied.
-        let blocker = self.held.get(&id).and_then(|h| h.iter().find(|s| !in_batch.contains(s)).copied());
+        let blocker = self.held.get(&id).and_then(|h| h.keys().find(|s| !in_batch.contains(s)).copied());
         let (ready, later): (Vec<Pending>, Vec<Pending>) = match blocker {
             None => (events, Vec::new()),
             Some(b) => events.into_iter().partition(|(p, _, _)| log_seq(p).is_some_and(|s| s < b)),
@@ -368,8 +385,7 @@ impl Lane {
             return;
         }
         let refs: Vec<(Position, &Event)> = ready.iter().map(|(p, e, _)| (*p, e)).collect();
-        let span =
-            tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
+        let span = tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
         let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
         stemq_core::telemetry::set_parent(&span, tp);
         match tracing::Instrument::instrument(fold(&self.kv, &mut self.cache, &id, &refs), span).await {
@@ -408,7 +424,7 @@ impl Lane {
         let held = self.held.entry(id.clone()).or_default();
         for (pos, _, msg) in events {
             if let Some(s) = log_seq(pos) {
-                held.insert(s);
+                held.insert(s, Instant::now());
             }
             let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
         }
