@@ -6,6 +6,7 @@
 //! - [`metrics`]: the Prometheus metrics every process shares;
 //! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
 //! - [`publish`]: publishing events once (request, outcome) or plainly;
+//! - [`pull`]: the pull loop of every long-running consumer (resubscribes when its stream ends);
 //! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
 //! - [`engine`]: the separation engine seam and the fake engine;
 //! - [`storage`]: object storage for inputs and outputs (local files, S3);
@@ -20,6 +21,7 @@ pub mod metrics;
 pub mod nats;
 pub mod nats_server;
 pub mod publish;
+pub mod pull;
 pub mod request;
 pub mod schema;
 pub mod storage;

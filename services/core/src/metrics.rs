@@ -1,7 +1,7 @@
 //! Prometheus metrics shared by every stemq process.
 //!
 //! This module owns the metric names (`stemq_<name>_<unit>`, low-cardinality labels:
-//! model, device, outcome, class, consumer) and the process-wide registry. Each service
+//! model, device, outcome, class, consumer, kind) and the process-wide registry. Each service
 //! records into it; whichever serves `/metrics` (the ingress, or the small metrics
 //! listener of a worker or projector process) renders all of it, so `stemq dev` shows
 //! everything on one endpoint. Queue figures that NATS already knows (pending, in
@@ -51,6 +51,11 @@ struct WebhookLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProjectorErrorLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerLabels {
     worker: String,
 }
@@ -72,6 +77,7 @@ pub struct Metrics {
     in_flight: Family<ConsumerLabels, Gauge>,
     oldest_pending_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     projector_lag: Gauge,
+    projector_errors: Family<ProjectorErrorLabels, Counter>,
     heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     webhooks: Family<WebhookLabels, Counter>,
     webhook_latency: Histogram,
@@ -103,6 +109,7 @@ pub fn metrics() -> &'static Metrics {
         let in_flight = Family::<ConsumerLabels, Gauge>::default();
         let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         let projector_lag = Gauge::default();
+        let projector_errors = Family::<ProjectorErrorLabels, Counter>::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let gpu_memory = Family::<DeviceLabels, Gauge>::default();
         r.register("stemq_gpu_memory_used_bytes", "GPU memory in use, per device", gpu_memory.clone());
@@ -141,6 +148,12 @@ pub fn metrics() -> &'static Metrics {
             projector_lag.clone(),
         );
         r.register(
+            "stemq_projector_errors",
+            "Events the projector could not apply yet, by kind (corrupt_view, kv_read, kv_write, \
+             unreadable_event); each is retried or held, never skipped",
+            projector_errors.clone(),
+        );
+        r.register(
             "stemq_worker_heartbeat_timestamp_seconds",
             "Last heartbeat of each worker (Unix seconds)",
             heartbeat.clone(),
@@ -156,6 +169,7 @@ pub fn metrics() -> &'static Metrics {
             in_flight,
             oldest_pending_age,
             projector_lag,
+            projector_errors,
             heartbeat,
             webhooks,
             webhook_latency,
@@ -179,6 +193,12 @@ impl Metrics {
     pub fn webhook(&self, outcome: &str, latency: Duration) {
         self.webhooks.get_or_create(&WebhookLabels { outcome: outcome.into() }).inc();
         self.webhook_latency.observe(latency.as_secs_f64());
+    }
+
+    /// Counts one projector error of `kind` (`corrupt_view`, `kv_read`, `kv_write`,
+    /// `unreadable_event`).
+    pub fn projector_error(&self, kind: &str) {
+        self.projector_errors.get_or_create(&ProjectorErrorLabels { kind: kind.into() }).inc();
     }
 
     /// Records a worker heartbeat.
@@ -251,6 +271,7 @@ mod tests {
     fn populate(m: &Metrics) {
         m.outcome("dsp", "succeeded");
         m.heartbeat("w1");
+        m.projector_error("corrupt_view");
         m.webhook("delivered", Duration::from_millis(30));
         let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
         m.job_duration.get_or_create(&l).observe(1.5);
@@ -315,6 +336,7 @@ mod tests {
             "stemq_queue_in_flight_jobs",
             "stemq_queue_oldest_pending_age_seconds",
             "stemq_projector_lag_events",
+            "stemq_projector_errors_total",
             "stemq_worker_heartbeat_timestamp_seconds",
             "stemq_webhook_deliveries_total",
             "stemq_webhook_delivery_duration_seconds",

@@ -152,8 +152,13 @@ impl ListIndex {
                         Some(Ok(entry)) => {
                             match entry.operation {
                                 kv::Operation::Put => {
-                                    if let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) {
-                                        me.upsert(&v);
+                                    match serde_json::from_slice::<JobView>(&entry.value) {
+                                        Ok(v) => me.upsert(&v),
+                                        // The projector reports and holds it; the index keeps
+                                        // whatever it knew of the job.
+                                        Err(e) => {
+                                            warn!(job_id = %entry.key, error = %e, "list index: stored view does not parse")
+                                        }
                                     }
                                 }
                                 _ => {

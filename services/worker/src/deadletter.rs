@@ -6,7 +6,9 @@
 //! `STEMQ_ADVISORIES` stream captures it so none is lost, and this handler (durable
 //! consumer `deadletter`, one delivery per advisory across all workers) turns it into the
 //! job's `dead_lettered` outcome — unless the job already has an outcome, in which case
-//! the terminal subject refuses the second one.
+//! the terminal subject refuses the second one. It reads its consumer through
+//! [`stemq_core::pull::messages`], so it keeps handling advisories after a server
+//! restart or a recreated consumer.
 
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use serde::Deserialize;
 use stemq_core::event::{DeadLettered, EventBody};
 use stemq_core::nats::{self as names, job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish_once, Once};
+use stemq_core::pull::{self, PullOptions};
 use stemq_core::Event;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -39,7 +42,8 @@ pub struct DeadLetterError {
     message: String,
 }
 
-/// Runs until `shutdown`.
+/// Runs until `shutdown` (fails only if its consumer or the job stream cannot be opened
+/// at start).
 pub async fn run(js: jetstream::Context, shutdown: CancellationToken) -> Result<(), DeadLetterError> {
     let consumer: PullConsumer = js
         .get_consumer_from_stream(names::DEADLETTER_CONSUMER, names::ADVISORY_STREAM)
@@ -49,25 +53,10 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) -> Result<
         .get_stream_no_info(names::JOBS_STREAM)
         .await
         .map_err(|e| DeadLetterError { what: "open job stream", message: e.to_string() })?;
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(10)
-        .messages()
-        .await
-        .map_err(|e| DeadLetterError { what: "pull", message: e.to_string() })?;
-    loop {
-        let msg = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            m = messages.next() => m,
-        };
-        let msg = match msg {
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
-                warn!(error = %e, "dead-letter pull error");
-                continue;
-            }
-            None => return Ok(()),
-        };
+    // One delivery per advisory: a small batch, and a subscription that outlives server
+    // restarts and a recreated consumer.
+    let mut messages = pull::messages(consumer, PullOptions::batch(10), shutdown);
+    while let Some(msg) = messages.next().await {
         let adv: MaxDeliverAdvisory = match serde_json::from_slice(&msg.payload) {
             Ok(a) => a,
             Err(e) => {
@@ -86,6 +75,7 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) -> Result<
             }
         }
     }
+    Ok(())
 }
 
 async fn handle(
