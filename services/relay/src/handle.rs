@@ -29,9 +29,16 @@ fn class_of(body: &EventBody) -> Option<&'static str> {
 }
 
 /// The job's view with `event` folded in (from the KV view, or the log if the projector
-/// has not seen the job yet).
-async fn current_view(shared: &Shared, id: &JobId, pos: Option<Position>, event: &Event) -> Option<JobView> {
-    let mut view = stemq_projector::get_view(&shared.jobs, id).await.ok().flatten().map(|(v, _)| v);
+/// has not seen the job yet). A view that cannot be read (the bucket is unreachable, or
+/// the stored view does not parse) is an error: the event waits, rather than being
+/// delivered with a view rebuilt from the request alone.
+async fn current_view(
+    shared: &Shared,
+    id: &JobId,
+    pos: Option<Position>,
+    event: &Event,
+) -> Result<Option<JobView>, stemq_projector::ProjectorError> {
+    let mut view = stemq_projector::get_view(&shared.jobs, id).await?.map(|(v, _)| v);
     if view.as_ref().is_none_or(|v| v.request.is_none()) {
         if let Ok(m) = shared.jobs_stream.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
             if let Ok(req) = Event::from_slice(&m.payload) {
@@ -46,7 +53,7 @@ async fn current_view(shared: &Shared, id: &JobId, pos: Option<Position>, event:
             view = Some(v);
         }
     }
-    view
+    Ok(view)
 }
 
 /// True when the job's terminal event is stored (a direct get, no projector lag).
@@ -97,9 +104,17 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
                 (format!("msg_{}", event.id), event.event_type(), false, Some(pos))
             }
         };
-        let Some(view) = current_view(shared, &id, pos, &event).await else {
-            let _ = msg.ack().await;
-            return;
+        let view = match current_view(shared, &id, pos, &event).await {
+            Ok(Some(v)) => v,
+            Ok(None) => {
+                let _ = msg.ack().await;
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the job's view; the event waits");
+                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5)))).await;
+                return;
+            }
         };
         let Some(hook) = view.webhook.clone() else {
             let _ = msg.ack().await;

@@ -54,7 +54,7 @@ use stemq_core::webhook::Allowlist;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::info;
 
 /// Relay failures at start.
 #[derive(Debug, thiserror::Error)]
@@ -169,48 +169,19 @@ async fn pump(
     stop: CancellationToken,
     tracker: TaskTracker,
 ) {
-    loop {
-        let mut messages = match consumer
-            .stream()
-            .max_messages_per_batch(100)
-            .heartbeat(Duration::from_secs(5))
-            .expires(Duration::from_secs(30))
-            .messages()
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(error = %e, "relay pull failed; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
-                }
-            }
+    // The one pull loop (resubscribes when the stream ends, survives errors).
+    let mut messages = stemq_core::pull::messages(consumer, stemq_core::pull::PullOptions::batch(100), stop.clone());
+    while let Some(msg) = messages.next().await {
+        // A slot is held for one attempt (bounded by the request timeout), never for
+        // the wait before a retry: that wait is the queue's (a nak with a delay).
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            p = slots.clone().acquire_owned() => p.expect("semaphore open"),
         };
-        loop {
-            let msg = tokio::select! {
-                _ = stop.cancelled() => return,
-                m = messages.next() => m,
-            };
-            let msg = match msg {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => {
-                    warn!(error = %e, "relay pull error");
-                    continue;
-                }
-                None => break,
-            };
-            // A slot is held for one attempt (bounded by the request timeout), never for
-            // the wait before a retry: that wait is the queue's (a nak with a delay).
-            let permit = tokio::select! {
-                _ = stop.cancelled() => return,
-                p = slots.clone().acquire_owned() => p.expect("semaphore open"),
-            };
-            let (shared, stop) = (shared.clone(), stop.clone());
-            tracker.spawn(async move {
-                let _permit = permit;
-                handle::handle(&shared, msg, is_progress, &stop).await;
-            });
-        }
+        let (shared, stop) = (shared.clone(), stop.clone());
+        tracker.spawn(async move {
+            let _permit = permit;
+            handle::handle(&shared, msg, is_progress, &stop).await;
+        });
     }
 }
