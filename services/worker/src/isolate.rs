@@ -62,7 +62,7 @@ pub enum IsolateError {
 #[serde(tag = "type", rename_all = "snake_case")]
 enum ToHost {
     /// Run one attempt.
-    Job(WireJob),
+    Job(Box<WireJob>),
     /// Stop the running attempt at its next chunk boundary.
     Cancel,
 }
@@ -263,7 +263,7 @@ impl Engine for IsolatedEngine {
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
-        let wire = ToHost::Job(WireJob {
+        let wire = ToHost::Job(Box::new(WireJob {
             job_id: job.job_id.clone(),
             request: job.request.clone(),
             metadata: job.metadata.cloned(),
@@ -272,7 +272,7 @@ impl Engine for IsolatedEngine {
             out_dir: job.out_dir.to_path_buf(),
             device: job.device.to_string(),
             segment: job.segment,
-        });
+        }));
         let mut host = self.checkout()?;
         if host.send(&wire).is_err() {
             // The idle host died since its last job (nothing of this job ran): use a new one.
@@ -350,7 +350,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
                 match serde_json::from_str::<ToHost>(&line) {
                     Ok(ToHost::Job(j)) => {
                         cancel.store(false, Ordering::SeqCst);
-                        let _ = jobs_tx.send(j);
+                        let _ = jobs_tx.send(*j);
                     }
                     Ok(ToHost::Cancel) => cancel.store(true, Ordering::SeqCst),
                     Err(e) => eprintln!("engine host: unreadable message from the worker: {e}"),
