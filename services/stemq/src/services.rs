@@ -145,7 +145,10 @@ pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
     let client = connect(g, "stemq-worker").await?;
     serve_metrics(g, &client, crate::cli::shutdown_on_signals()).await?;
     let engine = engine(g, &opts)?;
-    let config = worker_config(g, &opts)?;
+    let mut config = worker_config(g, &opts)?;
+    if engine.devices().iter().any(|d| d.starts_with("cuda")) {
+        config.gpu_probe = Some("nvidia-smi".into());
+    }
     let shutdown = crate::cli::shutdown_on_signals();
     stemq_worker::run(client.clone(), engine, config, shutdown).await?;
     client.flush().await.ok();

@@ -24,6 +24,7 @@
 pub mod backoff;
 mod control;
 pub mod deadletter;
+pub mod gpu;
 pub mod isolate;
 pub mod job;
 pub mod scratch;
@@ -85,6 +86,9 @@ pub struct Config {
     pub progress_heartbeat: Duration,
     /// Run the dead-letter handler in this process.
     pub deadletter: bool,
+    /// The GPU memory probe (`nvidia-smi`), sampled for `stemq_gpu_memory_used_bytes`;
+    /// `None` (the default) when the engine has no CUDA device.
+    pub gpu_probe: Option<PathBuf>,
 }
 
 impl Config {
@@ -101,6 +105,7 @@ impl Config {
             progress_every: Duration::from_millis(500),
             progress_heartbeat: Duration::from_secs(1),
             deadletter: true,
+            gpu_probe: None,
         }
     }
 }
@@ -255,6 +260,9 @@ pub async fn run(
                 }
             }
         });
+    }
+    if let Some(probe) = config.gpu_probe.clone() {
+        tracker.spawn(gpu::run(probe, Duration::from_secs(15), shutdown.clone()));
     }
     tracker.close();
 
