@@ -76,7 +76,10 @@ fn fuzz_audio_decoders() {
         let opts = DecodeOptions { target_sample_rate: ENGINE_SAMPLE_RATE, max_duration_secs: Some(3.0 * 3600.0) };
         let mut d = match Decoder::open(Cursor::new(input.to_vec()), hint, opts) {
             Ok(d) => d,
-            Err(e) => return check_error(e, input),
+            Err(e) => {
+                check_error(e, input);
+                return false;
+            }
         };
         let mut frames = 0u64;
         loop {
@@ -94,8 +97,12 @@ fn fuzz_audio_decoders() {
                     }
                 }
                 Ok(None) => break,
-                Err(e) => return check_error(e, input),
+                Err(e) => {
+                    check_error(e, input);
+                    return false;
+                }
             }
         }
+        true
     });
 }

@@ -55,7 +55,7 @@ fn fuzz_event() {
     };
     fuzz(target, |input| {
         let Ok(event) = Event::from_slice(input) else {
-            return;
+            return false;
         };
         let _ = event.to_bytes();
         let _ = event.event_type();
@@ -66,5 +66,6 @@ fn fuzz_event() {
                 let _ = apply(Some(&view), Position::Progress(2), &event);
             }
         }
+        true
     });
 }

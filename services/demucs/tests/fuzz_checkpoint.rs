@@ -73,9 +73,13 @@ fn fuzz_checkpoint() {
         } else {
             input.to_vec()
         };
-        if let Ok(c) = Checkpoint::from_reader(Cursor::new(archive)) {
-            let _ = c.class_name();
-            let _ = HTDemucsConfig::from_kwargs(&c.kwargs);
+        match Checkpoint::from_reader(Cursor::new(archive)) {
+            Ok(c) => {
+                let _ = c.class_name();
+                let _ = HTDemucsConfig::from_kwargs(&c.kwargs);
+                true
+            }
+            Err(_) => false,
         }
     });
 }

@@ -207,7 +207,8 @@ fn mutate_once(data: &mut Vec<u8>, rng: &mut Rng, pool: &[Vec<u8>], dict: &[&[u8
 /// A new input: a seed with one to eight changes.
 pub fn mutate(rng: &mut Rng, pool: &[Vec<u8>], dict: &[&[u8]], max_len: usize) -> Vec<u8> {
     let mut data = if pool.is_empty() { Vec::new() } else { pool[rng.below(pool.len())].clone() };
-    let n = 1 + rng.below(if rng.chance(4) { 8 } else { 3 });
+    let most = if rng.chance(4) { 8 } else { 3 };
+    let n = 1 + rng.below(most);
     for _ in 0..n {
         mutate_once(&mut data, rng, pool, dict);
     }
@@ -301,9 +302,11 @@ struct Running {
 }
 
 /// Runs `target`: replays its regressions and seeds, then mutates for the configured
-/// time. `check` must panic on any property it finds broken; panics that the code under
-/// test catches itself are counted and their places listed, but are not failures.
-pub fn fuzz(target: Target, check: impl Fn(&[u8]) + Send + Sync + 'static) {
+/// time. `check` must panic on any property it finds broken, and returns whether the
+/// input was accepted (counted, so a run shows how deep it got); panics that the code
+/// under test catches itself are counted and their places listed, but are not failures.
+pub fn fuzz(target: Target, check: impl Fn(&[u8]) -> bool + Send + Sync + 'static) {
+    static ACCEPTED: AtomicUsize = AtomicUsize::new(0);
     install_hook();
     if let Some(mb) = env_u64("STEMQ_FUZZ_MAX_ALLOC_MB") {
         MAX_ALLOC.store((mb as usize) << 20, Ordering::Relaxed);
@@ -356,7 +359,11 @@ pub fn fuzz(target: Target, check: impl Fn(&[u8]) + Send + Sync + 'static) {
                         c.1.extend_from_slice(input);
                     }
                     QUIET.with(|q| q.set(true));
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(input)));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if check(input) {
+                            ACCEPTED.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }));
                     QUIET.with(|q| q.set(false));
                     running.lock().unwrap().started = None;
                     match r {
@@ -413,7 +420,11 @@ pub fn fuzz(target: Target, check: impl Fn(&[u8]) + Send + Sync + 'static) {
     }
     let (count, crash) = worker.join().expect("the fuzz thread catches every panic");
     let caught = PANICS.load(Ordering::SeqCst);
-    eprintln!("fuzz {}: {count} inputs run (seed 0x{seed:016x}); {caught} panics caught inside", target.name);
+    eprintln!(
+        "fuzz {}: {count} inputs run, {} accepted (seed 0x{seed:016x}); {caught} panics caught inside",
+        target.name,
+        ACCEPTED.load(Ordering::Relaxed)
+    );
     for place in PLACES.lock().unwrap().iter() {
         eprintln!("fuzz {}: a panic was caught{place}", target.name);
     }
