@@ -26,6 +26,8 @@
 //! * the decoded stream may not grow beyond [`MAX_EXPANSION`] times the input
 //!   file's size ([`AudioError::TooLarge`]), checked from the header's length when
 //!   it states one, else while decoding;
+//! * metadata lengths that cannot fit in the file are refused before symphonia
+//!   allocates them ([`crate::preflight`]);
 //! * a panic anywhere inside probing or decoding (symphonia, the resampler, our
 //!   own conversion) is caught and reported as [`AudioError::Undecodable`]: bad
 //!   input, permanent, never an engine fault.
@@ -461,6 +463,7 @@ impl Decoder {
         if let Some(rate) = sniffed.rate {
             check_rate(rate)?;
         }
+        crate::preflight::check(&mut source, input_bytes)?;
         let wav_tag = sniffed.wav_tag;
         let mss = MediaSourceStream::new(
             Box::new(SeekableSource { inner: source, len: Some(end - start) }),
