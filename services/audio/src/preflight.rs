@@ -20,9 +20,7 @@ const MAX_STEPS: usize = 4096;
 const MAX_OGG_BYTES: u64 = 4 << 20;
 
 fn damaged(what: &str, declared: u64, room: u64) -> AudioError {
-    AudioError::NotAudio {
-        detail: format!("damaged {what}: it declares {declared} bytes where only {room} remain"),
-    }
+    AudioError::NotAudio { detail: format!("damaged {what}: it declares {declared} bytes where only {room} remain") }
 }
 
 /// Checks the declared metadata lengths of the file that starts at the reader's

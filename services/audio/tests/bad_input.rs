@@ -236,3 +236,41 @@ fn issue_11_a_panic_inside_decoding_is_bad_input() {
         }
     }
 }
+
+/// A 16-bit stereo WAVE_FORMAT_EXTENSIBLE file with the given channel mask.
+fn wavex(mask: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(b"RIFF");
+    v.extend_from_slice(&(60 + data.len() as u32).to_le_bytes());
+    v.extend_from_slice(b"WAVEfmt ");
+    v.extend_from_slice(&40u32.to_le_bytes());
+    v.extend_from_slice(&0xFFFEu16.to_le_bytes());
+    v.extend_from_slice(&2u16.to_le_bytes());
+    v.extend_from_slice(&44_100u32.to_le_bytes());
+    v.extend_from_slice(&(44_100u32 * 4).to_le_bytes());
+    v.extend_from_slice(&4u16.to_le_bytes());
+    v.extend_from_slice(&16u16.to_le_bytes());
+    v.extend_from_slice(&22u16.to_le_bytes()); // extension size
+    v.extend_from_slice(&16u16.to_le_bytes()); // valid bits
+    v.extend_from_slice(&mask.to_le_bytes());
+    v.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0x10, 0, 0x80, 0, 0, 0xAA, 0, 0x38, 0x9B, 0x71]); // PCM
+    v.extend_from_slice(b"data");
+    v.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// Found by `tests/fuzz.rs`: a channel mask with only its top bit set for two channels
+/// makes symphonia's WAV reader shift a `u32` by 32 bits while fixing the mask, which
+/// panics where overflow checks are on (test builds; release builds wrap instead).
+#[test]
+#[cfg(debug_assertions)]
+fn issue_11_a_panic_inside_symphonia_is_invalid_audio() {
+    let (code, message) = invalid(separate(&wavex(0x8000_0000, &noise_bytes(4000)), "wav").0);
+    assert_eq!(code, "invalid_audio", "{message}");
+    assert!(message.contains("the decoder failed on it: attempt to shift left with overflow"), "{message}");
+    // The same file with an ordinary mask decodes.
+    let (r, written) = separate(&wavex(0x3, &noise_bytes(4000)), "wav");
+    r.unwrap();
+    assert!(written > 0);
+}

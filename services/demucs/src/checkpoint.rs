@@ -165,13 +165,13 @@ fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str)
     let f = zip.by_name(name).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
     let declared = f.size();
     if declared > MAX_ENTRY_BYTES {
-        return Err(DemucsError::Archive(format!("{name}: {declared} bytes, more than the {MAX_ENTRY_BYTES} accepted")));
+        return Err(DemucsError::Archive(format!(
+            "{name}: {declared} bytes, more than the {MAX_ENTRY_BYTES} accepted"
+        )));
     }
     // The declared size is only a hint: a damaged archive may state anything.
     let mut buf = Vec::with_capacity(declared.min(16 << 20) as usize);
-    f.take(MAX_ENTRY_BYTES + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    f.take(MAX_ENTRY_BYTES + 1).read_to_end(&mut buf).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
     if buf.len() as u64 > MAX_ENTRY_BYTES {
         return Err(DemucsError::Archive(format!("{name}: more than the {MAX_ENTRY_BYTES} bytes accepted")));
     }
@@ -277,7 +277,8 @@ fn rebuild_tensor<R: Read + std::io::Seek>(
     // (offset + Σ (size−1)·stride) lies inside it: checked before allocating, so every
     // position below is in bounds and no sum can overflow.
     let outside = || "tensor view outside its storage".to_string();
-    let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= n_storage).ok_or_else(outside)?;
+    let numel =
+        shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= n_storage).ok_or_else(outside)?;
     if numel > 0 {
         let last = shape.iter().zip(&stride).try_fold(offset, |acc, (&d, &s)| (d - 1).checked_mul(s)?.checked_add(acc));
         if last.is_none_or(|l| l >= n_storage) {

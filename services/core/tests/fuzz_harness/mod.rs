@@ -152,7 +152,8 @@ fn mutate_once(data: &mut Vec<u8>, rng: &mut Rng, pool: &[Vec<u8>], dict: &[&[u8
             let v = INTERESTING[rng.below(INTERESTING.len())];
             let width = [1, 2, 4, 8][rng.below(4)];
             let bytes = if rng.chance(2) { v.to_le_bytes() } else { v.to_be_bytes() };
-            let bytes = if bytes[0] == 0 && width < 8 && !rng.chance(2) { &bytes[8 - width..] } else { &bytes[..width] };
+            let bytes =
+                if bytes[0] == 0 && width < 8 && !rng.chance(2) { &bytes[8 - width..] } else { &bytes[..width] };
             let i = rng.below(len);
             for (k, b) in bytes.iter().enumerate() {
                 if let Some(x) = data.get_mut(i + k) {
@@ -216,8 +217,11 @@ pub fn mutate(rng: &mut Rng, pool: &[Vec<u8>], dict: &[&[u8]], max_len: usize) -
     data
 }
 
+/// A corpus file: its path and bytes.
+pub type Named = (PathBuf, Vec<u8>);
+
 /// Every plain file in `dir` but `README.md` and dot files, sorted by name.
-pub fn read_dir(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+pub fn read_dir(dir: &Path) -> Vec<Named> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -319,7 +323,8 @@ pub fn fuzz(target: Target, check: impl Fn(&[u8]) -> bool + Send + Sync + 'stati
     let crash_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fuzz-crashes").join(target.name);
     *CURRENT.lock().unwrap() = Some((crash_dir.clone(), Vec::new()));
 
-    let (fixed, seeds): (Vec<(PathBuf, Vec<u8>)>, Vec<Vec<u8>>) = match std::env::var_os("STEMQ_FUZZ_INPUT") {
+    // (inputs replayed as they are, seeds to mutate)
+    let (fixed, seeds): (Vec<Named>, Vec<Vec<u8>>) = match std::env::var_os("STEMQ_FUZZ_INPUT") {
         Some(one) => {
             let p = PathBuf::from(one);
             let b = std::fs::read(&p).expect("STEMQ_FUZZ_INPUT");
