@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 scripts/install-nats.sh
 if [[ -x scripts/install-test-deps.sh ]]; then scripts/install-test-deps.sh; fi
 export PATH="$PWD/.stemq/venv/bin:$PATH"
+# The fuzz targets (`fuzz_*` tests: request, event, audio, checkpoint) mutate their seed
+# corpora for STEMQ_FUZZ_SECS each (3 s by default); CI gives each a minute.
+if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60}"; fi
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"

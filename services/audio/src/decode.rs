@@ -17,6 +17,20 @@
 //! # Memory
 //! Only one packet, one resampler block and one output chunk are alive at a
 //! time: memory does not grow with the length of the track.
+//!
+//! # Hostile input
+//! A decoder must never take a worker down or make it retry a bad file, so:
+//! * source sample rates outside [`MIN_SAMPLE_RATE`]`..=`[`MAX_SAMPLE_RATE`] are
+//!   refused ([`AudioError::SampleRate`]), read from the WAV/FLAC header before
+//!   symphonia sees it (a 0 Hz WAV used to panic inside symphonia);
+//! * the decoded stream may not grow beyond [`MAX_EXPANSION`] times the input
+//!   file's size ([`AudioError::TooLarge`]), checked from the header's length when
+//!   it states one, else while decoding;
+//! * metadata lengths that cannot fit in the file are refused before symphonia
+//!   allocates them ([`crate::preflight`]);
+//! * a panic anywhere inside probing or decoding (symphonia, the resampler, our
+//!   own conversion) is caught and reported as [`AudioError::Undecodable`]: bad
+//!   input, permanent, never an engine fault.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -37,6 +51,31 @@ use crate::resample::StreamResampler;
 
 /// The sample rate the separation engines work at.
 pub const ENGINE_SAMPLE_RATE: u32 = 44_100;
+
+/// Lowest accepted source sample rate (telephone-band audio). Below it a tiny file
+/// declares minutes of audio: a 244-byte WAV at 1 Hz used to come out as 70 MB of stems.
+pub const MIN_SAMPLE_RATE: u32 = 8_000;
+
+/// Highest accepted source sample rate (the highest rate of studio converters).
+pub const MAX_SAMPLE_RATE: u32 = 384_000;
+
+/// Most bytes of decoded audio (stereo `f32` at the target rate, 8 bytes a frame) per
+/// byte of input file.
+///
+/// The worst legitimate music is the lowest-bitrate codec stream decoded to the
+/// engines' 44.1 kHz stereo float: MP3's lowest bitrate, 8 kbit/s (MPEG-2.5, 8 kHz
+/// mono), is 1 000 bytes a second of input for 44 100 × 8 = 352 800 bytes a second
+/// decoded, a factor of 352.8 (libsndfile's 8 kHz mono MP3 and lowest-quality Vorbis of
+/// a busy signal measure about 170); PCM WAV at 8 kHz 8-bit mono, the leanest PCM we
+/// accept, is 44.1. Even a whole file of digital silence from standard encoders
+/// passes: 2 194 for FLAC at 44.1 kHz stereo, 3 193 for Vorbis at 8 kHz mono (both
+/// measured with libsndfile, 60 s). Hence 4 096. Stems are written at most 4 (6 for
+/// `htdemucs_6s`) per job, each no larger than the decoded stream (the widest output,
+/// `f32` WAV, is 8 bytes a frame), so a job writes at most 6 × 4 096 times its input.
+/// What it stops is the tiny file that claims hours: the 244-byte 1 Hz WAV of issue 11
+/// decodes to 144 590 times its size (refused by the sample-rate floor as well), and
+/// half a kilobyte of FLAC made of constant 65 535-sample blocks to over 200 000 times.
+pub const MAX_EXPANSION: u64 = 4096;
 
 /// Options for [`Decoder`].
 #[derive(Debug, Clone)]
@@ -103,6 +142,8 @@ struct Sniff {
     wav_tag: Option<u16>,
     /// FLAC STREAMINFO total samples.
     flac_total: Option<u64>,
+    /// The sample rate the WAV `fmt ` chunk or the FLAC STREAMINFO declares.
+    rate: Option<u32>,
 }
 
 /// Reads container facts without consuming the source.
@@ -123,32 +164,67 @@ fn sniff<R: Read + Seek>(r: &mut R) -> Sniff {
         return Sniff::default();
     }
     let head = &head[..n];
-    let mut s = Sniff { wav_tag: wav_format_tag(head), flac_total: None };
+    let (wav_tag, wav_rate) = wav_fmt(head).unzip();
+    let mut s = Sniff { wav_tag, flac_total: None, rate: wav_rate.flatten() };
     if head.len() >= 26 && &head[0..4] == b"fLaC" && head[4] & 0x7F == 0 {
         let v = u64::from_be_bytes(head[18..26].try_into().expect("8 bytes"));
         s.flac_total = Some(v & ((1 << 36) - 1));
+        // STREAMINFO: 20 bits of sample rate after the two 16-bit block sizes and the
+        // two 24-bit frame sizes.
+        s.rate = Some((v >> 44) as u32);
     }
     s
 }
 
-fn wav_format_tag(head: &[u8]) -> Option<u16> {
+/// The WAV format tag (or the extensible sub-format) and, when the chunk is long
+/// enough to hold it, the declared sample rate.
+fn wav_fmt(head: &[u8]) -> Option<(u16, Option<u32>)> {
     if head.len() < 12 || &head[0..4] != b"RIFF" || &head[8..12] != b"WAVE" {
         return None;
     }
-    let mut pos = 12;
-    while pos + 8 <= head.len() {
+    let mut pos = 12usize;
+    while pos.checked_add(8)? <= head.len() {
         let id = &head[pos..pos + 4];
         let size = u32::from_le_bytes(head[pos + 4..pos + 8].try_into().ok()?) as usize;
         if id == b"fmt " && pos + 10 <= head.len() {
+            let rate = head.get(pos + 12..pos + 16).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
             let tag = u16::from_le_bytes([head[pos + 8], head[pos + 9]]);
             if tag == 0xFFFE && pos + 8 + 26 <= head.len() {
-                return Some(u16::from_le_bytes([head[pos + 8 + 24], head[pos + 8 + 25]]));
+                return Some((u16::from_le_bytes([head[pos + 8 + 24], head[pos + 8 + 25]]), rate));
             }
-            return Some(tag);
+            return Some((tag, rate));
         }
-        pos += 8 + size + (size & 1);
+        pos = pos.checked_add(8)?.checked_add(size)?.checked_add(size & 1)?;
     }
     None
+}
+
+/// Refuses sample rates no real recording has.
+fn check_rate(rate: u32) -> Result<(), AudioError> {
+    if (MIN_SAMPLE_RATE..=MAX_SAMPLE_RATE).contains(&rate) {
+        Ok(())
+    } else {
+        Err(AudioError::SampleRate { rate })
+    }
+}
+
+/// The message of a caught panic, first line only and bounded, for an error detail.
+fn panic_detail(payload: &(dyn std::any::Any + Send)) -> String {
+    let msg = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into());
+    let line = msg.lines().next().unwrap_or("").trim();
+    line.chars().take(200).collect()
+}
+
+/// Runs one decoding step; a panic inside it becomes [`AudioError::Undecodable`].
+fn guarded<T>(step: impl FnOnce() -> Result<T, AudioError>) -> Result<T, AudioError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)) {
+        Ok(r) => r,
+        Err(payload) => Err(AudioError::Undecodable { detail: panic_detail(payload.as_ref()) }),
+    }
 }
 
 fn wav_tag_name(tag: u16) -> String {
@@ -309,7 +385,22 @@ pub struct Decoder {
     conv: Converter,
     resampler: Option<StreamResampler>,
     decoded_frames: u64,
+    /// Frames handed out so far, at the target rate (for [`MAX_EXPANSION`]).
+    output_frames: u64,
+    /// Size of the input in bytes.
+    input_bytes: u64,
     done: bool,
+}
+
+/// Refuses a decoded stream of `out_frames` stereo `f32` frames from `input_bytes`
+/// bytes when it exceeds [`MAX_EXPANSION`].
+fn check_expansion(out_frames: u128, input_bytes: u64) -> Result<(), AudioError> {
+    let decoded = out_frames.saturating_mul(8);
+    if decoded > u128::from(input_bytes) * u128::from(MAX_EXPANSION) {
+        Err(AudioError::TooLarge { input_bytes, max_ratio: MAX_EXPANSION })
+    } else {
+        Ok(())
+    }
 }
 
 fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
@@ -345,7 +436,16 @@ impl Decoder {
     }
 
     /// Opens any seekable byte source. `extension_hint` (e.g. `Some("mp3")`) helps the probe.
-    pub fn open<R>(mut source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
+    ///
+    /// A panic while probing is caught and returned as [`AudioError::Undecodable`].
+    pub fn open<R>(source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
+    where
+        R: Read + Seek + Send + Sync + 'static,
+    {
+        guarded(|| Self::open_unguarded(source, extension_hint, opts))
+    }
+
+    fn open_unguarded<R>(mut source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
     where
         R: Read + Seek + Send + Sync + 'static,
     {
@@ -358,7 +458,12 @@ impl Decoder {
         if end <= start {
             return Err(AudioError::NotAudio { detail: "the file is zero bytes long".into() });
         }
+        let input_bytes = end - start;
         let sniffed = sniff(&mut source);
+        if let Some(rate) = sniffed.rate {
+            check_rate(rate)?;
+        }
+        crate::preflight::check(&mut source, input_bytes)?;
         let wav_tag = sniffed.wav_tag;
         let mss = MediaSourceStream::new(
             Box::new(SeekableSource { inner: source, len: Some(end - start) }),
@@ -393,9 +498,7 @@ impl Decoder {
         let sample_rate = params
             .sample_rate
             .ok_or_else(|| AudioError::NotAudio { detail: "the stream does not state its sample rate".into() })?;
-        if sample_rate == 0 {
-            return Err(AudioError::NotAudio { detail: "sample rate of 0 Hz".into() });
-        }
+        check_rate(sample_rate)?;
         let frames = params.n_frames;
         let duration_secs = frames.map(|f| f as f64 / sample_rate as f64);
         let info = SourceInfo {
@@ -413,6 +516,10 @@ impl Decoder {
                 return Err(AudioError::TooLong { duration: format_mmss(d), max: format_mmss(max) });
             }
         }
+        if let Some(frames) = frames {
+            let out_frames = u128::from(frames) * u128::from(opts.target_sample_rate) / u128::from(sample_rate);
+            check_expansion(out_frames, input_bytes)?;
+        }
         let resampler = if sample_rate != opts.target_sample_rate {
             Some(StreamResampler::new(sample_rate, opts.target_sample_rate)?)
         } else {
@@ -428,6 +535,8 @@ impl Decoder {
             conv: Converter { matrix: Vec::new(), spec: None, sample_buf: None },
             resampler,
             decoded_frames: 0,
+            output_frames: 0,
+            input_bytes,
             done: false,
         })
     }
@@ -497,8 +606,32 @@ impl Decoder {
     /// Decodes the next chunk. Returns `Ok(None)` at the end of the stream.
     ///
     /// Chunk sizes follow the codec's packet sizes (and the resampler's
-    /// block size); never rely on a particular size.
+    /// block size); never rely on a particular size. A panic while decoding is
+    /// caught and returned as [`AudioError::Undecodable`]; the decoder is done after
+    /// any error.
     pub fn next_chunk(&mut self) -> Result<Option<StereoChunk>, AudioError> {
+        if self.done {
+            return Ok(None);
+        }
+        let result = guarded(|| self.next_chunk_unguarded());
+        match result {
+            Ok(Some(chunk)) => {
+                self.output_frames += chunk.len() as u64;
+                if let Err(e) = check_expansion(u128::from(self.output_frames), self.input_bytes) {
+                    self.done = true;
+                    return Err(e);
+                }
+                Ok(Some(chunk))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                self.done = true;
+                Err(e)
+            }
+        }
+    }
+
+    fn next_chunk_unguarded(&mut self) -> Result<Option<StereoChunk>, AudioError> {
         loop {
             if self.done {
                 return Ok(None);

@@ -77,6 +77,14 @@ pub fn engine_error(e: AudioError) -> EngineError {
         AudioError::CorruptFrame { at, detail } => {
             invalid("corrupt_audio", format!("the input is damaged: corrupt frame at {at} ({detail})"))
         }
+        AudioError::SampleRate { .. } => {
+            invalid("invalid_audio", format!("the input is not an audio file stemq can read ({e})"))
+        }
+        AudioError::TooLarge { .. } => invalid("invalid_audio", format!("the input is refused: {e}")),
+        AudioError::Undecodable { detail } => invalid(
+            "invalid_audio",
+            format!("the input is not an audio file stemq can read (the decoder failed on it: {detail})"),
+        ),
         AudioError::Cancelled => EngineError::Cancelled,
         AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
         // Our own bugs: not the input's fault, and another try will not fix them.

@@ -2,7 +2,8 @@
 //!
 //! Every failure this crate can report is one variant. The input-related
 //! variants ([`AudioError::NotAudio`], [`AudioError::UnsupportedCodec`],
-//! [`AudioError::Empty`], [`AudioError::TooLong`], [`AudioError::CorruptFrame`])
+//! [`AudioError::Empty`], [`AudioError::TooLong`], [`AudioError::CorruptFrame`],
+//! [`AudioError::SampleRate`], [`AudioError::TooLarge`], [`AudioError::Undecodable`])
 //! are permanent: retrying the same bytes gives the same answer. I/O errors
 //! are kept apart in [`AudioError::Io`] because they may be transient.
 
@@ -42,6 +43,37 @@ pub enum AudioError {
         /// What went wrong, from the decoder.
         detail: String,
     },
+    /// The source's sample rate is outside what any real recording uses
+    /// ([`crate::decode::MIN_SAMPLE_RATE`]`..=`[`crate::decode::MAX_SAMPLE_RATE`]).
+    #[error(
+        "unsupported sample rate: {rate} Hz (accepted: {} to {} Hz)",
+        crate::decode::MIN_SAMPLE_RATE,
+        crate::decode::MAX_SAMPLE_RATE
+    )]
+    SampleRate {
+        /// The rate the header declares.
+        rate: u32,
+    },
+    /// The decoded audio would be more than [`crate::decode::MAX_EXPANSION`] times
+    /// larger than the file: the header claims far more audio than the file can hold.
+    #[error(
+        "the file ({input_bytes} bytes) would decode to more than {max_ratio} times its size; \
+         its header claims more audio than it can hold"
+    )]
+    TooLarge {
+        /// Size of the input file.
+        input_bytes: u64,
+        /// The largest accepted ratio of decoded bytes (stereo `f32`) to input bytes.
+        max_ratio: u64,
+    },
+    /// The decoder failed on these bytes in a way it does not report as an error (a
+    /// panic inside symphonia or a conversion step, caught): bad input, not a fault
+    /// of the engine.
+    #[error("the decoder cannot read this file: {detail}")]
+    Undecodable {
+        /// The first line of the decoder's panic message.
+        detail: String,
+    },
     /// The operation was cancelled by the caller's cancellation check.
     #[error("cancelled")]
     Cancelled,
@@ -66,6 +98,9 @@ impl AudioError {
                 | AudioError::Empty
                 | AudioError::TooLong { .. }
                 | AudioError::CorruptFrame { .. }
+                | AudioError::SampleRate { .. }
+                | AudioError::TooLarge { .. }
+                | AudioError::Undecodable { .. }
         )
     }
 }

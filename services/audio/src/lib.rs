@@ -7,7 +7,9 @@
 //! * [`dsp`] — the weight-free baseline separation engine (vocals, drums,
 //!   bass, other), streamed with bounded memory;
 //! * [`engine`] — [`DspEngine`], the `dsp` separator behind stemq's engine seam;
-//! * [`error`] — the single error enum, [`AudioError`].
+//! * [`error`] — the single error enum, [`AudioError`];
+//! * `preflight` — metadata lengths checked against the file before symphonia
+//!   allocates them.
 //!
 //! The typical pipeline is [`separate_file`]: decode → separate → encode,
 //! chunk by chunk, with memory independent of the track's length.
@@ -19,6 +21,7 @@ pub mod encode;
 pub mod engine;
 pub mod error;
 pub mod flac;
+mod preflight;
 mod resample;
 pub mod synth;
 pub mod wav;

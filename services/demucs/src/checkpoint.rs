@@ -11,6 +11,12 @@
 //! `crosstransformer.layers.0.self_attn.in_proj_weight`, ...); the blocks' `load`
 //! functions say which keys they take, and [`StateDict::finish`] refuses leftovers
 //! (strict, like `load_state_dict`).
+//!
+//! A damaged or hostile file is an error, never a panic or a huge allocation (found by
+//! fuzzing, `tests/fuzz_checkpoint.rs`): archive entries are read up to
+//! [`MAX_ENTRY_BYTES`] whatever size the archive declares, and a tensor's view
+//! (offset, shape, strides) must lie inside its storage, checked with overflow-free
+//! arithmetic before anything is allocated for it.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -150,10 +156,25 @@ impl Checkpoint {
     }
 }
 
+/// Largest archive entry read (the pickle or one tensor storage). The largest storage of
+/// the released HTDemucs models is a few MB; a model whose single tensor passes 1 GiB is
+/// not one this engine runs.
+pub const MAX_ENTRY_BYTES: u64 = 1 << 30;
+
 fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str) -> Result<Vec<u8>, DemucsError> {
-    let mut f = zip.by_name(name).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
-    let mut buf = Vec::with_capacity(f.size() as usize);
-    f.read_to_end(&mut buf).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    let f = zip.by_name(name).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    let declared = f.size();
+    if declared > MAX_ENTRY_BYTES {
+        return Err(DemucsError::Archive(format!(
+            "{name}: {declared} bytes, more than the {MAX_ENTRY_BYTES} accepted"
+        )));
+    }
+    // The declared size is only a hint: a damaged archive may state anything.
+    let mut buf = Vec::with_capacity(declared.min(16 << 20) as usize);
+    f.take(MAX_ENTRY_BYTES + 1).read_to_end(&mut buf).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    if buf.len() as u64 > MAX_ENTRY_BYTES {
+        return Err(DemucsError::Archive(format!("{name}: more than the {MAX_ENTRY_BYTES} bytes accepted")));
+    }
     Ok(buf)
 }
 
@@ -238,25 +259,36 @@ fn rebuild_tensor<R: Read + std::io::Seek>(
     };
     let key = pid[2].as_str().ok_or("bad storage key")?.to_string();
     let offset = match &args[1] {
-        Value::Int(i) => *i as usize,
+        Value::Int(i) if *i >= 0 => *i as usize,
         _ => return Err("bad storage offset".into()),
     };
     let shape = ints(&args[2])?;
     let stride = ints(&args[3])?;
+    if shape.len() != stride.len() {
+        return Err(format!("{} dimensions but {} strides", shape.len(), stride.len()));
+    }
     if !storages.contains_key(&key) {
         let bytes = read_entry(zip, &format!("{prefix}data/{key}")).map_err(|e| e.to_string())?;
         storages.insert(key.clone(), bytes);
     }
     let bytes = &storages[&key];
-    let numel: usize = shape.iter().product();
-    let mut data = Vec::with_capacity(numel);
     let n_storage = bytes.len() / dtype.size();
+    // A saved parameter never has more elements than its storage, and its last element
+    // (offset + Σ (size−1)·stride) lies inside it: checked before allocating, so every
+    // position below is in bounds and no sum can overflow.
+    let outside = || "tensor view outside its storage".to_string();
+    let numel =
+        shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= n_storage).ok_or_else(outside)?;
+    if numel > 0 {
+        let last = shape.iter().zip(&stride).try_fold(offset, |acc, (&d, &s)| (d - 1).checked_mul(s)?.checked_add(acc));
+        if last.is_none_or(|l| l >= n_storage) {
+            return Err(outside());
+        }
+    }
+    let mut data = Vec::with_capacity(numel);
     let mut idx = vec![0usize; shape.len()];
     for _ in 0..numel {
         let pos = offset + idx.iter().zip(&stride).map(|(i, s)| i * s).sum::<usize>();
-        if pos >= n_storage {
-            return Err("tensor view outside its storage".into());
-        }
         data.push(dtype.read(bytes, pos));
         for d in (0..shape.len()).rev() {
             idx[d] += 1;
@@ -267,4 +299,60 @@ fn rebuild_tensor<R: Read + std::io::Seek>(
         }
     }
     Ok(HostTensor { shape, data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn storage() -> Value {
+        Value::PersId(Box::new(Value::Tuple(vec![
+            Value::Str("storage".into()),
+            Value::Global("torch".into(), "FloatStorage".into()),
+            Value::Str("0".into()),
+            Value::Str("cpu".into()),
+            Value::Int(4),
+        ])))
+    }
+
+    fn tensor(offset: i64, shape: &[i64], stride: &[i64]) -> Value {
+        let ints = |v: &[i64]| Value::Tuple(v.iter().map(|&i| Value::Int(i)).collect());
+        Value::Object {
+            callable: Box::new(Value::Global("torch._utils".into(), "_rebuild_tensor_v2".into())),
+            args: Box::new(Value::Tuple(vec![storage(), Value::Int(offset), ints(shape), ints(stride)])),
+            state: None,
+            items: Vec::new(),
+        }
+    }
+
+    fn rebuild(v: &Value) -> Result<HostTensor, String> {
+        let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        w.start_file("archive/data/0", zip::write::SimpleFileOptions::default()).unwrap();
+        std::io::Write::write_all(&mut w, &[0u8; 16]).unwrap();
+        let bytes = w.finish().unwrap().into_inner();
+        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+        rebuild_tensor(v, "archive/", &mut zip, &mut BTreeMap::new())
+    }
+
+    #[test]
+    fn a_tensor_view_inside_its_storage_rebuilds() {
+        assert_eq!(rebuild(&tensor(1, &[3], &[1])).unwrap().shape, [3]);
+        assert_eq!(rebuild(&tensor(0, &[2, 2], &[1, 2])).unwrap().data.len(), 4);
+    }
+
+    #[test]
+    fn absurd_tensor_headers_are_errors_not_panics_or_huge_allocations() {
+        for (offset, shape, stride) in [
+            (0, vec![1i64 << 40, 1 << 40], vec![0i64, 0]), // 2^80 elements (overflow)
+            (0, vec![1 << 31, 1 << 31], vec![0, 0]),       // 2^62 elements of a 4-element storage
+            (0, vec![1 << 26], vec![0]),                   // 2^26 copies of one element
+            (-1, vec![1], vec![1]),                        // negative offset
+            (i64::MAX, vec![2], vec![1]),                  // offset + index overflows
+            (0, vec![2, 2], vec![i64::MAX, 1]),            // index * stride overflows
+            (0, vec![5], vec![1]),                         // past the end
+        ] {
+            let r = rebuild(&tensor(offset, &shape, &stride));
+            assert!(r.is_err(), "{offset} {shape:?} {stride:?}: {r:?}");
+        }
+    }
 }

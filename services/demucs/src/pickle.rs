@@ -6,6 +6,13 @@
 //! the caller interprets (`torch._utils._rebuild_tensor_v2`, `collections.OrderedDict`,
 //! `fractions.Fraction`, ...). Persistent ids (`BINPERSID`, torch storages) become
 //! [`Value::PersId`].
+//!
+//! Hostile input is bounded (found by fuzzing, `tests/fuzz_checkpoint.rs`): declared
+//! lengths are checked against the data before anything is sliced, copies made by
+//! `DUP` and memo gets may not add up to more than [`MAX_COPIED_NODES`] values (or 8
+//! per input byte, whichever is more), which stops a few bytes that double a list
+//! sixty times, and values may not nest deeper than [`MAX_DEPTH`], so dropping one
+//! cannot overflow the stack.
 
 use std::collections::HashMap;
 
@@ -76,6 +83,72 @@ impl Value {
     }
 }
 
+/// Most values copied by `DUP` and memo gets in one pickle (on top of 8 per byte).
+pub const MAX_COPIED_NODES: usize = 1 << 20;
+
+/// Deepest nesting of values (torch checkpoints nest a few levels).
+pub const MAX_DEPTH: usize = 256;
+
+/// Calls `f` on each value directly inside `v`.
+fn each_child<'a>(v: &'a Value, f: &mut impl FnMut(&'a Value)) {
+    match v {
+        Value::List(xs) | Value::Tuple(xs) => xs.iter().for_each(f),
+        Value::Dict(kv) => kv.iter().for_each(|(k, v)| {
+            f(k);
+            f(v)
+        }),
+        Value::Object { callable, args, state, items } => {
+            f(callable);
+            f(args);
+            if let Some(s) = state {
+                f(s);
+            }
+            items.iter().for_each(|(k, v)| {
+                f(k);
+                f(v)
+            });
+        }
+        Value::PersId(x) => f(x),
+        _ => {}
+    }
+}
+
+/// Number of values in `v`, counting stops once past `limit`.
+fn nodes(v: &Value, limit: usize) -> usize {
+    let mut n = 0;
+    let mut todo = vec![v];
+    while let Some(v) = todo.pop() {
+        n += 1;
+        if n > limit {
+            break;
+        }
+        each_child(v, &mut |c| todo.push(c));
+    }
+    n
+}
+
+/// Nesting depth of `v` (a scalar is 1), counting stops once past `limit`.
+fn depth(v: &Value, limit: usize) -> usize {
+    let mut max = 0;
+    let mut todo = vec![(v, 1usize)];
+    while let Some((v, d)) = todo.pop() {
+        max = max.max(d);
+        if d > limit {
+            break;
+        }
+        each_child(v, &mut |c| todo.push((c, d + 1)));
+    }
+    max
+}
+
+/// Refuses a value that would nest deeper than [`MAX_DEPTH`] once put in a container.
+fn shallow(v: Value) -> Result<Value, DemucsError> {
+    if depth(&v, MAX_DEPTH) >= MAX_DEPTH {
+        return Err(err(format!("values nested deeper than {MAX_DEPTH} levels")));
+    }
+    Ok(v)
+}
+
 fn err(msg: impl Into<String>) -> DemucsError {
     DemucsError::Pickle(msg.into())
 }
@@ -87,7 +160,7 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], DemucsError> {
-        if self.pos + n > self.data.len() {
+        if n > self.data.len() - self.pos {
             return Err(err("unexpected end of pickle"));
         }
         let s = &self.data[self.pos..self.pos + n];
@@ -112,7 +185,7 @@ impl<'a> Reader<'a> {
             self.pos += 1;
         }
         let s = String::from_utf8_lossy(&self.data[start..self.pos]).into_owned();
-        self.pos += 1;
+        self.pos = (self.pos + 1).min(self.data.len());
         Ok(s)
     }
     fn utf8(&mut self, n: usize) -> Result<String, DemucsError> {
@@ -125,15 +198,26 @@ pub fn unpickle(data: &[u8]) -> Result<Value, DemucsError> {
     let mut r = Reader { data, pos: 0 };
     let mut stack: Vec<Value> = Vec::new();
     let mut memo: HashMap<u32, Value> = HashMap::new();
+    let mut copy_budget = MAX_COPIED_NODES.saturating_add(data.len().saturating_mul(8));
+    // Charges a copy of `v` to the budget.
+    let mut copied = |v: &Value| -> Result<(), DemucsError> {
+        let n = nodes(v, copy_budget);
+        if n > copy_budget {
+            return Err(err("the pickle copies more values than it could hold (a pickle bomb?)"));
+        }
+        copy_budget -= n;
+        Ok(())
+    };
 
+    /// Pops a value that is about to go into a container.
     fn pop(stack: &mut Vec<Value>) -> Result<Value, DemucsError> {
-        stack.pop().ok_or_else(|| err("pickle stack underflow"))
+        shallow(stack.pop().ok_or_else(|| err("pickle stack underflow"))?)
     }
     fn pop_mark(stack: &mut Vec<Value>) -> Result<Vec<Value>, DemucsError> {
         let at = stack.iter().rposition(|v| matches!(v, Value::Mark)).ok_or_else(|| err("pickle mark not found"))?;
         let items = stack.split_off(at + 1);
         stack.pop();
-        Ok(items)
+        items.into_iter().map(shallow).collect()
     }
     fn top(stack: &mut [Value]) -> Result<&mut Value, DemucsError> {
         stack.last_mut().ok_or_else(|| err("pickle stack underflow"))
@@ -289,31 +373,37 @@ pub fn unpickle(data: &[u8]) -> Result<Value, DemucsError> {
             }
             b'q' => {
                 let i = r.u8()? as u32;
-                memo.insert(i, top(&mut stack)?.clone());
+                let v = top(&mut stack)?;
+                copied(v)?;
+                memo.insert(i, v.clone());
             }
             b'r' => {
                 let i = r.u32()?;
-                memo.insert(i, top(&mut stack)?.clone());
+                let v = top(&mut stack)?;
+                copied(v)?;
+                memo.insert(i, v.clone());
             }
             0x94 => {
                 let i = memo.len() as u32; // MEMOIZE
-                memo.insert(i, top(&mut stack)?.clone());
+                let v = top(&mut stack)?;
+                copied(v)?;
+                memo.insert(i, v.clone());
             }
             b'p' => {
                 let i: u32 = r.line()?.parse().map_err(|_| err("bad PUT"))?;
-                memo.insert(i, top(&mut stack)?.clone());
+                let v = top(&mut stack)?;
+                copied(v)?;
+                memo.insert(i, v.clone());
             }
-            b'h' => {
-                let i = r.u8()? as u32;
-                stack.push(memo.get(&i).cloned().ok_or_else(|| err("memo miss"))?);
-            }
-            b'j' => {
-                let i = r.u32()?;
-                stack.push(memo.get(&i).cloned().ok_or_else(|| err("memo miss"))?);
-            }
-            b'g' => {
-                let i: u32 = r.line()?.parse().map_err(|_| err("bad GET"))?;
-                stack.push(memo.get(&i).cloned().ok_or_else(|| err("memo miss"))?);
+            b'h' | b'j' | b'g' => {
+                let i = match op {
+                    b'h' => r.u8()? as u32,
+                    b'j' => r.u32()?,
+                    _ => r.line()?.parse().map_err(|_| err("bad GET"))?,
+                };
+                let v = memo.get(&i).ok_or_else(|| err("memo miss"))?;
+                copied(v)?;
+                stack.push(v.clone());
             }
             b'c' => {
                 let module = r.line()?;
@@ -357,7 +447,9 @@ pub fn unpickle(data: &[u8]) -> Result<Value, DemucsError> {
                 pop_mark(&mut stack)?;
             }
             b'2' => {
-                let v = top(&mut stack)?.clone();
+                let v = top(&mut stack)?;
+                copied(v)?;
+                let v = v.clone();
                 stack.push(v);
             }
             other => return Err(err(format!("unsupported pickle opcode 0x{other:02x}"))),
@@ -379,5 +471,37 @@ mod tests {
             Some(&Value::List(vec![Value::Int(1), Value::Int(-2), Value::Float(3.5), Value::Str("x".into())]))
         );
         assert_eq!(v.get("b"), Some(&Value::Tuple(vec![Value::Bool(true), Value::None])));
+    }
+
+    #[test]
+    fn huge_declared_lengths_are_errors() {
+        // SHORT_BINUNICODE8 / BINBYTES8 with a length near 2^64.
+        for data in [&b"\x8d\xff\xff\xff\xff\xff\xff\xff\xffabc."[..], b"\x8e\xfe\xff\xff\xff\xff\xff\xff\xffabc."] {
+            assert!(matches!(unpickle(data), Err(DemucsError::Pickle(_))));
+        }
+    }
+
+    #[test]
+    fn copies_cannot_grow_exponentially() {
+        // A list that appends a copy of itself (DUP, APPEND) doubles each time: 2^64
+        // elements from 130 bytes, unless copies are bounded.
+        let mut data = b"]".to_vec();
+        data.extend(std::iter::repeat_n(*b"2a", 64).flatten());
+        data.push(b'.');
+        assert!(matches!(unpickle(&data), Err(DemucsError::Pickle(m)) if m.contains("copies")));
+        // The same through the memo (PUT 0 / GET 0).
+        let mut data = b"]q\x00".to_vec();
+        data.extend(std::iter::repeat_n(*b"h\x00aq\x00", 64).flatten());
+        data.push(b'.');
+        assert!(matches!(unpickle(&data), Err(DemucsError::Pickle(m)) if m.contains("copies")));
+    }
+
+    #[test]
+    fn nesting_is_bounded() {
+        // A million nested lists would overflow the stack when dropped.
+        let mut data = vec![b']'; 1_000_000];
+        data.extend(vec![b'a'; 999_999]);
+        data.push(b'.');
+        assert!(matches!(unpickle(&data), Err(DemucsError::Pickle(m)) if m.contains("nested")));
     }
 }

@@ -1,0 +1,271 @@
+//! Owns the check of the lengths a file declares in its metadata, before symphonia
+//! reads it.
+//!
+//! symphonia allocates some metadata fields at the length the file states, before
+//! reading them: a Vorbis comment (FLAC `VORBIS_COMMENT` blocks, Ogg Vorbis/Opus
+//! comment packets), a FLAC picture, a WAV `LIST`/`INFO` entry. A damaged or hostile
+//! header of a few bytes can so ask for 4 GiB (found by `tests/fuzz.rs`). Every such
+//! length is checked here against the bytes that can actually hold it (the rest of the
+//! block, packet, chunk or file); a length that cannot fit is a damaged file
+//! ([`AudioError::NotAudio`]). Nothing is allocated beyond one metadata block or
+//! packet, itself bounded by the file's size.
+
+use std::io::{Read, Seek, SeekFrom};
+
+use crate::error::AudioError;
+
+/// Most chunks, blocks or pages looked at (real files have a handful).
+const MAX_STEPS: usize = 4096;
+/// Most Ogg bytes read while looking for the header packets.
+const MAX_OGG_BYTES: u64 = 4 << 20;
+
+fn damaged(what: &str, declared: u64, room: u64) -> AudioError {
+    AudioError::NotAudio { detail: format!("damaged {what}: it declares {declared} bytes where only {room} remain") }
+}
+
+/// Checks the declared metadata lengths of the file that starts at the reader's
+/// position and is `len` bytes long; leaves the position where it was.
+pub(crate) fn check<R: Read + Seek>(r: &mut R, len: u64) -> Result<(), AudioError> {
+    let start = r.stream_position()?;
+    let result = check_from(r, start, start + len);
+    r.seek(SeekFrom::Start(start))?;
+    result
+}
+
+fn check_from<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
+    let mut magic = [0u8; 4];
+    if read_exact_or_short(r, &mut magic)? < 4 {
+        return Ok(());
+    }
+    match &magic {
+        b"RIFF" => wav(r, start + 12, end),
+        b"fLaC" => flac(r, start + 4, end),
+        b"OggS" => ogg(r, start, end),
+        _ => Ok(()),
+    }
+}
+
+/// Reads as much of `buf` as the source has; the count read.
+fn read_exact_or_short<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<usize, AudioError> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(n)
+}
+
+/// Reads `n` bytes at `pos`, or `None` when the file ends first.
+fn read_at<R: Read + Seek>(r: &mut R, pos: u64, n: u64, end: u64) -> Result<Option<Vec<u8>>, AudioError> {
+    if pos.checked_add(n).is_none_or(|e| e > end) {
+        return Ok(None);
+    }
+    r.seek(SeekFrom::Start(pos))?;
+    let mut buf = vec![0u8; n as usize];
+    Ok((read_exact_or_short(r, &mut buf)? == buf.len()).then_some(buf))
+}
+
+/// A cursor over one metadata structure, checking each length against what is left.
+struct Fields<'a> {
+    data: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl Fields<'_> {
+    fn u32(&mut self, big_endian: bool) -> Result<u32, AudioError> {
+        let b = self.skip(4)?;
+        let b: [u8; 4] = b.try_into().expect("4 bytes");
+        Ok(if big_endian { u32::from_be_bytes(b) } else { u32::from_le_bytes(b) })
+    }
+    fn skip(&mut self, n: u64) -> Result<&[u8], AudioError> {
+        let room = (self.data.len() - self.pos) as u64;
+        if n > room {
+            return Err(damaged(self.what, n, room));
+        }
+        let s = &self.data[self.pos..self.pos + n as usize];
+        self.pos += n as usize;
+        Ok(s)
+    }
+}
+
+/// A Vorbis comment (vendor, count, entries; little-endian lengths).
+fn vorbis_comment(data: &[u8]) -> Result<(), AudioError> {
+    let mut f = Fields { data, pos: 0, what: "Vorbis comment" };
+    let vendor = f.u32(false)?;
+    f.skip(u64::from(vendor))?;
+    let n = f.u32(false)?;
+    for _ in 0..n {
+        let len = f.u32(false)?;
+        f.skip(u64::from(len))?;
+    }
+    Ok(())
+}
+
+/// A FLAC `PICTURE` block (big-endian lengths).
+fn flac_picture(data: &[u8]) -> Result<(), AudioError> {
+    let mut f = Fields { data, pos: 0, what: "FLAC picture" };
+    f.skip(4)?; // picture type
+    let mime = f.u32(true)?;
+    f.skip(u64::from(mime))?;
+    let desc = f.u32(true)?;
+    f.skip(u64::from(desc))?;
+    f.skip(16)?; // width, height, depth, colours
+    let len = f.u32(true)?;
+    f.skip(u64::from(len))?;
+    Ok(())
+}
+
+/// The body of one FLAC metadata block of type `kind`.
+fn flac_block(kind: u8, body: &[u8]) -> Result<(), AudioError> {
+    match kind {
+        4 => vorbis_comment(body),
+        6 => flac_picture(body),
+        _ => Ok(()),
+    }
+}
+
+fn flac<R: Read + Seek>(r: &mut R, mut pos: u64, end: u64) -> Result<(), AudioError> {
+    for _ in 0..MAX_STEPS {
+        let Some(h) = read_at(r, pos, 4, end)? else {
+            return Ok(());
+        };
+        let last = h[0] & 0x80 != 0;
+        let kind = h[0] & 0x7F;
+        let len = u64::from(u32::from_be_bytes([0, h[1], h[2], h[3]]));
+        pos += 4;
+        if kind == 4 || kind == 6 {
+            match read_at(r, pos, len, end)? {
+                Some(body) => flac_block(kind, &body)?,
+                None => return Err(damaged("FLAC metadata block", len, end - pos)),
+            }
+        }
+        pos += len;
+        if last {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn wav<R: Read + Seek>(r: &mut R, mut pos: u64, end: u64) -> Result<(), AudioError> {
+    for _ in 0..MAX_STEPS {
+        let Some(h) = read_at(r, pos, 8, end)? else {
+            return Ok(());
+        };
+        let size = u64::from(u32::from_le_bytes([h[4], h[5], h[6], h[7]]));
+        pos += 8;
+        match &h[..4] {
+            b"data" => return Ok(()),
+            b"LIST" => {
+                let room = end - pos;
+                if size > room {
+                    return Err(damaged("WAV LIST chunk", size, room));
+                }
+                let Some(body) = read_at(r, pos, size, end)? else {
+                    return Ok(());
+                };
+                wav_list(&body)?;
+            }
+            _ => {}
+        }
+        pos += size + (size & 1);
+    }
+    Ok(())
+}
+
+/// The entries of a `LIST` chunk (`INFO` and others): each must fit in the list.
+fn wav_list(body: &[u8]) -> Result<(), AudioError> {
+    let mut f = Fields { data: body, pos: 0, what: "WAV LIST entry" };
+    f.skip(4)?; // list type
+    for _ in 0..MAX_STEPS {
+        if f.pos + 8 > body.len() {
+            break;
+        }
+        f.skip(4)?; // id
+        let len = f.u32(false)?;
+        f.skip(u64::from(len))?;
+        if len & 1 == 1 && f.pos < body.len() {
+            f.skip(1)?; // pad byte
+        }
+    }
+    Ok(())
+}
+
+/// The header packets of the first logical stream of an Ogg file.
+fn ogg<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
+    let mut pos = start;
+    let mut serial = None;
+    let mut packet = Vec::new();
+    let mut packets = 0;
+    let mut is_flac = false;
+    for _ in 0..MAX_STEPS {
+        if pos - start > MAX_OGG_BYTES || packets >= 8 {
+            break;
+        }
+        let Some(h) = read_at(r, pos, 27, end)? else {
+            break;
+        };
+        if &h[..4] != b"OggS" {
+            break;
+        }
+        let this_serial = u32::from_le_bytes([h[14], h[15], h[16], h[17]]);
+        let nseg = u64::from(h[26]);
+        let Some(table) = read_at(r, pos + 27, nseg, end)? else {
+            break;
+        };
+        let body_len: u64 = table.iter().map(|&s| u64::from(s)).sum();
+        let body_pos = pos + 27 + nseg;
+        pos = body_pos + body_len;
+        if *serial.get_or_insert(this_serial) != this_serial {
+            continue;
+        }
+        let Some(body) = read_at(r, body_pos, body_len, end)? else {
+            break;
+        };
+        let mut at = 0usize;
+        for &seg in &table {
+            packet.extend_from_slice(&body[at..at + seg as usize]);
+            at += seg as usize;
+            if seg < 255 {
+                packets += 1;
+                if packets == 1 {
+                    is_flac = packet.starts_with(b"\x7fFLAC");
+                } else if let Some(c) = packet.strip_prefix(b"\x03vorbis") {
+                    vorbis_comment(c)?;
+                } else if let Some(c) = packet.strip_prefix(b"OpusTags") {
+                    vorbis_comment(c)?;
+                } else if is_flac && packet.len() >= 4 {
+                    flac_block(packet[0] & 0x7F, &packet[4..])?;
+                }
+                packet.clear();
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comment_lengths_must_fit() {
+        let mut ok = Vec::new();
+        ok.extend_from_slice(&3u32.to_le_bytes());
+        ok.extend_from_slice(b"abc");
+        ok.extend_from_slice(&1u32.to_le_bytes());
+        ok.extend_from_slice(&5u32.to_le_bytes());
+        ok.extend_from_slice(b"A=bcd");
+        vorbis_comment(&ok).unwrap();
+        let mut bad = ok.clone();
+        bad[11..15].copy_from_slice(&0x6000_0000u32.to_le_bytes());
+        let e = vorbis_comment(&bad).unwrap_err();
+        assert!(e.to_string().contains("declares 1610612736 bytes where only 5 remain"), "{e}");
+        assert!(vorbis_comment(&ok[..13]).is_err());
+    }
+}
