@@ -97,7 +97,9 @@ async fn without_isolation_a_crash_costs_the_neighbours_a_delivery() {
 /// says what it changed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_ack_wait_reaches_running_workers() {
-    let mut opts = StackOptions::default();
+    // Two idle-capable workers: a premature redelivery would find one free and start
+    // the job a second time.
+    let mut opts = StackOptions { workers: 2, ..Default::default() };
     opts.settings.ack_wait = Duration::from_secs(30);
     let stack = Stack::start(opts).await;
     let (_, b) = stack.submit(&job_body(&stack, "long", Some(json!({"sleep_ms": 9000})))).await;
