@@ -28,10 +28,17 @@ use crate::client::{print_list_header, print_list_row, JobBar, SubmitArgs};
 pub struct ApiArgs {
     /// The stemq HTTP API (e.g. `http://127.0.0.1:8080`): talk to it instead of NATS, so
     /// no NATS URL or store is needed.
-    #[arg(long, env = "STEMQ_API", global = true, value_name = "URL")]
+    #[arg(long, env = "STEMQ_API", global = true, value_name = "URL", help_heading = "HTTP API")]
     pub api: Option<url::Url>,
     /// The API key, sent as `Authorization: Bearer KEY` (with `--api`).
-    #[arg(long, env = "STEMQ_API_KEY", global = true, value_name = "KEY", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "STEMQ_API_KEY",
+        global = true,
+        value_name = "KEY",
+        hide_env_values = true,
+        help_heading = "HTTP API"
+    )]
     pub api_key: Option<String>,
 }
 

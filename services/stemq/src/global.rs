@@ -20,13 +20,13 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Args, Clone)]
 pub struct Global {
     /// NATS server URL. `stemq dev` starts its own server when this is not set.
-    #[arg(long, env = "NATS_URL", global = true)]
+    #[arg(long, env = "NATS_URL", global = true, help_heading = "Global options")]
     pub nats_url: Option<String>,
     /// Data directory (NATS store of `stemq dev`, local object store, scratch, models).
-    #[arg(long, env = "STEMQ_DATA_DIR", default_value = ".stemq", global = true)]
+    #[arg(long, env = "STEMQ_DATA_DIR", default_value = ".stemq", global = true, help_heading = "Global options")]
     pub data_dir: PathBuf,
     /// Log format (default: text on a terminal and for `stemq dev`, json otherwise).
-    #[arg(long, env = "STEMQ_LOG_FORMAT", value_enum, global = true)]
+    #[arg(long, env = "STEMQ_LOG_FORMAT", value_enum, global = true, help_heading = "Global options")]
     pub log_format: Option<LogFormatArg>,
 }
 
