@@ -138,7 +138,7 @@ impl Default for Settings {
 #[derive(Debug, thiserror::Error)]
 pub enum NatsError {
     /// No connection.
-    #[error("cannot connect to NATS at {url}: {source}")]
+    #[error("cannot connect to NATS at {url}")]
     Connect {
         /// Where we tried.
         url: String,
@@ -160,7 +160,7 @@ pub enum NatsError {
     #[error("JetStream is not enabled on the NATS server (start it with -js): {0}")]
     NoJetStream(String),
     /// A definition in `nats/` is malformed (a build-time bug).
-    #[error("bad definition {name}: {source}")]
+    #[error("bad definition {name}")]
     Definition {
         /// File name.
         name: &'static str,

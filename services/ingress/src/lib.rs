@@ -55,7 +55,7 @@ use crate::submit::{SubmitError, SubmitResponse};
 #[derive(Debug, thiserror::Error)]
 pub enum IngressError {
     /// Cannot listen.
-    #[error("cannot listen on {0}: {1}")]
+    #[error("cannot listen on {0}")]
     Bind(SocketAddr, #[source] std::io::Error),
     /// A JetStream call failed.
     #[error("{what}: {message}")]
@@ -66,7 +66,7 @@ pub enum IngressError {
         message: String,
     },
     /// Serving failed.
-    #[error("http server: {0}")]
+    #[error("http server")]
     Serve(#[source] std::io::Error),
 }
 

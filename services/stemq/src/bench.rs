@@ -22,7 +22,8 @@ use stemq_core::JobId;
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::Global;
+use crate::global::{Global, ServerSettings};
+use crate::services::Isolation;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
@@ -46,8 +47,10 @@ pub enum BenchCommand {
         /// Where the fake engine runs: `none` (in the worker; measures the pipeline) or
         /// `process` (engine host processes, as `stemq worker` runs by default; measures
         /// what isolation costs).
-        #[arg(long, value_enum, default_value_t = crate::cli::Isolation::None)]
-        isolation: crate::cli::Isolation,
+        #[arg(long, value_enum, default_value_t = Isolation::None)]
+        isolation: Isolation,
+        #[command(flatten)]
+        server: ServerSettings,
     },
     /// Peak RSS of a `stemq worker` process (dsp engine) separating songs of several
     /// lengths through the whole pipeline, side by side.
@@ -55,15 +58,17 @@ pub enum BenchCommand {
         /// Song lengths in minutes.
         #[arg(long, num_args = 1.., default_values_t = [5.0, 60.0])]
         minutes: Vec<f64>,
+        #[command(flatten)]
+        server: ServerSettings,
     },
 }
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation } => {
-            pipeline(g, jobs, rate, workers, in_flight, store, isolation).await
+        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, server } => {
+            pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation).await
         }
-        BenchCommand::Rss { minutes } => rss(g, &minutes).await,
+        BenchCommand::Rss { minutes, server } => rss(&server.settings(), &minutes).await,
     }
 }
 
@@ -73,13 +78,13 @@ fn vm_hwm_kib(pid: u32) -> Option<u64> {
 }
 
 /// Runs each song length through a fresh worker process and reports its peak RSS.
-async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
+async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("nats");
     let server = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
     let client = stemq_core::nats::connect(&server.url(), "stemq-bench").await?;
     let js = jetstream::new(client.clone());
-    stemq_core::nats::apply(&js, &g.settings()).await?;
+    stemq_core::nats::apply(&js, settings).await?;
     let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
     let store = Store::local(&tmp.path().join("store"))?;
     let stop = CancellationToken::new();
@@ -147,14 +152,16 @@ async fn rss(g: &Global, minutes: &[f64]) -> Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn pipeline(
     g: &Global,
+    server: &ServerSettings,
     jobs: usize,
     rate: Option<f64>,
     workers: usize,
     in_flight: usize,
     store: String,
-    isolation: crate::cli::Isolation,
+    isolation: Isolation,
 ) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let mut _server = None;
@@ -170,7 +177,7 @@ async fn pipeline(
     };
     let client = stemq_core::nats::connect(&url, "stemq-bench").await?;
     let js = jetstream::new(client.clone());
-    stemq_core::nats::apply(&js, &g.settings()).await?;
+    stemq_core::nats::apply(&js, &server.settings()).await?;
     let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
 
     let store = match store.as_str() {
@@ -189,8 +196,8 @@ async fn pipeline(
     let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
     let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
     let engine: Arc<dyn stemq_core::engine::Engine> = match isolation {
-        crate::cli::Isolation::None => Arc::new(FakeEngine::default()),
-        crate::cli::Isolation::Process => {
+        Isolation::None => Arc::new(FakeEngine::default()),
+        Isolation::Process => {
             let args = ["engine-host", "--engine", "fake"].map(std::ffi::OsString::from).to_vec();
             Arc::new(stemq_worker::isolate::IsolatedEngine::start(
                 std::env::current_exe()?,

@@ -1,7 +1,9 @@
-//! Client commands: submit, status, list, watch, dead-letter replay. They talk to NATS
-//! directly (the same contracts other services use), so no ingress is needed.
+//! Client commands: submit, status, list, watch, cancel, retry, dead-letter replay,
+//! talking to NATS directly (the same contracts other services use), so no ingress is
+//! needed. With `--api URL` the same commands go through the HTTP API instead
+//! ([`crate::api`]); this module owns their arguments and what they print.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -15,7 +17,141 @@ use stemq_core::{JobId, JobStatus, JobView};
 use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Global, SubmitArgs};
+use crate::api::ApiArgs;
+use crate::global::{Global, StoreArg};
+use crate::job_opts::{json_of, set_fields, EncodingArg, FormatArg, OutputOpts, SplitOpts};
+
+/// `stemq submit`: the job request in the spellings of `stemq separate` (demucs's), with
+/// the request's own names (`--model`, `--format`, `--encoding`, `--output-dir`) too.
+#[derive(Debug, clap::Args, Clone)]
+pub struct SubmitArgs {
+    /// An audio URI in the store, or a local file to upload first.
+    pub input: String,
+    /// Model (`dsp` until the neural engine is installed on the workers).
+    #[arg(short = 'n', long, visible_alias = "name", default_value = "dsp")]
+    pub model: String,
+    #[command(flatten)]
+    pub split: SplitOpts,
+    #[command(flatten)]
+    pub output: OutputOpts,
+    /// Output container (`--flac` is the same as `--format flac`).
+    #[arg(long, value_enum, conflicts_with = "flac")]
+    pub format: Option<FormatArg>,
+    /// Sample encoding (`--int24` is `s24`, `--float32` is `f32`).
+    #[arg(long, value_enum, conflicts_with_all = ["int24", "float32"])]
+    pub encoding: Option<EncodingArg>,
+    /// Metadata (a JSON object).
+    #[arg(long, value_parser = parse_metadata)]
+    pub metadata: Option<Value>,
+    /// Wait for the job to end, with a progress bar.
+    #[arg(long)]
+    pub wait: bool,
+    /// With `--wait`: copy the stems into this folder as `<stem>.<ext>` once the job
+    /// has succeeded.
+    #[arg(short = 'o', long = "output-dir", visible_alias = "out", value_name = "DIR", requires = "wait")]
+    pub output_dir: Option<PathBuf>,
+    /// Without `--api`: the object store to upload to and download from.
+    #[command(flatten)]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+impl SubmitArgs {
+    /// The request document for the song at `audio_uri`.
+    pub fn request(&self, audio_uri: &str) -> Value {
+        let mut req = json!({"audio_uri": audio_uri, "model": self.model});
+        self.split.fill(&mut req);
+        let format = self.format.map(FormatArg::format).or(self.output.format());
+        let encoding = self.encoding.map(EncodingArg::encoding).or(self.output.encoding());
+        set_fields(
+            &mut req,
+            [
+                ("output_format", format.map(json_of)),
+                ("encoding", encoding.map(json_of)),
+                ("clip_mode", self.output.clip_mode.map(|c| json_of(c.mode()))),
+                ("metadata", self.metadata.clone()),
+            ],
+        );
+        req
+    }
+
+    /// True when the input names a URI rather than a local file.
+    pub fn input_is_uri(&self) -> bool {
+        self.input.contains("://")
+    }
+}
+
+/// Parses `--metadata`: a JSON object.
+fn parse_metadata(s: &str) -> Result<Value, String> {
+    match serde_json::from_str(s) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err("must be a JSON object".into()),
+        Err(e) => Err(format!("must be a JSON object: {e}")),
+    }
+}
+
+/// A progress bar that follows a job's views.
+pub(crate) struct JobBar(ProgressBar);
+
+impl JobBar {
+    pub(crate) fn new() -> JobBar {
+        let bar = ProgressBar::new(100);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos:>3}% {msg}")
+                .expect("template")
+                .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(120));
+        bar.set_message("queued");
+        JobBar(bar)
+    }
+
+    /// Shows `v`; when it is terminal, finishes and prints the outputs or the error, and
+    /// returns true.
+    pub(crate) fn show(&self, v: &JobView) -> bool {
+        let bar = &self.0;
+        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
+        bar.set_position(pct as u64);
+        let mut msg = v.status.as_str().to_string();
+        if !stage.is_empty() && v.status == JobStatus::Running {
+            msg = format!("{msg}: {stage}");
+        }
+        if v.attempt > 1 {
+            msg = format!("{msg} (attempt {})", v.attempt);
+        }
+        bar.set_message(msg);
+        if !v.status.is_terminal() {
+            return false;
+        }
+        bar.finish();
+        match v.status {
+            JobStatus::Succeeded => {
+                for o in &v.outputs {
+                    println!("{:<12} {}", o.stem, o.uri);
+                }
+            }
+            _ => {
+                if let Some(e) = &v.error {
+                    eprintln!("{}: {} ({})", v.status.as_str(), e.message, e.code);
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The header of `stemq list`.
+pub(crate) fn print_list_header() {
+    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
+}
+
+/// One row of `stemq list`.
+pub(crate) fn print_list_row(v: &JobView) {
+    let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
+    let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
+    println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", v.job_id, v.status.as_str(), v.attempt, progress);
+}
 
 async fn js(g: &Global) -> Result<jetstream::Context> {
     let client = names::connect(&g.nats_url(), "stemq-cli").await?;
@@ -69,35 +205,22 @@ async fn download_stems(store: &Store, view: &JobView, dir: &Path) -> Result<()>
 }
 
 pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
-    let looks_like_uri = a.input.contains("://");
+    let looks_like_uri = a.input_is_uri();
+    let store_url = a.store.url(&g.data_dir)?;
     let store = if looks_like_uri && a.output_dir.is_none() {
         None
     } else {
-        Some(Store::open(&g.store_url()?).context("opening the object store")?)
+        Some(Store::open(&store_url).context("opening the object store")?)
     };
     let uri = match &store {
         Some(store) if !looks_like_uri => upload(store, Path::new(&a.input)).await?,
         _ => a.input.clone(),
     };
-    let mut req = json!({"audio_uri": uri, "model": a.model});
-    a.split.fill(&mut req);
-    let fields = [
-        ("output_format", a.format.map(Value::from)),
-        ("encoding", a.encoding.map(Value::from)),
-        ("clip_mode", a.clip_mode.map(Value::from)),
-    ];
-    for (k, v) in fields {
-        if let Some(v) = v {
-            req[k] = v;
-        }
-    }
-    if let Some(m) = a.metadata {
-        req["metadata"] = serde_json::from_str(&m).context("--metadata must be a JSON object")?;
-    }
+    let req = a.request(&uri);
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
-    let stores = vec![g.store_url()?];
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores).await.map_err(|e| anyhow!("{e}"))?;
+    let stores = vec![store_url];
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores).await?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;
@@ -132,12 +255,10 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
     while !index.caught_up() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    println!("{:<64}  {:<13}  {:<7}  {:<9}  created", "job id", "status", "attempt", "progress");
+    print_list_header();
     for (id, _) in index.page(status, limit, None) {
         if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
-            let progress = v.progress.as_ref().map(|p| format!("{:.0}%", p.percent)).unwrap_or_default();
-            let created = v.created_at.map(|t| t.to_rfc3339()).unwrap_or_default();
-            println!("{:<64}  {:<13}  {:<7}  {:<9}  {created}", id, v.status.as_str(), v.attempt, progress);
+            print_list_row(&v);
         }
     }
     stop.cancel();
@@ -149,14 +270,7 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
     let id = parse_id(id)?;
     let js = js(g).await?;
     let kv = bucket(&js).await?;
-    let bar = ProgressBar::new(100);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos:>3}% {msg}")
-            .expect("template")
-            .progress_chars("=> "),
-    );
-    bar.enable_steady_tick(Duration::from_millis(120));
-    bar.set_message("queued");
+    let bar = JobBar::new();
     let mut watch = kv.watch_with_history(id.as_str()).await?;
     while let Some(entry) = watch.next().await {
         let entry = entry?;
@@ -166,30 +280,7 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
         let Ok(v) = serde_json::from_slice::<JobView>(&entry.value) else {
             continue;
         };
-        let (pct, stage) = v.progress.as_ref().map(|p| (p.percent, p.stage.clone())).unwrap_or((0.0, String::new()));
-        bar.set_position(pct as u64);
-        let mut msg = v.status.as_str().to_string();
-        if !stage.is_empty() && v.status == JobStatus::Running {
-            msg = format!("{msg}: {stage}");
-        }
-        if v.attempt > 1 {
-            msg = format!("{msg} (attempt {})", v.attempt);
-        }
-        bar.set_message(msg);
-        if v.status.is_terminal() {
-            bar.finish();
-            match v.status {
-                JobStatus::Succeeded => {
-                    for o in &v.outputs {
-                        println!("{:<12} {}", o.stem, o.uri);
-                    }
-                }
-                _ => {
-                    if let Some(e) = &v.error {
-                        eprintln!("{}: {} ({})", v.status.as_str(), e.message, e.code);
-                    }
-                }
-            }
+        if bar.show(&v) {
             return Ok(v);
         }
     }

@@ -5,13 +5,34 @@
 //! the webhook relay (printing the webhook signing secret)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
 
+use std::net::SocketAddr;
+
 use anyhow::{Context, Result};
+use clap::Args;
 use stemq_core::nats_server::NatsServer;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::cli::{DevArgs, Global};
+use crate::global::{shutdown_on_signals, Global, ServerSettings, StoreArg};
+use crate::services::{RelayArgs, WorkerOpts};
 
+/// `stemq dev`.
+#[derive(Debug, Args, Clone)]
+pub struct DevArgs {
+    /// HTTP listen address.
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http: SocketAddr,
+    #[command(flatten)]
+    pub worker: WorkerOpts,
+    #[command(flatten)]
+    pub relay: RelayArgs,
+    #[command(flatten)]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub server: ServerSettings,
+}
+
+/// Runs the stack until Ctrl-C or SIGTERM.
 pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let mut g = g.clone();
     let mut server = None;
@@ -24,16 +45,16 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         g.nats_url = Some(s.url());
         server = Some(s);
     }
-    let client = crate::services::connect(&g, "stemq-dev").await?;
+    let client = crate::services::connect(&g, &a.server, "stemq-dev").await?;
     // For scripts and other terminals: where this stack's NATS is.
     std::fs::create_dir_all(&g.data_dir)?;
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
-    let shutdown = crate::cli::shutdown_on_signals();
+    let shutdown = shutdown_on_signals();
 
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
     let engine = crate::services::engine(&g, &a.worker)?;
-    let wconfig = crate::services::worker_config(&g, &a.worker)?;
+    let wconfig = crate::services::worker_config(&g, &a.store, &a.worker)?;
     let store = wconfig.store.base_url().to_string();
 
     let children = CancellationToken::new();
@@ -49,7 +70,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     ));
     let projector = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), children.clone()));
     let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
-    let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config()?, children.clone()));
+    let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config(), children.clone()));
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, stemq_core::request::ANONYMOUS).await?;

@@ -1,20 +1,26 @@
 //! The `stemq` command line as a library, so the binary stays thin and the integration
 //! tests can run the very same commands as child processes.
 //!
-//! - [`cli`]: arguments and dispatch;
+//! - [`cli`]: the parser and the dispatch;
+//! - [`global`]: options every command shares, option groups, the shutdown signal;
+//! - [`job_opts`]: the request flags `submit` and `separate` share;
 //! - [`dev`]: the one-process development stack;
 //! - [`models`]: pulling the official Demucs checkpoints into a model folder;
 //! - [`separate`]: the Demucs-compatible one-shot command;
-//! - [`services`]: each service alone;
-//! - [`client`]: submit, status, list, watch, dead-letter replay;
+//! - [`services`]: each service alone, and loading engines;
+//! - [`client`]: submit, status, list, watch, cancel, retry, dead-letter replay over NATS;
+//! - [`api`]: the same client commands over the HTTP API (`--api URL`);
 //! - [`bench`]: the benchmarks;
 //! - [`top`]: the live terminal view;
 //! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled).
 
+pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod dev;
+pub mod global;
+pub mod job_opts;
 pub mod models;
 pub mod separate;
 pub mod services;
@@ -33,8 +39,49 @@ pub fn main_entry() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// The error and its causes on one line, `outer: cause: root`, like `{:#}`, but each
+/// cause once: an error whose message already ends with its source's (a third-party
+/// error that writes its source into its own message and returns it from `source()`
+/// too) does not get the source's text a second time.
+pub fn report(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report;
+
+    /// An error that writes its source into its message and returns it as its source.
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot listen on 127.0.0.1:1: {0}")]
+    struct Doubled(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_prints_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        let e = anyhow::Error::new(Doubled(io)).context("starting the ingress");
+        let text = report(&e);
+        assert_eq!(
+            text,
+            format!("starting the ingress: cannot listen on 127.0.0.1:1: {}", std::io::ErrorKind::AddrInUse)
+        );
+        let plain = anyhow::anyhow!("root").context("middle").context("top");
+        assert_eq!(report(&plain), "top: middle: root");
     }
 }

@@ -17,7 +17,9 @@ use serde_json::json;
 use stemq_core::engine::{Engine, EngineContext, EngineJob};
 use stemq_core::request::{JobRequest, ANONYMOUS};
 
-use crate::cli::{Global, SplitOpts};
+use crate::global::Global;
+use crate::job_opts::{json_of, ClipModeArg, DeviceArg, OutputOpts, SplitOpts};
+use crate::services::EngineKind;
 
 /// `demucs`-compatible options.
 #[derive(Debug, Args, Clone)]
@@ -39,21 +41,11 @@ pub struct SeparateArgs {
     pub filename: String,
     #[command(flatten)]
     pub split: SplitOpts,
-    /// Device: `cpu` or `cuda` (default: the engine's first).
-    #[arg(short = 'd', long)]
-    pub device: Option<String>,
-    /// Write FLAC.
-    #[arg(long)]
-    pub flac: bool,
-    /// 24-bit integer samples.
-    #[arg(long, conflicts_with = "float32")]
-    pub int24: bool,
-    /// 32-bit float samples (WAV only).
-    #[arg(long)]
-    pub float32: bool,
-    /// `rescale` (default), `clamp` or `none`.
-    #[arg(long, default_value = "rescale")]
-    pub clip_mode: String,
+    /// Device (default: the engine's first).
+    #[arg(short = 'd', long, value_enum)]
+    pub device: Option<DeviceArg>,
+    #[command(flatten)]
+    pub output: OutputOpts,
 }
 
 struct Bar(ProgressBar);
@@ -69,7 +61,7 @@ impl EngineContext for Bar {
 }
 
 fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
-    let kind = if a.name == "dsp" { "dsp" } else { "demucs" };
+    let kind = if a.name == "dsp" { EngineKind::Dsp } else { EngineKind::Demucs };
     crate::services::engine_named(g, kind, a.repo.clone(), None, std::time::Duration::ZERO)
 }
 
@@ -77,8 +69,8 @@ fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
 pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
     let engine = engine_for(g, &a)?;
     let devices = engine.devices();
-    let device = match &a.device {
-        Some(d) if devices.iter().any(|x| x == d || x.starts_with(&format!("{d}:"))) => d.clone(),
+    let device = match a.device.map(DeviceArg::as_str) {
+        Some(d) if devices.iter().any(|x| x == d || x.starts_with(&format!("{d}:"))) => d.to_string(),
         Some(d) => bail!("device `{d}` is not available here; available: {}", devices.join(", ")),
         None => devices.first().cloned().unwrap_or_else(|| "cpu".into()),
     };
@@ -90,9 +82,9 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
             "audio_uri": url::Url::from_file_path(std::fs::canonicalize(file).with_context(|| format!("{} not found", file.display()))?)
                 .map_err(|_| anyhow!("bad path {}", file.display()))?.to_string(),
             "model": a.name,
-            "output_format": if a.flac { "flac" } else { "wav" },
-            "encoding": if a.float32 { "f32" } else if a.int24 { "s24" } else { "s16" },
-            "clip_mode": a.clip_mode,
+            "output_format": json_of(a.output.format().unwrap_or_default()),
+            "encoding": json_of(a.output.encoding().unwrap_or_default()),
+            "clip_mode": json_of(a.output.clip_mode.unwrap_or(ClipModeArg::Rescale).mode()),
         });
         a.split.fill(&mut req);
         let request = JobRequest::from_value(req).and_then(|r| r.normalize(ANONYMOUS)).map_err(|e| anyhow!("{e}"))?;

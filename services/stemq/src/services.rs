@@ -1,25 +1,236 @@
-//! `stemq ingress|worker|projector`: each service alone, as deployed.
+//! `stemq ingress|worker|projector|relay`: each service alone, as deployed, and the
+//! options they take.
 //!
 //! Every service connects, checks the server version, creates whatever NATS definitions
 //! are missing (existing ones are left as the server has them: `stemq nats apply` is the
 //! one command that changes them) and then calls its crate's `run` with a shutdown token
-//! tied to SIGTERM and Ctrl-C.
+//! tied to SIGTERM and Ctrl-C. This module also owns loading an engine (in process, or
+//! in engine host processes) from [`EngineArgs`].
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Global, IngressArgs, Isolation, ProjectorArgs, RelayArgs, WorkerOpts};
+use crate::global::{shutdown_on_signals, Global, MetricsArg, ServerSettings, StoreArg};
+
+/// `stemq ingress`.
+#[derive(Debug, Args, Clone)]
+pub struct IngressArgs {
+    /// HTTP listen address.
+    #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http: SocketAddr,
+    #[command(flatten)]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub server: ServerSettings,
+}
+
+/// `stemq worker`.
+#[derive(Debug, Args, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub opts: WorkerOpts,
+    #[command(flatten)]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub metrics: MetricsArg,
+    #[command(flatten)]
+    pub server: ServerSettings,
+}
+
+/// `stemq projector`.
+#[derive(Debug, Args, Clone)]
+pub struct ProjectorArgs {
+    /// Drop the view, replay the whole log into it, and exit when caught up.
+    #[arg(long)]
+    pub rebuild: bool,
+    #[command(flatten)]
+    pub metrics: MetricsArg,
+    #[command(flatten)]
+    pub server: ServerSettings,
+}
+
+/// `stemq relay`.
+#[derive(Debug, Args, Clone)]
+pub struct RelayServiceArgs {
+    #[command(flatten)]
+    pub relay: RelayArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArg,
+    #[command(flatten)]
+    pub server: ServerSettings,
+}
+
+/// The engine a worker (or its engine host) loads: shared by `stemq worker`, `stemq
+/// dev` and the hidden `stemq engine-host`.
+#[derive(Debug, Args, Clone)]
+pub struct EngineArgs {
+    /// Separation engine.
+    #[arg(long, env = "STEMQ_ENGINE", value_enum, default_value_t = EngineKind::Dsp)]
+    pub engine: EngineKind,
+    /// Model folder of the `demucs` engine (demucs `--repo` layout: `<sig>.th`,
+    /// `<name>.yaml`); default `<data-dir>/models`.
+    #[arg(long, env = "STEMQ_MODELS")]
+    pub models: Option<PathBuf>,
+    /// Memory one attempt of the `demucs` engine may use for its forward passes, on top
+    /// of the loaded model (e.g. `2GiB`, `512MiB`, `1.5GB`, or bytes). Estimated before
+    /// running: over it the engine runs fewer passes at once, then a smaller segment (the
+    /// out-of-memory ladder), then fails the job with `over_memory_budget`. Default: no
+    /// limit.
+    #[arg(long, env = "STEMQ_MEMORY_BUDGET", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Extra delay of every fake job, in ms.
+    #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
+    pub fake_delay_ms: u64,
+}
+
+/// A separation engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// Built-in signal processing, no weights (runs model `dsp` only).
+    Dsp,
+    /// HTDemucs on Burn: needs a build with `--features demucs` and a model folder.
+    Demucs,
+    /// No audio work, for tests and benchmarks.
+    Fake,
+}
+
+impl EngineKind {
+    /// The spelling on the command line (to pass it on to an engine host).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Dsp => "dsp",
+            EngineKind::Demucs => "demucs",
+            EngineKind::Fake => "fake",
+        }
+    }
+}
+
+/// Worker options shared by `stemq worker` and `stemq dev`.
+#[derive(Debug, Args, Clone)]
+pub struct WorkerOpts {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Job loops in this process (one job at a time each).
+    #[arg(long, env = "STEMQ_CONCURRENCY", default_value_t = 1)]
+    pub concurrency: usize,
+    /// Seconds a SIGTERM waits for running jobs.
+    #[arg(long, env = "STEMQ_GRACE_S", default_value_t = 600)]
+    pub grace_s: u64,
+    /// Hard limit on one attempt, in seconds.
+    #[arg(long, env = "STEMQ_TIME_LIMIT_S", default_value_t = 3600)]
+    pub time_limit_s: u64,
+    /// First retry delay in ms (doubles per attempt).
+    #[arg(long, env = "STEMQ_BACKOFF_BASE_MS", default_value_t = 2000)]
+    pub backoff_base_ms: u64,
+    /// Largest retry delay in ms.
+    #[arg(long, env = "STEMQ_BACKOFF_CAP_MS", default_value_t = 300_000)]
+    pub backoff_cap_ms: u64,
+    /// Worker name (default host-pid).
+    #[arg(long, env = "STEMQ_WORKER_NAME")]
+    pub name: Option<String>,
+    /// Where attempts run: `process` (each job loop's attempts in an engine host
+    /// process of its own, so a job that crashes its process fails alone) or `none` (in
+    /// the worker process; a crash takes every running job down with it).
+    #[arg(long, env = "STEMQ_ISOLATION", value_enum, default_value_t = Isolation::Process)]
+    pub isolation: Isolation,
+}
+
+/// Where a worker runs its attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Isolation {
+    /// In engine host processes (one per job loop in use).
+    Process,
+    /// In the worker process.
+    None,
+}
+
+/// Webhook relay options (`stemq relay`, `stemq dev`).
+#[derive(Debug, Args, Clone)]
+pub struct RelayArgs {
+    /// Delays before each attempt, in ms, comma-separated (default: 0, 5 s, 5 min,
+    /// 30 min, 2 h, 5 h, 10 h, 14 h, 20 h, 24 h).
+    #[arg(long = "webhook-schedule-ms", env = "STEMQ_WEBHOOK_SCHEDULE_MS", value_parser = parse_schedule)]
+    pub schedule: Option<Schedule>,
+    /// Request timeout in ms.
+    #[arg(long = "webhook-timeout-ms", env = "STEMQ_WEBHOOK_TIMEOUT_MS", default_value_t = 15_000)]
+    pub timeout_ms: u64,
+    /// Deliveries in flight at once.
+    #[arg(
+        long = "webhook-concurrency",
+        id = "webhook_concurrency",
+        env = "STEMQ_WEBHOOK_CONCURRENCY",
+        default_value_t = 256
+    )]
+    pub concurrency: usize,
+}
+
+/// A webhook retry schedule: the delay before each attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule(pub Vec<Duration>);
+
+/// Parses `--webhook-schedule-ms`: comma-separated milliseconds, at least one.
+pub fn parse_schedule(s: &str) -> Result<Schedule, String> {
+    let delays = s
+        .split(',')
+        .map(|x| x.trim().parse::<u64>().map(Duration::from_millis))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| format!("`{s}` is not a comma-separated list of milliseconds"))?;
+    Ok(Schedule(delays))
+}
+
+impl RelayArgs {
+    /// The relay configuration (the SSRF allow-list comes from `STEMQ_WEBHOOK_ALLOW`).
+    pub fn config(&self) -> stemq_relay::Config {
+        let mut c = stemq_relay::Config {
+            timeout: Duration::from_millis(self.timeout_ms),
+            concurrency: self.concurrency,
+            ..Default::default()
+        };
+        if let Some(Schedule(s)) = &self.schedule {
+            c.schedule = s.clone();
+        }
+        c
+    }
+}
+
+/// Parses a byte size: a number with an optional binary (`KiB`, `MiB`, `GiB`, `TiB`) or
+/// decimal (`kB`, `MB`, `GB`, `TB`) suffix, or `B`; case-insensitive, spaces allowed.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 2GiB, 512MiB, 1000000)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, kB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v < 1.0 {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok(v as u64)
+}
 
 /// Connects and creates the definitions that are missing.
-pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
+pub async fn connect(g: &Global, server: &ServerSettings, name: &str) -> Result<async_nats::Client> {
     let client = stemq_core::nats::connect(&g.nats_url(), name).await?;
-    stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &g.settings()).await?;
+    stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &server.settings()).await?;
     Ok(client)
 }
 
@@ -27,47 +238,53 @@ pub async fn connect(g: &Global, name: &str) -> Result<async_nats::Client> {
 /// `--isolation none`.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     if opts.isolation == Isolation::None {
-        return engine_in_process(g, opts);
+        return engine_in_process(g, &opts.engine);
     }
     let program = std::env::current_exe().context("finding the stemq executable for the engine host")?;
-    let mut args: Vec<std::ffi::OsString> = vec!["--data-dir".into(), g.data_dir.clone().into()];
-    if let Some(f) = &g.log_format {
-        args.extend(["--log-format".into(), f.into()]);
-    }
-    args.extend(["engine-host".into(), "--engine".into(), opts.engine.clone().into()]);
-    if let Some(m) = &opts.models {
-        args.extend(["--models".into(), m.clone().into()]);
-    }
-    if let Some(b) = opts.memory_budget {
-        args.extend(["--memory-budget".into(), b.to_string().into()]);
-    }
-    args.extend(["--fake-delay-ms".into(), opts.fake_delay_ms.to_string().into()]);
+    let args = engine_host_args(g, &opts.engine);
     let engine = stemq_worker::isolate::IsolatedEngine::start(program, args, Duration::from_secs(600))?;
     Ok(Arc::new(engine))
 }
 
-/// Loads the engine named in the options in this process.
-pub fn engine_in_process(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
-    engine_named(g, &opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
+/// The command line of an engine host process for `engine`: `stemq --data-dir DIR
+/// [--log-format F] engine-host --engine E ...` (parsed back by [`EngineArgs`]).
+pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = vec!["--data-dir".into(), g.data_dir.clone().into()];
+    if let Some(f) = g.log_format {
+        args.extend(["--log-format".into(), f.as_str().into()]);
+    }
+    args.extend(["engine-host".into(), "--engine".into(), engine.engine.as_str().into()]);
+    if let Some(m) = &engine.models {
+        args.extend(["--models".into(), m.clone().into()]);
+    }
+    if let Some(b) = engine.memory_budget {
+        args.extend(["--memory-budget".into(), b.to_string().into()]);
+    }
+    args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
+    args
 }
 
-/// Loads engine `name`: `models` is the demucs model folder (default
+/// Loads the engine named in the options in this process.
+pub fn engine_in_process(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
+    engine_named(g, opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
+}
+
+/// Loads engine `kind`: `models` is the demucs model folder (default
 /// `<data-dir>/models`), `memory_budget` the demucs engine's budget in bytes,
 /// `fake_delay` the fake engine's extra delay.
 pub fn engine_named(
     g: &Global,
-    name: &str,
+    kind: EngineKind,
     models: Option<PathBuf>,
     memory_budget: Option<u64>,
     fake_delay: Duration,
 ) -> Result<Arc<dyn Engine>> {
-    match name {
-        "fake" => Ok(Arc::new(FakeEngine { base_delay: fake_delay })),
+    match kind {
+        EngineKind::Fake => Ok(Arc::new(FakeEngine { base_delay: fake_delay })),
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` on a dsp worker.
-        "dsp" => Ok(Arc::new(stemq_audio::DspEngine::default())),
-        "demucs" => demucs_engine(g, models, memory_budget),
-        other => bail!("unknown engine `{other}`; available: fake, dsp, demucs"),
+        EngineKind::Dsp => Ok(Arc::new(stemq_audio::DspEngine::default())),
+        EngineKind::Demucs => demucs_engine(g, models, memory_budget),
     }
 }
 
@@ -93,8 +310,8 @@ fn demucs_engine(_: &Global, _: Option<PathBuf>, _: Option<u64>) -> Result<Arc<d
 }
 
 /// The worker configuration from the options.
-pub fn worker_config(g: &Global, opts: &WorkerOpts) -> Result<stemq_worker::Config> {
-    let store = Store::open(&g.store_url()?).context("opening the object store")?;
+pub fn worker_config(g: &Global, store: &StoreArg, opts: &WorkerOpts) -> Result<stemq_worker::Config> {
+    let store = Store::open(&store.url(&g.data_dir)?).context("opening the object store")?;
     let mut c = stemq_worker::Config::new(store, g.data_dir.join("scratch"));
     c.concurrency = opts.concurrency;
     c.grace = Duration::from_secs(opts.grace_s);
@@ -108,10 +325,10 @@ pub fn worker_config(g: &Global, opts: &WorkerOpts) -> Result<stemq_worker::Conf
 }
 
 pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
-    let client = connect(g, "stemq-ingress").await?;
-    let shutdown = crate::cli::shutdown_on_signals();
+    let client = connect(g, &a.server, "stemq-ingress").await?;
+    let shutdown = shutdown_on_signals();
     let listener = stemq_ingress::bind(a.http).await?;
-    let store = Store::open(&g.store_url()?).context("opening the object store")?;
+    let store = Store::open(&a.store.url(&g.data_dir)?).context("opening the object store")?;
     let storage = stemq_ingress::uploads::StorageConfig::new(store);
     let config = stemq_ingress::Config { listen: a.http, nats_submit: true, storage: Some(storage) };
     stemq_ingress::run(client, listener, config, shutdown).await?;
@@ -120,8 +337,12 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
 
 /// Serves `/metrics` (the process-wide registry, queue figures refreshed per scrape) on
 /// `--metrics ADDR` until `shutdown`, when asked to.
-pub async fn serve_metrics(g: &Global, client: &async_nats::Client, shutdown: CancellationToken) -> Result<()> {
-    let Some(addr) = g.metrics_addr else { return Ok(()) };
+pub async fn serve_metrics(
+    metrics: &MetricsArg,
+    client: &async_nats::Client,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let Some(addr) = metrics.addr else { return Ok(()) };
     let js = async_nats::jetstream::new(client.clone());
     let app = axum::Router::new().route(
         "/metrics",
@@ -141,27 +362,27 @@ pub async fn serve_metrics(g: &Global, client: &async_nats::Client, shutdown: Ca
     Ok(())
 }
 
-pub async fn worker(g: &Global, opts: WorkerOpts) -> Result<()> {
-    let client = connect(g, "stemq-worker").await?;
-    serve_metrics(g, &client, crate::cli::shutdown_on_signals()).await?;
-    let engine = engine(g, &opts)?;
-    let mut config = worker_config(g, &opts)?;
+pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
+    let client = connect(g, &a.server, "stemq-worker").await?;
+    serve_metrics(&a.metrics, &client, shutdown_on_signals()).await?;
+    let engine = engine(g, &a.opts)?;
+    let mut config = worker_config(g, &a.store, &a.opts)?;
     if engine.devices().iter().any(|d| d.starts_with("cuda")) {
         config.gpu_probe = Some("nvidia-smi".into());
     }
-    let shutdown = crate::cli::shutdown_on_signals();
+    let shutdown = shutdown_on_signals();
     stemq_worker::run(client.clone(), engine, config, shutdown).await?;
     client.flush().await.ok();
     Ok(())
 }
 
 pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
-    let client = connect(g, "stemq-projector").await?;
-    let shutdown = crate::cli::shutdown_on_signals();
-    serve_metrics(g, &client, shutdown.clone()).await?;
+    let client = connect(g, &a.server, "stemq-projector").await?;
+    let shutdown = shutdown_on_signals();
+    serve_metrics(&a.metrics, &client, shutdown.clone()).await?;
     if a.rebuild {
         let js = async_nats::jetstream::new(client.clone());
-        let events = stemq_projector::reset(&js, &g.settings()).await?;
+        let events = stemq_projector::reset(&js, &a.server.settings()).await?;
         eprintln!("view dropped; replaying {events} events");
         let run_token = CancellationToken::new();
         let task = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), run_token.clone()));
@@ -178,10 +399,33 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
     Ok(())
 }
 
-pub async fn relay(g: &Global, a: RelayArgs) -> Result<()> {
-    let client = connect(g, "stemq-relay").await?;
-    let shutdown = crate::cli::shutdown_on_signals();
-    serve_metrics(g, &client, shutdown.clone()).await?;
-    stemq_relay::run(client, a.config()?, shutdown).await?;
+pub async fn relay(g: &Global, a: RelayServiceArgs) -> Result<()> {
+    let client = connect(g, &a.server, "stemq-relay").await?;
+    let shutdown = shutdown_on_signals();
+    serve_metrics(&a.metrics, &client, shutdown.clone()).await?;
+    stemq_relay::run(client, a.relay.config(), shutdown).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_budget_sizes_parse() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+
+    #[test]
+    fn webhook_schedules_parse() {
+        assert_eq!(parse_schedule("0, 5000").unwrap(), Schedule(vec![Duration::ZERO, Duration::from_secs(5)]));
+        assert!(parse_schedule("").is_err());
+        assert!(parse_schedule("5s").is_err());
+    }
 }

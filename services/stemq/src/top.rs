@@ -15,7 +15,7 @@ use stemq_core::{JobStatus, JobView};
 use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::Global;
+use crate::global::Global;
 
 /// One screen of figures.
 struct Screen {
@@ -122,7 +122,7 @@ pub async fn run(g: &Global, interval: Duration, once: bool) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut last = None;
-    let shutdown = crate::cli::shutdown_on_signals();
+    let shutdown = crate::global::shutdown_on_signals();
     loop {
         let screen = snapshot(&js, &kv, &index, &mut last).await?;
         let text = render(&screen, &g.nats_url());

@@ -7,7 +7,7 @@ use clap::Subcommand;
 use stemq_core::nats as names;
 use stemq_core::request::ANONYMOUS;
 
-use crate::cli::Global;
+use crate::global::Global;
 
 /// `stemq webhooks …`.
 #[derive(Debug, Subcommand)]

@@ -1,0 +1,144 @@
+//! What every command shares, apart from the parser: the global options, the option
+//! groups that several subcommands flatten (server settings, object store, metrics
+//! address), the log format, and the shutdown signal.
+//!
+//! This module owns the process-wide context a command runs in. `cli.rs` parses into
+//! these types and dispatches; the command modules (`services`, `client`, `dev`, ...)
+//! read them from here, so none of them depends on the parser.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use stemq_core::nats::Settings;
+use stemq_core::telemetry::LogFormat;
+use tokio_util::sync::CancellationToken;
+
+/// Options every command takes.
+#[derive(Debug, Args, Clone)]
+pub struct Global {
+    /// NATS server URL. `stemq dev` starts its own server when this is not set.
+    #[arg(long, env = "NATS_URL", global = true, help_heading = "Global options")]
+    pub nats_url: Option<String>,
+    /// Data directory (NATS store of `stemq dev`, local object store, scratch, models).
+    #[arg(long, env = "STEMQ_DATA_DIR", default_value = ".stemq", global = true, help_heading = "Global options")]
+    pub data_dir: PathBuf,
+    /// Log format (default: text on a terminal and for `stemq dev`, json otherwise).
+    #[arg(long, env = "STEMQ_LOG_FORMAT", value_enum, global = true, help_heading = "Global options")]
+    pub log_format: Option<LogFormatArg>,
+}
+
+impl Global {
+    /// The NATS URL, or the default local one.
+    pub fn nats_url(&self) -> String {
+        self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+    }
+}
+
+/// `--log-format`: how log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormatArg {
+    /// One JSON object per line (for log collectors).
+    Json,
+    /// Human-readable lines.
+    Text,
+}
+
+impl LogFormatArg {
+    /// The telemetry crate's format.
+    pub fn format(self) -> LogFormat {
+        match self {
+            LogFormatArg::Json => LogFormat::Json,
+            LogFormatArg::Text => LogFormat::Text,
+        }
+    }
+
+    /// The spelling on the command line (to pass it on to a child process).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormatArg::Json => "json",
+            LogFormatArg::Text => "text",
+        }
+    }
+}
+
+/// The NATS definition settings: what a process creates when a stream or consumer is
+/// missing (and what `stemq nats apply` writes). Flattened into the commands that
+/// create definitions: `dev`, `ingress`, `worker`, `projector`, `relay`, `nats apply`,
+/// `bench`.
+#[derive(Debug, Args, Clone)]
+pub struct ServerSettings {
+    /// Worker ack deadline in ms (progress acks keep long jobs alive).
+    #[arg(long, env = "STEMQ_ACK_WAIT_MS", default_value_t = 30_000)]
+    pub ack_wait_ms: u64,
+    /// Deliveries before a job is dead-lettered.
+    #[arg(long, env = "STEMQ_MAX_DELIVER", default_value_t = 5)]
+    pub max_deliver: i64,
+    /// Dedupe window of the job stream in ms.
+    #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000)]
+    pub dedupe_window_ms: u64,
+}
+
+impl ServerSettings {
+    /// The definitions' knobs.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            ack_wait: Duration::from_millis(self.ack_wait_ms),
+            max_deliver: self.max_deliver,
+            duplicate_window: Duration::from_millis(self.dedupe_window_ms),
+            ..Settings::default()
+        }
+    }
+}
+
+/// `--store`: the object store of inputs and outputs (`dev`, `ingress`, `worker`, and
+/// `submit` when it talks to NATS directly).
+#[derive(Debug, Args, Clone, Default)]
+pub struct StoreArg {
+    /// Object store URL for inputs and outputs (default: file://<data-dir>/store).
+    #[arg(long, env = "STEMQ_STORE")]
+    pub store: Option<String>,
+}
+
+impl StoreArg {
+    /// The object store URL: `--store`, or `file://<data_dir>/store` (created).
+    pub fn url(&self, data_dir: &Path) -> Result<String> {
+        if let Some(s) = &self.store {
+            return Ok(s.clone());
+        }
+        let dir = data_dir.join("store");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let abs = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
+        let url = url::Url::from_directory_path(&abs)
+            .map_err(|()| anyhow::anyhow!("{} cannot be a file:// URL", abs.display()))?;
+        Ok(url.to_string())
+    }
+}
+
+/// `--metrics`: where a worker, projector or relay process serves Prometheus metrics
+/// (the ingress serves its own on its HTTP port).
+#[derive(Debug, Args, Clone, Default)]
+pub struct MetricsArg {
+    /// Serve Prometheus `/metrics` on this address.
+    #[arg(long = "metrics", env = "STEMQ_METRICS_ADDR")]
+    pub addr: Option<SocketAddr>,
+}
+
+/// A token cancelled on Ctrl-C or SIGTERM.
+pub fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutdown requested");
+        t.cancel();
+    });
+    token
+}

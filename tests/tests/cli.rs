@@ -1,0 +1,197 @@
+//! Issue 17, the command line: parsed arguments are validated types, each subcommand's
+//! help shows its own flags, errors print each cause once, and the client commands work
+//! against the HTTP API alone (`--api`), with no NATS URL or store.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use serde_json::json;
+use stemq_core::nats_server::NatsServer;
+use stemq_core::JobStatus;
+use stemq_tests::{job_body, job_id, Stack, StackOptions};
+
+const T: Duration = Duration::from_secs(30);
+
+/// `stemq ARGS` in `dir`, with none of the caller's stemq settings.
+fn stemq(args: &[&str], dir: &Path) -> Command {
+    let mut cmd = Command::new(Stack::stemq_bin());
+    cmd.args(args).current_dir(dir).env("STEMQ_DATA_DIR", dir.join(".stemq"));
+    for var in ["NATS_URL", "STEMQ_STORE", "STEMQ_API", "STEMQ_API_KEY", "STEMQ_LOG_FORMAT"] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    assert!(out.status.success(), "{what} failed:\n{}\n{}", text(&out.stdout), text(&out.stderr));
+    text(&out.stdout)
+}
+
+#[test]
+fn an_unknown_log_format_is_an_error_that_names_the_choices() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = stemq(&["--log-format", "xml", "schemas", "--write", "s"], dir.path()).output().unwrap();
+    assert!(!out.status.success(), "an unknown --log-format was accepted");
+    let err = text(&out.stderr);
+    assert!(err.contains("'xml'") && err.contains("--log-format") && err.contains("json, text"), "{err}");
+    assert!(!dir.path().join("s").exists(), "the command ran anyway");
+
+    // The same through the environment.
+    let out = stemq(&["schemas", "--write", "s"], dir.path()).env("STEMQ_LOG_FORMAT", "yaml").output().unwrap();
+    assert!(!out.status.success(), "an unknown STEMQ_LOG_FORMAT was accepted");
+    assert!(text(&out.stderr).contains("'yaml'"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn server_settings_show_on_the_services_and_not_on_the_client_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let help = |sub: &str| ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
+    let worker = help("worker");
+    for flag in ["--ack-wait-ms", "--max-deliver", "--dedupe-window-ms", "--store", "--metrics", "--engine"] {
+        assert!(worker.contains(flag), "`stemq worker --help` lacks {flag}:\n{worker}");
+    }
+    assert!(worker.contains("dsp") && worker.contains("demucs") && worker.contains("fake"), "{worker}");
+    let submit = help("submit");
+    for flag in ["--ack-wait-ms", "--max-deliver", "--dedupe-window-ms", "--metrics", "--engine"] {
+        assert!(!submit.contains(flag), "`stemq submit --help` shows {flag}:\n{submit}");
+    }
+    for flag in ["--api", "--api-key", "--flac", "--int24", "--float32", "--clip-mode", "--two-stems"] {
+        assert!(submit.contains(flag), "`stemq submit --help` lacks {flag}:\n{submit}");
+    }
+    let separate = help("separate");
+    assert!(!separate.contains("--ack-wait-ms") && !separate.contains("--store"), "{separate}");
+}
+
+/// Issue 17: "Address already in use (os error 98): Address already in use (os error
+/// 98)" — each cause once.
+#[test]
+fn a_busy_http_port_is_reported_with_each_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = NatsServer::start(&dir.path().join("nats"), 0).expect("nats-server >= 2.11 on PATH");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let out = stemq(&["ingress", "--http", &addr], dir.path())
+        .env("NATS_URL", server.url())
+        .env("STEMQ_LOG_FORMAT", "json")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the ingress started on a busy port");
+    let err = text(&out.stderr);
+    let line = err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line in {err}"));
+    assert!(line.contains(&format!("cannot listen on {addr}")), "{line}");
+    let cause = std::io::Error::from(std::io::ErrorKind::AddrInUse).kind().to_string();
+    let in_use = line.matches("in use").count();
+    assert_eq!(in_use, 1, "the cause ({cause}) should print once: {line}");
+    drop(busy);
+}
+
+/// Issue 17: a user with the API's address and a key, and nothing else, uploads,
+/// submits, waits, downloads the stems, reads status and the list, cancels and retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_commands_work_over_the_http_api_alone() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let api = format!("http://{}", stack.http);
+    // Settings that would fail if the CLI used NATS or a store of its own.
+    let cli = |args: &[&str]| {
+        let dir = dir.path().to_path_buf();
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let api = api.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                stemq(&args, &dir)
+                    .env("NATS_URL", "nats://127.0.0.1:1")
+                    .env("STEMQ_STORE", "file:///nonexistent/store/")
+                    .env("STEMQ_API", &api)
+                    .env("STEMQ_API_KEY", "test-key")
+                    .output()
+                    .unwrap()
+            })
+            .await
+            .unwrap()
+        }
+    };
+    ok(&cli(&["synth", "--seconds", "1", "-o", "song.wav"]).await, "synth");
+
+    // submit FILE --wait -o DIR, in separate's spellings.
+    let out = cli(&["submit", "song.wav", "--name", "dsp", "--flac", "--wait", "--out", "stems"]).await;
+    let stdout = ok(&out, "submit --api");
+    let start = stdout.find('{').expect("the submit answer");
+    let end = stdout.find('}').expect("the submit answer") + 1;
+    let answer: serde_json::Value = serde_json::from_str(&stdout[start..end]).expect(&stdout);
+    let id = job_id(&answer);
+    let view = stack.wait_terminal(&id, T).await;
+    assert_eq!(view.status, JobStatus::Succeeded);
+    let request = view.request.as_ref().unwrap();
+    assert!(request.audio_uri.starts_with(stack.store.base_url()), "uploaded into the API's store: {request:?}");
+    assert_eq!(serde_json::to_value(request.output_format).unwrap(), "flac");
+    assert!(!view.outputs.is_empty());
+    for o in &view.outputs {
+        let file = dir.path().join(format!("stems/{}.flac", o.stem));
+        let bytes = std::fs::read(&file).unwrap_or_else(|_| panic!("{} not downloaded", file.display()));
+        assert_eq!(bytes.len() as u64, o.bytes, "{}", file.display());
+        let want = format!("fake stem {} of job {id}", o.stem);
+        assert!(text(&bytes).starts_with(&want), "{}: {}", file.display(), text(&bytes));
+    }
+
+    let status = ok(&cli(&["status", id.as_str()]).await, "status --api");
+    assert!(status.contains("\"succeeded\""), "{status}");
+    let list = ok(&cli(&["list", "--status", "succeeded"]).await, "list --api");
+    assert!(list.contains(id.as_str()), "{list}");
+
+    // cancel and retry (and retry again: the same new job).
+    let (_, b) = stack.submit(&job_body(&stack, "api-cancel", Some(json!({"sleep_ms": 60_000})))).await;
+    let slow = job_id(&b);
+    ok(&cli(&["cancel", slow.as_str()]).await, "cancel --api");
+    assert_eq!(stack.wait_terminal(&slow, T).await.status, JobStatus::Cancelled);
+    let retried = ok(&cli(&["retry", slow.as_str()]).await, "retry --api");
+    assert!(retried.starts_with(&format!("retrying {slow} as ")), "{retried}");
+    let new_id = stemq_core::JobId::parse(retried.trim().rsplit(' ').next().unwrap()).expect(&retried);
+    let again = ok(&cli(&["dlq", "replay", slow.as_str()]).await, "dlq replay --api");
+    assert!(again.contains("already") && again.contains(new_id.as_str()), "{again}");
+    ok(&cli(&["cancel", new_id.as_str()]).await, "cancel --api");
+
+    // The API's own error, once, with its code.
+    let missing = cli(&["status", &"0".repeat(64)]).await;
+    assert!(!missing.status.success());
+    let err = text(&missing.stderr);
+    assert!(err.contains("404 not_found") && err.matches("no job").count() == 1, "{err}");
+    stack.shutdown().await;
+}
+
+/// `--api-key` goes out as a bearer token (the server does not check keys yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_is_sent_as_a_bearer_token() {
+    use axum::http::HeaderMap;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let s = seen.clone();
+    let app = axum::Router::new().route(
+        "/v1/separations/{id}",
+        axum::routing::get(move |headers: HeaderMap| {
+            let s = s.clone();
+            async move {
+                *s.lock().unwrap() = headers.get("authorization").and_then(|v| v.to_str().ok()).map(str::to_string);
+                (axum::http::StatusCode::NOT_FOUND, axum::Json(json!({"error": {"code": "not_found", "message": "x"}})))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let dir = tempfile::tempdir().unwrap();
+    let api = format!("http://{addr}");
+    let path = dir.path().to_path_buf();
+    let out = tokio::task::spawn_blocking(move || {
+        stemq(&["status", &"a".repeat(64), "--api", &api, "--api-key", "k-123"], &path).output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(seen.lock().unwrap().as_deref(), Some("Bearer k-123"), "{}", text(&out.stderr));
+}
