@@ -6,8 +6,9 @@
 //! delays no worker and no other service. Each time the queue hands it an event, it
 //! (`handle`):
 //!
-//! 1. folds the event into the job's status view (the KV view, brought up to date with
-//!    the pure `apply`, so the payload never lags the event);
+//! 1. folds the event into the job's status view (the read side's current view — the KV
+//!    view, else the request from the log — brought up to date with the pure `apply`, so
+//!    the payload never lags the event);
 //! 2. skips jobs without a webhook or whose `events` filter excludes the event
 //!    (`started`, `progress`, `completed` = any terminal status);
 //! 3. finds where the event's delivery stands (`schedule`): a first delivery is
