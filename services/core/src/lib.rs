@@ -3,6 +3,9 @@
 //! - [`request`]: the job request, its validation and the job id;
 //! - [`event`]: the CloudEvents the pipeline records;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
+//! - [`read`]: the read side — one job's view (the KV view, else the request from the
+//!   log), the list index and its cursor; what every reader of the view uses;
+//! - [`error`]: the one error type of a failed JetStream call in the services;
 //! - [`metrics`]: the Prometheus metrics every process shares;
 //! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
 //! - [`publish`]: publishing events once (request, outcome) or plainly;
@@ -16,12 +19,14 @@
 //! - [`webhook`]: webhook signing, per-owner secrets and the SSRF policy for receivers.
 
 pub mod engine;
+pub mod error;
 pub mod event;
 pub mod metrics;
 pub mod nats;
 pub mod nats_server;
 pub mod publish;
 pub mod pull;
+pub mod read;
 pub mod request;
 pub mod schema;
 pub mod storage;

@@ -130,7 +130,7 @@ pub(crate) async fn view_or_404(state: &AppState, id: &str) -> Result<JobView, A
     let not_found =
         || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
     let job_id = JobId::parse(id).ok_or_else(not_found)?;
-    state.view(&job_id).await.map_err(internal)?.ok_or_else(not_found)
+    state.view(&job_id).await?.ok_or_else(not_found)
 }
 
 /// `POST /v1/separations/{id}/cancel`.

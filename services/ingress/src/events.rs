@@ -50,7 +50,7 @@ pub(crate) async fn sse(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(0);
-    let watch = state.kv.watch_with_history(view.job_id.as_str()).await.map_err(internal)?;
+    let watch = state.bucket().watch_with_history(view.job_id.as_str()).await.map_err(internal)?;
     let follow = Follow { watch, after, last_status: None, done: false };
     let stream = futures::stream::unfold(follow, |mut f| async move {
         if f.done {

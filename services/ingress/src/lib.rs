@@ -41,9 +41,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::{apply, Event, JobId, JobStatus, JobView, Position};
-use stemq_projector::index::{Cursor, ListIndex};
+use stemq_core::error::JetStreamError;
+use stemq_core::nats as names;
+use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
+use stemq_core::{JobId, JobStatus, JobView};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
@@ -58,13 +59,8 @@ pub enum IngressError {
     #[error("cannot listen on {0}")]
     Bind(SocketAddr, #[source] std::io::Error),
     /// A JetStream call failed.
-    #[error("{what}: {message}")]
-    JetStream {
-        /// Which call.
-        what: &'static str,
-        /// Why.
-        message: String,
-    },
+    #[error(transparent)]
+    JetStream(#[from] JetStreamError),
     /// Serving failed.
     #[error("http server")]
     Serve(#[source] std::io::Error),
@@ -86,8 +82,7 @@ pub struct Config {
 #[derive(Clone)]
 pub struct AppState {
     js: jetstream::Context,
-    kv: kv::Store,
-    jobs: jetstream::stream::Stream<()>,
+    views: Views,
     index: Arc<ListIndex>,
     metrics: Arc<Metrics>,
     storage: Option<Arc<uploads::StorageConfig>>,
@@ -98,17 +93,10 @@ impl AppState {
     /// Opens the bucket and stream, and starts the list index.
     pub async fn new(client: async_nats::Client, shutdown: CancellationToken) -> Result<AppState, IngressError> {
         let js = jetstream::new(client);
-        let kv = js
-            .get_key_value(names::JOBS_BUCKET)
-            .await
-            .map_err(|e| IngressError::JetStream { what: "open bucket", message: e.to_string() })?;
-        let jobs = js
-            .get_stream_no_info(names::JOBS_STREAM)
-            .await
-            .map_err(|e| IngressError::JetStream { what: "open job stream", message: e.to_string() })?;
-        let index = ListIndex::follow(kv.clone(), shutdown).await;
+        let views = Views::open(&js).await?;
+        let index = ListIndex::follow(views.bucket().clone(), shutdown).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
-        Ok(AppState { js, kv, jobs, index, metrics, storage: None, stores: Arc::new(Vec::new()) })
+        Ok(AppState { js, views, index, metrics, storage: None, stores: Arc::new(Vec::new()) })
     }
 
     /// Serves uploads and stems from this store.
@@ -128,17 +116,16 @@ impl AppState {
         &self.js
     }
 
-    /// Reads a job's view; falls back to the log when the projector has not caught up
-    /// (right after a submit), so a job that exists is never a 404.
-    pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, String> {
-        if let Some((v, _)) = stemq_projector::get_view(&self.kv, id).await.map_err(|e| e.to_string())? {
-            return Ok(Some(v));
-        }
-        match self.jobs.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-            Ok(m) => Ok(Event::from_slice(&m.payload).ok().and_then(|e| apply(None, Position::Log(m.sequence), &e))),
-            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e.to_string()),
-        }
+    /// Reads a job's view ([`Views::current`]): the KV view, else the request from the
+    /// log when the projector has not caught up (right after a submit), so a job that
+    /// exists is never a 404. An error answers 503 (`From<ViewError> for ApiError`).
+    pub async fn view(&self, id: &JobId) -> Result<Option<JobView>, ViewError> {
+        self.views.current(id).await
+    }
+
+    /// The status bucket (the SSE route watches it).
+    pub(crate) fn bucket(&self) -> &kv::Store {
+        self.views.bucket()
     }
 }
 
@@ -279,11 +266,25 @@ impl From<SubmitError> for ApiError {
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
     warn!(error = %e, "internal error");
+    store_unavailable()
+}
+
+/// 503 without internals: the cause is logged where it happened.
+fn store_unavailable() -> ApiError {
     ApiError {
         status: StatusCode::SERVICE_UNAVAILABLE,
         code: "unavailable",
         message: "status store unavailable; try again".into(),
         field: None,
+    }
+}
+
+/// A view that cannot be read (the bucket or the log is unreachable, or the stored view
+/// does not parse) is 503, whatever the cause; the cause goes to the log only.
+impl From<ViewError> for ApiError {
+    fn from(e: ViewError) -> ApiError {
+        warn!(job_id = %e.job_id(), error = %stemq_core::error::report(&e), "cannot read a job's view");
+        store_unavailable()
     }
 }
 
@@ -319,7 +320,7 @@ async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result
     let Some(job_id) = JobId::parse(&id) else {
         return Err(not_found());
     };
-    match state.view(&job_id).await.map_err(internal)? {
+    match state.view(&job_id).await? {
         Some(v) => Ok(Json(v)),
         None => Err(not_found()),
     }

@@ -88,7 +88,7 @@ pub(crate) async fn download(
     };
     let span = info_span!("stem.download", job_id = %job_id, stem = %stem);
     async move {
-        let view = state.view(&job_id).await.map_err(internal)?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
+        let view = state.view(&job_id).await?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
         if view.status != JobStatus::Succeeded {
             return Err(ApiError {
                 status: StatusCode::CONFLICT,

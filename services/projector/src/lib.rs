@@ -1,6 +1,6 @@
 //! stemq-projector: folds the job event log into the KV status view.
 //!
-//! This crate owns the read side. [`run`] consumes every job event (and the compacted
+//! This crate owns the write side of the status view. [`run`] consumes every job event (and the compacted
 //! progress stream) with durable consumers, applies [`stemq_core::apply`] and writes the
 //! result to the `stemq_jobs` bucket with compare-and-set on the entry's revision. It is
 //! idempotent by stream sequence (each view records the last applied position) and acks
@@ -35,9 +35,9 @@
 //! `stemq projector --rebuild` replaces it from the log.
 //!
 //! The view is disposable: [`reset`] drops the bucket and the consumers, and replays
-//! the log into an identical view. [`index`] keeps the list query cheap.
-
-pub mod index;
+//! the log into an identical view. Readers never depend on this crate: they read the
+//! view, the list index and its cursor through [`stemq_core::read`], which this crate
+//! uses too (its [`get_view`] is that reader with the projector's error).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
@@ -47,8 +47,10 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, AckKind};
 use futures::StreamExt;
+use stemq_core::error::JetStreamError;
 use stemq_core::nats::{self as names, Settings};
 use stemq_core::pull::{self, PullOptions};
+use stemq_core::read::{self, ViewError};
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -74,21 +76,16 @@ pub enum ProjectorError {
     #[error(transparent)]
     Nats(#[from] names::NatsError),
     /// A JetStream call failed.
-    #[error("{what}: {message}")]
-    JetStream {
-        /// Which call.
-        what: &'static str,
-        /// Server or client message.
-        message: String,
-    },
+    #[error(transparent)]
+    JetStream(#[from] JetStreamError),
     /// Reading a job's view failed.
     #[error("reading the view of job {id}")]
     KvRead {
         /// The job.
         id: JobId,
-        /// The KV error.
+        /// The failed KV get.
         #[source]
-        source: kv::EntryError,
+        source: JetStreamError,
     },
     /// Writing a job's view failed.
     #[error("writing the view of job {id}")]
@@ -124,7 +121,7 @@ impl ProjectorError {
     /// `stemq_projector_errors_total`).
     pub fn kind(&self) -> &'static str {
         match self {
-            ProjectorError::Nats(_) | ProjectorError::JetStream { .. } => "nats",
+            ProjectorError::Nats(_) | ProjectorError::JetStream(_) => "nats",
             ProjectorError::KvRead { .. } => "kv_read",
             ProjectorError::KvWrite { .. } => "kv_write",
             ProjectorError::Conflicts { .. } => "kv_conflict",
@@ -133,8 +130,13 @@ impl ProjectorError {
     }
 }
 
-fn js_err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> ProjectorError {
-    move |e| ProjectorError::JetStream { what, message: e.to_string() }
+impl From<ViewError> for ProjectorError {
+    fn from(e: ViewError) -> ProjectorError {
+        match e {
+            ViewError::Unavailable { id, source } => ProjectorError::KvRead { id, source },
+            ViewError::Corrupt { id, revision, source } => ProjectorError::CorruptView { id, revision, source },
+        }
+    }
 }
 
 /// Projector configuration.
@@ -152,24 +154,11 @@ impl Default for Config {
     }
 }
 
-/// Reads one job's view: `None` when there is none (never written, or deleted); an
+/// Reads one job's view as stored: [`stemq_core::read::get_view`] (what readers use),
+/// with the projector's error: `None` when there is none (never written, or deleted); an
 /// error when the stored entry is not a view ([`ProjectorError::CorruptView`]).
 pub async fn get_view(kv: &kv::Store, id: &JobId) -> Result<Option<(JobView, u64)>, ProjectorError> {
-    let (view, revision) = read_view(kv, id).await?;
-    Ok(view.map(|v| (v, revision)))
-}
-
-/// The stored view and the revision to write over (0 when the key was never written).
-async fn read_view(kv: &kv::Store, id: &JobId) -> Result<(Option<JobView>, u64), ProjectorError> {
-    let entry = kv.entry(id.as_str()).await.map_err(|source| ProjectorError::KvRead { id: id.clone(), source })?;
-    match entry {
-        Some(e) if e.operation == kv::Operation::Put => match serde_json::from_slice::<JobView>(&e.value) {
-            Ok(v) => Ok((Some(v), e.revision)),
-            Err(source) => Err(ProjectorError::CorruptView { id: id.clone(), revision: e.revision, source }),
-        },
-        Some(e) => Ok((None, e.revision)),
-        None => Ok((None, 0)),
-    }
+    Ok(read::get_view(kv, id).await?)
 }
 
 /// Runs until `shutdown`: folds job and progress events into the view.
@@ -179,15 +168,15 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), ProjectorError> {
     let js = jetstream::new(client);
-    let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(|e| js_err("open bucket")(&e))?;
+    let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
     let jobs: PullConsumer = js
         .get_consumer_from_stream(names::PROJECTOR_CONSUMER, names::JOBS_STREAM)
         .await
-        .map_err(|e| js_err("open projector consumer")(&e))?;
+        .map_err(JetStreamError::open("open projector consumer"))?;
     let progress: PullConsumer = js
         .get_consumer_from_stream(names::PROJECTOR_PROGRESS_CONSUMER, names::PROGRESS_STREAM)
         .await
-        .map_err(|e| js_err("open progress consumer")(&e))?;
+        .map_err(JetStreamError::open("open progress consumer"))?;
     let options = PullOptions {
         batch: 1000,
         heartbeat: Some(Duration::from_secs(5)),
@@ -407,7 +396,7 @@ impl Lane {
             }
             Err(e) => {
                 stemq_core::metrics::metrics().projector_error(e.kind());
-                let error = chain(&e);
+                let error = stemq_core::error::report(&e);
                 if matches!(e, ProjectorError::CorruptView { .. }) {
                     error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
                 } else {
@@ -433,18 +422,6 @@ impl Lane {
             self.held.remove(id);
         }
     }
-}
-
-/// An error and its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 fn log_seq(p: &Position) -> Option<u64> {
@@ -488,7 +465,7 @@ async fn fold(
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 // It exists (or another writer moved it): read the real revision, retry.
                 cache.remove(id);
-                current = read_view(kv, id).await?;
+                current = read::stored_view(kv, id).await?;
             }
             Err(source) => return Err(ProjectorError::KvWrite { id: id.clone(), source }),
         }
@@ -508,8 +485,8 @@ pub async fn reset(js: &jetstream::Context, settings: &Settings) -> Result<u64, 
     }
     let _ = js.delete_key_value(names::JOBS_BUCKET).await;
     names::apply(js, settings).await?;
-    let mut s = js.get_stream(names::JOBS_STREAM).await.map_err(|e| js_err("stream info")(&e))?;
-    let info = s.info().await.map_err(|e| js_err("stream info")(&e))?;
+    let mut s = js.get_stream(names::JOBS_STREAM).await.map_err(JetStreamError::open("stream info"))?;
+    let info = s.info().await.map_err(JetStreamError::read("stream info"))?;
     Ok(info.state.messages)
 }
 
@@ -523,8 +500,8 @@ pub async fn wait_caught_up(js: &jetstream::Context, timeout: Duration) -> Resul
             (names::PROGRESS_STREAM, names::PROJECTOR_PROGRESS_CONSUMER),
         ] {
             let mut c: PullConsumer =
-                js.get_consumer_from_stream(consumer, stream).await.map_err(|e| js_err("consumer")(&e))?;
-            let info = c.info().await.map_err(|e| js_err("consumer info")(&e))?;
+                js.get_consumer_from_stream(consumer, stream).await.map_err(JetStreamError::open("consumer"))?;
+            let info = c.info().await.map_err(JetStreamError::read("consumer info"))?;
             if info.num_pending > 0 || info.num_ack_pending > 0 {
                 done = false;
             }

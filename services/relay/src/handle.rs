@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::event::EventBody;
 use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::read::ViewError;
 use stemq_core::webhook;
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio_util::sync::CancellationToken;
@@ -28,32 +29,23 @@ fn class_of(body: &EventBody) -> Option<&'static str> {
     }
 }
 
-/// The job's view with `event` folded in (from the KV view, or the log if the projector
-/// has not seen the job yet). A view that cannot be read (the bucket is unreachable, or
-/// the stored view does not parse) is an error: the event waits, rather than being
-/// delivered with a view rebuilt from the request alone.
+/// The job's view with `event` folded in: the read side's current view (the KV view,
+/// else the request from the log if the projector has not seen the job yet), brought up
+/// to the event with the pure `apply`, so the payload never lags the event. A view that
+/// cannot be read (the bucket or the log is unreachable, or the stored view does not
+/// parse) is an error: the event waits, rather than being delivered with a view rebuilt
+/// from the request alone.
 async fn current_view(
     shared: &Shared,
     id: &JobId,
     pos: Option<Position>,
     event: &Event,
-) -> Result<Option<JobView>, stemq_projector::ProjectorError> {
-    let mut view = stemq_projector::get_view(&shared.jobs, id).await?.map(|(v, _)| v);
-    if view.as_ref().is_none_or(|v| v.request.is_none()) {
-        if let Ok(m) = shared.jobs_stream.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-            if let Ok(req) = Event::from_slice(&m.payload) {
-                if let Some(v) = apply(view.as_ref(), Position::Log(m.sequence), &req) {
-                    view = Some(v);
-                }
-            }
-        }
-    }
-    if let Some(pos) = pos {
-        if let Some(v) = apply(view.as_ref(), pos, event) {
-            view = Some(v);
-        }
-    }
-    Ok(view)
+) -> Result<Option<JobView>, ViewError> {
+    let view = shared.views.current(id).await?;
+    Ok(match pos.and_then(|pos| apply(view.as_ref(), pos, event)) {
+        Some(v) => Some(v),
+        None => view,
+    })
 }
 
 /// True when the job's terminal event is stored (a direct get, no projector lag).
@@ -111,7 +103,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
                 return;
             }
             Err(e) => {
-                warn!(error = %e, "cannot read the job's view; the event waits");
+                warn!(error = %stemq_core::error::report(&e), "cannot read the job's view; the event waits");
                 let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5)))).await;
                 return;
             }

@@ -6,8 +6,9 @@
 //! delays no worker and no other service. Each time the queue hands it an event, it
 //! (`handle`):
 //!
-//! 1. folds the event into the job's status view (the KV view, brought up to date with
-//!    the pure `apply`, so the payload never lags the event);
+//! 1. folds the event into the job's status view (the read side's current view — the KV
+//!    view, else the request from the log — brought up to date with the pure `apply`, so
+//!    the payload never lags the event);
 //! 2. skips jobs without a webhook or whose `events` filter excludes the event
 //!    (`started`, `progress`, `completed` = any terminal status);
 //! 3. finds where the event's delivery stands (`schedule`): a first delivery is
@@ -49,7 +50,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
+use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
+use stemq_core::read::Views;
 use stemq_core::webhook::Allowlist;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -60,13 +63,8 @@ use tracing::info;
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     /// A JetStream call failed.
-    #[error("{what}: {message}")]
-    JetStream {
-        /// Which call.
-        what: &'static str,
-        /// Why.
-        message: String,
-    },
+    #[error(transparent)]
+    JetStream(#[from] JetStreamError),
 }
 
 /// Relay configuration.
@@ -108,16 +106,13 @@ impl Default for Config {
 
 struct Shared {
     js: jetstream::Context,
-    jobs: kv::Store,
+    /// The read side: the status view, else the request from the log.
+    views: Views,
     webhooks: kv::Store,
     jobs_stream: jetstream::stream::Stream<()>,
     config: Config,
     /// Last progress percent delivered per job (progress is delivered on change only).
     last_progress: ProgressMemo,
-}
-
-fn js_err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> RelayError {
-    move |e| RelayError::JetStream { what, message: e.to_string() }
 }
 
 /// Runs the relay until `shutdown`. Nothing in flight is acked on the way out: an
@@ -135,19 +130,20 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), RelayError> {
     let js = jetstream::new(client);
-    let jobs = js.get_key_value(names::JOBS_BUCKET).await.map_err(|e| js_err("open jobs bucket")(&e))?;
-    let webhooks = js.get_key_value(names::WEBHOOKS_BUCKET).await.map_err(|e| js_err("open webhooks bucket")(&e))?;
-    let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| js_err("open job stream")(&e))?;
+    let views = Views::open(&js).await?;
+    let webhooks =
+        js.get_key_value(names::WEBHOOKS_BUCKET).await.map_err(JetStreamError::open("open webhooks bucket"))?;
+    let jobs_stream = views.log().clone();
     let events: PullConsumer = js
         .get_consumer_from_stream(names::RELAY_CONSUMER, names::JOBS_STREAM)
         .await
-        .map_err(|e| js_err("open relay consumer")(&e))?;
+        .map_err(JetStreamError::open("open relay consumer"))?;
     let progress: PullConsumer = js
         .get_consumer_from_stream(names::RELAY_PROGRESS_CONSUMER, names::PROGRESS_STREAM)
         .await
-        .map_err(|e| js_err("open relay-progress consumer")(&e))?;
+        .map_err(JetStreamError::open("open relay-progress consumer"))?;
     let slots = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let shared = Arc::new(Shared { js, jobs, webhooks, jobs_stream, config, last_progress: memo });
+    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo });
     info!(concurrency = shared.config.concurrency, attempts = shared.config.schedule.len(), "relay running");
     let tracker = TaskTracker::new();
     for (consumer, is_progress) in [(events, false), (progress, true)] {

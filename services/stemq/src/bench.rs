@@ -119,7 +119,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let view = loop {
-            if let Some((v, _)) = stemq_projector::get_view(&kv, &resp.job_id).await? {
+            if let Some((v, _)) = stemq_core::read::get_view(&kv, &resp.job_id).await? {
                 if v.status.is_terminal() {
                     break v;
                 }

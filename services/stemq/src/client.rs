@@ -12,9 +12,9 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use stemq_core::nats as names;
+use stemq_core::read::{self, ListIndex, Views};
 use stemq_core::storage::Store;
 use stemq_core::{JobId, JobStatus, JobView};
-use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ApiArgs;
@@ -164,6 +164,12 @@ async fn bucket(js: &jetstream::Context) -> Result<kv::Store> {
         .context("the status bucket is missing: run `stemq nats apply` or `stemq dev`")
 }
 
+async fn views(js: &jetstream::Context) -> Result<Views> {
+    Views::open(js)
+        .await
+        .context("the status bucket or the job stream is missing: run `stemq nats apply` or `stemq dev`")
+}
+
 fn parse_id(id: &str) -> Result<JobId> {
     JobId::parse(id).ok_or_else(|| anyhow!("`{id}` is not a job id (64 lowercase hex characters)"))
 }
@@ -237,10 +243,11 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
 pub async fn status(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
-    let kv = bucket(&js).await?;
-    match stemq_projector::get_view(&kv, &id).await? {
-        Some((v, _)) => println!("{}", serde_json::to_string_pretty(&v)?),
-        None => bail!("no job {id} (or not projected yet)"),
+    // The view, else the request from the log: a job just submitted is never "no job".
+    let views = views(&js).await?;
+    match views.current(&id).await? {
+        Some(v) => println!("{}", serde_json::to_string_pretty(&v)?),
+        None => bail!("no job {id}"),
     }
     Ok(())
 }
@@ -257,7 +264,7 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
     }
     print_list_header();
     for (id, _) in index.page(status, limit, None) {
-        if let Some((v, _)) = stemq_projector::get_view(&kv, &id).await? {
+        if let Some((v, _)) = read::get_view(&kv, &id).await? {
             print_list_row(&v);
         }
     }
@@ -292,8 +299,7 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
 pub async fn replay(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
-    let kv = bucket(&js).await?;
-    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let view = views(&js).await?.current(&id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
     let (new_id, created) = stemq_ingress::control::retry(&js, &view, "/stemq/cli").await?;
     if created {
         println!("retrying {id} as {new_id}");
@@ -307,8 +313,7 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
 pub async fn cancel(g: &Global, id: &str) -> Result<()> {
     let id = parse_id(id)?;
     let js = js(g).await?;
-    let kv = bucket(&js).await?;
-    let (view, _) = stemq_projector::get_view(&kv, &id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let view = views(&js).await?.current(&id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
     match stemq_ingress::control::cancel(&js, &view, "cli").await? {
         stemq_ingress::control::CancelOutcome::Cancelled => println!("{id} cancelled"),
         stemq_ingress::control::CancelOutcome::AlreadyCancelled => println!("{id} was already cancelled"),

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use async_nats::jetstream;
 use stemq_core::nats as names;
+use stemq_core::read::ListIndex;
 use stemq_core::{JobStatus, JobView};
-use stemq_projector::index::ListIndex;
 use tokio_util::sync::CancellationToken;
 
 use crate::global::Global;
@@ -83,14 +83,14 @@ async fn snapshot(
     let lag = read("stemq_projector_lag_events") as u64;
     let mut running = Vec::new();
     for (id, _) in index.page(Some(JobStatus::Running), 50, None) {
-        if let Some((v, _)) = stemq_projector::get_view(kv, &id).await? {
+        if let Some((v, _)) = stemq_core::read::get_view(kv, &id).await? {
             running.push(v);
         }
     }
     let mut failures = Vec::new();
     for status in [JobStatus::Failed, JobStatus::DeadLettered] {
         for (id, _) in index.page(Some(status), 5, None) {
-            if let Some((v, _)) = stemq_projector::get_view(kv, &id).await? {
+            if let Some((v, _)) = stemq_core::read::get_view(kv, &id).await? {
                 failures.push(v);
             }
         }

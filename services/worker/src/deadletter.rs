@@ -15,6 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
 use serde::Deserialize;
+use stemq_core::error::JetStreamError;
 use stemq_core::event::{DeadLettered, EventBody};
 use stemq_core::nats::{self as names, job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish_once, Once};
@@ -34,13 +35,9 @@ pub struct MaxDeliverAdvisory {
     pub deliveries: u32,
 }
 
-/// Handler failures.
-#[derive(Debug, thiserror::Error)]
-#[error("{what}: {message}")]
-pub struct DeadLetterError {
-    what: &'static str,
-    message: String,
-}
+/// Handler failures: a JetStream call (opening the consumer or the stream at start,
+/// reading the dead message, publishing the outcome).
+pub type DeadLetterError = JetStreamError;
 
 /// Runs until `shutdown` (fails only if its consumer or the job stream cannot be opened
 /// at start).
@@ -48,11 +45,8 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) -> Result<
     let consumer: PullConsumer = js
         .get_consumer_from_stream(names::DEADLETTER_CONSUMER, names::ADVISORY_STREAM)
         .await
-        .map_err(|e| DeadLetterError { what: "open deadletter consumer", message: e.to_string() })?;
-    let jobs = js
-        .get_stream_no_info(names::JOBS_STREAM)
-        .await
-        .map_err(|e| DeadLetterError { what: "open job stream", message: e.to_string() })?;
+        .map_err(JetStreamError::open("open deadletter consumer"))?;
+    let jobs = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
     // One delivery per advisory: a small batch, and a subscription that outlives server
     // restarts and a recreated consumer.
     let mut messages = pull::messages(consumer, PullOptions::batch(10), shutdown);
@@ -86,10 +80,7 @@ async fn handle(
     if adv.stream != names::JOBS_STREAM {
         return Ok(());
     }
-    let original = jobs
-        .direct_get(adv.stream_seq)
-        .await
-        .map_err(|e| DeadLetterError { what: "fetch dead message", message: e.to_string() })?;
+    let original = jobs.direct_get(adv.stream_seq).await.map_err(JetStreamError::read("fetch dead message"))?;
     let Some(job_id) = job_id_of_subject(&original.subject) else {
         return Ok(());
     };
@@ -117,7 +108,7 @@ async fn handle(
     let subject = job_subject(&job_id, SubjectKind::Outcome);
     match publish_once(js, &subject, &ev, &format!("{job_id}.outcome"))
         .await
-        .map_err(|e| DeadLetterError { what: "publish dead letter", message: e.to_string() })?
+        .map_err(JetStreamError::write("publish dead letter"))?
     {
         Once::Stored(_) => {
             warn!(job_id = %job_id, deliveries = adv.deliveries, reason, "job dead-lettered")

@@ -76,9 +76,10 @@ async fn run_delivery(
     hard_stop: &CancellationToken,
 ) {
     // 1. The request must be a `requested` event whose request hashes to its subject.
-    let (requested, requested_at, traceparent) = match validate(parsed, &job_id) {
-        Ok(r) => r,
-        Err((code, message)) => {
+    let Valid { requested, at: requested_at, traceparent } = match validate(parsed, &job_id) {
+        Ok(v) => v,
+        Err(rejection) => {
+            let (code, message) = (rejection.code(), rejection.to_string());
             warn!(code, %message, "rejecting request event");
             metrics().outcome("unknown", "rejected");
             let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
@@ -335,22 +336,57 @@ async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
     }
 }
 
-/// Checks a delivered request; returns it with its recorded time and trace context.
-#[allow(clippy::type_complexity)]
-fn validate(
-    parsed: Result<Event, serde_json::Error>,
-    job_id: &JobId,
-) -> Result<(Requested, chrono::DateTime<chrono::Utc>, Option<String>), (&'static str, String)> {
-    let ev = parsed.map_err(|e| ("invalid_event", format!("not a stemq CloudEvent: {e}")))?;
+/// A delivered request that checks out: the request, when it was recorded, and the
+/// trace context it carries.
+#[derive(Debug)]
+struct Valid {
+    requested: Requested,
+    at: chrono::DateTime<chrono::Utc>,
+    traceparent: Option<String>,
+}
+
+/// Why a delivered request is rejected, never run (recorded as the job's `rejected`
+/// outcome with [`Rejection::code`] and the message).
+#[derive(Debug, thiserror::Error)]
+enum Rejection {
+    /// The payload is not a stemq CloudEvent.
+    #[error("not a stemq CloudEvent: {0}")]
+    NotAnEvent(#[source] serde_json::Error),
+    /// A CloudEvent, but not a `requested` one.
+    #[error("expected a requested event, got {0}")]
+    NotARequest(&'static str),
+    /// The request does not hash to the id its subject and event claim (forged).
+    #[error("the request hashes to {computed}, but the event claims {claimed} (subject/id)")]
+    IdMismatch { computed: JobId, claimed: JobId },
+    /// The request is valid, but not as the ingress would have normalised it.
+    #[error("the request is not in normalised form")]
+    NotNormalised,
+    /// The request itself is invalid (a raw publisher bypassed the ingress).
+    #[error("{0}")]
+    Invalid(#[source] stemq_core::request::RequestError),
+}
+
+impl Rejection {
+    /// The `code` of the `rejected` outcome.
+    fn code(&self) -> &'static str {
+        match self {
+            Rejection::NotAnEvent(_) | Rejection::NotARequest(_) => "invalid_event",
+            Rejection::IdMismatch { .. } => "id_mismatch",
+            Rejection::NotNormalised | Rejection::Invalid(_) => "invalid_request",
+        }
+    }
+}
+
+/// Checks a delivered request: a `requested` event whose request hashes to its subject
+/// and id, and is a valid request in normalised form.
+fn validate(parsed: Result<Event, serde_json::Error>, job_id: &JobId) -> Result<Valid, Rejection> {
+    let ev = parsed.map_err(Rejection::NotAnEvent)?;
     let EventBody::Requested(r) = ev.body else {
-        return Err(("invalid_event", format!("expected a requested event, got {}", ev.body.kind())));
+        return Err(Rejection::NotARequest(ev.body.kind()));
     };
     let computed = r.request.job_id();
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
-        return Err((
-            "id_mismatch",
-            format!("the request hashes to {computed}, but the event claims {job_id} (subject/id)"),
-        ));
+        return Err(Rejection::IdMismatch { computed, claimed: job_id.clone() });
     }
     // Re-validate the request itself: a raw publisher bypasses the ingress.
     let req = stemq_core::JobRequest {
@@ -369,14 +405,12 @@ fn validate(
         start_before: None,
         max_runtime: r.max_runtime,
     };
-    match req.normalize(&r.request.owner).map(|mut n| {
-        n.retry_of = r.request.retry_of.clone();
-        n
-    }) {
-        Ok(n) if n == r.request => Ok((r, ev.time, ev.traceparent)),
-        Ok(_) => Err(("invalid_request", "the request is not in normalised form".into())),
-        Err(e) => Err(("invalid_request", e.to_string())),
+    let mut normalised = req.normalize(&r.request.owner).map_err(Rejection::Invalid)?;
+    normalised.retry_of = r.request.retry_of.clone();
+    if normalised != r.request {
+        return Err(Rejection::NotNormalised);
     }
+    Ok(Valid { requested: r, at: ev.time, traceparent: ev.traceparent })
 }
 
 /// A failed attempt, classified.
@@ -696,6 +730,55 @@ impl Drop for ScratchDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stemq_core::request::{JobRequest, ANONYMOUS};
+
+    fn requested() -> Event {
+        let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap().normalize(ANONYMOUS).unwrap();
+        Event::requested(n, None, None, "/test")
+    }
+
+    #[test]
+    fn validate_accepts_a_request_that_hashes_to_its_id() {
+        let ev = requested();
+        let id = ev.subject.clone();
+        let valid = validate(Ok(ev), &id).expect("valid");
+        assert_eq!(valid.requested.request.job_id(), id);
+    }
+
+    #[test]
+    fn validate_rejects_with_a_code_per_reason() {
+        let ev = requested();
+        let other = JobId::parse(&"0".repeat(64)).unwrap();
+        let e = validate(Ok(ev.clone()), &other).unwrap_err();
+        assert!(matches!(e, Rejection::IdMismatch { .. }), "{e:?}");
+        assert_eq!(e.code(), "id_mismatch");
+
+        // Hashes to its id, but is not a request the ingress would accept.
+        let mut n = match &ev.body {
+            EventBody::Requested(r) => r.request.clone(),
+            _ => unreachable!(),
+        };
+        n.audio_uri = format!(" {} ", n.audio_uri);
+        let unnormalised = Event::requested(n, None, None, "/test");
+        let id = unnormalised.subject.clone();
+        let e = validate(Ok(unnormalised), &id).unwrap_err();
+        assert!(matches!(e, Rejection::Invalid(_)), "{e:?}");
+        assert_eq!(e.code(), "invalid_request");
+        assert!(e.to_string().starts_with("invalid `audio_uri`: "), "{e}");
+
+        let not_json = serde_json::from_slice::<Event>(b"{").map(|_| unreachable!());
+        let e = validate(not_json, &ev.subject).unwrap_err();
+        assert_eq!(e.code(), "invalid_event");
+        assert!(e.to_string().starts_with("not a stemq CloudEvent: "), "{e}");
+
+        let started = Event::new(
+            &ev.subject,
+            "/test",
+            EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }),
+        );
+        let e = validate(Ok(started), &ev.subject).unwrap_err();
+        assert_eq!((e.code(), e.to_string().as_str()), ("invalid_event", "expected a requested event, got started"));
+    }
 
     #[test]
     fn ladder_steps_segment_then_cpu() {

@@ -36,6 +36,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
 use stemq_core::engine::Engine;
+use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
 use stemq_core::storage::Store;
 use tokio::sync::watch;
@@ -49,13 +50,8 @@ pub use backoff::Backoff;
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// A JetStream call failed.
-    #[error("{what}: {message}")]
-    JetStream {
-        /// Which call.
-        what: &'static str,
-        /// Why.
-        message: String,
-    },
+    #[error(transparent)]
+    JetStream(#[from] JetStreamError),
     /// The scratch directory is unusable.
     #[error("scratch directory {0}: {1}")]
     Scratch(PathBuf, #[source] std::io::Error),
@@ -195,13 +191,13 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     let js = jetstream::new(client);
-    let err = |what| move |e: &dyn std::fmt::Display| WorkerError::JetStream { what, message: e.to_string() };
     let mut consumer: PullConsumer = js
         .get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM)
         .await
-        .map_err(|e| err("open workers consumer")(&e))?;
-    let info = consumer.info().await.map_err(|e| err("consumer info")(&e))?.clone();
-    let jobs_stream = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(|e| err("open job stream")(&e))?;
+        .map_err(JetStreamError::open("open workers consumer"))?;
+    let info = consumer.info().await.map_err(JetStreamError::read("consumer info"))?.clone();
+    let jobs_stream =
+        js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
     let scratch =
         scratch::Scratch::open(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
     let settings = QueueSettings::of(&info.config);
@@ -217,7 +213,7 @@ pub async fn run(
     });
     let cancel_listener = control::listen(js.client(), shared.running.clone())
         .await
-        .map_err(|e| WorkerError::JetStream { what: "subscribe to cancel requests", message: e.to_string() })?;
+        .map_err(JetStreamError::open("subscribe to cancel requests"))?;
     info!(
         worker = %config.name,
         engine = engine.name(),

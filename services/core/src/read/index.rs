@@ -2,7 +2,7 @@
 //!
 //! This module owns what the list query needs. The KV bucket is keyed by job id, and a
 //! NATS KV cannot list keys in time order without reading them all; so a reader (the
-//! ingress) keeps this secondary index, fed by a watch on the bucket. A page of 50 out of
+//! ingress, `stemq list`, `stemq top`) keeps this secondary index, fed by a watch on the bucket. A page of 50 out of
 //! 100 000 jobs is then a walk of 50 entries in a B-tree plus 50 KV reads, whatever the
 //! bucket holds. The index is a projection of the view and, like it, disposable: it is
 //! rebuilt from the bucket at start.
@@ -13,9 +13,10 @@ use std::sync::{Arc, RwLock};
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use stemq_core::{JobId, JobStatus, JobView};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
+
+use crate::{JobId, JobStatus, JobView};
 
 type Key = (Reverse<i64>, JobId);
 

@@ -1,0 +1,150 @@
+//! Reading one job's view.
+//!
+//! This module owns the two ways to read a view, and the one error they fail with:
+//!
+//! - [`get_view`] (and [`stored_view`], which the projector writes over): the KV entry
+//!   as the projector last wrote it. No entry is `None`; an entry that does not parse is
+//!   [`ViewError::Corrupt`], never an absent view.
+//! - [`current_view`] ([`Views::current`]): what a reader answers with. The KV view,
+//!   else — or when the stored view has not seen the request yet — the job's
+//!   `requested` event read from the log (a direct get, no projector lag) and folded
+//!   with [`crate::apply`]. So a job that exists is never "not found", even right after
+//!   its submit.
+
+use async_nats::jetstream::{self, kv};
+
+use crate::error::JetStreamError;
+use crate::nats::{self as names, job_subject, SubjectKind};
+use crate::{apply, Event, JobId, JobView, Position};
+
+/// A view that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ViewError {
+    /// The bucket or the log did not answer.
+    #[error("reading the view of job {id}")]
+    Unavailable {
+        /// The job.
+        id: JobId,
+        /// The failed call.
+        #[source]
+        source: JetStreamError,
+    },
+    /// The stored view is not a view (hand-edited, or written by an incompatible
+    /// version). Never overwritten as if absent: `stemq projector --rebuild` replaces it.
+    #[error("the stored view of job {id} (revision {revision}) does not parse")]
+    Corrupt {
+        /// The job.
+        id: JobId,
+        /// The entry's revision.
+        revision: u64,
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl ViewError {
+    /// The job whose view could not be read.
+    pub fn job_id(&self) -> &JobId {
+        match self {
+            ViewError::Unavailable { id, .. } | ViewError::Corrupt { id, .. } => id,
+        }
+    }
+}
+
+/// The stored view and the revision to write over: `(None, 0)` when the key was never
+/// written, `(None, revision)` when it was deleted.
+pub async fn stored_view(kv: &kv::Store, id: &JobId) -> Result<(Option<JobView>, u64), ViewError> {
+    let entry = kv
+        .entry(id.as_str())
+        .await
+        .map_err(|e| ViewError::Unavailable { id: id.clone(), source: JetStreamError::read("kv get")(e) })?;
+    match entry {
+        Some(e) if e.operation == kv::Operation::Put => match serde_json::from_slice::<JobView>(&e.value) {
+            Ok(v) => Ok((Some(v), e.revision)),
+            Err(source) => Err(ViewError::Corrupt { id: id.clone(), revision: e.revision, source }),
+        },
+        Some(e) => Ok((None, e.revision)),
+        None => Ok((None, 0)),
+    }
+}
+
+/// One job's view as stored, with its revision: `None` when there is none (never
+/// written, or deleted); an error when the stored entry is not a view.
+pub async fn get_view(kv: &kv::Store, id: &JobId) -> Result<Option<(JobView, u64)>, ViewError> {
+    let (view, revision) = stored_view(kv, id).await?;
+    Ok(view.map(|v| (v, revision)))
+}
+
+/// One job's view as a reader should see it: the stored view, with the job's
+/// `requested` event from the log folded in when the projector has not applied it yet
+/// (no view, or a view opened by a later event). `None` only when the log has no
+/// request and the bucket no view.
+pub async fn current_view(
+    kv: &kv::Store,
+    log: &jetstream::stream::Stream<()>,
+    id: &JobId,
+) -> Result<Option<JobView>, ViewError> {
+    let view = get_view(kv, id).await?.map(|(v, _)| v);
+    if view.as_ref().is_some_and(|v| v.request.is_some()) {
+        return Ok(view);
+    }
+    let requested = match log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
+        Ok(m) => m,
+        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => return Ok(view),
+        Err(e) => {
+            return Err(ViewError::Unavailable {
+                id: id.clone(),
+                source: JetStreamError::read("direct get request")(e),
+            })
+        }
+    };
+    // A request that does not read as an event is the worker's to reject; the view is
+    // whatever the projector has.
+    let folded = Event::from_slice(&requested.payload)
+        .ok()
+        .and_then(|e| apply(view.as_ref(), Position::Log(requested.sequence), &e));
+    Ok(folded.or(view))
+}
+
+/// The reader every service holds: the status bucket and the job log, for
+/// [`current_view`].
+#[derive(Clone)]
+pub struct Views {
+    kv: kv::Store,
+    log: jetstream::stream::Stream<()>,
+}
+
+impl Views {
+    /// Opens the `stemq_jobs` bucket and the job stream.
+    pub async fn open(js: &jetstream::Context) -> Result<Views, JetStreamError> {
+        let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
+        let log = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
+        Ok(Views { kv, log })
+    }
+
+    /// From a bucket and a stream already open.
+    pub fn new(kv: kv::Store, log: jetstream::stream::Stream<()>) -> Views {
+        Views { kv, log }
+    }
+
+    /// The status bucket (to watch it, or to follow it with a [`super::ListIndex`]).
+    pub fn bucket(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// The job stream.
+    pub fn log(&self) -> &jetstream::stream::Stream<()> {
+        &self.log
+    }
+
+    /// [`current_view`]: the stored view, else the request from the log.
+    pub async fn current(&self, id: &JobId) -> Result<Option<JobView>, ViewError> {
+        current_view(&self.kv, &self.log, id).await
+    }
+
+    /// [`get_view`]: the stored view only, with its revision.
+    pub async fn stored(&self, id: &JobId) -> Result<Option<(JobView, u64)>, ViewError> {
+        get_view(&self.kv, id).await
+    }
+}
