@@ -137,9 +137,10 @@ fn cuda_present() -> bool {
 }
 
 impl DemucsEngine {
-    /// Opens the model folder; models load on first use.
+    /// Opens the model folder; models load on first use. A process that will run the
+    /// model on the CPU also wants [`crate::cpu::tune_allocator`] (not done here: it
+    /// changes the whole process's allocator).
     pub fn new(config: DemucsEngineConfig) -> Result<Self, DemucsError> {
-        crate::cpu::tune_allocator();
         Ok(DemucsEngine {
             repo: ModelRepo::open(&config.repo)?,
             config,
