@@ -230,7 +230,7 @@ impl DemucsEngine {
         if stats.length == 0 {
             return Err(DemucsError::Audio(stemq_audio::AudioError::Empty));
         }
-        let seed = u64::from_str_radix(&job.job_id.0.chars().take(16).collect::<String>(), 16).unwrap_or(0);
+        let seed = u64::from_str_radix(&job.job_id.as_str().chars().take(16).collect::<String>(), 16).unwrap_or(0);
         let opts = ApplyOptions {
             shifts: req.shifts as usize,
             split: true,
