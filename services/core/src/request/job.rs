@@ -274,7 +274,9 @@ fn check_field(field: &str, value: &Value) -> Result<(), RequestError> {
     let mut one = Map::new();
     one.insert("audio_uri".into(), Value::String(String::new()));
     one.insert(field.into(), value.clone());
-    serde_json::from_value::<JobRequest>(Value::Object(one)).map(drop).map_err(|e| RequestError::new(field, e.to_string()))
+    serde_json::from_value::<JobRequest>(Value::Object(one))
+        .map(drop)
+        .map_err(|e| RequestError::new(field, e.to_string()))
 }
 
 impl NormalizedRequest {

@@ -145,7 +145,10 @@ mod tests {
     use serde::de::DeserializeOwned;
 
     /// `as_str` is serde's name for every value, and serde reads it back.
-    fn agrees<T: Copy + PartialEq + std::fmt::Debug + Serialize + DeserializeOwned>(all: &[T], name: fn(T) -> &'static str) {
+    fn agrees<T: Copy + PartialEq + std::fmt::Debug + Serialize + DeserializeOwned>(
+        all: &[T],
+        name: fn(T) -> &'static str,
+    ) {
         for &v in all {
             assert_eq!(serde_json::to_value(v).unwrap(), serde_json::json!(name(v)), "{v:?}");
             assert_eq!(serde_json::from_value::<T>(serde_json::json!(name(v))).unwrap(), v);
