@@ -351,19 +351,18 @@ pub fn job_body(stack: &Stack, name: &str, fake: Option<Value>) -> Value {
 
 /// Sends a signal to a child.
 pub fn signal(child: &Child, sig: i32) {
-    extern "C" {
-        fn kill(pid: i32, sig: i32) -> i32;
-    }
-    // SAFETY: kill(2) on our own child's pid.
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid is our
+    // own child's, not yet reaped (the caller holds its `Child`), so it names no other
+    // process.
     unsafe {
-        kill(child.id() as i32, sig);
+        libc::kill(child.id() as libc::pid_t, sig);
     }
 }
 
 /// SIGKILL.
-pub const SIGKILL: i32 = 9;
+pub const SIGKILL: i32 = libc::SIGKILL;
 /// SIGTERM.
-pub const SIGTERM: i32 = 15;
+pub const SIGTERM: i32 = libc::SIGTERM;
 
 /// Waits for a child to exit, up to `timeout`.
 pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {

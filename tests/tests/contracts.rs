@@ -87,6 +87,12 @@ async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
         (json!({"audio_uri": uri, "segment": 30, "model": "htdemucs"}), "segment"),
         (json!({"audio_uri": uri, "two_stems": "kazoo"}), "two_stems"),
         (json!({"audio_uri": uri, "surprise": true}), "surprise"),
+        // Every enum-valued option names itself, not `body`.
+        (json!({"audio_uri": uri, "encoding": "s32"}), "encoding"),
+        (json!({"audio_uri": uri, "clip_mode": "soft"}), "clip_mode"),
+        (json!({"audio_uri": uri, "output_format": "mp3"}), "output_format"),
+        (json!({"audio_uri": uri, "two_stems": "vocals", "other_method": "mul"}), "other_method"),
+        (json!({"audio_uri": uri, "shifts": 1u64 << 32}), "shifts"),
         // Untrusted URIs: refused before anything is published.
         (json!({"audio_uri": "file:///etc/passwd"}), "audio_uri"),
         (json!({"audio_uri": "http://169.254.169.254/latest/meta-data/"}), "audio_uri"),
@@ -100,6 +106,12 @@ async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
         assert_eq!(code, 422, "{body} → {resp}");
         assert_eq!(resp["error"]["field"], field, "{resp}");
         assert_eq!(resp["error"]["code"], "invalid_request");
+    }
+    // The message lists what the enum accepts.
+    let (_, resp) = stack.submit(&json!({"audio_uri": uri, "encoding": "s32"})).await;
+    let message = resp["error"]["message"].as_str().unwrap_or_default();
+    for name in ["s16", "s24", "f32"] {
+        assert!(message.contains(name), "`{name}` missing from {resp}");
     }
     let (code, resp) = stack.post_raw("/v1/separations", b"{not json".to_vec()).await;
     assert_eq!((code, resp["error"]["field"].as_str()), (422, Some("body")));

@@ -531,7 +531,7 @@ mod tests {
 
     #[test]
     fn subjects_round_trip() {
-        let id = JobId("a".repeat(64));
+        let id = JobId::parse(&"a".repeat(64)).unwrap();
         assert_eq!(job_subject(&id, SubjectKind::Outcome), format!("stemq.jobs.{id}.outcome"));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));

@@ -125,9 +125,11 @@ impl NatsServer {
     /// Asks the server to stop (SIGTERM) and waits for it, up to 10 s.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // SAFETY: plain kill(2) on our own child's pid.
+            // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
+            // is our own child's, not yet reaped (we hold its `Child`), so it cannot name
+            // another process.
             unsafe {
-                libc_kill(c.id() as i32, 15);
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
             }
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
@@ -146,11 +148,6 @@ impl NatsServer {
         self.kill();
         self.spawn()
     }
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
 impl Drop for NatsServer {

@@ -498,7 +498,7 @@ mod tests {
     #[test]
     fn retried_links_a_finished_job() {
         let done = given(&[requested(), started(1), failed(1, FailureClass::Permanent)]);
-        let new_id = JobId("b".repeat(64));
+        let new_id = JobId::parse(&"b".repeat(64)).unwrap();
         let r = ev(EventBody::Retried(Retried { retried_by: new_id.clone() }));
         let v = apply(Some(&done), Position::Log(10), &r).unwrap();
         assert_eq!((v.status, v.retried_by), (JobStatus::Failed, Some(new_id)));

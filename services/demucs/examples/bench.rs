@@ -51,7 +51,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     seconds: f64,
     label: &str,
 ) {
-    stemq_demucs::cpu::tune_allocator(); // as the engine does
+    stemq_demucs::cpu::tune_allocator(); // as the stemq worker does
     let t0 = Instant::now();
     let bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
     eprintln!("loaded in {:.2} s", t0.elapsed().as_secs_f64());

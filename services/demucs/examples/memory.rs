@@ -46,12 +46,10 @@ fn main() {
     let mix = HostTensor { shape: vec![batch, cfg.audio_channels, len], data };
     // Give the heap's free pages back first (loading frees large buffers, which the next
     // allocations would reuse without raising RSS), so the delta counts the pass.
-    extern "C" {
-        fn malloc_trim(pad: usize) -> i32;
-    }
-    // SAFETY: glibc's malloc_trim only releases free memory.
+    // SAFETY: glibc's malloc_trim takes a plain integer and only returns free heap pages
+    // to the kernel; no live allocation moves or changes.
     unsafe {
-        malloc_trim(0);
+        libc::malloc_trim(0);
     }
     std::fs::write("/proc/self/clear_refs", "5").expect("reset peak RSS (Linux)");
     let before = status_kib("VmRSS:");

@@ -137,9 +137,10 @@ fn cuda_present() -> bool {
 }
 
 impl DemucsEngine {
-    /// Opens the model folder; models load on first use.
+    /// Opens the model folder; models load on first use. A process that will run the
+    /// model on the CPU also wants [`crate::cpu::tune_allocator`] (not done here: it
+    /// changes the whole process's allocator).
     pub fn new(config: DemucsEngineConfig) -> Result<Self, DemucsError> {
-        crate::cpu::tune_allocator();
         Ok(DemucsEngine {
             repo: ModelRepo::open(&config.repo)?,
             config,
@@ -229,7 +230,7 @@ impl DemucsEngine {
         if stats.length == 0 {
             return Err(DemucsError::Audio(stemq_audio::AudioError::Empty));
         }
-        let seed = u64::from_str_radix(&job.job_id.0.chars().take(16).collect::<String>(), 16).unwrap_or(0);
+        let seed = u64::from_str_radix(&job.job_id.as_str().chars().take(16).collect::<String>(), 16).unwrap_or(0);
         let opts = ApplyOptions {
             shifts: req.shifts as usize,
             split: true,

@@ -127,7 +127,7 @@ fn read_wav(path: &std::path::Path) -> Vec<f32> {
 #[test]
 fn separates_a_file_into_stems() {
     let s = setup();
-    let id = JobId("ab".repeat(32));
+    let id = JobId::parse(&"ab".repeat(32)).unwrap();
     let req = request(Model::Htdemucs, None);
     let ctx = Ctx::new(None);
     assert_eq!(s.engine.devices().last().map(String::as_str), Some("cpu"));
@@ -152,7 +152,7 @@ fn separates_a_file_into_stems() {
 #[test]
 fn two_stems_and_cancellation_and_missing_model() {
     let s = setup();
-    let id = JobId("cd".repeat(32));
+    let id = JobId::parse(&"cd".repeat(32)).unwrap();
     let req = request(Model::Htdemucs, Some("vocals"));
     let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
     let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
@@ -182,7 +182,7 @@ fn other_method_add_minus_none_match_demucs() {
         // Float samples, no clip handling: the mixture minus the stem exceeds [-1, 1].
         req.encoding = Encoding::F32;
         req.clip_mode = stemq_core::request::ClipMode::None;
-        let id = JobId("ef".repeat(32));
+        let id = JobId::parse(&"ef".repeat(32)).unwrap();
         let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
         let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
         assert_eq!(names, req.stems(), "{method:?}");
@@ -213,7 +213,7 @@ fn pass_bytes(seconds: f64) -> u64 {
 fn a_memory_budget_refuses_the_default_segment_and_admits_a_smaller_one() {
     let (full, short) = (pass_bytes(1.5), pass_bytes(1.0));
     assert!(short < full && short > full / 2, "1 s needs less than 1.5 s, not absurdly less: {short} vs {full}");
-    let id = JobId("ef".repeat(32));
+    let id = JobId::parse(&"ef".repeat(32)).unwrap();
     let req = request(Model::Htdemucs, None);
     let frames = load("apply.safetensors")["out.split"].shape[2] as u64;
 

@@ -292,6 +292,9 @@ pub fn engine_named(
 fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Arc<dyn Engine>> {
     let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // This process runs the model (a worker, `stemq dev`, `stemq separate`): tune the
+    // allocator for its working set.
+    stemq_demucs::cpu::tune_allocator();
     let engine = stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
         repo: repo.clone(),
         clip: stemq_audio::ClipMode::Rescale,

@@ -1,148 +1,19 @@
-//! The job request: what a client asks for, how it is validated, and how the job id is
-//! derived from it.
+//! The request document as a client sends it ([`JobRequest`]), its validation, and its
+//! canonical form ([`NormalizedRequest`]), whose hash is the job id.
 //!
-//! This module owns the *identity* of a job. The job id is the lowercase hex SHA-256 of
-//! the RFC 8785 (JCS) canonical JSON of the [`NormalizedRequest`]: every default filled
-//! in, `webhook`, `metadata` and the deadlines (`start_before`, `max_runtime`) left out
-//! — they say when and how to tell, not what to compute — the owner included. Two requests that differ
-//! only in key order, whitespace or an explicitly given default share one id; anything
-//! the output depends on changes it. `docs/job-id.md` describes the algorithm for
-//! implementers in other languages.
+//! Validation names the offending field for every bad value: each field is first read
+//! alone against the request type, so serde's own message (which for the options enums
+//! lists the accepted values from the enum) is reported under that field's name; then
+//! [`JobRequest::normalize`] checks what types cannot say (ranges, combinations).
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
 
-/// Longest accepted `audio_uri`, in bytes.
-pub const MAX_URI_LEN: usize = 2048;
-/// Largest accepted `metadata` object, serialised, in bytes.
-pub const MAX_METADATA_BYTES: usize = 16 * 1024;
-/// Most random shifts a request may ask for (Demucs's own CLI has no cap; each shift
-/// costs a full extra pass).
-pub const MAX_SHIFTS: u32 = 20;
-/// Largest accepted `max_runtime`, in seconds (a day).
-pub const MAX_RUNTIME_S: u64 = 86_400;
-/// The owner used until API keys exist.
-pub const ANONYMOUS: &str = "anonymous";
-
-/// A separation model (or engine) a job may ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Model {
-    /// Hybrid Transformer Demucs v4, 4 sources.
-    Htdemucs,
-    /// A bag of 4 fine-tuned HTDemucs models, one per source.
-    HtdemucsFt,
-    /// HTDemucs with 6 sources (adds guitar and piano).
-    #[serde(rename = "htdemucs_6s")]
-    Htdemucs6s,
-    /// The built-in signal-processing baseline: needs no weights.
-    Dsp,
-}
-
-impl Model {
-    /// Every accepted model, in documentation order.
-    pub const ALL: [Model; 4] = [Model::Htdemucs, Model::HtdemucsFt, Model::Htdemucs6s, Model::Dsp];
-
-    /// The wire name (`htdemucs`, `htdemucs_ft`, ...).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Model::Htdemucs => "htdemucs",
-            Model::HtdemucsFt => "htdemucs_ft",
-            Model::Htdemucs6s => "htdemucs_6s",
-            Model::Dsp => "dsp",
-        }
-    }
-
-    /// Parses a wire name.
-    pub fn parse(s: &str) -> Option<Model> {
-        Model::ALL.into_iter().find(|m| m.as_str() == s)
-    }
-
-    /// The stems this model produces, in output order.
-    pub fn sources(self) -> &'static [&'static str] {
-        match self {
-            Model::Htdemucs6s => &["drums", "bass", "other", "vocals", "guitar", "piano"],
-            _ => &["drums", "bass", "other", "vocals"],
-        }
-    }
-
-    /// The longest segment (seconds) the model was trained on; `None` when any length
-    /// works. Requests may ask for shorter segments, never longer ones.
-    pub fn max_segment(self) -> Option<f64> {
-        match self {
-            Model::Dsp => None,
-            _ => Some(7.8),
-        }
-    }
-}
-
-impl std::fmt::Display for Model {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Container of the written stems.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum OutputFormat {
-    /// RIFF WAVE, 16-bit PCM.
-    #[default]
-    Wav,
-    /// FLAC, lossless.
-    Flac,
-}
-
-impl OutputFormat {
-    /// File extension of the format.
-    pub fn extension(self) -> &'static str {
-        match self {
-            OutputFormat::Wav => "wav",
-            OutputFormat::Flac => "flac",
-        }
-    }
-}
-
-/// Sample encoding of the stems (Demucs's default, `--int24`, `--float32`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Encoding {
-    /// 16-bit signed integers.
-    #[default]
-    S16,
-    /// 24-bit signed integers.
-    S24,
-    /// 32-bit IEEE float (WAV only).
-    F32,
-}
-
-/// How samples outside [-1, 1] are handled before writing (Demucs's `--clip-mode`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ClipMode {
-    /// Scale the whole stem down so it never clips (divides by max(1.01 · peak, 1)).
-    #[default]
-    Rescale,
-    /// Clamp each sample to [-1, 1].
-    Clamp,
-    /// Leave samples alone (integer formats still saturate).
-    None,
-}
-
-/// What `no_<stem>` is when only one stem is asked for (Demucs's `--other-method`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum OtherMethod {
-    /// The sum of the other stems the model predicted.
-    #[default]
-    Add,
-    /// The input mixture minus the stem.
-    Minus,
-    /// No `no_<stem>` output at all.
-    None,
-}
+use super::{
+    ClipMode, Encoding, JobId, Model, OtherMethod, OutputFormat, RequestError, ANONYMOUS, MAX_METADATA_BYTES,
+    MAX_RUNTIME_S, MAX_SHIFTS, MAX_URI_LEN,
+};
 
 /// Where and which job events a client wants to be told about (delivered by the relay).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -248,39 +119,6 @@ pub struct NormalizedRequest {
     pub retry_of: Option<JobId>,
 }
 
-/// A request that failed validation: which field, and why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, JsonSchema)]
-#[error("invalid `{field}`: {message}")]
-pub struct RequestError {
-    /// The offending field (`body` when the whole document is wrong).
-    pub field: String,
-    /// What is wrong, for a person.
-    pub message: String,
-}
-
-impl RequestError {
-    fn new(field: &str, message: impl Into<String>) -> Self {
-        RequestError { field: field.to_string(), message: message.into() }
-    }
-}
-
-const FIELDS: [&str; 14] = [
-    "audio_uri",
-    "model",
-    "two_stems",
-    "other_method",
-    "output_format",
-    "encoding",
-    "clip_mode",
-    "segment",
-    "overlap",
-    "shifts",
-    "webhook",
-    "metadata",
-    "start_before",
-    "max_runtime",
-];
-
 impl JobRequest {
     /// Parses and validates a request body, naming the offending field on error.
     pub fn from_slice(body: &[u8]) -> Result<JobRequest, RequestError> {
@@ -294,17 +132,14 @@ impl JobRequest {
         let Value::Object(map) = value else {
             return Err(RequestError::new("body", "expected a JSON object"));
         };
-        if let Some(k) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(RequestError::new(k, format!("unknown field; expected one of {}", FIELDS.join(", "))));
-        }
         if !map.contains_key("audio_uri") {
             return Err(RequestError::new("audio_uri", "is required"));
         }
-        // Field by field, so the error names the field even when serde would not.
-        for field in FIELDS {
-            if let Some(v) = map.get(field) {
-                check_type(field, v)?;
-            }
+        // Field by field, so the error names the field; serde's message says what the
+        // field's type accepts (unknown fields are refused here too, by
+        // `deny_unknown_fields`, with the known ones listed).
+        for (field, value) in &map {
+            check_field(field, value)?;
         }
         let req: JobRequest =
             serde_json::from_value(Value::Object(map)).map_err(|e| RequestError::new("body", e.to_string()))?;
@@ -426,66 +261,22 @@ impl JobRequest {
     }
 }
 
-fn check_type(field: &str, v: &Value) -> Result<(), RequestError> {
-    let ok = match field {
-        "audio_uri" => v.is_string(),
-        "model" => match v.as_str() {
-            Some(s) if Model::parse(s).is_some() => true,
-            Some(s) => {
-                let names: Vec<_> = Model::ALL.iter().map(|m| m.as_str()).collect();
-                return Err(RequestError::new(
-                    field,
-                    format!("unknown model `{s}`; expected one of {}", names.join(", ")),
-                ));
-            }
-            None => false,
-        },
-        "other_method" => match v.as_str() {
-            Some("add" | "minus" | "none") => true,
-            Some(s) => {
-                return Err(RequestError::new(field, format!("unknown method `{s}`; expected add, minus or none")))
-            }
-            None => v.is_null(),
-        },
-        "output_format" => match v.as_str() {
-            Some("wav" | "flac") => true,
-            Some(s) => return Err(RequestError::new(field, format!("unknown format `{s}`; expected wav or flac"))),
-            None => false,
-        },
-        "two_stems" => v.is_string() || v.is_null(),
-        "segment" | "overlap" => v.is_number() || v.is_null(),
-        "shifts" => v.is_u64() || v.is_null(),
-        "max_runtime" => v.is_u64() || v.is_null(),
-        "start_before" => match v {
-            Value::Null => true,
-            Value::String(s) => {
-                if let Err(e) = chrono::DateTime::parse_from_rfc3339(s) {
-                    return Err(RequestError::new(field, format!("not an RFC 3339 timestamp: {e}")));
-                }
-                true
-            }
-            _ => false,
-        },
-        "webhook" => {
-            if let Err(e) = serde_json::from_value::<Webhook>(v.clone()) {
-                return Err(RequestError::new(field, e.to_string()));
-            }
-            true
+/// Reads `field` alone (beside a placeholder `audio_uri`) as a [`JobRequest`], so a
+/// type error, an unknown enum value or an unknown field is reported under its name.
+fn check_field(field: &str, value: &Value) -> Result<(), RequestError> {
+    // chrono's own message ("input contains invalid characters") does not say what a
+    // timestamp should look like.
+    if let ("start_before", Value::String(s)) = (field, value) {
+        if let Err(e) = chrono::DateTime::parse_from_rfc3339(s) {
+            return Err(RequestError::new(field, format!("not an RFC 3339 timestamp: {e}")));
         }
-        _ => true,
-    };
-    if ok {
-        Ok(())
-    } else {
-        let want = match field {
-            "segment" | "overlap" => "a number",
-            "shifts" => "a non-negative integer",
-            "max_runtime" => "a positive integer number of seconds",
-            "start_before" => "an RFC 3339 timestamp string",
-            _ => "a string",
-        };
-        Err(RequestError::new(field, format!("expected {want}")))
     }
+    let mut one = Map::new();
+    one.insert("audio_uri".into(), Value::String(String::new()));
+    one.insert(field.into(), value.clone());
+    serde_json::from_value::<JobRequest>(Value::Object(one))
+        .map(drop)
+        .map_err(|e| RequestError::new(field, e.to_string()))
 }
 
 impl NormalizedRequest {
@@ -496,7 +287,7 @@ impl NormalizedRequest {
 
     /// The job id: lowercase hex SHA-256 of [`Self::canonical_json`].
     pub fn job_id(&self) -> JobId {
-        JobId(hex::encode(Sha256::digest(self.canonical_json())))
+        JobId::of_canonical(&self.canonical_json())
     }
 
     /// The stems this request produces, in order.
@@ -506,30 +297,6 @@ impl NormalizedRequest {
             (Some(s), _) => vec![s.clone(), format!("no_{s}")],
             (None, _) => self.model.sources().iter().map(|s| s.to_string()).collect(),
         }
-    }
-}
-
-/// A job id: 64 lowercase hex characters.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
-#[serde(transparent)]
-pub struct JobId(pub String);
-
-impl JobId {
-    /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in
-    /// a subject, a key or a path.
-    pub fn parse(s: &str) -> Option<JobId> {
-        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then(|| JobId(s.to_string()))
-    }
-
-    /// The id as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for JobId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
     }
 }
 
@@ -625,6 +392,12 @@ mod tests {
             (json!({"audio_uri": "file:///a", "max_runtime": 0}), "max_runtime"),
             (json!({"audio_uri": "file:///a", "max_runtime": -3}), "max_runtime"),
             (json!({"audio_uri": "file:///a", "max_runtime": 90000}), "max_runtime"),
+            (json!({"audio_uri": "file:///a", "shifts": 1u64 << 32}), "shifts"),
+            (json!({"audio_uri": "file:///a", "segment": "long"}), "segment"),
+            (json!({"audio_uri": "file:///a", "two_stems": 3}), "two_stems"),
+            (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "colour": 1}}), "webhook"),
+            (json!({"audio_uri": "file:///a", "encoding": 16}), "encoding"),
+            (json!({"audio_uri": "file:///a", "encoding": "f32", "output_format": "flac"}), "encoding"),
         ];
         for (v, field) in cases {
             let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());
@@ -636,13 +409,49 @@ mod tests {
         .is_ok());
     }
 
+    /// Every enum-valued field refuses an unknown value under its own name, listing the
+    /// accepted values the enum itself has.
     #[test]
-    fn job_id_parse_is_strict() {
-        let id = id_of(json!({"audio_uri": "file:///a.wav"}));
-        assert_eq!(JobId::parse(id.as_str()), Some(id.clone()));
-        assert!(JobId::parse(&id.as_str().to_uppercase()).is_none());
-        assert!(JobId::parse("../etc").is_none());
-        assert!(JobId::parse(&id.as_str()[1..]).is_none());
+    fn bad_enum_values_name_their_field_and_the_accepted_values() {
+        let fields = [
+            ("model", Model::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>()),
+            ("output_format", OutputFormat::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>()),
+            ("encoding", Encoding::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>()),
+            ("clip_mode", ClipMode::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>()),
+            ("other_method", OtherMethod::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>()),
+        ];
+        for (field, accepted) in fields {
+            let mut v = json!({"audio_uri": "file:///a", "two_stems": "vocals"});
+            v[field] = json!("s32");
+            let err = JobRequest::from_value(v.clone()).expect_err(&v.to_string());
+            assert_eq!(err.field, field, "{v}: {err}");
+            assert!(err.message.contains("`s32`"), "{field}: {}", err.message);
+            for name in accepted {
+                assert!(err.message.contains(&format!("`{name}`")), "{field}: `{name}` missing from {}", err.message);
+            }
+        }
+        // And through the body parser the ingress uses.
+        let err = JobRequest::from_slice(br#"{"audio_uri": "file:///a", "encoding": "s32"}"#).unwrap_err();
+        assert_eq!(err.field, "encoding");
+    }
+
+    #[test]
+    fn null_options_are_absent() {
+        let plain = id_of(json!({"audio_uri": "file:///a.wav"}));
+        for field in ["model", "output_format", "encoding", "clip_mode", "other_method", "segment", "shifts"] {
+            let mut v = json!({"audio_uri": "file:///a.wav"});
+            v[field] = Value::Null;
+            assert_eq!(id_of(v), plain, "{field}");
+        }
+    }
+
+    #[test]
+    fn a_bad_start_before_says_what_a_timestamp_looks_like() {
+        let ok = json!({"audio_uri": "file:///a", "start_before": "2030-01-01T00:00:00Z"});
+        assert!(JobRequest::from_value(ok).is_ok());
+        let err = JobRequest::from_value(json!({"audio_uri": "file:///a", "start_before": "tomorrow"})).unwrap_err();
+        assert_eq!(err.field, "start_before");
+        assert!(err.message.contains("RFC 3339"), "{}", err.message);
     }
 
     #[test]
@@ -679,6 +488,6 @@ mod tests {
             JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "two_stems": "vocals", "other_method": "x"}))
                 .unwrap_err();
         assert_eq!(e.field, "other_method");
-        assert!(e.message.contains("add, minus or none"), "{}", e.message);
+        assert!(e.message.contains("`add`, `minus`, `none`"), "{}", e.message);
     }
 }

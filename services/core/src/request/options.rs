@@ -1,0 +1,169 @@
+//! The enum-valued options of a request and their wire names.
+//!
+//! Each enum is the one list of its accepted values: serde's derive reads and writes
+//! them (and its errors list them, so a bad value is refused with the accepted ones
+//! named), the JSON Schema is generated from it, and `wire_names!` gives each
+//! `ALL` and `as_str` from the same variants (a test holds `as_str` to serde's names).
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `ALL` (every value, in declaration order), `as_str` (the wire name) and `Display`
+/// for an options enum; the `match` in `as_str` is exhaustive, so a new variant that is
+/// not listed here does not compile.
+macro_rules! wire_names {
+    ($ty:ident { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every accepted value, in documentation order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            /// The wire name.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+/// A separation model (or engine) a job may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Model {
+    /// Hybrid Transformer Demucs v4, 4 sources.
+    Htdemucs,
+    /// A bag of 4 fine-tuned HTDemucs models, one per source.
+    HtdemucsFt,
+    /// HTDemucs with 6 sources (adds guitar and piano).
+    #[serde(rename = "htdemucs_6s")]
+    Htdemucs6s,
+    /// The built-in signal-processing baseline: needs no weights.
+    Dsp,
+}
+
+wire_names!(Model { Htdemucs => "htdemucs", HtdemucsFt => "htdemucs_ft", Htdemucs6s => "htdemucs_6s", Dsp => "dsp" });
+
+impl Model {
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<Model> {
+        Model::ALL.iter().copied().find(|m| m.as_str() == s)
+    }
+
+    /// The stems this model produces, in output order.
+    pub fn sources(self) -> &'static [&'static str] {
+        match self {
+            Model::Htdemucs6s => &["drums", "bass", "other", "vocals", "guitar", "piano"],
+            _ => &["drums", "bass", "other", "vocals"],
+        }
+    }
+
+    /// The longest segment (seconds) the model was trained on; `None` when any length
+    /// works. Requests may ask for shorter segments, never longer ones.
+    pub fn max_segment(self) -> Option<f64> {
+        match self {
+            Model::Dsp => None,
+            _ => Some(7.8),
+        }
+    }
+}
+
+/// Container of the written stems.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputFormat {
+    /// RIFF WAVE, 16-bit PCM.
+    #[default]
+    Wav,
+    /// FLAC, lossless.
+    Flac,
+}
+
+wire_names!(OutputFormat { Wav => "wav", Flac => "flac" });
+
+impl OutputFormat {
+    /// File extension of the format.
+    pub fn extension(self) -> &'static str {
+        self.as_str()
+    }
+}
+
+/// Sample encoding of the stems (Demucs's default, `--int24`, `--float32`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    /// 16-bit signed integers.
+    #[default]
+    S16,
+    /// 24-bit signed integers.
+    S24,
+    /// 32-bit IEEE float (WAV only).
+    F32,
+}
+
+wire_names!(Encoding { S16 => "s16", S24 => "s24", F32 => "f32" });
+
+/// How samples outside [-1, 1] are handled before writing (Demucs's `--clip-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ClipMode {
+    /// Scale the whole stem down so it never clips (divides by max(1.01 · peak, 1)).
+    #[default]
+    Rescale,
+    /// Clamp each sample to [-1, 1].
+    Clamp,
+    /// Leave samples alone (integer formats still saturate).
+    None,
+}
+
+wire_names!(ClipMode { Rescale => "rescale", Clamp => "clamp", None => "none" });
+
+/// What `no_<stem>` is when only one stem is asked for (Demucs's `--other-method`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OtherMethod {
+    /// The sum of the other stems the model predicted.
+    #[default]
+    Add,
+    /// The input mixture minus the stem.
+    Minus,
+    /// No `no_<stem>` output at all.
+    None,
+}
+
+wire_names!(OtherMethod { Add => "add", Minus => "minus", None => "none" });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::DeserializeOwned;
+
+    /// `as_str` is serde's name for every value, and serde reads it back.
+    fn agrees<T: Copy + PartialEq + std::fmt::Debug + Serialize + DeserializeOwned>(
+        all: &[T],
+        name: fn(T) -> &'static str,
+    ) {
+        for &v in all {
+            assert_eq!(serde_json::to_value(v).unwrap(), serde_json::json!(name(v)), "{v:?}");
+            assert_eq!(serde_json::from_value::<T>(serde_json::json!(name(v))).unwrap(), v);
+        }
+    }
+
+    #[test]
+    fn wire_names_are_serdes_names() {
+        agrees(Model::ALL, Model::as_str);
+        agrees(OutputFormat::ALL, OutputFormat::as_str);
+        agrees(Encoding::ALL, Encoding::as_str);
+        agrees(ClipMode::ALL, ClipMode::as_str);
+        agrees(OtherMethod::ALL, OtherMethod::as_str);
+        assert_eq!(Model::parse("htdemucs_6s"), Some(Model::Htdemucs6s));
+        assert_eq!(Model::parse("spleeter"), None);
+        assert_eq!(OutputFormat::Flac.extension(), "flac");
+    }
+}

@@ -1,0 +1,350 @@
+//! Convolution along one axis on host memory, without im2col: the padded input is laid
+//! out once in polyphase order, then each kernel tap is one large `gemm`. Serves
+//! `nn.Conv1d`, DConv's per-row Conv1d, and the encoders' `[k, 1]` `nn.Conv2d`.
+
+use rayon::prelude::*;
+
+use super::{elements, expect_len, nonzero, ShapeError};
+
+/// One convolution along one axis of `x` laid out `[N, Cin, R, L, I]`: the kernel
+/// runs over `L`, every one of the `R` rows and `I` inner columns shares it (so
+/// `Conv1d` is `R = I = 1`, DConv on frequency rows is `R = F`, and the encoders'
+/// `[k, 1]` Conv2d over frequency is `L = F, I = T`). Every size is at least 1, the
+/// stride or the dilation is 1, and the kernel's span fits the padded length
+/// ([`ConvAxis::check`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ConvAxis {
+    /// Batch N.
+    pub batch: usize,
+    /// Input channels.
+    pub cin: usize,
+    /// Output channels.
+    pub cout: usize,
+    /// Rows R.
+    pub rows: usize,
+    /// Length L of the convolved axis.
+    pub len: usize,
+    /// Inner columns I.
+    pub inner: usize,
+    /// Kernel size.
+    pub kernel: usize,
+    /// Stride (with dilation 1).
+    pub stride: usize,
+    /// Zero padding on both ends of `L`.
+    pub pad: usize,
+    /// Dilation (with stride 1).
+    pub dilation: usize,
+}
+
+/// The sizes [`conv_axis`] works with, derived from a [`ConvAxis`] in checked
+/// arithmetic: every buffer length here fits in memory, so the products of their
+/// factors (all at least 1) that index into them cannot overflow either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    /// Output length along `L`.
+    lout: usize,
+    /// Taps after the polyphase split, `⌈kernel / stride⌉`.
+    taps: usize,
+    /// Column step between taps in the polyphase layout (the dilation, or 1).
+    step: usize,
+    /// Polyphase row length, `lout + (taps - 1) · step`.
+    lq: usize,
+    /// Polyphase channels, `cin · stride`.
+    cq: usize,
+    /// Gemm columns, `rows · lq · inner`.
+    ncols: usize,
+    /// Length of the input.
+    x: usize,
+    /// Length of the weights.
+    w: usize,
+    /// Length of the output.
+    out: usize,
+    /// Length of the per-tap weights.
+    wt: usize,
+    /// Length of the polyphase input, with its zero tail.
+    xq: usize,
+    /// Length of the gemm result.
+    y: usize,
+}
+
+impl ConvAxis {
+    /// Output length along `L`.
+    ///
+    /// # Panics
+    ///
+    /// When [`ConvAxis::check`] refuses the shape.
+    pub fn out_len(&self) -> usize {
+        match self.plan() {
+            Ok(p) => p.lout,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Checks the shape alone (every size at least 1, stride or dilation 1, the kernel
+    /// within the padded input, no buffer too large) and returns the output length.
+    pub fn check(&self) -> Result<usize, ShapeError> {
+        self.plan().map(|p| p.lout)
+    }
+
+    fn plan(&self) -> Result<Plan, ShapeError> {
+        const K: &str = "conv_axis";
+        let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride, pad, dilation } = *self;
+        nonzero(
+            K,
+            &[
+                ("batch", batch),
+                ("cin", cin),
+                ("cout", cout),
+                ("rows", rows),
+                ("len", len),
+                ("inner", inner),
+                ("kernel", kernel),
+                ("stride", stride),
+                ("dilation", dilation),
+            ],
+        )?;
+        if stride != 1 && dilation != 1 {
+            return Err(ShapeError::StrideAndDilation { kernel: K, stride, dilation });
+        }
+        let overflow = |what| ShapeError::Overflow { kernel: K, what };
+        let padded = pad.checked_mul(2).and_then(|p| p.checked_add(len)).ok_or(overflow("the padded input"))?;
+        let span =
+            dilation.checked_mul(kernel - 1).and_then(|s| s.checked_add(1)).ok_or(overflow("the kernel span"))?;
+        if span > padded {
+            return Err(ShapeError::KernelTooLong { kernel: K, span, padded });
+        }
+        let lout = (padded - span) / stride + 1;
+        let taps = kernel.div_ceil(stride);
+        let step = if stride == 1 { dilation } else { 1 };
+        let tail = (taps - 1).checked_mul(step).ok_or(overflow("the polyphase row"))?;
+        let lq = lout.checked_add(tail).ok_or(overflow("the polyphase row"))?;
+        let cq = cin.checked_mul(stride).ok_or(overflow("the polyphase input"))?;
+        let ncols = elements(K, "the polyphase input", &[rows, lq, inner])?;
+        let body = elements(K, "the polyphase input", &[cq, ncols])?;
+        let xq = elements(K, "the polyphase input", &[tail, inner])?
+            .checked_add(body)
+            .ok_or(overflow("the polyphase input"))?;
+        elements(K, "the polyphase input", &[xq])?;
+        // Reading the polyphase input sample j·stride + phase for j < lq.
+        elements(K, "the polyphase input", &[lq, stride])?;
+        Ok(Plan {
+            lout,
+            taps,
+            step,
+            lq,
+            cq,
+            ncols,
+            x: elements(K, "the input", &[batch, cin, rows, len, inner])?,
+            w: elements(K, "the weights", &[cout, cin, kernel])?,
+            out: elements(K, "the output", &[batch, cout, rows, lout, inner])?,
+            wt: elements(K, "the per-tap weights", &[taps, cout, cq])?,
+            xq,
+            y: elements(K, "the gemm result", &[cout, ncols])?,
+        })
+    }
+}
+
+/// The convolution of [`ConvAxis`] without im2col: the padded input is laid out once in
+/// polyphase order (`[Cin·s, R, Lq, I]`, phase `p` of channel `c` holding samples
+/// `j·s + p`), which turns a stride-`s` kernel of `k` taps into a stride-1 kernel of
+/// `⌈k/s⌉` taps over `Cin·s` channels; each tap is then one large gemm over every row
+/// and column at once, accumulated in place. `w` `[Cout, Cin, K]`, `bias` `[Cout]` →
+/// `[N, Cout, R, Lout, I]`.
+///
+/// # Panics
+///
+/// When [`ConvAxis::check`] refuses the shape or a slice's length does not match it,
+/// with a [`ShapeError`] message, before any memory is read.
+pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
+    const K: &str = "conv_axis";
+    let checked = c.plan().and_then(|p| {
+        expect_len(K, "the input", x.len(), p.x)?;
+        expect_len(K, "the weights", w.len(), p.w)?;
+        expect_len(K, "the bias", bias.len(), c.cout)?;
+        Ok(p)
+    });
+    let p = match checked {
+        Ok(p) => p,
+        Err(e) => panic!("{e}"),
+    };
+    let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride: s, pad, .. } = c;
+    let Plan { lout, taps, step, lq, cq, ncols, .. } = p;
+    // Per-tap weights [Cout, Cin·s].
+    let mut wt = vec![0f32; p.wt];
+    for tap in 0..taps {
+        for co in 0..cout {
+            for ci in 0..cin {
+                for ph in 0..s {
+                    let k = tap * s + ph;
+                    if k < kernel {
+                        wt[(tap * cout + co) * cq + ci * s + ph] = w[(co * cin + ci) * kernel + k];
+                    }
+                }
+            }
+        }
+    }
+    let mut out = vec![0f32; p.out];
+    // The last taps read up to (taps-1)·step columns past a row: zeros at the very end.
+    let mut xq = vec![0f32; p.xq];
+    let mut y = vec![0f32; p.y];
+    for n in 0..batch {
+        xq[..cq * ncols].par_chunks_mut(ncols).enumerate().for_each(|(q, dst)| {
+            let (ci, ph) = (q / s, q % s);
+            for r in 0..rows {
+                let src = &x[((n * cin + ci) * rows + r) * len * inner..][..len * inner];
+                let dst = &mut dst[r * lq * inner..][..lq * inner];
+                for j in 0..lq {
+                    let at = j * s + ph;
+                    let d = &mut dst[j * inner..][..inner];
+                    match at.checked_sub(pad).filter(|l| *l < len) {
+                        Some(l) => d.copy_from_slice(&src[l * inner..][..inner]),
+                        None => d.fill(0.0),
+                    }
+                }
+            }
+        });
+        for tap in 0..taps {
+            // Safe slicing first: these panic rather than hand gemm a pointer outside.
+            let lhs = &wt[tap * cout * cq..][..cout * cq];
+            let rhs = &xq[tap * step * inner..];
+            // SAFETY: gemm writes dst `y` as cout x ncols, row stride ncols: exactly
+            // y.len() = cout·ncols values, borrowed mutably here and nowhere else. It
+            // reads lhs as cout x cq, row stride cq: exactly `lhs`. It reads rhs as
+            // cq x ncols, row stride ncols, from tap·step·inner: the last element is
+            // tap·step·inner + cq·ncols - 1 <= (taps-1)·step·inner + cq·ncols - 1
+            // < xq.len() (the zero tail), so within `rhs`. `plan` checked that every
+            // one of these sizes fits in memory, so none of the products wrapped, and
+            // the strides fit in isize. Neither input overlaps `y`.
+            unsafe {
+                gemm::gemm(
+                    cout,
+                    ncols,
+                    cq,
+                    y.as_mut_ptr(),
+                    1,
+                    ncols as isize,
+                    tap > 0,
+                    lhs.as_ptr(),
+                    1,
+                    cq as isize,
+                    rhs.as_ptr(),
+                    1,
+                    ncols as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(0),
+                );
+            }
+        }
+        out[n * cout * rows * lout * inner..][..cout * rows * lout * inner]
+            .par_chunks_mut(rows * lout * inner)
+            .enumerate()
+            .for_each(|(co, dst)| {
+                let b = bias[co];
+                for r in 0..rows {
+                    let src = &y[co * ncols + r * lq * inner..][..lout * inner];
+                    let d = &mut dst[r * lout * inner..][..lout * inner];
+                    d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                }
+            });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conv_axis_matches_the_definition() {
+        // (kernel, stride, pad, dilation, rows, inner)
+        for (kernel, stride, pad, dil, rows, inner) in
+            [(3, 1, 1, 1, 3, 1), (3, 1, 2, 2, 2, 1), (8, 4, 2, 1, 1, 1), (8, 4, 2, 1, 1, 5), (3, 1, 1, 1, 1, 1)]
+        {
+            let c = ConvAxis { batch: 2, cin: 3, cout: 4, rows, len: 37, inner, kernel, stride, pad, dilation: dil };
+            let x: Vec<f32> =
+                (0..c.batch * c.cin * rows * c.len * inner).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
+            let w: Vec<f32> = (0..c.cout * c.cin * kernel).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
+            let b: Vec<f32> = (0..c.cout).map(|i| i as f32 * 0.25).collect();
+            let got = conv_axis(&x, &w, &b, c);
+            let lout = c.out_len();
+            assert_eq!(got.len(), c.batch * c.cout * rows * lout * inner);
+            let mut worst = 0f64;
+            for n in 0..c.batch {
+                for co in 0..c.cout {
+                    for r in 0..rows {
+                        for t in 0..lout {
+                            for i in 0..inner {
+                                let mut want = b[co] as f64;
+                                for ci in 0..c.cin {
+                                    for k in 0..kernel {
+                                        let at = (t * stride + k * dil) as isize - pad as isize;
+                                        if at >= 0 && (at as usize) < c.len {
+                                            let xv =
+                                                x[(((n * c.cin + ci) * rows + r) * c.len + at as usize) * inner + i];
+                                            want += w[(co * c.cin + ci) * kernel + k] as f64 * xv as f64;
+                                        }
+                                    }
+                                }
+                                let have = got[(((n * c.cout + co) * rows + r) * lout + t) * inner + i] as f64;
+                                worst = worst.max((have - want).abs());
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(worst < 1e-5, "{c:?}: worst error {worst:e}");
+        }
+    }
+
+    fn shape() -> ConvAxis {
+        ConvAxis { batch: 1, cin: 2, cout: 3, rows: 1, len: 10, inner: 1, kernel: 3, stride: 1, pad: 1, dilation: 1 }
+    }
+
+    #[test]
+    fn check_refuses_bad_shapes_before_any_arithmetic_wraps() {
+        assert_eq!(shape().check(), Ok(10));
+        assert_eq!(ConvAxis { stride: 4, kernel: 8, pad: 2, len: 37, ..shape() }.check(), Ok(9));
+        for (field, c) in [
+            ("kernel", ConvAxis { kernel: 0, ..shape() }),
+            ("stride", ConvAxis { stride: 0, ..shape() }),
+            ("dilation", ConvAxis { dilation: 0, ..shape() }),
+            ("batch", ConvAxis { batch: 0, ..shape() }),
+            ("inner", ConvAxis { inner: 0, ..shape() }),
+        ] {
+            assert_eq!(c.check(), Err(ShapeError::Zero { kernel: "conv_axis", field }), "{c:?}");
+        }
+        assert!(matches!(
+            ConvAxis { stride: 2, dilation: 2, ..shape() }.check(),
+            Err(ShapeError::StrideAndDilation { .. })
+        ));
+        // Span 2·(3-1)+1 = 5 > 2 + 2·1 = 4: `out_len` would have underflowed.
+        assert_eq!(
+            ConvAxis { len: 2, dilation: 2, ..shape() }.check(),
+            Err(ShapeError::KernelTooLong { kernel: "conv_axis", span: 5, padded: 4 })
+        );
+        assert!(matches!(ConvAxis { pad: usize::MAX / 2 + 1, ..shape() }.check(), Err(ShapeError::Overflow { .. })));
+        assert!(matches!(
+            ConvAxis { dilation: usize::MAX / 2 + 1, ..shape() }.check(),
+            Err(ShapeError::Overflow { what: "the kernel span", .. })
+        ));
+        // Sizes whose product wraps around to something small must not pass.
+        let wraps = ConvAxis { batch: 1 << 32, rows: 1 << 32, ..shape() };
+        assert!(matches!(wraps.check(), Err(ShapeError::Overflow { .. })), "{:?}", wraps.check());
+    }
+
+    #[test]
+    #[should_panic(expected = "conv_axis: the weights: 5 values where the shape says 18")]
+    fn conv_axis_panics_before_reading_short_weights() {
+        conv_axis(&[0.0; 20], &[0.0; 5], &[0.0; 3], shape());
+    }
+
+    #[test]
+    #[should_panic(expected = "conv_axis: `stride` must be at least 1")]
+    fn out_len_panics_on_a_zero_stride() {
+        ConvAxis { stride: 0, ..shape() }.out_len();
+    }
+}
