@@ -10,6 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest, Webhook};
 
 /// CloudEvents spec version we write.
@@ -265,8 +266,8 @@ pub struct Failed {
     pub attempt: u32,
     /// Retry or not.
     pub class: FailureClass,
-    /// Stable machine-readable code (`invalid_audio`, `engine_error`, `timeout`, ...).
-    pub code: String,
+    /// Stable machine-readable code (`invalid_audio`, `engine_error`, `time_limit`, ...).
+    pub code: FailureCode,
     /// For people.
     pub message: String,
     /// For transient failures: when the next attempt is due, in milliseconds.
@@ -280,7 +281,7 @@ pub struct DeadLettered {
     /// How many times the job was delivered.
     pub deliveries: u32,
     /// Why it was set aside (`max_deliveries`, `crash_loop`).
-    pub reason: String,
+    pub reason: FailureCode,
     /// The last error a worker reported, if any did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -292,7 +293,7 @@ pub struct DeadLettered {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Rejected {
     /// `id_mismatch`, `invalid_request`, `invalid_event`.
-    pub code: String,
+    pub code: FailureCode,
     /// For people.
     pub message: String,
 }

@@ -2,6 +2,8 @@
 //!
 //! - [`request`]: the job request, its validation and the job id;
 //! - [`event`]: the CloudEvents the pipeline records;
+//! - [`failure`]: failure codes, the stable reasons recorded when a job fails;
+//! - [`device`]: devices engines run on (`cpu`, `cuda:0`, ...) as a type;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
 //! - [`read`]: the read side — one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor; what every reader of the view uses;
@@ -18,9 +20,11 @@
 //! - [`telemetry`]: logging set-up shared by the binaries;
 //! - [`webhook`]: webhook signing, per-owner secrets and the SSRF policy for receivers.
 
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod event;
+pub mod failure;
 pub mod metrics;
 pub mod nats;
 pub mod nats_server;

@@ -320,7 +320,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
                 return None;
             }
             v.attempt = f.attempt;
-            v.error = Some(ErrorView { class: f.class, code: f.code.clone(), message: f.message.clone() });
+            v.error = Some(ErrorView { class: f.class, code: f.code.to_string(), message: f.message.clone() });
             match f.class {
                 FailureClass::Transient => {
                     v.retries += 1;
@@ -334,11 +334,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.attempt = v.attempt.max(d.deliveries);
             if let Some(e) = &d.last_error {
                 v.error =
-                    Some(ErrorView { class: FailureClass::Transient, code: d.reason.clone(), message: e.clone() });
+                    Some(ErrorView { class: FailureClass::Transient, code: d.reason.to_string(), message: e.clone() });
             } else {
                 v.error = Some(ErrorView {
                     class: FailureClass::Transient,
-                    code: d.reason.clone(),
+                    code: d.reason.to_string(),
                     message: format!("delivered {} times without an outcome", d.deliveries),
                 });
             }
@@ -346,7 +346,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         }
         EventBody::Rejected(r) => {
             v.error =
-                Some(ErrorView { class: FailureClass::Permanent, code: r.code.clone(), message: r.message.clone() });
+                Some(ErrorView { class: FailureClass::Permanent, code: r.code.to_string(), message: r.message.clone() });
             v.finish(JobStatus::Rejected, at);
         }
     }

@@ -290,6 +290,58 @@ impl NormalizedRequest {
         JobId::of_canonical(&self.canonical_json())
     }
 
+    /// Checks a recorded request (with the parts of its `requested` event that are not
+    /// in the id) as the ingress would have: valid, and exactly in normalised form.
+    ///
+    /// A worker calls this on every delivery, since a raw publisher bypasses the
+    /// ingress. The error names the offending field; a request that is valid but not as
+    /// [`JobRequest::normalize`] would have written it is refused under `request`.
+    pub fn revalidate(
+        &self,
+        webhook: Option<&Webhook>,
+        metadata: Option<&Value>,
+        max_runtime: Option<u64>,
+    ) -> Result<(), RequestError> {
+        let NormalizedRequest {
+            audio_uri,
+            model,
+            two_stems,
+            other_method,
+            output_format,
+            encoding,
+            clip_mode,
+            segment,
+            overlap,
+            shifts,
+            owner,
+            retry_of,
+        } = self;
+        let as_sent = JobRequest {
+            audio_uri: audio_uri.clone(),
+            model: Some(*model),
+            two_stems: two_stems.clone(),
+            other_method: *other_method,
+            output_format: Some(*output_format),
+            encoding: Some(*encoding),
+            clip_mode: Some(*clip_mode),
+            segment: *segment,
+            overlap: Some(*overlap),
+            shifts: Some(*shifts),
+            webhook: webhook.cloned(),
+            metadata: metadata.cloned(),
+            // Checked against the clock at submit only; a recorded deadline may have
+            // passed since (the worker then records `expired`).
+            start_before: None,
+            max_runtime,
+        };
+        let mut normalised = as_sent.normalize(owner)?;
+        normalised.retry_of = retry_of.clone();
+        if &normalised != self {
+            return Err(RequestError::new("request", "not in normalised form (defaults must be written out as the ingress does)"));
+        }
+        Ok(())
+    }
+
     /// The stems this request produces, in order.
     pub fn stems(&self) -> Vec<String> {
         match (&self.two_stems, self.other_method) {
@@ -311,6 +363,46 @@ pub fn request_json(audio_uri: &str) -> Map<String, Value> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn normalized(v: Value) -> NormalizedRequest {
+        JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap()
+    }
+
+    #[test]
+    fn given_a_normalised_request_when_revalidated_then_it_passes() {
+        let n = normalized(json!({"audio_uri": "file:///a.wav", "two_stems": "vocals", "other_method": "minus"}));
+        let hook = Webhook { url: "https://example.com/h".into(), events: vec!["completed".into()] };
+        assert_eq!(n.revalidate(Some(&hook), Some(&json!({"k": 1})), Some(60)), Ok(()));
+        let mut retry = n.clone();
+        retry.retry_of = Some(n.job_id());
+        assert_eq!(retry.revalidate(None, None, None), Ok(()));
+    }
+
+    #[test]
+    fn given_an_invalid_part_when_revalidated_then_the_field_is_named() {
+        let n = normalized(json!({"audio_uri": "file:///a.wav"}));
+        let mut bad = n.clone();
+        bad.audio_uri = " file:///a.wav ".into();
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "audio_uri");
+        bad = n.clone();
+        bad.overlap = 1.5;
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "overlap");
+        assert_eq!(n.revalidate(None, Some(&json!([1])), None).unwrap_err().field, "metadata");
+        assert_eq!(n.revalidate(None, None, Some(0)).unwrap_err().field, "max_runtime");
+        bad = n.clone();
+        bad.owner = String::new();
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "owner");
+    }
+
+    #[test]
+    fn given_a_valid_but_unnormalised_request_when_revalidated_then_it_is_refused() {
+        let mut n = normalized(json!({"audio_uri": "file:///a.wav"}));
+        // The model's own segment length is the default, written as absent.
+        n.segment = n.model.max_segment();
+        assert!(n.segment.is_some());
+        let e = n.revalidate(None, None, None).unwrap_err();
+        assert_eq!(e.field, "request", "{e}");
+    }
 
     fn id_of(v: Value) -> JobId {
         JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().job_id()
