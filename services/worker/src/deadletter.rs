@@ -16,7 +16,7 @@ use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
 use serde::Deserialize;
 use stemq_core::error::JetStreamError;
-use stemq_core::event::{DeadLettered, EventBody};
+use stemq_core::event::{DeadLettered, EventBody, FailureCode};
 use stemq_core::nats::{self as names, job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish_once, Once};
 use stemq_core::pull::{self, PullOptions};
@@ -94,13 +94,13 @@ async fn handle(
             EventBody::Failed(f) => Some(format!("{}: {}", f.code, f.message)),
             _ => None,
         });
-    let reason = if last_error.is_some() { "max_deliveries" } else { "crash_loop" };
+    let reason = if last_error.is_some() { FailureCode::MaxDeliveries } else { FailureCode::CrashLoop };
     let ev = Event::new(
         &job_id,
         "/stemq/deadletter",
         EventBody::DeadLettered(DeadLettered {
             deliveries: adv.deliveries,
-            reason: reason.into(),
+            reason: reason.clone(),
             last_error,
             request_seq: adv.stream_seq,
         }),
@@ -111,7 +111,7 @@ async fn handle(
         .map_err(JetStreamError::write("publish dead letter"))?
     {
         Once::Stored(_) => {
-            warn!(job_id = %job_id, deliveries = adv.deliveries, reason, "job dead-lettered")
+            warn!(job_id = %job_id, deliveries = adv.deliveries, %reason, "job dead-lettered")
         }
         Once::AlreadyThere => {
             info!(job_id = %job_id, "advisory for a job that already has an outcome")

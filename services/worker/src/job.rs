@@ -12,6 +12,14 @@
 //!    subject (first terminal event wins), and only then ack (double ack);
 //! 6. a transient failure publishes `failed(transient)` and naks with backoff, except on
 //!    the last delivery, which dead-letters the job; a permanent failure is final at once.
+//!
+//! What a result *means* (steps 5 and 6) is one pure function, [`decide`]: the attempt,
+//! the queue's max deliver, the backoff delay, whether a user's cancel came in, and the
+//! engine's result in; the event to record and how to answer the delivery out
+//! ([`Decision`]). [`decide_start`] says the same before the engine runs (cancelled,
+//! expired). Both are tested given/when/then below; `run_delivery` only gathers their
+//! inputs and carries their decisions out. Storing outputs lives in `outputs`, the
+//! keepalive task in `keepalive`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,20 +27,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use serde_json::json;
-use stemq_core::engine::{EngineContext, EngineError, EngineJob, StemFile};
+use stemq_core::device::Device;
+use stemq_core::engine::{EngineContext, EngineError, EngineJob};
 use stemq_core::event::{
-    Cancelled, DeadLettered, EventBody, Expired, Failed, FailureClass, Output, Progress, Rejected, Requested, Started,
-    Succeeded,
+    Cancelled, DeadLettered, EventBody, Expired, Failed, FailureClass, FailureCode, Output, Rejected, Requested,
+    Started, Succeeded,
 };
 use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
-use stemq_core::storage::output_key;
 use stemq_core::{Event, JobId};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
+use crate::keepalive::spawn_keepalive;
+use crate::outputs::store_outputs;
 use crate::{control, Shared};
 use stemq_core::metrics::{metrics, JobLabels};
 
@@ -62,7 +71,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
     run_delivery(shared, msg, parsed, job_id, attempt, seq, hard_stop).instrument(span).await
 }
 
-fn source(shared: &Shared) -> String {
+pub(crate) fn source(shared: &Shared) -> String {
     format!("/stemq/worker/{}", shared.config.name)
 }
 
@@ -80,9 +89,9 @@ async fn run_delivery(
         Ok(v) => v,
         Err(rejection) => {
             let (code, message) = (rejection.code(), rejection.to_string());
-            warn!(code, %message, "rejecting request event");
+            warn!(%code, %message, "rejecting request event");
             metrics().outcome("unknown", "rejected");
-            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code: code.into(), message }));
+            let ev = Event::new(&job_id, &source(shared), EventBody::Rejected(Rejected { code, message }));
             finish(shared, &msg, &job_id, ev).await;
             return;
         }
@@ -109,30 +118,24 @@ async fn run_delivery(
     let cancel = Arc::new(AtomicBool::new(false));
     let user_cancel = Arc::new(AtomicBool::new(false));
     let _registered = shared.running.register(&job_id, cancel.clone(), user_cancel.clone());
-    match control::cancel_requested_in_log(shared, &job_id).await {
-        Ok(true) => {
-            info!(event = "job.cancelled", "cancel requested before start; not running it");
-            metrics().outcome(model, "cancelled");
-            let ev =
-                Event::new(&job_id, &source(shared), EventBody::Cancelled(Cancelled { attempt, interrupted: false }));
-            finish(shared, &msg, &job_id, ev).await;
-            return;
-        }
-        Ok(false) => {}
+    let cancel_requested = match control::cancel_requested_in_log(shared, &job_id).await {
+        Ok(c) => c,
         Err(e) => {
             warn!(error = %e, "cannot check for a cancel request; retrying later");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }
-    }
-    if let Some(deadline) = requested.start_before {
-        if chrono::Utc::now() > deadline {
-            info!(event = "job.expired", start_before = %deadline, "start deadline passed; not running it");
-            metrics().outcome(model, "expired");
-            let ev = Event::new(&job_id, &source(shared), EventBody::Expired(Expired { start_before: deadline }));
-            finish(shared, &msg, &job_id, ev).await;
-            return;
+    };
+    if let Some(body) = decide_start(attempt, cancel_requested, requested.start_before, chrono::Utc::now()) {
+        match &body {
+            EventBody::Expired(e) => {
+                info!(event = "job.expired", start_before = %e.start_before, "start deadline passed; not running it")
+            }
+            _ => info!(event = "job.cancelled", "cancel requested before start; not running it"),
         }
+        metrics().outcome(model, body.kind());
+        finish(shared, &msg, &job_id, Event::new(&job_id, &source(shared), body)).await;
+        return;
     }
     // The per-job limit, never above the worker's own.
     let time_limit = match requested.max_runtime {
@@ -142,17 +145,17 @@ async fn run_delivery(
 
     // 3. Started, and keep the delivery alive while we work.
     let engine = shared.engine.clone();
-    let devices = engine.devices();
-    let first_device = devices.first().cloned().unwrap_or_else(|| "cpu".into());
+    let devices: Vec<Device> = engine.devices().iter().map(|d| Device::from(d.as_str())).collect();
+    let first_device = devices.first().cloned().unwrap_or(Device::Cpu);
     let mut started = Event::new(
         &job_id,
         &source(shared),
-        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
+        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.to_string() }),
     );
     started.traceparent = traceparent.clone();
     if attempt == 1 {
         let waited = (started.time - requested_at).to_std().unwrap_or_default();
-        let labels = JobLabels { model: model.into(), device: first_device.clone() };
+        let labels = JobLabels { model: model.into(), device: first_device.to_string() };
         metrics().queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
     }
     let js = shared.js.clone();
@@ -163,6 +166,16 @@ async fn run_delivery(
     let msg = Arc::new(msg);
     let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
     let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
+    // What the decision needs besides the engine's result (the backoff is drawn now,
+    // so the decision stays a pure function).
+    let given = |user_cancel: bool| Given {
+        attempt,
+        max_deliver: shared.queue().max_deliver,
+        backoff: shared.config.backoff.delay(attempt),
+        user_cancel,
+        elapsed: t0.elapsed(),
+        request_seq: seq,
+    };
 
     // 4. The engine, under the time limit, down the out-of-memory ladder. The attempt's
     // future is never dropped while its engine may still run: past the limit the engine
@@ -178,15 +191,12 @@ async fn run_delivery(
                 cancel.store(true, Ordering::SeqCst);
                 warn!(event = "job.time_limit", limit_s = time_limit.as_secs(), "time limit reached; stopping the engine");
                 keepalive.abort();
-                let ev = Event::new(&job_id, &source(shared), EventBody::Failed(Failed {
-                    attempt,
-                    class: FailureClass::Permanent,
-                    code: "time_limit".into(),
-                    message: format!("the job ran longer than the {} s limit", time_limit.as_secs()),
-                    retry_in_ms: None,
-                }));
-                metrics().outcome(model, "failed_permanent");
-                finish(shared, &msg, &job_id, ev).await;
+                let failure = Failure::permanent(
+                    FailureCode::TimeLimit,
+                    format!("the job ran longer than the {} s limit", time_limit.as_secs()),
+                );
+                // The time limit is what stopped it, even if a cancel came in meanwhile.
+                execute(shared, &msg, &job_id, model, decide(&given(false), Err(failure))).await;
                 // Wait for the engine to stop before this loop may take another job.
                 let t = Instant::now();
                 let _ = work.await;
@@ -206,98 +216,198 @@ async fn run_delivery(
     if let Ok(Err(e)) = started_pub.await {
         warn!(error = %e, "started event not stored");
     }
-    let elapsed = t0.elapsed();
 
     // 5./6. Outcome, then ack.
-    let src = source(shared);
-    if user_cancel.load(Ordering::SeqCst) {
-        // Stopped on request (or finished just as the request came): keep nothing.
-        control::discard_outputs(shared, &job_id).await;
-        info!(event = "job.cancelled", "cancelled while running; outputs discarded");
-        metrics().outcome(model, "cancelled");
-        let ev = Event::new(&job_id, &src, EventBody::Cancelled(Cancelled { attempt, interrupted: true }));
-        finish(shared, &msg, &job_id, ev).await;
-        return;
+    let given = given(user_cancel.load(Ordering::SeqCst));
+    if let Ok(done) = &result {
+        let labels = JobLabels { model: model.into(), device: done.device.to_string() };
+        let elapsed = given.elapsed.as_secs_f64();
+        metrics().job_duration.get_or_create(&labels).observe(elapsed);
+        if let Some(audio) = done.audio_secs.filter(|s| *s > 0.0) {
+            metrics().realtime_factor.get_or_create(&labels).observe(elapsed / audio);
+        }
     }
-    match result {
-        Ok(done) => {
-            let outcome = Event::new(
-                &job_id,
-                &src,
-                EventBody::Succeeded(Succeeded {
-                    attempt,
-                    outputs: done.outputs,
-                    manifest_uri: Some(done.manifest_uri),
-                    degraded: done.degraded,
-                    device: done.device.clone(),
-                    segment: done.segment,
-                    duration_ms: elapsed.as_millis() as u64,
-                }),
-            );
-            info!(event = "job.succeeded", duration_ms = elapsed.as_millis() as u64, degraded = done.degraded);
-            let labels = JobLabels { model: model.into(), device: done.device.clone() };
-            metrics().job_duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
-            if let Some(audio) = done.audio_secs.filter(|s| *s > 0.0) {
-                metrics().realtime_factor.get_or_create(&labels).observe(elapsed.as_secs_f64() / audio);
+    execute(shared, &msg, &job_id, model, decide(&given, result)).await;
+}
+
+/// Carries out a [`Decision`]: logs it, counts it, records its event and answers the
+/// delivery.
+async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, model: &str, decision: Decision) {
+    metrics().outcome(model, decision.outcome_label());
+    match decision {
+        Decision::Outcome { body, discard_outputs } => {
+            match &body {
+                EventBody::Succeeded(s) => {
+                    info!(event = "job.succeeded", duration_ms = s.duration_ms, degraded = s.degraded)
+                }
+                EventBody::Failed(f) => {
+                    info!(event = "job.failed", code = %f.code, message = %f.message, "permanent failure")
+                }
+                EventBody::DeadLettered(d) => {
+                    warn!(event = "job.dead_lettered", last_error = ?d.last_error, "last delivery failed")
+                }
+                EventBody::Cancelled(_) => info!(event = "job.cancelled", "cancelled while running; outputs discarded"),
+                _ => {}
             }
-            metrics().outcome(model, if done.degraded { "degraded" } else { "succeeded" });
-            metrics().deliveries.observe(attempt as f64);
-            finish(shared, &msg, &job_id, outcome).await;
+            if !matches!(body, EventBody::Cancelled(_)) {
+                metrics().deliveries.observe(msg_attempt(&body) as f64);
+            }
+            if discard_outputs {
+                // Stopped on request (or finished just as the request came): keep nothing.
+                control::discard_outputs(shared, job_id).await;
+            }
+            finish(shared, msg, job_id, Event::new(job_id, &source(shared), body)).await;
         }
-        Err(f) if f.class == FailureClass::Permanent => {
-            info!(event = "job.failed", code = %f.code, message = %f.message, "permanent failure");
-            metrics().outcome(model, "failed_permanent");
-            metrics().deliveries.observe(attempt as f64);
-            let ev = Event::new(
-                &job_id,
-                &src,
-                EventBody::Failed(Failed {
-                    attempt,
-                    class: f.class,
-                    code: f.code,
-                    message: f.message,
-                    retry_in_ms: None,
-                }),
-            );
-            finish(shared, &msg, &job_id, ev).await;
-        }
-        Err(f) if attempt >= shared.queue().max_deliver => {
-            warn!(event = "job.dead_lettered", code = %f.code, message = %f.message, "last delivery failed");
-            metrics().outcome(model, "dead_lettered");
-            metrics().deliveries.observe(attempt as f64);
-            let ev = Event::new(
-                &job_id,
-                &src,
-                EventBody::DeadLettered(DeadLettered {
-                    deliveries: attempt,
-                    reason: "max_deliveries".into(),
-                    last_error: Some(format!("{}: {}", f.code, f.message)),
-                    request_seq: seq,
-                }),
-            );
-            finish(shared, &msg, &job_id, ev).await;
-        }
-        Err(f) => {
-            let delay = shared.config.backoff.delay(attempt);
-            info!(event = "job.retry", code = %f.code, message = %f.message, delay_ms = delay.as_millis() as u64);
-            metrics().outcome(model, "failed_transient");
-            let ev = Event::new(
-                &job_id,
-                &src,
-                EventBody::Failed(Failed {
-                    attempt,
-                    class: FailureClass::Transient,
-                    code: f.code,
-                    message: f.message,
-                    retry_in_ms: Some(delay.as_millis() as u64),
-                }),
-            );
-            if let Err(e) = publish(&shared.js, &job_subject(&job_id, SubjectKind::Failed), &ev, None).await {
+        Decision::Retry { failed, delay } => {
+            info!(event = "job.retry", code = %failed.code, message = %failed.message, delay_ms = delay.as_millis() as u64);
+            let ev = Event::new(job_id, &source(shared), EventBody::Failed(failed));
+            if let Err(e) = publish(&shared.js, &job_subject(job_id, SubjectKind::Failed), &ev, None).await {
                 warn!(error = %e, "failure event not stored");
             }
             let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
         }
     }
+}
+
+/// The attempt (delivery count) a worker outcome reports.
+fn msg_attempt(body: &EventBody) -> u32 {
+    match body {
+        EventBody::Succeeded(s) => s.attempt,
+        EventBody::Failed(f) => f.attempt,
+        EventBody::DeadLettered(d) => d.deliveries,
+        EventBody::Cancelled(c) => c.attempt,
+        _ => 0,
+    }
+}
+
+/// What the decision about an attempt's result knows besides the result itself: plain
+/// values, read by the caller (the clock and the backoff's jitter included).
+#[derive(Debug, Clone, PartialEq)]
+struct Given {
+    /// This delivery, from 1.
+    attempt: u32,
+    /// The queue's `max_deliver`: the delivery after which a transient failure
+    /// dead-letters the job instead of retrying.
+    max_deliver: u32,
+    /// How long to wait before the next delivery after a transient failure.
+    backoff: Duration,
+    /// True when a user's cancel request came in while the attempt ran.
+    user_cancel: bool,
+    /// Wall time of the attempt so far.
+    elapsed: Duration,
+    /// Stream sequence of the request (for the dead letter's replay).
+    request_seq: u64,
+}
+
+/// What to record about an attempt, and how to answer its delivery.
+#[derive(Debug, Clone, PartialEq)]
+enum Decision {
+    /// Record this terminal event on the job's outcome subject (first one wins), then
+    /// ack. With `discard_outputs`, delete what the attempt stored first.
+    Outcome { body: EventBody, discard_outputs: bool },
+    /// Record this transient failure, then nak the delivery with `delay`.
+    Retry { failed: Failed, delay: Duration },
+}
+
+/// How a [`Decision`] answers the delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AckAction {
+    /// Ack once the outcome is stored (if it is not, nak and let the delivery come back).
+    AckAfterOutcome,
+    /// Nak with this delay once the failure is recorded.
+    NakAfter(Duration),
+}
+
+impl Decision {
+    fn ack(&self) -> AckAction {
+        match self {
+            Decision::Outcome { .. } => AckAction::AckAfterOutcome,
+            Decision::Retry { delay, .. } => AckAction::NakAfter(*delay),
+        }
+    }
+
+    /// The `outcome` label of `stemq_jobs_total`.
+    fn outcome_label(&self) -> &'static str {
+        match self {
+            Decision::Outcome { body: EventBody::Succeeded(s), .. } if s.degraded => "degraded",
+            Decision::Outcome { body: EventBody::Failed(_), .. } => "failed_permanent",
+            Decision::Outcome { body, .. } => body.kind(),
+            Decision::Retry { .. } => "failed_transient",
+        }
+    }
+}
+
+/// What a delivery comes to before it starts, if it must not run: cancelled (a cancel
+/// request is in the log) or expired (`start_before` is before `now`).
+fn decide_start(
+    attempt: u32,
+    cancel_requested: bool,
+    start_before: Option<chrono::DateTime<chrono::Utc>>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Option<EventBody> {
+    if cancel_requested {
+        return Some(EventBody::Cancelled(Cancelled { attempt, interrupted: false }));
+    }
+    match start_before {
+        Some(deadline) if now > deadline => Some(EventBody::Expired(Expired { start_before: deadline })),
+        _ => None,
+    }
+}
+
+/// What an attempt's result means: the one decision of this module, a pure function.
+///
+/// - a user's cancel wins over any result: `cancelled` (interrupted), outputs discarded;
+/// - success: `succeeded` (`degraded` when the memory ladder stepped down);
+/// - a permanent failure: `failed` (permanent), final at once;
+/// - a transient failure on the last delivery: `dead_lettered` (`max_deliveries`, with
+///   the failure as `last_error`);
+/// - any other transient failure: `failed` (transient, with `retry_in_ms`), then a nak
+///   with the backoff delay.
+fn decide(given: &Given, result: Result<Done, Failure>) -> Decision {
+    let attempt = given.attempt;
+    if given.user_cancel {
+        return Decision::Outcome {
+            body: EventBody::Cancelled(Cancelled { attempt, interrupted: true }),
+            discard_outputs: true,
+        };
+    }
+    let body = match result {
+        Ok(done) => EventBody::Succeeded(Succeeded {
+            attempt,
+            outputs: done.outputs,
+            manifest_uri: Some(done.manifest_uri),
+            degraded: done.degraded,
+            device: done.device.to_string(),
+            segment: done.segment,
+            duration_ms: given.elapsed.as_millis() as u64,
+        }),
+        Err(f) if f.class == FailureClass::Permanent => EventBody::Failed(Failed {
+            attempt,
+            class: FailureClass::Permanent,
+            code: f.code,
+            message: f.message,
+            retry_in_ms: None,
+        }),
+        Err(f) if attempt >= given.max_deliver => EventBody::DeadLettered(DeadLettered {
+            deliveries: attempt,
+            reason: FailureCode::MaxDeliveries,
+            last_error: Some(format!("{}: {}", f.code, f.message)),
+            request_seq: given.request_seq,
+        }),
+        Err(f) => {
+            return Decision::Retry {
+                failed: Failed {
+                    attempt,
+                    class: FailureClass::Transient,
+                    code: f.code,
+                    message: f.message,
+                    retry_in_ms: Some(given.backoff.as_millis() as u64),
+                },
+                delay: given.backoff,
+            }
+        }
+    };
+    Decision::Outcome { body, discard_outputs: false }
 }
 
 /// Publishes a terminal event (first one wins) and acks. If the publish fails we do not
@@ -358,21 +468,19 @@ enum Rejection {
     /// The request does not hash to the id its subject and event claim (forged).
     #[error("the request hashes to {computed}, but the event claims {claimed} (subject/id)")]
     IdMismatch { computed: JobId, claimed: JobId },
-    /// The request is valid, but not as the ingress would have normalised it.
-    #[error("the request is not in normalised form")]
-    NotNormalised,
-    /// The request itself is invalid (a raw publisher bypassed the ingress).
+    /// The request is invalid, or valid but not as the ingress would have normalised it
+    /// (a raw publisher bypassed the ingress).
     #[error("{0}")]
     Invalid(#[source] stemq_core::request::RequestError),
 }
 
 impl Rejection {
     /// The `code` of the `rejected` outcome.
-    fn code(&self) -> &'static str {
+    fn code(&self) -> FailureCode {
         match self {
-            Rejection::NotAnEvent(_) | Rejection::NotARequest(_) => "invalid_event",
-            Rejection::IdMismatch { .. } => "id_mismatch",
-            Rejection::NotNormalised | Rejection::Invalid(_) => "invalid_request",
+            Rejection::NotAnEvent(_) | Rejection::NotARequest(_) => FailureCode::InvalidEvent,
+            Rejection::IdMismatch { .. } => FailureCode::IdMismatch,
+            Rejection::Invalid(_) => FailureCode::InvalidRequest,
         }
     }
 }
@@ -389,54 +497,36 @@ fn validate(parsed: Result<Event, serde_json::Error>, job_id: &JobId) -> Result<
         return Err(Rejection::IdMismatch { computed, claimed: job_id.clone() });
     }
     // Re-validate the request itself: a raw publisher bypasses the ingress.
-    let req = stemq_core::JobRequest {
-        audio_uri: r.request.audio_uri.clone(),
-        model: Some(r.request.model),
-        two_stems: r.request.two_stems.clone(),
-        other_method: r.request.other_method,
-        output_format: Some(r.request.output_format),
-        encoding: Some(r.request.encoding),
-        clip_mode: Some(r.request.clip_mode),
-        segment: r.request.segment,
-        overlap: Some(r.request.overlap),
-        shifts: Some(r.request.shifts),
-        webhook: r.webhook.clone(),
-        metadata: r.metadata.clone(),
-        start_before: None,
-        max_runtime: r.max_runtime,
-    };
-    let mut normalised = req.normalize(&r.request.owner).map_err(Rejection::Invalid)?;
-    normalised.retry_of = r.request.retry_of.clone();
-    if normalised != r.request {
-        return Err(Rejection::NotNormalised);
-    }
+    r.request.revalidate(r.webhook.as_ref(), r.metadata.as_ref(), r.max_runtime).map_err(Rejection::Invalid)?;
     Ok(Valid { requested: r, at: ev.time, traceparent: ev.traceparent })
 }
 
 /// A failed attempt, classified.
-#[derive(Debug)]
-struct Failure {
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Failure {
     class: FailureClass,
-    code: String,
+    code: FailureCode,
     message: String,
 }
 
 impl Failure {
-    fn permanent(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Permanent, code: code.into(), message }
+    pub(crate) fn permanent(code: FailureCode, message: String) -> Failure {
+        Failure { class: FailureClass::Permanent, code, message }
     }
-    fn transient(code: &str, message: String) -> Failure {
-        Failure { class: FailureClass::Transient, code: code.into(), message }
+    pub(crate) fn transient(code: FailureCode, message: String) -> Failure {
+        Failure { class: FailureClass::Transient, code, message }
     }
 }
 
+/// A successful attempt: what it stored and how.
+#[derive(Debug, Clone, PartialEq)]
 struct Done {
     /// Length of the separated audio, when the engine reports it.
     audio_secs: Option<f64>,
     outputs: Vec<Output>,
     manifest_uri: String,
     degraded: bool,
-    device: String,
+    device: Device,
     segment: Option<f64>,
 }
 
@@ -455,15 +545,15 @@ impl EngineContext for Ctx {
 }
 
 /// The rungs of the out-of-memory ladder: (device, segment).
-fn ladder(devices: &[String], requested: Option<f64>, max_segment: Option<f64>) -> Vec<(String, Option<f64>)> {
-    let first = devices.first().cloned().unwrap_or_else(|| "cpu".into());
+fn ladder(devices: &[Device], requested: Option<f64>, max_segment: Option<f64>) -> Vec<(Device, Option<f64>)> {
+    let first = devices.first().cloned().unwrap_or(Device::Cpu);
     let mut rungs = vec![(first.clone(), requested)];
     let base = requested.or(max_segment);
     if let Some(b) = base {
         rungs.push((first.clone(), Some((b / 2.0).max(1.0))));
     }
-    if first != "cpu" && devices.iter().any(|d| d == "cpu") {
-        rungs.push(("cpu".into(), requested));
+    if !first.is_cpu() && devices.iter().any(Device::is_cpu) {
+        rungs.push((Device::Cpu, requested));
     }
     rungs
 }
@@ -473,7 +563,7 @@ async fn run_engine(
     job_id: &JobId,
     requested: &Requested,
     attempt: u32,
-    devices: &[String],
+    devices: &[Device],
     progress: watch::Sender<Option<(f32, String)>>,
     cancel: Arc<AtomicBool>,
 ) -> Result<Done, Failure> {
@@ -487,7 +577,7 @@ async fn run_engine(
     let out_dir = dir.join("out");
     tokio::fs::create_dir_all(&out_dir)
         .await
-        .map_err(|e| Failure::transient("scratch", format!("cannot create {}: {e}", out_dir.display())))?;
+        .map_err(|e| Failure::transient(FailureCode::Scratch, format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
         fetch_input(shared, &requested.request.audio_uri, &dir).instrument(info_span!("fetch_input")).await?
     } else {
@@ -502,7 +592,7 @@ async fn run_engine(
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
         let (job_id2, req, input2, out2, dev, ctx2) =
-            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
+            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.to_string(), ctx.clone());
         let segment = *segment;
         let engine_span = info_span!("engine.separate", %device, segment = ?segment);
         let res = tokio::task::spawn_blocking(move || {
@@ -520,11 +610,11 @@ async fn run_engine(
             engine.separate(&job, ctx2.as_ref())
         })
         .await
-        .map_err(|e| Failure::transient("engine_panic", format!("the engine crashed: {e}")))?;
+        .map_err(|e| Failure::transient(FailureCode::EnginePanic, format!("the engine crashed: {e}")))?;
         match res {
             Ok(_) if ctx.cancel.load(Ordering::SeqCst) => {
                 // Stopped from outside (time limit, cancel) just as it finished: store nothing.
-                return Err(Failure::permanent("cancelled", "the attempt was stopped".into()));
+                return Err(Failure::permanent(FailureCode::Cancelled, "the attempt was stopped".into()));
             }
             Ok(stems) => {
                 let degraded = i > 0;
@@ -550,28 +640,29 @@ async fn run_engine(
     }
     Err(match last_oom {
         EngineError::OverBudget { device, needed, budget } => Failure::permanent(
-            "over_memory_budget",
+            FailureCode::OverMemoryBudget,
             format!(
                 "does not fit the memory budget on {device} at any rung of the ladder (the smallest needs about \
                  {needed} bytes, the budget is {budget})"
             ),
         ),
-        e => Failure::transient("out_of_memory", format!("{e} at every rung")),
+        e => Failure::transient(FailureCode::OutOfMemory, format!("{e} at every rung")),
     })
 }
 
 fn classify(e: EngineError) -> Failure {
     match e {
-        EngineError::InvalidInput { code, message } => Failure::permanent(&code, message),
-        EngineError::Unsupported { code, message } => Failure::permanent(&code, message),
-        EngineError::Transient(m) => Failure::transient("engine_error", m),
+        // Engines name their own codes; one this build does not list is kept as written.
+        EngineError::InvalidInput { code, message } => Failure::permanent(FailureCode::from(code), message),
+        EngineError::Unsupported { code, message } => Failure::permanent(FailureCode::from(code), message),
+        EngineError::Transient(m) => Failure::transient(FailureCode::EngineError, m),
         // The attempt's own process died: this job, and only it, pays an attempt.
-        EngineError::Crashed(m) => Failure::transient("engine_crashed", m),
-        EngineError::Cancelled => Failure::permanent("cancelled", "the job was cancelled".into()),
+        EngineError::Crashed(m) => Failure::transient(FailureCode::EngineCrashed, m),
+        EngineError::Cancelled => Failure::permanent(FailureCode::Cancelled, "the job was cancelled".into()),
         EngineError::OutOfMemory { device } => {
-            Failure::transient("out_of_memory", format!("out of memory on {device}"))
+            Failure::transient(FailureCode::OutOfMemory, format!("out of memory on {device}"))
         }
-        e @ EngineError::OverBudget { .. } => Failure::permanent("over_memory_budget", e.to_string()),
+        e @ EngineError::OverBudget { .. } => Failure::permanent(FailureCode::OverMemoryBudget, e.to_string()),
     }
 }
 
@@ -580,142 +671,16 @@ fn classify(e: EngineError) -> Failure {
 async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, Failure> {
     let store = &shared.config.store;
     let (_, key) = stemq_core::uri::store_key(uri, &[store.base_url().to_string()])
-        .map_err(|e| Failure::permanent("input_not_allowed", e.message))?;
+        .map_err(|e| Failure::permanent(FailureCode::InputNotAllowed, e.message))?;
     let path = dir.join("input");
     let t0 = Instant::now();
     let bytes = store.get_to_file(key, &path).await.map_err(|e| match e {
-        e if e.is_not_found() => Failure::permanent("input_not_found", format!("{uri} does not exist")),
-        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient("scratch", e.to_string()),
-        e => Failure::transient("storage", e.to_string()),
+        e if e.is_not_found() => Failure::permanent(FailureCode::InputNotFound, format!("{uri} does not exist")),
+        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient(FailureCode::Scratch, e.to_string()),
+        e => Failure::transient(FailureCode::Storage, e.to_string()),
     })?;
     info!(event = "input.fetched", bytes, ms = t0.elapsed().as_millis() as u64, "input fetched");
     Ok(path)
-}
-
-/// Stores the stems, then `jobs/<id>/manifest.json` describing them (the manifest last,
-/// so its presence means every stem is there).
-async fn store_outputs(
-    shared: &Shared,
-    job_id: &JobId,
-    requested: &Requested,
-    stems: &[StemFile],
-    device: &str,
-    degraded: bool,
-) -> Result<(Vec<Output>, String), Failure> {
-    let store = &shared.config.store;
-    let ext = requested.request.output_format.extension();
-    let mut outputs = Vec::with_capacity(stems.len());
-    let mut entries = Vec::with_capacity(stems.len());
-    for s in stems {
-        let file = format!("{}.{ext}", s.stem);
-        let key = output_key(job_id.as_str(), &file);
-        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient("storage", e.to_string()))?;
-        let mut entry = json!({
-            "stem": s.stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
-        });
-        if let Some(a) = s.audio {
-            entry["sample_rate"] = json!(a.sample_rate);
-            entry["frames"] = json!(a.frames);
-            entry["duration_secs"] = json!(a.frames as f64 / f64::from(a.sample_rate.max(1)));
-        }
-        entries.push(entry);
-        outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
-    }
-    let first_audio = stems.iter().find_map(|s| s.audio);
-    let manifest = json!({
-        "manifest_version": 1,
-        "job_id": job_id,
-        "model": requested.request.model,
-        "format": ext,
-        "sample_rate": first_audio.map(|a| a.sample_rate),
-        "duration_secs": first_audio.map(|a| a.frames as f64 / f64::from(a.sample_rate.max(1))),
-        "device": device,
-        "degraded": degraded,
-        "stems": entries,
-    });
-    let key = stemq_core::storage::manifest_key(job_id.as_str());
-    let stored = store
-        .put_bytes(&key, serde_json::to_vec_pretty(&manifest).expect("json"))
-        .await
-        .map_err(|e| Failure::transient("storage", e.to_string()))?;
-    Ok((outputs, stored.uri))
-}
-
-/// Progress acks (every third of `ack_wait`) and rate-limited progress events.
-fn spawn_keepalive(
-    shared: &Arc<Shared>,
-    msg: Arc<jetstream::Message>,
-    job_id: &JobId,
-    attempt: u32,
-    mut progress: watch::Receiver<Option<(f32, String)>>,
-) -> tokio::task::JoinHandle<()> {
-    let js = shared.js.clone();
-    let mut queue = shared.queue.clone();
-    let min_gap = shared.config.progress_every;
-    let subject = job_subject(job_id, SubjectKind::Progress);
-    let job_id = job_id.clone();
-    let src = source(shared);
-    let heartbeat = shared.config.progress_heartbeat;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(queue.borrow_and_update().keepalive_every());
-        tick.tick().await;
-        let mut beat = tokio::time::interval(heartbeat);
-        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        beat.tick().await;
-        let mut engine_done = false;
-        let mut last_sent: Option<Instant> = None;
-        let mut last: (f32, String) = (0.0, "starting".to_string());
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                        warn!(error = %e, "progress ack failed");
-                    }
-                }
-                Ok(()) = queue.changed() => {
-                    // The consumer's ack wait changed: ack now, then at the new pace.
-                    let every = queue.borrow_and_update().keepalive_every();
-                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                        warn!(error = %e, "progress ack failed");
-                    }
-                    tick = tokio::time::interval(every);
-                    tick.tick().await;
-                }
-                _ = beat.tick(), if !engine_done => {
-                    if last_sent.map(|t| t.elapsed() + Duration::from_millis(50) < heartbeat).unwrap_or(false) {
-                        continue;
-                    }
-                    let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
-                        attempt, percent: (last.0 * 100.0).round(), stage: last.1.clone(), message: None,
-                    }));
-                    if let Err(e) = publish(&js, &subject, &ev, None).await {
-                        warn!(error = %e, "progress heartbeat not stored");
-                    }
-                    last_sent = Some(Instant::now());
-                }
-                changed = progress.changed(), if !engine_done => {
-                    if changed.is_err() {
-                        engine_done = true;
-                        continue;
-                    }
-                    if let Some(t) = last_sent {
-                        if let Some(rest) = min_gap.checked_sub(t.elapsed()) {
-                            tokio::time::sleep(rest).await;
-                        }
-                    }
-                    let Some((fraction, stage)) = progress.borrow_and_update().clone() else { continue };
-                    last = (fraction, stage.clone());
-                    let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
-                        attempt, percent: (fraction * 100.0).round(), stage, message: None,
-                    }));
-                    if let Err(e) = publish(&js, &subject, &ev, None).await {
-                        warn!(error = %e, "progress event not stored");
-                    }
-                    last_sent = Some(Instant::now());
-                }
-            }
-        }
-    })
 }
 
 /// Removes a job's scratch directory when the attempt ends, however it ends.
@@ -730,6 +695,7 @@ impl Drop for ScratchDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
     use stemq_core::request::{JobRequest, ANONYMOUS};
 
     fn requested() -> Event {
@@ -751,7 +717,7 @@ mod tests {
         let other = JobId::parse(&"0".repeat(64)).unwrap();
         let e = validate(Ok(ev.clone()), &other).unwrap_err();
         assert!(matches!(e, Rejection::IdMismatch { .. }), "{e:?}");
-        assert_eq!(e.code(), "id_mismatch");
+        assert_eq!(e.code(), FailureCode::IdMismatch);
 
         // Hashes to its id, but is not a request the ingress would accept.
         let mut n = match &ev.body {
@@ -759,16 +725,25 @@ mod tests {
             _ => unreachable!(),
         };
         n.audio_uri = format!(" {} ", n.audio_uri);
-        let unnormalised = Event::requested(n, None, None, "/test");
+        let unnormalised = Event::requested(n.clone(), None, None, "/test");
         let id = unnormalised.subject.clone();
         let e = validate(Ok(unnormalised), &id).unwrap_err();
         assert!(matches!(e, Rejection::Invalid(_)), "{e:?}");
-        assert_eq!(e.code(), "invalid_request");
+        assert_eq!(e.code(), FailureCode::InvalidRequest);
         assert!(e.to_string().starts_with("invalid `audio_uri`: "), "{e}");
+
+        // Valid, but a default written out where the ingress leaves it absent.
+        n.audio_uri = n.audio_uri.trim().to_string();
+        n.segment = n.model.max_segment();
+        let spelled_out = Event::requested(n, None, None, "/test");
+        let id = spelled_out.subject.clone();
+        let e = validate(Ok(spelled_out), &id).unwrap_err();
+        assert_eq!(e.code(), FailureCode::InvalidRequest);
+        assert!(e.to_string().starts_with("invalid `request`: not in normalised form"), "{e}");
 
         let not_json = serde_json::from_slice::<Event>(b"{").map(|_| unreachable!());
         let e = validate(not_json, &ev.subject).unwrap_err();
-        assert_eq!(e.code(), "invalid_event");
+        assert_eq!(e.code(), FailureCode::InvalidEvent);
         assert!(e.to_string().starts_with("not a stemq CloudEvent: "), "{e}");
 
         let started = Event::new(
@@ -777,18 +752,217 @@ mod tests {
             EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }),
         );
         let e = validate(Ok(started), &ev.subject).unwrap_err();
-        assert_eq!((e.code(), e.to_string().as_str()), ("invalid_event", "expected a requested event, got started"));
+        assert_eq!(e.code(), FailureCode::InvalidEvent);
+        assert_eq!(e.to_string(), "expected a requested event, got started");
     }
 
     #[test]
     fn ladder_steps_segment_then_cpu() {
-        let devs = vec!["cuda:0".to_string(), "cpu".to_string()];
+        let gpu = Device::Cuda(Some(0));
+        let devs = vec![gpu.clone(), Device::Cpu];
         assert_eq!(
             ladder(&devs, None, Some(7.8)),
-            vec![("cuda:0".into(), None), ("cuda:0".into(), Some(3.9)), ("cpu".into(), None)]
+            vec![(gpu.clone(), None), (gpu.clone(), Some(3.9)), (Device::Cpu, None)]
         );
-        let cpu_only = vec!["cpu".to_string()];
-        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![("cpu".into(), Some(4.0)), ("cpu".into(), Some(2.0))]);
-        assert_eq!(ladder(&cpu_only, None, None), vec![("cpu".into(), None)]);
+        let cpu_only = vec![Device::Cpu];
+        assert_eq!(ladder(&cpu_only, Some(4.0), Some(7.8)), vec![(Device::Cpu, Some(4.0)), (Device::Cpu, Some(2.0))]);
+        assert_eq!(ladder(&cpu_only, None, None), vec![(Device::Cpu, None)]);
+        // The fake engine's GPU is not the CPU; an engine without a CPU has no CPU rung.
+        let fake = Device::from("fake-gpu");
+        assert_eq!(ladder(&[fake.clone(), Device::Cpu], None, None), vec![(fake.clone(), None), (Device::Cpu, None)]);
+        assert_eq!(ladder(&[fake.clone()], None, None), vec![(fake, None)]);
+        assert_eq!(ladder(&[], None, None), vec![(Device::Cpu, None)]);
+    }
+
+    #[test]
+    fn engine_errors_are_classified_with_their_codes() {
+        let f = classify(EngineError::InvalidInput { code: "invalid_audio".into(), message: "m".into() });
+        assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::InvalidAudio));
+        let f = classify(EngineError::Unsupported { code: "brand_new".into(), message: "m".into() });
+        assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::Other("brand_new".into())));
+        let f = classify(EngineError::Transient("m".into()));
+        assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::EngineError));
+        let f = classify(EngineError::Crashed("m".into()));
+        assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::EngineCrashed));
+        let f = classify(EngineError::OutOfMemory { device: "cuda:0".into() });
+        assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::OutOfMemory));
+        let f = classify(EngineError::OverBudget { device: "cpu".into(), needed: 2, budget: 1 });
+        assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::OverMemoryBudget));
+        let f = classify(EngineError::Cancelled);
+        assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::Cancelled));
+    }
+
+    // The decision, given / when / then.
+
+    /// Given: delivery `attempt` of a queue that delivers at most 3 times, 4 s backoff.
+    fn given(attempt: u32) -> Given {
+        Given {
+            attempt,
+            max_deliver: 3,
+            backoff: Duration::from_secs(4),
+            user_cancel: false,
+            elapsed: Duration::from_millis(1500),
+            request_seq: 42,
+        }
+    }
+
+    fn done(degraded: bool) -> Done {
+        Done {
+            audio_secs: Some(10.0),
+            outputs: vec![Output { stem: "vocals".into(), uri: "file:///o/v.wav".into(), bytes: 3, sha256: "ab".into() }],
+            manifest_uri: "file:///o/manifest.json".into(),
+            degraded,
+            device: if degraded { Device::Cpu } else { Device::Cuda(Some(0)) },
+            segment: if degraded { Some(3.9) } else { None },
+        }
+    }
+
+    fn transient() -> Failure {
+        Failure::transient(FailureCode::Storage, "the store is down".into())
+    }
+
+    fn outcome(d: &Decision) -> &EventBody {
+        match d {
+            Decision::Outcome { body, .. } => body,
+            Decision::Retry { .. } => panic!("expected an outcome, got {d:?}"),
+        }
+    }
+
+    #[test]
+    fn given_success_when_decided_then_succeeded_and_ack() {
+        let d = decide(&given(1), Ok(done(false)));
+        assert_eq!(d.ack(), AckAction::AckAfterOutcome);
+        assert_eq!(d.outcome_label(), "succeeded");
+        let EventBody::Succeeded(s) = outcome(&d) else { panic!("{d:?}") };
+        assert_eq!(s.attempt, 1);
+        assert_eq!((s.device.as_str(), s.degraded, s.segment), ("cuda:0", false, None));
+        assert_eq!(s.duration_ms, 1500);
+        assert_eq!(s.manifest_uri.as_deref(), Some("file:///o/manifest.json"));
+        assert_eq!(s.outputs.len(), 1);
+        assert!(matches!(d, Decision::Outcome { discard_outputs: false, .. }));
+    }
+
+    #[test]
+    fn given_success_down_the_ladder_when_decided_then_succeeded_degraded() {
+        let d = decide(&given(2), Ok(done(true)));
+        assert_eq!(d.outcome_label(), "degraded");
+        let EventBody::Succeeded(s) = outcome(&d) else { panic!("{d:?}") };
+        assert_eq!((s.attempt, s.device.as_str(), s.degraded, s.segment), (2, "cpu", true, Some(3.9)));
+    }
+
+    #[test]
+    fn given_a_user_cancel_when_the_engine_succeeded_anyway_then_cancelled_and_outputs_discarded() {
+        let g = Given { user_cancel: true, ..given(2) };
+        let d = decide(&g, Ok(done(false)));
+        assert_eq!(
+            d,
+            Decision::Outcome {
+                body: EventBody::Cancelled(Cancelled { attempt: 2, interrupted: true }),
+                discard_outputs: true
+            }
+        );
+        assert_eq!(d.ack(), AckAction::AckAfterOutcome);
+        assert_eq!(d.outcome_label(), "cancelled");
+    }
+
+    #[test]
+    fn given_a_user_cancel_when_the_engine_failed_then_cancelled_not_failed() {
+        let g = Given { user_cancel: true, ..given(3) };
+        for failure in [transient(), Failure::permanent(FailureCode::Cancelled, "stopped".into())] {
+            let d = decide(&g, Err(failure));
+            assert!(matches!(outcome(&d), EventBody::Cancelled(Cancelled { attempt: 3, interrupted: true })), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn given_a_permanent_failure_when_decided_then_failed_permanent_and_ack() {
+        let d = decide(&given(1), Err(Failure::permanent(FailureCode::InvalidAudio, "not audio".into())));
+        assert_eq!(
+            d,
+            Decision::Outcome {
+                body: EventBody::Failed(Failed {
+                    attempt: 1,
+                    class: FailureClass::Permanent,
+                    code: FailureCode::InvalidAudio,
+                    message: "not audio".into(),
+                    retry_in_ms: None,
+                }),
+                discard_outputs: false
+            }
+        );
+        assert_eq!(d.ack(), AckAction::AckAfterOutcome);
+        assert_eq!(d.outcome_label(), "failed_permanent");
+    }
+
+    #[test]
+    fn given_a_permanent_failure_on_the_last_delivery_then_failed_not_dead_lettered() {
+        let d = decide(&given(3), Err(Failure::permanent(FailureCode::TimeLimit, "too slow".into())));
+        assert!(matches!(outcome(&d), EventBody::Failed(f) if f.code == FailureCode::TimeLimit), "{d:?}");
+    }
+
+    #[test]
+    fn given_a_transient_failure_before_the_last_delivery_then_failed_transient_and_nak_with_backoff() {
+        let d = decide(&given(2), Err(transient()));
+        assert_eq!(
+            d,
+            Decision::Retry {
+                failed: Failed {
+                    attempt: 2,
+                    class: FailureClass::Transient,
+                    code: FailureCode::Storage,
+                    message: "the store is down".into(),
+                    retry_in_ms: Some(4000),
+                },
+                delay: Duration::from_secs(4),
+            }
+        );
+        assert_eq!(d.ack(), AckAction::NakAfter(Duration::from_secs(4)));
+        assert_eq!(d.outcome_label(), "failed_transient");
+    }
+
+    #[test]
+    fn given_a_transient_failure_on_the_last_delivery_then_dead_lettered_max_deliveries_with_last_error() {
+        for attempt in [3, 4] {
+            let d = decide(&given(attempt), Err(transient()));
+            assert_eq!(
+                d,
+                Decision::Outcome {
+                    body: EventBody::DeadLettered(DeadLettered {
+                        deliveries: attempt,
+                        reason: FailureCode::MaxDeliveries,
+                        last_error: Some("storage: the store is down".into()),
+                        request_seq: 42,
+                    }),
+                    discard_outputs: false
+                }
+            );
+            assert_eq!(d.ack(), AckAction::AckAfterOutcome);
+            assert_eq!(d.outcome_label(), "dead_lettered");
+        }
+    }
+
+    #[test]
+    fn given_an_unbounded_queue_when_transient_failures_repeat_then_it_always_retries() {
+        let g = Given { max_deliver: u32::MAX, ..given(1000) };
+        assert!(matches!(decide(&g, Err(transient())), Decision::Retry { .. }));
+    }
+
+    #[test]
+    fn given_a_cancel_request_in_the_log_when_a_delivery_arrives_then_cancelled_without_running() {
+        let now = chrono::Utc::now();
+        assert_eq!(
+            decide_start(1, true, Some(now - chrono::Duration::seconds(5)), now),
+            Some(EventBody::Cancelled(Cancelled { attempt: 1, interrupted: false }))
+        );
+    }
+
+    #[test]
+    fn given_a_start_deadline_when_a_delivery_arrives_then_expired_only_past_it() {
+        let now = chrono::Utc::now();
+        let past = now - chrono::Duration::seconds(1);
+        assert_eq!(decide_start(1, false, Some(past), now), Some(EventBody::Expired(Expired { start_before: past })));
+        assert_eq!(decide_start(1, false, Some(now), now), None);
+        assert_eq!(decide_start(1, false, Some(now + chrono::Duration::seconds(1)), now), None);
+        assert_eq!(decide_start(2, false, None, now), None);
     }
 }

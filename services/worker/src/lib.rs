@@ -7,6 +7,9 @@
 //! - [`job`] handles one delivery: skip if already done, start, keep the ack deadline
 //!   alive with progress acks, run the engine (with the out-of-memory ladder and the hard
 //!   time limit), store outputs, publish the outcome, and only then ack;
+//!   The decision of what an attempt's result means is the pure `job::decide`;
+//!   `keepalive` keeps the delivery alive and publishes progress, `outputs` stores the
+//!   stems and the manifest;
 //! - [`backoff`] spaces retries of transient failures;
 //! - [`isolate`] runs attempts in engine host processes, so a job that crashes its
 //!   process costs only its own attempt;
@@ -27,6 +30,8 @@ pub mod deadletter;
 pub mod gpu;
 pub mod isolate;
 pub mod job;
+mod keepalive;
+mod outputs;
 pub mod scratch;
 
 use std::path::PathBuf;
