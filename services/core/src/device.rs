@@ -6,10 +6,12 @@
 //! name do not change; code that asks "is this the CPU?" asks [`Device::is_cpu`] instead
 //! of comparing strings.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::fmt;
 use std::str::FromStr;
 
+use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A compute device.
@@ -72,6 +74,33 @@ impl Serialize for Device {
 impl<'de> Deserialize<'de> for Device {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
         Ok(Device::from(String::deserialize(d)?.as_str()))
+    }
+}
+
+/// A device is its name in JSON: the schema is a plain string, as it always was.
+impl JsonSchema for Device {
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn schema_name() -> Cow<'static, str> {
+        "Device".into()
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        schemars::json_schema!({ "type": "string" })
+    }
+}
+
+impl PartialEq<str> for Device {
+    fn eq(&self, other: &str) -> bool {
+        *self == Device::from(other)
+    }
+}
+
+impl PartialEq<&str> for Device {
+    fn eq(&self, other: &&str) -> bool {
+        *self == Device::from(*other)
     }
 }
 

@@ -10,6 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::device::Device;
 pub use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest, Webhook};
 
@@ -196,8 +197,8 @@ pub struct Started {
     pub attempt: u32,
     /// The worker's name.
     pub worker: String,
-    /// `cpu`, `cuda:0`, `fake`, ...
-    pub device: String,
+    /// `cpu`, `cuda:0`, `fake-gpu`, ...
+    pub device: Device,
 }
 
 /// Data of `io.stemq.job.progress.v1`.
@@ -241,7 +242,7 @@ pub struct Succeeded {
     #[serde(default)]
     pub degraded: bool,
     /// Device the result was computed on.
-    pub device: String,
+    pub device: Device,
     /// Segment length finally used, when the engine has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment: Option<f64>,

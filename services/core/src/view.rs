@@ -296,7 +296,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.status = JobStatus::Running;
             v.attempt = s.attempt;
             v.worker = Some(s.worker.clone());
-            v.device = Some(s.device.clone());
+            v.device = Some(s.device.to_string());
             v.started_at.get_or_insert(at);
             v.progress = None;
         }
@@ -311,7 +311,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.outputs = s.outputs.clone();
             v.manifest_uri = s.manifest_uri.clone();
             v.degraded = s.degraded;
-            v.device = Some(s.device.clone());
+            v.device = Some(s.device.to_string());
             v.progress = Some(ProgressView { percent: 100.0, stage: "done".into(), message: None });
             v.finish(JobStatus::Succeeded, at);
         }

@@ -13,10 +13,10 @@
 //! 6. a transient failure publishes `failed(transient)` and naks with backoff, except on
 //!    the last delivery, which dead-letters the job; a permanent failure is final at once.
 //!
-//! What a result *means* (steps 5 and 6) is one pure function, [`decide`]: the attempt,
+//! What a result *means* (steps 5 and 6) is one pure function, `decide`: the attempt,
 //! the queue's max deliver, the backoff delay, whether a user's cancel came in, and the
 //! engine's result in; the event to record and how to answer the delivery out
-//! ([`Decision`]). [`decide_start`] says the same before the engine runs (cancelled,
+//! (`Decision`). `decide_start` says the same before the engine runs (cancelled,
 //! expired). Both are tested given/when/then below; `run_delivery` only gathers their
 //! inputs and carries their decisions out. Storing outputs lives in `outputs`, the
 //! keepalive task in `keepalive`.
@@ -150,7 +150,7 @@ async fn run_delivery(
     let mut started = Event::new(
         &job_id,
         &source(shared),
-        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.to_string() }),
+        EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
     );
     started.traceparent = traceparent.clone();
     if attempt == 1 {
@@ -377,7 +377,7 @@ fn decide(given: &Given, result: Result<Done, Failure>) -> Decision {
             outputs: done.outputs,
             manifest_uri: Some(done.manifest_uri),
             degraded: done.degraded,
-            device: done.device.to_string(),
+            device: done.device,
             segment: done.segment,
             duration_ms: given.elapsed.as_millis() as u64,
         }),
@@ -835,7 +835,7 @@ mod tests {
         assert_eq!(d.outcome_label(), "succeeded");
         let EventBody::Succeeded(s) = outcome(&d) else { panic!("{d:?}") };
         assert_eq!(s.attempt, 1);
-        assert_eq!((s.device.as_str(), s.degraded, s.segment), ("cuda:0", false, None));
+        assert_eq!((s.device.to_string().as_str(), s.degraded, s.segment), ("cuda:0", false, None));
         assert_eq!(s.duration_ms, 1500);
         assert_eq!(s.manifest_uri.as_deref(), Some("file:///o/manifest.json"));
         assert_eq!(s.outputs.len(), 1);
@@ -847,7 +847,7 @@ mod tests {
         let d = decide(&given(2), Ok(done(true)));
         assert_eq!(d.outcome_label(), "degraded");
         let EventBody::Succeeded(s) = outcome(&d) else { panic!("{d:?}") };
-        assert_eq!((s.attempt, s.device.as_str(), s.degraded, s.segment), (2, "cpu", true, Some(3.9)));
+        assert_eq!((s.attempt, &s.device, s.degraded, s.segment), (2, &Device::Cpu, true, Some(3.9)));
     }
 
     #[test]
