@@ -257,7 +257,10 @@ async fn a_memory_budget_for_a_smaller_segment_degrades_the_job() {
             _ => None,
         })
         .expect("a succeeded event");
-    assert_eq!((succeeded.degraded, succeeded.segment, succeeded.device.to_string().as_str()), (true, Some(1.0), "cpu"));
+    assert_eq!(
+        (succeeded.degraded, succeeded.segment, succeeded.device.to_string().as_str()),
+        (true, Some(1.0), "cpu")
+    );
     let stems = download(&stack, &id, &view).await;
     assert_eq!(stems.len(), 4);
     let reference = direct(&engine(&repo, Some(budget)), &stack, &id, &body, Some(1.0));

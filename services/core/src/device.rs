@@ -92,18 +92,6 @@ impl JsonSchema for Device {
     }
 }
 
-impl PartialEq<str> for Device {
-    fn eq(&self, other: &str) -> bool {
-        *self == Device::from(other)
-    }
-}
-
-impl PartialEq<&str> for Device {
-    fn eq(&self, other: &&str) -> bool {
-        *self == Device::from(*other)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

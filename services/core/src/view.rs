@@ -345,8 +345,11 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.finish(JobStatus::DeadLettered, at);
         }
         EventBody::Rejected(r) => {
-            v.error =
-                Some(ErrorView { class: FailureClass::Permanent, code: r.code.to_string(), message: r.message.clone() });
+            v.error = Some(ErrorView {
+                class: FailureClass::Permanent,
+                code: r.code.to_string(),
+                message: r.message.clone(),
+            });
             v.finish(JobStatus::Rejected, at);
         }
     }

@@ -234,6 +234,7 @@ async fn run_delivery(
 /// delivery.
 async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, model: &str, decision: Decision) {
     metrics().outcome(model, decision.outcome_label());
+    let ack = decision.ack();
     match decision {
         Decision::Outcome { body, discard_outputs } => {
             match &body {
@@ -256,6 +257,7 @@ async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mode
                 // Stopped on request (or finished just as the request came): keep nothing.
                 control::discard_outputs(shared, job_id).await;
             }
+            // Acks once the outcome is stored (`AckAction::AckAfterOutcome`).
             finish(shared, msg, job_id, Event::new(job_id, &source(shared), body)).await;
         }
         Decision::Retry { failed, delay } => {
@@ -264,8 +266,10 @@ async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mode
             if let Err(e) = publish(&shared.js, &job_subject(job_id, SubjectKind::Failed), &ev, None).await {
                 warn!(error = %e, "failure event not stored");
             }
-            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
         }
+    }
+    if let AckAction::NakAfter(delay) = ack {
+        let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
     }
 }
 
@@ -770,7 +774,7 @@ mod tests {
         // The fake engine's GPU is not the CPU; an engine without a CPU has no CPU rung.
         let fake = Device::from("fake-gpu");
         assert_eq!(ladder(&[fake.clone(), Device::Cpu], None, None), vec![(fake.clone(), None), (Device::Cpu, None)]);
-        assert_eq!(ladder(&[fake.clone()], None, None), vec![(fake, None)]);
+        assert_eq!(ladder(std::slice::from_ref(&fake), None, None), vec![(fake, None)]);
         assert_eq!(ladder(&[], None, None), vec![(Device::Cpu, None)]);
     }
 
@@ -809,7 +813,12 @@ mod tests {
     fn done(degraded: bool) -> Done {
         Done {
             audio_secs: Some(10.0),
-            outputs: vec![Output { stem: "vocals".into(), uri: "file:///o/v.wav".into(), bytes: 3, sha256: "ab".into() }],
+            outputs: vec![Output {
+                stem: "vocals".into(),
+                uri: "file:///o/v.wav".into(),
+                bytes: 3,
+                sha256: "ab".into(),
+            }],
             manifest_uri: "file:///o/manifest.json".into(),
             degraded,
             device: if degraded { Device::Cpu } else { Device::Cuda(Some(0)) },

@@ -32,7 +32,8 @@ pub(crate) async fn store_outputs(
     for s in stems {
         let file = format!("{}.{ext}", s.stem);
         let key = output_key(job_id.as_str(), &file);
-        let stored = store.put_file(&key, &s.path).await.map_err(|e| Failure::transient(FailureCode::Storage, e.to_string()))?;
+        let stored =
+            store.put_file(&key, &s.path).await.map_err(|e| Failure::transient(FailureCode::Storage, e.to_string()))?;
         let mut entry = json!({
             "stem": s.stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
         });

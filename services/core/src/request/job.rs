@@ -337,7 +337,10 @@ impl NormalizedRequest {
         let mut normalised = as_sent.normalize(owner)?;
         normalised.retry_of = retry_of.clone();
         if &normalised != self {
-            return Err(RequestError::new("request", "not in normalised form (defaults must be written out as the ingress does)"));
+            return Err(RequestError::new(
+                "request",
+                "not in normalised form (defaults must be written out as the ingress does)",
+            ));
         }
         Ok(())
     }
