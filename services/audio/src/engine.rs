@@ -9,6 +9,7 @@
 //! It also keeps the model allow-list honest: this engine runs `dsp` and nothing else.
 
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
+use stemq_core::failure::FailureCode;
 use stemq_core::request::{ClipMode as RequestClip, Encoding, Model, OutputFormat as RequestFormat};
 use tracing::{debug, info_span};
 
@@ -61,35 +62,35 @@ pub fn output_settings(req: &stemq_core::NormalizedRequest) -> (OutputFormat, Cl
 
 /// Maps this crate's errors onto the engine seam.
 pub fn engine_error(e: AudioError) -> EngineError {
-    let invalid = |code: &str, message: String| EngineError::InvalidInput { code: code.into(), message };
+    let invalid = |code: FailureCode, message: String| EngineError::InvalidInput { code, message };
     match e {
         AudioError::NotAudio { detail } => {
-            invalid("invalid_audio", format!("the input is not an audio file stemq can read ({detail})"))
+            invalid(FailureCode::InvalidAudio, format!("the input is not an audio file stemq can read ({detail})"))
         }
         AudioError::UnsupportedCodec { codec } => invalid(
-            "unsupported_codec",
+            FailureCode::UnsupportedCodec,
             format!("the input uses the {codec} codec, which is not supported; use WAV, FLAC, MP3 or Ogg Vorbis"),
         ),
-        AudioError::Empty => invalid("empty_audio", "the input contains no audio samples".into()),
+        AudioError::Empty => invalid(FailureCode::EmptyAudio, "the input contains no audio samples".into()),
         AudioError::TooLong { duration, max } => {
-            invalid("too_long", format!("the input lasts {duration}, longer than the maximum of {max}"))
+            invalid(FailureCode::TooLong, format!("the input lasts {duration}, longer than the maximum of {max}"))
         }
         AudioError::CorruptFrame { at, detail } => {
-            invalid("corrupt_audio", format!("the input is damaged: corrupt frame at {at} ({detail})"))
+            invalid(FailureCode::CorruptAudio, format!("the input is damaged: corrupt frame at {at} ({detail})"))
         }
         AudioError::SampleRate { .. } => {
-            invalid("invalid_audio", format!("the input is not an audio file stemq can read ({e})"))
+            invalid(FailureCode::InvalidAudio, format!("the input is not an audio file stemq can read ({e})"))
         }
-        AudioError::TooLarge { .. } => invalid("invalid_audio", format!("the input is refused: {e}")),
+        AudioError::TooLarge { .. } => invalid(FailureCode::InvalidAudio, format!("the input is refused: {e}")),
         AudioError::Undecodable { detail } => invalid(
-            "invalid_audio",
+            FailureCode::InvalidAudio,
             format!("the input is not an audio file stemq can read (the decoder failed on it: {detail})"),
         ),
         AudioError::Cancelled => EngineError::Cancelled,
         AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
         // Our own bugs: not the input's fault, and another try will not fix them.
         e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => {
-            EngineError::Unsupported { code: "engine_error".into(), message: e.to_string() }
+            EngineError::Unsupported { code: FailureCode::EngineError, message: e.to_string() }
         }
     }
 }
@@ -113,7 +114,7 @@ impl Engine for DspEngine {
         let _enter = span.enter();
         if req.model != Model::Dsp {
             return Err(EngineError::Unsupported {
-                code: "model_unavailable".into(),
+                code: FailureCode::ModelUnavailable,
                 message: format!(
                     "model `{}` is not available on this worker (it needs the neural engine); use model `dsp`",
                     req.model
@@ -123,7 +124,7 @@ impl Engine for DspEngine {
         let two_stems = match &req.two_stems {
             None => None,
             Some(s) => Some(stem_of(s).ok_or_else(|| EngineError::Unsupported {
-                code: "invalid_stem".into(),
+                code: FailureCode::InvalidStem,
                 message: format!("the dsp engine has no `{s}` stem"),
             })?),
         };
@@ -146,7 +147,7 @@ impl Engine for DspEngine {
         let mut files = Vec::with_capacity(outputs.len());
         for name in req.stems() {
             let out = outputs.iter().find(|o| o.name == name).ok_or_else(|| EngineError::Unsupported {
-                code: "engine_error".into(),
+                code: FailureCode::EngineError,
                 message: format!("no `{name}` stem was written"),
             })?;
             let rate = out.summary.sample_rate;

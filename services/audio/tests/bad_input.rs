@@ -57,7 +57,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 /// `code` and `message` of a permanent input error, or a panic saying what came instead.
 fn invalid(r: Result<(), EngineError>) -> (String, String) {
     match r {
-        Err(EngineError::InvalidInput { code, message }) => (code, message),
+        Err(EngineError::InvalidInput { code, message }) => (code.to_string(), message),
         other => panic!("expected a permanent input error, got {other:?}"),
     }
 }

@@ -198,7 +198,7 @@ fn input_error(bytes: &[u8], engine: &DspEngine) -> (String, String) {
     std::fs::write(&input, bytes).unwrap();
     let req = request(json!({"audio_uri": "file:///x/in", "model": "dsp"}));
     match run(engine, &req, &input, dir.path(), &Ctx::default()).unwrap_err() {
-        EngineError::InvalidInput { code, message } => (code, message),
+        EngineError::InvalidInput { code, message } => (code.to_string(), message),
         other => panic!("{other:?}"),
     }
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest};
 
 /// What the engine is asked to do.
@@ -94,15 +95,15 @@ pub enum EngineError {
     #[error("{message}")]
     InvalidInput {
         /// Stable code (`invalid_audio`, `unsupported_codec`, `empty_audio`, `too_long`).
-        code: String,
+        code: FailureCode,
         /// For people.
         message: String,
     },
     /// The engine cannot do what was asked (model not installed...). Never retried.
     #[error("{message}")]
     Unsupported {
-        /// Stable code.
-        code: String,
+        /// Stable code (`model_unavailable`, `invalid_argument`, ...).
+        code: FailureCode,
         /// For people.
         message: String,
     },
@@ -188,7 +189,7 @@ impl Engine for FakeEngine {
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
             Some(v) => serde_json::from_value(v.clone())
-                .map_err(|e| EngineError::Unsupported { code: "bad_fake_script".into(), message: e.to_string() })?,
+                .map_err(|e| EngineError::Unsupported { code: FailureCode::BadFakeScript, message: e.to_string() })?,
             None => FakeScript::default(),
         };
         if job.attempt <= script.abort {
@@ -204,7 +205,7 @@ impl Engine for FakeEngine {
         }
         if script.fail_permanent {
             return Err(EngineError::InvalidInput {
-                code: "invalid_audio".into(),
+                code: FailureCode::InvalidAudio,
                 message: "the fake engine was told this input is bad".into(),
             });
         }

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use stemq_audio::{ClipMode, DecodeOptions, Decoder, StemEncoder, StereoChunk};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
+use stemq_core::failure::FailureCode;
 use stemq_core::request::{Model, OtherMethod};
 
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
@@ -115,9 +116,9 @@ pub fn engine_error(e: DemucsError) -> EngineError {
     match e {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
-        DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: "invalid_argument".into(), message: m },
+        DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: FailureCode::InvalidArgument, message: m },
         DemucsError::Io { .. } => EngineError::Transient(e.to_string()),
-        other => EngineError::Unsupported { code: "model_unavailable".into(), message: other.to_string() },
+        other => EngineError::Unsupported { code: FailureCode::ModelUnavailable, message: other.to_string() },
     }
 }
 
@@ -419,7 +420,7 @@ impl Engine for DemucsEngine {
         let name = job.request.model.as_str();
         if job.request.model == Model::Dsp || !self.repo.has(name) {
             return Err(EngineError::Unsupported {
-                code: "model_unavailable".into(),
+                code: FailureCode::ModelUnavailable,
                 message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
             });
         }
@@ -432,7 +433,7 @@ impl Engine for DemucsEngine {
             #[cfg(feature = "cuda")]
             "cuda" => self.run_cuda(name, job, ctx),
             other => Err(EngineError::Unsupported {
-                code: "device_unavailable".into(),
+                code: FailureCode::DeviceUnavailable,
                 message: format!("device `{other}` is not available to the demucs engine"),
             }),
         }

@@ -656,9 +656,8 @@ async fn run_engine(
 
 fn classify(e: EngineError) -> Failure {
     match e {
-        // Engines name their own codes; one this build does not list is kept as written.
-        EngineError::InvalidInput { code, message } => Failure::permanent(FailureCode::from(code), message),
-        EngineError::Unsupported { code, message } => Failure::permanent(FailureCode::from(code), message),
+        EngineError::InvalidInput { code, message } => Failure::permanent(code, message),
+        EngineError::Unsupported { code, message } => Failure::permanent(code, message),
         EngineError::Transient(m) => Failure::transient(FailureCode::EngineError, m),
         // The attempt's own process died: this job, and only it, pays an attempt.
         EngineError::Crashed(m) => Failure::transient(FailureCode::EngineCrashed, m),
@@ -780,7 +779,7 @@ mod tests {
 
     #[test]
     fn engine_errors_are_classified_with_their_codes() {
-        let f = classify(EngineError::InvalidInput { code: "invalid_audio".into(), message: "m".into() });
+        let f = classify(EngineError::InvalidInput { code: FailureCode::InvalidAudio, message: "m".into() });
         assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::InvalidAudio));
         let f = classify(EngineError::Unsupported { code: "brand_new".into(), message: "m".into() });
         assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::Other("brand_new".into())));
