@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::device::Device;
 use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest};
 
@@ -197,7 +198,9 @@ impl Engine for FakeEngine {
             std::process::abort();
         }
         match script.oom_until.as_deref() {
-            Some("cpu") if job.device != "cpu" => return Err(EngineError::OutOfMemory { device: job.device.into() }),
+            Some("cpu") if !Device::from(job.device).is_cpu() => {
+                return Err(EngineError::OutOfMemory { device: job.device.into() })
+            }
             Some("segment") if job.segment.is_none() => {
                 return Err(EngineError::OutOfMemory { device: job.device.into() })
             }

@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use stemq_audio::{ClipMode, DecodeOptions, Decoder, StemEncoder, StereoChunk};
+use stemq_core::device::Device;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
 use stemq_core::failure::FailureCode;
 use stemq_core::request::{Model, OtherMethod};
@@ -424,14 +425,14 @@ impl Engine for DemucsEngine {
                 message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
             });
         }
-        match job.device {
-            "cpu" => {
+        match Device::from(job.device) {
+            Device::Cpu => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;
                 let plan = self.plan(&bag, job, "cpu", self.config.cpu_jobs.max(1))?;
                 self.run(&bag, job, ctx, 1, plan.parallel, plan.training_segment).map_err(engine_error)
             }
             #[cfg(feature = "cuda")]
-            "cuda" => self.run_cuda(name, job, ctx),
+            Device::Cuda(None) => self.run_cuda(name, job, ctx),
             other => Err(EngineError::Unsupported {
                 code: FailureCode::DeviceUnavailable,
                 message: format!("device `{other}` is not available to the demucs engine"),
