@@ -169,12 +169,13 @@ pub enum NatsError {
         source: serde_json::Error,
     },
     /// Creating or updating a stream, consumer or bucket failed.
-    #[error("cannot apply {what}: {message}")]
+    #[error("cannot apply {what}: {source}")]
     Apply {
         /// Which object.
         what: String,
-        /// Server's message.
-        message: String,
+        /// The client's error (its message is the server's when the server refused).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 }
 
@@ -306,8 +307,8 @@ fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv:
     })
 }
 
-fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
-    NatsError::Apply { what: what.into(), message: e.to_string() }
+fn apply_err(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> NatsError {
+    NatsError::Apply { what: what.into(), source: Box::new(e) }
 }
 
 /// What [`apply`] or [`ensure`] did to one stream, consumer or bucket.
@@ -383,7 +384,7 @@ fn action(existed: bool, differences: Vec<String>, update: bool) -> Action {
     }
 }
 
-fn no_jetstream(what: String, e: impl std::fmt::Display) -> NatsError {
+fn no_jetstream(what: String, e: impl std::error::Error + Send + Sync + 'static) -> NatsError {
     if e.to_string().contains("not enabled") {
         NatsError::NoJetStream(e.to_string())
     } else {
