@@ -2,6 +2,7 @@
 //!
 //! - [`request`]: the job request, its validation and the job id;
 //! - [`event`]: the CloudEvents the pipeline records;
+//! - [`upcast`]: the upcasters that bring events of older types to the current shape;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
 //! - [`read`]: the read side — one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor; what every reader of the view uses;
@@ -31,6 +32,7 @@ pub mod request;
 pub mod schema;
 pub mod storage;
 pub mod telemetry;
+pub mod upcast;
 pub mod uri;
 pub mod view;
 pub mod webhook;
