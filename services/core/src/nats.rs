@@ -510,6 +510,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn apply_errors_keep_the_clients_error() {
+        let e = apply_err("stream STEMQ_JOBS", std::io::Error::other("insufficient resources"));
+        assert_eq!(e.to_string(), "cannot apply stream STEMQ_JOBS: insufficient resources");
+        let source = std::error::Error::source(&e).expect("the source is kept");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+    }
+
+    #[test]
     fn definitions_parse_and_take_settings() {
         let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
         let streams = stream_configs(&s).unwrap();

@@ -138,3 +138,20 @@ pub async fn publish(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_errors_keep_the_clients_error_and_its_kind() {
+        let e = PublishError {
+            subject: "stemq.jobs.x.outcome".into(),
+            source: jetstream::context::PublishError::new(PublishErrorKind::TimedOut),
+        };
+        assert_eq!(e.kind(), PublishErrorKind::TimedOut);
+        assert!(e.to_string().starts_with("publishing to stemq.jobs.x.outcome: "), "{e}");
+        let source = std::error::Error::source(&e).expect("the source is kept");
+        assert!(source.downcast_ref::<jetstream::context::PublishError>().is_some());
+    }
+}
