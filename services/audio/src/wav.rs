@@ -181,8 +181,9 @@ impl<W: Write + Seek> WavWriter<W> {
             WavSampleFormat::Pcm24 => frames.try_for_each(|(&l, &r)| {
                 self.wav.write_sample(float_to_int(l, 24)).and_then(|()| self.wav.write_sample(float_to_int(r, 24)))
             }),
-            WavSampleFormat::Float32 => frames
-                .try_for_each(|(&l, &r)| self.wav.write_sample(l).and_then(|()| self.wav.write_sample(r))),
+            WavSampleFormat::Float32 => {
+                frames.try_for_each(|(&l, &r)| self.wav.write_sample(l).and_then(|()| self.wav.write_sample(r)))
+            }
         }
         .map_err(wav_error)
     }
@@ -235,7 +236,8 @@ mod tests {
             assert_eq!((r.spec().channels, r.spec().sample_rate, r.spec().bits_per_sample), (2, 48_000, bits));
             assert_eq!(r.len(), 6);
             let got: Vec<i32> = r.into_samples::<i32>().map(Result::unwrap).collect();
-            let want: Vec<i32> = [0.5, 1.5, -0.25, -1.0, 0.0, 0.125].iter().map(|&x| float_to_int(x, bits as u32)).collect();
+            let want: Vec<i32> =
+                [0.5, 1.5, -0.25, -1.0, 0.0, 0.125].iter().map(|&x| float_to_int(x, bits as u32)).collect();
             assert_eq!(got, want, "{format:?}");
             let riff = u32::from_le_bytes(bytes[4..8].try_into().unwrap());
             assert_eq!(riff as usize, bytes.len() - 8, "{format:?}");
