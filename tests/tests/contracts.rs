@@ -1,9 +1,11 @@
 //! The contracts other services rely on: raw CloudEvents on the stream, forged ids,
 //! validation, the NATS submit endpoint, the rebuildable view, and the HTTP surface.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, FakeEngine, StemFile};
 use stemq_core::nats::{job_subject, SubjectKind, JOBS_STREAM, SUBMIT_SUBJECT};
 use stemq_core::{JobRequest, JobStatus};
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
@@ -308,4 +310,68 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     stemq_tests::signal(&w, stemq_tests::SIGTERM);
     stemq_tests::wait_exit(&mut w, T);
     stack.shutdown().await;
+}
+
+/// An engine that records the client metadata each attempt was handed.
+struct Recorder {
+    wants: bool,
+    seen: std::sync::Mutex<Vec<Option<Value>>>,
+}
+
+impl Engine for Recorder {
+    fn name(&self) -> &str {
+        "recorder"
+    }
+    fn devices(&self) -> Vec<String> {
+        vec!["cpu".into()]
+    }
+    fn reads_input(&self) -> bool {
+        false
+    }
+    fn wants_metadata(&self) -> bool {
+        self.wants
+    }
+    fn separate(&self, job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        self.seen.lock().unwrap().push(job.metadata.cloned());
+        let ext = job.request.output_format.extension();
+        job.request
+            .stems()
+            .into_iter()
+            .map(|stem| {
+                let path = job.out_dir.join(format!("{stem}.{ext}"));
+                std::fs::write(&path, b"recorded").map_err(|e| EngineError::Transient(e.to_string()))?;
+                Ok(StemFile { stem, path, audio: None })
+            })
+            .collect()
+    }
+}
+
+/// Runs one job with `metadata` on a stack whose only worker runs `engine`.
+async fn run_with_metadata(engine: Arc<dyn Engine>, metadata: &Value) -> stemq_core::JobView {
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    stack.add_worker(engine).await;
+    let mut body = job_body(&stack, "with-metadata", None);
+    body["metadata"] = metadata.clone();
+    let (_, v) = stack.submit(&body).await;
+    let view = stack.wait_terminal(&job_id(&v), T).await;
+    stack.shutdown().await;
+    view
+}
+
+/// Issue 17: client metadata is the client's. An engine sees it only when it asks
+/// (`Engine::wants_metadata`); the fake engine asks, and still follows its script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_metadata_reaches_only_an_engine_that_asks() {
+    let metadata = json!({"customer": "c-42", "fake": {"fail_permanent": true}});
+    for wants in [false, true] {
+        let engine = Arc::new(Recorder { wants, seen: Default::default() });
+        let view = run_with_metadata(engine.clone(), &metadata).await;
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:?}");
+        let expected = if wants { Some(metadata.clone()) } else { None };
+        assert_eq!(*engine.seen.lock().unwrap(), vec![expected], "wants_metadata = {wants}");
+    }
+    // The fake engine asks: its script (fail for good) reaches it.
+    let view = run_with_metadata(Arc::new(FakeEngine::default()), &metadata).await;
+    assert_eq!(view.status, JobStatus::Failed, "{view:?}");
+    assert_eq!(view.error.as_ref().unwrap().code, "invalid_audio");
 }

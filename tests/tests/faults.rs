@@ -236,6 +236,9 @@ impl Engine for Stubborn {
     fn reads_input(&self) -> bool {
         false
     }
+    fn wants_metadata(&self) -> bool {
+        true // reads `metadata.slow`
+    }
     fn separate(&self, job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.most.fetch_max(now, Ordering::SeqCst);

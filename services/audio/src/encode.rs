@@ -54,18 +54,9 @@ impl OutputFormat {
     }
 }
 
-/// How out-of-range samples are handled (Demucs's `--clip-mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ClipMode {
-    /// Divide the whole stem by `max(1.01 * peak, 1)` (two-pass; Demucs's default).
-    #[default]
-    Rescale,
-    /// Clamp samples to [-1, 1].
-    Clamp,
-    /// Leave samples alone (integer formats still clamp on conversion).
-    None,
-}
+/// How out-of-range samples are handled: the request's own option (Demucs's
+/// `--clip-mode`), defined once in `stemq-core` and used here as is.
+pub use stemq_core::request::ClipMode;
 
 enum Sink<W: Write + Seek> {
     Wav(WavWriter<W>),

@@ -10,11 +10,11 @@
 
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
 use stemq_core::failure::FailureCode;
-use stemq_core::request::{ClipMode as RequestClip, Encoding, Model, OutputFormat as RequestFormat};
+use stemq_core::request::{ClipMode, Encoding, Model, OutputFormat as RequestFormat};
 use tracing::{debug, info_span};
 
 use crate::dsp::{separate_file, DspOptions, EncodeSettings, Stem};
-use crate::encode::{ClipMode, OutputFormat};
+use crate::encode::OutputFormat;
 use crate::error::AudioError;
 use crate::{DecodeOptions, ENGINE_SAMPLE_RATE};
 
@@ -52,12 +52,7 @@ pub fn output_settings(req: &stemq_core::NormalizedRequest) -> (OutputFormat, Cl
         // f32 FLAC is refused at validation; 16 bit is the safe reading.
         (RequestFormat::Flac, _) => OutputFormat::Flac16,
     };
-    let clip = match req.clip_mode {
-        RequestClip::Rescale => ClipMode::Rescale,
-        RequestClip::Clamp => ClipMode::Clamp,
-        RequestClip::None => ClipMode::None,
-    };
-    (format, clip)
+    (format, req.clip_mode)
 }
 
 /// Maps this crate's errors onto the engine seam.

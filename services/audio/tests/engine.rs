@@ -150,8 +150,15 @@ fn encodings_and_clip_modes_follow_the_request() {
             let bytes = std::fs::read(&s.path).unwrap();
             if ext == "wav" {
                 assert_eq!(u16::from_le_bytes([bytes[34], bytes[35]]), bits, "{fields}");
-                let format_tag = u16::from_le_bytes([bytes[20], bytes[21]]);
-                assert_eq!(format_tag == 3 || format_tag == 0xFFFE, bits == 32, "{fields}: tag {format_tag}");
+                // Over 16 bits the header is WAVE_FORMAT_EXTENSIBLE (as hound and ffmpeg
+                // write it): the format is then the first two bytes of the sub-format.
+                let mut format_tag = u16::from_le_bytes([bytes[20], bytes[21]]);
+                assert_eq!(format_tag == 0xFFFE, bits > 16, "{fields}: tag {format_tag}");
+                if format_tag == 0xFFFE {
+                    format_tag = u16::from_le_bytes([bytes[44], bytes[45]]);
+                }
+                assert_eq!(format_tag == 3, bits == 32, "{fields}: format {format_tag}");
+                assert_eq!(format_tag == 1, bits < 32, "{fields}: format {format_tag}");
             } else {
                 assert_eq!(&bytes[..4], b"fLaC");
                 // STREAMINFO: bits per sample − 1 spans bytes 20..22 of the block body.

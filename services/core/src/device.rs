@@ -92,6 +92,24 @@ impl JsonSchema for Device {
     }
 }
 
+/// `device == "cpu"`: true when the name reads as this device.
+impl PartialEq<str> for Device {
+    fn eq(&self, other: &str) -> bool {
+        match self {
+            Device::Cpu => other == "cpu",
+            Device::Cuda(None) => other == "cuda",
+            Device::Cuda(Some(i)) => other.strip_prefix("cuda:") == Some(i.to_string().as_str()),
+            Device::Other(s) => s == other,
+        }
+    }
+}
+
+impl PartialEq<&str> for Device {
+    fn eq(&self, other: &&str) -> bool {
+        self == *other
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +127,7 @@ mod tests {
         ] {
             let parsed: Device = name.parse().unwrap();
             assert_eq!(parsed, device, "{name}");
+            assert_eq!(device, name);
             assert_eq!(parsed.to_string(), name);
             assert_eq!(serde_json::to_value(&parsed).unwrap(), serde_json::json!(name));
             assert_eq!(serde_json::from_value::<Device>(serde_json::json!(name)).unwrap(), device);

@@ -1,4 +1,5 @@
-//! The separation engine seam, and the fake engine used by tests and benchmarks.
+//! The separation engine seam, and (feature `fake`) the fake engine used by tests and
+//! benchmarks.
 //!
 //! This module owns the contract between a worker and whatever turns a song into stems.
 //! An engine is loaded once per worker process and called synchronously (on a blocking
@@ -8,11 +9,13 @@
 //! what that means (retry, degrade, give up).
 
 use std::path::{Path, PathBuf};
+#[cfg(feature = "fake")]
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+#[cfg(feature = "fake")]
 use crate::device::Device;
 use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest};
@@ -23,7 +26,8 @@ pub struct EngineJob<'a> {
     pub job_id: &'a JobId,
     /// What to produce.
     pub request: &'a NormalizedRequest,
-    /// Client metadata (the fake engine reads its script from `metadata.fake`).
+    /// Client metadata, only for an engine that asks for it ([`Engine::wants_metadata`]);
+    /// `None` for every other engine, whatever the client sent.
     pub metadata: Option<&'a Value>,
     /// Delivery attempt, from 1.
     pub attempt: u32,
@@ -133,8 +137,25 @@ pub trait Engine: Send + Sync + 'static {
     fn reads_input(&self) -> bool {
         true
     }
+    /// True when the engine reads the client's `metadata` (the fake engine reads its
+    /// script there). The worker hands it over only then: client metadata is for the
+    /// client, and an engine that does not ask never sees it.
+    fn wants_metadata(&self) -> bool {
+        false
+    }
     /// Runs one attempt.
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
+}
+
+/// The client metadata `engine` may see: all of it when it asks
+/// ([`Engine::wants_metadata`]), nothing otherwise. The worker builds every
+/// [`EngineJob::metadata`] through this.
+pub fn metadata_for<'a>(engine: &dyn Engine, metadata: Option<&'a Value>) -> Option<&'a Value> {
+    if engine.wants_metadata() {
+        metadata
+    } else {
+        None
+    }
 }
 
 /// The fake engine's script for one job, read from `metadata.fake`.
@@ -143,6 +164,7 @@ pub trait Engine: Send + Sync + 'static {
 /// {"fake": {"sleep_ms": 500, "fail_transient": 2, "fail_permanent": false,
 ///           "oom_until": "cpu", "abort": false}}
 /// ```
+#[cfg(feature = "fake")]
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FakeScript {
@@ -162,18 +184,21 @@ pub struct FakeScript {
 
 /// A stand-in engine that does no audio work: it follows the job's [`FakeScript`] and
 /// writes small deterministic stem files.
+#[cfg(feature = "fake")]
 #[derive(Debug, Clone)]
 pub struct FakeEngine {
     /// Added to every job's own `sleep_ms`.
     pub base_delay: Duration,
 }
 
+#[cfg(feature = "fake")]
 impl Default for FakeEngine {
     fn default() -> Self {
         FakeEngine { base_delay: Duration::ZERO }
     }
 }
 
+#[cfg(feature = "fake")]
 impl Engine for FakeEngine {
     fn name(&self) -> &str {
         "fake"
@@ -185,6 +210,10 @@ impl Engine for FakeEngine {
 
     fn reads_input(&self) -> bool {
         false
+    }
+
+    fn wants_metadata(&self) -> bool {
+        true
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
@@ -236,5 +265,44 @@ impl Engine for FakeEngine {
                 Ok(StemFile { stem, path, audio: None })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// An engine that keeps the trait's defaults.
+    struct Plain;
+
+    impl Engine for Plain {
+        fn name(&self) -> &str {
+            "plain"
+        }
+        fn devices(&self) -> Vec<String> {
+            vec!["cpu".into()]
+        }
+        fn separate(&self, _job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn an_engine_that_does_not_ask_gets_no_metadata() {
+        let metadata = json!({"owner_ref": "secret", "fake": {"fail_permanent": true}});
+        assert!(!Plain.wants_metadata());
+        assert_eq!(metadata_for(&Plain, Some(&metadata)), None);
+        assert_eq!(metadata_for(&Plain, None), None);
+    }
+
+    #[cfg(feature = "fake")]
+    #[test]
+    fn the_fake_engine_asks_for_its_script() {
+        let metadata = json!({"fake": {"fail_permanent": true}});
+        let fake = FakeEngine::default();
+        assert!(fake.wants_metadata());
+        assert_eq!(metadata_for(&fake, Some(&metadata)), Some(&metadata));
+        assert_eq!(metadata_for(&fake, None), None);
     }
 }

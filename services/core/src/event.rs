@@ -2,7 +2,8 @@
 //!
 //! This module owns the event contract. Every event is past tense and versioned in its
 //! `type` (`io.stemq.job.<kind>.v1`); a new incompatible shape gets a new `.v2` type and
-//! readers keep accepting the old one. The CloudEvents `subject` is the job id. The
+//! readers keep accepting the old one: [`Event::from_slice`] brings older types to the
+//! current shape through the upcasters in [`crate::upcast`]. The CloudEvents `subject` is the job id. The
 //! JSON Schemas under `schemas/` are generated from these types (see [`crate::schema`]).
 
 use chrono::{DateTime, Utc};
@@ -381,9 +382,26 @@ impl Event {
         serde_json::to_vec(self).expect("events always serialise").into()
     }
 
-    /// Parses a structured-mode JSON body.
+    /// Parses a structured-mode JSON body; an event of an older type is first brought
+    /// to the current one by the upcasters in [`crate::upcast::UPCASTERS`].
     pub fn from_slice(b: &[u8]) -> Result<Event, serde_json::Error> {
-        serde_json::from_slice(b)
+        Event::read(b, crate::upcast::UPCASTERS)
+    }
+
+    /// [`Event::from_slice`] with a given upcaster table. The current shape is parsed
+    /// directly; only when that fails is the envelope read again to look for an
+    /// upcaster of its `type` (so current events are parsed once).
+    pub fn read(b: &[u8], upcasters: &[crate::upcast::Upcaster]) -> Result<Event, serde_json::Error> {
+        use crate::upcast::{upcast, UpcastError};
+        let direct = match serde_json::from_slice(b) {
+            Ok(event) => return Ok(event),
+            Err(e) => e,
+        };
+        match upcast(b, upcasters) {
+            Ok(Some(current)) => serde_json::from_value(current),
+            Ok(None) | Err(UpcastError::NotAnEvent(_)) => Err(direct),
+            Err(e) => Err(serde::de::Error::custom(e)),
+        }
     }
 }
 

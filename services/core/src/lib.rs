@@ -1,42 +1,68 @@
-//! stemq-core: the contracts every stemq service shares.
+//! stemq-core: the contracts every stemq service shares, and the runtime they share.
+//!
+//! The contracts need serde and little else: an engine crate depends on this crate
+//! with `default-features = false` and never compiles the queue, the object store or the
+//! telemetry exporters. The feature `runtime` (on by default) adds the modules that talk
+//! to NATS, object storage and the outside world; the feature `fake` adds
+//! `engine::FakeEngine`, the scripted engine of tests and benchmarks.
+//!
+//! Contracts (always built):
 //!
 //! - [`request`]: the job request, its validation and the job id;
 //! - [`event`]: the CloudEvents the pipeline records;
 //! - [`failure`]: failure codes, the stable reasons recorded when a job fails;
 //! - [`device`]: devices engines run on (`cpu`, `cuda:0`, ...) as a type;
+//! - [`upcast`]: the upcasters that bring events of older types to the current shape;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
-//! - [`read`]: the read side — one job's view (the KV view, else the request from the
-//!   log), the list index and its cursor; what every reader of the view uses;
-//! - [`error`]: the one error type of a failed JetStream call in the services;
-//! - [`metrics`]: the Prometheus metrics every process shares;
-//! - [`nats`]: subjects, streams, consumers and the KV bucket, applied from `nats/`;
-//! - [`publish`]: publishing events once (request, outcome) or plainly;
-//! - [`pull`]: the pull loop of every long-running consumer (resubscribes when its stream ends);
-//! - [`nats_server`]: a local `nats-server` process for `stemq dev` and tests;
-//! - [`engine`]: the separation engine seam and the fake engine;
-//! - [`storage`]: object storage for inputs and outputs (local files, S3);
+//! - [`engine`]: the separation engine seam (and, with `fake`, the fake engine);
 //! - [`uri`]: which input URIs may be read (only objects inside the configured stores);
-//! - [`schema`]: JSON Schemas generated from these types;
-//! - [`telemetry`]: logging set-up shared by the binaries;
-//! - [`webhook`]: webhook signing, per-owner secrets and the SSRF policy for receivers.
+//! - [`schema`]: JSON Schemas generated from these types.
+//!
+//! Runtime (feature `runtime`):
+//!
+//! - `read`: the read side — one job's view (the KV view, else the request from the
+//!   log), the list index and its cursor; what every reader of the view uses;
+//! - `error`: the one error type of a failed JetStream call in the services;
+//! - `metrics`: the Prometheus metrics every process shares;
+//! - `nats`: subjects, streams, consumers and the KV bucket, applied from `nats/`;
+//! - `publish`: publishing events once (request, outcome) or plainly;
+//! - `pull`: the pull loop of every long-running consumer (resubscribes when its stream ends);
+//! - `nats_server`: a local `nats-server` process for `stemq dev` and tests;
+//! - `storage`: object storage for inputs and outputs (local files, S3);
+//! - `telemetry`: logging set-up shared by the binaries;
+//! - `webhook`: webhook signing, per-owner secrets and the SSRF policy for receivers.
 
+// The contracts: what an engine crate builds against.
 pub mod device;
 pub mod engine;
-pub mod error;
 pub mod event;
 pub mod failure;
-pub mod metrics;
-pub mod nats;
-pub mod nats_server;
-pub mod publish;
-pub mod pull;
-pub mod read;
 pub mod request;
 pub mod schema;
-pub mod storage;
-pub mod telemetry;
+pub mod upcast;
 pub mod uri;
 pub mod view;
+
+// The runtime: NATS, storage, telemetry, metrics, webhooks.
+#[cfg(feature = "runtime")]
+pub mod error;
+#[cfg(feature = "runtime")]
+pub mod metrics;
+#[cfg(feature = "runtime")]
+pub mod nats;
+#[cfg(feature = "runtime")]
+pub mod nats_server;
+#[cfg(feature = "runtime")]
+pub mod publish;
+#[cfg(feature = "runtime")]
+pub mod pull;
+#[cfg(feature = "runtime")]
+pub mod read;
+#[cfg(feature = "runtime")]
+pub mod storage;
+#[cfg(feature = "runtime")]
+pub mod telemetry;
+#[cfg(feature = "runtime")]
 pub mod webhook;
 
 pub use event::{Event, EventBody};

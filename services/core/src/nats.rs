@@ -169,12 +169,13 @@ pub enum NatsError {
         source: serde_json::Error,
     },
     /// Creating or updating a stream, consumer or bucket failed.
-    #[error("cannot apply {what}: {message}")]
+    #[error("cannot apply {what}: {source}")]
     Apply {
         /// Which object.
         what: String,
-        /// Server's message.
-        message: String,
+        /// The client's error (its message is the server's when the server refused).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 }
 
@@ -306,8 +307,8 @@ fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv:
     })
 }
 
-fn apply_err(what: impl Into<String>, e: impl std::fmt::Display) -> NatsError {
-    NatsError::Apply { what: what.into(), message: e.to_string() }
+fn apply_err(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> NatsError {
+    NatsError::Apply { what: what.into(), source: Box::new(e) }
 }
 
 /// What [`apply`] or [`ensure`] did to one stream, consumer or bucket.
@@ -383,7 +384,7 @@ fn action(existed: bool, differences: Vec<String>, update: bool) -> Action {
     }
 }
 
-fn no_jetstream(what: String, e: impl std::fmt::Display) -> NatsError {
+fn no_jetstream(what: String, e: impl std::error::Error + Send + Sync + 'static) -> NatsError {
     if e.to_string().contains("not enabled") {
         NatsError::NoJetStream(e.to_string())
     } else {
@@ -507,6 +508,14 @@ pub async fn ready(js: &jetstream::Context) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn apply_errors_keep_the_clients_error() {
+        let e = apply_err("stream STEMQ_JOBS", std::io::Error::other("insufficient resources"));
+        assert_eq!(e.to_string(), "cannot apply stream STEMQ_JOBS: insufficient resources");
+        let source = std::error::Error::source(&e).expect("the source is kept");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+    }
 
     #[test]
     fn definitions_parse_and_take_settings() {

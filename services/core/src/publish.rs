@@ -27,14 +27,22 @@ pub enum Once {
     AlreadyThere,
 }
 
-/// Publish failures (after retries).
+/// Publish failures (after retries): the subject and the client's last error.
 #[derive(Debug, thiserror::Error)]
-#[error("publishing to {subject}: {message}")]
+#[error("publishing to {subject}: {source}")]
 pub struct PublishError {
     /// Where.
     pub subject: String,
-    /// Why.
-    pub message: String,
+    /// Why: the client's error of the last attempt.
+    #[source]
+    pub source: jetstream::context::PublishError,
+}
+
+impl PublishError {
+    /// What kind of failure the client saw, to match on.
+    pub fn kind(&self) -> PublishErrorKind {
+        self.source.kind()
+    }
 }
 
 const ATTEMPTS: u32 = 5;
@@ -73,8 +81,9 @@ pub async fn publish_once(
     msg_id: &str,
 ) -> Result<Once, PublishError> {
     let payload = event.to_bytes();
-    let mut last = String::new();
-    for attempt in 0..ATTEMPTS {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
         let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, Some(msg_id), true));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
@@ -84,14 +93,15 @@ pub async fn publish_once(
             Ok(ack) if ack.duplicate => return Ok(Once::AlreadyThere),
             Ok(ack) => return Ok(Once::Stored(ack.sequence)),
             Err(e) if already_there(&e) => return Ok(Once::AlreadyThere),
-            Err(e) if retryable(&e) => {
-                last = e.to_string();
-                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-            }
-            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
+            Err(e) if retryable(&e) && attempt < ATTEMPTS => backoff(attempt).await,
+            Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
         }
     }
-    Err(PublishError { subject: subject.to_string(), message: last })
+}
+
+/// The pause after failed attempt `attempt` (1-based): 50 ms, doubling.
+async fn backoff(attempt: u32) {
+    tokio::time::sleep(Duration::from_millis(50 << (attempt - 1))).await;
 }
 
 fn retryable(e: &jetstream::context::PublishError) -> bool {
@@ -107,8 +117,9 @@ pub async fn publish(
     msg_id: Option<&str>,
 ) -> Result<u64, PublishError> {
     let payload = event.to_bytes();
-    let mut last = String::new();
-    for attempt in 0..ATTEMPTS {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
         let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, false));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
@@ -116,12 +127,31 @@ pub async fn publish(
         };
         match res {
             Ok(ack) => return Ok(ack.sequence),
-            Err(e) if retryable(&e) && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound) => {
-                last = e.to_string();
-                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            Err(e)
+                if retryable(&e)
+                    && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound)
+                    && attempt < ATTEMPTS =>
+            {
+                backoff(attempt).await
             }
-            Err(e) => return Err(PublishError { subject: subject.to_string(), message: e.to_string() }),
+            Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
         }
     }
-    Err(PublishError { subject: subject.to_string(), message: last })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_errors_keep_the_clients_error_and_its_kind() {
+        let e = PublishError {
+            subject: "stemq.jobs.x.outcome".into(),
+            source: jetstream::context::PublishError::new(PublishErrorKind::TimedOut),
+        };
+        assert_eq!(e.kind(), PublishErrorKind::TimedOut);
+        assert!(e.to_string().starts_with("publishing to stemq.jobs.x.outcome: "), "{e}");
+        let source = std::error::Error::source(&e).expect("the source is kept");
+        assert!(source.downcast_ref::<jetstream::context::PublishError>().is_some());
+    }
 }

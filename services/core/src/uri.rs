@@ -25,7 +25,7 @@ fn refuse(message: impl Into<String>) -> RequestError {
 }
 
 /// Accepts `uri` only when it names an object inside one of the `allowed` store base
-/// URLs (as [`crate::storage::Store::base_url`] gives them).
+/// URLs (as `storage::Store::base_url` gives them).
 pub fn check_audio_uri(uri: &str, allowed: &[String]) -> Result<(), RequestError> {
     store_key(uri, allowed).map(|_| ())
 }

@@ -26,6 +26,7 @@ use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use hmac::{Hmac, Mac};
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -343,24 +344,25 @@ pub async fn delivery_attempts(
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Allowlist {
     hosts: Vec<String>,
-    nets: Vec<(IpAddr, u8)>,
+    /// Networks (a bare address is its own `/32` or `/128`), matched with `ipnet`.
+    nets: Vec<IpNet>,
 }
 
 impl Allowlist {
-    /// Parses a comma-separated list of host names, addresses and CIDRs.
+    /// Parses a comma-separated list of host names, addresses and CIDRs. An address may
+    /// be bracketed (`[::1]`, `[fd00::]/8`); host bits in a CIDR are ignored
+    /// (`10.1.2.3/8` is `10.0.0.0/8`); anything that is neither an address nor a CIDR is
+    /// a host name.
     pub fn parse(s: &str) -> Allowlist {
         let mut a = Allowlist::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let (addr, len) = match item.split_once('/') {
-                Some((a, l)) => (a, l.parse::<u8>().ok()),
-                None => (item, None),
-            };
-            match addr.trim_matches(|c| c == '[' || c == ']').parse::<IpAddr>() {
-                Ok(ip) => {
-                    let max = if ip.is_ipv4() { 32 } else { 128 };
-                    a.nets.push((ip, len.unwrap_or(max).min(max)));
-                }
-                Err(_) => a.hosts.push(item.to_ascii_lowercase()),
+            let bare: String = item.chars().filter(|c| !matches!(c, '[' | ']')).collect();
+            if let Ok(net) = bare.parse::<IpNet>() {
+                a.nets.push(net);
+            } else if let Ok(ip) = bare.parse::<IpAddr>() {
+                a.nets.push(IpNet::from(ip));
+            } else {
+                a.hosts.push(item.to_ascii_lowercase());
             }
         }
         a
@@ -375,23 +377,14 @@ impl Allowlist {
         self.hosts.iter().any(|h| h == &host.to_ascii_lowercase())
     }
 
+    /// True when a listed network holds `ip`; an IPv4-mapped IPv6 address
+    /// (`::ffff:10.0.0.1`) also matches the IPv4 networks.
     fn allows_ip(&self, ip: IpAddr) -> bool {
-        self.nets.iter().any(|(net, len)| in_net(ip, *net, *len))
-    }
-}
-
-fn in_net(ip: IpAddr, net: IpAddr, len: u8) -> bool {
-    match (ip, net) {
-        (IpAddr::V4(a), IpAddr::V4(b)) => {
-            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len as u32) };
-            u32::from(a) & mask == u32::from(b) & mask
-        }
-        (IpAddr::V6(a), IpAddr::V6(b)) => {
-            let mask = if len == 0 { 0 } else { u128::MAX << (128 - len as u32) };
-            u128::from(a) & mask == u128::from(b) & mask
-        }
-        (IpAddr::V6(a), IpAddr::V4(_)) => a.to_ipv4_mapped().is_some_and(|a4| in_net(IpAddr::V4(a4), net, len)),
-        _ => false,
+        let mapped = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        self.nets.iter().any(|net| net.contains(&ip) || mapped.is_some_and(|m| net.contains(&m)))
     }
 }
 
@@ -545,6 +538,32 @@ mod tests {
         // plain http stays refused for public hosts even with an allow-list
         assert!(check_url("http://93.184.216.34/h", &local).await.is_err());
         assert!(check_url("http://localhost:1/h", &Allowlist::parse("localhost")).await.is_ok());
+    }
+
+    #[test]
+    fn allowlist_matches_networks_with_ipnet() {
+        let a = Allowlist::parse("10.1.2.3/8, [::1], fd00::/8, 192.168.5.7, Hooks.Internal, 172.16.0.0/12");
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        // host bits in a CIDR are ignored
+        assert!(a.allows_ip(ip("10.200.0.1")));
+        assert!(!a.allows_ip(ip("11.0.0.1")));
+        // a bare address is only itself
+        assert!(a.allows_ip(ip("192.168.5.7")));
+        assert!(!a.allows_ip(ip("192.168.5.8")));
+        assert!(a.allows_ip(ip("::1")));
+        assert!(!a.allows_ip(ip("::2")));
+        assert!(a.allows_ip(ip("fd12:3456::1")));
+        assert!(a.allows_ip(ip("172.31.255.255")));
+        assert!(!a.allows_ip(ip("172.32.0.0")));
+        // IPv4-mapped IPv6 addresses match IPv4 networks; families never mix otherwise
+        assert!(a.allows_ip(ip("::ffff:10.0.0.1")));
+        assert!(!a.allows_ip(ip("::ffff:11.0.0.1")));
+        assert!(!Allowlist::parse("::/0").allows_ip(ip("8.8.8.8")));
+        assert!(Allowlist::parse("0.0.0.0/0").allows_ip(ip("8.8.8.8")));
+        // names are hosts, compared without case
+        assert!(a.allows_host("hooks.internal"));
+        assert!(a.allows_host("HOOKS.internal"));
+        assert!(!a.allows_ip(ip("8.8.8.8")));
     }
 
     #[test]

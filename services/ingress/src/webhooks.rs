@@ -82,8 +82,11 @@ pub(crate) async fn enable(State(state): State<AppState>, body: Bytes) -> Result
 }
 
 /// Every `delivery_attempted` event of a job, in log order.
-pub async fn attempts(js: &jetstream::Context, id: &JobId) -> Result<Vec<(Event, DeliveryAttempted)>, String> {
-    let all = webhook::delivery_attempts(js, id, 0).await.map_err(|e| e.to_string())?;
+pub async fn attempts(
+    js: &jetstream::Context,
+    id: &JobId,
+) -> Result<Vec<(Event, DeliveryAttempted)>, webhook::RecordError> {
+    let all = webhook::delivery_attempts(js, id, 0).await?;
     Ok(all.into_iter().map(|r| (r.event, r.attempt)).collect())
 }
 

@@ -85,7 +85,15 @@ struct WireJob {
 #[serde(tag = "type", rename_all = "snake_case")]
 enum FromHost {
     /// Once, when the engine is loaded.
-    Hello { name: String, devices: Vec<String>, reads_input: bool },
+    Hello {
+        name: String,
+        devices: Vec<String>,
+        reads_input: bool,
+        /// The engine's [`Engine::wants_metadata`]; absent (false) from a host built
+        /// before it existed.
+        #[serde(default)]
+        wants_metadata: bool,
+    },
     /// Progress of the running attempt.
     Progress { fraction: f32, stage: String },
     /// The attempt's result.
@@ -193,6 +201,8 @@ pub struct IsolatedEngine {
     name: String,
     devices: Vec<String>,
     reads_input: bool,
+    /// The host engine's [`Engine::wants_metadata`], from its hello.
+    wants_metadata: bool,
     /// Hosts waiting for a job.
     idle: Mutex<Vec<Host>>,
     /// How long a cancelled attempt may take to stop before its host is killed.
@@ -205,8 +215,10 @@ impl IsolatedEngine {
     pub fn start(program: PathBuf, args: Vec<OsString>, startup: Duration) -> Result<IsolatedEngine, IsolateError> {
         let host =
             Host::spawn(&program, &args).map_err(|source| IsolateError::Spawn { program: program.clone(), source })?;
-        let (name, devices, reads_input) = match host.lines.recv_timeout(startup) {
-            Ok(Line::Msg(FromHost::Hello { name, devices, reads_input })) => (name, devices, reads_input),
+        let (name, devices, reads_input, wants_metadata) = match host.lines.recv_timeout(startup) {
+            Ok(Line::Msg(FromHost::Hello { name, devices, reads_input, wants_metadata })) => {
+                (name, devices, reads_input, wants_metadata)
+            }
             Ok(Line::Msg(other)) => return Err(IsolateError::NoHello(format!("it said {other:?} first"))),
             Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => return Err(IsolateError::NoHello(host.death())),
             Err(RecvTimeoutError::Timeout) => {
@@ -220,6 +232,7 @@ impl IsolatedEngine {
             name,
             devices,
             reads_input,
+            wants_metadata,
             idle: Mutex::new(vec![host]),
             kill_grace: Duration::from_secs(5),
         })
@@ -260,6 +273,10 @@ impl Engine for IsolatedEngine {
 
     fn reads_input(&self) -> bool {
         self.reads_input
+    }
+
+    fn wants_metadata(&self) -> bool {
+        self.wants_metadata
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
@@ -339,6 +356,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
         name: engine.name().to_string(),
         devices: engine.devices(),
         reads_input: engine.reads_input(),
+        wants_metadata: engine.wants_metadata(),
     })?;
     let cancel = Arc::new(AtomicBool::new(false));
     let (jobs_tx, jobs) = mpsc::channel::<WireJob>();
@@ -385,7 +403,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
         let job = EngineJob {
             job_id: &j.job_id,
             request: &j.request,
-            metadata: j.metadata.as_ref(),
+            metadata: stemq_core::engine::metadata_for(engine.as_ref(), j.metadata.as_ref()),
             attempt: j.attempt,
             input: &j.input,
             out_dir: &j.out_dir,
@@ -447,6 +465,22 @@ mod tests {
         let back: FromHost = serde_json::from_str(&serde_json::to_string(&oom).unwrap()).unwrap();
         assert!(matches!(back, FromHost::Done { result: Err(EngineError::OutOfMemory { .. }) }));
         assert_eq!(serde_json::to_string(&ToHost::Cancel).unwrap(), r#"{"type":"cancel"}"#);
+    }
+
+    #[test]
+    fn the_hello_says_whether_the_engine_wants_metadata() {
+        let hello = FromHost::Hello {
+            name: "fake".into(),
+            devices: vec!["cpu".into()],
+            reads_input: false,
+            wants_metadata: true,
+        };
+        let back: FromHost = serde_json::from_str(&serde_json::to_string(&hello).unwrap()).unwrap();
+        assert!(matches!(back, FromHost::Hello { wants_metadata: true, .. }), "{back:?}");
+        // A host from before the field: its engine gets no metadata.
+        let old = r#"{"type":"hello","name":"dsp","devices":["cpu"],"reads_input":true}"#;
+        let back: FromHost = serde_json::from_str(old).unwrap();
+        assert!(matches!(back, FromHost::Hello { wants_metadata: false, .. }), "{back:?}");
     }
 
     #[test]

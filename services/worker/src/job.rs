@@ -604,7 +604,7 @@ async fn run_engine(
             let job = EngineJob {
                 job_id: &job_id2,
                 request: &req.request,
-                metadata: req.metadata.as_ref(),
+                metadata: stemq_core::engine::metadata_for(engine.as_ref(), req.metadata.as_ref()),
                 attempt,
                 input: &input2,
                 out_dir: &out2,
