@@ -155,6 +155,12 @@ async fn a_killed_attempt_leaves_no_scratch_behind() {
         }
         found
     };
+    // `running` is recorded just before the attempt's folder is made: wait for it.
+    let deadline = Instant::now() + T;
+    while leftover(&scratch).is_empty() {
+        assert!(Instant::now() < deadline, "the attempt never made its scratch folder");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(leftover(&scratch).len(), 1, "the attempt works in scratch");
     signal(&w1, SIGKILL);
     wait_exit(&mut w1, T).expect("killed");
