@@ -322,8 +322,8 @@ impl Engine for Recorder {
     fn name(&self) -> &str {
         "recorder"
     }
-    fn devices(&self) -> Vec<String> {
-        vec!["cpu".into()]
+    fn devices(&self) -> Vec<stemq_core::device::Device> {
+        vec![stemq_core::device::Device::Cpu]
     }
     fn reads_input(&self) -> bool {
         false

@@ -171,7 +171,7 @@ fn direct(engine: &DemucsEngine, stack: &Stack, id: &JobId, body: &Value, segmen
         attempt: 1,
         input: &input,
         out_dir: out.path(),
-        device: "cpu",
+        device: &stemq_core::device::Device::Cpu,
         segment,
     };
     engine.separate(&job, &NoCtx).expect("direct run").iter().map(|s| decode(&s.path)).collect()

@@ -236,8 +236,8 @@ impl Engine for Stubborn {
     fn name(&self) -> &str {
         "stubborn"
     }
-    fn devices(&self) -> Vec<String> {
-        vec!["cpu".into()]
+    fn devices(&self) -> Vec<stemq_core::device::Device> {
+        vec![stemq_core::device::Device::Cpu]
     }
     fn reads_input(&self) -> bool {
         false

@@ -8,6 +8,7 @@
 //! message for people, cancellation is [`EngineError::Cancelled`], I/O is transient).
 //! It also keeps the model allow-list honest: this engine runs `dsp` and nothing else.
 
+use stemq_core::device::Device;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemAudio, StemFile};
 use stemq_core::failure::FailureCode;
 use stemq_core::request::{ClipMode, Encoding, Model, OutputFormat as RequestFormat};
@@ -99,8 +100,8 @@ impl Engine for DspEngine {
         "dsp"
     }
 
-    fn devices(&self) -> Vec<String> {
-        vec!["cpu".to_string()]
+    fn devices(&self) -> Vec<Device> {
+        vec![Device::Cpu]
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {

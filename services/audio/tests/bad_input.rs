@@ -43,7 +43,7 @@ fn separate(bytes: &[u8], ext: &str) -> (Result<(), EngineError>, u64) {
         attempt: 1,
         input: &input,
         out_dir: &out,
-        device: "cpu",
+        device: &stemq_core::device::Device::Cpu,
         segment: None,
     };
     let r = DspEngine::default().separate(&job, &NoCtx).map(|_| ());

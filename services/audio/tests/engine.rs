@@ -65,7 +65,7 @@ fn run(
         attempt: 1,
         input,
         out_dir: out,
-        device: "cpu",
+        device: &stemq_core::device::Device::Cpu,
         segment: None,
     };
     engine.separate(&job, ctx)

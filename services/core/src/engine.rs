@@ -15,7 +15,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-#[cfg(feature = "fake")]
 use crate::device::Device;
 use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest};
@@ -36,7 +35,7 @@ pub struct EngineJob<'a> {
     /// Where to write the stems.
     pub out_dir: &'a Path,
     /// Device to run on (one of [`Engine::devices`]).
-    pub device: &'a str,
+    pub device: &'a Device,
     /// Segment length override (seconds), from the request or the out-of-memory ladder.
     pub segment: Option<f64>,
 }
@@ -132,7 +131,7 @@ pub trait Engine: Send + Sync + 'static {
     fn name(&self) -> &str;
     /// Devices this engine can use, preferred first; the last is the fallback of the
     /// out-of-memory ladder (normally `cpu`).
-    fn devices(&self) -> Vec<String>;
+    fn devices(&self) -> Vec<Device>;
     /// False when the engine never reads the input (the worker then skips the fetch).
     fn reads_input(&self) -> bool {
         true
@@ -204,8 +203,8 @@ impl Engine for FakeEngine {
         "fake"
     }
 
-    fn devices(&self) -> Vec<String> {
-        vec!["fake-gpu".to_string(), "cpu".to_string()]
+    fn devices(&self) -> Vec<Device> {
+        vec![Device::from("fake-gpu"), Device::Cpu]
     }
 
     fn reads_input(&self) -> bool {
@@ -227,11 +226,11 @@ impl Engine for FakeEngine {
             std::process::abort();
         }
         match script.oom_until.as_deref() {
-            Some("cpu") if !Device::from(job.device).is_cpu() => {
-                return Err(EngineError::OutOfMemory { device: job.device.into() })
+            Some("cpu") if !job.device.is_cpu() => {
+                return Err(EngineError::OutOfMemory { device: job.device.to_string() })
             }
             Some("segment") if job.segment.is_none() => {
-                return Err(EngineError::OutOfMemory { device: job.device.into() })
+                return Err(EngineError::OutOfMemory { device: job.device.to_string() })
             }
             _ => {}
         }
@@ -280,8 +279,8 @@ mod tests {
         fn name(&self) -> &str {
             "plain"
         }
-        fn devices(&self) -> Vec<String> {
-            vec!["cpu".into()]
+        fn devices(&self) -> Vec<Device> {
+            vec![Device::Cpu]
         }
         fn separate(&self, _job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
             Ok(Vec::new())

@@ -408,12 +408,12 @@ impl Engine for DemucsEngine {
         "demucs"
     }
 
-    fn devices(&self) -> Vec<String> {
+    fn devices(&self) -> Vec<Device> {
         let mut d = Vec::new();
         if cuda_present() {
-            d.push("cuda".to_string());
+            d.push(Device::Cuda(None));
         }
-        d.push("cpu".to_string());
+        d.push(Device::Cpu);
         d
     }
 
@@ -425,7 +425,7 @@ impl Engine for DemucsEngine {
                 message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
             });
         }
-        match Device::from(job.device) {
+        match job.device {
             Device::Cpu => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;
                 let plan = self.plan(&bag, job, "cpu", self.config.cpu_jobs.max(1))?;

@@ -108,7 +108,7 @@ fn job<'a>(s: &'a Setup, req: &'a NormalizedRequest, id: &'a JobId) -> EngineJob
         attempt: 1,
         input: &s.input,
         out_dir: &s.out,
-        device: "cpu",
+        device: &stemq_core::device::Device::Cpu,
         segment: None,
     }
 }
@@ -130,7 +130,7 @@ fn separates_a_file_into_stems() {
     let id = JobId::parse(&"ab".repeat(32)).unwrap();
     let req = request(Model::Htdemucs, None);
     let ctx = Ctx::new(None);
-    assert_eq!(s.engine.devices().last().map(String::as_str), Some("cpu"));
+    assert_eq!(s.engine.devices().last(), Some(&stemq_core::device::Device::Cpu));
     let files = s.engine.separate(&job(&s, &req, &id), &ctx).unwrap();
     let names: Vec<_> = files.iter().map(|f| f.stem.as_str()).collect();
     assert_eq!(names, ["drums", "bass", "other", "vocals"]);

@@ -185,6 +185,16 @@ impl DeviceArg {
             DeviceArg::Cuda => "cuda",
         }
     }
+
+    /// True when `device`, one an engine offers, is of this kind (`cuda` matches `cuda`
+    /// and `cuda:<n>`).
+    pub fn matches(self, device: &stemq_core::device::Device) -> bool {
+        use stemq_core::device::Device;
+        match self {
+            DeviceArg::Cpu => device.is_cpu(),
+            DeviceArg::Cuda => matches!(device, Device::Cuda(_)),
+        }
+    }
 }
 
 /// A request field's JSON value (the core enums serialise as their snake_case names).

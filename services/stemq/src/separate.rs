@@ -69,10 +69,16 @@ fn engine_for(g: &Global, a: &SeparateArgs) -> Result<Arc<dyn Engine>> {
 pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
     let engine = engine_for(g, &a)?;
     let devices = engine.devices();
-    let device = match a.device.map(DeviceArg::as_str) {
-        Some(d) if devices.iter().any(|x| x == d || x.starts_with(&format!("{d}:"))) => d.to_string(),
-        Some(d) => bail!("device `{d}` is not available here; available: {}", devices.join(", ")),
-        None => devices.first().cloned().unwrap_or_else(|| "cpu".into()),
+    let device = match a.device {
+        Some(want) => match devices.iter().find(|d| want.matches(d)) {
+            Some(d) => d.clone(),
+            None => bail!(
+                "device `{}` is not available here; available: {}",
+                want.as_str(),
+                devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+            ),
+        },
+        None => devices.first().cloned().unwrap_or(stemq_core::device::Device::Cpu),
     };
     for file in &a.files {
         let track =

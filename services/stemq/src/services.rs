@@ -370,7 +370,7 @@ pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
     serve_metrics(&a.metrics, &client, shutdown_on_signals()).await?;
     let engine = engine(g, &a.opts)?;
     let mut config = worker_config(g, &a.store, &a.opts)?;
-    if engine.devices().iter().any(|d| d.starts_with("cuda")) {
+    if engine.devices().iter().any(|d| matches!(d, stemq_core::device::Device::Cuda(_))) {
         config.gpu_probe = Some("nvidia-smi".into());
     }
     let shutdown = shutdown_on_signals();

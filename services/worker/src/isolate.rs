@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use stemq_core::device::Device;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::request::{JobId, NormalizedRequest};
 use tracing::{info, warn};
@@ -76,7 +77,7 @@ struct WireJob {
     attempt: u32,
     input: PathBuf,
     out_dir: PathBuf,
-    device: String,
+    device: Device,
     segment: Option<f64>,
 }
 
@@ -87,7 +88,7 @@ enum FromHost {
     /// Once, when the engine is loaded.
     Hello {
         name: String,
-        devices: Vec<String>,
+        devices: Vec<Device>,
         reads_input: bool,
         /// The engine's [`Engine::wants_metadata`]; absent (false) from a host built
         /// before it existed.
@@ -199,7 +200,7 @@ pub struct IsolatedEngine {
     program: PathBuf,
     args: Vec<OsString>,
     name: String,
-    devices: Vec<String>,
+    devices: Vec<Device>,
     reads_input: bool,
     /// The host engine's [`Engine::wants_metadata`], from its hello.
     wants_metadata: bool,
@@ -267,7 +268,7 @@ impl Engine for IsolatedEngine {
         &self.name
     }
 
-    fn devices(&self) -> Vec<String> {
+    fn devices(&self) -> Vec<Device> {
         self.devices.clone()
     }
 
@@ -287,7 +288,7 @@ impl Engine for IsolatedEngine {
             attempt: job.attempt,
             input: job.input.to_path_buf(),
             out_dir: job.out_dir.to_path_buf(),
-            device: job.device.to_string(),
+            device: job.device.clone(),
             segment: job.segment,
         }));
         let mut host = self.checkout()?;
@@ -471,7 +472,7 @@ mod tests {
     fn the_hello_says_whether_the_engine_wants_metadata() {
         let hello = FromHost::Hello {
             name: "fake".into(),
-            devices: vec!["cpu".into()],
+            devices: vec![Device::Cpu],
             reads_input: false,
             wants_metadata: true,
         };

@@ -145,7 +145,7 @@ async fn run_delivery(
 
     // 3. Started, and keep the delivery alive while we work.
     let engine = shared.engine.clone();
-    let devices: Vec<Device> = engine.devices().iter().map(|d| Device::from(d.as_str())).collect();
+    let devices: Vec<Device> = engine.devices();
     let first_device = devices.first().cloned().unwrap_or(Device::Cpu);
     let mut started = Event::new(
         &job_id,
@@ -596,7 +596,7 @@ async fn run_engine(
     for (i, (device, segment)) in rungs.iter().enumerate() {
         let engine = shared.engine.clone();
         let (job_id2, req, input2, out2, dev, ctx2) =
-            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.to_string(), ctx.clone());
+            (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
         let segment = *segment;
         let engine_span = info_span!("engine.separate", %device, segment = ?segment);
         let res = tokio::task::spawn_blocking(move || {
