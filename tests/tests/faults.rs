@@ -108,7 +108,9 @@ async fn a_changed_ack_wait_reaches_running_workers() {
 
     // A process started with other flags creates nothing and changes nothing.
     let mut other = stack.options.settings.clone();
-    other.ack_wait = Duration::from_secs(3);
+    // 5 s, not the 3 s: the same fault (old workers acked every 10 s), with room
+    // for a loaded CI machine between progress acks (at most 2 s apart).
+    other.ack_wait = Duration::from_secs(5);
     let ensured = names::ensure(&stack.js, &other).await.unwrap();
     let workers = ensured.iter().find(|c| c.what == "consumer STEMQ_JOBS/workers").unwrap();
     assert!(matches!(&workers.action, Action::Differs(d) if d.iter().any(|x| x.starts_with("ack_wait"))), "{workers}");
@@ -119,9 +121,9 @@ async fn a_changed_ack_wait_reaches_running_workers() {
     // `nats apply` with a short ack wait, while the job runs.
     let applied = names::apply(&stack.js, &other).await.unwrap();
     let workers = applied.iter().find(|c| c.what == "consumer STEMQ_JOBS/workers").unwrap();
-    assert_eq!(workers.to_string(), "updated consumer STEMQ_JOBS/workers: ack_wait: 30s -> 3s");
+    assert_eq!(workers.to_string(), "updated consumer STEMQ_JOBS/workers: ack_wait: 30s -> 5s");
     assert!(applied.iter().filter(|c| c.what != workers.what).all(|c| c.action == Action::Unchanged), "{applied:?}");
-    assert_eq!(c.info().await.unwrap().config.ack_wait, Duration::from_secs(3));
+    assert_eq!(c.info().await.unwrap().config.ack_wait, Duration::from_secs(5));
 
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!((v.status, v.attempt), (JobStatus::Succeeded, 1), "{v:#?}");
