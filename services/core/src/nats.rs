@@ -392,10 +392,14 @@ fn no_jetstream(what: String, e: impl std::error::Error + Send + Sync + 'static)
     }
 }
 
+/// A definition as the JSON value [`diff`] compares.
+fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or_default()
+}
+
 /// Brings the server to the definitions: creates what is missing and, when `update`,
 /// changes what differs. Reports every object.
 async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Result<Vec<Change>, NatsError> {
-    let json = |v: &dyn erased::Ser| v.value();
     let mut changes = Vec::new();
     for c in stream_configs(settings)? {
         let what = format!("stream {}", c.name);
@@ -462,18 +466,6 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         changes.push(Change { what, action });
     }
     Ok(changes)
-}
-
-mod erased {
-    /// Serialises any definition to a JSON value (what [`super::diff`] compares).
-    pub trait Ser {
-        fn value(&self) -> serde_json::Value;
-    }
-    impl<T: serde::Serialize> Ser for T {
-        fn value(&self) -> serde_json::Value {
-            serde_json::to_value(self).unwrap_or_default()
-        }
-    }
 }
 
 /// Creates or updates every stream, consumer and bucket to match `nats/` with

@@ -18,7 +18,7 @@
 //! stdin closes exits at once, so hosts never outlive their worker, even after kill -9.
 //!
 //! Cancellation and the hard time limit reach a host as `cancel`; a host that has not
-//! stopped `kill_grace` later is killed, so an attempt never outlives its limit and the
+//! stopped `KILL_GRACE` (5 s) later is killed, so an attempt never outlives its limit and the
 //! scratch folder is never written after the worker gave up on it.
 //!
 //! Cost: one process start and engine load per job loop (once, not per job), about 1 ms
@@ -86,19 +86,23 @@ struct WireJob {
 #[serde(tag = "type", rename_all = "snake_case")]
 enum FromHost {
     /// Once, when the engine is loaded.
-    Hello {
-        name: String,
-        devices: Vec<Device>,
-        reads_input: bool,
-        /// The engine's [`Engine::wants_metadata`]; absent (false) from a host built
-        /// before it existed.
-        #[serde(default)]
-        wants_metadata: bool,
-    },
+    Hello(Hello),
     /// Progress of the running attempt.
     Progress { fraction: f32, stage: String },
     /// The attempt's result.
     Done { result: Result<Vec<StemFile>, EngineError> },
+}
+
+/// What a host says of its engine once it is loaded.
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    name: String,
+    devices: Vec<Device>,
+    reads_input: bool,
+    /// The engine's [`Engine::wants_metadata`]; absent (false) from a host built before
+    /// it existed.
+    #[serde(default)]
+    wants_metadata: bool,
 }
 
 /// A line read from a host, or the end of its output.
@@ -140,6 +144,16 @@ impl Host {
             let _ = tx.send(Line::Eof);
         })?;
         Ok(Host { child, stdin, lines })
+    }
+
+    /// Waits up to `timeout` for the host's hello (its engine loaded); says why not.
+    fn hello(self, timeout: Duration) -> Result<(Host, Hello), String> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(Line::Msg(FromHost::Hello(hello))) => Ok((self, hello)),
+            Ok(Line::Msg(other)) => Err(format!("it said {other:?} first")),
+            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => Err(self.death()),
+            Err(RecvTimeoutError::Timeout) => Err(format!("no hello within {} s", timeout.as_secs())),
+        }
     }
 
     fn send(&mut self, m: &ToHost) -> std::io::Result<()> {
@@ -206,9 +220,13 @@ pub struct IsolatedEngine {
     wants_metadata: bool,
     /// Hosts waiting for a job.
     idle: Mutex<Vec<Host>>,
-    /// How long a cancelled attempt may take to stop before its host is killed.
-    kill_grace: Duration,
 }
+
+/// How long a cancelled attempt may take to stop before its host is killed.
+const KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a host started for a job loop may take to load its engine.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl IsolatedEngine {
     /// Starts the first host (`program args…`, which must call [`serve`]) and waits up to
@@ -216,33 +234,10 @@ impl IsolatedEngine {
     pub fn start(program: PathBuf, args: Vec<OsString>, startup: Duration) -> Result<IsolatedEngine, IsolateError> {
         let host =
             Host::spawn(&program, &args).map_err(|source| IsolateError::Spawn { program: program.clone(), source })?;
-        let (name, devices, reads_input, wants_metadata) = match host.lines.recv_timeout(startup) {
-            Ok(Line::Msg(FromHost::Hello { name, devices, reads_input, wants_metadata })) => {
-                (name, devices, reads_input, wants_metadata)
-            }
-            Ok(Line::Msg(other)) => return Err(IsolateError::NoHello(format!("it said {other:?} first"))),
-            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => return Err(IsolateError::NoHello(host.death())),
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(IsolateError::NoHello(format!("no hello within {} s", startup.as_secs())))
-            }
-        };
+        let (host, Hello { name, devices, reads_input, wants_metadata }) =
+            host.hello(startup).map_err(IsolateError::NoHello)?;
         info!(engine = %name, pid = host.child.id(), "engine host ready");
-        Ok(IsolatedEngine {
-            program,
-            args,
-            name,
-            devices,
-            reads_input,
-            wants_metadata,
-            idle: Mutex::new(vec![host]),
-            kill_grace: Duration::from_secs(5),
-        })
-    }
-
-    /// Sets how long a cancelled attempt may take to stop before its host is killed.
-    pub fn with_kill_grace(mut self, grace: Duration) -> IsolatedEngine {
-        self.kill_grace = grace;
-        self
+        Ok(IsolatedEngine { program, args, name, devices, reads_input, wants_metadata, idle: Mutex::new(vec![host]) })
     }
 
     /// An idle host, or a new one (whose hello is awaited).
@@ -252,14 +247,9 @@ impl IsolatedEngine {
         }
         let host = Host::spawn(&self.program, &self.args)
             .map_err(|e| EngineError::Transient(format!("cannot start an engine host: {e}")))?;
-        match host.lines.recv_timeout(Duration::from_secs(600)) {
-            Ok(Line::Msg(FromHost::Hello { .. })) => Ok(host),
-            Ok(Line::Msg(other)) => Err(EngineError::Transient(format!("the engine host said {other:?} first"))),
-            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
-                Err(EngineError::Transient(format!("a new engine host {}", host.death())))
-            }
-            Err(RecvTimeoutError::Timeout) => Err(EngineError::Transient("a new engine host did not load".into())),
-        }
+        let (host, _) =
+            host.hello(LOAD_TIMEOUT).map_err(|why| EngineError::Transient(format!("a new engine host: {why}")))?;
+        Ok(host)
     }
 }
 
@@ -308,7 +298,7 @@ impl Engine for IsolatedEngine {
                     }
                     return result;
                 }
-                Ok(Line::Msg(FromHost::Hello { .. })) => {}
+                Ok(Line::Msg(FromHost::Hello(_))) => {}
                 Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
                     if cancel_sent.is_some() {
                         return Err(EngineError::Cancelled);
@@ -325,8 +315,8 @@ impl Engine for IsolatedEngine {
                         let _ = host.send(&ToHost::Cancel);
                         cancel_sent = Some(Instant::now());
                     }
-                    Some(t) if t.elapsed() > self.kill_grace => {
-                        warn!(job_id = %job.job_id, grace_s = self.kill_grace.as_secs_f64(),
+                    Some(t) if t.elapsed() > KILL_GRACE => {
+                        warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
                             "the engine did not stop when asked; killing its host");
                         drop(host);
                         return Err(EngineError::Cancelled);
@@ -353,12 +343,12 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
             o.flush()
         }
     };
-    send(&FromHost::Hello {
+    send(&FromHost::Hello(Hello {
         name: engine.name().to_string(),
         devices: engine.devices(),
         reads_input: engine.reads_input(),
         wants_metadata: engine.wants_metadata(),
-    })?;
+    }))?;
     let cancel = Arc::new(AtomicBool::new(false));
     let (jobs_tx, jobs) = mpsc::channel::<WireJob>();
     {
@@ -470,18 +460,18 @@ mod tests {
 
     #[test]
     fn the_hello_says_whether_the_engine_wants_metadata() {
-        let hello = FromHost::Hello {
+        let hello = FromHost::Hello(Hello {
             name: "fake".into(),
             devices: vec![Device::Cpu],
             reads_input: false,
             wants_metadata: true,
-        };
+        });
         let back: FromHost = serde_json::from_str(&serde_json::to_string(&hello).unwrap()).unwrap();
-        assert!(matches!(back, FromHost::Hello { wants_metadata: true, .. }), "{back:?}");
+        assert!(matches!(back, FromHost::Hello(Hello { wants_metadata: true, .. })), "{back:?}");
         // A host from before the field: its engine gets no metadata.
         let old = r#"{"type":"hello","name":"dsp","devices":["cpu"],"reads_input":true}"#;
         let back: FromHost = serde_json::from_str(old).unwrap();
-        assert!(matches!(back, FromHost::Hello { wants_metadata: false, .. }), "{back:?}");
+        assert!(matches!(back, FromHost::Hello(Hello { wants_metadata: false, .. })), "{back:?}");
     }
 
     #[test]

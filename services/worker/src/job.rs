@@ -196,7 +196,7 @@ async fn run_delivery(
                     format!("the job ran longer than the {} s limit", time_limit.as_secs()),
                 );
                 // The time limit is what stopped it, even if a cancel came in meanwhile.
-                execute(shared, &msg, &job_id, model, decide(&given(false), Err(failure))).await;
+                execute(shared, &msg, &job_id, model, attempt, decide(&given(false), Err(failure))).await;
                 // Wait for the engine to stop before this loop may take another job.
                 let t = Instant::now();
                 let _ = work.await;
@@ -227,12 +227,19 @@ async fn run_delivery(
             metrics().realtime_factor.get_or_create(&labels).observe(elapsed / audio);
         }
     }
-    execute(shared, &msg, &job_id, model, decide(&given, result)).await;
+    execute(shared, &msg, &job_id, model, attempt, decide(&given, result)).await;
 }
 
-/// Carries out a [`Decision`]: logs it, counts it, records its event and answers the
-/// delivery.
-async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, model: &str, decision: Decision) {
+/// Carries out a [`Decision`] about delivery `attempt`: logs it, counts it, records its
+/// event and answers the delivery.
+async fn execute(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    job_id: &JobId,
+    model: &str,
+    attempt: u32,
+    decision: Decision,
+) {
     metrics().outcome(model, decision.outcome_label());
     let ack = decision.ack();
     match decision {
@@ -251,7 +258,7 @@ async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mode
                 _ => {}
             }
             if !matches!(body, EventBody::Cancelled(_)) {
-                metrics().deliveries.observe(msg_attempt(&body) as f64);
+                metrics().deliveries.observe(attempt as f64);
             }
             if discard_outputs {
                 // Stopped on request (or finished just as the request came): keep nothing.
@@ -270,17 +277,6 @@ async fn execute(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mode
     }
     if let AckAction::NakAfter(delay) = ack {
         let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-    }
-}
-
-/// The attempt (delivery count) a worker outcome reports.
-fn msg_attempt(body: &EventBody) -> u32 {
-    match body {
-        EventBody::Succeeded(s) => s.attempt,
-        EventBody::Failed(f) => f.attempt,
-        EventBody::DeadLettered(d) => d.deliveries,
-        EventBody::Cancelled(c) => c.attempt,
-        _ => 0,
     }
 }
 
