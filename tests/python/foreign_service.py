@@ -7,6 +7,8 @@ package. Run by tests/tests/python.rs; configured by environment variables:
 
   NATS_URL         the NATS server
   STEMQ_HTTP       the ingress base URL (only to read the webhook signing secret)
+  STEMQ_API_KEY    an admin API key of the owner (for that secret)
+  STEMQ_OWNER      the owner of the job (the key's owner)
   STEMQ_AUDIO_URI  an audio URI inside the store the workers read
 """
 
@@ -58,7 +60,7 @@ async def main():
         "clip_mode": "rescale",
         "overlap": 0.25,
         "shifts": 0,
-        "owner": "anonymous",
+        "owner": os.environ["STEMQ_OWNER"],
     }
     job_id = hashlib.sha256(canonical(request)).hexdigest()
     event = {
@@ -119,7 +121,10 @@ async def main():
 
     # The signed webhook.
     base = os.environ["STEMQ_HTTP"].rstrip("/")
-    secret = json.load(urllib.request.urlopen(f"{base}/v1/webhooks/secret"))["secret"]
+    req = urllib.request.Request(
+        f"{base}/v1/webhooks/secret", headers={"Authorization": "Bearer " + os.environ["STEMQ_API_KEY"]}
+    )
+    secret = json.load(urllib.request.urlopen(req))["secret"]
     for _ in range(300):
         if Hooks.received:
             break

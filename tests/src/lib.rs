@@ -72,6 +72,10 @@ pub struct Stack {
     pub store: Store,
     /// Options it was started with.
     pub options: StackOptions,
+    /// An operator key of the owner [`TEST_OWNER`], sent by every HTTP helper here.
+    pub key: String,
+    /// The keys bucket (tests create more keys with `stemq_core::auth::create`).
+    pub keys: kv::Store,
     http_client: reqwest::Client,
     stop: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -91,6 +95,12 @@ impl Stack {
         let js = jetstream::new(client.clone());
         names::apply(&js, &options.settings).await.expect("apply definitions");
         let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
+        let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
+        let limits = stemq_core::auth::Limits { rate: 1e6, burst: 1_000_000, max_in_flight: 1_000_000 };
+        let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
+            .await
+            .expect("test key");
+        let key = key.expose();
         let store = Store::local(&dir.path().join("store")).expect("store");
         let stop = CancellationToken::new();
         let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.expect("bind");
@@ -108,6 +118,7 @@ impl Stack {
                         listen: http,
                         nats_submit: true,
                         storage: Some(stemq_ingress::uploads::StorageConfig::new(ingress_store)),
+                        auth: true,
                     },
                     s,
                 )
@@ -131,6 +142,8 @@ impl Stack {
             http,
             store,
             options: options.clone(),
+            key,
+            keys,
             http_client: reqwest::Client::new(),
             stop,
             tasks,
@@ -185,11 +198,15 @@ impl Stack {
         self.post_raw("/v1/separations", serde_json::to_vec(body).unwrap()).await
     }
 
+    /// A request with the stack's key.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http_client.request(method, self.url(path)).bearer_auth(&self.key)
+    }
+
     /// POSTs raw bytes.
     pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
         let r = self
-            .http_client
-            .post(self.url(path))
+            .request(reqwest::Method::POST, path)
             .header("content-type", "application/json")
             .body(body)
             .send()
@@ -201,14 +218,14 @@ impl Stack {
 
     /// GETs a path; returns (status, JSON body or Null).
     pub async fn get(&self, path: &str) -> (u16, Value) {
-        let r = self.http_client.get(self.url(path)).send().await.expect("http");
+        let r = self.request(reqwest::Method::GET, path).send().await.expect("http");
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
     /// GETs a path as text.
     pub async fn get_text(&self, path: &str) -> (u16, String) {
-        let r = self.http_client.get(self.url(path)).send().await.expect("http");
+        let r = self.request(reqwest::Method::GET, path).send().await.expect("http");
         (r.status().as_u16(), r.text().await.unwrap_or_default())
     }
 
@@ -340,9 +357,17 @@ impl Stack {
     }
 }
 
-/// A request body with a unique audio URI under the stack's store.
+/// The owner of the stack's key: jobs submitted through the stack are this owner's.
+pub const TEST_OWNER: &str = "test";
+
+/// The store key of an upload `name` of [`TEST_OWNER`].
+pub fn upload_key(name: &str) -> String {
+    format!("{}{name}", stemq_core::uri::uploads_prefix(TEST_OWNER))
+}
+
+/// A request body with a unique audio URI among the test owner's uploads.
 pub fn job_body(stack: &Stack, name: &str, fake: Option<Value>) -> Value {
-    let mut v = serde_json::json!({ "audio_uri": stack.store.uri(&format!("uploads/{name}.wav")), "model": "dsp" });
+    let mut v = serde_json::json!({ "audio_uri": stack.store.uri(&upload_key(&format!("{name}.wav"))), "model": "dsp" });
     if let Some(f) = fake {
         v["metadata"] = serde_json::json!({ "fake": f });
     }

@@ -107,8 +107,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 async fn upload(stack: &Stack) -> String {
     let path = stack.dir.path().join("mix.wav");
     write_wav(&path);
-    let r = reqwest::Client::new()
-        .post(stack.url("/v1/uploads?filename=mix.wav"))
+    let r = stack
+        .request(reqwest::Method::POST, "/v1/uploads?filename=mix.wav")
         .body(std::fs::read(&path).unwrap())
         .send()
         .await
@@ -142,7 +142,7 @@ async fn run_job(stack: &Stack, body: &Value) -> (JobId, JobView) {
 async fn download(stack: &Stack, id: &JobId, view: &JobView) -> Vec<(String, [Vec<f32>; 2])> {
     let mut out = Vec::new();
     for o in &view.outputs {
-        let r = reqwest::get(stack.url(&format!("/v1/separations/{id}/stems/{}", o.stem))).await.unwrap();
+        let r = stack.request(reqwest::Method::GET, &format!("/v1/separations/{id}/stems/{}", o.stem)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200, "stem {}", o.stem);
         let path = stack.dir.path().join(format!("{id}-{}.wav", o.stem));
         std::fs::write(&path, r.bytes().await.unwrap()).unwrap();

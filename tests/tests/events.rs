@@ -19,9 +19,8 @@ struct Msg {
 }
 
 /// Reads the whole event stream (until the server ends it), parsing messages.
-async fn read_stream(url: &str, last_event_id: Option<u64>) -> Vec<Msg> {
-    let client = reqwest::Client::new();
-    let mut req = client.get(url).header("accept", "text/event-stream");
+async fn read_stream(stack: &Stack, path: &str, last_event_id: Option<u64>) -> Vec<Msg> {
+    let mut req = stack.request(reqwest::Method::GET, path).header("accept", "text/event-stream");
     if let Some(id) = last_event_id {
         req = req.header("last-event-id", id.to_string());
     }
@@ -69,8 +68,8 @@ async fn sse_streams_status_and_progress_until_the_end_and_resumes() {
     // Progress every tenth of 4 s; the worker's heartbeat keeps gaps under 2 s anyway.
     let (_, b) = stack.submit(&job_body(&stack, "sse", Some(json!({"sleep_ms": 4000})))).await;
     let id = job_id(&b);
-    let url = stack.url(&format!("/v1/separations/{id}/events"));
-    let msgs = read_stream(&url, None).await;
+    let url = format!("/v1/separations/{id}/events");
+    let msgs = read_stream(&stack, &url, None).await;
     assert!(!msgs.is_empty());
     let statuses: Vec<&str> = msgs.iter().map(|m| m.data["status"].as_str().unwrap()).collect();
     assert_eq!(*statuses.last().unwrap(), "succeeded", "{statuses:?}");
@@ -92,11 +91,11 @@ async fn sse_streams_status_and_progress_until_the_end_and_resumes() {
 
     // Resuming from the middle gives only what came after.
     let mid = msgs[msgs.len() / 2].id;
-    let rest = read_stream(&url, Some(mid)).await;
+    let rest = read_stream(&stack, &url, Some(mid)).await;
     assert!(rest.iter().all(|m| m.id > mid));
     assert_eq!(rest.last().unwrap().data["status"], "succeeded");
     // Resuming after the end returns at once with nothing.
-    let none = read_stream(&url, Some(msgs.last().unwrap().id)).await;
+    let none = read_stream(&stack, &url, Some(msgs.last().unwrap().id)).await;
     assert!(none.is_empty(), "{none:?}");
     // Unknown job: 404.
     let (code, _) = stack.get(&format!("/v1/separations/{}/events", "0".repeat(64))).await;

@@ -49,14 +49,16 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
         })
         .await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/foreign_service.py");
-    let audio = stack.store.uri("uploads/from-python.wav");
-    let (url, http) = (stack.server.url(), stack.url(""));
+    let audio = stack.store.uri(&stemq_tests::upload_key("from-python.wav"));
+    let (url, http, key) = (stack.server.url(), stack.url(""), stack.key.clone());
     let out = tokio::task::spawn_blocking(move || {
         Command::new(py)
             .arg(script)
             .env("NATS_URL", url)
             .env("STEMQ_HTTP", http)
             .env("STEMQ_AUDIO_URI", audio)
+            .env("STEMQ_API_KEY", key)
+            .env("STEMQ_OWNER", stemq_tests::TEST_OWNER)
             .output()
             .expect("run python")
     })

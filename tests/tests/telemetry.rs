@@ -128,8 +128,8 @@ async fn one_trace_per_job_and_clean_logs() {
     let mut body = job_body(&stack, "traced", None);
     body["metadata"] = json!({"api_key": secret, "note": "secret-shaped values must not be logged"});
     body["webhook"] = json!({"url": format!("http://{hook_addr}/in?token={secret}")});
-    let resp = reqwest::Client::new()
-        .post(stack.url("/v1/separations"))
+    let resp = stack
+        .request(reqwest::Method::POST, "/v1/separations")
         .header("traceparent", format!("00-{client_trace}-{client_span}-01"))
         .json(&body)
         .send()

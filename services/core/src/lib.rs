@@ -20,6 +20,7 @@
 //!
 //! Runtime (feature `runtime`):
 //!
+//! - `auth`: API keys, roles and the `stemq_keys` bucket; who a caller is;
 //! - `read`: the read side — one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor; what every reader of the view uses;
 //! - `error`: the one error type of a failed JetStream call in the services;
@@ -44,6 +45,8 @@ pub mod uri;
 pub mod view;
 
 // The runtime: NATS, storage, telemetry, metrics, webhooks.
+#[cfg(feature = "runtime")]
+pub mod auth;
 #[cfg(feature = "runtime")]
 pub mod error;
 #[cfg(feature = "runtime")]

@@ -49,6 +49,10 @@ pub const RELAY_PROGRESS_CONSUMER: &str = "relay-progress";
 pub const JOBS_BUCKET: &str = "stemq_jobs";
 /// Per-owner webhook signing secrets (and endpoints disabled by a 410).
 pub const WEBHOOKS_BUCKET: &str = "stemq_webhooks";
+/// API key records (owner, role, limits, secret hash).
+pub const KEYS_BUCKET: &str = "stemq_keys";
+/// Per-key rate-limit state shared by ingress replicas.
+pub const LIMITS_BUCKET: &str = "stemq_limits";
 /// Request-reply submit subject.
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
@@ -248,6 +252,8 @@ const CONSUMERS: [(&str, &str); 6] = [
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
 const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
+const KV_KEYS: (&str, &str) = ("kv/keys.json", include_str!("../../../nats/kv/keys.json"));
+const KV_LIMITS: (&str, &str) = ("kv/limits.json", include_str!("../../../nats/kv/limits.json"));
 /// The server configuration used by tests and `stemq dev`.
 pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
 
@@ -289,9 +295,9 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
     kv_def(KV_JOBS, settings)
 }
 
-/// The webhook secrets bucket definition with `settings` applied.
-pub fn webhooks_kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
-    kv_def(KV_WEBHOOKS, settings)
+/// Every bucket definition with `settings` applied.
+pub fn kv_configs(settings: &Settings) -> Result<Vec<kv::Config>, NatsError> {
+    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS].into_iter().map(|d| kv_def(d, settings)).collect()
 }
 
 fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
@@ -435,7 +441,7 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         }
         changes.push(Change { what, action });
     }
-    for kv in [kv_config(settings)?, webhooks_kv_config(settings)?] {
+    for kv in kv_configs(settings)? {
         let what = format!("bucket {}", kv.bucket);
         let existing = match js.get_stream(format!("KV_{}", kv.bucket)).await {
             Ok(mut s) => Some(s.info().await.map_err(|e| apply_err(&what, e))?.config.clone()),

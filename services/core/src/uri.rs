@@ -89,6 +89,25 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
     Err(refuse(format!("{uri} is {place}; only objects under {} are read", allowed.join(" or "))))
 }
 
+/// The folder of `owner`'s uploads inside a store (`POST /v1/uploads` writes there).
+pub fn uploads_prefix(owner: &str) -> String {
+    format!("uploads/{owner}/")
+}
+
+/// Refuses a store object (its key, from [`store_key`]) outside `owner`'s uploads: a job
+/// reads only what its owner uploaded, never another owner's upload or another job's
+/// stems.
+pub fn check_owned(key: &str, owner: &str) -> Result<(), RequestError> {
+    if key.starts_with(&uploads_prefix(owner)) {
+        Ok(())
+    } else {
+        Err(refuse(format!(
+            "must be one of your own uploads ({}…); upload the file with POST /v1/uploads and use the audio_uri it returns",
+            uploads_prefix(owner)
+        )))
+    }
+}
+
 fn describe_ip(ip: IpAddr) -> String {
     let kind = match ip {
         IpAddr::V4(v4) if v4.is_link_local() => "a link-local (cloud metadata) address",
@@ -126,6 +145,14 @@ mod tests {
         let a = vec!["file:///srv/stemq/store/".to_string()];
         assert_eq!(store_key("file:///srv/stemq/store/x.wav", &a).unwrap(), (0, "x.wav"));
         assert!(check_audio_uri("file:///srv/stemq/store/a%20b.wav", &allowed()).is_ok());
+    }
+
+    #[test]
+    fn only_the_owners_own_uploads_are_readable() {
+        assert!(check_owned("uploads/acme/ab.wav", "acme").is_ok());
+        for key in ["uploads/acme2/ab.wav", "uploads/ab.wav", "jobs/0123/vocals.wav", "uploads/acmeab.wav", "x/uploads/acme/a"] {
+            assert_eq!(check_owned(key, "acme").unwrap_err().field, "audio_uri", "{key}");
+        }
     }
 
     #[test]

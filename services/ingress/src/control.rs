@@ -13,11 +13,12 @@
 //! HTTP: `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry`.
 
 use async_nats::jetstream;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
+use stemq_core::auth::Caller;
 use stemq_core::event::{CancelRequested, Cancelled, EventBody, Retried};
 use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, Once};
@@ -125,17 +126,21 @@ impl From<ControlError> for ApiError {
     }
 }
 
-/// The view of `id`, or 404.
-pub(crate) async fn view_or_404(state: &AppState, id: &str) -> Result<JobView, ApiError> {
+/// The view of `id` if `caller` may see it, or 404 (another owner's job included).
+pub(crate) async fn view_or_404(state: &AppState, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
     let not_found =
         || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
     let job_id = JobId::parse(id).ok_or_else(not_found)?;
-    state.view(&job_id).await?.ok_or_else(not_found)
+    state.view_for(caller, &job_id).await?.ok_or_else(not_found)
 }
 
 /// `POST /v1/separations/{id}/cancel`.
-pub(crate) async fn cancel_http(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let view = view_or_404(&state, &id).await?;
+pub(crate) async fn cancel_http(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let view = view_or_404(&state, &caller, &id).await?;
     let outcome = cancel(&state.js, &view, "http").await?;
     let (code, status) = match outcome {
         CancelOutcome::Cancelling => (StatusCode::ACCEPTED, "cancelling"),
@@ -145,8 +150,12 @@ pub(crate) async fn cancel_http(State(state): State<AppState>, Path(id): Path<St
 }
 
 /// `POST /v1/separations/{id}/retry`.
-pub(crate) async fn retry_http(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let view = view_or_404(&state, &id).await?;
+pub(crate) async fn retry_http(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let view = view_or_404(&state, &caller, &id).await?;
     let (new_id, created) = retry(&state.js, &view, "/stemq/ingress").await?;
     let status = match created {
         true => JobStatus::Queued,

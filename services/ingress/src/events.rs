@@ -22,10 +22,11 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
+use stemq_core::auth::Caller;
 use stemq_core::{JobStatus, JobView};
 
 use crate::control::view_or_404;
@@ -41,10 +42,11 @@ struct Follow {
 /// `GET /v1/separations/{id}/events`.
 pub(crate) async fn sse(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
-    let view = view_or_404(&state, &id).await?;
+    let view = view_or_404(&state, &caller, &id).await?;
     let after = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())

@@ -15,10 +15,15 @@
 //!   `POST /v1/webhooks/enable` ([`webhooks`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
+//! Every route but `/healthz`, `/readyz` and `/openapi.json` needs an API key, and every
+//! job is its owner's alone ([`access`]); submits are limited per key ([`limits`]).
+//!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
 
+pub mod access;
 pub mod control;
 pub mod events;
+pub mod limits;
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
@@ -33,7 +38,7 @@ use std::time::Instant;
 
 use async_nats::jetstream::{self, kv};
 use axum::body::Bytes;
-use axum::extract::{MatchedPath, Path, Query, Request, State};
+use axum::extract::{Extension, MatchedPath, Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -41,6 +46,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
+use stemq_core::auth::{Caller, KeyRing};
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
 use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
@@ -64,6 +70,12 @@ pub enum IngressError {
     /// Serving failed.
     #[error("http server")]
     Serve(#[source] std::io::Error),
+    /// Authentication is off and the address is not loopback.
+    #[error(
+        "refusing to serve {0} without authentication: --insecure-no-auth is for loopback addresses only \
+         (127.0.0.1, ::1); create keys with `stemq keys create` instead"
+    )]
+    NoAuthOnNetwork(SocketAddr),
 }
 
 /// Ingress configuration.
@@ -76,6 +88,9 @@ pub struct Config {
     /// The object store: uploads and stem downloads are served from it, and an
     /// `audio_uri` must point into it. Without one every submit is refused.
     pub storage: Option<uploads::StorageConfig>,
+    /// Require API keys (the default). Off only on loopback, for local experiments:
+    /// every request is then the operator of the owner `local`.
+    pub auth: bool,
 }
 
 /// Shared handler state.
@@ -87,6 +102,9 @@ pub struct AppState {
     metrics: Arc<Metrics>,
     storage: Option<Arc<uploads::StorageConfig>>,
     stores: Arc<Vec<String>>,
+    /// `None` when authentication is off.
+    keys: Option<Arc<KeyRing>>,
+    limits: kv::Store,
 }
 
 impl AppState {
@@ -96,7 +114,25 @@ impl AppState {
         let views = Views::open(&js).await?;
         let index = ListIndex::follow(views.bucket().clone(), shutdown).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
-        Ok(AppState { js, views, index, metrics, storage: None, stores: Arc::new(Vec::new()) })
+        let open = |name: &'static str| {
+            let js = js.clone();
+            async move { js.get_key_value(name).await.map_err(JetStreamError::open(name)) }
+        };
+        let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
+        let limits = open(names::LIMITS_BUCKET).await?;
+        Ok(AppState { js, views, index, metrics, storage: None, stores: Arc::new(Vec::new()), keys, limits })
+    }
+
+    /// Serves every request as the operator of the owner `local`, without keys.
+    pub fn without_auth(mut self) -> AppState {
+        self.keys = None;
+        self
+    }
+
+    /// The view of `id` if `caller` may see it: another owner's job is as absent as a job
+    /// that does not exist.
+    pub async fn view_for(&self, caller: &Caller, id: &JobId) -> Result<Option<JobView>, ViewError> {
+        Ok(self.view(id).await?.filter(|v| caller.sees(&view_owner(v))))
     }
 
     /// Serves uploads and stems from this store.
@@ -141,7 +177,15 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), IngressError> {
+    let addr = listener.local_addr().map_err(IngressError::Serve)?;
+    if !config.auth && !addr.ip().is_loopback() {
+        return Err(IngressError::NoAuthOnNetwork(addr));
+    }
     let mut state = AppState::new(client.clone(), shutdown.clone()).await?;
+    if !config.auth {
+        warn!(%addr, "authentication is OFF (--insecure-no-auth): every caller is an operator");
+        state = state.without_auth();
+    }
     if let Some(s) = config.storage {
         state = state.with_storage(s);
     }
@@ -151,7 +195,6 @@ pub async fn run(
     } else {
         None
     };
-    let addr = listener.local_addr().map_err(IngressError::Serve)?;
     info!(%addr, "ingress listening");
     let s = shutdown.clone();
     axum::serve(listener, router(state))
@@ -186,6 +229,7 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .layer(middleware::from_fn_with_state(state.clone(), access::authenticate))
         .layer(middleware::from_fn_with_state(state.clone(), nats_gate))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state)
@@ -251,6 +295,12 @@ impl From<SubmitError> for ApiError {
                 message: r.to_string(),
                 field: Some(r.field),
             },
+            SubmitError::Limited(l) => ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                code: if l.limit == "rate" { "rate_limited" } else { "too_many_in_flight" },
+                message: l.message,
+                field: None,
+            },
             SubmitError::Unavailable(m) => {
                 warn!(error = %m, "submit failed");
                 ApiError {
@@ -288,22 +338,71 @@ impl From<ViewError> for ApiError {
     }
 }
 
-async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+/// The owner of a job's view (empty when its request has not been seen).
+pub fn view_owner(v: &JobView) -> String {
+    v.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default()
+}
+
+/// A submit by `caller`, for HTTP and NATS alike: the rate, then validation, then the
+/// cap on jobs in flight, then the publish (see [`limits`]). Nothing is published when a
+/// limit refuses.
+pub async fn submit_as(
+    state: &AppState,
+    caller: &Caller,
+    body: &[u8],
+    traceparent: Option<String>,
+) -> Result<(SubmitResponse, u64), SubmitError> {
+    let unavailable = |e: limits::LimitsError| SubmitError::Unavailable(e.to_string());
+    let enforce = state.keys.is_some();
+    let mut remaining = u64::MAX;
+    if enforce {
+        remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
+    }
+    let event = submit::prepare(body, &caller.owner, traceparent, state.stores()).await?;
+    if enforce && state.index.status(&event.subject).is_none() {
+        let views = state.views.clone();
+        let recorded = move |id: JobId| {
+            let views = views.clone();
+            async move {
+                // Unreadable counts as recorded: a slot is freed only when surely unused.
+                views.current(&id).await.map(|v| v.is_some_and(|v| !v.status.is_terminal())).unwrap_or(true)
+            }
+        };
+        let index = state.index.clone();
+        let known = move |id: &JobId| limits::state_in(&index, id);
+        limits::admit(&state.limits, caller, &event.subject, known, recorded)
+            .await
+            .map_err(unavailable)?
+            .map_err(SubmitError::Limited)?;
+    }
+    let (resp, _) = submit::queue(&state.js, event).await?;
+    Ok((resp, remaining))
+}
+
+async fn create(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let incoming = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
-    let span = tracing::info_span!("http.submit", trace_id = tracing::field::Empty);
+    let span = tracing::info_span!("http.submit", trace_id = tracing::field::Empty, owner = %caller.owner);
     stemq_core::telemetry::set_parent(&span, incoming.as_deref());
     let result = {
         // The job's trace continues from this span (or from the caller's, when tracing
         // is off here).
         let traceparent = span.in_scope(stemq_core::telemetry::current_traceparent).or(incoming);
-        let work = submit::submit(&state.js, &body, None, traceparent, state.stores()).instrument(span);
+        let work = submit_as(&state, &caller, &body, traceparent).instrument(span);
         match tokio::time::timeout(SUBMIT_TIMEOUT, work).await {
             Ok(r) => r,
             Err(_) => Err(SubmitError::Unavailable(format!("no answer from NATS within {SUBMIT_TIMEOUT:?}"))),
         }
     };
     state.metrics.observe_submit(&result);
-    let (mut resp, _) = result?;
+    let (mut resp, _remaining) = match result {
+        Err(SubmitError::Limited(l)) => return Ok(l.into_response()),
+        r => r?,
+    };
     if resp.cached {
         if let Ok(Some(v)) = state.view(&resp.job_id).await {
             resp.status = v.status;
@@ -314,13 +413,17 @@ async fn create(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
     Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
 }
 
-async fn status(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<JobView>, ApiError> {
+async fn status(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
     let not_found =
         || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
     let Some(job_id) = JobId::parse(&id) else {
         return Err(not_found());
     };
-    match state.view(&job_id).await? {
+    match state.view_for(&caller, &job_id).await? {
         Some(v) => Ok(Json(v)),
         None => Err(not_found()),
     }
@@ -333,7 +436,11 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+async fn list(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
     let bad = |field: &str, message: String| ApiError {
         status: StatusCode::UNPROCESSABLE_ENTITY,
         code: "invalid_request",
@@ -352,8 +459,10 @@ async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Resu
         None | Some("") => None,
         Some(c) => Some(Cursor::decode(c).ok_or_else(|| bad("cursor", "malformed cursor".into()))?),
     };
-    let page = state.index.page(status, limit, cursor.as_ref());
-    let views = futures::future::join_all(page.iter().map(|(id, _)| state.view(id))).await;
+    // An operator sees every owner's jobs; anyone else only their own.
+    let owner = (!caller.role.allows(stemq_core::auth::Permission::Operate)).then_some(caller.owner.as_str());
+    let page = state.index.page_of(owner, status, limit, cursor.as_ref());
+    let views = futures::future::join_all(page.iter().map(|(id, _)| state.view_for(&caller, id))).await;
     let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
     let next_cursor = (page.len() == limit)
         .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))

@@ -76,6 +76,7 @@ impl Metrics {
             Ok(_) => "created",
             Err(SubmitError::Invalid(_)) => "invalid",
             Err(SubmitError::Unavailable(_)) => "unavailable",
+            Err(SubmitError::Limited(_)) => "limited",
         };
         self.submits.get_or_create(&SubmitLabels { outcome }).inc();
     }

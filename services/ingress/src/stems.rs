@@ -9,9 +9,10 @@
 use std::ops::Range;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use stemq_core::auth::Caller;
 use stemq_core::{JobId, JobStatus};
 use tracing::{info_span, warn, Instrument};
 
@@ -79,6 +80,7 @@ fn not_found(message: String) -> ApiError {
 
 pub(crate) async fn download(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path((id, stem)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
@@ -88,7 +90,7 @@ pub(crate) async fn download(
     };
     let span = info_span!("stem.download", job_id = %job_id, stem = %stem);
     async move {
-        let view = state.view(&job_id).await?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
+        let view = state.view_for(&caller, &job_id).await?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
         if view.status != JobStatus::Succeeded {
             return Err(ApiError {
                 status: StatusCode::CONFLICT,

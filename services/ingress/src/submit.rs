@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
 use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::{publish_once, Once};
-use stemq_core::request::{RequestError, ANONYMOUS};
+use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
 
@@ -33,6 +33,9 @@ pub enum SubmitError {
     /// The request is invalid (422).
     #[error(transparent)]
     Invalid(#[from] RequestError),
+    /// A limit of the caller's key refused it (429): nothing was queued.
+    #[error("{}", .0.message)]
+    Limited(crate::limits::Limited),
     /// NATS did not take the event (503): nothing was queued; retrying is safe.
     #[error("the job could not be queued: {0}")]
     Unavailable(String),
@@ -43,14 +46,28 @@ pub enum SubmitError {
 pub async fn submit(
     js: &jetstream::Context,
     body: &[u8],
-    owner: Option<&str>,
+    owner: &str,
     traceparent: Option<String>,
     stores: &[String],
 ) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
+    let event = prepare(body, owner, traceparent, stores).await?;
+    queue(js, event).await
+}
+
+/// Validates `body` for `owner` and builds its `requested` event (the job id is its
+/// subject); nothing is published.
+pub async fn prepare(
+    body: &[u8],
+    owner: &str,
+    traceparent: Option<String>,
+    stores: &[String],
+) -> Result<Event, SubmitError> {
     let req = JobRequest::from_slice(body)?;
-    // Only objects inside the configured stores: refused before anything is published.
-    stemq_core::uri::check_audio_uri(&req.audio_uri, stores)?;
-    let normalized = req.normalize(owner.unwrap_or(ANONYMOUS))?;
+    // Only the owner's own uploads inside the configured stores: refused before anything
+    // is published.
+    let (_, key) = stemq_core::uri::store_key(&req.audio_uri, stores)?;
+    stemq_core::uri::check_owned(key, owner)?;
+    let normalized = req.normalize(owner)?;
     // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
     if let Some(w) = &req.webhook {
         let allow = stemq_core::webhook::Allowlist::from_env();
@@ -73,6 +90,11 @@ pub async fn submit(
         r.max_runtime = req.max_runtime;
     }
     event.traceparent = traceparent;
+    Ok(event)
+}
+
+/// Publishes a prepared `requested` event once (see the module doc).
+pub async fn queue(js: &jetstream::Context, event: Event) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let id = event.subject.clone();
     let subject = job_subject(&id, SubjectKind::Requested);
     let once = publish_once(js, &subject, &event, id.as_str())

@@ -3,19 +3,21 @@
 //! This module owns the upload path and the ingress's storage settings. The request
 //! body is streamed (never held in memory) to a temporary object while it is hashed and
 //! counted; past the size limit the upload stops with 413 and nothing is kept. A
-//! complete upload is moved to `uploads/<sha256>.<ext>`, so the same song uploaded twice
-//! is one object and yields the same `audio_uri` (and so the same job id).
+//! complete upload is moved to `uploads/<owner>/<sha256>.<ext>`, so the same song
+//! uploaded twice by one owner is one object and yields the same `audio_uri` (and so the
+//! same job id), and a job can read only its own owner's uploads.
 
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Query, State};
+use axum::extract::{Extension, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::TryStreamExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use stemq_core::auth::Caller;
 use stemq_core::storage::{StorageError, Store};
 use tracing::{info, info_span, warn, Instrument};
 
@@ -104,6 +106,7 @@ fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
 
 pub(crate) async fn upload(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Query(q): Query<UploadQuery>,
     headers: HeaderMap,
     body: Body,
@@ -117,7 +120,7 @@ pub(crate) async fn upload(
         return Err(too_large());
     }
     let ext = extension(&q, &headers)?;
-    let tmp = format!("uploads/tmp/{}", uuid::Uuid::new_v4());
+    let tmp = format!("incoming/{}", uuid::Uuid::new_v4());
     let span = info_span!("upload", tmp = %tmp);
     async move {
         let stream = body.into_data_stream().map_err(|e| e.to_string());
@@ -144,7 +147,7 @@ pub(crate) async fn upload(
             let _ = storage.store.delete(&tmp).await;
             return Err(bad(StatusCode::UNPROCESSABLE_ENTITY, "empty_upload", "the upload is empty".into()));
         }
-        let key = format!("uploads/{}.{ext}", stored.sha256);
+        let key = format!("{}{}.{ext}", stemq_core::uri::uploads_prefix(&caller.owner), stored.sha256);
         if let Err(e) = storage.store.rename(&tmp, &key).await {
             warn!(error = %e, "upload not moved to its final key");
             let _ = storage.store.delete(&tmp).await;

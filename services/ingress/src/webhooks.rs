@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use stemq_core::event::{DeliveryAttempted, DeliveryReplayRequested, EventBody};
 use stemq_core::nats::{self as names, job_subject, SubjectKind};
 use stemq_core::publish::publish;
-use stemq_core::request::ANONYMOUS;
+use stemq_core::auth::Caller;
 use stemq_core::webhook::{self, OwnerWebhooks};
 use stemq_core::{Event, JobId};
 
@@ -53,20 +53,30 @@ fn secret_body(o: &OwnerWebhooks) -> Value {
 }
 
 /// `GET /v1/webhooks/secret`.
-pub(crate) async fn get_secret(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let (o, _) = webhook::owner_webhooks(&bucket(&state).await?, ANONYMOUS).await.map_err(internal)?;
+pub(crate) async fn get_secret(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<Value>, ApiError> {
+    let (o, _) = webhook::owner_webhooks(&bucket(&state).await?, &caller.owner).await.map_err(internal)?;
     Ok(Json(secret_body(&o)))
 }
 
 /// `POST /v1/webhooks/secret/rotate`.
-pub(crate) async fn rotate_secret(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let o = webhook::rotate(&bucket(&state).await?, ANONYMOUS, grace()).await.map_err(internal)?;
+pub(crate) async fn rotate_secret(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<Value>, ApiError> {
+    let o = webhook::rotate(&bucket(&state).await?, &caller.owner, grace()).await.map_err(internal)?;
     Ok(Json(secret_body(&o)))
 }
 
 /// `POST /v1/webhooks/enable` with `{"url": "…"}`: 200 with `was_disabled` and the
 /// URLs still disabled; 422 without a `url`.
-pub(crate) async fn enable(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+pub(crate) async fn enable(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let url = serde_json::from_slice::<Value>(&body)
         .ok()
         .and_then(|v| v.get("url").and_then(Value::as_str).map(str::to_string))
@@ -77,7 +87,7 @@ pub(crate) async fn enable(State(state): State<AppState>, body: Bytes) -> Result
             message: "the body must be a JSON object with a `url` string".into(),
             field: Some("url".into()),
         })?;
-    let (o, was_disabled) = webhook::enable(&bucket(&state).await?, ANONYMOUS, &url).await.map_err(internal)?;
+    let (o, was_disabled) = webhook::enable(&bucket(&state).await?, &caller.owner, &url).await.map_err(internal)?;
     Ok(Json(json!({"url": url, "was_disabled": was_disabled, "disabled_urls": o.disabled})))
 }
 
@@ -122,8 +132,12 @@ pub fn group(attempts: &[(Event, DeliveryAttempted)]) -> Vec<Value> {
 }
 
 /// `GET /v1/separations/{id}/deliveries`.
-pub(crate) async fn list(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let view = view_or_404(&state, &id).await?;
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let view = view_or_404(&state, &caller, &id).await?;
     let all = attempts(&state.js, &view.job_id).await.map_err(internal)?;
     Ok(Json(json!({"job_id": view.job_id, "deliveries": group(&all)})))
 }
@@ -131,9 +145,10 @@ pub(crate) async fn list(State(state): State<AppState>, Path(id): Path<String>) 
 /// `POST /v1/separations/{id}/deliveries/{n}/replay`.
 pub(crate) async fn replay(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path((id, n)): Path<(String, usize)>,
 ) -> Result<Response, ApiError> {
-    let view = view_or_404(&state, &id).await?;
+    let view = view_or_404(&state, &caller, &id).await?;
     let all = attempts(&state.js, &view.job_id).await.map_err(internal)?;
     let groups = group(&all);
     let Some(d) = n.checked_sub(1).and_then(|i| groups.get(i)) else {
@@ -144,6 +159,11 @@ pub(crate) async fn replay(
             field: None,
         });
     };
+    // One delivery cannot be replayed in a loop: each replay is a signed POST to the
+    // receiver.
+    if let Err(l) = crate::limits::replay(&state.limits, &view.job_id, n).await.map_err(internal)? {
+        return Ok(l.into_response());
+    }
     let ev = Event::new(
         &view.job_id,
         "/stemq/ingress",

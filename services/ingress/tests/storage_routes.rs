@@ -23,6 +23,7 @@ struct Stack {
     _dir: tempfile::TempDir,
     http: SocketAddr,
     store: Store,
+    key: String,
     stop: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -37,7 +38,11 @@ impl Stack {
             .expect("nats-server starts (is nats-server on PATH?)");
         let settings = Settings { ack_wait: Duration::from_secs(5), ..Settings::default() };
         let client = names::connect(&server.url(), "test").await.unwrap();
-        names::apply(&async_nats::jetstream::new(client.clone()), &settings).await.unwrap();
+        let js = async_nats::jetstream::new(client.clone());
+        names::apply(&js, &settings).await.unwrap();
+        let keys = js.get_key_value(names::KEYS_BUCKET).await.unwrap();
+        let role = stemq_core::auth::Role::Submit;
+        let (key, _) = stemq_core::auth::create(&keys, "acme", role, Default::default(), "").await.unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
         let stop = CancellationToken::new();
         let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
@@ -47,7 +52,7 @@ impl Stack {
         let storage = StorageConfig { max_upload_bytes, ..StorageConfig::new(store.clone()) };
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let config = stemq_ingress::Config { listen: http, nats_submit: false, storage: Some(storage) };
+            let config = stemq_ingress::Config { listen: http, nats_submit: false, storage: Some(storage), auth: true };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));
         let (c, s) = (client.clone(), stop.clone());
@@ -61,7 +66,14 @@ impl Stack {
         tasks.push(tokio::spawn(async move {
             stemq_worker::run(c, Arc::new(stemq_audio::DspEngine::default()), wc, s).await.expect("worker runs");
         }));
-        Stack { _server: server, _dir: dir, http, store, stop, tasks }
+        Stack { _server: server, _dir: dir, http, store, key: key.expose(), stop, tasks }
+    }
+
+    /// An HTTP client that sends the stack's key.
+    fn client(&self) -> reqwest::Client {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert("authorization", format!("Bearer {}", self.key).parse().unwrap());
+        reqwest::Client::builder().default_headers(h).build().unwrap()
     }
 
     fn url(&self, path: &str) -> String {
@@ -118,7 +130,7 @@ async fn wait_terminal(http: &reqwest::Client, url: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn upload_separate_and_download_stems() {
     let stack = Stack::start(1 << 30).await;
-    let http = reqwest::Client::new();
+    let http = stack.client();
     let wav = song();
 
     // Upload: content-addressed, the same bytes twice give the same URI.
@@ -129,7 +141,7 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(up["sha256"], sha);
     assert_eq!(up["bytes"], wav.len());
     let audio_uri = up["audio_uri"].as_str().unwrap().to_string();
-    assert_eq!(audio_uri, stack.store.uri(&format!("uploads/{sha}.wav")));
+    assert_eq!(audio_uri, stack.store.uri(&format!("uploads/acme/{sha}.wav")));
     let again: Value = http
         .post(stack.url("/v1/uploads"))
         .header("content-type", "audio/wav")
@@ -141,7 +153,7 @@ async fn upload_separate_and_download_stems() {
         .await
         .unwrap();
     assert_eq!(again["audio_uri"], audio_uri);
-    assert_eq!(stack.store.list("uploads").await.unwrap(), vec![format!("uploads/{sha}.wav")], "no temp objects left");
+    assert_eq!(stack.store.list("uploads").await.unwrap(), vec![format!("uploads/acme/{sha}.wav")], "no temp objects left");
 
     // Separate it with the dsp engine.
     let resp = http
@@ -223,7 +235,7 @@ async fn upload_separate_and_download_stems() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn uploads_over_the_limit_are_refused() {
     let stack = Stack::start(1000).await;
-    let http = reqwest::Client::new();
+    let http = stack.client();
     // Declared too large: refused before reading.
     let resp = http.post(stack.url("/v1/uploads")).body(vec![7u8; 1001]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);

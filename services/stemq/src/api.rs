@@ -30,7 +30,8 @@ pub struct ApiArgs {
     /// no NATS URL or store is needed.
     #[arg(long, env = "STEMQ_API", global = true, value_name = "URL", help_heading = "HTTP API")]
     pub api: Option<url::Url>,
-    /// The API key, sent as `Authorization: Bearer KEY` (with `--api`).
+    /// The API key, sent as `Authorization: Bearer KEY` (with `--api`); default: the key
+    /// `stemq dev` wrote to `<data-dir>/admin.key`, if any.
     #[arg(
         long,
         env = "STEMQ_API_KEY",
@@ -44,9 +45,10 @@ pub struct ApiArgs {
 
 impl ApiArgs {
     /// The API client, when `--api` is given.
-    pub fn client(&self) -> Option<Api> {
+    pub fn client(&self, data_dir: &Path) -> Option<Api> {
         let base = self.api.as_ref()?.as_str().trim_end_matches('/').to_string();
-        Some(Api { base, key: self.api_key.clone(), http: reqwest::Client::new() })
+        let key = crate::keys::client_key(self.api_key.as_deref(), data_dir);
+        Some(Api { base, key, http: reqwest::Client::new() })
     }
 }
 

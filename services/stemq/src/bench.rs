@@ -25,6 +25,9 @@ use tokio_util::sync::CancellationToken;
 use crate::global::{Global, ServerSettings};
 use crate::services::Isolation;
 
+/// The owner of the benchmark's jobs (it publishes as an operator, past the ingress).
+const BENCH_OWNER: &str = "bench";
+
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Submitted → terminal in the KV view, with the fake engine.
@@ -95,7 +98,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
         let song = tmp.path().join(format!("song-{m}.wav"));
         let s2 = song.clone();
         tokio::task::spawn_blocking(move || stemq_audio::synth::write_demo_song(&s2, m * 60.0, 44_100)).await??;
-        let key = format!("uploads/song-{m}.wav");
+        let key = format!("{}song-{m}.wav", stemq_core::uri::uploads_prefix(BENCH_OWNER));
         store.put_file(&key, &song).await?;
         std::fs::remove_file(&song)?;
         let mut child = std::process::Command::new(&exe)
@@ -115,7 +118,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
         let body = format!(r#"{{"audio_uri":"{}","model":"dsp"}}"#, store.uri(&key));
         let t0 = Instant::now();
         let stores = [store.base_url().to_string()];
-        let (resp, _) = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None, &stores)
+        let (resp, _) = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let view = loop {
@@ -251,10 +254,10 @@ async fn pipeline(
         let submitted = submitted.clone();
         let (store, stores) = (store.clone(), stores.clone());
         handles.push(tokio::spawn(async move {
-            let uri = store.uri(&format!("bench/{run_id}/{i}.wav"));
+            let uri = store.uri(&format!("{}{run_id}/{i}.wav", stemq_core::uri::uploads_prefix(BENCH_OWNER)));
             let body = format!(r#"{{"audio_uri":"{uri}","model":"dsp"}}"#);
             let start = Instant::now();
-            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), None, None, &stores).await;
+            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores).await;
             drop(permit);
             if let Ok((resp, _)) = r {
                 submitted.lock().await.insert(resp.job_id, start);

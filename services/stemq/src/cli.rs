@@ -104,6 +104,11 @@ pub enum Command {
         #[command(flatten)]
         api: ApiArgs,
     },
+    /// API keys: create (printed once), list, revoke.
+    Keys {
+        #[command(subcommand)]
+        command: crate::keys::KeysCommand,
+    },
     /// Webhook settings (re-enable a URL a 410 Gone disabled).
     Webhooks {
         #[command(subcommand)]
@@ -250,35 +255,36 @@ pub async fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Separate(a) => tokio::task::spawn_blocking(move || crate::separate::run(&g, a)).await?,
-        Command::Submit(a) => match a.api.client() {
+        Command::Submit(a) => match a.api.client(&g.data_dir) {
             Some(api) => crate::api::submit(&api, a).await,
             None => crate::client::submit(&g, a).await,
         },
-        Command::Status { id, api } => match api.client() {
+        Command::Status { id, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::status(&api, &id).await,
             None => crate::client::status(&g, &id).await,
         },
-        Command::List { status, limit, api } => match api.client() {
+        Command::List { status, limit, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::list(&api, status.as_deref(), limit).await,
             None => crate::client::list(&g, status.as_deref(), limit).await,
         },
-        Command::Watch { id, api } => match api.client() {
+        Command::Watch { id, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::watch(&api, &id).await,
             None => crate::client::watch(&g, &id).await.map(|_| ()),
         },
-        Command::Dlq { command: DlqCommand::List { limit }, api } => match api.client() {
+        Command::Dlq { command: DlqCommand::List { limit }, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::list(&api, Some("dead_lettered"), limit).await,
             None => crate::client::list(&g, Some("dead_lettered"), limit).await,
         },
-        Command::Dlq { command: DlqCommand::Replay { id }, api } | Command::Retry { id, api } => match api.client() {
+        Command::Dlq { command: DlqCommand::Replay { id }, api } | Command::Retry { id, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::retry(&api, &id).await,
             None => crate::client::replay(&g, &id).await,
         },
-        Command::Cancel { id, api } => match api.client() {
+        Command::Cancel { id, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::cancel(&api, &id).await,
             None => crate::client::cancel(&g, &id).await,
         },
         Command::Webhooks { command } => crate::webhooks::run(&g, command).await,
+        Command::Keys { command } => crate::keys::run(&g, command).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
             println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());

@@ -174,17 +174,17 @@ fn parse_id(id: &str) -> Result<JobId> {
     JobId::parse(id).ok_or_else(|| anyhow!("`{id}` is not a job id (64 lowercase hex characters)"))
 }
 
-/// Uploads a local file to the store, content-addressed (`uploads/<sha256>.<ext>`);
+/// Uploads a local file to the store, content-addressed (`uploads/<owner>/<sha256>.<ext>`);
 /// returns its URI. The file is streamed and hashed on the way, then moved to its key.
-async fn upload(store: &Store, file: &Path) -> Result<String> {
+async fn upload(store: &Store, owner: &str, file: &Path) -> Result<String> {
     let meta = tokio::fs::metadata(file).await.with_context(|| format!("reading {}", file.display()))?;
     if meta.len() == 0 {
         bail!("{} is empty", file.display());
     }
     let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("bin").to_ascii_lowercase();
-    let tmp = format!("uploads/tmp/{}", uuid::Uuid::new_v4());
+    let tmp = format!("incoming/{}", uuid::Uuid::new_v4());
     let stored = store.put_file(&tmp, file).await.with_context(|| format!("uploading {}", file.display()))?;
-    let key = format!("uploads/{}.{ext}", stored.sha256);
+    let key = format!("{}{}.{ext}", stemq_core::uri::uploads_prefix(owner), stored.sha256);
     if let Err(e) = store.rename(&tmp, &key).await {
         let _ = store.delete(&tmp).await;
         return Err(e).context("moving the upload to its final key");
@@ -219,14 +219,14 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
         Some(Store::open(&store_url).context("opening the object store")?)
     };
     let uri = match &store {
-        Some(store) if !looks_like_uri => upload(store, Path::new(&a.input)).await?,
+        Some(store) if !looks_like_uri => upload(store, &g.owner, Path::new(&a.input)).await?,
         _ => a.input.clone(),
     };
     let req = a.request(&uri);
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
     let stores = vec![store_url];
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, None, None, &stores).await?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, &g.owner, None, &stores).await?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;

@@ -2,7 +2,8 @@
 //!
 //! Starts a `nats-server` (from PATH) with its store in the data dir unless `NATS_URL`
 //! is given, applies the definitions, and runs the ingress, one worker, the projector and
-//! the webhook relay (printing the webhook signing secret)
+//! the webhook relay (printing the webhook signing secret and where the admin API key of
+//! the owner `local` is: `<data-dir>/admin.key`, created on first start)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
 
 use std::net::SocketAddr;
@@ -14,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::global::{shutdown_on_signals, Global, ServerSettings, StoreArg};
-use crate::services::{RelayArgs, WorkerOpts};
+use crate::services::{AuthArg, RelayArgs, WorkerOpts};
 
 /// `stemq dev`.
 #[derive(Debug, Args, Clone)]
@@ -22,6 +23,8 @@ pub struct DevArgs {
     /// HTTP listen address.
     #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http: SocketAddr,
+    #[command(flatten)]
+    pub auth: AuthArg,
     #[command(flatten)]
     pub worker: WorkerOpts,
     #[command(flatten)]
@@ -65,6 +68,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             listen: addr,
             nats_submit: true,
             storage: Some(stemq_ingress::uploads::StorageConfig::new(wconfig.store.clone())),
+            auth: !a.auth.insecure_no_auth,
         },
         children.clone(),
     ));
@@ -73,7 +77,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config(), children.clone()));
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
-    let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, stemq_core::request::ANONYMOUS).await?;
+    let local = stemq_ingress::access::LOCAL_OWNER;
+    let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, local).await?;
+    let key_path = crate::keys::ensure_admin_key(&crate::keys::bucket(client.clone()).await?, &g.data_dir).await?;
 
     eprintln!();
     eprintln!("stemq dev is up");
@@ -81,6 +87,16 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     eprintln!("  NATS    {}", g.nats_url());
     eprintln!("  store   {store}");
     eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
+    if a.auth.insecure_no_auth {
+        eprintln!("  API keys        OFF (--insecure-no-auth): every caller is an operator of `{local}`");
+    } else {
+        eprintln!(
+            "  API key         {} (admin of owner `{local}`; send `Authorization: Bearer $(cat {})`; \
+             the stemq client commands read it)",
+            key_path.display(),
+            key_path.display()
+        );
+    }
     eprintln!("  Ctrl-C to stop");
     eprintln!();
 

@@ -25,6 +25,10 @@ pub struct Global {
     /// Data directory (NATS store of `stemq dev`, local object store, scratch, models).
     #[arg(long, env = "STEMQ_DATA_DIR", default_value = ".stemq", global = true, help_heading = "Global options")]
     pub data_dir: PathBuf,
+    /// The owner of jobs submitted straight to NATS (without `--api`), and of their
+    /// uploads. Over the HTTP API the owner comes from the key.
+    #[arg(long, env = "STEMQ_OWNER", default_value = "local", global = true, help_heading = "Global options")]
+    pub owner: String,
     /// Log format (default: text on a terminal and for `stemq dev`, json otherwise).
     #[arg(long, env = "STEMQ_LOG_FORMAT", value_enum, global = true, help_heading = "Global options")]
     pub log_format: Option<LogFormatArg>,

@@ -12,7 +12,8 @@
 //! - [`api`]: the same client commands over the HTTP API (`--api URL`);
 //! - [`bench`]: the benchmarks;
 //! - [`top`]: the live terminal view;
-//! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled).
+//! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled);
+//! - [`keys`]: API keys (create, list, revoke) and `stemq dev`'s admin key.
 
 pub mod api;
 pub mod bench;
@@ -21,6 +22,7 @@ pub mod client;
 pub mod dev;
 pub mod global;
 pub mod job_opts;
+pub mod keys;
 pub mod models;
 pub mod separate;
 pub mod services;

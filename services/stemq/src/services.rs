@@ -27,9 +27,20 @@ pub struct IngressArgs {
     #[arg(long = "http", env = "STEMQ_HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http: SocketAddr,
     #[command(flatten)]
+    pub auth: AuthArg,
+    #[command(flatten)]
     pub store: StoreArg,
     #[command(flatten)]
     pub server: ServerSettings,
+}
+
+/// `--insecure-no-auth`.
+#[derive(Debug, Args, Clone, Default)]
+pub struct AuthArg {
+    /// Serve without API keys: every caller is an operator of the owner `local`. Refused
+    /// unless the HTTP address is loopback.
+    #[arg(long, env = "STEMQ_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
 }
 
 /// `stemq worker`.
@@ -234,6 +245,12 @@ pub async fn connect(g: &Global, server: &ServerSettings, name: &str) -> Result<
     Ok(client)
 }
 
+/// A connection for a one-shot command (`keys`, `webhooks`, `nats apply`), which
+/// creates nothing at start.
+pub async fn connect_cli(g: &Global) -> Result<async_nats::Client> {
+    Ok(stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?)
+}
+
 /// Loads the engine named in the options, isolated in engine host processes unless
 /// `--isolation none`.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
@@ -333,7 +350,7 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let listener = stemq_ingress::bind(a.http).await?;
     let store = Store::open(&a.store.url(&g.data_dir)?).context("opening the object store")?;
     let storage = stemq_ingress::uploads::StorageConfig::new(store);
-    let config = stemq_ingress::Config { listen: a.http, nats_submit: true, storage: Some(storage) };
+    let config = stemq_ingress::Config { listen: a.http, nats_submit: true, storage: Some(storage), auth: !a.auth.insecure_no_auth };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
 }

@@ -5,7 +5,6 @@
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use stemq_core::nats as names;
-use stemq_core::request::ANONYMOUS;
 
 use crate::global::Global;
 
@@ -16,8 +15,8 @@ pub enum WebhooksCommand {
     Enable {
         /// The receiver URL, exactly as in the job requests.
         url: String,
-        /// Whose webhooks (the HTTP API's owner is `anonymous`).
-        #[arg(long, default_value = ANONYMOUS)]
+        /// Whose webhooks (the owner of the API keys that submitted the jobs).
+        #[arg(long, default_value = stemq_ingress::access::LOCAL_OWNER)]
         owner: String,
     },
 }
@@ -31,7 +30,7 @@ pub async fn run(g: &Global, command: WebhooksCommand) -> Result<()> {
 
 /// `stemq webhooks enable URL`: the CLI face of `POST /v1/webhooks/enable`.
 async fn enable(g: &Global, owner: &str, url: &str) -> Result<()> {
-    let client = names::connect(&g.nats_url(), "stemq-cli").await?;
+    let client = crate::services::connect_cli(g).await?;
     let js = async_nats::jetstream::new(client);
     let bucket = js
         .get_key_value(names::WEBHOOKS_BUCKET)

@@ -579,7 +579,7 @@ async fn run_engine(
         .await
         .map_err(|e| Failure::transient(FailureCode::Scratch, format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
-        fetch_input(shared, &requested.request.audio_uri, &dir).instrument(info_span!("fetch_input")).await?
+        fetch_input(shared, &requested.request.audio_uri, &requested.request.owner, &dir).instrument(info_span!("fetch_input")).await?
     } else {
         dir.join("input")
     };
@@ -665,11 +665,13 @@ fn classify(e: EngineError) -> Failure {
     }
 }
 
-/// Streams the input to local scratch, chunk by chunk. Only URIs inside the configured
-/// store are read (the same policy as the ingress: no traversal, no other store).
-async fn fetch_input(shared: &Shared, uri: &str, dir: &Path) -> Result<PathBuf, Failure> {
+/// Streams the input to local scratch, chunk by chunk. Only the owner's own uploads in
+/// the configured store are read (the same policy as the ingress: no traversal, no other
+/// store, no other owner's objects; a raw publisher bypasses the ingress).
+async fn fetch_input(shared: &Shared, uri: &str, owner: &str, dir: &Path) -> Result<PathBuf, Failure> {
     let store = &shared.config.store;
     let (_, key) = stemq_core::uri::store_key(uri, &[store.base_url().to_string()])
+        .and_then(|(i, key)| stemq_core::uri::check_owned(key, owner).map(|_| (i, key)))
         .map_err(|e| Failure::permanent(FailureCode::InputNotAllowed, e.message))?;
     let path = dir.join("input");
     let t0 = Instant::now();

@@ -20,18 +20,31 @@ use crate::{JobId, JobStatus, JobView};
 
 type Key = (Reverse<i64>, JobId);
 
+/// The sets a page can be taken from: every job, or one owner's (`Some(owner)`), of
+/// every status or of one.
+type SetKey = (Option<String>, Option<JobStatus>);
+
 #[derive(Default)]
 struct Inner {
-    by_id: HashMap<JobId, (i64, JobStatus)>,
-    all: BTreeSet<Key>,
-    by_status: HashMap<JobStatus, BTreeSet<Key>>,
+    by_id: HashMap<JobId, (i64, JobStatus, String)>,
+    sets: HashMap<SetKey, BTreeSet<Key>>,
     caught_up: bool,
+}
+
+impl Inner {
+    fn set_keys(owner: &str, status: JobStatus) -> [SetKey; 4] {
+        [(None, None), (None, Some(status)), (Some(owner.to_string()), None), (Some(owner.to_string()), Some(status))]
+    }
 }
 
 /// The in-memory list index.
 #[derive(Default)]
 pub struct ListIndex {
     inner: RwLock<Inner>,
+}
+
+fn owner_of(view: &JobView) -> String {
+    view.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default()
 }
 
 /// Sort key of a view: its creation time in Unix nanoseconds.
@@ -66,43 +79,55 @@ impl ListIndex {
     /// Records a view (insert or move between statuses).
     pub fn upsert(&self, view: &JobView) {
         let created = created_key(view);
+        let owner = owner_of(view);
         let mut g = self.inner.write().expect("index lock");
-        if let Some((old_created, old_status)) = g.by_id.get(&view.job_id).copied() {
-            if old_created == created && old_status == view.status {
+        if let Some((old_created, old_status, old_owner)) = g.by_id.get(&view.job_id).cloned() {
+            if old_created == created && old_status == view.status && old_owner == owner {
                 return;
             }
             let k = (Reverse(old_created), view.job_id.clone());
-            g.all.remove(&k);
-            if let Some(s) = g.by_status.get_mut(&old_status) {
-                s.remove(&k);
+            for sk in Inner::set_keys(&old_owner, old_status) {
+                if let Some(s) = g.sets.get_mut(&sk) {
+                    s.remove(&k);
+                }
             }
         }
         let k = (Reverse(created), view.job_id.clone());
-        g.all.insert(k.clone());
-        g.by_status.entry(view.status).or_default().insert(k);
-        g.by_id.insert(view.job_id.clone(), (created, view.status));
+        for sk in Inner::set_keys(&owner, view.status) {
+            g.sets.entry(sk).or_default().insert(k.clone());
+        }
+        g.by_id.insert(view.job_id.clone(), (created, view.status, owner));
     }
 
     /// Forgets a job.
     pub fn remove(&self, id: &JobId) {
         let mut g = self.inner.write().expect("index lock");
-        if let Some((created, status)) = g.by_id.remove(id) {
+        if let Some((created, status, owner)) = g.by_id.remove(id) {
             let k = (Reverse(created), id.clone());
-            g.all.remove(&k);
-            if let Some(s) = g.by_status.get_mut(&status) {
-                s.remove(&k);
+            for sk in Inner::set_keys(&owner, status) {
+                if let Some(s) = g.sets.get_mut(&sk) {
+                    s.remove(&k);
+                }
             }
         }
     }
 
     /// Up to `limit` ids, newest first, optionally of one status, after `cursor`.
     pub fn page(&self, status: Option<JobStatus>, limit: usize, after: Option<&Cursor>) -> Vec<(JobId, i64)> {
+        self.page_of(None, status, limit, after)
+    }
+
+    /// Like [`ListIndex::page`], of one owner's jobs only when `owner` is given.
+    pub fn page_of(
+        &self,
+        owner: Option<&str>,
+        status: Option<JobStatus>,
+        limit: usize,
+        after: Option<&Cursor>,
+    ) -> Vec<(JobId, i64)> {
         let g = self.inner.read().expect("index lock");
         let empty = BTreeSet::new();
-        let set = match status {
-            Some(s) => g.by_status.get(&s).unwrap_or(&empty),
-            None => &g.all,
-        };
+        let set = g.sets.get(&(owner.map(str::to_string), status)).unwrap_or(&empty);
         let iter: Box<dyn Iterator<Item = &Key>> = match after {
             Some(c) => {
                 let start = (Reverse(c.created_ns), c.id.clone());
@@ -113,10 +138,15 @@ impl ListIndex {
         iter.take(limit).map(|(Reverse(ms), id)| (id.clone(), *ms)).collect()
     }
 
+    /// A job's status as the index knows it.
+    pub fn status(&self, id: &JobId) -> Option<JobStatus> {
+        self.inner.read().expect("index lock").by_id.get(id).map(|x| x.1)
+    }
+
     /// Jobs known, per status.
     pub fn counts(&self) -> HashMap<JobStatus, usize> {
         let g = self.inner.read().expect("index lock");
-        g.by_status.iter().map(|(k, v)| (*k, v.len())).collect()
+        g.sets.iter().filter_map(|((o, s), v)| (o.is_none()).then_some((*s)?).map(|s| (s, v.len()))).collect()
     }
 
     /// True once the initial load from the bucket is done.
@@ -223,5 +253,28 @@ mod tests {
         idx.remove(&all[0].0);
         assert_eq!(idx.page(None, 1, None)[0].1, 1008);
         assert_eq!(idx.counts()[&JobStatus::Succeeded], 2);
+        assert_eq!(idx.status(&all[1].0), Some(JobStatus::Queued));
+    }
+
+    #[test]
+    fn pages_of_one_owner_hold_only_its_jobs() {
+        let idx = ListIndex::default();
+        for i in 0..6u8 {
+            let mut v = view(i, 1000 + i as i64, JobStatus::Queued);
+            let owner = if i % 2 == 0 { "a" } else { "b" };
+            v.request = Some(
+                stemq_core_request(owner),
+            );
+            idx.upsert(&v);
+        }
+        let a = idx.page_of(Some("a"), None, 10, None);
+        assert_eq!(a.iter().map(|x| x.1).collect::<Vec<_>>(), [1004, 1002, 1000]);
+        assert_eq!(idx.page_of(Some("b"), Some(JobStatus::Queued), 10, None).len(), 3);
+        assert!(idx.page_of(Some("c"), None, 10, None).is_empty());
+        assert_eq!(idx.page(None, 10, None).len(), 6);
+    }
+
+    fn stemq_core_request(owner: &str) -> crate::NormalizedRequest {
+        crate::JobRequest::from_slice(br#"{"audio_uri":"file:///s/uploads/x.wav"}"#).unwrap().normalize(owner).unwrap()
     }
 }

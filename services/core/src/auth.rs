@@ -1,0 +1,423 @@
+//! API keys: their format, the stored record, the roles and what each may do, and the
+//! `stemq_keys` bucket that holds them.
+//!
+//! This module owns who a caller is. A key is `sk_<id>_<secret>`:
+//!
+//! - `id` (16 hex digits) names the record in the bucket, so a key can be listed, found
+//!   and revoked from its prefix without the key itself ever being stored;
+//! - `secret` (64 hex digits, 256 random bits) is kept only as its SHA-256, and the
+//!   comparison is constant-time ([`subtle`]). A plain hash is enough for a secret with
+//!   256 bits of entropy: there is nothing to guess.
+//!
+//! The key is shown once, by `stemq keys create`; it never appears in the log, the view,
+//! metrics or traces ([`ApiKey`]'s `Debug` hides the secret). Revocation marks the record;
+//! [`KeyRing`] re-reads a record at most [`KeyRing::TTL`] after it last read it, so a
+//! revocation takes effect on every ingress replica within seconds.
+//!
+//! Roles, from least to most: `read` (see the owner's jobs), `submit` (also submit,
+//! upload, cancel, retry, replay), `admin` (also the owner's webhook secret), `operator`
+//! (every owner's jobs; the operations team). See [`Permission`].
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// What a caller may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Read the owner's jobs, stems, events and deliveries.
+    Read,
+    /// `read`, plus submit, upload, cancel, retry and replay.
+    Submit,
+    /// `submit`, plus the owner's webhook secret and endpoints.
+    Admin,
+    /// Everything, for every owner.
+    Operator,
+}
+
+/// An operation a route performs, checked against the caller's [`Role`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Permission {
+    /// Reading jobs, stems, events, deliveries.
+    Read,
+    /// Submitting, uploading, cancelling, retrying, replaying.
+    Write,
+    /// The webhook signing secret and endpoint settings.
+    WebhookAdmin,
+    /// Seeing and managing every owner's jobs; operational views.
+    Operate,
+}
+
+impl Role {
+    /// Every role, least to most.
+    pub const ALL: [Role; 4] = [Role::Read, Role::Submit, Role::Admin, Role::Operator];
+
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Read => "read",
+            Role::Submit => "submit",
+            Role::Admin => "admin",
+            Role::Operator => "operator",
+        }
+    }
+
+    /// Parses the wire name.
+    pub fn parse(s: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    /// True when this role may perform `p`.
+    pub fn allows(self, p: Permission) -> bool {
+        match p {
+            Permission::Read => true,
+            Permission::Write => self != Role::Read,
+            Permission::WebhookAdmin => matches!(self, Role::Admin | Role::Operator),
+            Permission::Operate => self == Role::Operator,
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Per-key limits: a token bucket of submits and a cap on jobs queued or running.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Limits {
+    /// Submits per second, sustained.
+    pub rate: f64,
+    /// Submits allowed at once above the rate.
+    pub burst: u32,
+    /// Jobs of this key queued or running at once.
+    pub max_in_flight: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { rate: 20.0, burst: 100, max_in_flight: 200 }
+    }
+}
+
+/// A key as a caller presents it. `Debug` shows the id only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    id: String,
+    secret: String,
+}
+
+/// The prefix of every key.
+pub const KEY_PREFIX: &str = "sk_";
+const ID_HEX: usize = 16;
+const SECRET_HEX: usize = 64;
+
+impl ApiKey {
+    /// A new random key.
+    pub fn generate() -> ApiKey {
+        ApiKey { id: hex::encode(rand::random::<[u8; ID_HEX / 2]>()), secret: hex::encode(rand::random::<[u8; 32]>()) }
+    }
+
+    /// Parses `sk_<id>_<secret>`; `None` for anything else.
+    pub fn parse(s: &str) -> Option<ApiKey> {
+        let rest = s.strip_prefix(KEY_PREFIX)?;
+        let (id, secret) = rest.split_once('_')?;
+        let hex_of = |x: &str, n: usize| x.len() == n && x.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        (hex_of(id, ID_HEX) && hex_of(secret, SECRET_HEX)).then(|| ApiKey { id: id.into(), secret: secret.into() })
+    }
+
+    /// The key id (safe to log).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The whole key, to be shown once.
+    pub fn expose(&self) -> String {
+        format!("{KEY_PREFIX}{}_{}", self.id, self.secret)
+    }
+
+    fn secret_hash(&self) -> String {
+        hex::encode(Sha256::digest(self.secret.as_bytes()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKey({KEY_PREFIX}{}_…)", self.id)
+    }
+}
+
+/// A key's record in the `stemq_keys` bucket (key = the key id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    /// The key id.
+    pub id: String,
+    /// Whose jobs this key submits and sees.
+    pub owner: String,
+    /// What it may do.
+    pub role: Role,
+    /// Lowercase hex SHA-256 of the secret part.
+    pub secret_sha256: String,
+    /// Its limits.
+    pub limits: Limits,
+    /// When it was created.
+    pub created_at: DateTime<Utc>,
+    /// When it was revoked; a revoked key authenticates nobody.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// A note for people (`stemq keys create --name`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
+}
+
+impl KeyRecord {
+    /// True when `key` is this record's key (constant-time in the secret).
+    pub fn matches(&self, key: &ApiKey) -> bool {
+        key.id == self.id && bool::from(key.secret_hash().as_bytes().ct_eq(self.secret_sha256.as_bytes()))
+    }
+
+    /// True unless revoked.
+    pub fn active(&self) -> bool {
+        self.revoked_at.is_none()
+    }
+}
+
+/// An owner name must be usable as a NATS subject token, a KV key and a path segment:
+/// 1–64 of `a-z 0-9 _ -`, starting with a letter or digit.
+pub fn valid_owner(owner: &str) -> bool {
+    !owner.is_empty()
+        && owner.len() <= 64
+        && owner.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        && owner.as_bytes()[0].is_ascii_alphanumeric()
+}
+
+/// Key management and authentication failures.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    /// Not of the form `sk_<id>_<secret>`.
+    #[error("not a stemq API key (expected sk_<id>_<secret>)")]
+    Malformed,
+    /// No such key, or the secret does not match.
+    #[error("unknown API key")]
+    Unknown,
+    /// The key was revoked.
+    #[error("API key {0} was revoked")]
+    Revoked(String),
+    /// The owner name is unusable.
+    #[error("owner `{0}` is not valid: use 1-64 of a-z, 0-9, `_`, `-`, starting with a letter or digit")]
+    BadOwner(String),
+    /// The keys bucket could not be read or written.
+    #[error("keys bucket: {0}")]
+    Store(String),
+}
+
+fn store_err(e: impl std::fmt::Display) -> KeyError {
+    KeyError::Store(e.to_string())
+}
+
+/// Creates a key for `owner`; returns the key (to show once) and its record.
+pub async fn create(
+    bucket: &kv::Store,
+    owner: &str,
+    role: Role,
+    limits: Limits,
+    name: &str,
+) -> Result<(ApiKey, KeyRecord), KeyError> {
+    if !valid_owner(owner) {
+        return Err(KeyError::BadOwner(owner.to_string()));
+    }
+    let key = ApiKey::generate();
+    let record = KeyRecord {
+        id: key.id.clone(),
+        owner: owner.to_string(),
+        role,
+        secret_sha256: key.secret_hash(),
+        limits,
+        created_at: Utc::now(),
+        revoked_at: None,
+        name: name.to_string(),
+    };
+    let value = serde_json::to_vec(&record).map_err(store_err)?;
+    bucket.create(&record.id, value.into()).await.map_err(store_err)?;
+    Ok((key, record))
+}
+
+/// Reads one record.
+pub async fn get(bucket: &kv::Store, id: &str) -> Result<Option<KeyRecord>, KeyError> {
+    match bucket.get(id).await.map_err(store_err)? {
+        Some(v) => Ok(Some(serde_json::from_slice(&v).map_err(store_err)?)),
+        None => Ok(None),
+    }
+}
+
+/// Every record, oldest first.
+pub async fn list(bucket: &kv::Store) -> Result<Vec<KeyRecord>, KeyError> {
+    let mut keys = bucket.keys().await.map_err(store_err)?;
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        if let Some(r) = get(bucket, &k.map_err(store_err)?).await? {
+            out.push(r);
+        }
+    }
+    out.sort_by_key(|r| r.created_at);
+    Ok(out)
+}
+
+/// Revokes key `id` (the key or just its id); returns the record. Revoking twice keeps
+/// the first time.
+pub async fn revoke(bucket: &kv::Store, id: &str) -> Result<KeyRecord, KeyError> {
+    let id = ApiKey::parse(id).map(|k| k.id).unwrap_or_else(|| id.trim_start_matches(KEY_PREFIX).to_string());
+    for _ in 0..10 {
+        let Some(entry) = bucket.entry(&id).await.map_err(store_err)? else {
+            return Err(KeyError::Unknown);
+        };
+        let mut r: KeyRecord = serde_json::from_slice(&entry.value).map_err(store_err)?;
+        if r.revoked_at.is_some() {
+            return Ok(r);
+        }
+        r.revoked_at = Some(Utc::now());
+        let value = serde_json::to_vec(&r).map_err(store_err)?;
+        if bucket.update(&id, value.into(), entry.revision).await.is_ok() {
+            return Ok(r);
+        }
+    }
+    Err(KeyError::Store("too many concurrent writers".into()))
+}
+
+/// The authenticated caller of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Caller {
+    /// The key id.
+    pub key_id: String,
+    /// Whose jobs.
+    pub owner: String,
+    /// What it may do.
+    pub role: Role,
+    /// Its limits.
+    pub limits: Limits,
+}
+
+impl Caller {
+    /// True when the caller may see or act on a job of `owner`.
+    pub fn sees(&self, owner: &str) -> bool {
+        self.role == Role::Operator || self.owner == owner
+    }
+}
+
+/// Authenticates keys against the bucket, re-reading each record at most every
+/// [`KeyRing::TTL`]. Shared by the HTTP and NATS submit paths.
+pub struct KeyRing {
+    bucket: kv::Store,
+    cache: Mutex<HashMap<String, (Instant, KeyRecord)>>,
+}
+
+impl KeyRing {
+    /// How stale a cached record may be (a revocation takes at most this long).
+    pub const TTL: Duration = Duration::from_secs(2);
+    const MAX_CACHED: usize = 10_000;
+
+    /// A ring over `bucket`.
+    pub fn new(bucket: kv::Store) -> KeyRing {
+        KeyRing { bucket, cache: Mutex::new(HashMap::new()) }
+    }
+
+    /// The caller a presented key stands for.
+    pub async fn authenticate(&self, presented: &str) -> Result<Caller, KeyError> {
+        let key = ApiKey::parse(presented.trim()).ok_or(KeyError::Malformed)?;
+        let cached = {
+            let c = self.cache.lock().expect("key cache");
+            c.get(&key.id).filter(|(at, _)| at.elapsed() < Self::TTL).map(|(_, r)| r.clone())
+        };
+        let record = match cached {
+            Some(r) => r,
+            None => {
+                let r = get(&self.bucket, &key.id).await?.ok_or(KeyError::Unknown)?;
+                let mut c = self.cache.lock().expect("key cache");
+                if c.len() >= Self::MAX_CACHED {
+                    c.retain(|_, (at, _)| at.elapsed() < Self::TTL);
+                }
+                c.insert(key.id.clone(), (Instant::now(), r.clone()));
+                r
+            }
+        };
+        if !record.matches(&key) {
+            return Err(KeyError::Unknown);
+        }
+        if !record.active() {
+            return Err(KeyError::Revoked(record.id));
+        }
+        Ok(Caller { key_id: record.id, owner: record.owner, role: record.role, limits: record.limits })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_and_hide_their_secret() {
+        let k = ApiKey::generate();
+        let s = k.expose();
+        assert!(s.starts_with("sk_"));
+        assert_eq!(ApiKey::parse(&s), Some(k.clone()));
+        assert!(!format!("{k:?}").contains(&k.secret));
+        for bad in ["", "sk_", "sk_abc_def", &s[..s.len() - 1], &s.to_uppercase(), &format!("{s}0"), "Bearer x"] {
+            assert_eq!(ApiKey::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_record_matches_only_its_own_secret() {
+        let k = ApiKey::generate();
+        let r = KeyRecord {
+            id: k.id.clone(),
+            owner: "acme".into(),
+            role: Role::Submit,
+            secret_sha256: k.secret_hash(),
+            limits: Limits::default(),
+            created_at: Utc::now(),
+            revoked_at: None,
+            name: String::new(),
+        };
+        assert!(r.matches(&k));
+        let mut other = ApiKey::generate();
+        other.id = k.id.clone();
+        assert!(!r.matches(&other));
+        assert!(!serde_json::to_string(&r).unwrap().contains(&k.secret));
+    }
+
+    #[test]
+    fn roles_allow_what_they_say() {
+        use Permission::*;
+        let table = [
+            (Role::Read, [true, false, false, false]),
+            (Role::Submit, [true, true, false, false]),
+            (Role::Admin, [true, true, true, false]),
+            (Role::Operator, [true, true, true, true]),
+        ];
+        for (role, want) in table {
+            let got = [Read, Write, WebhookAdmin, Operate].map(|p| role.allows(p));
+            assert_eq!(got, want, "{role}");
+            assert_eq!(Role::parse(role.as_str()), Some(role));
+        }
+    }
+
+    #[test]
+    fn owners_are_safe_tokens() {
+        for ok in ["local", "acme-music", "a_1", "0x"] {
+            assert!(valid_owner(ok), "{ok}");
+        }
+        for bad in ["", "Acme", "a.b", "a*", "a>", "-a", "a/b", "a b", &"x".repeat(65)] {
+            assert!(!valid_owner(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! `stemq keys`: API keys from the command line, for operators. It talks to NATS
+//! directly (the `stemq_keys` bucket, through `stemq_core::auth`), so no ingress is
+//! needed; the ingress replicas see a new or revoked key within seconds.
+//!
+//! This module also owns `stemq dev`'s admin key: created for the owner `local` on first
+//! start and written to `<data-dir>/admin.key` (mode 0600), which the client commands
+//! read when neither `--api-key` nor `STEMQ_API_KEY` is given.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use async_nats::jetstream::kv;
+use clap::Subcommand;
+use stemq_core::auth::{self, Limits, Role};
+use stemq_core::nats as names;
+
+use crate::global::Global;
+
+/// `stemq keys …`.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key and print it (once: only its hash is kept).
+    Create {
+        /// Whose jobs the key submits and sees (a-z, 0-9, `_`, `-`).
+        #[arg(long)]
+        owner: String,
+        /// What it may do.
+        #[arg(long, value_enum, default_value = "submit")]
+        role: RoleArg,
+        /// Submits per second, sustained.
+        #[arg(long, default_value_t = Limits::default().rate)]
+        rate: f64,
+        /// Submits allowed at once above the rate.
+        #[arg(long, default_value_t = Limits::default().burst)]
+        burst: u32,
+        /// Jobs of this key queued or running at once.
+        #[arg(long, default_value_t = Limits::default().max_in_flight)]
+        max_in_flight: u32,
+        /// A note for people (who holds it, what for).
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// List keys (ids, owners, roles, limits; never the keys).
+    List,
+    /// Revoke a key by its id (or the whole key).
+    Revoke {
+        /// The key id (the part after `sk_`), or the key.
+        id: String,
+    },
+}
+
+/// `--role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    /// Read the owner's jobs.
+    Read,
+    /// Also submit, upload, cancel, retry.
+    Submit,
+    /// Also the owner's webhook secret.
+    Admin,
+    /// Every owner's jobs.
+    Operator,
+}
+
+impl RoleArg {
+    fn role(self) -> Role {
+        match self {
+            RoleArg::Read => Role::Read,
+            RoleArg::Submit => Role::Submit,
+            RoleArg::Admin => Role::Admin,
+            RoleArg::Operator => Role::Operator,
+        }
+    }
+}
+
+/// Opens the keys bucket.
+pub async fn bucket(client: async_nats::Client) -> Result<kv::Store> {
+    async_nats::jetstream::new(client)
+        .get_key_value(names::KEYS_BUCKET)
+        .await
+        .context("the keys bucket is missing: run `stemq nats apply` or `stemq dev`")
+}
+
+/// Runs a `stemq keys` command.
+pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
+    let client = crate::services::connect_cli(g).await?;
+    let bucket = bucket(client).await?;
+    match command {
+        KeysCommand::Create { owner, role, rate, burst, max_in_flight, name } => {
+            if !(rate > 0.0 && rate.is_finite()) || burst == 0 || max_in_flight == 0 {
+                bail!("--rate, --burst and --max-in-flight must be positive");
+            }
+            let limits = Limits { rate, burst, max_in_flight };
+            let (key, record) = auth::create(&bucket, &owner, role.role(), limits, &name).await?;
+            eprintln!(
+                "created key {} for owner {} (role {}); it is shown only now:",
+                record.id, record.owner, record.role
+            );
+            println!("{}", key.expose());
+        }
+        KeysCommand::List => {
+            println!(
+                "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} {}",
+                "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "CREATED", "STATUS"
+            );
+            for r in auth::list(&bucket).await? {
+                let status = match r.revoked_at {
+                    Some(t) => format!("revoked {}", t.format("%Y-%m-%d %H:%M")),
+                    None => "active".into(),
+                };
+                println!(
+                    "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} {}{}",
+                    r.id,
+                    r.owner,
+                    r.role.as_str(),
+                    r.limits.rate,
+                    r.limits.burst,
+                    r.limits.max_in_flight,
+                    r.created_at.format("%Y-%m-%d %H:%M"),
+                    status,
+                    if r.name.is_empty() { String::new() } else { format!("  ({})", r.name) }
+                );
+            }
+        }
+        KeysCommand::Revoke { id } => {
+            let r = auth::revoke(&bucket, &id).await?;
+            println!("revoked key {} of owner {} (every ingress refuses it within seconds)", r.id, r.owner);
+        }
+    }
+    Ok(())
+}
+
+/// Where `stemq dev` keeps its admin key.
+pub fn admin_key_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("admin.key")
+}
+
+/// The key in `<data-dir>/admin.key` if it still authenticates; otherwise a new admin
+/// key of the owner `local`, written there (mode 0600). Returns the path.
+pub async fn ensure_admin_key(bucket: &kv::Store, data_dir: &Path) -> Result<PathBuf> {
+    let path = admin_key_path(data_dir);
+    if let Ok(existing) = std::fs::read_to_string(&path) {
+        let ring = auth::KeyRing::new(bucket.clone());
+        if ring.authenticate(existing.trim()).await.is_ok() {
+            return Ok(path);
+        }
+    }
+    let limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: 10_000 };
+    let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, Role::Admin, limits, "stemq dev").await?;
+    write_secret(&path, &format!("{}\n", key.expose()))?;
+    Ok(path)
+}
+
+/// Writes `text` to `path` readable by its owner only.
+fn write_secret(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(text.as_bytes())?;
+    Ok(())
+}
+
+/// The API key of a client command: `--api-key`/`STEMQ_API_KEY`, else `stemq dev`'s
+/// `<data-dir>/admin.key` when it exists.
+pub fn client_key(explicit: Option<&str>, data_dir: &Path) -> Option<String> {
+    explicit
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string(admin_key_path(data_dir)).ok().map(|s| s.trim().to_string()))
+        .filter(|k| !k.is_empty())
+}
