@@ -102,6 +102,7 @@ async fn the_client_commands_work_over_the_http_api_alone() {
         let dir = dir.path().to_path_buf();
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let api = api.clone();
+        let key = stack.key.clone();
         async move {
             tokio::task::spawn_blocking(move || {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -109,7 +110,7 @@ async fn the_client_commands_work_over_the_http_api_alone() {
                     .env("NATS_URL", "nats://127.0.0.1:1")
                     .env("STEMQ_STORE", "file:///nonexistent/store/")
                     .env("STEMQ_API", &api)
-                    .env("STEMQ_API_KEY", "test-key")
+                    .env("STEMQ_API_KEY", key)
                     .output()
                     .unwrap()
             })
@@ -165,7 +166,7 @@ async fn the_client_commands_work_over_the_http_api_alone() {
     stack.shutdown().await;
 }
 
-/// `--api-key` goes out as a bearer token (the server does not check keys yet).
+/// `--api-key` goes out as a bearer token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_key_is_sent_as_a_bearer_token() {
     use axum::http::HeaderMap;
@@ -194,4 +195,54 @@ async fn the_api_key_is_sent_as_a_bearer_token() {
     .unwrap();
     assert!(!out.status.success());
     assert_eq!(seen.lock().unwrap().as_deref(), Some("Bearer k-123"), "{}", text(&out.stderr));
+}
+
+/// `stemq keys create / list / revoke` against a real server: the key is printed once,
+/// works at once, is listed without its secret, and stops working when revoked. A key
+/// in `<data-dir>/admin.key` is used when no `--api-key` is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_created_listed_and_revoked_from_the_command_line() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (nats, api) = (stack.server.url(), format!("http://{}", stack.http));
+    let run = |args: Vec<String>| {
+        let (dir, nats) = (dir.path().to_path_buf(), nats.clone());
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            stemq(&args, &dir).env("NATS_URL", nats).output().unwrap()
+        })
+    };
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let out = run(args(&["keys", "create", "--owner", "band", "--role", "admin", "--name", "ci"])).await.unwrap();
+    let key = ok(&out, "keys create").trim().to_string();
+    assert!(key.starts_with("sk_"), "{key}");
+    let id = key.split('_').nth(1).unwrap().to_string();
+    assert!(text(&out.stderr).contains(&id));
+    let bad = run(args(&["keys", "create", "--owner", "Not Valid"])).await.unwrap();
+    assert!(!bad.status.success() && text(&bad.stderr).contains("owner"), "{}", text(&bad.stderr));
+
+    let list = ok(&run(args(&["keys", "list"])).await.unwrap(), "keys list");
+    assert!(list.contains(&id) && list.contains("band") && list.contains("admin") && list.contains("active"), "{list}");
+    assert!(!list.contains(&key), "the key itself is never listed");
+
+    // The key from <data-dir>/admin.key, with no --api-key.
+    std::fs::create_dir_all(dir.path().join(".stemq")).unwrap();
+    std::fs::write(dir.path().join(".stemq/admin.key"), format!("{key}\n")).unwrap();
+    let listed = run(args(&["list", "--api", &api])).await.unwrap();
+    ok(&listed, "list --api with admin.key");
+
+    ok(&run(args(&["keys", "revoke", &id])).await.unwrap(), "keys revoke");
+    let list = ok(&run(args(&["keys", "list"])).await.unwrap(), "keys list");
+    assert!(list.contains("revoked"), "{list}");
+    let t0 = std::time::Instant::now();
+    loop {
+        let out = run(args(&["list", "--api", &api])).await.unwrap();
+        if !out.status.success() {
+            assert!(text(&out.stderr).contains("401"), "{}", text(&out.stderr));
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the revoked key still works");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stack.shutdown().await;
 }

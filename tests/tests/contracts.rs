@@ -130,8 +130,10 @@ async fn nats_request_reply_submit_answers_like_http() {
     let ask = |b: &Value| {
         let c = stack.client.clone();
         let payload = serde_json::to_vec(b).unwrap();
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Authorization", format!("Bearer {}", stack.key).as_str());
         async move {
-            let m = c.request(SUBMIT_SUBJECT, payload.into()).await.expect("reply");
+            let m = c.request_with_headers(SUBMIT_SUBJECT, headers, payload.into()).await.expect("reply");
             serde_json::from_slice::<Value>(&m.payload).unwrap()
         }
     };

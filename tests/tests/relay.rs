@@ -510,7 +510,7 @@ async fn a_gone_url_can_be_enabled_again_over_http_and_the_cli() {
         assert!(s["disabled_urls"].as_array().unwrap().contains(&json!(url)), "{s}");
 
         if via_cli {
-            let out = stemq_webhooks(&stack, &["enable", &url]);
+            let out = stemq_webhooks(&stack, &["enable", &url, "--owner", stemq_tests::TEST_OWNER]);
             let stdout = String::from_utf8_lossy(&out.stdout);
             assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
             assert!(stdout.contains("enabled again"), "{stdout}");

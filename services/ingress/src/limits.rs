@@ -114,7 +114,12 @@ async fn cas<T, R>(
 where
     T: Serialize + DeserializeOwned,
 {
-    for _ in 0..50 {
+    for attempt in 0..100u32 {
+        if attempt > 0 {
+            // Many replicas or requests on one key: spread the retries out.
+            let ms = rand::random::<u64>() % u64::from(attempt.min(10) + 1);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         let entry = bucket.entry(key).await.map_err(err)?;
         let (current, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision)),

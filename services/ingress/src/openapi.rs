@@ -53,7 +53,7 @@ pub fn document() -> Value {
         "disabled_urls": {"type": "array", "items": {"type": "string"}, "description": "Receivers that answered 410 Gone"}}});
     let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
     let ok = |d: &str, s: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{s}")}}}});
-    json!({
+    let mut doc = json!({
         "openapi": "3.1.0",
         "info": {"title": "stemq", "version": env!("CARGO_PKG_VERSION"),
                  "description": "Music source separation as a service: submit a song, get stems."},
@@ -209,8 +209,49 @@ pub fn document() -> Value {
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness: NATS connected and the job stream present",
                                  "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (operator keys only)", "responses": {"200": {"description": "text format"}}}},
         },
         "components": {"schemas": components}
-    })
+    });
+    secure(&mut doc);
+    doc
+}
+
+/// The security scheme, and the answers of [`crate::access`] on every operation that
+/// needs a key (the same table decides: [`crate::access::permission`]).
+fn secure(doc: &mut Value) {
+    doc["components"]["securitySchemes"] = json!({"bearerAuth": {
+        "type": "http", "scheme": "bearer", "bearerFormat": "sk_<key id>_<secret>",
+        "description": "An API key from `stemq keys create` (or `<data-dir>/admin.key` of `stemq dev`), \
+                        as `Authorization: Bearer <key>`. Never in a URL: a key in the query string is refused (400)."}});
+    doc["security"] = json!([{"bearerAuth": []}]);
+    let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
+    let Some(paths) = doc["paths"].as_object_mut() else { return };
+    for (path, item) in paths.iter_mut() {
+        let Some(ops) = item.as_object_mut() else { continue };
+        for (method, op) in ops.iter_mut() {
+            let Ok(m) = method.to_ascii_uppercase().parse::<axum::http::Method>() else { continue };
+            let Some(needed) = crate::access::permission(&m, path) else {
+                op["security"] = json!([]);
+                continue;
+            };
+            let role = match needed {
+                stemq_core::auth::Permission::Read => "any role",
+                stemq_core::auth::Permission::Write => "`submit`, `admin` or `operator`",
+                stemq_core::auth::Permission::WebhookAdmin => "`admin` or `operator`",
+                stemq_core::auth::Permission::Operate => "`operator`",
+            };
+            op["x-stemq-roles"] = json!(role);
+            let responses = &mut op["responses"];
+            responses["401"] = err("No key, or a malformed, unknown or revoked key (`WWW-Authenticate: Bearer`)");
+            responses["403"] = err(&format!("The key's role does not allow this; it needs {role}"));
+            if path.contains("{id}") {
+                responses["404"] = err("No such job, or another owner's job (the two are not told apart)");
+            }
+            if (method == "post" && path == "/v1/separations") || path.ends_with("/replay") {
+                responses["429"] = err("Over the key's rate or jobs-in-flight limit (or a delivery replayed too often); \
+                    `Retry-After`, `RateLimit-Policy` and `RateLimit` say when to retry; nothing was queued");
+            }
+        }
+    }
 }
