@@ -38,8 +38,8 @@ export STEMQ_DATA_DIR="$data"
 echo "== synthesising a 20 s song"
 "$bin" synth --seconds 20 -o "$data/demo-song.wav"
 
-echo "== separating (model dsp)"
-"$bin" submit "$data/demo-song.wav" --model dsp --wait -o "$out"
+echo "== separating (model dsp) through the HTTP API, with the admin key stemq dev wrote to $data/admin.key"
+"$bin" submit "$data/demo-song.wav" --model dsp --wait -o "$out" --api "http://$http"
 
 echo "== stopping stemq dev"
 stop

@@ -49,9 +49,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         server = Some(s);
     }
     let client = crate::services::connect(&g, &a.server, "stemq-dev").await?;
-    // For scripts and other terminals: where this stack's NATS is.
     std::fs::create_dir_all(&g.data_dir)?;
-    std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
+    let _ = std::fs::remove_file(g.data_dir.join("nats.url"));
     let shutdown = shutdown_on_signals();
 
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
@@ -80,6 +79,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let local = stemq_ingress::access::LOCAL_OWNER;
     let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, local).await?;
     let key_path = crate::keys::ensure_admin_key(&crate::keys::bucket(client.clone()).await?, &g.data_dir).await?;
+    // For scripts and other terminals: where this stack's NATS is, written once the
+    // stack is up and its admin key is in place.
+    std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
 
     eprintln!();
     eprintln!("stemq dev is up");
