@@ -198,6 +198,9 @@ async fn one_trace_per_job_and_clean_logs() {
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     assert!(!text.contains(secret), "a secret reached the logs");
     assert!(!text.contains("SECRET"), "part of a secret reached the logs");
+    // Nor the API key every request of this test carried (its secret part).
+    let key_secret = stack.key.rsplit('_').next().unwrap();
+    assert!(!text.contains(key_secret), "an API key reached the logs");
     let done = text
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())

@@ -35,5 +35,5 @@ pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 pub const MAX_SHIFTS: u32 = 20;
 /// Largest accepted `max_runtime`, in seconds (a day).
 pub const MAX_RUNTIME_S: u64 = 86_400;
-/// The owner used until API keys exist.
+/// The owner of jobs `stemq separate` runs locally (no queue, no API keys).
 pub const ANONYMOUS: &str = "anonymous";
