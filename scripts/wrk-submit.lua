@@ -3,6 +3,7 @@
 local counter = 0
 local tag = ""
 local base = os.getenv("STEMQ_STORE_BASE") or "file:///tmp/store"
+local auth = "Bearer " .. (os.getenv("STEMQ_API_KEY") or "")
 
 function init(args)
   math.randomseed(os.time() + tonumber(tostring({}):sub(8), 16) % 100000)
@@ -11,8 +12,8 @@ end
 
 function request()
   counter = counter + 1
-  local body = string.format('{"audio_uri":"%s/uploads/wrk-%s-%d.wav","model":"dsp"}', base, tag, counter)
-  return wrk.format("POST", "/v1/separations", { ["Content-Type"] = "application/json" }, body)
+  local body = string.format('{"audio_uri":"%s/uploads/local/wrk-%s-%d.wav","model":"dsp"}', base, tag, counter)
+  return wrk.format("POST", "/v1/separations", { ["Content-Type"] = "application/json", ["Authorization"] = auth }, body)
 end
 
 local statuses = {}
