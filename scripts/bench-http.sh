@@ -23,6 +23,6 @@ for _ in $(seq 1 300); do [[ -s "$data/nats.url" ]] && break; sleep 0.1; done
 export STEMQ_STORE_BASE="file://$(cd "$data" && pwd)/store"
 # An operator key whose limits never bind: this measures the ingress, not the limits.
 export STEMQ_API_KEY="$(NATS_URL="$(cat "$data/nats.url")" target/release/stemq keys create --owner local \
-  --role operator --rate 1000000 --burst 1000000 --max-in-flight 1000000 --name bench-http 2>/dev/null)"
+  --role operator --rate 0 --max-in-flight 0 --name bench-http 2>/dev/null)"
 wrk -t2 -c32 -d"${secs}s" --latency -s scripts/wrk-submit.lua "http://$http/v1/separations"
 curl -fs -H "Authorization: Bearer $STEMQ_API_KEY" "http://$http/metrics" | grep -E '^stemq_submits_total' || true

@@ -96,7 +96,7 @@ impl Stack {
         names::apply(&js, &options.settings).await.expect("apply definitions");
         let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
         let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
-        let limits = stemq_core::auth::Limits { rate: 1e6, burst: 1_000_000, max_in_flight: 1_000_000 };
+        let limits = stemq_core::auth::Limits::NONE;
         let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
             .await
             .expect("test key");

@@ -92,15 +92,39 @@ impl std::fmt::Display for Role {
     }
 }
 
-/// Per-key limits: a token bucket of submits and a cap on jobs queued or running.
+/// Per-key limits: a token bucket of submits and a cap on jobs queued or running. A
+/// `rate` of 0 turns the token bucket off, a `max_in_flight` of 0 the cap (for trusted
+/// services and benchmarks).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Limits {
-    /// Submits per second, sustained.
+    /// Submits per second, sustained (0: no rate limit).
     pub rate: f64,
     /// Submits allowed at once above the rate.
     pub burst: u32,
-    /// Jobs of this key queued or running at once.
+    /// Jobs of this key queued or running at once (0: no cap; at most
+    /// [`Limits::MAX_IN_FLIGHT`]).
     pub max_in_flight: u32,
+}
+
+impl Limits {
+    /// The largest cap: the jobs in flight of a key are one KV value.
+    pub const MAX_IN_FLIGHT: u32 = 10_000;
+    /// No limits at all.
+    pub const NONE: Limits = Limits { rate: 0.0, burst: 0, max_in_flight: 0 };
+
+    /// Refuses limits that cannot be enforced.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.rate >= 0.0 && self.rate.is_finite()) {
+            return Err("the rate must be 0 (no limit) or a positive number".into());
+        }
+        if self.rate > 0.0 && self.burst == 0 {
+            return Err("a rate needs a burst of at least 1".into());
+        }
+        if self.max_in_flight > Limits::MAX_IN_FLIGHT {
+            return Err(format!("max_in_flight is at most {} (0: no cap)", Limits::MAX_IN_FLIGHT));
+        }
+        Ok(())
+    }
 }
 
 impl Default for Limits {
@@ -215,6 +239,9 @@ pub enum KeyError {
     /// The owner name is unusable.
     #[error("owner `{0}` is not valid: use 1-64 of a-z, 0-9, `_`, `-`, starting with a letter or digit")]
     BadOwner(String),
+    /// Limits that cannot be enforced.
+    #[error("{0}")]
+    BadLimits(String),
     /// The keys bucket could not be read or written.
     #[error("keys bucket: {0}")]
     Store(String),
@@ -235,6 +262,7 @@ pub async fn create(
     if !valid_owner(owner) {
         return Err(KeyError::BadOwner(owner.to_string()));
     }
+    limits.check().map_err(KeyError::BadLimits)?;
     let key = ApiKey::generate();
     let record = KeyRecord {
         id: key.id.clone(),

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use async_nats::jetstream::kv;
 use clap::Subcommand;
 use stemq_core::auth::{self, Limits, Role};
@@ -27,13 +27,13 @@ pub enum KeysCommand {
         /// What it may do.
         #[arg(long, value_enum, default_value = "submit")]
         role: RoleArg,
-        /// Submits per second, sustained.
+        /// Submits per second, sustained (0: no rate limit).
         #[arg(long, default_value_t = Limits::default().rate)]
         rate: f64,
         /// Submits allowed at once above the rate.
         #[arg(long, default_value_t = Limits::default().burst)]
         burst: u32,
-        /// Jobs of this key queued or running at once.
+        /// Jobs of this key queued or running at once (0: no cap; at most 10 000).
         #[arg(long, default_value_t = Limits::default().max_in_flight)]
         max_in_flight: u32,
         /// A note for people (who holds it, what for).
@@ -87,9 +87,6 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
     let bucket = bucket(client).await?;
     match command {
         KeysCommand::Create { owner, role, rate, burst, max_in_flight, name } => {
-            if !(rate > 0.0 && rate.is_finite()) || burst == 0 || max_in_flight == 0 {
-                bail!("--rate, --burst and --max-in-flight must be positive");
-            }
             let limits = Limits { rate, burst, max_in_flight };
             let (key, record) = auth::create(&bucket, &owner, role.role(), limits, &name).await?;
             eprintln!(
@@ -145,7 +142,7 @@ pub async fn ensure_admin_key(bucket: &kv::Store, data_dir: &Path) -> Result<Pat
             return Ok(path);
         }
     }
-    let limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: 10_000 };
+    let limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: Limits::MAX_IN_FLIGHT };
     let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, Role::Admin, limits, "stemq dev").await?;
     write_secret(&path, &format!("{}\n", key.expose()))?;
     Ok(path)
