@@ -367,7 +367,8 @@ pub fn upload_key(name: &str) -> String {
 
 /// A request body with a unique audio URI among the test owner's uploads.
 pub fn job_body(stack: &Stack, name: &str, fake: Option<Value>) -> Value {
-    let mut v = serde_json::json!({ "audio_uri": stack.store.uri(&upload_key(&format!("{name}.wav"))), "model": "dsp" });
+    let mut v =
+        serde_json::json!({ "audio_uri": stack.store.uri(&upload_key(&format!("{name}.wav"))), "model": "dsp" });
     if let Some(f) = fake {
         v["metadata"] = serde_json::json!({ "fake": f });
     }

@@ -69,7 +69,8 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
 async fn every_route_needs_a_valid_key_and_the_right_role() {
     let stack = Stack::start(StackOptions::default()).await;
     let base = stack.url("");
-    let (code, _, v) = call(&base, Method::POST, "/v1/separations", Some(&stack.key), Some(&job_body(&stack, "a", None))).await;
+    let (code, _, v) =
+        call(&base, Method::POST, "/v1/separations", Some(&stack.key), Some(&job_body(&stack, "a", None))).await;
     assert_eq!(code, 202, "{v}");
     let id = v["job_id"].as_str().unwrap().to_string();
     let routes: Vec<(Method, String)> = vec![
@@ -227,7 +228,10 @@ async fn owners_never_see_or_touch_each_others_jobs() {
     }
     // Alice sees it, on every read route.
     assert_eq!(call(&base, Method::GET, &format!("/v1/separations/{id}"), Some(&alice), None).await.0, 200);
-    assert_eq!(call(&base, Method::GET, &format!("/v1/separations/{id}/stems/vocals"), Some(&alice), None).await.0, 200);
+    assert_eq!(
+        call(&base, Method::GET, &format!("/v1/separations/{id}/stems/vocals"), Some(&alice), None).await.0,
+        200
+    );
     // Lists: each owner sees only its jobs; the operator sees both.
     let (_, _, v) = call(&base, Method::POST, "/v1/separations", Some(&bob), Some(&body_of(&stack, "bob", "b"))).await;
     let bob_id = job_id(&v);
@@ -321,8 +325,14 @@ async fn limits_hold_across_two_ingress_replicas() {
     let mut codes = Vec::new();
     let mut limited = None;
     for i in 0..10 {
-        let (code, h, v) =
-            call(&bases[i % 2], Method::POST, "/v1/separations", Some(&k), Some(&body_of(&stack, "flood", &format!("r{i}")))).await;
+        let (code, h, v) = call(
+            &bases[i % 2],
+            Method::POST,
+            "/v1/separations",
+            Some(&k),
+            Some(&body_of(&stack, "flood", &format!("r{i}"))),
+        )
+        .await;
         codes.push(code);
         if code == 429 && limited.is_none() {
             limited = Some((h, v));
@@ -340,8 +350,14 @@ async fn limits_hold_across_two_ingress_replicas() {
     let k = key(&stack, "capped", Role::Submit, Some(Limits { rate: 0.0, burst: 0, max_in_flight: 3 })).await;
     let mut codes = Vec::new();
     for i in 0..10 {
-        let (code, _, v) =
-            call(&bases[i % 2], Method::POST, "/v1/separations", Some(&k), Some(&body_of(&stack, "capped", &format!("c{i}")))).await;
+        let (code, _, v) = call(
+            &bases[i % 2],
+            Method::POST,
+            "/v1/separations",
+            Some(&k),
+            Some(&body_of(&stack, "capped", &format!("c{i}"))),
+        )
+        .await;
         if code == 429 {
             assert_eq!(v["error"]["code"], "too_many_in_flight");
         }
@@ -349,7 +365,8 @@ async fn limits_hold_across_two_ingress_replicas() {
     }
     assert_eq!(codes.iter().filter(|c| **c == 202).count(), 3, "{codes:?}");
     // Resubmitting an admitted job is not a new job: it is answered, not refused.
-    let (code, _, _) = call(&bases[1], Method::POST, "/v1/separations", Some(&k), Some(&body_of(&stack, "capped", "c0"))).await;
+    let (code, _, _) =
+        call(&bases[1], Method::POST, "/v1/separations", Some(&k), Some(&body_of(&stack, "capped", "c0"))).await;
     assert_eq!(code, 200);
     // Nothing refused reached the log: 4 + 3 requests, no more.
     let published = stack.count_on("stemq.jobs.*.requested").await - jobs_before;
@@ -394,7 +411,8 @@ async fn a_flooding_owner_cannot_starve_another() {
     assert_eq!(codes.keys().filter(|c| ![202u16, 429].contains(c)).count(), 0, "{codes:?}");
     // Then owner B submits one.
     let b_submitted = chrono::Utc::now();
-    let (code, _, v) = call(&base, Method::POST, "/v1/separations", Some(&b), Some(&body_of(&stack, "patient", "one"))).await;
+    let (code, _, v) =
+        call(&base, Method::POST, "/v1/separations", Some(&b), Some(&body_of(&stack, "patient", "one"))).await;
     assert_eq!(code, 202);
     let b_view = stack.wait_terminal(&job_id(&v), T).await;
     let b_started = b_view.started_at.expect("B's job ran");

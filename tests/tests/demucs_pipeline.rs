@@ -142,7 +142,11 @@ async fn run_job(stack: &Stack, body: &Value) -> (JobId, JobView) {
 async fn download(stack: &Stack, id: &JobId, view: &JobView) -> Vec<(String, [Vec<f32>; 2])> {
     let mut out = Vec::new();
     for o in &view.outputs {
-        let r = stack.request(reqwest::Method::GET, &format!("/v1/separations/{id}/stems/{}", o.stem)).send().await.unwrap();
+        let r = stack
+            .request(reqwest::Method::GET, &format!("/v1/separations/{id}/stems/{}", o.stem))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status().as_u16(), 200, "stem {}", o.stem);
         let path = stack.dir.path().join(format!("{id}-{}.wav", o.stem));
         std::fs::write(&path, r.bytes().await.unwrap()).unwrap();

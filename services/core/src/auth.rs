@@ -155,7 +155,8 @@ impl ApiKey {
     pub fn parse(s: &str) -> Option<ApiKey> {
         let rest = s.strip_prefix(KEY_PREFIX)?;
         let (id, secret) = rest.split_once('_')?;
-        let hex_of = |x: &str, n: usize| x.len() == n && x.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        let hex_of =
+            |x: &str, n: usize| x.len() == n && x.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
         (hex_of(id, ID_HEX) && hex_of(secret, SECRET_HEX)).then(|| ApiKey { id: id.into(), secret: secret.into() })
     }
 

@@ -308,8 +308,8 @@ mod tests {
                     .unwrap_or(tail.len());
                 let used = &tail[..end];
                 rest = &tail[end..];
-                if ["stemq_jobs", "stemq_"].contains(&used) {
-                    continue; // the KV bucket, not a metric
+                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks", "stemq_"].contains(&used) {
+                    continue; // the KV buckets, not metrics
                 }
                 let base =
                     ["_bucket", "_count", "_sum", "_total"].iter().find_map(|s| used.strip_suffix(s)).unwrap_or(used);

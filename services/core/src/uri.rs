@@ -150,7 +150,9 @@ mod tests {
     #[test]
     fn only_the_owners_own_uploads_are_readable() {
         assert!(check_owned("uploads/acme/ab.wav", "acme").is_ok());
-        for key in ["uploads/acme2/ab.wav", "uploads/ab.wav", "jobs/0123/vocals.wav", "uploads/acmeab.wav", "x/uploads/acme/a"] {
+        for key in
+            ["uploads/acme2/ab.wav", "uploads/ab.wav", "jobs/0123/vocals.wav", "uploads/acmeab.wav", "x/uploads/acme/a"]
+        {
             assert_eq!(check_owned(key, "acme").unwrap_err().field, "audio_uri", "{key}");
         }
     }

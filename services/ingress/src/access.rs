@@ -52,13 +52,16 @@ const KEY_PARAMS: [&str; 6] = ["api_key", "apikey", "key", "token", "access_toke
 
 fn key_in_query(query: &str) -> bool {
     url::form_urlencoded::parse(query.as_bytes()).any(|(k, v)| {
-        KEY_PARAMS.contains(&k.to_ascii_lowercase().as_str()) || v.trim_start().starts_with(stemq_core::auth::KEY_PREFIX)
+        KEY_PARAMS.contains(&k.to_ascii_lowercase().as_str())
+            || v.trim_start().starts_with(stemq_core::auth::KEY_PREFIX)
     })
 }
 
 fn unauthorized(message: String, bad_token: bool) -> Response {
-    let mut resp = ApiError { status: StatusCode::UNAUTHORIZED, code: "unauthorized", message, field: None }.into_response();
-    let challenge = if bad_token { r#"Bearer realm="stemq", error="invalid_token""# } else { r#"Bearer realm="stemq""# };
+    let mut resp =
+        ApiError { status: StatusCode::UNAUTHORIZED, code: "unauthorized", message, field: None }.into_response();
+    let challenge =
+        if bad_token { r#"Bearer realm="stemq", error="invalid_token""# } else { r#"Bearer realm="stemq""# };
     resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
     resp
 }

@@ -122,7 +122,9 @@ where
         }
         let entry = bucket.entry(key).await.map_err(err)?;
         let (current, revision) = match entry {
-            Some(e) if e.operation == kv::Operation::Put => (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision)),
+            Some(e) if e.operation == kv::Operation::Put => {
+                (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision))
+            }
             Some(e) => (None, Some(e.revision)),
             None => (None, None),
         };
@@ -143,7 +145,13 @@ where
 }
 
 /// Takes one token from `key`'s bucket of `(rate, burst)`; returns the tokens left.
-async fn take(bucket: &kv::Store, key: &str, rate: f64, burst: u32, what: &'static str) -> Result<Result<u64, Limited>, LimitsError> {
+async fn take(
+    bucket: &kv::Store,
+    key: &str,
+    rate: f64,
+    burst: u32,
+    what: &'static str,
+) -> Result<Result<u64, Limited>, LimitsError> {
     let burst_f = f64::from(burst.max(1));
     let rate = if rate > 0.0 { rate } else { f64::MIN_POSITIVE };
     cas(bucket, key, |b: Option<Bucket>| {

@@ -43,9 +43,15 @@ pub async fn serve(
             let caller = match &state.keys {
                 None => Ok(unauthenticated_operator()),
                 Some(ring) => match header("Authorization").as_deref().and_then(bearer) {
-                    None => Err((401, "unauthorized", "an API key is required: header `Authorization: Bearer <key>`".to_string())),
+                    None => Err((
+                        401,
+                        "unauthorized",
+                        "an API key is required: header `Authorization: Bearer <key>`".to_string(),
+                    )),
                     Some(token) => ring.authenticate(token).await.map_err(|e| match e {
-                        KeyError::Store(_) => (503, "unavailable", "keys cannot be checked right now; retrying is safe".into()),
+                        KeyError::Store(_) => {
+                            (503, "unavailable", "keys cannot be checked right now; retrying is safe".into())
+                        }
                         e => (401, "unauthorized", e.to_string()),
                     }),
                 },

@@ -249,7 +249,8 @@ fn secure(doc: &mut Value) {
                 responses["404"] = err("No such job, or another owner's job (the two are not told apart)");
             }
             if (method == "post" && path == "/v1/separations") || path.ends_with("/replay") {
-                responses["429"] = err("Over the key's rate or jobs-in-flight limit (or a delivery replayed too often); \
+                responses["429"] =
+                    err("Over the key's rate or jobs-in-flight limit (or a delivery replayed too often); \
                     `Retry-After`, `RateLimit-Policy` and `RateLimit` say when to retry; nothing was queued");
             }
         }

@@ -21,10 +21,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
+use stemq_core::auth::Caller;
 use stemq_core::event::{DeliveryAttempted, DeliveryReplayRequested, EventBody};
 use stemq_core::nats::{self as names, job_subject, SubjectKind};
 use stemq_core::publish::publish;
-use stemq_core::auth::Caller;
 use stemq_core::webhook::{self, OwnerWebhooks};
 use stemq_core::{Event, JobId};
 

@@ -153,7 +153,11 @@ async fn upload_separate_and_download_stems() {
         .await
         .unwrap();
     assert_eq!(again["audio_uri"], audio_uri);
-    assert_eq!(stack.store.list("uploads").await.unwrap(), vec![format!("uploads/acme/{sha}.wav")], "no temp objects left");
+    assert_eq!(
+        stack.store.list("uploads").await.unwrap(),
+        vec![format!("uploads/acme/{sha}.wav")],
+        "no temp objects left"
+    );
 
     // Separate it with the dsp engine.
     let resp = http

@@ -275,10 +275,12 @@ pub async fn run(cli: Cli) -> Result<()> {
             Some(api) => crate::api::list(&api, Some("dead_lettered"), limit).await,
             None => crate::client::list(&g, Some("dead_lettered"), limit).await,
         },
-        Command::Dlq { command: DlqCommand::Replay { id }, api } | Command::Retry { id, api } => match api.client(&g.data_dir) {
-            Some(api) => crate::api::retry(&api, &id).await,
-            None => crate::client::replay(&g, &id).await,
-        },
+        Command::Dlq { command: DlqCommand::Replay { id }, api } | Command::Retry { id, api } => {
+            match api.client(&g.data_dir) {
+                Some(api) => crate::api::retry(&api, &id).await,
+                None => crate::client::replay(&g, &id).await,
+            }
+        }
         Command::Cancel { id, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::cancel(&api, &id).await,
             None => crate::client::cancel(&g, &id).await,

@@ -350,7 +350,12 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
     let listener = stemq_ingress::bind(a.http).await?;
     let store = Store::open(&a.store.url(&g.data_dir)?).context("opening the object store")?;
     let storage = stemq_ingress::uploads::StorageConfig::new(store);
-    let config = stemq_ingress::Config { listen: a.http, nats_submit: true, storage: Some(storage), auth: !a.auth.insecure_no_auth };
+    let config = stemq_ingress::Config {
+        listen: a.http,
+        nats_submit: true,
+        storage: Some(storage),
+        auth: !a.auth.insecure_no_auth,
+    };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
 }

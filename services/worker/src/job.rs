@@ -579,7 +579,9 @@ async fn run_engine(
         .await
         .map_err(|e| Failure::transient(FailureCode::Scratch, format!("cannot create {}: {e}", out_dir.display())))?;
     let input = if shared.engine.reads_input() {
-        fetch_input(shared, &requested.request.audio_uri, &requested.request.owner, &dir).instrument(info_span!("fetch_input")).await?
+        fetch_input(shared, &requested.request.audio_uri, &requested.request.owner, &dir)
+            .instrument(info_span!("fetch_input"))
+            .await?
     } else {
         dir.join("input")
     };

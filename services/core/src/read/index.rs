@@ -262,9 +262,7 @@ mod tests {
         for i in 0..6u8 {
             let mut v = view(i, 1000 + i as i64, JobStatus::Queued);
             let owner = if i % 2 == 0 { "a" } else { "b" };
-            v.request = Some(
-                stemq_core_request(owner),
-            );
+            v.request = Some(stemq_core_request(owner));
             idx.upsert(&v);
         }
         let a = idx.page_of(Some("a"), None, 10, None);
