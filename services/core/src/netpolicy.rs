@@ -610,7 +610,8 @@ mod tests {
 
     #[test]
     fn public_addresses_pass() {
-        for p in ["8.8.8.8", "1.1.1.1", "93.184.216.34", "2606:4700:4700::1111", "2a00:1450:4001::200e", "2001:200::1"] {
+        for p in ["8.8.8.8", "1.1.1.1", "93.184.216.34", "2606:4700:4700::1111", "2a00:1450:4001::200e", "2001:200::1"]
+        {
             assert_eq!(check_ip(ip(p)), Ok(()), "{p}");
             assert!(is_public(ip(p)));
         }
@@ -701,7 +702,8 @@ mod tests {
         let e = pin("https://hooks.example.com/h", &none, &["93.184.216.34", "10.0.0.1"]).unwrap_err();
         assert!(matches!(&e, UrlError::NotPublic(r) if r.range().unwrap().net.to_string() == "10.0.0.0/8"), "{e}");
         assert_eq!(pin("http://hooks.example.com/h", &none, &["93.184.216.34"]), Err(UrlError::PlainHttp));
-        for bad in ["ftp://93.184.216.34/", "https://u:p@93.184.216.34/", "nope", "data:text/plain,x", "https://[::1/"] {
+        for bad in ["ftp://93.184.216.34/", "https://u:p@93.184.216.34/", "nope", "data:text/plain,x", "https://[::1/"]
+        {
             assert!(precheck(bad, &none).is_err(), "{bad}");
         }
         // An allowlisted private network is still allowed, over http too.

@@ -697,8 +697,7 @@ async fn fetch_input(shared: &Shared, uri: &str, owner: &str, dir: &Path) -> Res
 impl From<FetchError> for Failure {
     fn from(e: FetchError) -> Failure {
         let message = stemq_core::error::report(&e);
-        let status_transient =
-            |s: &reqwest::StatusCode| s.is_server_error() || s.as_u16() == 408 || s.as_u16() == 429;
+        let status_transient = |s: &reqwest::StatusCode| s.is_server_error() || s.as_u16() == 408 || s.as_u16() == 429;
         match &e {
             FetchError::Policy { source, .. } if source.is_transient() => {
                 Failure::transient(FailureCode::InputFetch, message)
