@@ -85,8 +85,13 @@ pub enum FetchError {
         status: reqwest::StatusCode,
     },
     /// More redirects than [`AudioUrls::max_redirects`].
-    #[error("more than {0} redirects")]
-    TooManyRedirects(usize),
+    #[error("{url}: more than {max} redirects")]
+    TooManyRedirects {
+        /// The URL first asked for.
+        url: String,
+        /// The limit.
+        max: usize,
+    },
     /// The input is over the size limit.
     #[error("{url} is larger than the {limit}-byte input limit")]
     TooLarge {
@@ -159,7 +164,7 @@ pub async fn fetch(settings: &AudioUrls, url: &str, path: &Path) -> Result<u64, 
         }
         return save(settings, &current, resp, path).await;
     }
-    Err(FetchError::TooManyRedirects(settings.max_redirects))
+    Err(FetchError::TooManyRedirects { url: url.to_string(), max: settings.max_redirects })
 }
 
 /// Streams the body of `resp` to `path`, counting against the limit.

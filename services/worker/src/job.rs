@@ -709,7 +709,7 @@ impl From<FetchError> for Failure {
             FetchError::Status { status, .. } if status_transient(status) => {
                 Failure::transient(FailureCode::InputFetch, message)
             }
-            FetchError::Status { .. } | FetchError::BadRedirect { .. } | FetchError::TooManyRedirects(_) => {
+            FetchError::Status { .. } | FetchError::BadRedirect { .. } | FetchError::TooManyRedirects { .. } => {
                 Failure::permanent(FailureCode::InputFetch, message)
             }
             FetchError::TooLarge { .. } => Failure::permanent(FailureCode::InputTooLarge, message),
@@ -817,7 +817,7 @@ mod tests {
             (status(403), FailureClass::Permanent, FailureCode::InputFetch),
             (status(429), FailureClass::Transient, FailureCode::InputFetch),
             (status(503), FailureClass::Transient, FailureCode::InputFetch),
-            (FetchError::TooManyRedirects(5), FailureClass::Permanent, FailureCode::InputFetch),
+            (FetchError::TooManyRedirects { url: url(), max: 5 }, FailureClass::Permanent, FailureCode::InputFetch),
             (FetchError::TooLarge { url: url(), limit: 10 }, FailureClass::Permanent, FailureCode::InputTooLarge),
             (
                 FetchError::Http { url: url(), message: "timed out".into() },
