@@ -67,8 +67,14 @@ async fn tls_ingress(
     let addr = listener.local_addr().unwrap();
     let client = names::connect(&stack.server.url(), "tls-ingress").await.unwrap();
     let stop = CancellationToken::new();
-    let config =
-        stemq_ingress::Config { listen: addr, nats_submit: false, storage: None, tls: Some(tls), audio_urls: None };
+    let config = stemq_ingress::Config {
+        listen: addr,
+        nats_submit: false,
+        storage: None,
+        auth: true,
+        tls: Some(tls),
+        audio_urls: None,
+    };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)
 }

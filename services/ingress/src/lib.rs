@@ -51,8 +51,8 @@ use serde::Deserialize;
 use serde_json::json;
 use stemq_core::auth::{Caller, KeyRing};
 use stemq_core::error::JetStreamError;
-use stemq_core::netpolicy::HostPolicy;
 use stemq_core::nats as names;
+use stemq_core::netpolicy::HostPolicy;
 use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
 use stemq_core::{JobId, JobStatus, JobView};
 use tokio::net::TcpListener;
@@ -134,7 +134,17 @@ impl AppState {
         };
         let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
         let limits = open(names::LIMITS_BUCKET).await?;
-        Ok(AppState { js, views, index, metrics, storage: None, stores: Arc::new(Vec::new()), keys, limits, audio_urls: None })
+        Ok(AppState {
+            js,
+            views,
+            index,
+            metrics,
+            storage: None,
+            stores: Arc::new(Vec::new()),
+            keys,
+            limits,
+            audio_urls: None,
+        })
     }
 
     /// Serves every request as the operator of the owner `local`, without keys.

@@ -52,7 +52,14 @@ impl Stack {
         let storage = StorageConfig { max_upload_bytes, ..StorageConfig::new(store.clone()) };
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let config = stemq_ingress::Config { listen: http, nats_submit: false, storage: Some(storage), auth: true, tls: None, audio_urls: None };
+            let config = stemq_ingress::Config {
+                listen: http,
+                nats_submit: false,
+                storage: Some(storage),
+                auth: true,
+                tls: None,
+                audio_urls: None,
+            };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));
         let (c, s) = (client.clone(), stop.clone());
@@ -153,7 +160,11 @@ async fn upload_separate_and_download_stems() {
         .await
         .unwrap();
     assert_eq!(again["audio_uri"], audio_uri);
-    assert_eq!(stack.store.list("uploads").await.unwrap(), vec![format!("uploads/acme/{sha}.wav")], "no temp objects left");
+    assert_eq!(
+        stack.store.list("uploads").await.unwrap(),
+        vec![format!("uploads/acme/{sha}.wav")],
+        "no temp objects left"
+    );
 
     // Separate it with the dsp engine.
     let resp = http
