@@ -20,6 +20,7 @@ use serde_json::Value;
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::nats::{self as names, Settings};
 use stemq_core::nats_server::NatsServer;
+use stemq_core::netpolicy::HostPolicy;
 use stemq_core::storage::Store;
 use stemq_core::{Event, JobId, JobStatus, JobView};
 use tokio::task::JoinHandle;
@@ -36,6 +37,8 @@ pub struct StackOptions {
     pub backoff_base: Duration,
     /// Hard time limit of in-process workers.
     pub time_limit: Duration,
+    /// External audio URLs the ingress and in-process workers accept (`None`: off).
+    pub audio_urls: Option<HostPolicy>,
 }
 
 impl Default for StackOptions {
@@ -50,6 +53,7 @@ impl Default for StackOptions {
             workers: 1,
             backoff_base: Duration::from_millis(100),
             time_limit: Duration::from_secs(60),
+            audio_urls: None,
         }
     }
 }
@@ -110,6 +114,7 @@ impl Stack {
             let c = names::connect(&server.url(), "ingress").await.unwrap();
             let s = stop.clone();
             let ingress_store = store.clone();
+            let audio_urls = options.audio_urls.clone();
             tasks.push(tokio::spawn(async move {
                 stemq_ingress::run(
                     c,
@@ -119,6 +124,8 @@ impl Stack {
                         nats_submit: true,
                         storage: Some(stemq_ingress::uploads::StorageConfig::new(ingress_store)),
                         auth: true,
+                        tls: None,
+                        audio_urls,
                     },
                     s,
                 )
@@ -163,6 +170,7 @@ impl Stack {
         config.backoff.base = self.options.backoff_base;
         config.time_limit = self.options.time_limit;
         config.grace = Duration::from_secs(30);
+        config.audio_urls = self.options.audio_urls.clone().map(stemq_worker::fetch::AudioUrls::new);
         let token = CancellationToken::new();
         let t = token.clone();
         let handle = tokio::spawn(async move {

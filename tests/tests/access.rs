@@ -59,6 +59,8 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         nats_submit: true,
         storage: Some(stemq_ingress::uploads::StorageConfig::new(stack.store.clone())),
         auth: true,
+        tls: None,
+        audio_urls: None,
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -443,7 +445,14 @@ async fn a_flooding_owner_cannot_starve_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turning_keys_off_is_for_loopback_only() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
-    let config = |listen| stemq_ingress::Config { listen, nats_submit: false, storage: None, auth: false };
+    let config = |listen| stemq_ingress::Config {
+        listen,
+        nats_submit: false,
+        storage: None,
+        auth: false,
+        tls: None,
+        audio_urls: None,
+    };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();

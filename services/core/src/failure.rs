@@ -96,10 +96,16 @@ failure_codes! {
     Scratch = "scratch",
     /// The object store failed (worker).
     Storage = "storage",
-    /// The input URI names no object (worker).
+    /// The input URI names no object, or its URL answered 404 or 410 (worker).
     InputNotFound = "input_not_found",
-    /// The input URI is outside the configured store (worker).
+    /// The input URI is outside the configured store, or an input URL (or a redirect) is
+    /// refused by the address policy (worker).
     InputNotAllowed = "input_not_allowed",
+    /// Fetching an input URL failed: refused with a 4xx (permanent), or a 5xx, timeout or
+    /// connection error (transient) (worker).
+    InputFetch = "input_fetch",
+    /// The input is larger than the input size limit (worker).
+    InputTooLarge = "input_too_large",
     /// The request message is not a stemq `requested` event (worker, rejected).
     InvalidEvent = "invalid_event",
     /// The request does not hash to the job id it claims (worker, rejected).

@@ -15,7 +15,10 @@
 //! - [`upcast`]: the upcasters that bring events of older types to the current shape;
 //! - [`view`]: the status view and the pure state machine `apply(view, event)`;
 //! - [`engine`]: the separation engine seam (and, with `fake`, the fake engine);
-//! - [`uri`]: which input URIs may be read (only objects inside the configured stores);
+//! - [`uri`]: which input URIs may be read (objects inside the configured stores, and
+//!   http(s) URLs only where the operator allows them);
+//! - [`netpolicy`]: the address policy of every URL stemq connects to (special-purpose
+//!   ranges, allow-lists, the check that pins the resolved address);
 //! - [`schema`]: JSON Schemas generated from these types.
 //!
 //! Runtime (feature `runtime`):
@@ -38,6 +41,7 @@ pub mod device;
 pub mod engine;
 pub mod event;
 pub mod failure;
+pub mod netpolicy;
 pub mod request;
 pub mod schema;
 pub mod upcast;

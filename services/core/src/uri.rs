@@ -5,7 +5,10 @@
 //! nothing else is ever fetched. That rules out, with a reason a person can act on:
 //!
 //! - `http(s)://` URLs of any host (no server-side requests: cloud metadata at
-//!   169.254.169.254, loopback and private addresses, or anywhere else);
+//!   169.254.169.254, loopback and private addresses, or anywhere else). The one
+//!   exception is opt-in: where the operator allows external audio URLs
+//!   (`STEMQ_AUDIO_URL_ALLOW`), the ingress and the worker take [`is_web_url`] URIs past
+//!   this module to the address policy of [`crate::netpolicy`] instead;
 //! - other schemes (`ftp:`, `data:`, `gs:`...), and stores that are not configured;
 //! - files outside the store root (`file:///etc/passwd`), other buckets or prefixes;
 //! - path traversal: `.`/`..` segments, also percent-encoded (`%2e%2e`), encoded
@@ -19,6 +22,15 @@ use std::net::IpAddr;
 use crate::request::RequestError;
 
 const FIELD: &str = "audio_uri";
+
+/// The largest input stemq reads, uploaded or fetched from a URL: 1 GiB.
+pub const MAX_INPUT_BYTES: u64 = 1 << 30;
+
+/// True for `http://` and `https://` URIs (external audio URLs), whatever their host.
+pub fn is_web_url(uri: &str) -> bool {
+    let scheme = uri.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    matches!(scheme.as_deref(), Some("http" | "https"))
+}
 
 fn refuse(message: impl Into<String>) -> RequestError {
     RequestError { field: FIELD.to_string(), message: message.into() }
@@ -43,8 +55,8 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
             None => "no host".to_string(),
         };
         return Err(refuse(format!(
-            "{scheme} URLs are never fetched ({host}); upload the file with POST /v1/uploads \
-             and use the audio_uri it returns"
+            "{scheme} URLs are never fetched ({host}) unless this service's operator allows their host; \
+             upload the file with POST /v1/uploads and use the audio_uri it returns"
         )));
     }
     let schemes: Vec<&str> = allowed.iter().filter_map(|b| b.split_once("://").map(|(s, _)| s)).collect();
@@ -175,6 +187,16 @@ mod tests {
         assert!(refused("http://127.0.0.1/").contains("loopback"));
         assert!(refused("http://10.1.2.3/").contains("private"));
         assert!(refused("http://[::1]/").contains("loopback"));
+    }
+
+    #[test]
+    fn web_urls_are_recognised_by_scheme() {
+        for u in ["https://example.com/a.wav", "http://10.0.0.1/", "HTTPS://x/"] {
+            assert!(is_web_url(u), "{u}");
+        }
+        for u in ["file:///a.wav", "s3://b/k", "ftp://x/", "httpx://x/", "not a uri"] {
+            assert!(!is_web_url(u), "{u}");
+        }
     }
 
     #[test]

@@ -19,6 +19,8 @@
 //! job is its owner's alone ([`access`]); submits are limited per key ([`limits`]).
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
+//! The listener speaks plain HTTP, or HTTPS (optionally with client certificates) when
+//! [`Config::tls`] is set ([`tls`]).
 
 pub mod access;
 pub mod control;
@@ -29,6 +31,7 @@ pub mod nats_api;
 pub mod openapi;
 pub mod stems;
 pub mod submit;
+pub mod tls;
 pub mod uploads;
 pub mod webhooks;
 
@@ -49,6 +52,7 @@ use serde_json::json;
 use stemq_core::auth::{Caller, KeyRing};
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
+use stemq_core::netpolicy::HostPolicy;
 use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
 use stemq_core::{JobId, JobStatus, JobView};
 use tokio::net::TcpListener;
@@ -76,6 +80,9 @@ pub enum IngressError {
          (127.0.0.1, ::1); create keys with `stemq keys create` instead"
     )]
     NoAuthOnNetwork(SocketAddr),
+    /// The TLS certificate, key or client CA cannot be used.
+    #[error("TLS settings")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// Ingress configuration.
@@ -91,6 +98,12 @@ pub struct Config {
     /// Require API keys (the default). Off only on loopback, for local experiments:
     /// every request is then the operator of the owner `local`.
     pub auth: bool,
+    /// Serve HTTPS with this certificate and key (and client certificates signed by its
+    /// client CA, if one is given) instead of plain HTTP.
+    pub tls: Option<tls::TlsConfig>,
+    /// External audio: hosts an `https://` (or, for exempt hosts, `http://`) `audio_uri`
+    /// may name (`STEMQ_AUDIO_URL_ALLOW`). `None`: every http(s) `audio_uri` is refused.
+    pub audio_urls: Option<HostPolicy>,
 }
 
 /// Shared handler state.
@@ -105,6 +118,7 @@ pub struct AppState {
     /// `None` when authentication is off.
     keys: Option<Arc<KeyRing>>,
     limits: kv::Store,
+    audio_urls: Option<Arc<HostPolicy>>,
 }
 
 impl AppState {
@@ -120,7 +134,17 @@ impl AppState {
         };
         let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
         let limits = open(names::LIMITS_BUCKET).await?;
-        Ok(AppState { js, views, index, metrics, storage: None, stores: Arc::new(Vec::new()), keys, limits })
+        Ok(AppState {
+            js,
+            views,
+            index,
+            metrics,
+            storage: None,
+            stores: Arc::new(Vec::new()),
+            keys,
+            limits,
+            audio_urls: None,
+        })
     }
 
     /// Serves every request as the operator of the owner `local`, without keys.
@@ -142,9 +166,20 @@ impl AppState {
         self
     }
 
+    /// Accepts external `audio_uri` URLs whose host `policy` admits.
+    pub fn with_audio_urls(mut self, policy: HostPolicy) -> AppState {
+        self.audio_urls = Some(Arc::new(policy));
+        self
+    }
+
     /// Base URLs of the stores an `audio_uri` may point into.
     pub fn stores(&self) -> &[String] {
         &self.stores
+    }
+
+    /// The hosts an external `audio_uri` may name, when external audio is on.
+    pub fn audio_urls(&self) -> Option<&HostPolicy> {
+        self.audio_urls.as_deref()
     }
 
     /// The JetStream context.
@@ -181,6 +216,8 @@ pub async fn run(
     if !config.auth && !addr.ip().is_loopback() {
         return Err(IngressError::NoAuthOnNetwork(addr));
     }
+    // Bad TLS files stop the ingress before it listens.
+    let tls = config.tls.as_ref().map(tls::server_config).transpose()?;
     let mut state = AppState::new(client.clone(), shutdown.clone()).await?;
     if !config.auth {
         warn!(%addr, "authentication is OFF (--insecure-no-auth): every caller is an operator");
@@ -189,18 +226,27 @@ pub async fn run(
     if let Some(s) = config.storage {
         state = state.with_storage(s);
     }
+    if let Some(p) = config.audio_urls {
+        state = state.with_audio_urls(p);
+    }
     let nats_task = if config.nats_submit {
         let (c, s, st) = (client.clone(), shutdown.clone(), state.clone());
         Some(tokio::spawn(async move { nats_api::serve(c, st, s).await }))
     } else {
         None
     };
-    info!(%addr, "ingress listening");
-    let s = shutdown.clone();
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move { s.cancelled().await })
-        .await
-        .map_err(IngressError::Serve)?;
+    info!(%addr, tls = tls.is_some(), "ingress listening");
+    let app = router(state);
+    match tls {
+        Some(tls) => tls::serve(listener, app, tls, shutdown.clone()).await.map_err(IngressError::Serve)?,
+        None => {
+            let s = shutdown.clone();
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { s.cancelled().await })
+                .await
+                .map_err(IngressError::Serve)?
+        }
+    }
     if let Some(t) = nats_task {
         if let Ok(Err(e)) = t.await {
             warn!(error = %e, "NATS submit endpoint stopped with an error");
@@ -358,7 +404,7 @@ pub async fn submit_as(
     if enforce && caller.limits.rate > 0.0 {
         remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
     }
-    let event = submit::prepare(body, &caller.owner, traceparent, state.stores()).await?;
+    let event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
     if enforce && caller.limits.max_in_flight > 0 && state.index.status(&event.subject).is_none() {
         let views = state.views.clone();
         let recorded = move |id: JobId| {

@@ -9,6 +9,7 @@
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
 use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::netpolicy::{self, HostPolicy};
 use stemq_core::publish::{publish_once, Once};
 use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
@@ -42,35 +43,49 @@ pub enum SubmitError {
 }
 
 /// Validates and queues `body` for `owner`; `stores` are the base URLs of the stores an
-/// `audio_uri` may point into.
+/// `audio_uri` may point into, `audio_urls` the hosts an external `audio_uri` may name
+/// (`None`: external audio is off).
 pub async fn submit(
     js: &jetstream::Context,
     body: &[u8],
     owner: &str,
     traceparent: Option<String>,
     stores: &[String],
+    audio_urls: Option<&HostPolicy>,
 ) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
-    let event = prepare(body, owner, traceparent, stores).await?;
+    let event = prepare(body, owner, traceparent, stores, audio_urls).await?;
     queue(js, event).await
 }
 
 /// Validates `body` for `owner` and builds its `requested` event (the job id is its
-/// subject); nothing is published.
+/// subject); nothing is published. `stores` and `audio_urls` as for [`submit`].
 pub async fn prepare(
     body: &[u8],
     owner: &str,
     traceparent: Option<String>,
     stores: &[String],
+    audio_urls: Option<&HostPolicy>,
 ) -> Result<Event, SubmitError> {
     let req = JobRequest::from_slice(body)?;
-    // Only the owner's own uploads inside the configured stores: refused before anything
-    // is published.
-    let (_, key) = stemq_core::uri::store_key(&req.audio_uri, stores)?;
-    stemq_core::uri::check_owned(key, owner)?;
+    // Only the owner's own uploads inside the configured stores, or, where the operator
+    // allows external audio, a URL whose host is admitted and whose addresses are public
+    // (or exempt): refused before anything is published. The worker checks again when it
+    // reads (connects).
+    match audio_urls {
+        Some(policy) if stemq_core::uri::is_web_url(&req.audio_uri) => {
+            if let Err(e) = netpolicy::check_url(&req.audio_uri, policy).await {
+                return Err(RequestError { field: "audio_uri".into(), message: e.to_string() }.into());
+            }
+        }
+        _ => {
+            let (_, key) = stemq_core::uri::store_key(&req.audio_uri, stores)?;
+            stemq_core::uri::check_owned(key, owner)?;
+        }
+    }
     let normalized = req.normalize(owner)?;
     // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
     if let Some(w) = &req.webhook {
-        let allow = stemq_core::webhook::Allowlist::from_env();
+        let allow = stemq_core::webhook::allowlist_from_env();
         if let Err(message) = stemq_core::webhook::check_url(&w.url, &allow).await {
             return Err(RequestError { field: "webhook".into(), message }.into());
         }

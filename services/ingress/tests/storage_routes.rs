@@ -52,7 +52,14 @@ impl Stack {
         let storage = StorageConfig { max_upload_bytes, ..StorageConfig::new(store.clone()) };
         let (c, s) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let config = stemq_ingress::Config { listen: http, nats_submit: false, storage: Some(storage), auth: true };
+            let config = stemq_ingress::Config {
+                listen: http,
+                nats_submit: false,
+                storage: Some(storage),
+                auth: true,
+                tls: None,
+                audio_urls: None,
+            };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));
         let (c, s) = (client.clone(), stop.clone());

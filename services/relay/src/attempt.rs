@@ -130,6 +130,8 @@ async fn post(shared: &Shared, d: &Delivery<'_>, owner: &webhook::OwnerWebhooks,
     let signature = webhook::signature_header(&owner.signing_secrets(now), d.webhook_id, ts, &body);
     let client = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
+        // A proxy from the environment would connect to the name, not the checked address.
+        .no_proxy()
         .timeout(shared.config.timeout)
         // Connect to the address that was checked, whatever DNS says now.
         .resolve(&target.host, target.addr)

@@ -96,7 +96,7 @@ impl Default for Config {
             schedule: vec![s(0), s(5), s(300), s(1800), s(7200), s(18000), s(36000), s(50400), s(72000), s(86400)],
             timeout: s(15),
             max_retry_after: s(3600),
-            allow: Allowlist::from_env(),
+            allow: stemq_core::webhook::allowlist_from_env(),
             concurrency: 256,
             name: "relay".into(),
             progress_jobs: 100_000,

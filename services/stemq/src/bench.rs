@@ -118,7 +118,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
         let body = format!(r#"{{"audio_uri":"{}","model":"dsp"}}"#, store.uri(&key));
         let t0 = Instant::now();
         let stores = [store.base_url().to_string()];
-        let (resp, _) = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores)
+        let (resp, _) = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores, None)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let view = loop {
@@ -257,7 +257,7 @@ async fn pipeline(
             let uri = store.uri(&format!("{}{run_id}/{i}.wav", stemq_core::uri::uploads_prefix(BENCH_OWNER)));
             let body = format!(r#"{{"audio_uri":"{uri}","model":"dsp"}}"#);
             let start = Instant::now();
-            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores).await;
+            let r = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores, None).await;
             drop(permit);
             if let Ok((resp, _)) = r {
                 submitted.lock().await.insert(resp.job_id, start);

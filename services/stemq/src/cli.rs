@@ -332,6 +332,34 @@ mod tests {
         }
     }
 
+    /// TLS needs a certificate and its key together; the audio URL allow-list is parsed
+    /// (bad wildcards refused, an empty list is off) and read by ingress, worker and dev.
+    #[test]
+    fn tls_and_audio_url_flags_are_validated() {
+        let parse = |args: &[&str]| Cli::try_parse_from([&["stemq"], args].concat());
+        assert!(parse(&["ingress", "--tls-cert", "c.pem"]).is_err());
+        assert!(parse(&["ingress", "--tls-key", "k.pem"]).is_err());
+        assert!(parse(&["ingress", "--tls-client-ca", "ca.pem"]).is_err());
+        let ok = parse(&["ingress", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]);
+        match ok.unwrap().command {
+            Command::Ingress(a) => {
+                let tls = a.tls.config().unwrap();
+                assert_eq!((tls.cert.to_str(), tls.client_ca.is_some()), (Some("c.pem"), true));
+                assert!(a.audio_urls.policy().is_none());
+            }
+            _ => unreachable!(),
+        }
+        assert!(parse(&["ingress", "--audio-url-allow", "songs*.example.com"]).is_err());
+        match parse(&["worker", "--audio-url-allow", "*.songs.example.com,10.0.0.0/8"]).unwrap().command {
+            Command::Worker(w) => assert!(w.audio_urls.worker().is_some()),
+            _ => unreachable!(),
+        }
+        match parse(&["dev", "--audio-url-allow", "", "--tls-cert", "c", "--tls-key", "k"]).unwrap().command {
+            Command::Dev(d) => assert!(d.audio_urls.policy().is_none() && d.tls.config().is_some()),
+            _ => unreachable!(),
+        }
+    }
+
     /// Issue 17: server settings show only on the commands they apply to.
     #[test]
     fn server_settings_show_only_where_they_apply() {

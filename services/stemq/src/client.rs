@@ -226,7 +226,7 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     let js = js(g).await?;
     let body = serde_json::to_vec(&req)?;
     let stores = vec![store_url];
-    let (resp, _) = stemq_ingress::submit::submit(&js, &body, &g.owner, None, &stores).await?;
+    let (resp, _) = stemq_ingress::submit::submit(&js, &body, &g.owner, None, &stores, None).await?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
         let view = watch(g, resp.job_id.as_str()).await?;

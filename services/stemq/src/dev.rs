@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::global::{shutdown_on_signals, Global, ServerSettings, StoreArg};
-use crate::services::{AuthArg, RelayArgs, WorkerOpts};
+use crate::services::{AudioUrlArg, AuthArg, RelayArgs, TlsArgs, WorkerOpts};
 
 /// `stemq dev`.
 #[derive(Debug, Args, Clone)]
@@ -26,7 +26,11 @@ pub struct DevArgs {
     #[command(flatten)]
     pub auth: AuthArg,
     #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
     pub worker: WorkerOpts,
+    #[command(flatten)]
+    pub audio_urls: AudioUrlArg,
     #[command(flatten)]
     pub relay: RelayArgs,
     #[command(flatten)]
@@ -56,7 +60,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
     let engine = crate::services::engine(&g, &a.worker)?;
-    let wconfig = crate::services::worker_config(&g, &a.store, &a.worker)?;
+    let mut wconfig = crate::services::worker_config(&g, &a.store, &a.worker)?;
+    wconfig.audio_urls = a.audio_urls.worker();
+    let scheme = if a.tls.config().is_some() { "https" } else { "http" };
     let store = wconfig.store.base_url().to_string();
 
     let children = CancellationToken::new();
@@ -68,6 +74,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             nats_submit: true,
             storage: Some(stemq_ingress::uploads::StorageConfig::new(wconfig.store.clone())),
             auth: !a.auth.insecure_no_auth,
+            tls: a.tls.config(),
+            audio_urls: a.audio_urls.policy(),
         },
         children.clone(),
     ));
@@ -85,7 +93,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
 
     eprintln!();
     eprintln!("stemq dev is up");
-    eprintln!("  HTTP    http://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
+    eprintln!("  HTTP    {scheme}://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
     eprintln!("  NATS    {}", g.nats_url());
     eprintln!("  store   {store}");
     eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);

@@ -15,6 +15,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use stemq_core::engine::{Engine, FakeEngine};
+use stemq_core::netpolicy::HostPolicy;
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
@@ -29,7 +30,11 @@ pub struct IngressArgs {
     #[command(flatten)]
     pub auth: AuthArg,
     #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
     pub store: StoreArg,
+    #[command(flatten)]
+    pub audio_urls: AudioUrlArg,
     #[command(flatten)]
     pub server: ServerSettings,
 }
@@ -43,6 +48,61 @@ pub struct AuthArg {
     pub insecure_no_auth: bool,
 }
 
+/// TLS on the HTTP listener (`stemq ingress`, `stemq dev`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Serve HTTPS with this PEM certificate chain (the server's certificate first);
+    /// needs --tls-key.
+    #[arg(long = "tls-cert", env = "STEMQ_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long = "tls-key", env = "STEMQ_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by a CA in this PEM file (mutual TLS); needs
+    /// --tls-cert.
+    #[arg(long = "tls-client-ca", env = "STEMQ_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The ingress's TLS settings, when a certificate is given.
+    pub fn config(&self) -> Option<stemq_ingress::tls::TlsConfig> {
+        Some(stemq_ingress::tls::TlsConfig {
+            cert: self.tls_cert.clone()?,
+            key: self.tls_key.clone()?,
+            client_ca: self.tls_client_ca.clone(),
+        })
+    }
+}
+
+/// External audio URLs (`stemq ingress`, `stemq worker`, `stemq dev`): the ingress and
+/// the worker must agree, so both read the same setting.
+#[derive(Debug, Args, Clone, Default)]
+pub struct AudioUrlArg {
+    /// Accept http(s) `audio_uri`s whose host is listed (off when unset): `*` (any host
+    /// whose addresses are all public), `*.example.com` (its subdomains, public
+    /// addresses only), host names, addresses and CIDRs (these may be private and use
+    /// plain http). Comma-separated.
+    #[arg(long = "audio-url-allow", env = "STEMQ_AUDIO_URL_ALLOW", value_parser = parse_host_policy)]
+    pub audio_url_allow: Option<HostPolicy>,
+}
+
+fn parse_host_policy(s: &str) -> Result<HostPolicy, String> {
+    HostPolicy::parse(s).map_err(|e| e.to_string())
+}
+
+impl AudioUrlArg {
+    /// The policy, when external audio is on (an empty list is off).
+    pub fn policy(&self) -> Option<HostPolicy> {
+        self.audio_url_allow.clone().filter(|p| !p.is_empty())
+    }
+
+    /// The worker's fetch settings, when external audio is on.
+    pub fn worker(&self) -> Option<stemq_worker::fetch::AudioUrls> {
+        self.policy().map(stemq_worker::fetch::AudioUrls::new)
+    }
+}
+
 /// `stemq worker`.
 #[derive(Debug, Args, Clone)]
 pub struct WorkerArgs {
@@ -50,6 +110,8 @@ pub struct WorkerArgs {
     pub opts: WorkerOpts,
     #[command(flatten)]
     pub store: StoreArg,
+    #[command(flatten)]
+    pub audio_urls: AudioUrlArg,
     #[command(flatten)]
     pub metrics: MetricsArg,
     #[command(flatten)]
@@ -355,6 +417,8 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         nats_submit: true,
         storage: Some(storage),
         auth: !a.auth.insecure_no_auth,
+        tls: a.tls.config(),
+        audio_urls: a.audio_urls.policy(),
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
@@ -392,6 +456,7 @@ pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
     serve_metrics(&a.metrics, &client, shutdown_on_signals()).await?;
     let engine = engine(g, &a.opts)?;
     let mut config = worker_config(g, &a.store, &a.opts)?;
+    config.audio_urls = a.audio_urls.worker();
     if engine.devices().iter().any(|d| matches!(d, stemq_core::device::Device::Cuda(_))) {
         config.gpu_probe = Some("nvidia-smi".into());
     }

@@ -10,6 +10,8 @@
 //!   The decision of what an attempt's result means is the pure `job::decide`;
 //!   `keepalive` keeps the delivery alive and publishes progress, `outputs` stores the
 //!   stems and the manifest;
+//! - [`fetch`] reads inputs from external URLs, where the operator allows them, under
+//!   the address policy checked again at connect time;
 //! - [`backoff`] spaces retries of transient failures;
 //! - [`isolate`] runs attempts in engine host processes, so a job that crashes its
 //!   process costs only its own attempt;
@@ -27,6 +29,7 @@
 pub mod backoff;
 mod control;
 pub mod deadletter;
+pub mod fetch;
 pub mod gpu;
 pub mod isolate;
 pub mod job;
@@ -90,6 +93,9 @@ pub struct Config {
     /// The GPU memory probe (`nvidia-smi`), sampled for `stemq_gpu_memory_used_bytes`;
     /// `None` (the default) when the engine has no CUDA device.
     pub gpu_probe: Option<PathBuf>,
+    /// External audio: http(s) `audio_uri`s are fetched under these settings; `None`
+    /// (the default) refuses them like any URI outside the store.
+    pub audio_urls: Option<fetch::AudioUrls>,
 }
 
 impl Config {
@@ -107,6 +113,7 @@ impl Config {
             progress_heartbeat: Duration::from_secs(1),
             deadletter: true,
             gpu_probe: None,
+            audio_urls: None,
         }
     }
 }

@@ -36,7 +36,8 @@ fn default_webhook_events() -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobRequest {
-    /// The input audio, in one of the configured stores.
+    /// The input audio: an upload of the caller in one of the configured stores, or, where
+    /// the operator allows external audio, an `https://` URL of an allowed public host.
     pub audio_uri: String,
     /// The model to run; default `htdemucs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
