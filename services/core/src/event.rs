@@ -294,7 +294,7 @@ pub struct DeadLettered {
 /// Data of `io.stemq.job.rejected.v1`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Rejected {
-    /// `id_mismatch`, `invalid_request`, `invalid_event`.
+    /// `id_mismatch`, `owner_mismatch`, `invalid_request`, `invalid_event`.
     pub code: FailureCode,
     /// For people.
     pub message: String,

@@ -110,6 +110,8 @@ failure_codes! {
     InvalidEvent = "invalid_event",
     /// The request does not hash to the job id it claims (worker, rejected).
     IdMismatch = "id_mismatch",
+    /// The request names another owner than the owner token of the subject it was published on (worker, rejected).
+    OwnerMismatch = "owner_mismatch",
     /// The request is invalid or not in normalised form (worker, rejected).
     InvalidRequest = "invalid_request",
     /// Transient failures on every delivery (worker, dead-letter handler).

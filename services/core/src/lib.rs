@@ -31,7 +31,9 @@
 //! - `nats`: subjects, streams, consumers and the KV bucket, applied from `nats/`;
 //! - `publish`: publishing events once (request, outcome) or plainly;
 //! - `pull`: the pull loop of every long-running consumer (resubscribes when its stream ends);
-//! - `nats_server`: a local `nats-server` process for `stemq dev` and tests;
+//! - `nats_users`: NATS users and their permissions (`nats/users.json`), nkey
+//!   credentials, the server's `authorization` block;
+//! - `nats_server`: a local `nats-server` process (users, TLS) for `stemq dev` and tests;
 //! - `storage`: object storage for inputs and outputs (local files, S3);
 //! - `telemetry`: logging set-up shared by the binaries;
 //! - `webhook`: webhook signing, per-owner secrets and the SSRF policy for receivers.
@@ -59,6 +61,8 @@ pub mod metrics;
 pub mod nats;
 #[cfg(feature = "runtime")]
 pub mod nats_server;
+#[cfg(feature = "runtime")]
+pub mod nats_users;
 #[cfg(feature = "runtime")]
 pub mod publish;
 #[cfg(feature = "runtime")]

@@ -242,14 +242,17 @@ pub async fn refresh_queue(js: &jetstream::Context) {
     // The oldest unfinished request: the first `requested` after the workers' ack floor.
     let mut age = 0.0;
     if let Some(floor) = workers_floor {
-        if let Ok(msg) = stream
-            .direct_get_builder()
-            .sequence(floor + 1)
-            .next_by_subject(format!("{}.*.requested", names::JOBS_PREFIX))
-            .send()
-            .await
-        {
-            let t: std::time::SystemTime = msg.time.into();
+        // Requests come in two subject forms (with and without the owner token): the
+        // oldest of the first of each.
+        let mut oldest: Option<(u64, std::time::SystemTime)> = None;
+        for filter in names::REQUESTED_FILTERS {
+            if let Ok(msg) = stream.direct_get_builder().sequence(floor + 1).next_by_subject(filter).send().await {
+                if oldest.is_none_or(|(seq, _)| msg.sequence < seq) {
+                    oldest = Some((msg.sequence, msg.time.into()));
+                }
+            }
+        }
+        if let Some((_, t)) = oldest {
             age = t.elapsed().unwrap_or(Duration::ZERO).as_secs_f64();
         }
     }

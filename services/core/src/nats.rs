@@ -1,13 +1,23 @@
 //! NATS names and definitions: subjects, streams, consumers and the KV bucket.
 //!
-//! This module owns the layout of stemq inside NATS. The definitions are data in the
-//! repository's `nats/` folder (embedded at build time) and are applied idempotently at
-//! start by every service and by `stemq nats apply`. [`connect`] refuses servers older
-//! than [`MIN_SERVER`].
+//! This module owns the layout of stemq inside NATS and how a process connects to it.
+//! The definitions are data in the repository's `nats/` folder (embedded at build time)
+//! and are applied idempotently by `stemq nats apply` (and, on a server without users,
+//! created when missing by every service at start). [`connect_with`] connects as a user
+//! ([`ConnectAuth`]: nkey credentials, TLS), logs the server's asynchronous errors
+//! (a permission denial arrives only that way) and refuses servers older than
+//! [`MIN_SERVER`]. Who may do what is [`crate::nats_users`]'s.
 //!
 //! Subjects:
-//! - `stemq.jobs.<id>.requested` — the request (Nats-Msg-Id = job id, expected last
-//!   subject sequence 0: one request per job, for as long as the log keeps it);
+//! - `stemq.jobs.<id>.requested.<owner token>` — the request (Nats-Msg-Id = job id,
+//!   expected last subject sequence 0: one request per job, for as long as the log keeps
+//!   it). The last token is the request's owner as [`crate::request::owner_token`]
+//!   spells it, so a NATS user's subject permissions can bind it to one owner (a
+//!   `publisher` user may publish only `stemq.jobs.*.requested.<its owner>`); the worker
+//!   and the projector refuse a request whose body names another owner
+//!   ([`check_request_owner`]). Requests recorded before owner tokens, on
+//!   `stemq.jobs.<id>.requested`, stay readable: every reader of requests matches both
+//!   forms ([`REQUESTED_FILTERS`]);
 //! - `stemq.jobs.<id>.started`, `stemq.jobs.<id>.failed` — attempts;
 //! - `stemq.jobs.<id>.outcome` — the terminal event; published with expected last
 //!   subject sequence 0, so the first terminal event wins and there is exactly one;
@@ -18,12 +28,15 @@
 //! - `stemq.progress.<id>` — latest progress (compacted stream);
 //! - `stemq.api.submit` — request-reply submit endpoint (queue group `ingress`).
 
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv, stream};
 use serde::Deserialize;
 
-use crate::request::JobId;
+use crate::nats_users::Credentials;
+use crate::request::{owner_token, JobId};
 
 /// Oldest nats-server we run on (see `docs/architecture.md`).
 pub const MIN_SERVER: (u64, u64) = (2, 11);
@@ -58,7 +71,9 @@ pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
 pub const JOBS_PREFIX: &str = "stemq.jobs";
 
-/// Subject of one kind of event of one job.
+/// Subject of one kind of event of one job. For [`SubjectKind::Requested`] this is the
+/// form before owner tokens (`stemq.jobs.<id>.requested`), which is still read but no
+/// longer written: a new request goes to [`request_subject`].
 pub fn job_subject(id: &JobId, kind: SubjectKind) -> String {
     match kind {
         SubjectKind::Progress => format!("stemq.progress.{id}"),
@@ -66,10 +81,78 @@ pub fn job_subject(id: &JobId, kind: SubjectKind) -> String {
     }
 }
 
+/// Where a new request of `owner` for job `id` is published:
+/// `stemq.jobs.<id>.requested.<owner token>`.
+pub fn request_subject(id: &JobId, owner: &str) -> String {
+    format!("{JOBS_PREFIX}.{id}.requested.{}", owner_token(owner))
+}
+
+/// The filters that match every request, in both forms: the old
+/// `stemq.jobs.*.requested` and `stemq.jobs.*.requested.*` (a consumer takes both as
+/// `filter_subjects`).
+pub const REQUESTED_FILTERS: [&str; 2] = ["stemq.jobs.*.requested", "stemq.jobs.*.requested.*"];
+
+/// The filter of one job's requests with owner tokens (`stemq.jobs.<id>.requested.*`);
+/// the old form is `job_subject(id, Requested)`.
+pub fn request_filter(id: &JobId) -> String {
+    format!("{JOBS_PREFIX}.{id}.requested.*")
+}
+
+/// True for a request subject of either form.
+pub fn is_request_subject(subject: &str) -> bool {
+    let t: Vec<&str> = subject.split('.').collect();
+    matches!(t.as_slice(), ["stemq", "jobs", _, "requested"] | ["stemq", "jobs", _, "requested", _])
+}
+
+/// The owner token of a request subject with one (`stemq.jobs.<id>.requested.<token>`);
+/// `None` for the old form and for any other subject.
+pub fn request_owner_token(subject: &str) -> Option<&str> {
+    let mut t = subject.split('.');
+    match (t.next(), t.next(), t.next(), t.next(), t.next(), t.next()) {
+        (Some("stemq"), Some("jobs"), Some(_), Some("requested"), Some(token), None) => Some(token),
+        _ => None,
+    }
+}
+
+/// A request whose body names another owner than its subject's token: recorded by
+/// someone allowed to publish for the subject's owner only (a `publisher`), so it is
+/// refused, never run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the request names owner `{owner}` (token `{owner_token}`), but it was published on {subject}, \
+     which only a publisher for owner token `{subject_token}` may use"
+)]
+pub struct OwnerMismatch {
+    /// The subject it was published on.
+    pub subject: String,
+    /// The owner token in the subject.
+    pub subject_token: String,
+    /// The owner in the request.
+    pub owner: String,
+    /// That owner's token.
+    pub owner_token: String,
+}
+
+/// Checks that a request's `owner` agrees with the owner token of the subject it was
+/// published on. A request on the old subject (no token) passes: only the operator may
+/// publish there now.
+pub fn check_request_owner(subject: &str, owner: &str) -> Result<(), OwnerMismatch> {
+    match request_owner_token(subject) {
+        Some(token) if token != owner_token(owner) => Err(OwnerMismatch {
+            subject: subject.to_string(),
+            subject_token: token.to_string(),
+            owner: owner.to_string(),
+            owner_token: owner_token(owner),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// The subject families of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SubjectKind {
-    /// `stemq.jobs.<id>.requested`
+    /// `stemq.jobs.<id>.requested` (the old form: new requests carry the owner token,
+    /// see [`request_subject`])
     Requested,
     /// `stemq.jobs.<id>.started`
     Started,
@@ -150,6 +233,9 @@ pub enum NatsError {
         #[source]
         source: async_nats::ConnectError,
     },
+    /// A TLS file could not be used.
+    #[error("NATS TLS: {0}")]
+    Tls(String),
     /// The server is too old.
     #[error(
         "nats-server {found} is too old: stemq needs {}.{} or newer (per-message TTL, +TERM reasons, \
@@ -183,12 +269,109 @@ pub enum NatsError {
     },
 }
 
-/// Connects, names the connection, and checks the server version.
+/// How a client connects: who it is and how the connection is secured. The default is
+/// anonymous, plaintext unless the server requires TLS.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectAuth {
+    /// The user's credentials (nkey seed; the inbox prefix it must use). `None`: anonymous.
+    pub credentials: Option<Credentials>,
+    /// TLS settings.
+    pub tls: ClientTls,
+}
+
+/// The client side of TLS.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    /// PEM file of the CA(s) that signed the server's certificate. When set, TLS is
+    /// required and only these roots are trusted (not the system's).
+    pub ca: Option<PathBuf>,
+    /// PEM certificate of this client, for servers that verify client certificates.
+    pub cert: Option<PathBuf>,
+    /// Its private key (PEM, PKCS#8 or SEC1).
+    pub key: Option<PathBuf>,
+    /// Require TLS even without a CA of our own (system roots).
+    pub required: bool,
+}
+
+impl ConnectAuth {
+    /// Anonymous, with these TLS settings.
+    pub fn tls(tls: ClientTls) -> ConnectAuth {
+        ConnectAuth { credentials: None, tls }
+    }
+
+    /// As the user whose credentials file is `path`.
+    pub fn credentials_file(path: &std::path::Path) -> Result<ConnectAuth, crate::nats_users::CredentialsError> {
+        Ok(ConnectAuth { credentials: Some(Credentials::load(path)?), tls: ClientTls::default() })
+    }
+
+    /// The same, with `tls`.
+    pub fn with_tls(mut self, tls: ClientTls) -> ConnectAuth {
+        self.tls = tls;
+        self
+    }
+
+    /// True when connecting as a user (not anonymously).
+    pub fn is_user(&self) -> bool {
+        self.credentials.is_some()
+    }
+
+    fn options(&self, name: &str, last_error: Arc<Mutex<Option<String>>>) -> Result<async_nats::ConnectOptions, NatsError> {
+        let conn = name.to_string();
+        let mut o = async_nats::ConnectOptions::new()
+            .name(name)
+            .retry_on_initial_connect()
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(move |event| {
+                let (conn, last_error) = (conn.clone(), last_error.clone());
+                async move {
+                    match event {
+                        // A denied publish, subscribe or JetStream call is only ever told
+                        // this way (the call itself times out): say so where operators look.
+                        async_nats::Event::ServerError(e) => {
+                            tracing::warn!(connection = %conn, error = %e, "NATS server error");
+                            *last_error.lock().expect("last error") = Some(e.to_string());
+                        }
+                        async_nats::Event::ClientError(e) => {
+                            tracing::warn!(connection = %conn, error = %e, "NATS client error")
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        if let Some(c) = &self.credentials {
+            o = o.nkey(c.seed().to_string());
+            if let Some(p) = &c.inbox_prefix {
+                o = o.custom_inbox_prefix(p);
+            }
+        }
+        let t = &self.tls;
+        if let Some(ca) = &t.ca {
+            o = o.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        match (&t.cert, &t.key) {
+            (Some(cert), Some(key)) => o = o.add_client_certificate(cert.clone(), key.clone()),
+            (None, None) => {}
+            _ => return Err(NatsError::Tls("a client certificate needs both --nats-cert and --nats-key".into())),
+        }
+        if t.required {
+            o = o.require_tls(true);
+        }
+        Ok(o)
+    }
+}
+
+/// Connects anonymously (see [`connect_with`]).
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
-    let client = async_nats::ConnectOptions::new()
-        .name(name)
-        .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(5))
+    connect_with(url, name, &ConnectAuth::default()).await
+}
+
+/// Connects as `auth` says, names the connection, and checks the server version. Waits
+/// up to 10 s for the server (it may still be starting); the error then carries the
+/// server's last word (an authorization violation for wrong or missing credentials).
+pub async fn connect_with(url: &str, name: &str, auth: &ConnectAuth) -> Result<async_nats::Client, NatsError> {
+    let last_error = Arc::new(Mutex::new(None));
+    let client = auth
+        .options(name, last_error.clone())?
         .connect(url)
         .await
         .map_err(|source| NatsError::Connect { url: url.to_string(), source })?;
@@ -197,12 +380,13 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while client.connection_state() != async_nats::connection::State::Connected {
         if tokio::time::Instant::now() > deadline {
+            let why = match last_error.lock().expect("last error").take() {
+                Some(e) => format!("no connection within 10 s; the server said: {e}"),
+                None => "no connection within 10 s".to_string(),
+            };
             return Err(NatsError::Connect {
                 url: url.to_string(),
-                source: async_nats::ConnectError::with_source(
-                    async_nats::ConnectErrorKind::TimedOut,
-                    "no connection within 10 s",
-                ),
+                source: async_nats::ConnectError::with_source(async_nats::ConnectErrorKind::TimedOut, why),
             });
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -543,5 +727,26 @@ mod tests {
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
+        let new = request_subject(&id, "acme");
+        assert_eq!(new, format!("stemq.jobs.{id}.requested.acme"));
+        assert_eq!(job_id_of_subject(&new), Some(id.clone()));
+        assert!(is_request_subject(&new) && is_request_subject(&job_subject(&id, SubjectKind::Requested)));
+        assert!(!is_request_subject(&job_subject(&id, SubjectKind::Outcome)));
+        assert!(!is_request_subject(&format!("{new}.x")));
+        assert_eq!(request_owner_token(&new), Some("acme"));
+        assert_eq!(request_owner_token(&job_subject(&id, SubjectKind::Requested)), None);
+        assert_eq!(request_subject(&id, "a b"), format!("stemq.jobs.{id}.requested.{}", owner_token("a b")));
+    }
+
+    #[test]
+    fn a_request_must_name_the_owner_of_its_subject() {
+        let id = JobId::parse(&"b".repeat(64)).unwrap();
+        assert!(check_request_owner(&request_subject(&id, "acme"), "acme").is_ok());
+        assert!(check_request_owner(&request_subject(&id, "a.b"), "a.b").is_ok());
+        // The old form carries no owner: only the operator may still publish there.
+        assert!(check_request_owner(&job_subject(&id, SubjectKind::Requested), "anyone").is_ok());
+        let e = check_request_owner(&request_subject(&id, "acme"), "globex").unwrap_err();
+        assert_eq!((e.subject_token.as_str(), e.owner.as_str()), ("acme", "globex"));
+        assert!(e.to_string().contains("`globex`") && e.to_string().contains("`acme`"), "{e}");
     }
 }

@@ -3,6 +3,13 @@
 //! This module owns starting, killing and restarting a local server with JetStream in a
 //! store directory of our choosing, on a port the OS picks (or a given one). A restart
 //! keeps the port and the store, so clients reconnect and durable state survives.
+//!
+//! The server runs with stemq's users ([`crate::nats_users`]) unless
+//! [`ServerOptions::auth`] is off: credentials for every fixed user are created (once)
+//! in `<store>/creds/`, the configuration includes the `authorization` block rendered
+//! from them, and anonymous clients are refused. [`NatsServer::credentials`] names a
+//! user's file; [`NatsServer::add_publisher`] adds a publisher for an owner and reloads
+//! the server (SIGHUP). [`ServerOptions::tls`] serves TLS only ([`ServerTls`]).
 
 use std::io;
 use std::net::TcpStream;
@@ -10,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::nats::SERVER_CONF;
+use crate::nats::{ClientTls, ConnectAuth, NatsError, SERVER_CONF};
+use crate::nats_users::{UserStore, UsersError};
 
 /// Failures starting a server.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +41,59 @@ pub enum ServerError {
     /// Store directory trouble.
     #[error("store directory {0}: {1}")]
     Store(PathBuf, #[source] io::Error),
+    /// Users or credentials trouble.
+    #[error(transparent)]
+    Users(#[from] UsersError),
+    /// The server did not confirm a configuration reload in time.
+    #[error("nats-server did not reload its configuration within {0:?}; see {1}")]
+    NoReload(Duration, PathBuf),
+}
+
+/// How to run the server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Client port; 0 lets the OS choose.
+    pub port: u16,
+    /// Run with stemq's users (anonymous clients refused). On by default.
+    pub auth: bool,
+    /// Serve TLS only.
+    pub tls: Option<ServerTls>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions { port: 0, auth: true, tls: None }
+    }
+}
+
+/// The server side of TLS (the `tls` block of nats-server's configuration).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    /// The server's certificate (PEM); its SANs must name the host clients dial
+    /// (`127.0.0.1` needs an IP SAN).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA that signs client certificates (and, for clients, the server's).
+    pub ca: Option<PathBuf>,
+    /// Require and verify a client certificate from every client.
+    pub verify: bool,
+}
+
+impl ServerTls {
+    /// The configuration block.
+    pub fn conf(&self) -> String {
+        let q = |p: &Path| serde_json::to_string(&p.to_string_lossy()).expect("a string");
+        let mut out = format!("tls {{\n  cert_file: {}\n  key_file: {}\n", q(&self.cert), q(&self.key));
+        if let Some(ca) = &self.ca {
+            out.push_str(&format!("  ca_file: {}\n", q(ca)));
+        }
+        if self.verify {
+            out.push_str("  verify: true\n");
+        }
+        out.push_str("  timeout: 2\n}\n");
+        out
+    }
 }
 
 /// A running `nats-server`. Killed on drop.
@@ -41,22 +102,52 @@ pub struct NatsServer {
     bin: String,
     store: PathBuf,
     port: u16,
+    options: ServerOptions,
+    users: Option<UserStore>,
 }
 
 impl NatsServer {
-    /// Starts a server storing under `store` (created if needed). `port` 0 lets the OS
-    /// choose.
+    /// Starts a server with stemq's users storing under `store` (created if needed).
+    /// `port` 0 lets the OS choose.
     pub fn start(store: &Path, port: u16) -> Result<NatsServer, ServerError> {
+        NatsServer::start_with(store, ServerOptions { port, ..Default::default() })
+    }
+
+    /// Starts a server as `options` say.
+    pub fn start_with(store: &Path, options: ServerOptions) -> Result<NatsServer, ServerError> {
         let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".to_string());
         std::fs::create_dir_all(store).map_err(|e| ServerError::Store(store.to_path_buf(), e))?;
-        let mut s = NatsServer { child: None, bin, store: store.to_path_buf(), port };
+        let users = if options.auth {
+            let u = UserStore::open(&store.join("creds"))?;
+            u.ensure_fixed()?;
+            Some(u)
+        } else {
+            None
+        };
+        let mut s = NatsServer { child: None, bin, store: store.to_path_buf(), port: options.port, options, users };
         s.spawn()?;
         Ok(s)
     }
 
-    fn spawn(&mut self) -> Result<(), ServerError> {
+    /// The configuration file's text.
+    fn write_conf(&self) -> Result<PathBuf, ServerError> {
         let conf = self.store.join("nats-server.conf");
-        std::fs::write(&conf, SERVER_CONF).map_err(|e| ServerError::Store(conf.clone(), e))?;
+        let mut text = SERVER_CONF.to_string();
+        if let Some(users) = &self.users {
+            let auth = self.store.join("auth.conf");
+            std::fs::write(&auth, users.authorization_conf()?).map_err(|e| ServerError::Store(auth.clone(), e))?;
+            text.push_str("\n# stemq's users (nats/users.json); anonymous clients are refused.\ninclude \"auth.conf\"\n");
+        }
+        if let Some(tls) = &self.options.tls {
+            text.push('\n');
+            text.push_str(&tls.conf());
+        }
+        std::fs::write(&conf, text).map_err(|e| ServerError::Store(conf.clone(), e))?;
+        Ok(conf)
+    }
+
+    fn spawn(&mut self) -> Result<(), ServerError> {
+        let conf = self.write_conf()?;
         let ports_dir = self.store.join("ports");
         let _ = std::fs::remove_dir_all(&ports_dir);
         std::fs::create_dir_all(&ports_dir).map_err(|e| ServerError::Store(ports_dir.clone(), e))?;
@@ -71,6 +162,8 @@ impl NatsServer {
             .arg(&ports_dir)
             .arg("-l")
             .arg(&log)
+            .arg("-P")
+            .arg(self.store.join("nats-server.pid"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -99,9 +192,83 @@ impl NatsServer {
         }
     }
 
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>` (with TLS on, clients upgrade on the server's word).
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The credentials file of `user` (`worker`, `operator`, `publisher-acme`, ...).
+    /// Only meaningful when the server runs with users.
+    pub fn credentials(&self, user: &str) -> PathBuf {
+        match &self.users {
+            Some(u) => u.path(user),
+            None => self.store.join("creds").join(format!("{user}.{}", crate::nats_users::CREDENTIALS_EXT)),
+        }
+    }
+
+    /// The folder of the credential files, when the server runs with users.
+    pub fn users(&self) -> Option<&UserStore> {
+        self.users.as_ref()
+    }
+
+    /// How `user` connects: its credentials (none without users), and the server's CA
+    /// when it serves TLS.
+    pub fn connect_auth(&self, user: &str) -> Result<ConnectAuth, ServerError> {
+        let mut auth = match &self.users {
+            Some(_) => ConnectAuth::credentials_file(&self.credentials(user)).map_err(UsersError::from)?,
+            None => ConnectAuth::default(),
+        };
+        if let Some(tls) = &self.options.tls {
+            auth.tls = ClientTls { ca: tls.ca.clone(), required: true, ..Default::default() };
+        }
+        Ok(auth)
+    }
+
+    /// Connects as `user`, naming the connection `name`.
+    pub async fn connect_as(&self, user: &str, name: &str) -> Result<async_nats::Client, NatsError> {
+        let auth = self.connect_auth(user).map_err(|e| NatsError::Tls(e.to_string()))?;
+        crate::nats::connect_with(&self.url(), name, &auth).await
+    }
+
+    /// Adds (or finds) the publisher of `owner` and reloads the server so it may
+    /// connect; returns its credentials file.
+    pub fn add_publisher(&mut self, owner: &str) -> Result<PathBuf, ServerError> {
+        let users = self.users.as_ref().ok_or(UsersError::UnknownRole("publisher (the server runs without users)".into()))?;
+        let path = users.add_publisher(owner)?;
+        self.write_conf()?;
+        self.reload()?;
+        Ok(path)
+    }
+
+    /// Asks the server to reload its configuration (SIGHUP) and waits until its log
+    /// says it did.
+    pub fn reload(&self) -> Result<(), ServerError> {
+        let log = self.store.join("nats-server.log");
+        let count = || {
+            std::fs::read_to_string(&log).map(|t| t.matches("Reloaded server configuration").count()).unwrap_or(0)
+        };
+        let before = count();
+        if let Some(c) = &self.child {
+            // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
+            // is our own child's, not yet reaped (we hold its `Child`).
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGHUP);
+            }
+        }
+        let wait = Duration::from_secs(10);
+        let deadline = Instant::now() + wait;
+        while count() <= before {
+            if Instant::now() > deadline {
+                return Err(ServerError::NoReload(wait, log));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    /// The server's log file.
+    pub fn log_file(&self) -> PathBuf {
+        self.store.join("nats-server.log")
     }
 
     /// The listening port.

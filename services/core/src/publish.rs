@@ -10,13 +10,28 @@
 //!
 //! A "no responders" answer (stream not yet there, server restarting) is retried with the
 //! same message id, which keeps the retry idempotent.
+//!
+//! Two guards against other publishers:
+//! - *message-id squatting*: the stream's dedupe window covers every subject, so anyone
+//!   allowed to publish anywhere in the stream could take a job's message id first (a
+//!   `publisher` sending its own request with `Nats-Msg-Id: <another job>`), and the real
+//!   publish would be acked `duplicate` with nothing stored. [`publish_once`] therefore
+//!   reads the acked sequence back on a duplicate; if it holds another subject, it
+//!   publishes again without a message id (expected-last-subject-sequence 0 still keeps
+//!   the subject to one message).
+//! - [`publish_request`]: a new request goes to `stemq.jobs.<id>.requested.<owner token>`,
+//!   after checking that the job's request is not already recorded in the old form
+//!   (`stemq.jobs.<id>.requested`, before owner tokens).
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use async_nats::HeaderMap;
+use tracing::warn;
 
 use crate::event::Event;
+use crate::nats::{job_subject, request_subject, SubjectKind, JOBS_STREAM};
+use crate::request::JobId;
 
 /// Result of [`publish_once`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,21 +97,65 @@ pub async fn publish_once(
 ) -> Result<Once, PublishError> {
     let payload = event.to_bytes();
     let mut attempt = 0;
+    let mut msg_id = Some(msg_id);
     loop {
         attempt += 1;
-        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, Some(msg_id), true));
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, true));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
             Err(e) => Err(e),
         };
         match res {
-            Ok(ack) if ack.duplicate => return Ok(Once::AlreadyThere),
+            Ok(ack) if ack.duplicate => {
+                if msg_id.is_some() && squatted(js, &ack.stream, ack.sequence, subject).await {
+                    warn!(
+                        subject,
+                        msg_id = msg_id.unwrap_or_default(),
+                        squatter_seq = ack.sequence,
+                        "the message id was taken by a message on another subject; publishing without it"
+                    );
+                    msg_id = None;
+                    attempt = 0;
+                    continue;
+                }
+                return Ok(Once::AlreadyThere);
+            }
             Ok(ack) => return Ok(Once::Stored(ack.sequence)),
             Err(e) if already_there(&e) => return Ok(Once::AlreadyThere),
             Err(e) if retryable(&e) && attempt < ATTEMPTS => backoff(attempt).await,
             Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
         }
     }
+}
+
+/// True when the message a duplicate ack points at is on another subject than ours
+/// (someone else published with our message id). When it cannot be read, the duplicate
+/// is taken at its word.
+async fn squatted(js: &jetstream::Context, stream: &str, seq: u64, subject: &str) -> bool {
+    let Ok(s) = js.get_stream_no_info(stream).await else { return false };
+    match s.direct_get(seq).await {
+        Ok(m) => m.subject.as_str() != subject,
+        Err(_) => false,
+    }
+}
+
+/// Publishes a new job's request for `owner` on `stemq.jobs.<id>.requested.<owner
+/// token>`, once: [`Once::AlreadyThere`] when the job's request is recorded, in this form
+/// or in the old one (`stemq.jobs.<id>.requested`).
+pub async fn publish_request(
+    js: &jetstream::Context,
+    id: &JobId,
+    owner: &str,
+    event: &Event,
+) -> Result<Once, PublishError> {
+    if let Ok(log) = js.get_stream_no_info(JOBS_STREAM).await {
+        // A request from before owner tokens: the job exists. Any other answer than
+        // "found" (not found, or the log unreadable now) leaves it to the publish below.
+        if log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await.is_ok() {
+            return Ok(Once::AlreadyThere);
+        }
+    }
+    publish_once(js, &request_subject(id, owner), event, id.as_str()).await
 }
 
 /// The pause after failed attempt `attempt` (1-based): 50 ms, doubling.

@@ -11,7 +11,7 @@
 //!   them on again ([`enable`], behind `POST /v1/webhooks/enable` and
 //!   `stemq webhooks enable`);
 //! - [`delivery_attempts`]: the `delivery_attempted` record of a job read back from the
-//!   log, which the relay numbers its attempts from and the ingress lists;
+//!   log (direct gets), which the relay numbers its attempts from and the ingress lists;
 //! - [`check_url`]: a receiver URL under the address policy of [`crate::netpolicy`]:
 //!   https only, public addresses only, unless `STEMQ_WEBHOOK_ALLOW` ([`ALLOW_ENV`])
 //!   names the host or a CIDR holding its address (which then also permits plain http).
@@ -20,14 +20,13 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull::OrderedConfig, consumer::DeliverPolicy, kv};
+use async_nats::jetstream::{self, kv};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use crate::event::{DeliveryAttempted, EventBody};
 use crate::nats::{job_subject, SubjectKind, JOBS_STREAM};
@@ -172,13 +171,10 @@ pub struct SecretsError {
     pub message: String,
 }
 
-/// The bucket key of an owner (the owner itself when it is a valid key).
+/// The bucket key of an owner: its [`crate::request::owner_token`] (the owner itself
+/// when it is a plain name).
 pub fn owner_key(owner: &str) -> String {
-    if !owner.is_empty() && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_=".contains(&b)) {
-        owner.to_string()
-    } else {
-        format!("h-{}", hex::encode(Sha256::digest(owner.as_bytes())))
-    }
+    crate::request::owner_token(owner)
 }
 
 fn secrets_err(owner: &str, e: impl std::fmt::Display) -> SecretsError {
@@ -284,7 +280,7 @@ pub enum RecordError {
     /// The job stream could not be opened.
     #[error("opening the job stream: {0}")]
     Stream(#[source] async_nats::Error),
-    /// The reading consumer could not be created or asked for its state.
+    /// The record could not be read.
     #[error("reading the delivery record of {job}: {source}")]
     Consumer {
         /// Whose record.
@@ -296,46 +292,32 @@ pub enum RecordError {
 }
 
 /// Every `delivery_attempted` event of job `id` stored after stream sequence
-/// `after_seq` (0: all of them), in log order. Reads `stemq.jobs.<id>.delivery` with an
-/// ephemeral ordered consumer, so the cost is the job's own record, not the stream.
+/// `after_seq` (0: all of them), in log order. Reads `stemq.jobs.<id>.delivery` with
+/// direct gets (next message on the subject after a sequence), so the cost is the job's
+/// own record, not the stream, and the reader needs no right to create consumers on the
+/// job stream (which, through the unnamed create API, would also let it rewrite a
+/// durable consumer such as `workers`).
 pub async fn delivery_attempts(
     js: &jetstream::Context,
     id: &JobId,
     after_seq: u64,
 ) -> Result<Vec<RecordedAttempt>, RecordError> {
     let stream = js.get_stream_no_info(JOBS_STREAM).await.map_err(|e| RecordError::Stream(e.into()))?;
-    let consumer_err = |e: async_nats::Error| RecordError::Consumer { job: id.clone(), source: e };
-    let deliver_policy = match after_seq {
-        0 => DeliverPolicy::All,
-        s => DeliverPolicy::ByStartSequence { start_sequence: s + 1 },
-    };
-    let consumer = stream
-        .create_consumer(OrderedConfig {
-            filter_subject: job_subject(id, SubjectKind::Delivery),
-            deliver_policy,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| consumer_err(e.into()))?;
-    let mut info = consumer.clone();
-    let pending = info.info().await.map_err(|e| consumer_err(e.into()))?.num_pending;
+    let subject = job_subject(id, SubjectKind::Delivery);
     let mut out = Vec::new();
-    if pending == 0 {
-        return Ok(out);
-    }
-    let mut msgs = consumer.messages().await.map_err(|e| consumer_err(e.into()))?;
-    let mut seen = 0u64;
-    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
-        seen += 1;
-        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+    let mut from = after_seq + 1;
+    loop {
+        let m = match stream.direct_get_builder().sequence(from).next_by_subject(subject.as_str()).send().await {
+            Ok(m) => m,
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => break,
+            Err(e) => return Err(RecordError::Consumer { job: id.clone(), source: e.into() }),
+        };
         if let Ok(event) = Event::from_slice(&m.payload) {
             if let EventBody::DeliveryAttempted(attempt) = event.body.clone() {
-                out.push(RecordedAttempt { seq, event, attempt });
+                out.push(RecordedAttempt { seq: m.sequence, event, attempt });
             }
         }
-        if seen >= pending {
-            break;
-        }
+        from = m.sequence + 1;
     }
     Ok(out)
 }

@@ -21,7 +21,7 @@ use serde::Serialize;
 use stemq_core::auth::Caller;
 use stemq_core::event::{CancelRequested, Cancelled, EventBody, Retried};
 use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::publish::{publish, publish_once, publish_request, Once};
 use stemq_core::{Event, JobId, JobStatus, JobView};
 
 use crate::submit::SubmitResponse;
@@ -100,13 +100,14 @@ pub async fn retry(js: &jetstream::Context, view: &JobView, source: &str) -> Res
     }
     let mut request = view.request.clone().ok_or_else(|| ControlError::NoRequest(id.clone()))?;
     request.retry_of = Some(id.clone());
+    let owner = request.owner.clone();
     let mut ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), source);
     // The time limit carries over; a start deadline does not (it has usually passed).
     if let EventBody::Requested(r) = &mut ev.body {
         r.max_runtime = view.max_runtime;
     }
     let new_id = ev.subject.clone();
-    let created = publish_once(js, &job_subject(&new_id, SubjectKind::Requested), &ev, new_id.as_str()).await?;
+    let created = publish_request(js, &new_id, &owner, &ev).await?;
     let link = Event::new(id, source, EventBody::Retried(Retried { retried_by: new_id.clone() }));
     publish(js, &job_subject(id, SubjectKind::Retried), &link, Some(&format!("{id}.retried.{new_id}"))).await?;
     Ok((new_id, matches!(created, Once::Stored(_))))

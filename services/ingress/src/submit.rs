@@ -1,16 +1,16 @@
 //! Submitting a job: validate, derive the id, publish once. Shared by HTTP and NATS.
 //!
 //! This module owns the ingress's only write. A new job is one publish of its
-//! `requested` event to `stemq.jobs.<id>.requested` with `Nats-Msg-Id` = id and
+//! `requested` event to `stemq.jobs.<id>.requested.<owner token>` with `Nats-Msg-Id` = id and
 //! expected-last-subject-sequence 0, so the same request — a retry, a concurrent
 //! duplicate, or the same song a day later after the dedupe window — finds the existing
 //! job instead of creating a second one. Nothing heavy happens here.
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
-use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::nats::request_subject;
 use stemq_core::netpolicy::{self, HostPolicy};
-use stemq_core::publish::{publish_once, Once};
+use stemq_core::publish::{publish_request, Once};
 use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
@@ -111,8 +111,15 @@ pub async fn prepare(
 /// Publishes a prepared `requested` event once (see the module doc).
 pub async fn queue(js: &jetstream::Context, event: Event) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let id = event.subject.clone();
-    let subject = job_subject(&id, SubjectKind::Requested);
-    let once = publish_once(js, &subject, &event, id.as_str())
+    let owner = match &event.body {
+        stemq_core::EventBody::Requested(r) => r.request.owner.clone(),
+        other => {
+            let message = format!("only a requested event is queued, not {}", other.kind());
+            return Err(RequestError { field: "body".into(), message }.into());
+        }
+    };
+    let subject = request_subject(&id, &owner);
+    let once = publish_request(js, &id, &owner, &event)
         .instrument(tracing::info_span!("nats.publish", subject = %subject))
         .await
         .map_err(|e| SubmitError::Unavailable(e.to_string()))?;

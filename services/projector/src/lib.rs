@@ -28,6 +28,12 @@
 //! job is held relies on the server's redelivery order (it is not re-derived from the
 //! log).
 //!
+//! **A request for another owner is refused.** A `requested` event on
+//! `stemq.jobs.<id>.requested.<token>` whose request names an owner with another token
+//! is never folded (terminated, logged, counted as
+//! `stemq_projector_errors_total{kind="owner_mismatch"}`): the view shows what the worker
+//! records for it, `rejected` with code `owner_mismatch`.
+//!
 //! **A view that does not parse is an error**, never an absent view to overwrite:
 //! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
 //! it (the job is held as above, logged with its `job_id`, and counted in
@@ -333,6 +339,18 @@ impl Lane {
                     continue;
                 }
             };
+            // A request for another owner than its subject's token was published by a
+            // user allowed to publish for that token only: it is not the job's request.
+            // Refused for good (the worker records it `rejected`, which this projector
+            // then folds); it stays in the log.
+            if let stemq_core::EventBody::Requested(r) = &event.body {
+                if let Err(e) = names::check_request_owner(&msg.subject, &r.request.owner) {
+                    warn!(lane, seq, subject = %msg.subject, error = %e, "refusing a request for another owner");
+                    stemq_core::metrics::metrics().projector_error("owner_mismatch");
+                    let _ = msg.ack_with(AckKind::Term).await;
+                    continue;
+                }
+            }
             match per_job.iter_mut().find(|(id, _)| *id == event.subject) {
                 Some((_, v)) => v.push((pos, event, msg)),
                 None => per_job.push((event.subject.clone(), vec![(pos, event, msg)])),

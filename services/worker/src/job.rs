@@ -86,7 +86,7 @@ async fn run_delivery(
     hard_stop: &CancellationToken,
 ) {
     // 1. The request must be a `requested` event whose request hashes to its subject.
-    let Valid { requested, at: requested_at, traceparent } = match validate(parsed, &job_id) {
+    let Valid { requested, at: requested_at, traceparent } = match validate(parsed, &msg.subject, &job_id) {
         Ok(v) => v,
         Err(rejection) => {
             let (code, message) = (rejection.code(), rejection.to_string());
@@ -469,6 +469,10 @@ enum Rejection {
     /// The request does not hash to the id its subject and event claim (forged).
     #[error("the request hashes to {computed}, but the event claims {claimed} (subject/id)")]
     IdMismatch { computed: JobId, claimed: JobId },
+    /// The request names another owner than the owner token of its subject: published
+    /// by someone allowed to publish for that token's owner only (a publisher).
+    #[error(transparent)]
+    OwnerMismatch(#[from] stemq_core::nats::OwnerMismatch),
     /// The request is invalid, or valid but not as the ingress would have normalised it
     /// (a raw publisher bypassed the ingress).
     #[error("{0}")]
@@ -481,14 +485,16 @@ impl Rejection {
         match self {
             Rejection::NotAnEvent(_) | Rejection::NotARequest(_) => FailureCode::InvalidEvent,
             Rejection::IdMismatch { .. } => FailureCode::IdMismatch,
+            Rejection::OwnerMismatch(_) => FailureCode::OwnerMismatch,
             Rejection::Invalid(_) => FailureCode::InvalidRequest,
         }
     }
 }
 
 /// Checks a delivered request: a `requested` event whose request hashes to its subject
-/// and id, and is a valid request in normalised form.
-fn validate(parsed: Result<Event, serde_json::Error>, job_id: &JobId) -> Result<Valid, Rejection> {
+/// and id, whose owner is the owner token of its subject (when the subject has one), and
+/// which is a valid request in normalised form.
+fn validate(parsed: Result<Event, serde_json::Error>, subject: &str, job_id: &JobId) -> Result<Valid, Rejection> {
     let ev = parsed.map_err(Rejection::NotAnEvent)?;
     let EventBody::Requested(r) = ev.body else {
         return Err(Rejection::NotARequest(ev.body.kind()));
@@ -497,6 +503,7 @@ fn validate(parsed: Result<Event, serde_json::Error>, job_id: &JobId) -> Result<
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
         return Err(Rejection::IdMismatch { computed, claimed: job_id.clone() });
     }
+    stemq_core::nats::check_request_owner(subject, &r.request.owner)?;
     // Re-validate the request itself: a raw publisher bypasses the ingress.
     r.request.revalidate(r.webhook.as_ref(), r.metadata.as_ref(), r.max_runtime).map_err(Rejection::Invalid)?;
     Ok(Valid { requested: r, at: ev.time, traceparent: ev.traceparent })
@@ -734,6 +741,7 @@ impl Drop for ScratchDir {
 mod tests {
     use super::*;
     use serde_json::json;
+    use stemq_core::nats::request_subject;
     use stemq_core::request::{JobRequest, ANONYMOUS};
 
     fn requested() -> Event {
@@ -745,15 +753,27 @@ mod tests {
     fn validate_accepts_a_request_that_hashes_to_its_id() {
         let ev = requested();
         let id = ev.subject.clone();
-        let valid = validate(Ok(ev), &id).expect("valid");
+        let valid = validate(Ok(ev.clone()), &request_subject(&id, ANONYMOUS), &id).expect("valid");
         assert_eq!(valid.requested.request.job_id(), id);
+        // A request recorded before owner tokens is still run.
+        assert!(validate(Ok(ev), &job_subject(&id, SubjectKind::Requested), &id).is_ok());
+    }
+
+    #[test]
+    fn validate_rejects_a_request_for_another_owner_than_its_subjects() {
+        let ev = requested();
+        let id = ev.subject.clone();
+        let e = validate(Ok(ev), &request_subject(&id, "acme"), &id).unwrap_err();
+        assert!(matches!(e, Rejection::OwnerMismatch(_)), "{e:?}");
+        assert_eq!(e.code(), FailureCode::OwnerMismatch);
+        assert!(e.to_string().contains("`anonymous`") && e.to_string().contains("`acme`"), "{e}");
     }
 
     #[test]
     fn validate_rejects_with_a_code_per_reason() {
         let ev = requested();
         let other = JobId::parse(&"0".repeat(64)).unwrap();
-        let e = validate(Ok(ev.clone()), &other).unwrap_err();
+        let e = validate(Ok(ev.clone()), &request_subject(&other, ANONYMOUS), &other).unwrap_err();
         assert!(matches!(e, Rejection::IdMismatch { .. }), "{e:?}");
         assert_eq!(e.code(), FailureCode::IdMismatch);
 
@@ -765,7 +785,7 @@ mod tests {
         n.audio_uri = format!(" {} ", n.audio_uri);
         let unnormalised = Event::requested(n.clone(), None, None, "/test");
         let id = unnormalised.subject.clone();
-        let e = validate(Ok(unnormalised), &id).unwrap_err();
+        let e = validate(Ok(unnormalised), &request_subject(&id, ANONYMOUS), &id).unwrap_err();
         assert!(matches!(e, Rejection::Invalid(_)), "{e:?}");
         assert_eq!(e.code(), FailureCode::InvalidRequest);
         assert!(e.to_string().starts_with("invalid `audio_uri`: "), "{e}");
@@ -775,12 +795,12 @@ mod tests {
         n.segment = n.model.max_segment();
         let spelled_out = Event::requested(n, None, None, "/test");
         let id = spelled_out.subject.clone();
-        let e = validate(Ok(spelled_out), &id).unwrap_err();
+        let e = validate(Ok(spelled_out), &request_subject(&id, ANONYMOUS), &id).unwrap_err();
         assert_eq!(e.code(), FailureCode::InvalidRequest);
         assert!(e.to_string().starts_with("invalid `request`: not in normalised form"), "{e}");
 
         let not_json = serde_json::from_slice::<Event>(b"{").map(|_| unreachable!());
-        let e = validate(not_json, &ev.subject).unwrap_err();
+        let e = validate(not_json, &request_subject(&ev.subject, ANONYMOUS), &ev.subject).unwrap_err();
         assert_eq!(e.code(), FailureCode::InvalidEvent);
         assert!(e.to_string().starts_with("not a stemq CloudEvent: "), "{e}");
 
@@ -789,7 +809,7 @@ mod tests {
             "/test",
             EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }),
         );
-        let e = validate(Ok(started), &ev.subject).unwrap_err();
+        let e = validate(Ok(started), &request_subject(&ev.subject, ANONYMOUS), &ev.subject).unwrap_err();
         assert_eq!(e.code(), FailureCode::InvalidEvent);
         assert_eq!(e.to_string(), "expected a requested event, got started");
     }

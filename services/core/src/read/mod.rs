@@ -16,4 +16,4 @@ pub mod index;
 pub mod view;
 
 pub use index::{Cursor, ListIndex};
-pub use view::{current_view, get_view, stored_view, ViewError, Views};
+pub use view::{current_view, get_view, request_of, stored_view, ViewError, Views};

@@ -7,14 +7,15 @@
 //!   [`ViewError::Corrupt`], never an absent view.
 //! - [`current_view`] ([`Views::current`]): what a reader answers with. The KV view,
 //!   else — or when the stored view has not seen the request yet — the job's
-//!   `requested` event read from the log (a direct get, no projector lag) and folded
-//!   with [`crate::apply`]. So a job that exists is never "not found", even right after
-//!   its submit.
+//!   `requested` event read from the log (direct gets, no projector lag; [`request_of`])
+//!   and folded with [`crate::apply`]. So a job that exists is never "not found", even
+//!   right after its submit. A request on `stemq.jobs.<id>.requested.<token>` whose
+//!   owner is not the token's is not the job's request (the projector refuses it too).
 
 use async_nats::jetstream::{self, kv};
 
 use crate::error::JetStreamError;
-use crate::nats::{self as names, job_subject, SubjectKind};
+use crate::nats::{self as names, check_request_owner, job_subject, request_filter, SubjectKind};
 use crate::{apply, Event, JobId, JobView, Position};
 
 /// A view that could not be read.
@@ -89,22 +90,50 @@ pub async fn current_view(
     if view.as_ref().is_some_and(|v| v.request.is_some()) {
         return Ok(view);
     }
-    let requested = match log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
-        Ok(m) => m,
-        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => return Ok(view),
-        Err(e) => {
-            return Err(ViewError::Unavailable {
-                id: id.clone(),
-                source: JetStreamError::read("direct get request")(e),
-            })
-        }
-    };
-    // A request that does not read as an event is the worker's to reject; the view is
-    // whatever the projector has.
-    let folded = Event::from_slice(&requested.payload)
-        .ok()
-        .and_then(|e| apply(view.as_ref(), Position::Log(requested.sequence), &e));
+    let requested = request_of(log, id)
+        .await
+        .map_err(|e| ViewError::Unavailable { id: id.clone(), source: JetStreamError::read("direct get request")(e) })?;
+    let Some((seq, event)) = requested else { return Ok(view) };
+    let folded = apply(view.as_ref(), Position::Log(seq), &event);
     Ok(folded.or(view))
+}
+
+/// How many requests with a wrong owner [`request_of`] reads past before giving up.
+const MAX_REFUSED_REQUESTS: usize = 16;
+
+/// The job's request as recorded in the log, with its sequence: the first request on
+/// `stemq.jobs.<id>.requested.<token>` whose owner matches its token, else the one on
+/// the old `stemq.jobs.<id>.requested`. A request that does not read as an event is the
+/// worker's to reject and counts as none.
+pub async fn request_of(
+    log: &jetstream::stream::Stream<()>,
+    id: &JobId,
+) -> Result<Option<(u64, Event)>, jetstream::stream::DirectGetError> {
+    use jetstream::stream::DirectGetErrorKind::NotFound;
+    let filter = request_filter(id);
+    let mut from = 1;
+    for _ in 0..MAX_REFUSED_REQUESTS {
+        let m = match log.direct_get_builder().sequence(from).next_by_subject(filter.as_str()).send().await {
+            Ok(m) => m,
+            Err(e) if e.kind() == NotFound => break,
+            Err(e) => return Err(e),
+        };
+        if let Ok(event) = Event::from_slice(&m.payload) {
+            let owner_ok = match &event.body {
+                crate::EventBody::Requested(r) => check_request_owner(m.subject.as_str(), &r.request.owner).is_ok(),
+                _ => false,
+            };
+            if owner_ok {
+                return Ok(Some((m.sequence, event)));
+            }
+        }
+        from = m.sequence + 1;
+    }
+    match log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await {
+        Ok(m) => Ok(Event::from_slice(&m.payload).ok().map(|e| (m.sequence, e))),
+        Err(e) if e.kind() == NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// The reader every service holds: the status bucket and the job log, for

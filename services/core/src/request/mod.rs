@@ -37,3 +37,42 @@ pub const MAX_SHIFTS: u32 = 20;
 pub const MAX_RUNTIME_S: u64 = 86_400;
 /// The owner of jobs `stemq separate` runs locally (no queue, no API keys).
 pub const ANONYMOUS: &str = "anonymous";
+
+/// The owner as one token that is safe everywhere an owner names something: a NATS
+/// subject token (`stemq.jobs.<id>.requested.<token>`, which a `publisher` user's
+/// permissions bind to its owner), a KV key (`stemq_webhooks`) and a file name (its
+/// credentials). An owner of ASCII letters, digits, `-`, `_` and `=` (at most 64 bytes)
+/// is its own token; any other owner is `h-` and the hex SHA-256 of its bytes. An owner
+/// that itself starts with `h-` is hashed too, so no owner can take another's hashed
+/// token as its plain name.
+pub fn owner_token(owner: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let plain = !owner.is_empty()
+        && owner.len() <= 64
+        && !owner.starts_with("h-")
+        && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_=".contains(&b));
+    if plain {
+        owner.to_string()
+    } else {
+        format!("h-{}", hex::encode(Sha256::digest(owner.as_bytes())))
+    }
+}
+
+#[cfg(test)]
+mod owner_token_tests {
+    use super::owner_token;
+
+    #[test]
+    fn plain_owners_are_their_own_token_and_others_are_hashed() {
+        assert_eq!(owner_token("anonymous"), "anonymous");
+        assert_eq!(owner_token("acme-2_x="), "acme-2_x=");
+        for odd in ["a b/c", "acme.eu", "a*", "a>", "", "h-plain"] {
+            let t = owner_token(odd);
+            assert!(t.starts_with("h-") && t.len() == 66, "{odd:?} -> {t}");
+        }
+        // A hashed token cannot be claimed by an owner spelling it out.
+        let hashed = owner_token("a b");
+        assert_ne!(owner_token(&hashed), hashed);
+        assert_eq!(owner_token(&"x".repeat(65)).len(), 66);
+    }
+}

@@ -1,0 +1,484 @@
+//! NATS users: who may publish and subscribe to what, and the credentials that prove it.
+//!
+//! This module owns the identities stemq's processes connect as and the server-side
+//! half of least privilege:
+//!
+//! - the roles and their permissions are data, `nats/users.json` (embedded at build
+//!   time), like the stream, consumer and bucket definitions: `operator` (everything),
+//!   `ingress`, `worker`, `projector`, `relay`, `status-reader`, and `publisher`, of
+//!   which there is one user per owner (`publisher-<owner token>`, publishing only on
+//!   `stemq.jobs.*.requested.<owner token>`);
+//! - every user has an inbox prefix of its own, `_INBOX_<user>`, and may subscribe only
+//!   below it, so no user reads another's replies, PubAcks or pull deliveries;
+//! - [`Credentials`]: a user's nkey seed, written to a file of its own (mode 0600) that
+//!   names the user and its inbox prefix in comment lines; the seed line is a plain NATS
+//!   user seed, so `nats --nkey FILE` reads the same file. The server only ever sees
+//!   public keys;
+//! - [`UserStore`]: a folder of credential files (mode 0700) — one per user — and the
+//!   `authorization` block of nats-server's configuration rendered from them
+//!   ([`UserStore::authorization_conf`]). `stemq dev`, the test harness (through
+//!   [`crate::nats_server::NatsServer`]) and `stemq nats users add-publisher` keep one.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::request::owner_token;
+
+/// `nats/users.json`.
+pub const USERS_DEF: &str = include_str!("../../../nats/users.json");
+
+/// Everything: provisioning (`stemq nats apply`), rebuilds, the client commands.
+pub const OPERATOR: &str = "operator";
+/// The HTTP API and the NATS submit endpoint.
+pub const INGRESS: &str = "ingress";
+/// The workers (and their dead-letter handler).
+pub const WORKER: &str = "worker";
+/// The projector.
+pub const PROJECTOR: &str = "projector";
+/// The webhook relay.
+pub const RELAY: &str = "relay";
+/// A foreign service submitting for one owner (the role; users are
+/// `publisher-<owner token>`).
+pub const PUBLISHER: &str = "publisher";
+/// Reads and watches the status view bucket.
+pub const STATUS_READER: &str = "status-reader";
+/// The users every stemq server has (publishers are added per owner).
+pub const FIXED_USERS: [&str; 6] = [OPERATOR, INGRESS, WORKER, PROJECTOR, RELAY, STATUS_READER];
+
+/// The file extension of credential files (`<user>.nk`).
+pub const CREDENTIALS_EXT: &str = "nk";
+
+/// Failures with users and credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum UsersError {
+    /// `nats/users.json` is malformed (a build-time bug).
+    #[error("bad nats/users.json")]
+    Definition(#[source] serde_json::Error),
+    /// No such role in `nats/users.json`.
+    #[error("no NATS role `{0}` (known: operator, ingress, worker, projector, relay, publisher, status-reader)")]
+    UnknownRole(String),
+    /// A credentials file could not be read or parsed.
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
+    /// The credentials folder could not be read or written.
+    #[error("credentials folder {0}")]
+    Io(PathBuf, #[source] io::Error),
+}
+
+/// A credentials file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    /// The file could not be read.
+    #[error("cannot read NATS credentials {0}")]
+    Read(PathBuf, #[source] io::Error),
+    /// No `SU…` seed line in it.
+    #[error("{0} holds no NATS user nkey seed (a line starting with `SU`)")]
+    NoSeed(PathBuf),
+    /// The seed does not decode.
+    #[error("{path}: the nkey seed is not valid: {message}")]
+    BadSeed {
+        /// The file.
+        path: PathBuf,
+        /// The nkeys error (never the seed).
+        message: String,
+    },
+}
+
+/// One role of `nats/users.json`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleDef {
+    /// The role (and user) name.
+    pub user: String,
+    /// What the role is for (the docs' table).
+    pub description: String,
+    /// No permissions block: everything.
+    #[serde(default)]
+    pub all: bool,
+    /// One user per owner (`publisher`).
+    #[serde(default)]
+    pub per_owner: bool,
+    /// Publish allow list (`{inbox}`, `{owner}` filled in per user).
+    #[serde(default)]
+    pub publish: Vec<String>,
+    /// Subscribe allow list (an entry may name a queue group: `"subject group"`).
+    #[serde(default)]
+    pub subscribe: Vec<String>,
+    /// May answer requests it received (one reply each, within 2 minutes).
+    #[serde(default)]
+    pub allow_responses: bool,
+}
+
+#[derive(Deserialize)]
+struct UsersFile {
+    #[allow(dead_code)]
+    description: String,
+    users: Vec<RoleDef>,
+}
+
+/// Every role of `nats/users.json`.
+pub fn roles() -> Result<Vec<RoleDef>, UsersError> {
+    let f: UsersFile = serde_json::from_str(USERS_DEF).map_err(UsersError::Definition)?;
+    Ok(f.users)
+}
+
+/// One role by name.
+pub fn role(name: &str) -> Result<RoleDef, UsersError> {
+    roles()?.into_iter().find(|r| r.user == name).ok_or_else(|| UsersError::UnknownRole(name.to_string()))
+}
+
+/// A user: a role, and for a publisher the owner it may publish for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    /// The user name: the role, or `publisher-<owner token>`.
+    pub name: String,
+    /// The role in `nats/users.json`.
+    pub role: String,
+    /// A publisher's owner token.
+    pub owner_token: Option<String>,
+}
+
+/// What a user may do, as nats-server's `permissions` block spells it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Permissions {
+    /// `publish: {allow: [...]}`.
+    pub publish: AllowList,
+    /// `subscribe: {allow: [...]}`.
+    pub subscribe: AllowList,
+    /// `allow_responses: true`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub allow_responses: bool,
+}
+
+/// An allow list (everything else is denied).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AllowList {
+    /// The subjects (wildcards allowed).
+    pub allow: Vec<String>,
+}
+
+impl User {
+    /// The user of a fixed role (`worker`, ...).
+    pub fn of_role(role: &str) -> User {
+        User { name: role.to_string(), role: role.to_string(), owner_token: None }
+    }
+
+    /// The publisher of `owner`.
+    pub fn publisher(owner: &str) -> User {
+        let token = owner_token(owner);
+        User { name: format!("{PUBLISHER}-{token}"), role: PUBLISHER.to_string(), owner_token: Some(token) }
+    }
+
+    /// The user a user name stands for: `publisher-<token>` is a publisher, any other
+    /// name its own role.
+    pub fn from_name(name: &str) -> User {
+        match name.strip_prefix("publisher-") {
+            Some(token) if !token.is_empty() => {
+                User { name: name.to_string(), role: PUBLISHER.to_string(), owner_token: Some(token.to_string()) }
+            }
+            _ => User::of_role(name),
+        }
+    }
+
+    /// `_INBOX_<user>`: the only inbox this user may subscribe to.
+    pub fn inbox_prefix(&self) -> String {
+        format!("_INBOX_{}", self.name)
+    }
+
+    /// The user's permissions (`None`: everything).
+    pub fn permissions(&self) -> Result<Option<Permissions>, UsersError> {
+        let def = role(&self.role)?;
+        if def.all {
+            return Ok(None);
+        }
+        let inbox = self.inbox_prefix();
+        let owner = self.owner_token.clone().unwrap_or_default();
+        let fill = |list: &[String]| -> Vec<String> {
+            list.iter().map(|s| s.replace("{inbox}", &inbox).replace("{owner}", &owner)).collect()
+        };
+        Ok(Some(Permissions {
+            publish: AllowList { allow: fill(&def.publish) },
+            subscribe: AllowList { allow: fill(&def.subscribe) },
+            allow_responses: def.allow_responses,
+        }))
+    }
+}
+
+/// A user's credentials: its nkey seed, and who it is. [`fmt::Debug`] never prints the
+/// seed.
+#[derive(Clone)]
+pub struct Credentials {
+    /// The user name, when the file names it.
+    pub user: Option<String>,
+    /// The inbox prefix to connect with (`ConnectOptions::custom_inbox_prefix`), when
+    /// the file names it; a user whose inbox is not the default must set it, or every
+    /// request times out.
+    pub inbox_prefix: Option<String>,
+    seed: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("user", &self.user)
+            .field("inbox_prefix", &self.inbox_prefix)
+            .field("seed", &"<secret>")
+            .finish()
+    }
+}
+
+impl Credentials {
+    /// New credentials (a fresh key pair) for `user`.
+    pub fn generate(user: &User) -> Credentials {
+        let kp = nkeys::KeyPair::new_user();
+        Credentials {
+            user: Some(user.name.clone()),
+            inbox_prefix: Some(user.inbox_prefix()),
+            seed: kp.seed().expect("a generated key pair has a seed"),
+        }
+    }
+
+    /// The seed (`SU…`): the secret.
+    pub fn seed(&self) -> &str {
+        &self.seed
+    }
+
+    /// The public key (`U…`) the server configuration names.
+    pub fn public_key(&self) -> String {
+        nkeys::KeyPair::from_seed(&self.seed).map(|k| k.public_key()).unwrap_or_default()
+    }
+
+    /// Reads a credentials file: [`Credentials::file_text`]'s form, or a file holding
+    /// only a seed (then the user and inbox prefix are unknown).
+    pub fn load(path: &Path) -> Result<Credentials, CredentialsError> {
+        let text = std::fs::read_to_string(path).map_err(|e| CredentialsError::Read(path.to_path_buf(), e))?;
+        Credentials::parse(&text, path)
+    }
+
+    /// Parses a credentials file's text (`path` only names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Credentials, CredentialsError> {
+        let (mut user, mut inbox_prefix, mut seed) = (None, None, None);
+        for line in text.lines().map(str::trim) {
+            if let Some(meta) = line.strip_prefix('#') {
+                if let Some((k, v)) = meta.split_once(':') {
+                    match k.trim() {
+                        "user" => user = Some(v.trim().to_string()),
+                        "inbox_prefix" => inbox_prefix = Some(v.trim().to_string()),
+                        _ => {}
+                    }
+                }
+            } else if line.starts_with("SU") && seed.is_none() {
+                seed = Some(line.to_string());
+            }
+        }
+        let seed = seed.ok_or_else(|| CredentialsError::NoSeed(path.to_path_buf()))?;
+        nkeys::KeyPair::from_seed(&seed)
+            .map_err(|e| CredentialsError::BadSeed { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok(Credentials { user, inbox_prefix, seed })
+    }
+
+    /// The file's text: comment lines naming the user and its inbox prefix, then the
+    /// seed on a line of its own.
+    pub fn file_text(&self) -> String {
+        let user = self.user.as_deref().unwrap_or("?");
+        let inbox = self.inbox_prefix.as_deref().unwrap_or("_INBOX");
+        format!(
+            "# stemq NATS credentials. Secret: keep this file mode 0600 and out of version control.\n\
+             # The last line is a NATS user nkey seed (`nats --nkey FILE` reads this file as it is);\n\
+             # connect with the inbox prefix below, the only inbox this user may subscribe to.\n\
+             # user: {user}\n\
+             # inbox_prefix: {inbox}\n\
+             {}\n",
+            self.seed
+        )
+    }
+
+    /// Writes the file, readable by its owner only (0600), replacing any old one.
+    pub fn write(&self, path: &Path) -> io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = path.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        f.write_all(self.file_text().as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+/// A folder of credential files, one per user (`<user>.nk`), and the server
+/// configuration rendered from them.
+#[derive(Debug, Clone)]
+pub struct UserStore {
+    dir: PathBuf,
+}
+
+impl UserStore {
+    /// Opens (creating, mode 0700) the folder.
+    pub fn open(dir: &Path) -> Result<UserStore, UsersError> {
+        use std::os::unix::fs::PermissionsExt;
+        let io = |e| UsersError::Io(dir.to_path_buf(), e);
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        Ok(UserStore { dir: dir.to_path_buf() })
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Where the credentials of user `name` are (or would be).
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.{CREDENTIALS_EXT}"))
+    }
+
+    /// Creates credentials for `user` unless it has some; returns their path.
+    pub fn ensure(&self, user: &User) -> Result<PathBuf, UsersError> {
+        role(&user.role)?;
+        let path = self.path(&user.name);
+        if !path.exists() {
+            Credentials::generate(user).write(&path).map_err(|e| UsersError::Io(path.clone(), e))?;
+        }
+        Ok(path)
+    }
+
+    /// Creates credentials for every fixed user that has none.
+    pub fn ensure_fixed(&self) -> Result<(), UsersError> {
+        for name in FIXED_USERS {
+            self.ensure(&User::of_role(name))?;
+        }
+        Ok(())
+    }
+
+    /// Creates the publisher of `owner` (unless it exists); returns its credentials'
+    /// path. The server learns of it when its configuration is rendered again and
+    /// reloaded.
+    pub fn add_publisher(&self, owner: &str) -> Result<PathBuf, UsersError> {
+        self.ensure(&User::publisher(owner))
+    }
+
+    /// Every user with credentials here, by name.
+    pub fn users(&self) -> Result<Vec<(User, Credentials)>, UsersError> {
+        let io = |e| UsersError::Io(self.dir.clone(), e);
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(io)? {
+            let path = entry.map_err(io)?.path();
+            if path.extension().and_then(|e| e.to_str()) != Some(CREDENTIALS_EXT) {
+                continue;
+            }
+            let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
+            let creds = Credentials::load(&path)?;
+            out.push((User::from_name(stem), creds));
+        }
+        out.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        Ok(out)
+    }
+
+    /// nats-server's `authorization` block for every user here: public keys and
+    /// permissions, no secret.
+    pub fn authorization_conf(&self) -> Result<String, UsersError> {
+        let mut out = String::from(
+            "# Generated by stemq from nats/users.json and the credentials folder; rewritten on start.\n\
+             # Only public keys: each client holds its own seed.\nauthorization {\n  users = [\n",
+        );
+        for (user, creds) in self.users()? {
+            out.push_str(&format!("    # {}\n    {}\n", user.name, user_entry(&user, &creds.public_key())?));
+        }
+        out.push_str("  ]\n}\n");
+        Ok(out)
+    }
+}
+
+/// One user's entry of the `users` list: `{"nkey": "U…", "permissions": {…}}` (JSON,
+/// which nats-server's configuration format reads as it is).
+pub fn user_entry(user: &User, public_key: &str) -> Result<String, UsersError> {
+    let mut entry = serde_json::json!({ "nkey": public_key });
+    if let Some(p) = user.permissions()? {
+        entry["permissions"] = serde_json::to_value(p).expect("permissions serialise");
+    }
+    Ok(entry.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_role_parses_and_only_the_operator_has_everything() {
+        let roles = roles().unwrap();
+        let names: Vec<_> = roles.iter().map(|r| r.user.as_str()).collect();
+        for n in FIXED_USERS.iter().chain([&PUBLISHER]) {
+            assert!(names.contains(n), "{n} missing from nats/users.json");
+        }
+        for r in &roles {
+            assert_eq!(r.all, r.user == OPERATOR, "{}", r.user);
+            if !r.all {
+                assert!(r.subscribe.iter().any(|s| s == "{inbox}.>"), "{} cannot read its own inbox", r.user);
+                // Nobody but the operator changes definitions.
+                for p in &r.publish {
+                    for forbidden in ["STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "$JS.API.>"] {
+                        assert!(!p.contains(forbidden), "{} may publish {p}", r.user);
+                    }
+                    let on_job_stream = p.starts_with("$JS.API.CONSUMER.CREATE.STEMQ")
+                        || p.starts_with("$JS.API.CONSUMER.DELETE.STEMQ")
+                        || p.starts_with("$JS.API.CONSUMER.DURABLE");
+                    assert!(!on_job_stream, "{} may create or delete consumers of the job streams: {p}", r.user);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_publisher_publishes_only_for_its_owner_and_reads_only_its_inbox() {
+        let p = User::publisher("acme").permissions().unwrap().unwrap();
+        assert_eq!(p.publish.allow, ["stemq.jobs.*.requested.acme"]);
+        assert_eq!(p.subscribe.allow, ["_INBOX_publisher-acme.>"]);
+        assert!(!p.allow_responses);
+        let odd = User::publisher("a.b");
+        assert_eq!(odd.name, format!("publisher-{}", owner_token("a.b")));
+        assert_eq!(User::from_name(&odd.name), odd);
+        assert_eq!(User::from_name("worker"), User::of_role("worker"));
+        assert!(User::of_role(OPERATOR).permissions().unwrap().is_none());
+    }
+
+    #[test]
+    fn only_the_worker_records_attempts_and_only_the_projector_writes_the_view() {
+        let may = |user: &str, subject: &str| {
+            User::of_role(user).permissions().unwrap().map(|p| p.publish.allow.iter().any(|s| s == subject))
+        };
+        for user in [INGRESS, PROJECTOR, RELAY, STATUS_READER] {
+            assert_eq!(may(user, "stemq.jobs.*.started"), Some(false), "{user}");
+            assert_eq!(may(user, "stemq.progress.*"), Some(false), "{user}");
+            assert_eq!(may(user, "$KV.stemq_jobs.>"), Some(user == PROJECTOR), "{user}");
+            assert_eq!(may(user, "stemq.jobs.*.delivery"), Some(user == RELAY), "{user}");
+        }
+        assert_eq!(may(WORKER, "stemq.jobs.*.outcome"), Some(true));
+    }
+
+    #[test]
+    fn credentials_round_trip_without_showing_the_seed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UserStore::open(&dir.path().join("creds")).unwrap();
+        store.ensure_fixed().unwrap();
+        let path = store.add_publisher("acme").unwrap();
+        let c = Credentials::load(&path).unwrap();
+        assert_eq!(c.user.as_deref(), Some("publisher-acme"));
+        assert_eq!(c.inbox_prefix.as_deref(), Some("_INBOX_publisher-acme"));
+        assert!(c.public_key().starts_with('U'));
+        assert!(!format!("{c:?}").contains(c.seed()));
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        // The same file again keeps its key.
+        assert_eq!(Credentials::load(&store.add_publisher("acme").unwrap()).unwrap().public_key(), c.public_key());
+        let conf = store.authorization_conf().unwrap();
+        assert_eq!(conf.matches("\"nkey\"").count(), 7, "{conf}");
+        assert!(conf.contains(&c.public_key()) && !conf.contains(c.seed()), "{conf}");
+        // A bare seed reads too.
+        let bare = Credentials::parse(c.seed(), Path::new("x")).unwrap();
+        assert_eq!((bare.user, bare.public_key()), (None, c.public_key()));
+        assert!(matches!(Credentials::parse("# nothing", Path::new("x")), Err(CredentialsError::NoSeed(_))));
+    }
+}
