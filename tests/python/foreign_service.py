@@ -1,15 +1,21 @@
 """A foreign service talking to stemq through its public contracts only.
 
 It publishes a `JobRequested` CloudEvent straight to the JetStream log (no HTTP
-ingress), reads the job's status from the `stemq_jobs` KV bucket, watches the entry to
-the end, and receives the signed webhook and verifies it with the `standardwebhooks`
-package. Run by tests/tests/python.rs; configured by environment variables:
+ingress) as the NATS user `publisher-<owner token>` (it may publish requests for its
+owner only), reads the job's status from the `stemq_jobs` KV bucket and watches
+the entry to the end as `status-reader`, and receives the signed webhook and verifies it
+with the `standardwebhooks` package. Run by tests/tests/python.rs; configured by
+environment variables:
 
-  NATS_URL         the NATS server
-  STEMQ_HTTP       the ingress base URL (only to read the webhook signing secret)
-  STEMQ_API_KEY    an admin API key of the owner (for that secret)
-  STEMQ_OWNER      the owner of the job (the key's owner)
-  STEMQ_AUDIO_URI  an audio URI inside the store the workers read
+  NATS_URL                  the NATS server
+  STEMQ_PUBLISHER_CREDS     credentials file of the publisher (stemq's format: the
+                            nkey seed line and `# inbox_prefix:` comment)
+  STEMQ_STATUS_READER_CREDS credentials file of the status reader
+  STEMQ_HTTP                the ingress base URL (only to read the webhook signing secret)
+  STEMQ_API_KEY             an admin API key of the owner (for that secret)
+  STEMQ_OWNER               the owner of the job (the key's and the publisher's owner)
+  STEMQ_OWNER_TOKEN         that owner as a subject token (stemq_core::request::owner_token)
+  STEMQ_AUDIO_URI           an audio URI inside the store the workers read
 """
 
 import asyncio
@@ -23,6 +29,7 @@ import threading
 import urllib.request
 
 import nats
+import nats.errors
 from nats.js.errors import KeyNotFoundError
 from standardwebhooks.webhooks import Webhook
 
@@ -40,6 +47,24 @@ class Hooks(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def credentials(path):
+    """The nkey seed and inbox prefix of a stemq credentials file."""
+    seed, inbox = None, None
+    for line in open(path, encoding="ascii").read().splitlines():
+        line = line.strip()
+        if line.startswith("# inbox_prefix:"):
+            inbox = line.split(":", 1)[1].strip()
+        elif line.startswith("SU"):
+            seed = line
+    assert seed and inbox, f"{path} is not a stemq credentials file"
+    return seed, inbox
+
+
+async def connect_as(env):
+    seed, inbox = credentials(os.environ[env])
+    return await nats.connect(os.environ["NATS_URL"], nkeys_seed_str=seed, inbox_prefix=inbox)
 
 
 def canonical(obj):
@@ -78,10 +103,17 @@ async def main():
         },
     }
 
-    nc = await nats.connect(os.environ["NATS_URL"])
+    # Another owner's subject is refused by the server: the publish is never acked.
+    nc = await connect_as("STEMQ_PUBLISHER_CREDS")
     js = nc.jetstream()
+    try:
+        await js.publish(f"stemq.jobs.{job_id}.requested.someone-else", b"{}", timeout=1)
+        raise AssertionError("a publish for another owner was accepted")
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        print("publish for another owner refused", flush=True)
+    # The request's subject ends with its owner's token: the only one it may publish on.
     ack = await js.publish(
-        f"stemq.jobs.{job_id}.requested",
+        f"stemq.jobs.{job_id}.requested.{os.environ['STEMQ_OWNER_TOKEN']}",
         json.dumps(event).encode(),
         headers={
             "Nats-Msg-Id": job_id,
@@ -91,7 +123,8 @@ async def main():
     )
     print(f"published {job_id} at seq {ack.seq}", flush=True)
 
-    kv = await js.key_value("stemq_jobs")
+    reader = await connect_as("STEMQ_STATUS_READER_CREDS")
+    kv = await reader.jetstream().key_value("stemq_jobs")
     # Read once (it may not be projected yet), then watch the key to the end.
     try:
         entry = await kv.get(job_id)
@@ -144,6 +177,7 @@ async def main():
     except Exception:
         pass
     await nc.close()
+    await reader.close()
     server.shutdown()
     print("OK", flush=True)
 

@@ -1,12 +1,13 @@
 //! Test harness: a real `nats-server` per test and the stemq services around it.
 //!
 //! This crate owns how integration tests stand the system up. [`Stack::start`] starts a
-//! fresh `nats-server` (random port, temp store; killable and restartable), applies the
-//! NATS definitions with short timers, and runs the ingress (HTTP on port 0), the
-//! projector and, if asked, in-process workers with the fake engine. Workers can also be
-//! started as child processes of the real `stemq` command ([`Stack::spawn_worker`]) for
-//! SIGKILL, SIGTERM and crash-loop tests. Waiting is always polling with a deadline,
-//! never a fixed sleep.
+//! fresh `nats-server` (random port, temp store; killable and restartable) with stemq's
+//! NATS users, applies the NATS definitions with short timers as `operator`, and runs
+//! the ingress (HTTP on port 0), the projector and, if asked, in-process workers with the
+//! fake engine — each connected as its own NATS user, as in production, while the test's
+//! own client is `operator`. Workers can also be started as child processes of the real
+//! `stemq` command ([`Stack::spawn_worker`], as user `worker`) for SIGKILL, SIGTERM and
+//! crash-loop tests. Waiting is always polling with a deadline, never a fixed sleep.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ use serde_json::Value;
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::nats::{self as names, Settings};
 use stemq_core::nats_server::NatsServer;
+use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
 use stemq_core::netpolicy::HostPolicy;
 use stemq_core::storage::Store;
 use stemq_core::{Event, JobId, JobStatus, JobView};
@@ -64,7 +66,7 @@ pub struct Stack {
     pub server: NatsServer,
     /// Temp dir holding the server store, object store and scratch.
     pub dir: tempfile::TempDir,
-    /// A client for the test itself.
+    /// A client for the test itself (NATS user `operator`).
     pub client: async_nats::Client,
     /// JetStream on that client.
     pub js: jetstream::Context,
@@ -95,7 +97,7 @@ impl Stack {
             .await
             .unwrap()
             .expect("nats-server starts (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
-        let client = names::connect(&server.url(), "test").await.expect("connect");
+        let client = server.connect_as(OPERATOR, "test").await.expect("connect as operator");
         let js = jetstream::new(client.clone());
         names::apply(&js, &options.settings).await.expect("apply definitions");
         let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
@@ -111,7 +113,7 @@ impl Stack {
         let http = listener.local_addr().unwrap();
         let mut tasks = Vec::new();
         {
-            let c = names::connect(&server.url(), "ingress").await.unwrap();
+            let c = server.connect_as(INGRESS, "ingress").await.expect("connect as ingress");
             let s = stop.clone();
             let ingress_store = store.clone();
             let audio_urls = options.audio_urls.clone();
@@ -134,7 +136,7 @@ impl Stack {
             }));
         }
         {
-            let c = names::connect(&server.url(), "projector").await.unwrap();
+            let c = server.connect_as(PROJECTOR, "projector").await.expect("connect as projector");
             let s = stop.clone();
             tasks.push(tokio::spawn(async move {
                 stemq_projector::run(c, Default::default(), s).await.expect("projector runs");
@@ -164,7 +166,7 @@ impl Stack {
 
     /// Starts one more in-process worker with `engine`; returns its index.
     pub async fn add_worker(&mut self, engine: Arc<dyn Engine>) -> usize {
-        let c = names::connect(&self.server.url(), "worker").await.unwrap();
+        let c = self.connect_as(WORKER).await;
         let mut config = stemq_worker::Config::new(self.store.clone(), self.dir.path().join("scratch"));
         config.name = format!("inproc-{}", self.workers.len());
         config.backoff.base = self.options.backoff_base;
@@ -182,11 +184,24 @@ impl Stack {
 
     /// Starts the webhook relay in-process (stopped with the stack).
     pub async fn start_relay(&mut self, config: stemq_relay::Config) {
-        let c = names::connect(&self.server.url(), "relay").await.unwrap();
+        let c = self.connect_as(RELAY).await;
         let s = self.stop.clone();
         self.tasks.push(tokio::spawn(async move {
             stemq_relay::run(c, config, s).await.expect("relay runs");
         }));
+    }
+
+    /// A new connection as NATS user `user` (`worker`, `status-reader`,
+    /// `publisher-acme` once [`Stack::add_publisher`] made it, ...), named after it.
+    pub async fn connect_as(&self, user: &str) -> async_nats::Client {
+        self.server.connect_as(user, user).await.unwrap_or_else(|e| panic!("connect as {user}: {e}"))
+    }
+
+    /// Creates the `publisher` of `owner` (the server reloads its users); returns the
+    /// user name to [`Stack::connect_as`] with.
+    pub async fn add_publisher(&mut self, owner: &str) -> String {
+        let path = tokio::task::block_in_place(|| self.server.add_publisher(owner)).expect("add a publisher");
+        path.file_stem().expect("a credentials file").to_string_lossy().into_owned()
     }
 
     /// Stops in-process worker `i` (graceful) and waits for it.
@@ -315,6 +330,7 @@ impl Stack {
         let mut cmd = Command::new(Stack::stemq_bin());
         cmd.arg("worker")
             .env("NATS_URL", self.server.url())
+            .env("STEMQ_NATS_CREDS", self.server.credentials(WORKER))
             .env("STEMQ_DATA_DIR", self.dir.path())
             .env("STEMQ_STORE", self.store.base_url())
             .env("STEMQ_ACK_WAIT_MS", s.ack_wait.as_millis().to_string())

@@ -77,6 +77,7 @@ fn a_busy_http_port_is_reported_with_each_cause_once() {
     let addr = busy.local_addr().unwrap().to_string();
     let out = stemq(&["ingress", "--http", &addr], dir.path())
         .env("NATS_URL", server.url())
+        .env("STEMQ_NATS_CREDS", server.credentials(stemq_core::nats_users::INGRESS))
         .env("STEMQ_LOG_FORMAT", "json")
         .output()
         .unwrap();

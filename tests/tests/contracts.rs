@@ -39,7 +39,7 @@ async fn a_foreign_cloudevent_on_the_stream_is_run() {
     stack
         .js
         .publish_with_headers(
-            job_subject(&id, SubjectKind::Requested),
+            stemq_core::nats::request_subject(&id, "anonymous"),
             headers,
             serde_json::to_vec(&ce).unwrap().into(),
         )
@@ -63,7 +63,7 @@ async fn a_forged_id_is_rejected_and_never_run() {
     let mut ev = stemq_core::Event::requested(req, None, None, "urn:example:attacker");
     ev.id = claimed.to_string();
     ev.subject = claimed.clone();
-    stack.js.publish(job_subject(&claimed, SubjectKind::Requested), ev.to_bytes()).await.unwrap().await.unwrap();
+    stack.js.publish(stemq_core::nats::request_subject(&claimed, "anonymous"), ev.to_bytes()).await.unwrap().await.unwrap();
     let v = stack.wait_terminal(&claimed, T).await;
     assert_eq!(v.status, JobStatus::Rejected);
     assert_eq!(v.error.as_ref().unwrap().code, "id_mismatch");
@@ -175,7 +175,7 @@ async fn rebuilding_the_view_from_the_log_gives_the_same_view() {
     assert!(replayed >= 12, "{replayed} events to replay");
     let kv = stack.js.get_key_value(stemq_core::nats::JOBS_BUCKET).await.unwrap();
     let rebuild = tokio_util::sync::CancellationToken::new();
-    let c = stemq_core::nats::connect(&stack.server.url(), "rebuild").await.unwrap();
+    let c = stack.connect_as(stemq_core::nats_users::PROJECTOR).await;
     let task = tokio::spawn(stemq_projector::run(c, Default::default(), rebuild.clone()));
     assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap());
     for (id, old) in ids.iter().zip(&before) {
@@ -241,6 +241,7 @@ async fn cli_dlq_replay_creates_a_linked_job() {
         let out = std::process::Command::new(Stack::stemq_bin())
             .args(args)
             .env("NATS_URL", stack.server.url())
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
             .env("STEMQ_MAX_DELIVER", "1")
             .env("STEMQ_ACK_WAIT_MS", stack.options.settings.ack_wait.as_millis().to_string())
             .output()
@@ -302,6 +303,7 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     let out = std::process::Command::new(Stack::stemq_bin())
         .args(["top", "--once"])
         .env("NATS_URL", stack.server.url())
+        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
         .output()
         .unwrap();
     let screen = String::from_utf8_lossy(&out.stdout);

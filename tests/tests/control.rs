@@ -115,6 +115,7 @@ async fn cli_cancel_and_retry() {
         let out = std::process::Command::new(Stack::stemq_bin())
             .args(args)
             .env("NATS_URL", stack.server.url())
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
             .env("STEMQ_DATA_DIR", stack.dir.path())
             .output()
             .expect("run stemq");

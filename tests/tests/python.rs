@@ -18,7 +18,7 @@ fn python() -> Option<PathBuf> {
     let candidates = [root.join(".stemq/venv/bin/python"), PathBuf::from("python3")];
     candidates.into_iter().find(|p| {
         Command::new(p)
-            .args(["-c", "import nats, standardwebhooks"])
+            .args(["-c", "import nats, nkeys, standardwebhooks"])
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false)
@@ -31,15 +31,17 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
         assert_ne!(
             std::env::var("CI").as_deref(),
             Ok("true"),
-            "python with nats-py and standardwebhooks is missing under CI: scripts/install-test-deps.sh did not run"
+            "python with nats-py, nkeys and standardwebhooks is missing under CI: scripts/install-test-deps.sh did not run"
         );
         println!(
-            "SKIPPED: python with nats-py and standardwebhooks not found; run scripts/install-test-deps.sh \
+            "SKIPPED: python with nats-py, nkeys and standardwebhooks not found; run scripts/install-test-deps.sh \
              (pip install -r tests/python/requirements.txt into ./.venv)"
         );
         return;
     };
     let mut stack = Stack::start(StackOptions::default()).await;
+    // The foreign service is a NATS user for one owner (and reads as status-reader).
+    let publisher = stack.add_publisher(stemq_tests::TEST_OWNER).await;
     stack
         .start_relay(stemq_relay::Config {
             schedule: vec![Duration::ZERO, Duration::from_millis(200), Duration::from_millis(400)],
@@ -51,14 +53,21 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/foreign_service.py");
     let audio = stack.store.uri(&stemq_tests::upload_key("from-python.wav"));
     let (url, http, key) = (stack.server.url(), stack.url(""), stack.key.clone());
+    let (publisher, reader) = (
+        stack.server.credentials(&publisher),
+        stack.server.credentials(stemq_core::nats_users::STATUS_READER),
+    );
     let out = tokio::task::spawn_blocking(move || {
         Command::new(py)
             .arg(script)
             .env("NATS_URL", url)
+            .env("STEMQ_PUBLISHER_CREDS", publisher)
+            .env("STEMQ_STATUS_READER_CREDS", reader)
             .env("STEMQ_HTTP", http)
             .env("STEMQ_AUDIO_URI", audio)
             .env("STEMQ_API_KEY", key)
             .env("STEMQ_OWNER", stemq_tests::TEST_OWNER)
+            .env("STEMQ_OWNER_TOKEN", stemq_core::request::owner_token(stemq_tests::TEST_OWNER))
             .output()
             .expect("run python")
     })

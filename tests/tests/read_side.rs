@@ -20,7 +20,7 @@ async fn bare() -> (NatsServer, tempfile::TempDir, jetstream::Context) {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("nats");
     let server = tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
-    let js = jetstream::new(names::connect(&server.url(), "test").await.unwrap());
+    let js = jetstream::new(server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap());
     names::apply(&js, &names::Settings::default()).await.unwrap();
     (server, dir, js)
 }
@@ -50,10 +50,12 @@ async fn issue_17_a_job_not_yet_projected_is_read_from_its_request() {
     // `stemq status` reads the same way: the job exists, so it is never "no job".
     let out = tokio::task::spawn_blocking({
         let (url, id) = (server.url(), id.to_string());
+        let creds = server.credentials(stemq_core::nats_users::OPERATOR);
         move || {
             std::process::Command::new(Stack::stemq_bin())
                 .args(["status", &id])
                 .env("NATS_URL", url)
+                .env("STEMQ_NATS_CREDS", creds)
                 .output()
                 .expect("run stemq")
         }

@@ -124,7 +124,7 @@ async fn own_relay(
     memo: stemq_relay::ProgressMemo,
     stop: CancellationToken,
 ) -> JoinHandle<()> {
-    let c = stemq_core::nats::connect(&stack.server.url(), "relay").await.unwrap();
+    let c = stack.connect_as(stemq_core::nats_users::RELAY).await;
     tokio::spawn(async move { stemq_relay::serve(c, config, memo, stop).await.expect("relay runs") })
 }
 
@@ -489,6 +489,7 @@ fn stemq_webhooks(stack: &Stack, args: &[&str]) -> std::process::Output {
         .arg("webhooks")
         .args(args)
         .env("NATS_URL", stack.server.url())
+        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
         .env("STEMQ_LOG_FORMAT", "json")
         .output()
         .expect("run stemq webhooks")

@@ -315,7 +315,11 @@ impl ConnectAuth {
         self.credentials.is_some()
     }
 
-    fn options(&self, name: &str, last_error: Arc<Mutex<Option<String>>>) -> Result<async_nats::ConnectOptions, NatsError> {
+    fn options(
+        &self,
+        name: &str,
+        last_error: Arc<Mutex<Option<String>>>,
+    ) -> Result<async_nats::ConnectOptions, NatsError> {
         let conn = name.to_string();
         let mut o = async_nats::ConnectOptions::new()
             .name(name)

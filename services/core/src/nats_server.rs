@@ -136,7 +136,9 @@ impl NatsServer {
         if let Some(users) = &self.users {
             let auth = self.store.join("auth.conf");
             std::fs::write(&auth, users.authorization_conf()?).map_err(|e| ServerError::Store(auth.clone(), e))?;
-            text.push_str("\n# stemq's users (nats/users.json); anonymous clients are refused.\ninclude \"auth.conf\"\n");
+            text.push_str(
+                "\n# stemq's users (nats/users.json); anonymous clients are refused.\ninclude \"auth.conf\"\n",
+            );
         }
         if let Some(tls) = &self.options.tls {
             text.push('\n');
@@ -232,8 +234,9 @@ impl NatsServer {
 
     /// Adds (or finds) the publisher of `owner` and reloads the server so it may
     /// connect; returns its credentials file.
-    pub fn add_publisher(&mut self, owner: &str) -> Result<PathBuf, ServerError> {
-        let users = self.users.as_ref().ok_or(UsersError::UnknownRole("publisher (the server runs without users)".into()))?;
+    pub fn add_publisher(&self, owner: &str) -> Result<PathBuf, ServerError> {
+        let users =
+            self.users.as_ref().ok_or(UsersError::UnknownRole("publisher (the server runs without users)".into()))?;
         let path = users.add_publisher(owner)?;
         self.write_conf()?;
         self.reload()?;
@@ -244,9 +247,8 @@ impl NatsServer {
     /// says it did.
     pub fn reload(&self) -> Result<(), ServerError> {
         let log = self.store.join("nats-server.log");
-        let count = || {
-            std::fs::read_to_string(&log).map(|t| t.matches("Reloaded server configuration").count()).unwrap_or(0)
-        };
+        let count =
+            || std::fs::read_to_string(&log).map(|t| t.matches("Reloaded server configuration").count()).unwrap_or(0);
         let before = count();
         if let Some(c) = &self.child {
             // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
@@ -321,6 +323,26 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Brings a server that `stemq dev` (or [`NatsServer`]) runs on `store` up to the
+/// users in `<store>/creds/`: rewrites `<store>/auth.conf` and, when the server's pid
+/// file names a live process, asks it to reload (SIGHUP). Returns whether a running
+/// server was signalled. For `stemq nats users` in another terminal.
+pub fn refresh_users(store: &Path) -> Result<bool, ServerError> {
+    let users = UserStore::open(&store.join("creds"))?;
+    let auth = store.join("auth.conf");
+    std::fs::write(&auth, users.authorization_conf()?).map_err(|e| ServerError::Store(auth.clone(), e))?;
+    let Some(pid) =
+        std::fs::read_to_string(store.join("nats-server.pid")).ok().and_then(|t| t.trim().parse::<i32>().ok())
+    else {
+        return Ok(false);
+    };
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours. The pid comes
+    // from the server's own pid file; a stale one names no process (ESRCH) or, at worst,
+    // a process of ours that ignores or handles SIGHUP.
+    let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGHUP) } == 0;
+    Ok(sent)
 }
 
 fn read_port(dir: &Path) -> Option<u16> {

@@ -37,7 +37,7 @@ impl Stack {
             .unwrap()
             .expect("nats-server starts (is nats-server on PATH?)");
         let settings = Settings { ack_wait: Duration::from_secs(5), ..Settings::default() };
-        let client = names::connect(&server.url(), "test").await.unwrap();
+        let client = server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap();
         let js = async_nats::jetstream::new(client.clone());
         names::apply(&js, &settings).await.unwrap();
         let keys = js.get_key_value(names::KEYS_BUCKET).await.unwrap();

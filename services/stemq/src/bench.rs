@@ -85,7 +85,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("nats");
     let server = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
-    let client = stemq_core::nats::connect(&server.url(), "stemq-bench").await?;
+    let client = server.connect_as(stemq_core::nats_users::OPERATOR, "stemq-bench").await?;
     let js = jetstream::new(client.clone());
     stemq_core::nats::apply(&js, settings).await?;
     let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
@@ -104,6 +104,7 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
         let mut child = std::process::Command::new(&exe)
             .arg("worker")
             .env("NATS_URL", server.url())
+            .env("STEMQ_NATS_CREDS", server.credentials(stemq_core::nats_users::WORKER))
             .env("STEMQ_STORE", store.base_url())
             .env("STEMQ_DATA_DIR", tmp.path())
             .env("STEMQ_ENGINE", "dsp")
@@ -178,7 +179,15 @@ async fn pipeline(
             u
         }
     };
-    let client = stemq_core::nats::connect(&url, "stemq-bench").await?;
+    // Each part as its own user on a server of our own; as the flags say otherwise.
+    let auth = |user: &str| -> Result<stemq_core::nats::ConnectAuth> {
+        match &_server {
+            Some(s) => Ok(s.connect_auth(user)?),
+            None => g.nats_auth(),
+        }
+    };
+    use stemq_core::nats_users::{OPERATOR, PROJECTOR, WORKER};
+    let client = stemq_core::nats::connect_with(&url, "stemq-bench", &auth(OPERATOR)?).await?;
     let js = jetstream::new(client.clone());
     stemq_core::nats::apply(&js, &server.settings()).await?;
     let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
@@ -196,8 +205,8 @@ async fn pipeline(
     let mut wc = stemq_worker::Config::new(store.clone(), scratch_root.path().join("scratch"));
     wc.concurrency = workers;
     wc.deadletter = false;
-    let worker_client = stemq_core::nats::connect(&url, "stemq-bench-worker").await?;
-    let projector_client = stemq_core::nats::connect(&url, "stemq-bench-projector").await?;
+    let worker_client = stemq_core::nats::connect_with(&url, "stemq-bench-worker", &auth(WORKER)?).await?;
+    let projector_client = stemq_core::nats::connect_with(&url, "stemq-bench-projector", &auth(PROJECTOR)?).await?;
     let engine: Arc<dyn stemq_core::engine::Engine> = match isolation {
         Isolation::None => Arc::new(FakeEngine::default()),
         Isolation::Process => {

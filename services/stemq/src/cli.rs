@@ -41,7 +41,7 @@ pub enum Command {
     Projector(ProjectorArgs),
     /// Run the webhook relay alone.
     Relay(RelayServiceArgs),
-    /// Apply the stream, consumer and bucket definitions of nats/.
+    /// NATS: apply the stream, consumer and bucket definitions of nats/; manage users.
     Nats {
         #[command(subcommand)]
         command: NatsCommand,
@@ -170,6 +170,11 @@ pub enum NatsCommand {
     /// changed. This is the only command that changes existing definitions: services
     /// create what is missing and otherwise follow what the server has.
     Apply(ServerSettings),
+    /// NATS users and their credentials (e.g. a publisher for one owner).
+    Users {
+        #[command(subcommand)]
+        command: crate::users::UsersCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -238,7 +243,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Projector(a) => crate::services::projector(&g, a).await,
         Command::Relay(a) => crate::services::relay(&g, a).await,
         Command::Nats { command: NatsCommand::Apply(server) } => {
-            let client = stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?;
+            let client = g.connect("stemq-cli").await?;
             let changes = stemq_core::nats::apply(&async_nats::jetstream::new(client), &server.settings()).await?;
             for c in &changes {
                 println!("{c}");
@@ -247,6 +252,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             println!("{} objects, {changed} created or changed, at {}", changes.len(), g.nats_url());
             Ok(())
         }
+        Command::Nats { command: NatsCommand::Users { command } } => crate::users::run(&g, command),
         Command::Models { command, dir } => {
             let dir = dir.unwrap_or_else(|| g.data_dir.join("models"));
             match command {

@@ -154,7 +154,7 @@ pub(crate) fn print_list_row(v: &JobView) {
 }
 
 async fn js(g: &Global) -> Result<jetstream::Context> {
-    let client = names::connect(&g.nats_url(), "stemq-cli").await?;
+    let client = g.connect("stemq-cli").await?;
     Ok(jetstream::new(client))
 }
 

@@ -5,12 +5,21 @@
 //! the webhook relay (printing the webhook signing secret and where the admin API key of
 //! the owner `local` is: `<data-dir>/admin.key`, created on first start)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
+//!
+//! The server it starts runs with stemq's NATS users: their credentials are created once
+//! in `<data-dir>/nats/creds/` (mode 0600 each), the definitions are applied as
+//! `operator`, and every service connects as its own user (`ingress`, `worker`,
+//! `projector`, `relay`), so the laptop stack has the permissions production has. The
+//! client commands pick up `operator.nk` from the same data dir. With `NATS_URL` every
+//! part connects as the global flags say (`--nats-creds`, `--nats-ca`, ...).
 
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use stemq_core::nats::ConnectAuth;
 use stemq_core::nats_server::NatsServer;
+use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -52,7 +61,30 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         g.nats_url = Some(s.url());
         server = Some(s);
     }
-    let client = crate::services::connect(&g, &a.server, "stemq-dev").await?;
+    // Each part as its own user on our server; as the flags say on another one.
+    let auth = |user: &str| -> Result<ConnectAuth> {
+        match &server {
+            Some(s) => Ok(s.connect_auth(user)?),
+            None => g.nats_auth(),
+        }
+    };
+    let url = g.nats_url();
+    let client = match &server {
+        Some(_) => {
+            let c = stemq_core::nats::connect_with(&url, "stemq-dev", &auth(OPERATOR)?).await?;
+            stemq_core::nats::ensure(&async_nats::jetstream::new(c.clone()), &a.server.settings()).await?;
+            c
+        }
+        None => crate::services::connect(&g, &a.server, "stemq-dev").await?,
+    };
+    let connect = |name: &'static str, user: &'static str| {
+        let (url, auth) = (url.clone(), auth(user));
+        async move { anyhow::Ok(stemq_core::nats::connect_with(&url, name, &auth?).await?) }
+    };
+    let ingress_client = connect("stemq-ingress", INGRESS).await?;
+    let projector_client = connect("stemq-projector", PROJECTOR).await?;
+    let worker_client = connect("stemq-worker", WORKER).await?;
+    let relay_client = connect("stemq-relay", RELAY).await?;
     std::fs::create_dir_all(&g.data_dir)?;
     let _ = std::fs::remove_file(g.data_dir.join("nats.url"));
     let shutdown = shutdown_on_signals();
@@ -67,7 +99,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
 
     let children = CancellationToken::new();
     let ingress = tokio::spawn(stemq_ingress::run(
-        client.clone(),
+        ingress_client.clone(),
         listener,
         stemq_ingress::Config {
             listen: addr,
@@ -79,9 +111,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         },
         children.clone(),
     ));
-    let projector = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), children.clone()));
-    let worker = tokio::spawn(stemq_worker::run(client.clone(), engine, wconfig, shutdown.clone()));
-    let relay = tokio::spawn(stemq_relay::run(client.clone(), a.relay.config(), children.clone()));
+    let projector = tokio::spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
+    let worker = tokio::spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
+    let relay = tokio::spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
@@ -95,6 +127,12 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     eprintln!("stemq dev is up");
     eprintln!("  HTTP    {scheme}://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
     eprintln!("  NATS    {}", g.nats_url());
+    if let Some(s) = &server {
+        eprintln!(
+            "  users   {}   (one credentials file per user; the CLI uses operator.nk)",
+            s.credentials(OPERATOR).parent().map(|p| p.display().to_string()).unwrap_or_default()
+        );
+    }
     eprintln!("  store   {store}");
     eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
     if a.auth.insecure_no_auth {
@@ -117,8 +155,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     ingress.await??;
     projector.await??;
     relay.await??;
-    client.flush().await.ok();
-    drop(client);
+    for c in [client, ingress_client, projector_client, worker_client, relay_client] {
+        c.flush().await.ok();
+    }
     if let Some(mut s) = server {
         tokio::task::spawn_blocking(move || s.stop()).await?;
     }

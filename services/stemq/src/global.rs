@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use stemq_core::nats::Settings;
+use stemq_core::nats::{ClientTls, ConnectAuth, Settings};
 use stemq_core::telemetry::LogFormat;
 use tokio_util::sync::CancellationToken;
 
@@ -32,12 +32,61 @@ pub struct Global {
     /// Log format (default: text on a terminal and for `stemq dev`, json otherwise).
     #[arg(long, env = "STEMQ_LOG_FORMAT", value_enum, global = true, help_heading = "Global options")]
     pub log_format: Option<LogFormatArg>,
+    /// NATS credentials file of the user to connect as (an nkey seed file written by
+    /// `stemq dev` or `stemq nats users`; it names the user's inbox prefix). Default:
+    /// `<data-dir>/nats/creds/operator.nk` when `stemq dev` wrote one, else anonymous.
+    #[arg(long, env = "STEMQ_NATS_CREDS", global = true, help_heading = "Global options")]
+    pub nats_creds: Option<PathBuf>,
+    /// PEM file of the CA that signed the NATS server's certificate (turns TLS on).
+    #[arg(long, env = "STEMQ_NATS_CA", global = true, help_heading = "Global options")]
+    pub nats_ca: Option<PathBuf>,
+    /// PEM client certificate, for a NATS server that verifies clients (with --nats-key).
+    #[arg(long, env = "STEMQ_NATS_CERT", global = true, requires = "nats_key", help_heading = "Global options")]
+    pub nats_cert: Option<PathBuf>,
+    /// PEM private key of --nats-cert.
+    #[arg(long, env = "STEMQ_NATS_KEY", global = true, requires = "nats_cert", help_heading = "Global options")]
+    pub nats_key: Option<PathBuf>,
 }
 
 impl Global {
     /// The NATS URL, or the default local one.
     pub fn nats_url(&self) -> String {
         self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
+    }
+
+    /// The credentials file to connect with: `--nats-creds`, else the operator's that
+    /// `stemq dev` keeps in the data dir, if there is one.
+    pub fn nats_creds(&self) -> Option<PathBuf> {
+        if let Some(p) = &self.nats_creds {
+            return Some(p.clone());
+        }
+        let dev = self.data_dir.join("nats/creds").join(format!("{}.nk", stemq_core::nats_users::OPERATOR));
+        dev.is_file().then_some(dev)
+    }
+
+    /// The client TLS settings of the flags.
+    pub fn nats_tls(&self) -> ClientTls {
+        ClientTls {
+            ca: self.nats_ca.clone(),
+            cert: self.nats_cert.clone(),
+            key: self.nats_key.clone(),
+            required: false,
+        }
+    }
+
+    /// How to connect: the credentials ([`Global::nats_creds`]) and TLS of the flags.
+    pub fn nats_auth(&self) -> Result<ConnectAuth> {
+        let auth = match self.nats_creds() {
+            Some(path) => ConnectAuth::credentials_file(&path)?,
+            None => ConnectAuth::default(),
+        };
+        Ok(auth.with_tls(self.nats_tls()))
+    }
+
+    /// Connects to [`Global::nats_url`] as [`Global::nats_auth`] says, naming the
+    /// connection `name`.
+    pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
+        Ok(stemq_core::nats::connect_with(&self.nats_url(), name, &self.nats_auth()?).await?)
     }
 }
 

@@ -13,7 +13,8 @@
 //! - [`bench`]: the benchmarks;
 //! - [`top`]: the live terminal view;
 //! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled);
-//! - [`keys`]: API keys (create, list, revoke) and `stemq dev`'s admin key.
+//! - [`keys`]: API keys (create, list, revoke) and `stemq dev`'s admin key;
+//! - [`users`]: NATS users and their credentials (`stemq nats users`).
 
 pub mod api;
 pub mod bench;
@@ -27,6 +28,7 @@ pub mod models;
 pub mod separate;
 pub mod services;
 pub mod top;
+pub mod users;
 pub mod webhooks;
 
 use clap::Parser;

@@ -300,17 +300,34 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(v as u64)
 }
 
-/// Connects and creates the definitions that are missing.
+/// Connects and, on a server without users (anonymous), creates the definitions that
+/// are missing. As a user the definitions are the operator's (`stemq nats apply`): a
+/// service only opens what exists, and says so when something is missing.
 pub async fn connect(g: &Global, server: &ServerSettings, name: &str) -> Result<async_nats::Client> {
-    let client = stemq_core::nats::connect(&g.nats_url(), name).await?;
-    stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &server.settings()).await?;
+    let auth = g.nats_auth()?;
+    let client = stemq_core::nats::connect_with(&g.nats_url(), name, &auth).await?;
+    if may_provision(&auth) {
+        stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &server.settings()).await?;
+    } else {
+        let user = auth.credentials.as_ref().and_then(|c| c.user.clone()).unwrap_or_default();
+        tracing::info!(%user, "connected as a NATS user: streams, consumers and buckets are the operator's (`stemq nats apply`)");
+    }
     Ok(client)
 }
 
 /// A connection for a one-shot command (`keys`, `webhooks`, `nats apply`), which
-/// creates nothing at start.
+/// creates nothing at start: as `--nats-creds` says (the operator, for these).
 pub async fn connect_cli(g: &Global) -> Result<async_nats::Client> {
-    Ok(stemq_core::nats::connect(&g.nats_url(), "stemq-cli").await?)
+    g.connect("stemq-cli").await
+}
+
+/// True when this identity may create definitions: anonymous (a server without users)
+/// or the operator. Any other user opens what exists.
+fn may_provision(auth: &stemq_core::nats::ConnectAuth) -> bool {
+    match &auth.credentials {
+        None => true,
+        Some(c) => c.user.as_deref() == Some(stemq_core::nats_users::OPERATOR),
+    }
 }
 
 /// Loads the engine named in the options, isolated in engine host processes unless

@@ -112,7 +112,7 @@ async fn snapshot(
 
 /// Runs the view until Ctrl-C (or prints one screen with `once`).
 pub async fn run(g: &Global, interval: Duration, once: bool) -> Result<()> {
-    let client = names::connect(&g.nats_url(), "stemq-top").await?;
+    let client = g.connect("stemq-top").await?;
     let js = jetstream::new(client);
     let kv = js.get_key_value(names::JOBS_BUCKET).await.context("the status bucket is missing")?;
     let stop = CancellationToken::new();

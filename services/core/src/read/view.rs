@@ -90,9 +90,10 @@ pub async fn current_view(
     if view.as_ref().is_some_and(|v| v.request.is_some()) {
         return Ok(view);
     }
-    let requested = request_of(log, id)
-        .await
-        .map_err(|e| ViewError::Unavailable { id: id.clone(), source: JetStreamError::read("direct get request")(e) })?;
+    let requested = request_of(log, id).await.map_err(|e| ViewError::Unavailable {
+        id: id.clone(),
+        source: JetStreamError::read("direct get request")(e),
+    })?;
     let Some((seq, event)) = requested else { return Ok(view) };
     let folded = apply(view.as_ref(), Position::Log(seq), &event);
     Ok(folded.or(view))
