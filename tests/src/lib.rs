@@ -366,8 +366,22 @@ impl Stack {
         dir.join("stemq-under-test")
     }
 
+    /// The server's log lines about denied operations (`... Violation ...`), to show
+    /// what a user was refused.
+    pub fn permission_violations(&self) -> Vec<String> {
+        std::fs::read_to_string(self.server.log_file())
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("Violation"))
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Stops everything.
     pub async fn shutdown(mut self) {
+        for v in self.permission_violations() {
+            eprintln!("nats-server: {v}");
+        }
         for (t, _) in &self.workers {
             t.cancel();
         }

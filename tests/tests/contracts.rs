@@ -63,7 +63,13 @@ async fn a_forged_id_is_rejected_and_never_run() {
     let mut ev = stemq_core::Event::requested(req, None, None, "urn:example:attacker");
     ev.id = claimed.to_string();
     ev.subject = claimed.clone();
-    stack.js.publish(stemq_core::nats::request_subject(&claimed, "anonymous"), ev.to_bytes()).await.unwrap().await.unwrap();
+    stack
+        .js
+        .publish(stemq_core::nats::request_subject(&claimed, "anonymous"), ev.to_bytes())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let v = stack.wait_terminal(&claimed, T).await;
     assert_eq!(v.status, JobStatus::Rejected);
     assert_eq!(v.error.as_ref().unwrap().code, "id_mismatch");

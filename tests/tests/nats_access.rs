@@ -1,0 +1,374 @@
+//! NATS users and least privilege, tried the way an attacker would: each user connects
+//! with its own credentials and tries what it must not do (forge an outcome, request
+//! for another owner, delete the stream, rewrite a consumer, write the view, read
+//! secrets), next to what it must be able to do.
+//!
+//! A denial never comes back as an error of the call: the server drops the message and
+//! tells the connection asynchronously (`Permissions Violation`), so a JetStream call
+//! simply gets no answer. Each attempt here therefore runs on a JetStream context with a
+//! short timeout, expects that timeout, and then checks with the operator's client that
+//! nothing happened (the stream is there, no outcome is stored, the view is unchanged).
+//! Where a positive signal helps (a denied subscription), the server's error event on the
+//! connection is asserted too.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream};
+use serde_json::json;
+use stemq_core::event::{EventBody, Succeeded};
+use stemq_core::nats::{self as names, job_subject, request_subject, SubjectKind};
+use stemq_core::nats_users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
+use stemq_core::{Event, JobId, JobRequest, JobStatus, JobView};
+use stemq_tests::{job_body, job_id, Stack, StackOptions};
+
+const T: Duration = Duration::from_secs(30);
+/// How long a call waits for an answer a denial never gives.
+const DENIED: Duration = Duration::from_millis(800);
+
+/// JetStream on `client` with a short timeout: a denied call fails fast.
+fn short(client: &async_nats::Client) -> jetstream::Context {
+    jetstream::ContextBuilder::new().timeout(DENIED).build(client.clone())
+}
+
+/// A request for `owner` (a unique audio URI per `name`), as its `requested` event.
+fn request_of(stack: &Stack, name: &str, owner: &str) -> Event {
+    let n = JobRequest::from_value(job_body(stack, name, None)).unwrap().normalize(owner).unwrap();
+    Event::requested(n, None, None, "urn:test:foreign")
+}
+
+/// Publishes `ev` to `subject` as a JetStream publish with the request headers; the
+/// PubAck, or the error (a timeout when the server refused it).
+async fn js_publish(js: &jetstream::Context, subject: String, ev: &Event, msg_id: Option<&str>) -> Result<u64, String> {
+    let mut h = async_nats::HeaderMap::new();
+    if let Some(id) = msg_id {
+        h.insert("Nats-Msg-Id", id);
+    }
+    h.insert("Nats-Expected-Last-Subject-Sequence", "0");
+    match js.publish_with_headers(subject, h, ev.to_bytes()).await {
+        Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn assert_denied<T: std::fmt::Debug>(what: &str, r: Result<T, String>) {
+    match r {
+        Ok(v) => panic!("{what} was allowed: {v:?}"),
+        Err(e) => assert!(e.to_lowercase().contains("timed out"), "{what}: expected a timeout (denied), got: {e}"),
+    }
+}
+
+fn denied<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) {
+    assert_denied(what, r.map(|_| "answered").map_err(|e| e.to_string()));
+}
+
+/// A connection as `user` that records the server's error events (permission
+/// violations) instead of only logging them.
+async fn watched(stack: &Stack, user: &str) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
+    let creds = Credentials::load(&stack.server.credentials(user)).unwrap();
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let e = errors.clone();
+    let client = async_nats::ConnectOptions::with_nkey(creds.seed().to_string())
+        .custom_inbox_prefix(creds.inbox_prefix.clone().unwrap())
+        .event_callback(move |ev| {
+            let e = e.clone();
+            async move {
+                if let async_nats::Event::ServerError(err) = ev {
+                    e.lock().unwrap().push(err.to_string());
+                }
+            }
+        })
+        .connect(stack.server.url())
+        .await
+        .unwrap();
+    (client, errors)
+}
+
+async fn wait_error(errors: &Arc<Mutex<Vec<String>>>, needle: &str) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(e) = errors.lock().unwrap().iter().find(|e| e.contains(needle)) {
+            return e.clone();
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("no server error about {needle}; got {:?}", errors.lock().unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anonymous_client_is_refused() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let anonymous = async_nats::ConnectOptions::new().connect(stack.server.url()).await;
+    let e = anonymous.expect_err("an anonymous client connected");
+    assert!(e.to_string().to_lowercase().contains("authorization"), "{e}");
+    // A seed the server does not know is refused the same way.
+    let stranger = async_nats::ConnectOptions::with_nkey(nkeys_seed()).connect(stack.server.url()).await;
+    assert!(stranger.is_err(), "an unknown key connected");
+    stack.shutdown().await;
+}
+
+/// A valid user seed that no server knows.
+fn nkeys_seed() -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let store = stemq_core::nats_users::UserStore::open(dir.path()).unwrap();
+    let path = store.ensure(&stemq_core::nats_users::User::of_role(WORKER)).unwrap();
+    Credentials::load(&path).unwrap().seed().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_requests_for_its_own_owner_only() {
+    let mut stack = Stack::start(StackOptions::default()).await;
+    let acme = stack.add_publisher("acme").await;
+    let client = stack.connect_as(&acme).await;
+    let js = short(&client);
+
+    // For another owner: refused by the server, nothing stored, no job.
+    let theirs = request_of(&stack, "globex-job", "globex");
+    let theirs_id = theirs.subject.clone();
+    let r = js_publish(&js, request_subject(&theirs_id, "globex"), &theirs, Some(theirs_id.as_str())).await;
+    assert_denied("a request for another owner", r);
+    // On the old subject (no owner token) too.
+    let r = js_publish(&js, job_subject(&theirs_id, SubjectKind::Requested), &theirs, None).await;
+    assert_denied("a request on the old subject", r);
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{theirs_id}.>")).await, 0);
+
+    // For its own owner: accepted, and the job runs like any other.
+    let mine = request_of(&stack, "acme-job", "acme");
+    let id = mine.subject.clone();
+    js_publish(&js, request_subject(&id, "acme"), &mine, Some(id.as_str())).await.expect("its own request");
+    let v = stack.wait_terminal(&id, T).await;
+    assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
+    assert_eq!(v.request.as_ref().unwrap().owner, "acme");
+
+    // Its own subject, but a body for another owner: the worker refuses it.
+    let smuggled = request_of(&stack, "smuggled", "globex");
+    let sid = smuggled.subject.clone();
+    js_publish(&js, request_subject(&sid, "acme"), &smuggled, Some(sid.as_str())).await.expect("allowed subject");
+    let v = stack.wait_terminal(&sid, T).await;
+    assert_eq!(v.status, JobStatus::Rejected, "{v:#?}");
+    let error = v.error.as_ref().unwrap();
+    assert_eq!(error.code, "owner_mismatch", "{error:?}");
+    assert!(error.message.contains("`globex`") && error.message.contains("`acme`"), "{}", error.message);
+    assert!(v.request.is_none(), "the projector folded a request for another owner: {v:#?}");
+    assert_eq!(stack.count_on(&job_subject(&sid, SubjectKind::Started)).await, 0, "it ran");
+    // The read side does not take it for the job's request either.
+    let views = stemq_core::read::Views::open(&stack.js).await.unwrap();
+    assert!(stemq_core::read::request_of(views.log(), &sid).await.unwrap().is_none());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_outcome_is_refused_and_the_real_submit_runs() {
+    let mut stack = Stack::start(StackOptions::default()).await;
+    let publisher = stack.add_publisher("anonymous").await;
+    let body = job_body(&stack, "target", None);
+    // The id the real submit will have (job ids are content hashes: anyone can compute it).
+    let id = JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap().job_id();
+    let forged = Event::new(
+        &id,
+        "urn:test:attacker",
+        EventBody::Succeeded(Succeeded {
+            attempt: 1,
+            outputs: vec![],
+            manifest_uri: None,
+            degraded: false,
+            device: "cpu".into(),
+            segment: None,
+            duration_ms: 1,
+        }),
+    );
+    let client = stack.connect_as(&publisher).await;
+    let js = short(&client);
+    let outcome = job_subject(&id, SubjectKind::Outcome);
+    assert_denied("a forged outcome", js_publish(&js, outcome.clone(), &forged, None).await);
+    assert_denied("a forged started", js_publish(&js, job_subject(&id, SubjectKind::Started), &forged, None).await);
+    assert_denied("a forged progress", js_publish(&js, job_subject(&id, SubjectKind::Progress), &forged, None).await);
+    // Straight into the view: refused too.
+    let kv_subject = format!("$KV.{}.{id}", names::JOBS_BUCKET);
+    assert_denied("a forged view", js_publish(&js, kv_subject, &forged, None).await);
+    assert_eq!(stack.count_on(&outcome).await, 0, "a forged outcome was stored");
+    assert!(stack.view(&id).await.is_none());
+
+    // The real submit is a new job and runs normally.
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!(code, 202, "{b}");
+    assert_eq!(job_id(&b), id);
+    let v = stack.wait_terminal(&id, T).await;
+    assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
+    assert!(!v.outputs.is_empty(), "the outputs are the worker's");
+    assert_eq!(v.worker.as_deref(), Some("inproc-0"));
+    stack.shutdown().await;
+}
+
+/// Nats-Msg-Id squatting: a publisher sends its own request with the message id of a job
+/// someone else is about to submit. Inside the dedupe window the real publish would be
+/// acked `duplicate` with nothing stored; the submit notices and stores it anyway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_squatted_message_id_does_not_swallow_a_submit() {
+    let mut stack = Stack::start(StackOptions::default()).await;
+    let acme = stack.add_publisher("acme").await;
+    let body = job_body(&stack, "victim", None);
+    let victim = JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap().job_id();
+    let own = request_of(&stack, "squatter", "acme");
+    let client = stack.connect_as(&acme).await;
+    js_publish(&short(&client), request_subject(&own.subject, "acme"), &own, Some(victim.as_str()))
+        .await
+        .expect("its own request, with someone else's message id");
+
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!((code, job_id(&b)), (202, victim.clone()), "{b}");
+    assert_eq!(stack.wait_terminal(&victim, T).await.status, JobStatus::Succeeded);
+    assert_eq!(stack.count_on(&request_subject(&victim, "anonymous")).await, 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_cannot_change_definitions() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    for user in [WORKER, INGRESS, PROJECTOR, RELAY, STATUS_READER] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        denied(&format!("{user} deletes the job stream"), js.delete_stream(names::JOBS_STREAM).await);
+        denied(
+            &format!("{user} deletes the workers consumer"),
+            js.delete_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM).await,
+        );
+        denied(
+            &format!("{user} creates a stream"),
+            js.create_stream(stream::Config { name: format!("EVIL_{}", user.replace('-', "_")), ..Default::default() })
+                .await,
+        );
+        denied(&format!("{user} deletes the view bucket"), js.delete_key_value(names::JOBS_BUCKET).await);
+        // The unnamed ("ephemeral") create API: with the name of a durable consumer it
+        // would rewrite that consumer (here: the workers' max deliver down to 1).
+        let rewrite = json!({"stream_name": names::JOBS_STREAM, "config": {"name": "workers", "ack_policy": "explicit",
+            "max_deliver": 1, "filter_subjects": names::REQUESTED_FILTERS}});
+        let r = tokio::time::timeout(
+            DENIED,
+            c.request(format!("$JS.API.CONSUMER.CREATE.{}", names::JOBS_STREAM), rewrite.to_string().into()),
+        )
+        .await;
+        assert!(!matches!(r, Ok(Ok(_))), "{user} reached the consumer create API: {r:?}");
+    }
+    // All still there, as defined.
+    let mut s = stack.js.get_stream(names::JOBS_STREAM).await.expect("the job stream survived");
+    assert_eq!(s.info().await.unwrap().config.name, names::JOBS_STREAM);
+    let mut c: jetstream::consumer::PullConsumer =
+        stack.js.get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM).await.unwrap();
+    let config = c.info().await.unwrap().config.clone();
+    assert_eq!(config.max_deliver, stack.options.settings.max_deliver);
+    assert_eq!(config.durable_name.as_deref(), Some(names::WORKERS_CONSUMER));
+    assert!(stack.js.get_stream("EVIL_worker").await.is_err());
+    assert!(stack.js.get_key_value(names::JOBS_BUCKET).await.is_ok());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_projector_writes_the_view_and_only_the_worker_records_attempts() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let (_, b) = stack.submit(&job_body(&stack, "done", None)).await;
+    let id = job_id(&b);
+    let before = stack.wait_terminal(&id, T).await;
+    assert_eq!(before.status, JobStatus::Succeeded);
+    let forged = serde_json::to_vec(&JobView { status: JobStatus::Failed, ..before.clone() }).unwrap();
+    for user in [INGRESS, RELAY, WORKER, STATUS_READER] {
+        let c = stack.connect_as(user).await;
+        let kv = short(&c).get_key_value(names::JOBS_BUCKET).await;
+        match kv {
+            // Users that may read the view open the bucket; the write is refused.
+            Ok(kv) => denied(&format!("{user} writes the view"), kv.put(id.as_str(), forged.clone().into()).await),
+            Err(e) => assert_eq!(user, WORKER, "{user} cannot open the bucket: {e}"),
+        }
+    }
+    assert_eq!(stack.view(&id).await.unwrap(), before, "the view changed");
+
+    // Attempt events are the worker's, deliveries the relay's.
+    let ev = Event::new(&id, "urn:test", EventBody::Retried(stemq_core::event::Retried { retried_by: id.clone() }));
+    for (user, kind) in [
+        (INGRESS, SubjectKind::Started),
+        (INGRESS, SubjectKind::Failed),
+        (INGRESS, SubjectKind::Progress),
+        (RELAY, SubjectKind::Outcome),
+        (PROJECTOR, SubjectKind::Outcome),
+        (WORKER, SubjectKind::Delivery),
+        (INGRESS, SubjectKind::Delivery),
+        (WORKER, SubjectKind::CancelRequested),
+    ] {
+        let c = stack.connect_as(user).await;
+        let r = js_publish(&short(&c), job_subject(&id, kind), &ev, None).await;
+        assert_denied(&format!("{user} publishes {kind:?}"), r);
+    }
+    // A worker cannot queue work either.
+    let c = stack.connect_as(WORKER).await;
+    let req = request_of(&stack, "from-a-worker", "anonymous");
+    assert_denied(
+        "worker requests a job",
+        js_publish(&short(&c), request_subject(&req.subject, "anonymous"), &req, None).await,
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_reader_reads_and_watches_views_and_nothing_else() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let (_, b) = stack.submit(&job_body(&stack, "read-me", None)).await;
+    let id = job_id(&b);
+    stack.wait_terminal(&id, T).await;
+
+    let (client, errors) = watched(&stack, STATUS_READER).await;
+    let js = short(&client);
+    let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("the reader opens the view bucket");
+    let v: JobView = serde_json::from_slice(&kv.get(id.as_str()).await.unwrap().expect("a view")).unwrap();
+    assert_eq!((v.job_id.clone(), v.status), (id.clone(), JobStatus::Succeeded));
+    let mut watch = kv.watch_with_history(id.as_str()).await.expect("the reader watches");
+    let entry = tokio::time::timeout(T, futures::StreamExt::next(&mut watch)).await.unwrap().unwrap().unwrap();
+    assert_eq!((entry.key.as_str(), entry.operation), (id.as_str(), kv::Operation::Put));
+
+    // Anything else: no.
+    denied("the reader writes a view", kv.put(id.as_str(), "{}".into()).await);
+    let req = request_of(&stack, "from-reader", "anonymous");
+    assert_denied(
+        "the reader requests a job",
+        js_publish(&js, request_subject(&req.subject, "anonymous"), &req, None).await,
+    );
+    denied("the reader opens the webhook secrets", js.get_key_value(names::WEBHOOKS_BUCKET).await);
+    let log = js.get_stream_no_info(names::JOBS_STREAM).await.unwrap();
+    denied("the reader reads the log", log.direct_get_last_for_subject(job_subject(&id, SubjectKind::Outcome)).await);
+    // A core publish "succeeds" locally; the server says no on the connection.
+    client.publish(job_subject(&id, SubjectKind::CancelRequested), "x".into()).await.unwrap();
+    wait_error(&errors, "Permissions Violation for Publish").await;
+    // And it cannot listen in on events or on another user's inbox.
+    let _events = client.subscribe("stemq.jobs.>").await.unwrap();
+    wait_error(&errors, "Subscription to \"stemq.jobs.>\"").await;
+    let _inbox = client.subscribe("_INBOX_ingress.>").await.unwrap();
+    wait_error(&errors, "Subscription to \"_INBOX_ingress.>\"").await;
+    assert_eq!(stack.count_on(&job_subject(&id, SubjectKind::CancelRequested)).await, 0);
+    // The operator, of course, may do all of it.
+    let op = stack.connect_as(OPERATOR).await;
+    assert!(short(&op).get_key_value(names::WEBHOOKS_BUCKET).await.is_ok());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_its_inbox_prefix_gets_no_answers() {
+    // The inbox is per user: a client on the default `_INBOX` cannot subscribe to it,
+    // so every request of its goes unanswered (and cannot read anyone else's replies).
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let creds = Credentials::load(&stack.server.credentials(STATUS_READER)).unwrap();
+    let c = async_nats::ConnectOptions::with_nkey(creds.seed().to_string()).connect(stack.server.url()).await.unwrap();
+    denied("a request without the user's inbox prefix", short(&c).get_key_value(names::JOBS_BUCKET).await);
+    stack.shutdown().await;
+}
+
+#[test]
+fn job_ids_differ_per_owner() {
+    // What the owner binding rests on: the owner is part of the request, so the same
+    // song for two owners is two jobs with two subjects.
+    let body = json!({"audio_uri": "file:///x.wav"});
+    let a = JobRequest::from_value(body.clone()).unwrap().normalize("acme").unwrap().job_id();
+    let g = JobRequest::from_value(body).unwrap().normalize("globex").unwrap().job_id();
+    assert_ne!(a, g);
+    let _: &JobId = &a;
+}
