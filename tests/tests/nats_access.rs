@@ -372,3 +372,35 @@ fn job_ids_differ_per_owner() {
     assert_ne!(a, g);
     let _: &JobId = &a;
 }
+
+/// `stemq nats users add-publisher` on the folder of a running server: the server
+/// reloads and the new publisher connects at once, for its owner only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_adds_a_publisher_that_can_connect_at_once() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let data_dir = stack.dir.path().to_path_buf();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(Stack::stemq_bin())
+            .args(["nats", "users", "add-publisher", "--owner", "cli.owner"])
+            .env("STEMQ_DATA_DIR", data_dir)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let user = format!("publisher-{}", stemq_core::request::owner_token("cli.owner"));
+    assert!(stdout.contains(&user) && stdout.contains("reloaded"), "{stdout}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(stack.server.credentials(&user)).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    let c = stack.connect_as(&user).await;
+    let js = short(&c);
+    let mine = request_of(&stack, "cli-owner-job", "cli.owner");
+    js_publish(&js, request_subject(&mine.subject, "cli.owner"), &mine, None).await.expect("its own owner");
+    let other = request_of(&stack, "not-mine", "anonymous");
+    assert_denied("another owner", js_publish(&js, request_subject(&other.subject, "anonymous"), &other, None).await);
+    stack.shutdown().await;
+}

@@ -729,7 +729,7 @@ mod tests {
         let id = JobId::parse(&"a".repeat(64)).unwrap();
         assert_eq!(job_subject(&id, SubjectKind::Outcome), format!("stemq.jobs.{id}.outcome"));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
-        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id));
+        assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id.clone()));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
         let new = request_subject(&id, "acme");
         assert_eq!(new, format!("stemq.jobs.{id}.requested.acme"));

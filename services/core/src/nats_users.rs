@@ -478,7 +478,7 @@ mod tests {
         assert!(conf.contains(&c.public_key()) && !conf.contains(c.seed()), "{conf}");
         // A bare seed reads too.
         let bare = Credentials::parse(c.seed(), Path::new("x")).unwrap();
-        assert_eq!((bare.user, bare.public_key()), (None, c.public_key()));
+        assert_eq!((bare.user.clone(), bare.public_key()), (None, c.public_key()));
         assert!(matches!(Credentials::parse("# nothing", Path::new("x")), Err(CredentialsError::NoSeed(_))));
     }
 }
