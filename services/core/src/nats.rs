@@ -335,8 +335,10 @@ impl ConnectAuth {
                             tracing::warn!(connection = %conn, error = %e, "NATS server error");
                             *last_error.lock().expect("last error") = Some(e.to_string());
                         }
+                        // Reconnect noise (an IO error while the server restarts): the
+                        // connection state says what matters.
                         async_nats::Event::ClientError(e) => {
-                            tracing::warn!(connection = %conn, error = %e, "NATS client error")
+                            tracing::debug!(connection = %conn, error = %e, "NATS client error")
                         }
                         _ => {}
                     }
