@@ -53,7 +53,7 @@ fn body_of(stack: &Stack, owner: &str, name: &str) -> Value {
 async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr: SocketAddr = listener.local_addr().unwrap();
-    let c = names::connect(&stack.server.url(), "ingress-2").await.unwrap();
+    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
     let config = stemq_ingress::Config {
         listen: addr,
         nats_submit: true,
@@ -456,14 +456,14 @@ async fn turning_keys_off_is_for_loopback_only() {
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let c = names::connect(&stack.server.url(), "open").await.unwrap();
+    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
     let err = stemq_ingress::run(c, listener, config(addr), CancellationToken::new()).await.unwrap_err();
     assert!(matches!(err, stemq_ingress::IngressError::NoAuthOnNetwork(_)), "{err}");
     assert!(err.to_string().contains("loopback"), "{err}");
     // On loopback: served, every caller an operator of `local`.
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let c = names::connect(&stack.server.url(), "open").await.unwrap();
+    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
     let stop = CancellationToken::new();
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config(addr), s).await.unwrap() });

@@ -17,7 +17,7 @@ const T: Duration = Duration::from_secs(30);
 fn stemq(args: &[&str], dir: &Path) -> Command {
     let mut cmd = Command::new(Stack::stemq_bin());
     cmd.args(args).current_dir(dir).env("STEMQ_DATA_DIR", dir.join(".stemq"));
-    for var in ["NATS_URL", "STEMQ_STORE", "STEMQ_API", "STEMQ_API_KEY", "STEMQ_LOG_FORMAT"] {
+    for var in ["NATS_URL", "STEMQ_NATS_CREDS", "STEMQ_STORE", "STEMQ_API", "STEMQ_API_KEY", "STEMQ_LOG_FORMAT"] {
         cmd.env_remove(var);
     }
     cmd
@@ -206,11 +206,13 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     let stack = Stack::start(StackOptions::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let (nats, api) = (stack.server.url(), format!("http://{}", stack.http));
+    // API keys live in NATS: the operator's NATS user manages them.
+    let creds = stack.server.credentials(stemq_core::nats_users::OPERATOR);
     let run = |args: Vec<String>| {
-        let (dir, nats) = (dir.path().to_path_buf(), nats.clone());
+        let (dir, nats, creds) = (dir.path().to_path_buf(), nats.clone(), creds.clone());
         tokio::task::spawn_blocking(move || {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            stemq(&args, &dir).env("NATS_URL", nats).output().unwrap()
+            stemq(&args, &dir).env("NATS_URL", nats).env("STEMQ_NATS_CREDS", creds).output().unwrap()
         })
     };
     let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();

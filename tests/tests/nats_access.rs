@@ -20,7 +20,7 @@ use stemq_core::event::{EventBody, Succeeded};
 use stemq_core::nats::{self as names, job_subject, request_subject, SubjectKind};
 use stemq_core::nats_users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
 use stemq_core::{Event, JobId, JobRequest, JobStatus, JobView};
-use stemq_tests::{job_body, job_id, Stack, StackOptions};
+use stemq_tests::{job_body, job_id, Stack, StackOptions, TEST_OWNER};
 
 const T: Duration = Duration::from_secs(30);
 /// How long a call waits for an answer a denial never gives.
@@ -162,10 +162,10 @@ async fn a_publisher_requests_for_its_own_owner_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_outcome_is_refused_and_the_real_submit_runs() {
     let mut stack = Stack::start(StackOptions::default()).await;
-    let publisher = stack.add_publisher("anonymous").await;
+    let publisher = stack.add_publisher(TEST_OWNER).await;
     let body = job_body(&stack, "target", None);
     // The id the real submit will have (job ids are content hashes: anyone can compute it).
-    let id = JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap().job_id();
+    let id = JobRequest::from_value(body.clone()).unwrap().normalize(TEST_OWNER).unwrap().job_id();
     let forged = Event::new(
         &id,
         "urn:test:attacker",
@@ -210,7 +210,7 @@ async fn a_squatted_message_id_does_not_swallow_a_submit() {
     let mut stack = Stack::start(StackOptions::default()).await;
     let acme = stack.add_publisher("acme").await;
     let body = job_body(&stack, "victim", None);
-    let victim = JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap().job_id();
+    let victim = JobRequest::from_value(body.clone()).unwrap().normalize(TEST_OWNER).unwrap().job_id();
     let own = request_of(&stack, "squatter", "acme");
     let client = stack.connect_as(&acme).await;
     js_publish(&short(&client), request_subject(&own.subject, "acme"), &own, Some(victim.as_str()))
@@ -220,7 +220,7 @@ async fn a_squatted_message_id_does_not_swallow_a_submit() {
     let (code, b) = stack.submit(&body).await;
     assert_eq!((code, job_id(&b)), (202, victim.clone()), "{b}");
     assert_eq!(stack.wait_terminal(&victim, T).await.status, JobStatus::Succeeded);
-    assert_eq!(stack.count_on(&request_subject(&victim, "anonymous")).await, 1);
+    assert_eq!(stack.count_on(&request_subject(&victim, TEST_OWNER)).await, 1);
     stack.shutdown().await;
 }
 

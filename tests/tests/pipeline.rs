@@ -69,7 +69,7 @@ async fn duplicate_submits_create_one_job() {
     let ids: std::collections::HashSet<_> = answers.iter().map(|(_, b)| b["job_id"].clone()).collect();
     assert_eq!(ids.len(), 1);
     let id = job_id(&answers[0].1);
-    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&id, "anonymous")).await, 1);
+    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&id, stemq_tests::TEST_OWNER)).await, 1);
     stack.shutdown().await;
 }
 
@@ -86,7 +86,7 @@ async fn duplicate_after_the_dedupe_window_is_still_the_same_job() {
     let (c2, b2) = stack.submit(&body).await;
     assert_eq!(c2, 200, "{b2}");
     assert_eq!(b1["job_id"], b2["job_id"]);
-    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&job_id(&b1), "anonymous")).await, 1);
+    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&job_id(&b1), stemq_tests::TEST_OWNER)).await, 1);
     stack.shutdown().await;
 }
 
