@@ -143,7 +143,7 @@ async fn services_connect_over_tls_and_plaintext_is_refused() {
     let body = serde_json::json!({"audio_uri": audio, "model": "dsp"});
     let stores = [store.base_url().to_string()];
     let (resp, _) =
-        stemq_ingress::submit::submit(&js, body.to_string().as_bytes(), owner, None, &stores).await.unwrap();
+        stemq_ingress::submit::submit(&js, body.to_string().as_bytes(), owner, None, &stores, None).await.unwrap();
     let deadline = tokio::time::Instant::now() + T;
     let view = loop {
         if let Some((v, _)) = stemq_core::read::get_view(&kv, &resp.job_id).await.unwrap() {

@@ -11,7 +11,6 @@ use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
 };
-use stemq_core::nats as names;
 use stemq_ingress::tls::TlsConfig;
 use stemq_tests::{Stack, StackOptions};
 use tokio::task::JoinHandle;
@@ -65,7 +64,7 @@ async fn tls_ingress(
 ) -> (u16, CancellationToken, JoinHandle<Result<(), stemq_ingress::IngressError>>) {
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let client = names::connect(&stack.server.url(), "tls-ingress").await.unwrap();
+    let client = stack.connect_as(stemq_core::nats_users::INGRESS).await;
     let stop = CancellationToken::new();
     let config = stemq_ingress::Config {
         listen: addr,
