@@ -53,10 +53,8 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/foreign_service.py");
     let audio = stack.store.uri(&stemq_tests::upload_key("from-python.wav"));
     let (url, http, key) = (stack.server.url(), stack.url(""), stack.key.clone());
-    let (publisher, reader) = (
-        stack.server.credentials(&publisher),
-        stack.server.credentials(stemq_core::nats_users::STATUS_READER),
-    );
+    let (publisher, reader) =
+        (stack.server.credentials(&publisher), stack.server.credentials(stemq_core::nats_users::STATUS_READER));
     let out = tokio::task::spawn_blocking(move || {
         Command::new(py)
             .arg(script)
