@@ -31,8 +31,8 @@
 //! **A request for another owner is refused.** A `requested` event on
 //! `stemq.jobs.<id>.requested.<token>` whose request names an owner with another token
 //! is never folded (terminated, logged, counted as
-//! `stemq_projector_errors_total{kind="owner_mismatch"}`): the view shows what the worker
-//! records for it, `rejected` with code `owner_mismatch`.
+//! `stemq_projector_errors_total{kind="owner_mismatch"}`, `id_mismatch` likewise): the
+//! worker drops it too, so the job's view waits for the job's real request.
 //!
 //! **A view that does not parse is an error**, never an absent view to overwrite:
 //! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
@@ -339,14 +339,25 @@ impl Lane {
                     continue;
                 }
             };
-            // A request for another owner than its subject's token was published by a
-            // user allowed to publish for that token only: it is not the job's request.
-            // Refused for good (the worker records it `rejected`, which this projector
-            // then folds); it stays in the log.
+            // A request that does not hash to its job's id, or names another owner than
+            // its subject's token, is not the job's request (a publisher may put
+            // anything on subjects of its own owner): refused for good, like the worker
+            // drops it; it stays in the log, and the job's real request is folded when
+            // it comes.
             if let stemq_core::EventBody::Requested(r) = &event.body {
-                if let Err(e) = names::check_request_owner(&msg.subject, &r.request.owner) {
-                    warn!(lane, seq, subject = %msg.subject, error = %e, "refusing a request for another owner");
-                    stemq_core::metrics::metrics().projector_error("owner_mismatch");
+                let refused = if r.request.job_id() != event.subject || event.id != event.subject.as_str() {
+                    Some((
+                        "id_mismatch",
+                        format!("the request hashes to {}, not {}", r.request.job_id(), event.subject),
+                    ))
+                } else {
+                    names::check_request_owner(&msg.subject, &r.request.owner)
+                        .err()
+                        .map(|e| ("owner_mismatch", e.to_string()))
+                };
+                if let Some((kind, error)) = refused {
+                    warn!(lane, seq, subject = %msg.subject, %error, "refusing a request that is not its job's");
+                    stemq_core::metrics::metrics().projector_error(kind);
                     let _ = msg.ack_with(AckKind::Term).await;
                     continue;
                 }

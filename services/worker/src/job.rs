@@ -2,7 +2,8 @@
 //!
 //! This module owns the order of side effects that makes a job run once in effect:
 //!
-//! 1. read the request event; a forged or invalid one is `rejected`, never run;
+//! 1. read the request event; an invalid one is `rejected`, a forged one (not hashing to
+//!    its job id, or for another owner than its subject's) dropped, never run;
 //! 2. if the job already has an outcome (a lost ack, a duplicate delivery), ack and skip
 //!    (`skip.already_done`);
 //! 3. publish `started`; keep the ack deadline alive with progress acks;
@@ -88,6 +89,17 @@ async fn run_delivery(
     // 1. The request must be a `requested` event whose request hashes to its subject.
     let Valid { requested, at: requested_at, traceparent } = match validate(parsed, &msg.subject, &job_id) {
         Ok(v) => v,
+        Err(rejection) if !rejection.proves_the_job() => {
+            // Not provably this job's request (anyone allowed to publish requests could
+            // have put it on this job's subject): recording an outcome would end the
+            // real job before it was ever submitted. Dropped for good; it stays in the
+            // log, and the real request, when it comes, runs.
+            let (code, message) = (rejection.code(), rejection.to_string());
+            warn!(%code, %message, event = "request.dropped", "dropping a request that is not this job's");
+            metrics().outcome("unknown", "dropped");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        }
         Err(rejection) => {
             let (code, message) = (rejection.code(), rejection.to_string());
             warn!(%code, %message, "rejecting request event");
@@ -456,8 +468,9 @@ struct Valid {
     traceparent: Option<String>,
 }
 
-/// Why a delivered request is rejected, never run (recorded as the job's `rejected`
-/// outcome with [`Rejection::code`] and the message).
+/// Why a delivered request is never run: recorded as the job's `rejected` outcome with
+/// [`Rejection::code`] and the message when the request is the job's own
+/// ([`Rejection::proves_the_job`]), dropped otherwise.
 #[derive(Debug, thiserror::Error)]
 enum Rejection {
     /// The payload is not a stemq CloudEvent.
@@ -480,6 +493,14 @@ enum Rejection {
 }
 
 impl Rejection {
+    /// True when the request is provably the job's own (it hashes to the job's id and
+    /// its owner is its subject's): only then may the job be recorded `rejected`.
+    /// Otherwise the request is dropped with no outcome, so a forged or garbled request
+    /// on someone else's job subject cannot end their job in advance.
+    fn proves_the_job(&self) -> bool {
+        matches!(self, Rejection::Invalid(_))
+    }
+
     /// The `code` of the `rejected` outcome.
     fn code(&self) -> FailureCode {
         match self {

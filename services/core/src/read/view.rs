@@ -120,8 +120,11 @@ pub async fn request_of(
             Err(e) => return Err(e),
         };
         if let Ok(event) = Event::from_slice(&m.payload) {
+            // Only the job's own request: hashing to its id, for its subject's owner.
             let owner_ok = match &event.body {
-                crate::EventBody::Requested(r) => check_request_owner(m.subject.as_str(), &r.request.owner).is_ok(),
+                crate::EventBody::Requested(r) => {
+                    r.request.job_id() == *id && check_request_owner(m.subject.as_str(), &r.request.owner).is_ok()
+                }
                 _ => false,
             };
             if owner_ok {
