@@ -2,7 +2,11 @@
 # Installs what the test suite needs besides Rust and nats-server, into ./.stemq/venv:
 # - moto's S3-compatible server (`moto_server`), used by services/core/tests/s3.rs;
 # - nats-py (with nkeys) and standardwebhooks, used by tests/python/foreign_service.py
-#   (run from tests/tests/python.rs).
+#   (run from tests/tests/python.rs);
+# - promtool (Debian package `prometheus`), which checks the alert rules and the
+#   classic /metrics body (scripts/test.sh, services/core/src/promtool.rs). It needs
+#   apt-get as root; elsewhere it says so and goes on (scripts/test.sh then skips the
+#   promtool checks with a message).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -14,3 +18,12 @@ if ! .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks' 2>/dev/nul
 fi
 .stemq/venv/bin/moto_server --help >/dev/null
 .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks'
+if ! command -v promtool >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; } ||
+      echo "could not install promtool (apt-get install prometheus failed)" >&2
+  else
+    echo "promtool is missing and apt-get needs root: install Debian's prometheus package to check the alert rules" >&2
+  fi
+fi

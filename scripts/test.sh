@@ -7,6 +7,15 @@ cd "$(dirname "$0")/.."
 scripts/install-nats.sh
 if [[ -x scripts/install-test-deps.sh ]]; then scripts/install-test-deps.sh; fi
 export PATH="$PWD/.stemq/venv/bin:$PATH"
+# The alert rules: valid, and their unit tests (deploy/prometheus/tests.yml) pass. The
+# Rust tests then also run `promtool check metrics` on the /metrics bodies.
+if command -v promtool >/dev/null 2>&1; then
+  promtool check rules deploy/prometheus/alerts.yml
+  promtool test rules deploy/prometheus/tests.yml
+  export STEMQ_REQUIRE_PROMTOOL=1
+else
+  echo "SKIPPED: promtool is not installed (Debian package prometheus): alert rules and /metrics bodies unchecked" >&2
+fi
 # The fuzz targets (`fuzz_*` tests: request, event, audio, checkpoint) mutate their seed
 # corpora for STEMQ_FUZZ_SECS each (3 s by default); CI gives each a minute.
 if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60}"; fi

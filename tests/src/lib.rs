@@ -128,6 +128,8 @@ impl Stack {
                         auth: true,
                         tls: None,
                         audio_urls,
+                        // The stack's ingress is its queue exporter, as in `stemq dev`.
+                        queue_metrics: true,
                     },
                     s,
                 )

@@ -61,6 +61,7 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         auth: true,
         tls: None,
         audio_urls: None,
+        queue_metrics: false,
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -452,6 +453,7 @@ async fn turning_keys_off_is_for_loopback_only() {
         auth: false,
         tls: None,
         audio_urls: None,
+        queue_metrics: false,
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

@@ -73,6 +73,7 @@ async fn tls_ingress(
         auth: true,
         tls: Some(tls),
         audio_urls: None,
+        queue_metrics: false,
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

@@ -27,7 +27,9 @@
 //! - `read`: the read side — one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor; what every reader of the view uses;
 //! - `error`: the one error type of a failed JetStream call in the services;
-//! - `metrics`: the Prometheus metrics every process shares;
+//! - `metrics`: the Prometheus metrics every process shares, the queue figures and the
+//!   exposition formats;
+//! - `promtool`: test support that runs Prometheus's promtool on bodies and rules;
 //! - `nats`: subjects, streams, consumers and the KV bucket, applied from `nats/`;
 //! - `publish`: publishing events once (request, outcome) or plainly;
 //! - `pull`: the pull loop of every long-running consumer (resubscribes when its stream ends);
@@ -59,6 +61,8 @@ pub mod error;
 pub mod metrics;
 #[cfg(feature = "runtime")]
 pub mod nats;
+#[cfg(feature = "runtime")]
+pub mod promtool;
 #[cfg(feature = "runtime")]
 pub mod nats_server;
 #[cfg(feature = "runtime")]

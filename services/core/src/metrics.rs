@@ -6,7 +6,9 @@
 //! listener of a worker or projector process) renders all of it, so `stemq dev` shows
 //! everything on one endpoint. Queue figures that NATS already knows (pending, in
 //! flight, oldest pending, projector lag) are read from consumer info at scrape time by
-//! [`crate::metrics::refresh_queue`].
+//! [`read_queue`], and only in the one process that exports them ([`QueueFigures`]).
+//! It also owns the exposition formats ([`Format`]): classic text 0.0.4 unless the
+//! scraper asks for OpenMetrics.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -73,10 +75,6 @@ pub struct Metrics {
     pub outcomes: Family<OutcomeLabels, Counter>,
     /// Delivery count of jobs when they end (1 = first try).
     pub deliveries: Histogram,
-    pending: Family<ConsumerLabels, Gauge>,
-    in_flight: Family<ConsumerLabels, Gauge>,
-    oldest_pending_age: Gauge<f64, std::sync::atomic::AtomicU64>,
-    projector_lag: Gauge,
     projector_errors: Family<ProjectorErrorLabels, Counter>,
     heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     webhooks: Family<WebhookLabels, Counter>,
@@ -105,10 +103,6 @@ pub fn metrics() -> &'static Metrics {
         });
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         let deliveries = Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 10.0]);
-        let pending = Family::<ConsumerLabels, Gauge>::default();
-        let in_flight = Family::<ConsumerLabels, Gauge>::default();
-        let oldest_pending_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        let projector_lag = Gauge::default();
         let projector_errors = Family::<ProjectorErrorLabels, Counter>::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let gpu_memory = Family::<DeviceLabels, Gauge>::default();
@@ -135,18 +129,6 @@ pub fn metrics() -> &'static Metrics {
             outcomes.clone(),
         );
         r.register("stemq_job_deliveries", "Deliveries a job took before it ended", deliveries.clone());
-        r.register("stemq_queue_pending_jobs", "Messages not yet delivered to the consumer", pending.clone());
-        r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight.clone());
-        r.register(
-            "stemq_queue_oldest_pending_age_seconds",
-            "Age of the oldest job request not yet finished by a worker",
-            oldest_pending_age.clone(),
-        );
-        r.register(
-            "stemq_projector_lag_events",
-            "Job events not yet applied to the status view",
-            projector_lag.clone(),
-        );
         r.register(
             "stemq_projector_errors",
             "Events the projector could not apply yet, by kind (corrupt_view, kv_read, kv_write, \
@@ -165,10 +147,6 @@ pub fn metrics() -> &'static Metrics {
             realtime_factor,
             outcomes,
             deliveries,
-            pending,
-            in_flight,
-            oldest_pending_age,
-            projector_lag,
             projector_errors,
             heartbeat,
             webhooks,
@@ -207,40 +185,165 @@ impl Metrics {
         self.heartbeat.get_or_create(&WorkerLabels { worker: worker.into() }).set(now.as_secs_f64());
     }
 
-    /// The Prometheus text format of everything.
+    /// The classic Prometheus text format of this process's own metrics (no queue
+    /// figures): what tests and `stemq top` read.
     pub fn render(&self) -> String {
+        self.encode(Format::Classic, None)
+    }
+
+    /// A scrape's body in `format`: this process's metrics and, in the one process that
+    /// exports them (see [`QueueFigures`]), the queue figures read for this scrape.
+    pub fn encode(&self, format: Format, queue: Option<&QueueFigures>) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry.lock().expect("registry lock"))
+        let own = self.registry.lock().expect("registry lock");
+        let queue = queue.map(QueueFigures::registry);
+        let parts = std::iter::once(&*own).chain(queue.as_ref());
+        // Writing into a String cannot fail, and every family's name and labels are ours.
+        for r in parts {
+            match format {
+                Format::Classic => prometheus_client::encoding::prometheus_text::encode(&mut out, r),
+                Format::OpenMetrics => prometheus_client::encoding::text::encode_registry(&mut out, r),
+            }
             .expect("metrics encode");
+        }
+        if format == Format::OpenMetrics {
+            prometheus_client::encoding::text::encode_eof(&mut out).expect("metrics encode");
+        }
         out
     }
 }
 
-/// Reads the queue figures from NATS into the gauges (called at scrape time).
-pub async fn refresh_queue(js: &jetstream::Context) {
-    let m = metrics();
+/// The exposition format a scrape asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// Prometheus text format 0.0.4: counters' HELP and TYPE name the `_total` series,
+    /// no `# EOF`. The answer to every scraper that does not ask for OpenMetrics.
+    Classic,
+    /// OpenMetrics 1.0.0 (`# EOF` at the end, counters' TYPE on the family name).
+    OpenMetrics,
+}
+
+impl Format {
+    /// The format for the `Accept` header values of a request: OpenMetrics when a media
+    /// range `application/openmetrics-text` is acceptable (q > 0) and preferred at least
+    /// as much as the classic text format (`text/plain`, `text/*`, `*/*`); classic text
+    /// otherwise, also when there is no header.
+    pub fn negotiate<'a>(accept: impl IntoIterator<Item = &'a str>) -> Format {
+        let (mut openmetrics, mut classic) = (0.0f32, 0.0f32);
+        for range in accept.into_iter().flat_map(|v| v.split(',')) {
+            let mut params = range.split(';').map(str::trim);
+            let media = params.next().unwrap_or("").to_ascii_lowercase();
+            let q = params
+                .filter_map(|p| p.split_once('='))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+                .map(|(_, v)| v.trim().parse::<f32>().unwrap_or(0.0))
+                .unwrap_or(1.0);
+            match media.as_str() {
+                "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+                "text/plain" | "text/*" | "*/*" => classic = classic.max(q),
+                _ => {}
+            }
+        }
+        if openmetrics > 0.0 && openmetrics >= classic {
+            Format::OpenMetrics
+        } else {
+            Format::Classic
+        }
+    }
+
+    /// The `Content-Type` of a body in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Classic => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
+
+/// What NATS knows about one consumer of the job stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConsumerFigures {
+    /// Messages not yet delivered to the consumer.
+    pub pending: u64,
+    /// Messages delivered and not yet acked.
+    pub in_flight: u64,
+}
+
+/// The queue figures (`stemq_queue_*`, `stemq_projector_lag_events`), read from NATS at
+/// scrape time by [`read_queue`].
+///
+/// They describe the stream, not the process that reads them, so exactly one process
+/// exports them: the one started with `--queue-metrics` (and `stemq dev`). Were every
+/// process to export them, `sum()` over the scrape targets would count the same jobs once
+/// per process; the rules and the dashboard use `max` so that two exporters (during a
+/// rolling upgrade of that process) still do not double them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueueFigures {
+    /// The `workers` consumer, when it exists.
+    pub workers: Option<ConsumerFigures>,
+    /// The `projector` consumer, when it exists.
+    pub projector: Option<ConsumerFigures>,
+    /// Age of the oldest job request the workers have not finished (zero when none).
+    pub oldest_pending_age: Duration,
+    /// Job events not yet applied to the status view, when the projector consumer exists.
+    pub projector_lag: Option<u64>,
+}
+
+impl QueueFigures {
+    /// The figures as a registry of gauges, built for one scrape.
+    fn registry(&self) -> Registry {
+        let mut r = Registry::default();
+        let pending = Family::<ConsumerLabels, Gauge>::default();
+        let in_flight = Family::<ConsumerLabels, Gauge>::default();
+        for (name, c) in [(names::WORKERS_CONSUMER, self.workers), (names::PROJECTOR_CONSUMER, self.projector)] {
+            let Some(c) = c else { continue };
+            let l = ConsumerLabels { consumer: name.to_string() };
+            pending.get_or_create(&l).set(c.pending as i64);
+            in_flight.get_or_create(&l).set(c.in_flight as i64);
+        }
+        let oldest = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        oldest.set(self.oldest_pending_age.as_secs_f64());
+        r.register("stemq_queue_pending_jobs", "Messages not yet delivered to the consumer", pending);
+        r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight);
+        r.register(
+            "stemq_queue_oldest_pending_age_seconds",
+            "Age of the oldest job request not yet finished by a worker",
+            oldest,
+        );
+        if let Some(lag) = self.projector_lag {
+            let g = Gauge::<i64>::default();
+            g.set(lag as i64);
+            r.register("stemq_projector_lag_events", "Job events not yet applied to the status view", g);
+        }
+        r
+    }
+}
+
+/// Reads the queue figures from NATS (called at scrape time by the queue exporter, and
+/// by `stemq top`). What cannot be read is left out.
+pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
+    let mut q = QueueFigures::default();
     let mut workers_floor = None;
     let mut projector_floor = None;
     for consumer in [names::WORKERS_CONSUMER, names::PROJECTOR_CONSUMER] {
         let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
         let Ok(mut c) = c else { continue };
         let Ok(info) = c.info().await else { continue };
-        let l = ConsumerLabels { consumer: consumer.to_string() };
-        m.pending.get_or_create(&l).set(info.num_pending as i64);
-        m.in_flight.get_or_create(&l).set(info.num_ack_pending as i64);
+        let figures = ConsumerFigures { pending: info.num_pending, in_flight: info.num_ack_pending as u64 };
         let floor = info.ack_floor.stream_sequence;
         let busy = info.num_pending + info.num_ack_pending as u64 > 0;
         if consumer == names::WORKERS_CONSUMER {
+            q.workers = Some(figures);
             workers_floor = busy.then_some(floor);
         } else {
+            q.projector = Some(figures);
             projector_floor = Some(floor);
         }
     }
     let Ok(stream) = js.get_stream_no_info(names::JOBS_STREAM).await else {
-        return;
+        return q;
     };
     // The oldest unfinished request: the first `requested` after the workers' ack floor.
-    let mut age = 0.0;
     if let Some(floor) = workers_floor {
         // Requests come in two subject forms (with and without the owner token): the
         // oldest of the first of each.
@@ -253,23 +356,31 @@ pub async fn refresh_queue(js: &jetstream::Context) {
             }
         }
         if let Some((_, t)) = oldest {
-            age = t.elapsed().unwrap_or(Duration::ZERO).as_secs_f64();
+            q.oldest_pending_age = t.elapsed().unwrap_or(Duration::ZERO);
         }
     }
-    m.oldest_pending_age.set(age);
     if let (Some(floor), Ok(mut s)) = (projector_floor, js.get_stream(names::JOBS_STREAM).await) {
         if let Ok(info) = s.info().await {
-            m.projector_lag.set(info.state.last_sequence.saturating_sub(floor) as i64);
+            q.projector_lag = Some(info.state.last_sequence.saturating_sub(floor));
         }
     }
+    q
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Every `stemq_*` name the alert rules and the dashboard in deploy/ use is one we
-    /// export, so a rename cannot silently break paging.
+    /// Queue figures as the exporting process reads them.
+    fn queue() -> QueueFigures {
+        QueueFigures {
+            workers: Some(ConsumerFigures { pending: 3, in_flight: 1 }),
+            projector: Some(ConsumerFigures { pending: 0, in_flight: 0 }),
+            oldest_pending_age: Duration::from_secs(42),
+            projector_lag: Some(0),
+        }
+    }
+
     /// Gives every family a sample, so each one appears in the text format.
     fn populate(m: &Metrics) {
         m.outcome("dsp", "succeeded");
@@ -280,18 +391,16 @@ mod tests {
         m.job_duration.get_or_create(&l).observe(1.5);
         m.queue_wait.get_or_create(&l).observe(0.1);
         m.realtime_factor.get_or_create(&l).observe(0.05);
-        let c = ConsumerLabels { consumer: "workers".into() };
-        m.pending.get_or_create(&c).set(3);
-        m.in_flight.get_or_create(&c).set(1);
         m.gpu_memory.get_or_create(&DeviceLabels { device: "cuda:0".into() }).set(1 << 30);
     }
 
+    /// Every `stemq_*` name the alert rules and the dashboard in deploy/ use is one we
+    /// export, so a rename cannot silently break paging.
     #[test]
     fn deploy_rules_and_dashboard_use_exported_names() {
         let m = metrics();
         populate(m);
-        let mut exported = String::new();
-        prometheus_client::encoding::text::encode(&mut exported, &m.registry.lock().unwrap()).unwrap();
+        let exported = m.encode(Format::OpenMetrics, Some(&queue()));
         let mut names: Vec<String> = exported
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
@@ -301,7 +410,12 @@ mod tests {
         // Families registered by the ingress.
         names.extend(["stemq_http_requests", "stemq_http_request_duration_seconds", "stemq_submits"].map(String::from));
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        for file in ["deploy/prometheus/alerts.yml", "deploy/grafana/stemq-dashboard.json", "docs/operations.md"] {
+        for file in [
+            "deploy/prometheus/alerts.yml",
+            "deploy/prometheus/tests.yml",
+            "deploy/grafana/stemq-dashboard.json",
+            "docs/operations.md",
+        ] {
             let text = std::fs::read_to_string(root.join(file)).unwrap();
             let mut rest = text.as_str();
             while let Some(i) = rest.find("stemq_") {
@@ -311,8 +425,11 @@ mod tests {
                     .unwrap_or(tail.len());
                 let used = &tail[..end];
                 rest = &tail[end..];
-                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks", "stemq_"].contains(&used) {
+                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks"].contains(&used) {
                     continue; // the KV buckets, not metrics
+                }
+                if used.ends_with('_') {
+                    continue; // a prefix, as in `stemq_queue_*`
                 }
                 let base =
                     ["_bucket", "_count", "_sum", "_total"].iter().find_map(|s| used.strip_suffix(s)).unwrap_or(used);
@@ -328,7 +445,7 @@ mod tests {
     fn names_follow_the_convention() {
         let m = metrics();
         populate(m);
-        let text = m.render();
+        let text = m.encode(Format::Classic, Some(&queue()));
         for name in [
             "stemq_job_duration_seconds",
             "stemq_job_queue_wait_seconds",
@@ -350,5 +467,100 @@ mod tests {
             assert!(line.starts_with("# TYPE stemq_"), "{line}");
         }
         assert!(text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} "#), "{text}");
+    }
+
+    /// Issue "alerts that tell the truth" (c): the classic body is what the classic
+    /// parser expects: counters' TYPE names the `_total` series, a HELP line for every
+    /// family, no OpenMetrics-only lines.
+    #[test]
+    fn classic_text_types_counters_as_their_total_series() {
+        let m = metrics();
+        populate(m);
+        let text = m.encode(Format::Classic, Some(&queue()));
+        assert!(text.contains("# TYPE stemq_job_outcomes_total counter\n"), "{text}");
+        assert!(text.contains("# TYPE stemq_webhook_deliveries_total counter\n"), "{text}");
+        for line in ["# EOF", "# UNIT", "_created"] {
+            assert!(!text.contains(line), "{line} in the classic body:\n{text}");
+        }
+        let helped: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# HELP ")?.split(' ').next()).collect();
+        let typed: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+        assert_eq!(helped, typed, "a HELP line before every TYPE line");
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = &line[..line.find(['{', ' ']).unwrap()];
+            assert!(
+                typed.iter().any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
+                "{name} has no TYPE line"
+            );
+        }
+    }
+
+    #[test]
+    fn openmetrics_body_ends_with_one_eof() {
+        let m = metrics();
+        populate(m);
+        let text = m.encode(Format::OpenMetrics, Some(&queue()));
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.contains("# TYPE stemq_job_outcomes counter\n"), "{text}");
+        assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3\n"), "{text}");
+    }
+
+    /// Issue "alerts that tell the truth" (a): a process that is not the queue exporter
+    /// exports no queue figure at all (not even a zero), so `max` and `sum` over the scrape
+    /// targets see each job once.
+    #[test]
+    fn only_the_queue_exporter_exports_queue_figures() {
+        let m = metrics();
+        populate(m);
+        for format in [Format::Classic, Format::OpenMetrics] {
+            let other = m.encode(format, None);
+            for family in ["stemq_queue_", "stemq_projector_lag_events"] {
+                assert!(!other.contains(family), "{family} exported by a non-exporter:\n{other}");
+            }
+            let exporter = m.encode(format, Some(&queue()));
+            assert!(exporter.contains("stemq_queue_oldest_pending_age_seconds 42.0"), "{exporter}");
+            assert!(exporter.contains("stemq_projector_lag_events 0"), "{exporter}");
+        }
+    }
+
+    #[test]
+    fn accept_headers_choose_the_format() {
+        // Prometheus 2.42's scrape Accept header.
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;\
+                          q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(Format::negotiate([prometheus]), Format::OpenMetrics);
+        assert_eq!(Format::negotiate([]), Format::Classic);
+        assert_eq!(Format::negotiate(["*/*"]), Format::Classic);
+        assert_eq!(Format::negotiate(["text/plain;version=0.0.4"]), Format::Classic);
+        assert_eq!(Format::negotiate(["application/openmetrics-text; version=1.0.0"]), Format::OpenMetrics);
+        assert_eq!(Format::negotiate(["Application/OpenMetrics-Text;q=0"]), Format::Classic);
+        assert_eq!(Format::negotiate(["text/plain", "application/openmetrics-text;q=0.5"]), Format::Classic);
+        assert_eq!(Format::negotiate(["application/json"]), Format::Classic);
+        assert_eq!(Format::OpenMetrics.content_type(), "application/openmetrics-text; version=1.0.0; charset=utf-8");
+        assert_eq!(Format::Classic.content_type(), "text/plain; version=0.0.4; charset=utf-8");
+    }
+
+    /// `promtool check metrics` (Debian's `prometheus` package) accepts the classic body.
+    /// Skipped when promtool is not installed, unless `STEMQ_REQUIRE_PROMTOOL` is set
+    /// (`scripts/test.sh` installs it and sets it).
+    #[test]
+    fn promtool_accepts_the_classic_body() {
+        let m = metrics();
+        populate(m);
+        let text = m.encode(Format::Classic, Some(&queue()));
+        let Some(report) = crate::promtool::check_metrics(&text) else { return };
+        assert!(report.ok, "promtool check metrics:\n{}\n{text}", report.output);
+    }
+
+    /// The alert rules are valid and pass their unit tests (`deploy/prometheus/tests.yml`:
+    /// every alert, and two queue exporters that must not double the backlog).
+    #[test]
+    fn alert_rules_pass_their_promtool_tests() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/prometheus");
+        let (rules, tests) = (dir.join("alerts.yml"), dir.join("tests.yml"));
+        for args in [["check", "rules", rules.to_str().unwrap()], ["test", "rules", tests.to_str().unwrap()]] {
+            let Some(report) = crate::promtool::run(&args) else { return };
+            assert!(report.ok, "promtool {args:?}:\n{}", report.output);
+        }
     }
 }

@@ -104,6 +104,10 @@ pub struct Config {
     /// External audio: hosts an `https://` (or, for exempt hosts, `http://`) `audio_uri`
     /// may name (`STEMQ_AUDIO_URL_ALLOW`). `None`: every http(s) `audio_uri` is refused.
     pub audio_urls: Option<HostPolicy>,
+    /// Export the queue figures (`stemq_queue_*`, `stemq_projector_lag_events`) on
+    /// `/metrics` (`--queue-metrics`). Exactly one process of a deployment should: see
+    /// [`stemq_core::metrics::QueueFigures`].
+    pub queue_metrics: bool,
 }
 
 /// Shared handler state.
@@ -119,6 +123,8 @@ pub struct AppState {
     keys: Option<Arc<KeyRing>>,
     limits: kv::Store,
     audio_urls: Option<Arc<HostPolicy>>,
+    /// `/metrics` includes the queue figures.
+    queue_metrics: bool,
 }
 
 impl AppState {
@@ -144,6 +150,7 @@ impl AppState {
             keys,
             limits,
             audio_urls: None,
+            queue_metrics: false,
         })
     }
 
@@ -169,6 +176,12 @@ impl AppState {
     /// Accepts external `audio_uri` URLs whose host `policy` admits.
     pub fn with_audio_urls(mut self, policy: HostPolicy) -> AppState {
         self.audio_urls = Some(Arc::new(policy));
+        self
+    }
+
+    /// Exports the queue figures on `/metrics` (this ingress is the queue exporter).
+    pub fn with_queue_metrics(mut self, on: bool) -> AppState {
+        self.queue_metrics = on;
         self
     }
 
@@ -229,6 +242,7 @@ pub async fn run(
     if let Some(p) = config.audio_urls {
         state = state.with_audio_urls(p);
     }
+    state = state.with_queue_metrics(config.queue_metrics);
     let nats_task = if config.nats_submit {
         let (c, s, st) = (client.clone(), shutdown.clone(), state.clone());
         Some(tokio::spawn(async move { nats_api::serve(c, st, s).await }))
@@ -525,7 +539,10 @@ async fn ready(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics_text(State(state): State<AppState>) -> Response {
-    let body = state.metrics.render().await;
-    ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+/// `/metrics`: OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise.
+async fn metrics_text(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
+    let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
+    let format = stemq_core::metrics::Format::negotiate(accept);
+    let body = state.metrics.render(format, state.queue_metrics).await;
+    ([(axum::http::header::CONTENT_TYPE, format.content_type())], body).into_response()
 }

@@ -2,8 +2,9 @@
 //!
 //! This module owns what the ingress records: HTTP traffic by route and status, and
 //! submits by outcome. They live in the process-wide registry of
-//! [`stemq_core::metrics`], so `/metrics` also shows the queue figures (read from NATS
-//! at scrape time) and, in `stemq dev`, the worker's and projector's metrics.
+//! [`stemq_core::metrics`], so `/metrics` also shows, in `stemq dev`, the worker's and
+//! projector's metrics, and the queue figures (read from NATS at scrape time) when this
+//! ingress is the queue exporter (`Config::queue_metrics`).
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use stemq_core::metrics::Format;
 
 use crate::submit::{SubmitError, SubmitResponse};
 
@@ -81,9 +83,13 @@ impl Metrics {
         self.submits.get_or_create(&SubmitLabels { outcome }).inc();
     }
 
-    /// Refreshes the queue gauges and renders the text format.
-    pub async fn render(&self) -> String {
-        stemq_core::metrics::refresh_queue(&self.js).await;
-        stemq_core::metrics::metrics().render()
+    /// A scrape's body in `format`, with the queue figures read from NATS when this
+    /// ingress is the queue exporter (`queue`).
+    pub async fn render(&self, format: Format, queue: bool) -> String {
+        let figures = match queue {
+            true => Some(stemq_core::metrics::read_queue(&self.js).await),
+            false => None,
+        };
+        stemq_core::metrics::metrics().encode(format, figures.as_ref())
     }
 }

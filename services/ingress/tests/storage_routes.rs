@@ -59,6 +59,7 @@ impl Stack {
                 auth: true,
                 tls: None,
                 audio_urls: None,
+                queue_metrics: false,
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

@@ -108,6 +108,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             auth: !a.auth.insecure_no_auth,
             tls: a.tls.config(),
             audio_urls: a.audio_urls.policy(),
+            // One process: it is the queue exporter.
+            queue_metrics: true,
         },
         children.clone(),
     ));

@@ -177,6 +177,11 @@ pub struct MetricsArg {
     /// Serve Prometheus `/metrics` on this address.
     #[arg(long = "metrics", env = "STEMQ_METRICS_ADDR")]
     pub addr: Option<SocketAddr>,
+    /// Export the queue figures (`stemq_queue_*`, `stemq_projector_lag_events`, read from
+    /// NATS per scrape) on that `/metrics`. Give it to one process of a deployment only
+    /// (docs/operations.md, "Metrics").
+    #[arg(long = "queue-metrics", env = "STEMQ_QUEUE_METRICS", requires = "addr")]
+    pub queue: bool,
 }
 
 /// A token cancelled on Ctrl-C or SIGTERM.

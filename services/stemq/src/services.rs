@@ -35,6 +35,11 @@ pub struct IngressArgs {
     pub store: StoreArg,
     #[command(flatten)]
     pub audio_urls: AudioUrlArg,
+    /// Export the queue figures (`stemq_queue_*`, `stemq_projector_lag_events`, read from
+    /// NATS per scrape) on `/metrics`. Give it to one process of a deployment only
+    /// (docs/operations.md, "Metrics").
+    #[arg(long = "queue-metrics", env = "STEMQ_QUEUE_METRICS")]
+    pub queue_metrics: bool,
     #[command(flatten)]
     pub server: ServerSettings,
 }
@@ -436,13 +441,15 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         auth: !a.auth.insecure_no_auth,
         tls: a.tls.config(),
         audio_urls: a.audio_urls.policy(),
+        queue_metrics: a.queue_metrics,
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
 }
 
-/// Serves `/metrics` (the process-wide registry, queue figures refreshed per scrape) on
-/// `--metrics ADDR` until `shutdown`, when asked to.
+/// Serves `/metrics` (the process-wide registry, and the queue figures read per scrape
+/// with `--queue-metrics`) on `--metrics ADDR` until `shutdown`, when asked to:
+/// OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise.
 pub async fn serve_metrics(
     metrics: &MetricsArg,
     client: &async_nats::Client,
@@ -450,13 +457,20 @@ pub async fn serve_metrics(
 ) -> Result<()> {
     let Some(addr) = metrics.addr else { return Ok(()) };
     let js = async_nats::jetstream::new(client.clone());
+    let queue = metrics.queue;
     let app = axum::Router::new().route(
         "/metrics",
-        axum::routing::get(move || {
+        axum::routing::get(move |headers: axum::http::HeaderMap| {
             let js = js.clone();
             async move {
-                stemq_core::metrics::refresh_queue(&js).await;
-                ([("content-type", "text/plain; version=0.0.4")], stemq_core::metrics::metrics().render())
+                let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
+                let format = stemq_core::metrics::Format::negotiate(accept);
+                let figures = match queue {
+                    true => Some(stemq_core::metrics::read_queue(&js).await),
+                    false => None,
+                };
+                let body = stemq_core::metrics::metrics().encode(format, figures.as_ref());
+                ([(axum::http::header::CONTENT_TYPE, format.content_type())], body)
             }
         }),
     );

@@ -72,15 +72,11 @@ async fn snapshot(
     index: &ListIndex,
     last: &mut Option<(Instant, usize)>,
 ) -> Result<Screen> {
-    stemq_core::metrics::refresh_queue(js).await;
-    let text = stemq_core::metrics::metrics().render();
-    let read = |series: &str| -> f64 {
-        text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
-    };
-    let pending = read("stemq_queue_pending_jobs{consumer=\"workers\"}") as u64;
-    let in_flight = read("stemq_queue_in_flight_jobs{consumer=\"workers\"}") as usize;
-    let oldest_s = read("stemq_queue_oldest_pending_age_seconds");
-    let lag = read("stemq_projector_lag_events") as u64;
+    let queue = stemq_core::metrics::read_queue(js).await;
+    let workers = queue.workers.unwrap_or_default();
+    let (pending, in_flight) = (workers.pending, workers.in_flight as usize);
+    let oldest_s = queue.oldest_pending_age.as_secs_f64();
+    let lag = queue.projector_lag.unwrap_or(0);
     let mut running = Vec::new();
     for (id, _) in index.page(Some(JobStatus::Running), 50, None) {
         if let Some((v, _)) = stemq_core::read::get_view(kv, &id).await? {
