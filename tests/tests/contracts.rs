@@ -298,6 +298,53 @@ async fn cli_dlq_replay_creates_a_linked_job() {
     stack.shutdown().await;
 }
 
+/// The `Accept` header Prometheus 2.42 sends when it scrapes.
+const OPENMETRICS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                                  version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// GETs a /metrics URL; returns (Content-Type, body).
+async fn scrape(url: &str, key: Option<&str>, accept: Option<&str>) -> (String, String) {
+    let mut r = reqwest::Client::new().get(url);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    if let Some(a) = accept {
+        r = r.header("accept", a);
+    }
+    let r = r.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let ct = r.headers()["content-type"].to_str().unwrap().to_string();
+    (ct, r.text().await.unwrap())
+}
+
+/// Issue "alerts that tell the truth" (c): the ingress's /metrics answers OpenMetrics to
+/// a scraper that asks for it and the classic text format 0.0.4 to everyone else, and
+/// the classic body passes `promtool check metrics` (help text, counters typed as
+/// their `_total` series).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_classic_text_unless_openmetrics_is_asked_for() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    stack.submit(&job_body(&stack, "negotiated", None)).await;
+    let url = stack.url("/metrics");
+    let (ct, om) = scrape(&url, Some(&stack.key), Some(OPENMETRICS_ACCEPT)).await;
+    assert_eq!(ct, "application/openmetrics-text; version=1.0.0; charset=utf-8");
+    assert!(om.ends_with("# EOF\n"), "{om}");
+    assert!(om.contains("# TYPE stemq_submits counter\n"), "{om}");
+    for accept in [None, Some("text/plain;version=0.0.4"), Some("*/*")] {
+        let (ct, text) = scrape(&url, Some(&stack.key), accept).await;
+        assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8", "Accept: {accept:?}");
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(text.contains("# TYPE stemq_submits_total counter\n"), "{text}");
+        assert!(text.contains("# HELP stemq_submits_total "), "{text}");
+        // The stack's ingress is its queue exporter.
+        assert!(text.contains("# TYPE stemq_queue_pending_jobs gauge\n"), "{text}");
+        if let Some(r) = stemq_core::promtool::check_metrics(&text) {
+            assert!(r.ok, "promtool check metrics:\n{}\n{text}", r.output);
+        }
+    }
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_metrics_endpoint_and_stemq_top() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
@@ -318,14 +365,25 @@ async fn worker_metrics_endpoint_and_stemq_top() {
         r#"stemq_job_queue_wait_seconds_count{model="dsp",device="fake-gpu"} 2"#,
         "stemq_job_deliveries_count 2",
         r#"stemq_worker_heartbeat_timestamp_seconds{worker="metered"}"#,
-        r#"stemq_queue_pending_jobs{consumer="workers"} 0"#,
-        "stemq_queue_oldest_pending_age_seconds 0",
-        "stemq_projector_lag_events",
     ] {
         assert!(text.contains(series), "missing {series} in\n{text}");
     }
     for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
         assert!(line.starts_with("# TYPE stemq_"), "{line}");
+    }
+    // Not the queue exporter (no --queue-metrics): no queue figure at all, so a sum over
+    // scrape targets cannot count the same jobs twice.
+    for family in ["stemq_queue_", "stemq_projector_lag_events"] {
+        assert!(!text.contains(family), "{family} exported by a worker without --queue-metrics:\n{text}");
+    }
+    // The --metrics listener negotiates the format like the ingress does.
+    let (ct, body) = scrape(&format!("http://{addr}/metrics"), None, Some(OPENMETRICS_ACCEPT)).await;
+    assert_eq!(ct, "application/openmetrics-text; version=1.0.0; charset=utf-8");
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    let (ct, body) = scrape(&format!("http://{addr}/metrics"), None, None).await;
+    assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8");
+    if let Some(r) = stemq_core::promtool::check_metrics(&body) {
+        assert!(r.ok, "promtool check metrics:\n{}\n{body}", r.output);
     }
 
     // `stemq top --once` shows the queue and the failure, fed by NATS only.
