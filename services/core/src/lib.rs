@@ -62,11 +62,11 @@ pub mod metrics;
 #[cfg(feature = "runtime")]
 pub mod nats;
 #[cfg(feature = "runtime")]
-pub mod promtool;
-#[cfg(feature = "runtime")]
 pub mod nats_server;
 #[cfg(feature = "runtime")]
 pub mod nats_users;
+#[cfg(feature = "runtime")]
+pub mod promtool;
 #[cfg(feature = "runtime")]
 pub mod publish;
 #[cfg(feature = "runtime")]

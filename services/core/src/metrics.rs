@@ -327,8 +327,17 @@ pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
     let mut projector_floor = None;
     for consumer in [names::WORKERS_CONSUMER, names::PROJECTOR_CONSUMER] {
         let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
-        let Ok(mut c) = c else { continue };
-        let Ok(info) = c.info().await else { continue };
+        let info = match c {
+            Ok(mut c) => c.info().await.map(|i| i.clone()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let info = match info {
+            Ok(info) => info,
+            Err(error) => {
+                tracing::warn!(consumer, %error, "queue figures: consumer info not readable");
+                continue;
+            }
+        };
         let figures = ConsumerFigures { pending: info.num_pending, in_flight: info.num_ack_pending as u64 };
         let floor = info.ack_floor.stream_sequence;
         let busy = info.num_pending + info.num_ack_pending as u64 > 0;
@@ -488,7 +497,9 @@ mod tests {
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let name = &line[..line.find(['{', ' ']).unwrap()];
             assert!(
-                typed.iter().any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
+                typed
+                    .iter()
+                    .any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
                 "{name} has no TYPE line"
             );
         }

@@ -161,8 +161,13 @@ impl Recorder {
 
     fn failed(&mut self, id: &JobId, attempt: u32, class: FailureClass, code: &str) {
         let retry_in_ms = (class == FailureClass::Transient).then_some(2000);
-        let body =
-            EventBody::Failed(Failed { attempt, class, code: code.into(), message: format!("{code} here"), retry_in_ms });
+        let body = EventBody::Failed(Failed {
+            attempt,
+            class,
+            code: code.into(),
+            message: format!("{code} here"),
+            retry_in_ms,
+        });
         self.on(id, "/stemq/worker/w-gpu-1", body);
     }
 
@@ -196,7 +201,8 @@ impl Recorder {
             None,
         );
         self.started(&a, 1);
-        let progress = EventBody::Progress(Progress { attempt: 1, percent: 40.0, stage: "separate".into(), message: None });
+        let progress =
+            EventBody::Progress(Progress { attempt: 1, percent: 40.0, stage: "separate".into(), message: None });
         self.on(&a, "/stemq/worker/w-gpu-1", progress);
         self.succeeded(&a, 1, false);
         for (attempt, status, result) in [(1, 503, DeliveryResult::Retrying), (2, 200, DeliveryResult::Delivered)] {
