@@ -209,7 +209,7 @@ pub fn document() -> Value {
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness: NATS connected and the job stream present",
                                  "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics (operator keys only)", "responses": {"200": {"description": "text format"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (operator keys only)", "responses": {"200": {"description": "Prometheus text format 0.0.4, or OpenMetrics 1.0.0 when the Accept header asks for application/openmetrics-text"}}}},
         },
         "components": {"schemas": components}
     });
