@@ -328,7 +328,7 @@ pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
     for consumer in [names::WORKERS_CONSUMER, names::PROJECTOR_CONSUMER] {
         let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
         let info = match c {
-            Ok(mut c) => c.info().await.map(|i| i.clone()).map_err(|e| e.to_string()),
+            Ok(mut c) => c.info().await.cloned().map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         let info = match info {
