@@ -257,7 +257,8 @@ pub async fn run(
         });
     }
     {
-        // Heartbeat for the "worker missing" alert.
+        // The heartbeat gauge, for dashboards. Alerts on dead workers read Prometheus's
+        // `up` instead: this series dies with the process.
         let (name, stop) = (config.name.clone(), shutdown.clone());
         tracker.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
