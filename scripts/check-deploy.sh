@@ -37,10 +37,15 @@ $venv/python - "$out/production.yaml" "$out/nats/config/nats.conf" <<'PY'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 (conf,) = [d["data"]["nats.conf"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"]
-open(sys.argv[2], "w").write(conf)
+# The Secret nats-tls is mounted at /etc/nats/tls in the pod; here it is a folder beside.
+open(sys.argv[2], "w").write(conf.replace("/etc/nats/tls/", sys.argv[2].rsplit("/", 2)[0] + "/tls/"))
 PY
-# Stands in for the Secret nats-auth (`stemq nats users conf` output).
+# Stand-ins for the Secrets nats-auth (`stemq nats users conf` output) and nats-tls.
 printf 'authorization {\n  users: [ {user: placeholder, password: placeholder} ]\n}\n' > "$out/nats/auth/auth.conf"
+mkdir -p "$out/nats/tls"
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=nats -addext subjectAltName=DNS:nats \
+  -keyout "$out/nats/tls/tls.key" -out "$out/nats/tls/tls.crt" 2>/dev/null
+cp "$out/nats/tls/tls.crt" "$out/nats/tls/ca.crt"
 POD_NAME=nats-0 $venv/nats-server -t -c "$out/nats/config/nats.conf"
 
 echo "== Containerfiles (hadolint)"

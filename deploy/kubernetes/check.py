@@ -11,7 +11,8 @@ Usage: check.py REPO_ROOT RENDERED.yaml... (each file: one overlay, rendered by 
   PodDisruptionBudget selecting it.
 - Worker pods: terminationGracePeriodSeconds larger than STEMQ_GRACE_S; GPU pods ask for
   `nvidia.com/gpu` in limits and tolerate the GPU taint.
-- Every Secret and ConfigMap a pod uses is defined (Secrets in secrets-example/).
+- Every Secret and ConfigMap a pod uses is defined (per-installation ones in
+  secrets-example/, whose values must all be REPLACE_ME).
 - Every STEMQ_* variable is one the CLI reads (an `env = "..."` in services/*/src).
 Prints one line per problem; exit status 1 when there is any.
 """
@@ -28,7 +29,7 @@ problems = []
 notes = set()
 # Variables the manifests set ahead of the CLI: a note, not a problem, while no
 # `env = "..."` reads them (remove an entry once its branch is in main).
-PENDING_ENV = {"STEMQ_NATS_CREDS": "NATS users and credentials (nats/users.json, branch nats-users)"}
+PENDING_ENV = {}
 
 
 def bad(where, message):
@@ -115,9 +116,10 @@ def env_value(container, name):
     return None
 
 
-def check_workloads(docs, known_env, secret_names):
+def check_workloads(docs, known_env, secret_names, example_configmaps):
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     configmaps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    configmaps |= example_configmaps
     pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
     for d in docs:
         spec = pod_spec(d)
@@ -195,18 +197,19 @@ def main():
     known_env = cli_env(root)
     secrets_file = f"{root}/deploy/kubernetes/secrets-example/secrets.yaml"
     secret_docs = list(yaml.safe_load_all(open(secrets_file)))
-    secret_names = {d["metadata"]["name"] for d in secret_docs}
+    secret_names = {d["metadata"]["name"] for d in secret_docs if d["kind"] == "Secret"}
+    example_configmaps = {d["metadata"]["name"] for d in secret_docs if d["kind"] == "ConfigMap"}
     for d in secret_docs:
-        for k, v in d.get("stringData", {}).items():
+        for k, v in {**d.get("stringData", {}), **(d.get("data", {}) if d["kind"] == "ConfigMap" else {})}.items():
             if v != "REPLACE_ME":
                 bad(secrets_file, f"{d['metadata']['name']}.{k} holds a value, not REPLACE_ME")
-        if "data" in d:
+        if "data" in d and d["kind"] == "Secret":
             bad(secrets_file, f"{d['metadata']['name']}: use stringData placeholders, not data")
     nats_defs = nats_definitions(root)
     for f in files:
         docs = [d for d in yaml.safe_load_all(open(f)) if d]
         before = len(problems)
-        names = check_workloads(docs, known_env, secret_names)
+        names = check_workloads(docs, known_env, secret_names, example_configmaps)
         for d in docs:
             if d["kind"] == "ScaledObject":
                 check_scaled_object(d, names, nats_defs)
