@@ -19,6 +19,11 @@ echo "== render (deploy/kubernetes/render.py: the Kustomize subset the overlays 
 for overlay in dev production; do
   $venv/python $k/render.py $k/overlays/$overlay "$out/$overlay.yaml"
   echo "$overlay: $(grep -c '^kind:' "$out/$overlay.yaml") objects"
+  # Where kubectl has kustomize built in, render.py must agree with it.
+  if kubectl kustomize $k/overlays/$overlay > "$out/$overlay.kustomize.yaml" 2>/dev/null; then
+    $venv/python $k/render.py --same-as "$out/$overlay.kustomize.yaml" $k/overlays/$overlay
+    echo "$overlay: same objects as kubectl kustomize ($(kubectl version --client 2>/dev/null | grep -o 'Kustomize Version: .*'))"
+  fi
 done
 
 echo "== Kubernetes schemas (kubernetes-validate --strict; 1.30 is the oldest with the preStop sleep action)"

@@ -13,7 +13,9 @@ It implements only the subset of Kustomize these manifests use, and refuses anyt
   replaced whole); a `null` value deletes a key.
 
 Usage: render.py DIR [OUT]   (prints the documents, or writes them to OUT)
-With kustomize available, `kustomize build DIR` should give the same objects.
+       render.py --same-as KUSTOMIZE_OUTPUT DIR   (exit 1 unless kustomize's rendering of DIR
+                                                   has the same objects, list order aside)
+scripts/check-deploy.sh runs the second form where `kubectl kustomize` is installed.
 """
 
 import copy
@@ -128,7 +130,28 @@ def build(directory):
     return docs
 
 
+def same_as(kustomize_output, directory):
+    def by_id(docs):
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs if d}
+
+    def norm(x):
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return sorted((norm(v) for v in x), key=lambda v: yaml.safe_dump(v, sort_keys=True))
+        return x
+
+    theirs, ours = by_id(load_docs(kustomize_output)), by_id(build(directory))
+    differ = sorted(set(theirs) ^ set(ours))
+    differ += sorted(k for k in set(theirs) & set(ours) if norm(theirs[k]) != norm(ours[k]))
+    for k in differ:
+        print(f"{directory}: {k[0]}/{k[1]} differs from kustomize's", file=sys.stderr)
+    return 1 if differ else 0
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--same-as":
+        sys.exit(same_as(sys.argv[2], sys.argv[3]))
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     text = yaml.safe_dump_all(build(sys.argv[1]), sort_keys=False)
