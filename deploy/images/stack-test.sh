@@ -62,7 +62,7 @@ start() { # start NAME USER "K=V K=V" ARGS...: a Deployment's container
 echo "== nats apply (the Job)"
 # shellcheck disable=SC2046
 podman run --rm "${common[@]}" $(as operator) "$image" nats apply > "$w/apply.log" && tail -3 "$w/apply.log"
-start projector projector "STEMQ_METRICS_ADDR=127.0.0.1:19465" projector
+start projector projector "STEMQ_METRICS_ADDR=127.0.0.1:19465 STEMQ_QUEUE_METRICS=true" projector
 start worker worker "STEMQ_METRICS_ADDR=127.0.0.1:19464 STEMQ_ENGINE=dsp STEMQ_GRACE_S=600 STEMQ_WORKER_NAME=stack-worker" worker
 start relay relay "STEMQ_METRICS_ADDR=127.0.0.1:19466" relay
 start ingress ingress "STEMQ_HTTP_ADDR=127.0.0.1:18081" ingress
