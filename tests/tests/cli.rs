@@ -52,7 +52,9 @@ fn server_settings_show_on_the_services_and_not_on_the_client_commands() {
     let dir = tempfile::tempdir().unwrap();
     let help = |sub: &str| ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
     let worker = help("worker");
-    for flag in ["--ack-wait-ms", "--max-deliver", "--dedupe-window-ms", "--store", "--metrics", "--engine"] {
+    for flag in
+        ["--ack-wait-ms", "--max-deliver", "--dedupe-window-ms", "--replicas", "--store", "--metrics", "--engine"]
+    {
         assert!(worker.contains(flag), "`stemq worker --help` lacks {flag}:\n{worker}");
     }
     assert!(worker.contains("dsp") && worker.contains("demucs") && worker.contains("fake"), "{worker}");

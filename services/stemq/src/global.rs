@@ -132,6 +132,10 @@ pub struct ServerSettings {
     /// Dedupe window of the job stream in ms.
     #[arg(long, env = "STEMQ_DEDUPE_WINDOW_MS", default_value_t = 120_000)]
     pub dedupe_window_ms: u64,
+    /// Replicas of every stream, consumer and bucket: 1 on a single server, 3 on a
+    /// three-node JetStream cluster (`stemq nats apply --replicas 3` moves existing ones).
+    #[arg(long, env = "STEMQ_NATS_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub replicas: u8,
 }
 
 impl ServerSettings {
@@ -141,7 +145,7 @@ impl ServerSettings {
             ack_wait: Duration::from_millis(self.ack_wait_ms),
             max_deliver: self.max_deliver,
             duplicate_window: Duration::from_millis(self.dedupe_window_ms),
-            ..Settings::default()
+            replicas: usize::from(self.replicas),
         }
     }
 }
