@@ -122,6 +122,7 @@ pub struct AppState {
     /// `None` when authentication is off.
     keys: Option<Arc<KeyRing>>,
     limits: kv::Store,
+    key_locks: Arc<limits::KeyLocks>,
     audio_urls: Option<Arc<HostPolicy>>,
     /// `/metrics` includes the queue figures.
     queue_metrics: bool,
@@ -149,6 +150,7 @@ impl AppState {
             stores: Arc::new(Vec::new()),
             keys,
             limits,
+            key_locks: Arc::default(),
             audio_urls: None,
             queue_metrics: false,
         })
@@ -416,6 +418,7 @@ pub async fn submit_as(
     let enforce = state.keys.is_some();
     let mut remaining = u64::MAX;
     if enforce && caller.limits.rate > 0.0 {
+        let _turn = state.key_locks.lock(&caller.key_id).await;
         remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
     }
     let event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
@@ -430,6 +433,7 @@ pub async fn submit_as(
         };
         let index = state.index.clone();
         let known = move |id: &JobId| limits::state_in(&index, id);
+        let _turn = state.key_locks.lock(&caller.key_id).await;
         limits::admit(&state.limits, caller, &event.subject, known, recorded)
             .await
             .map_err(unavailable)?

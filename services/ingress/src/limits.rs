@@ -18,7 +18,8 @@
 //! nothing is published. Replays of one webhook delivery use the same token bucket
 //! ([`replay`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
@@ -35,6 +36,27 @@ use crate::ApiError;
 pub const FORGET_UNRECORDED: Duration = Duration::from_secs(30);
 /// Replays of one delivery: 3 at once, then one every 10 s.
 pub const REPLAY_LIMITS: (f64, u32) = (0.1, 3);
+
+/// One lock per key in this process: the concurrent submits of one key take turns at the
+/// compare-and-set instead of racing and retrying against each other (32 connections of
+/// one key otherwise spend most of their time in retries). Replicas still race each
+/// other; the compare-and-set settles that.
+#[derive(Default)]
+pub struct KeyLocks(std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl KeyLocks {
+    /// Waits for `key_id`'s turn.
+    pub async fn lock(&self, key_id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut g = self.0.lock().expect("key locks");
+            if g.len() >= 10_000 {
+                g.retain(|_, l| Arc::strong_count(l) > 1);
+            }
+            g.entry(key_id.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+}
 
 /// A refusal: which limit, and when trying again can succeed.
 #[derive(Debug, Clone, PartialEq)]
