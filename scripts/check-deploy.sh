@@ -55,9 +55,7 @@ POD_NAME=nats-0 $venv/nats-server -t -c "$out/nats/config/nats.conf"
 
 echo "== Containerfiles (hadolint)"
 $venv/hadolint deploy/images/Containerfile.services deploy/images/Containerfile.worker-cuda
-for ignore in .containerignore .dockerignore; do
-  for path in target/ .stemq/; do
-    grep -qx "$path" $ignore || { echo "$ignore does not exclude $path" >&2; exit 1; }
-  done
+for path in target/ .stemq/; do
+  grep -qx "$path" deploy/images/context.ignore || { echo "deploy/images/context.ignore does not exclude $path" >&2; exit 1; }
 done
 echo "deploy: ok"
