@@ -193,6 +193,11 @@ pub enum Position {
 }
 
 impl JobView {
+    /// The owner of the job (empty while its request has not been seen).
+    pub fn owner(&self) -> &str {
+        self.request.as_ref().map(|r| r.owner.as_str()).unwrap_or_default()
+    }
+
     fn empty(job_id: JobId, at: DateTime<Utc>) -> JobView {
         JobView {
             job_id,

@@ -165,7 +165,7 @@ impl AppState {
     /// The view of `id` if `caller` may see it: another owner's job is as absent as a job
     /// that does not exist.
     pub async fn view_for(&self, caller: &Caller, id: &JobId) -> Result<Option<JobView>, ViewError> {
-        Ok(self.view(id).await?.filter(|v| caller.sees(&view_owner(v))))
+        Ok(self.view(id).await?.filter(|v| caller.sees(v.owner())))
     }
 
     /// Serves uploads and stems from this store.
@@ -400,11 +400,6 @@ impl From<ViewError> for ApiError {
     }
 }
 
-/// The owner of a job's view (empty when its request has not been seen).
-pub fn view_owner(v: &JobView) -> String {
-    v.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default()
-}
-
 /// A submit by `caller`, for HTTP and NATS alike: the rate, then validation, then the
 /// cap on jobs in flight, then the publish (see [`limits`]). Nothing is published when a
 /// limit refuses.
@@ -482,15 +477,7 @@ async fn status(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    let not_found =
-        || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
-    let Some(job_id) = JobId::parse(&id) else {
-        return Err(not_found());
-    };
-    match state.view_for(&caller, &job_id).await? {
-        Some(v) => Ok(Json(v)),
-        None => Err(not_found()),
-    }
+    Ok(Json(control::view_or_404(&state, &caller, &id).await?))
 }
 
 #[derive(Deserialize)]

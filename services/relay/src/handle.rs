@@ -163,7 +163,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
             webhook_id: &webhook_id,
             event_type: &event_type,
             url: &hook.url,
-            owner: view.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default(),
+            owner: view.owner().to_string(),
             view: &view,
             replay,
         };

@@ -43,10 +43,6 @@ pub struct ListIndex {
     inner: RwLock<Inner>,
 }
 
-fn owner_of(view: &JobView) -> String {
-    view.request.as_ref().map(|r| r.owner.clone()).unwrap_or_default()
-}
-
 /// Sort key of a view: its creation time in Unix nanoseconds.
 fn created_key(view: &JobView) -> i64 {
     let t = view.created_at.unwrap_or(view.updated_at);
@@ -79,7 +75,7 @@ impl ListIndex {
     /// Records a view (insert or move between statuses).
     pub fn upsert(&self, view: &JobView) {
         let created = created_key(view);
-        let owner = owner_of(view);
+        let owner = view.owner().to_string();
         let mut g = self.inner.write().expect("index lock");
         if let Some((old_created, old_status, old_owner)) = g.by_id.get(&view.job_id).cloned() {
             if old_created == created && old_status == view.status && old_owner == owner {
