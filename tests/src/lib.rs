@@ -41,6 +41,8 @@ pub struct StackOptions {
     pub time_limit: Duration,
     /// External audio URLs the ingress and in-process workers accept (`None`: off).
     pub audio_urls: Option<HostPolicy>,
+    /// The ingress refuses models no live worker serves (as in `stemq dev`).
+    pub refuse_unserved: bool,
 }
 
 impl Default for StackOptions {
@@ -56,6 +58,7 @@ impl Default for StackOptions {
             backoff_base: Duration::from_millis(100),
             time_limit: Duration::from_secs(60),
             audio_urls: None,
+            refuse_unserved: false,
         }
     }
 }
@@ -117,6 +120,7 @@ impl Stack {
             let s = stop.clone();
             let ingress_store = store.clone();
             let audio_urls = options.audio_urls.clone();
+            let refuse_unserved = options.refuse_unserved;
             tasks.push(tokio::spawn(async move {
                 stemq_ingress::run(
                     c,
@@ -130,6 +134,7 @@ impl Stack {
                         audio_urls,
                         // The stack's ingress is its queue exporter, as in `stemq dev`.
                         queue_metrics: true,
+                        refuse_unserved,
                     },
                     s,
                 )

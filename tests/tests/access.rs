@@ -62,6 +62,7 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         tls: None,
         audio_urls: None,
         queue_metrics: false,
+        refuse_unserved: false,
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -454,6 +455,7 @@ async fn turning_keys_off_is_for_loopback_only() {
         tls: None,
         audio_urls: None,
         queue_metrics: false,
+        refuse_unserved: false,
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

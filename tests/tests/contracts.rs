@@ -39,7 +39,12 @@ async fn a_foreign_cloudevent_on_the_stream_is_run() {
     stack
         .js
         .publish_with_headers(
-            stemq_core::nats::request_subject(&id, "anonymous"),
+            stemq_core::nats::request_subject(
+                &id,
+                "anonymous",
+                stemq_core::request::Model::Dsp,
+                stemq_core::request::Priority::Interactive,
+            ),
             headers,
             serde_json::to_vec(&ce).unwrap().into(),
         )
@@ -68,8 +73,8 @@ async fn a_forged_id_is_dropped_never_run_and_cannot_block_the_real_job() {
     stack
         .js
         // On a subject of the attacker's own owner: the only request subjects a publisher may
-        // use (`nats_access.rs`).
-        .publish(stemq_core::nats::request_subject(&claimed, "mallory"), ev.to_bytes())
+        // use (`nats_access.rs`); unrouted, so the ingress's router is the one to drop it.
+        .publish(stemq_core::nats::unrouted_request_subject(&claimed, "mallory"), ev.to_bytes())
         .await
         .unwrap()
         .await
@@ -415,6 +420,9 @@ impl Engine for Recorder {
     }
     fn devices(&self) -> Vec<stemq_core::device::Device> {
         vec![stemq_core::device::Device::Cpu]
+    }
+    fn models(&self) -> Vec<stemq_core::request::Model> {
+        stemq_core::request::Model::ALL.to_vec()
     }
     fn reads_input(&self) -> bool {
         false

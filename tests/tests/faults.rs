@@ -241,6 +241,9 @@ impl Engine for Stubborn {
     fn devices(&self) -> Vec<stemq_core::device::Device> {
         vec![stemq_core::device::Device::Cpu]
     }
+    fn models(&self) -> Vec<stemq_core::request::Model> {
+        stemq_core::request::Model::ALL.to_vec()
+    }
     fn reads_input(&self) -> bool {
         false
     }

@@ -17,8 +17,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv, stream};
 use serde_json::json;
 use stemq_core::event::{EventBody, Succeeded};
-use stemq_core::nats::{self as names, job_subject, request_subject, SubjectKind};
+use stemq_core::nats::{self as names, job_subject, request_subject, unrouted_request_subject, SubjectKind};
 use stemq_core::nats_users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
+use stemq_core::request::{Model, Priority};
 use stemq_core::{Event, JobId, JobRequest, JobStatus, JobView};
 use stemq_tests::{job_body, job_id, Stack, StackOptions, TEST_OWNER};
 
@@ -109,6 +110,12 @@ async fn an_anonymous_client_is_refused() {
     stack.shutdown().await;
 }
 
+/// The routed subject of a `dsp` interactive request of `owner`, where a publisher may
+/// publish its own owner's requests.
+fn routed(id: &stemq_core::JobId, owner: &str) -> String {
+    request_subject(id, owner, Model::Dsp, Priority::Interactive)
+}
+
 /// A valid user seed that no server knows.
 fn nkeys_seed() -> String {
     let dir = tempfile::tempdir().unwrap();
@@ -127,8 +134,10 @@ async fn a_publisher_requests_for_its_own_owner_only() {
     // For another owner: refused by the server, nothing stored, no job.
     let theirs = request_of(&stack, "globex-job", "globex");
     let theirs_id = theirs.subject.clone();
-    let r = js_publish(&js, request_subject(&theirs_id, "globex"), &theirs, Some(theirs_id.as_str())).await;
+    let r = js_publish(&js, routed(&theirs_id, "globex"), &theirs, Some(theirs_id.as_str())).await;
     assert_denied("a request for another owner", r);
+    let r = js_publish(&js, unrouted_request_subject(&theirs_id, "globex"), &theirs, None).await;
+    assert_denied("an unrouted request for another owner", r);
     // On the old subject (no owner token) too.
     let r = js_publish(&js, job_subject(&theirs_id, SubjectKind::Requested), &theirs, None).await;
     assert_denied("a request on the old subject", r);
@@ -137,29 +146,25 @@ async fn a_publisher_requests_for_its_own_owner_only() {
     // For its own owner: accepted, and the job runs like any other.
     let mine = request_of(&stack, "acme-job", "acme");
     let id = mine.subject.clone();
-    js_publish(&js, request_subject(&id, "acme"), &mine, Some(id.as_str())).await.expect("its own request");
+    js_publish(&js, routed(&id, "acme"), &mine, Some(id.as_str())).await.expect("its own request");
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
     assert_eq!(v.request.as_ref().unwrap().owner, "acme");
+    // In the form before routing too: the ingress's router moves it into its pool.
+    let old = request_of(&stack, "acme-old-job", "acme");
+    let old_id = old.subject.clone();
+    js_publish(&js, unrouted_request_subject(&old_id, "acme"), &old, Some(old_id.as_str())).await.expect("unrouted");
+    assert_eq!(stack.wait_terminal(&old_id, T).await.status, JobStatus::Succeeded);
 
     // Its own subject, but a body for another owner (globex's exact job, say): dropped
     // by the worker and the projector, with no outcome, so it cannot end globex's job
     // before globex submits it.
     let smuggled = request_of(&stack, "smuggled", "globex");
     let sid = smuggled.subject.clone();
-    js_publish(&js, request_subject(&sid, "acme"), &smuggled, Some(sid.as_str())).await.expect("allowed subject");
+    js_publish(&js, routed(&sid, "acme"), &smuggled, Some(sid.as_str())).await.expect("allowed subject");
     let t0 = std::time::Instant::now();
-    while stack
-        .js
-        .get_stream(names::JOBS_STREAM)
-        .await
-        .unwrap()
-        .consumer_info(names::WORKERS_CONSUMER)
-        .await
-        .unwrap()
-        .num_pending
-        > 0
-    {
+    let pool = names::pool_consumer(Model::Dsp, Priority::Interactive);
+    while stack.js.get_stream(names::JOBS_STREAM).await.unwrap().consumer_info(&pool).await.unwrap().num_pending > 0 {
         assert!(t0.elapsed() < T, "the workers never took the smuggled request");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -170,7 +175,7 @@ async fn a_publisher_requests_for_its_own_owner_only() {
     let views = stemq_core::read::Views::open(&stack.js).await.unwrap();
     assert!(stemq_core::read::request_of(views.log(), &sid).await.unwrap().is_none());
     // globex's real request, published by the operator on its own subject, runs.
-    stack.js.publish(request_subject(&sid, "globex"), smuggled.to_bytes()).await.unwrap().await.unwrap();
+    stack.js.publish(routed(&sid, "globex"), smuggled.to_bytes()).await.unwrap().await.unwrap();
     assert_eq!(stack.wait_terminal(&sid, T).await.status, JobStatus::Succeeded);
     stack.shutdown().await;
 }
@@ -229,14 +234,14 @@ async fn a_squatted_message_id_does_not_swallow_a_submit() {
     let victim = JobRequest::from_value(body.clone()).unwrap().normalize(TEST_OWNER).unwrap().job_id();
     let own = request_of(&stack, "squatter", "acme");
     let client = stack.connect_as(&acme).await;
-    js_publish(&short(&client), request_subject(&own.subject, "acme"), &own, Some(victim.as_str()))
+    js_publish(&short(&client), routed(&own.subject, "acme"), &own, Some(victim.as_str()))
         .await
         .expect("its own request, with someone else's message id");
 
     let (code, b) = stack.submit(&body).await;
     assert_eq!((code, job_id(&b)), (202, victim.clone()), "{b}");
     assert_eq!(stack.wait_terminal(&victim, T).await.status, JobStatus::Succeeded);
-    assert_eq!(stack.count_on(&request_subject(&victim, TEST_OWNER)).await, 1);
+    assert_eq!(stack.count_on(&routed(&victim, TEST_OWNER)).await, 1);
     stack.shutdown().await;
 }
 
@@ -250,6 +255,10 @@ async fn services_cannot_change_definitions() {
         denied(
             &format!("{user} deletes the workers consumer"),
             js.delete_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM).await,
+        );
+        denied(
+            &format!("{user} deletes a pool consumer"),
+            js.delete_consumer_from_stream(names::pool_consumer(Model::Dsp, Priority::Batch), names::JOBS_STREAM).await,
         );
         denied(
             &format!("{user} creates a stream"),
@@ -271,11 +280,12 @@ async fn services_cannot_change_definitions() {
     // All still there, as defined.
     let mut s = stack.js.get_stream(names::JOBS_STREAM).await.expect("the job stream survived");
     assert_eq!(s.info().await.unwrap().config.name, names::JOBS_STREAM);
+    let pool = names::pool_consumer(Model::Dsp, Priority::Interactive);
     let mut c: jetstream::consumer::PullConsumer =
-        stack.js.get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM).await.unwrap();
+        stack.js.get_consumer_from_stream(&pool, names::JOBS_STREAM).await.unwrap();
     let config = c.info().await.unwrap().config.clone();
     assert_eq!(config.max_deliver, stack.options.settings.max_deliver);
-    assert_eq!(config.durable_name.as_deref(), Some(names::WORKERS_CONSUMER));
+    assert_eq!(config.durable_name.as_deref(), Some(pool.as_str()));
     assert!(stack.js.get_stream("EVIL_worker").await.is_err());
     assert!(stack.js.get_key_value(names::JOBS_BUCKET).await.is_ok());
     stack.shutdown().await;
@@ -319,10 +329,7 @@ async fn only_the_projector_writes_the_view_and_only_the_worker_records_attempts
     // A worker cannot queue work either.
     let c = stack.connect_as(WORKER).await;
     let req = request_of(&stack, "from-a-worker", "anonymous");
-    assert_denied(
-        "worker requests a job",
-        js_publish(&short(&c), request_subject(&req.subject, "anonymous"), &req, None).await,
-    );
+    assert_denied("worker requests a job", js_publish(&short(&c), routed(&req.subject, "anonymous"), &req, None).await);
     stack.shutdown().await;
 }
 
@@ -345,10 +352,7 @@ async fn the_status_reader_reads_and_watches_views_and_nothing_else() {
     // Anything else: no.
     denied("the reader writes a view", kv.put(id.as_str(), "{}".into()).await);
     let req = request_of(&stack, "from-reader", "anonymous");
-    assert_denied(
-        "the reader requests a job",
-        js_publish(&js, request_subject(&req.subject, "anonymous"), &req, None).await,
-    );
+    assert_denied("the reader requests a job", js_publish(&js, routed(&req.subject, "anonymous"), &req, None).await);
     denied("the reader opens the webhook secrets", js.get_key_value(names::WEBHOOKS_BUCKET).await);
     let log = js.get_stream_no_info(names::JOBS_STREAM).await.unwrap();
     denied("the reader reads the log", log.direct_get_last_for_subject(job_subject(&id, SubjectKind::Outcome)).await);
@@ -415,8 +419,8 @@ async fn the_cli_adds_a_publisher_that_can_connect_at_once() {
     let c = stack.connect_as(&user).await;
     let js = short(&c);
     let mine = request_of(&stack, "cli-owner-job", "cli.owner");
-    js_publish(&js, request_subject(&mine.subject, "cli.owner"), &mine, None).await.expect("its own owner");
+    js_publish(&js, routed(&mine.subject, "cli.owner"), &mine, None).await.expect("its own owner");
     let other = request_of(&stack, "not-mine", "anonymous");
-    assert_denied("another owner", js_publish(&js, request_subject(&other.subject, "anonymous"), &other, None).await);
+    assert_denied("another owner", js_publish(&js, routed(&other.subject, "anonymous"), &other, None).await);
     stack.shutdown().await;
 }

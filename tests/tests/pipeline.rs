@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 use stemq_core::event::{EventBody, FailureClass};
 use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::request::{Model, Priority};
 use stemq_core::JobStatus;
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM};
 
@@ -69,7 +70,10 @@ async fn duplicate_submits_create_one_job() {
     let ids: std::collections::HashSet<_> = answers.iter().map(|(_, b)| b["job_id"].clone()).collect();
     assert_eq!(ids.len(), 1);
     let id = job_id(&answers[0].1);
-    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&id, stemq_tests::TEST_OWNER)).await, 1);
+    // One request in every form and lane, on the routed subject of its pool.
+    assert_eq!(stack.count_on(&stemq_core::nats::request_filter(&id)).await, 1);
+    let routed = stemq_core::nats::request_subject(&id, stemq_tests::TEST_OWNER, Model::Dsp, Priority::Interactive);
+    assert_eq!(stack.count_on(&routed).await, 1);
     stack.shutdown().await;
 }
 
@@ -86,7 +90,13 @@ async fn duplicate_after_the_dedupe_window_is_still_the_same_job() {
     let (c2, b2) = stack.submit(&body).await;
     assert_eq!(c2, 200, "{b2}");
     assert_eq!(b1["job_id"], b2["job_id"]);
-    assert_eq!(stack.count_on(&stemq_core::nats::request_subject(&job_id(&b1), stemq_tests::TEST_OWNER)).await, 1);
+    // The lane is not part of the job: the same request in the other lane is the same
+    // job too, though it would go to another subject.
+    let mut batch = body.clone();
+    batch["priority"] = "batch".into();
+    let (c3, b3) = stack.submit(&batch).await;
+    assert_eq!((c3, &b3["job_id"]), (200, &b1["job_id"]), "{b3}");
+    assert_eq!(stack.count_on(&stemq_core::nats::request_filter(&job_id(&b1))).await, 1);
     stack.shutdown().await;
 }
 

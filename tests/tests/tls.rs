@@ -74,6 +74,7 @@ async fn tls_ingress(
         tls: Some(tls),
         audio_urls: None,
         queue_metrics: false,
+        refuse_unserved: false,
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

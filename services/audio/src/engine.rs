@@ -104,6 +104,10 @@ impl Engine for DspEngine {
         vec![Device::Cpu]
     }
 
+    fn models(&self) -> Vec<Model> {
+        vec![Model::Dsp]
+    }
+
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let req = job.request;
         let span = info_span!("dsp.separate", job_id = %job.job_id, attempt = job.attempt);

@@ -202,6 +202,9 @@ pub struct KeyRecord {
     /// A note for people (`stemq keys create --name`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
+    /// The lane of this key's jobs when a request names none (absent: interactive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::request::Priority>,
 }
 
 impl KeyRecord {
@@ -260,6 +263,18 @@ pub async fn create(
     limits: Limits,
     name: &str,
 ) -> Result<(ApiKey, KeyRecord), KeyError> {
+    create_with(bucket, owner, role, limits, name, None).await
+}
+
+/// [`create`], with the lane of the key's jobs when a request names none.
+pub async fn create_with(
+    bucket: &kv::Store,
+    owner: &str,
+    role: Role,
+    limits: Limits,
+    name: &str,
+    priority: Option<crate::request::Priority>,
+) -> Result<(ApiKey, KeyRecord), KeyError> {
     if !valid_owner(owner) {
         return Err(KeyError::BadOwner(owner.to_string()));
     }
@@ -274,6 +289,7 @@ pub async fn create(
         created_at: Utc::now(),
         revoked_at: None,
         name: name.to_string(),
+        priority,
     };
     let value = serde_json::to_vec(&record).map_err(store_err)?;
     bucket.create(&record.id, value.into()).await.map_err(store_err)?;
@@ -333,6 +349,8 @@ pub struct Caller {
     pub role: Role,
     /// Its limits.
     pub limits: Limits,
+    /// The lane of its jobs when a request names none.
+    pub priority: crate::request::Priority,
 }
 
 impl Caller {
@@ -384,7 +402,13 @@ impl KeyRing {
         if !record.active() {
             return Err(KeyError::Revoked(record.id));
         }
-        Ok(Caller { key_id: record.id, owner: record.owner, role: record.role, limits: record.limits })
+        Ok(Caller {
+            key_id: record.id,
+            owner: record.owner,
+            role: record.role,
+            limits: record.limits,
+            priority: record.priority.unwrap_or_default(),
+        })
     }
 }
 
@@ -416,6 +440,7 @@ mod tests {
             created_at: Utc::now(),
             revoked_at: None,
             name: String::new(),
+            priority: None,
         };
         assert!(r.matches(&k));
         let mut other = ApiKey::generate();

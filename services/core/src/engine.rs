@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use crate::device::Device;
 use crate::failure::FailureCode;
-use crate::request::{JobId, NormalizedRequest};
+use crate::request::{JobId, Model, NormalizedRequest};
 
 /// What the engine is asked to do.
 pub struct EngineJob<'a> {
@@ -132,6 +132,9 @@ pub trait Engine: Send + Sync + 'static {
     /// Devices this engine can use, preferred first; the last is the fallback of the
     /// out-of-memory ladder (normally `cpu`).
     fn devices(&self) -> Vec<Device>;
+    /// The models it runs: the pools its worker pulls from and announces in the worker
+    /// registry. A job for any other model never reaches it.
+    fn models(&self) -> Vec<Model>;
     /// False when the engine never reads the input (the worker then skips the fetch).
     fn reads_input(&self) -> bool {
         true
@@ -154,6 +157,71 @@ pub fn metadata_for<'a>(engine: &dyn Engine, metadata: Option<&'a Value>) -> Opt
         metadata
     } else {
         None
+    }
+}
+
+/// Several engines behind one: each job goes to the first engine that runs its model.
+/// What a worker loads when it serves `dsp` and the demucs models it has weights for.
+pub struct Engines {
+    engines: Vec<std::sync::Arc<dyn Engine>>,
+    name: String,
+}
+
+impl Engines {
+    /// Combines `engines` (earlier ones win a model both run).
+    pub fn new(engines: Vec<std::sync::Arc<dyn Engine>>) -> Engines {
+        let name = engines.iter().map(|e| e.name()).collect::<Vec<_>>().join("+");
+        Engines { engines, name }
+    }
+
+    fn for_model(&self, model: Model) -> Option<&std::sync::Arc<dyn Engine>> {
+        self.engines.iter().find(|e| e.models().contains(&model))
+    }
+}
+
+impl Engine for Engines {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Every device of every engine, preferred first, the CPU last.
+    fn devices(&self) -> Vec<Device> {
+        let mut out: Vec<Device> = Vec::new();
+        for d in self.engines.iter().flat_map(|e| e.devices()) {
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+        out.sort_by_key(|d| d.is_cpu());
+        out
+    }
+
+    fn models(&self) -> Vec<Model> {
+        Model::ALL.iter().copied().filter(|m| self.for_model(*m).is_some()).collect()
+    }
+
+    fn reads_input(&self) -> bool {
+        self.engines.iter().any(|e| e.reads_input())
+    }
+
+    fn wants_metadata(&self) -> bool {
+        self.engines.iter().any(|e| e.wants_metadata())
+    }
+
+    /// Runs the job on the engine of its model, on the device asked for when that
+    /// engine has it, else on that engine's first device.
+    fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        let Some(engine) = self.for_model(job.request.model) else {
+            return Err(EngineError::Unsupported {
+                code: FailureCode::ModelUnavailable,
+                message: format!("no engine here runs {}", job.request.model),
+            });
+        };
+        let devices = engine.devices();
+        let device = if devices.contains(job.device) { job.device.clone() } else { devices[0].clone() };
+        let metadata = if engine.wants_metadata() { job.metadata } else { None };
+        let job = EngineJob { device: &device, metadata, ..*job };
+        engine.separate(&job, ctx)
     }
 }
 
@@ -188,12 +256,22 @@ pub struct FakeScript {
 pub struct FakeEngine {
     /// Added to every job's own `sleep_ms`.
     pub base_delay: Duration,
+    /// The models it pretends to run (default: every model).
+    pub models: Vec<Model>,
 }
 
 #[cfg(feature = "fake")]
 impl Default for FakeEngine {
     fn default() -> Self {
-        FakeEngine { base_delay: Duration::ZERO }
+        FakeEngine { base_delay: Duration::ZERO, models: Model::ALL.to_vec() }
+    }
+}
+
+#[cfg(feature = "fake")]
+impl FakeEngine {
+    /// A fake engine that runs only `models`.
+    pub fn serving(models: &[Model]) -> FakeEngine {
+        FakeEngine { models: models.to_vec(), ..FakeEngine::default() }
     }
 }
 
@@ -205,6 +283,10 @@ impl Engine for FakeEngine {
 
     fn devices(&self) -> Vec<Device> {
         vec![Device::from("fake-gpu"), Device::Cpu]
+    }
+
+    fn models(&self) -> Vec<Model> {
+        self.models.clone()
     }
 
     fn reads_input(&self) -> bool {
@@ -281,6 +363,9 @@ mod tests {
         }
         fn devices(&self) -> Vec<Device> {
             vec![Device::Cpu]
+        }
+        fn models(&self) -> Vec<Model> {
+            vec![Model::Dsp]
         }
         fn separate(&self, _job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
             Ok(Vec::new())

@@ -189,6 +189,17 @@ pub struct Requested {
     /// Per-job time limit in seconds (not part of the job id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<u64>,
+    /// The lane it waits in; absent means interactive (and in requests recorded before
+    /// lanes). Not part of the job id. The request subject carries it too, for routing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::request::Priority>,
+}
+
+impl Requested {
+    /// The lane (absent: interactive).
+    pub fn lane(&self) -> crate::request::Priority {
+        self.priority.unwrap_or_default()
+    }
 }
 
 /// Data of `io.stemq.job.started.v1`.
@@ -365,7 +376,14 @@ impl Event {
         Event::new(
             &id,
             source,
-            EventBody::Requested(Requested { request, webhook, metadata, start_before: None, max_runtime: None }),
+            EventBody::Requested(Requested {
+                request,
+                webhook,
+                metadata,
+                start_before: None,
+                max_runtime: None,
+                priority: None,
+            }),
         )
     }
 

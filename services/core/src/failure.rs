@@ -112,6 +112,8 @@ failure_codes! {
     IdMismatch = "id_mismatch",
     /// The request names another owner than the owner token of the subject it was published on (worker, rejected).
     OwnerMismatch = "owner_mismatch",
+    /// The request was published on the routed subject of another model or lane than it names (worker, rejected).
+    RouteMismatch = "route_mismatch",
     /// The request is invalid or not in normalised form (worker, rejected).
     InvalidRequest = "invalid_request",
     /// Transient failures on every delivery (worker, dead-letter handler).

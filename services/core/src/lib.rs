@@ -36,6 +36,7 @@
 //! - `nats_users`: NATS users and their permissions (`nats/users.json`), nkey
 //!   credentials, the server's `authorization` block;
 //! - `nats_server`: a local `nats-server` process (users, TLS) for `stemq dev` and tests;
+//! - `registry`: the worker registry (`stemq_workers`): who lives and what each serves;
 //! - `storage`: object storage for inputs and outputs (local files, S3);
 //! - `telemetry`: logging set-up shared by the binaries;
 //! - `webhook`: webhook signing, per-owner secrets and the SSRF policy for receivers.
@@ -73,6 +74,8 @@ pub mod publish;
 pub mod pull;
 #[cfg(feature = "runtime")]
 pub mod read;
+#[cfg(feature = "runtime")]
+pub mod registry;
 #[cfg(feature = "runtime")]
 pub mod storage;
 #[cfg(feature = "runtime")]

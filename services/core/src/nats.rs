@@ -9,15 +9,21 @@
 //! [`MIN_SERVER`]. Who may do what is [`crate::nats_users`]'s.
 //!
 //! Subjects:
-//! - `stemq.jobs.<id>.requested.<owner token>` — the request (Nats-Msg-Id = job id,
-//!   expected last subject sequence 0: one request per job, for as long as the log keeps
-//!   it). The last token is the request's owner as [`crate::request::owner_token`]
-//!   spells it, so a NATS user's subject permissions can bind it to one owner (a
-//!   `publisher` user may publish only `stemq.jobs.*.requested.<its owner>`); the worker
-//!   and the projector refuse a request whose body names another owner
-//!   ([`check_request_owner`]). Requests recorded before owner tokens, on
-//!   `stemq.jobs.<id>.requested`, stay readable: every reader of requests matches both
-//!   forms ([`REQUESTED_FILTERS`]);
+//! - `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>` — the request
+//!   (Nats-Msg-Id = job id, expected last subject sequence 0 over every request subject
+//!   of the job: one request per job, for as long as the log keeps it). The owner token
+//!   is the request's owner as [`crate::request::owner_token`] spells it, so a NATS
+//!   user's subject permissions can bind it to one owner (a `publisher` user may publish
+//!   only `stemq.jobs.*.requested.<its owner>.>`); the worker and the projector refuse a
+//!   request whose body names another owner ([`check_request_owner`]). The model and the
+//!   lane route it: each pool (model) has one durable consumer per lane,
+//!   `workers-<model>-<lane>` ([`pool_consumer`]), filtered on its model and lane, so a
+//!   worker pulls only what it can run. Requests recorded earlier, on
+//!   `stemq.jobs.<id>.requested` (before owner tokens) and
+//!   `stemq.jobs.<id>.requested.<owner token>` (before routing), stay readable: every
+//!   reader of requests matches all three forms ([`REQUESTED_FILTERS`]), and the
+//!   ingress's router moves the unrouted ones that were still waiting into their pools
+//!   (the durable `workers` consumer holds them);
 //! - `stemq.jobs.<id>.started`, `stemq.jobs.<id>.failed` — attempts;
 //! - `stemq.jobs.<id>.outcome` — the terminal event; published with expected last
 //!   subject sequence 0, so the first terminal event wins and there is exactly one;
@@ -36,7 +42,7 @@ use async_nats::jetstream::{self, consumer, kv, stream};
 use serde::Deserialize;
 
 use crate::nats_users::Credentials;
-use crate::request::{owner_token, JobId};
+use crate::request::{owner_token, JobId, Model, Priority};
 
 /// Oldest nats-server we run on (see `docs/architecture.md`).
 pub const MIN_SERVER: (u64, u64) = (2, 11);
@@ -66,6 +72,8 @@ pub const WEBHOOKS_BUCKET: &str = "stemq_webhooks";
 pub const KEYS_BUCKET: &str = "stemq_keys";
 /// Per-key rate-limit state shared by ingress replicas.
 pub const LIMITS_BUCKET: &str = "stemq_limits";
+/// The worker registry bucket (`crate::registry`).
+pub const WORKERS_BUCKET: &str = "stemq_workers";
 /// Request-reply submit subject.
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
@@ -82,34 +90,89 @@ pub fn job_subject(id: &JobId, kind: SubjectKind) -> String {
 }
 
 /// Where a new request of `owner` for job `id` is published:
-/// `stemq.jobs.<id>.requested.<owner token>`.
-pub fn request_subject(id: &JobId, owner: &str) -> String {
+/// `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>`.
+pub fn request_subject(id: &JobId, owner: &str, model: Model, lane: Priority) -> String {
+    format!("{JOBS_PREFIX}.{id}.requested.{}.{model}.{lane}", owner_token(owner))
+}
+
+/// The request subject of the form before routing, `stemq.jobs.<id>.requested.<owner
+/// token>`: no longer written by stemq, still accepted from publishers (the ingress's
+/// router moves such a request into its pool).
+pub fn unrouted_request_subject(id: &JobId, owner: &str) -> String {
     format!("{JOBS_PREFIX}.{id}.requested.{}", owner_token(owner))
 }
 
-/// The filters that match every request, in both forms: the old
-/// `stemq.jobs.*.requested` and `stemq.jobs.*.requested.*` (a consumer takes both as
-/// `filter_subjects`).
-pub const REQUESTED_FILTERS: [&str; 2] = ["stemq.jobs.*.requested", "stemq.jobs.*.requested.*"];
+/// The filters that match every request, in all three forms: the oldest
+/// `stemq.jobs.*.requested`, the unrouted `stemq.jobs.*.requested.*` and the routed
+/// `stemq.jobs.*.requested.*.*.*`.
+pub const REQUESTED_FILTERS: [&str; 3] =
+    ["stemq.jobs.*.requested", "stemq.jobs.*.requested.*", "stemq.jobs.*.requested.*.*.*"];
 
-/// The filter of one job's requests with owner tokens (`stemq.jobs.<id>.requested.*`);
-/// the old form is `job_subject(id, Requested)`.
+/// The filters of requests without a route (before routing): what the durable
+/// `workers` consumer holds for the ingress's router.
+pub const UNROUTED_FILTERS: [&str; 2] = ["stemq.jobs.*.requested", "stemq.jobs.*.requested.*"];
+
+/// The filter of one job's requests with owner tokens, routed or not
+/// (`stemq.jobs.<id>.requested.>`); the oldest form is `job_subject(id, Requested)`.
 pub fn request_filter(id: &JobId) -> String {
-    format!("{JOBS_PREFIX}.{id}.requested.*")
+    format!("{JOBS_PREFIX}.{id}.requested.>")
 }
 
-/// True for a request subject of either form.
-pub fn is_request_subject(subject: &str) -> bool {
+/// The durable consumer of one pool's lane: `workers-<model>-<lane>`.
+pub fn pool_consumer(model: Model, lane: Priority) -> String {
+    format!("{WORKERS_CONSUMER}-{model}-{lane}")
+}
+
+/// What the consumer of a pool's lane takes: `stemq.jobs.*.requested.*.<model>.<lane>`.
+pub fn pool_filter(model: Model, lane: Priority) -> String {
+    format!("{JOBS_PREFIX}.*.requested.*.{model}.{lane}")
+}
+
+/// Every pool consumer name, models in [`Model::ALL`] order, lanes in [`Priority::ALL`]
+/// order.
+pub fn pool_consumers() -> Vec<String> {
+    Model::ALL.iter().flat_map(|m| Priority::ALL.iter().map(|l| pool_consumer(*m, *l))).collect()
+}
+
+/// The model and lane a pool consumer serves (`None` for any other name).
+pub fn pool_of_consumer(name: &str) -> Option<(Model, Priority)> {
+    Model::ALL
+        .iter()
+        .flat_map(|m| Priority::ALL.iter().map(move |l| (*m, *l)))
+        .find(|(m, l)| pool_consumer(*m, *l) == name)
+}
+
+fn request_tokens(subject: &str) -> Option<Vec<&str>> {
     let t: Vec<&str> = subject.split('.').collect();
-    matches!(t.as_slice(), ["stemq", "jobs", _, "requested"] | ["stemq", "jobs", _, "requested", _])
+    match t.as_slice() {
+        ["stemq", "jobs", _, "requested"] | ["stemq", "jobs", _, "requested", _] => Some(t),
+        ["stemq", "jobs", _, "requested", _, _, _] => Some(t),
+        _ => None,
+    }
 }
 
-/// The owner token of a request subject with one (`stemq.jobs.<id>.requested.<token>`);
-/// `None` for the old form and for any other subject.
+/// True for a request subject of any form.
+pub fn is_request_subject(subject: &str) -> bool {
+    request_tokens(subject).is_some()
+}
+
+/// The owner token of a request subject with one (unrouted or routed); `None` for the
+/// oldest form and for any other subject.
 pub fn request_owner_token(subject: &str) -> Option<&str> {
     let mut t = subject.split('.');
-    match (t.next(), t.next(), t.next(), t.next(), t.next(), t.next()) {
-        (Some("stemq"), Some("jobs"), Some(_), Some("requested"), Some(token), None) => Some(token),
+    match (t.next(), t.next(), t.next(), t.next(), t.next()) {
+        (Some("stemq"), Some("jobs"), Some(_), Some("requested"), Some(token)) if is_request_subject(subject) => {
+            Some(token)
+        }
+        _ => None,
+    }
+}
+
+/// The model and lane of a routed request subject; `None` for the earlier forms (and
+/// for a model or lane stemq does not know).
+pub fn request_route(subject: &str) -> Option<(Model, Priority)> {
+    match request_tokens(subject)?.as_slice() {
+        [.., "requested", _, model, lane] => Some((Model::parse(model)?, Priority::parse(lane)?)),
         _ => None,
     }
 }
@@ -146,6 +209,30 @@ pub fn check_request_owner(subject: &str, owner: &str) -> Result<(), OwnerMismat
         }),
         _ => Ok(()),
     }
+}
+
+/// A routed request whose subject names another model or lane than its body: it would
+/// wait in a pool that does not run it. Refused like an owner mismatch (never run, never
+/// folded).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the request is for {model} ({lane}), but it was published on {subject}, the route of another pool or lane")]
+pub struct RouteMismatch {
+    /// The subject it was published on.
+    pub subject: String,
+    /// The request's model.
+    pub model: Model,
+    /// The request's lane.
+    pub lane: Priority,
+}
+
+/// Checks that a routed request's subject names the model and lane of its body. The
+/// earlier forms carry no route and pass.
+pub fn check_request_route(subject: &str, model: Model, lane: Priority) -> Result<(), RouteMismatch> {
+    let routed = request_tokens(subject).map(|t| t.len() == 7).unwrap_or(false);
+    if routed && request_route(subject) != Some((model, lane)) {
+        return Err(RouteMismatch { subject: subject.to_string(), model, lane });
+    }
+    Ok(())
 }
 
 /// The subject families of a job.
@@ -425,6 +512,9 @@ struct KvDef {
     history: i64,
     num_replicas: usize,
     max_value_size: i32,
+    /// Nanoseconds an entry lives (0 or absent: for ever).
+    #[serde(default)]
+    max_age: u64,
 }
 
 const STREAMS: [(&str, &str); 3] = [
@@ -432,6 +522,7 @@ const STREAMS: [(&str, &str); 3] = [
     ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
     ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
 ];
+const POOL_CONSUMER: (&str, &str) = ("consumers/pool.json", include_str!("../../../nats/consumers/pool.json"));
 const CONSUMERS: [(&str, &str); 6] = [
     ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
     ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
@@ -444,6 +535,7 @@ const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jo
 const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
 const KV_KEYS: (&str, &str) = ("kv/keys.json", include_str!("../../../nats/kv/keys.json"));
 const KV_LIMITS: (&str, &str) = ("kv/limits.json", include_str!("../../../nats/kv/limits.json"));
+const KV_WORKERS: (&str, &str) = ("kv/workers.json", include_str!("../../../nats/kv/workers.json"));
 /// The server configuration used by tests and `stemq dev`.
 pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
 
@@ -463,21 +555,30 @@ pub fn stream_configs(settings: &Settings) -> Result<Vec<stream::Config>, NatsEr
         .collect()
 }
 
-/// The consumer definitions (stream name, config) with `settings` applied.
+/// The consumer definitions (stream name, config) with `settings` applied: the fixed
+/// ones, then one per pool and lane from `consumers/pool.json`.
 pub fn consumer_configs(settings: &Settings) -> Result<Vec<(String, consumer::pull::Config)>, NatsError> {
-    CONSUMERS
-        .iter()
-        .map(|(name, text)| {
-            let mut d: ConsumerDef =
-                serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
-            if d.config.durable_name.as_deref() == Some(WORKERS_CONSUMER) {
-                d.config.ack_wait = settings.ack_wait;
-                d.config.max_deliver = settings.max_deliver;
-            }
+    let parse = |name: &'static str, text: &str| -> Result<ConsumerDef, NatsError> {
+        serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })
+    };
+    let mut out = Vec::new();
+    for (name, text) in CONSUMERS.iter() {
+        let mut d = parse(name, text)?;
+        d.config.num_replicas = settings.replicas;
+        out.push((d.stream, d.config));
+    }
+    let (name, template) = POOL_CONSUMER;
+    for model in Model::ALL {
+        for lane in Priority::ALL {
+            let text = template.replace("{model}", model.as_str()).replace("{lane}", lane.as_str());
+            let mut d = parse(name, &text)?;
+            d.config.ack_wait = settings.ack_wait;
+            d.config.max_deliver = settings.max_deliver;
             d.config.num_replicas = settings.replicas;
-            Ok((d.stream, d.config))
-        })
-        .collect()
+            out.push((d.stream, d.config));
+        }
+    }
+    Ok(out)
 }
 
 /// The status bucket definition with `settings` applied.
@@ -487,7 +588,7 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 
 /// Every bucket definition with `settings` applied.
 pub fn kv_configs(settings: &Settings) -> Result<Vec<kv::Config>, NatsError> {
-    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS].into_iter().map(|d| kv_def(d, settings)).collect()
+    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS].into_iter().map(|d| kv_def(d, settings)).collect()
 }
 
 fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
@@ -498,6 +599,7 @@ fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv:
         history: d.history,
         num_replicas: d.num_replicas.max(settings.replicas),
         max_value_size: d.max_value_size,
+        max_age: Duration::from_nanos(d.max_age),
         storage: stream::StorageType::File,
         ..Default::default()
     })
@@ -712,8 +814,17 @@ mod tests {
         assert_eq!(streams.len(), 3);
         assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
-        let w = consumers.iter().find(|(_, c)| c.durable_name.as_deref() == Some(WORKERS_CONSUMER)).unwrap();
+        let pool = pool_consumer(Model::Htdemucs6s, Priority::Batch);
+        assert_eq!(pool, "workers-htdemucs_6s-batch");
+        let w = consumers.iter().find(|(_, c)| c.durable_name.as_deref() == Some(pool.as_str())).unwrap();
         assert_eq!((w.1.ack_wait, w.1.max_deliver), (Duration::from_secs(2), 3));
+        assert_eq!(w.1.filter_subject, "stemq.jobs.*.requested.*.htdemucs_6s.batch");
+        // Every pool and lane has its consumer, and the unrouted requests theirs.
+        for name in pool_consumers().iter().map(String::as_str).chain([WORKERS_CONSUMER]) {
+            assert!(consumers.iter().any(|(_, c)| c.durable_name.as_deref() == Some(name)), "{name}");
+        }
+        assert_eq!(pool_of_consumer(&pool), Some((Model::Htdemucs6s, Priority::Batch)));
+        assert_eq!(pool_of_consumer(WORKERS_CONSUMER), None);
         assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
     }
 
@@ -733,26 +844,61 @@ mod tests {
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Requested)), Some(id.clone()));
         assert_eq!(job_id_of_subject(&job_subject(&id, SubjectKind::Progress)), Some(id.clone()));
         assert_eq!(job_id_of_subject("stemq.jobs.nothex.requested"), None);
-        let new = request_subject(&id, "acme");
-        assert_eq!(new, format!("stemq.jobs.{id}.requested.acme"));
-        assert_eq!(job_id_of_subject(&new), Some(id.clone()));
-        assert!(is_request_subject(&new) && is_request_subject(&job_subject(&id, SubjectKind::Requested)));
+        let unrouted = unrouted_request_subject(&id, "acme");
+        assert_eq!(unrouted, format!("stemq.jobs.{id}.requested.acme"));
+        let new = request_subject(&id, "acme", Model::Htdemucs6s, Priority::Batch);
+        assert_eq!(new, format!("stemq.jobs.{id}.requested.acme.htdemucs_6s.batch"));
+        for s in [&new, &unrouted, &job_subject(&id, SubjectKind::Requested)] {
+            assert_eq!(job_id_of_subject(s), Some(id.clone()));
+            assert!(is_request_subject(s), "{s}");
+        }
         assert!(!is_request_subject(&job_subject(&id, SubjectKind::Outcome)));
+        assert!(!is_request_subject(&format!("{unrouted}.x")));
         assert!(!is_request_subject(&format!("{new}.x")));
         assert_eq!(request_owner_token(&new), Some("acme"));
+        assert_eq!(request_owner_token(&unrouted), Some("acme"));
+        assert_eq!(request_owner_token(&format!("{unrouted}.x")), None);
         assert_eq!(request_owner_token(&job_subject(&id, SubjectKind::Requested)), None);
-        assert_eq!(request_subject(&id, "a b"), format!("stemq.jobs.{id}.requested.{}", owner_token("a b")));
+        assert_eq!(unrouted_request_subject(&id, "a b"), format!("stemq.jobs.{id}.requested.{}", owner_token("a b")));
+        assert_eq!(request_route(&new), Some((Model::Htdemucs6s, Priority::Batch)));
+        assert_eq!(request_route(&unrouted), None);
+        assert_eq!(request_route(&format!("stemq.jobs.{id}.requested.acme.spleeter.batch")), None);
+        // The pool's filter takes its own routed requests and nothing else.
+        let matches = |filter: &str, subject: &str| {
+            let (f, s): (Vec<_>, Vec<_>) = (filter.split('.').collect(), subject.split('.').collect());
+            f.len() == s.len() && f.iter().zip(&s).all(|(a, b)| *a == "*" || a == b)
+        };
+        assert!(matches(&pool_filter(Model::Htdemucs6s, Priority::Batch), &new));
+        assert!(!matches(&pool_filter(Model::Htdemucs, Priority::Batch), &new));
+        assert!(!matches(&pool_filter(Model::Htdemucs6s, Priority::Interactive), &new));
     }
 
     #[test]
     fn a_request_must_name_the_owner_of_its_subject() {
         let id = JobId::parse(&"b".repeat(64)).unwrap();
-        assert!(check_request_owner(&request_subject(&id, "acme"), "acme").is_ok());
-        assert!(check_request_owner(&request_subject(&id, "a.b"), "a.b").is_ok());
+        let routed = |owner| request_subject(&id, owner, Model::Dsp, Priority::Interactive);
+        assert!(check_request_owner(&routed("acme"), "acme").is_ok());
+        assert!(check_request_owner(&routed("a.b"), "a.b").is_ok());
+        assert!(check_request_owner(&unrouted_request_subject(&id, "a.b"), "a.b").is_ok());
+        assert!(check_request_owner(&routed("acme"), "globex").is_err());
         // The old form carries no owner: only the operator may still publish there.
         assert!(check_request_owner(&job_subject(&id, SubjectKind::Requested), "anyone").is_ok());
-        let e = check_request_owner(&request_subject(&id, "acme"), "globex").unwrap_err();
+        let e = check_request_owner(&unrouted_request_subject(&id, "acme"), "globex").unwrap_err();
         assert_eq!((e.subject_token.as_str(), e.owner.as_str()), ("acme", "globex"));
         assert!(e.to_string().contains("`globex`") && e.to_string().contains("`acme`"), "{e}");
+    }
+
+    #[test]
+    fn a_routed_request_must_name_the_pool_of_its_body() {
+        let id = JobId::parse(&"c".repeat(64)).unwrap();
+        let routed = request_subject(&id, "acme", Model::Dsp, Priority::Batch);
+        assert!(check_request_route(&routed, Model::Dsp, Priority::Batch).is_ok());
+        assert!(check_request_route(&routed, Model::Htdemucs, Priority::Batch).is_err());
+        assert!(check_request_route(&routed, Model::Dsp, Priority::Interactive).is_err());
+        let bogus = format!("stemq.jobs.{id}.requested.acme.spleeter.batch");
+        assert!(check_request_route(&bogus, Model::Dsp, Priority::Batch).is_err());
+        for unrouted in [unrouted_request_subject(&id, "acme"), job_subject(&id, SubjectKind::Requested)] {
+            assert!(check_request_route(&unrouted, Model::Htdemucs, Priority::Batch).is_ok());
+        }
     }
 }

@@ -101,7 +101,8 @@ pub struct RoleDef {
     /// One user per owner (`publisher`).
     #[serde(default)]
     pub per_owner: bool,
-    /// Publish allow list (`{inbox}`, `{owner}` filled in per user).
+    /// Publish allow list (`{inbox}`, `{owner}` filled in per user; an entry with
+    /// `{pool}` stands for one entry per pool consumer).
     #[serde(default)]
     pub publish: Vec<String>,
     /// Subscribe allow list (an entry may name a queue group: `"subject group"`).
@@ -196,8 +197,17 @@ impl User {
         }
         let inbox = self.inbox_prefix();
         let owner = self.owner_token.clone().unwrap_or_default();
+        // `{pool}` stands for every pool consumer's name: one entry each (a consumer
+        // name is one subject token, so no wildcard could name only the pools).
+        let pools = crate::nats::pool_consumers();
         let fill = |list: &[String]| -> Vec<String> {
-            list.iter().map(|s| s.replace("{inbox}", &inbox).replace("{owner}", &owner)).collect()
+            list.iter()
+                .map(|s| s.replace("{inbox}", &inbox).replace("{owner}", &owner))
+                .flat_map(|s| match s.contains("{pool}") {
+                    true => pools.iter().map(|p| s.replace("{pool}", p)).collect::<Vec<_>>(),
+                    false => vec![s],
+                })
+                .collect()
         };
         Ok(Some(Permissions {
             publish: AllowList { allow: fill(&def.publish) },
@@ -434,7 +444,7 @@ mod tests {
     #[test]
     fn a_publisher_publishes_only_for_its_owner_and_reads_only_its_inbox() {
         let p = User::publisher("acme").permissions().unwrap().unwrap();
-        assert_eq!(p.publish.allow, ["stemq.jobs.*.requested.acme"]);
+        assert_eq!(p.publish.allow, ["stemq.jobs.*.requested.acme", "stemq.jobs.*.requested.acme.*.*"]);
         assert_eq!(p.subscribe.allow, ["_INBOX_publisher-acme.>"]);
         assert!(!p.allow_responses);
         let odd = User::publisher("a.b");
@@ -456,6 +466,20 @@ mod tests {
             assert_eq!(may(user, "stemq.jobs.*.delivery"), Some(user == RELAY), "{user}");
         }
         assert_eq!(may(WORKER, "stemq.jobs.*.outcome"), Some(true));
+        // Only workers announce themselves in the registry.
+        for user in [INGRESS, PROJECTOR, RELAY, STATUS_READER] {
+            assert_eq!(may(user, "$KV.stemq_workers.>"), Some(false), "{user}");
+        }
+        assert_eq!(may(WORKER, "$KV.stemq_workers.>"), Some(true));
+    }
+
+    #[test]
+    fn a_worker_pulls_from_every_pool_and_from_no_other_consumer() {
+        let p = User::of_role(WORKER).permissions().unwrap().unwrap();
+        let next: Vec<&str> =
+            p.publish.allow.iter().filter_map(|s| s.strip_prefix("$JS.API.CONSUMER.MSG.NEXT.STEMQ_JOBS.")).collect();
+        assert_eq!(next, crate::nats::pool_consumers());
+        assert!(!p.publish.allow.iter().any(|s| s.contains("{pool}")));
     }
 
     #[test]

@@ -19,9 +19,10 @@
 //!   reads the acked sequence back on a duplicate; if it holds another subject, it
 //!   publishes again without a message id (expected-last-subject-sequence 0 still keeps
 //!   the subject to one message).
-//! - [`publish_request`]: a new request goes to `stemq.jobs.<id>.requested.<owner token>`,
-//!   after checking that the job's request is not already recorded in the old form
-//!   (`stemq.jobs.<id>.requested`, before owner tokens).
+//! - [`publish_request`]: a new request goes to its routed subject
+//!   (`stemq.jobs.<id>.requested.<owner token>.<model>.<lane>`), only if no request of
+//!   the job is recorded for its owner in any form (the earlier forms are looked up, the
+//!   routed ones are one wildcard expectation of the publish).
 
 use std::time::Duration;
 
@@ -30,7 +31,7 @@ use async_nats::HeaderMap;
 use tracing::warn;
 
 use crate::event::Event;
-use crate::nats::{job_subject, request_subject, SubjectKind, JOBS_STREAM};
+use crate::nats::{job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
 use crate::request::JobId;
 
 /// Result of [`publish_once`].
@@ -63,6 +64,12 @@ impl PublishError {
 const ATTEMPTS: u32 = 5;
 
 fn headers_of(event: &Event, msg_id: Option<&str>, first: bool) -> HeaderMap {
+    headers_with(event, msg_id, first, None)
+}
+
+/// `first_of`: with `first`, the expected-last-subject-sequence 0 holds for every
+/// subject matching this wildcard (nats-server 2.11+), not only the one published to.
+fn headers_with(event: &Event, msg_id: Option<&str>, first: bool, first_of: Option<&str>) -> HeaderMap {
     let mut h = HeaderMap::new();
     h.insert("Content-Type", "application/cloudevents+json");
     if let Some(id) = msg_id {
@@ -70,6 +77,9 @@ fn headers_of(event: &Event, msg_id: Option<&str>, first: bool) -> HeaderMap {
     }
     if first {
         h.insert("Nats-Expected-Last-Subject-Sequence", "0");
+        if let Some(filter) = first_of {
+            h.insert("Nats-Expected-Last-Subject-Sequence-Subject", filter);
+        }
     }
     if let Some(tp) = &event.traceparent {
         h.insert("traceparent", tp.as_str());
@@ -95,12 +105,24 @@ pub async fn publish_once(
     event: &Event,
     msg_id: &str,
 ) -> Result<Once, PublishError> {
+    publish_first(js, subject, None, event, msg_id).await
+}
+
+/// [`publish_once`], where "nothing yet" holds for every subject matching `first_of`
+/// (or only `subject` itself when `None`).
+async fn publish_first(
+    js: &jetstream::Context,
+    subject: &str,
+    first_of: Option<&str>,
+    event: &Event,
+    msg_id: &str,
+) -> Result<Once, PublishError> {
     let payload = event.to_bytes();
     let mut attempt = 0;
     let mut msg_id = Some(msg_id);
     loop {
         attempt += 1;
-        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, true));
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_with(event, msg_id, true, first_of));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
             Err(e) => Err(e),
@@ -139,23 +161,56 @@ async fn squatted(js: &jetstream::Context, stream: &str, seq: u64, subject: &str
     }
 }
 
-/// Publishes a new job's request for `owner` on `stemq.jobs.<id>.requested.<owner
-/// token>`, once: [`Once::AlreadyThere`] when the job's request is recorded, in this form
-/// or in the old one (`stemq.jobs.<id>.requested`).
-pub async fn publish_request(
-    js: &jetstream::Context,
-    id: &JobId,
-    owner: &str,
-    event: &Event,
-) -> Result<Once, PublishError> {
+/// Publishes a new job's request on its routed subject (`stemq.jobs.<id>.requested.<owner
+/// token>.<model>.<lane>`, [`request_subject_of`]), once: [`Once::AlreadyThere`] when
+/// the job's request is recorded for its owner in any form and any lane. The earlier
+/// forms are looked up first (the oldest `stemq.jobs.<id>.requested` and the unrouted
+/// `stemq.jobs.<id>.requested.<owner token>`); the routed ones of the owner, in either
+/// lane, are one wildcard expectation of the publish (`stemq.jobs.<id>.requested.<owner
+/// token>.>`). Only the owner's own subjects count: a request of this id on another
+/// owner's subject is forged (the id hashes the owner) and must not block the real one.
+pub async fn publish_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
+    let subject = request_subject_of(id, event);
+    let owner = match &event.body {
+        crate::EventBody::Requested(r) => r.request.owner.as_str(),
+        _ => crate::request::ANONYMOUS,
+    };
     if let Ok(log) = js.get_stream_no_info(JOBS_STREAM).await {
-        // A request from before owner tokens: the job exists. Any other answer than
-        // "found" (not found, or the log unreadable now) leaves it to the publish below.
-        if log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)).await.is_ok() {
+        // A request from before routing: the job exists. Any other answer than "found"
+        // (not found, or the log unreadable now) leaves it to the publish below.
+        let (oldest, unrouted) = tokio::join!(
+            log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)),
+            log.direct_get_last_for_subject(unrouted_request_subject(id, owner)),
+        );
+        if oldest.is_ok() || unrouted.is_ok() {
             return Ok(Once::AlreadyThere);
         }
     }
-    publish_once(js, &request_subject(id, owner), event, id.as_str()).await
+    let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner));
+    publish_first(js, &subject, Some(&routed_of_owner), event, id.as_str()).await
+}
+
+/// Publishes an unrouted request again on its routed subject (the ingress's router),
+/// once per owner and job like [`publish_request`] (a routed request of the owner in
+/// either lane means it is done), with its own message id.
+pub async fn route_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
+    let subject = request_subject_of(id, event);
+    let owner = match &event.body {
+        crate::EventBody::Requested(r) => r.request.owner.as_str(),
+        _ => crate::request::ANONYMOUS,
+    };
+    let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner));
+    publish_first(js, &subject, Some(&routed_of_owner), event, &format!("{id}.routed")).await
+}
+
+/// The routed subject of a `requested` event: its owner, model and lane (a
+/// non-request event, which nobody should publish here, gets the subject of an
+/// anonymous interactive `htdemucs` request, which the worker refuses).
+pub fn request_subject_of(id: &JobId, event: &Event) -> String {
+    match &event.body {
+        crate::EventBody::Requested(r) => request_subject(id, &r.request.owner, r.request.model, r.lane()),
+        _ => request_subject(id, crate::request::ANONYMOUS, crate::request::Model::Htdemucs, Default::default()),
+    }
 }
 
 /// The pause after failed attempt `attempt` (1-based): 50 ms, doubling.

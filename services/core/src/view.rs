@@ -172,6 +172,15 @@ pub struct JobView {
     /// Per-job time limit in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<u64>,
+    /// The lane it waits in, when the request named one or its key did (absent:
+    /// interactive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::request::Priority>,
+    /// Why a queued job is not running yet, when the reader knows (`waiting for a
+    /// worker that serves htdemucs_6s`). Added by the API when it answers, from the
+    /// worker registry; never part of the stored view (the fold leaves it absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
     /// When a cancel was asked for (the job stops at its worker's next check).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel_requested_at: Option<DateTime<Utc>>,
@@ -222,6 +231,8 @@ impl JobView {
             retried_by: None,
             start_before: None,
             max_runtime: None,
+            priority: None,
+            waiting: None,
             cancel_requested_at: None,
             last_seq: 0,
             progress_seq: 0,
@@ -265,6 +276,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.metadata = r.metadata.clone();
             v.start_before = r.start_before;
             v.max_runtime = r.max_runtime;
+            v.priority = r.priority;
             v.created_at = Some(at);
         }
         EventBody::Retried(r) => {

@@ -417,6 +417,11 @@ impl Engine for DemucsEngine {
         d
     }
 
+    /// Every demucs model whose files are in the model folder.
+    fn models(&self) -> Vec<Model> {
+        Model::ALL.iter().copied().filter(|m| *m != Model::Dsp && self.repo.has(m.as_str())).collect()
+    }
+
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let name = job.request.model.as_str();
         if job.request.model == Model::Dsp || !self.repo.has(name) {

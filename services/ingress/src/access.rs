@@ -29,14 +29,20 @@ pub const LOCAL_OWNER: &str = "local";
 
 /// The caller when authentication is off.
 pub fn unauthenticated_operator() -> Caller {
-    Caller { key_id: "none".into(), owner: LOCAL_OWNER.into(), role: Role::Operator, limits: Limits::default() }
+    Caller {
+        key_id: "none".into(),
+        owner: LOCAL_OWNER.into(),
+        role: Role::Operator,
+        limits: Limits::default(),
+        priority: Default::default(),
+    }
 }
 
 /// The permission a route needs; `None` for the public routes.
 pub fn permission(method: &Method, route: &str) -> Option<Permission> {
     match (method.as_str(), route) {
         (_, "/healthz" | "/readyz" | "/openapi.json") => None,
-        ("GET", "/metrics") => Some(Permission::Operate),
+        ("GET", "/metrics" | "/v1/workers") => Some(Permission::Operate),
         (_, "/v1/webhooks/secret" | "/v1/webhooks/secret/rotate" | "/v1/webhooks/enable") => {
             Some(Permission::WebhookAdmin)
         }

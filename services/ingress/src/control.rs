@@ -100,14 +100,15 @@ pub async fn retry(js: &jetstream::Context, view: &JobView, source: &str) -> Res
     }
     let mut request = view.request.clone().ok_or_else(|| ControlError::NoRequest(id.clone()))?;
     request.retry_of = Some(id.clone());
-    let owner = request.owner.clone();
     let mut ev = Event::requested(request, view.webhook.clone(), view.metadata.clone(), source);
-    // The time limit carries over; a start deadline does not (it has usually passed).
+    // The time limit and the lane carry over; a start deadline does not (it has usually
+    // passed).
     if let EventBody::Requested(r) = &mut ev.body {
         r.max_runtime = view.max_runtime;
+        r.priority = view.priority;
     }
     let new_id = ev.subject.clone();
-    let created = publish_request(js, &new_id, &owner, &ev).await?;
+    let created = publish_request(js, &new_id, &ev).await?;
     let link = Event::new(id, source, EventBody::Retried(Retried { retried_by: new_id.clone() }));
     publish(js, &job_subject(id, SubjectKind::Retried), &link, Some(&format!("{id}.retried.{new_id}"))).await?;
     Ok((new_id, matches!(created, Once::Stored(_))))

@@ -13,7 +13,14 @@
 //! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
 //!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate`,
 //!   `POST /v1/webhooks/enable` ([`webhooks`])
+//! - `GET /v1/workers` → the live workers and what they serve, per pool (operators;
+//!   [`workers`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
+//!
+//! A queued job's view says why it waits (`waiting`) when no live worker serves its
+//! model (from the worker registry); with [`Config::refuse_unserved`] (`stemq dev`) such
+//! a submit is refused instead. Every ingress also runs the [`router`], which moves
+//! requests recorded without a route (earlier releases, old publishers) into their pools.
 //!
 //! Every route but `/healthz`, `/readyz` and `/openapi.json` needs an API key, and every
 //! job is its owner's alone ([`access`]); submits are limited per key ([`limits`]).
@@ -29,11 +36,13 @@ pub mod limits;
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
+pub mod router;
 pub mod stems;
 pub mod submit;
 pub mod tls;
 pub mod uploads;
 pub mod webhooks;
+pub mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -54,6 +63,8 @@ use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
 use stemq_core::netpolicy::HostPolicy;
 use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
+use stemq_core::registry::{self, Registry};
+use stemq_core::request::Priority;
 use stemq_core::{JobId, JobStatus, JobView};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -108,6 +119,10 @@ pub struct Config {
     /// `/metrics` (`--queue-metrics`). Exactly one process of a deployment should: see
     /// [`stemq_core::metrics::QueueFigures`].
     pub queue_metrics: bool,
+    /// Refuse (422) a submit for a model no live worker serves, instead of queueing it
+    /// to wait for one (`--refuse-unserved-models`; on in `stemq dev`, whose one worker is
+    /// all there is).
+    pub refuse_unserved: bool,
 }
 
 /// Shared handler state.
@@ -126,6 +141,10 @@ pub struct AppState {
     audio_urls: Option<Arc<HostPolicy>>,
     /// `/metrics` includes the queue figures.
     queue_metrics: bool,
+    /// The live workers (`stemq_workers`).
+    registry: Registry,
+    /// See [`Config::refuse_unserved`].
+    refuse_unserved: bool,
 }
 
 impl AppState {
@@ -141,6 +160,7 @@ impl AppState {
         };
         let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
         let limits = open(names::LIMITS_BUCKET).await?;
+        let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
         Ok(AppState {
             js,
             views,
@@ -153,7 +173,20 @@ impl AppState {
             key_locks: Arc::default(),
             audio_urls: None,
             queue_metrics: false,
+            registry,
+            refuse_unserved: false,
         })
+    }
+
+    /// Refuses submits for models no live worker serves (see [`Config::refuse_unserved`]).
+    pub fn with_refuse_unserved(mut self, on: bool) -> AppState {
+        self.refuse_unserved = on;
+        self
+    }
+
+    /// The live workers.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Serves every request as the operator of the owner `local`, without keys.
@@ -164,8 +197,19 @@ impl AppState {
 
     /// The view of `id` if `caller` may see it: another owner's job is as absent as a job
     /// that does not exist.
+    /// A queued job's view says why it waits when no live worker serves its model.
     pub async fn view_for(&self, caller: &Caller, id: &JobId) -> Result<Option<JobView>, ViewError> {
-        Ok(self.view(id).await?.filter(|v| caller.sees(v.owner())))
+        Ok(self.view(id).await?.filter(|v| caller.sees(v.owner())).map(|v| self.with_waiting(v)))
+    }
+
+    /// `view` with `waiting` set when it is queued for a model no live worker serves.
+    pub fn with_waiting(&self, mut view: JobView) -> JobView {
+        if view.status == JobStatus::Queued && self.registry.is_ready() {
+            if let Some(r) = &view.request {
+                view.waiting = registry::waiting_reason(&self.registry.live(), r.model);
+            }
+        }
+        view
     }
 
     /// Serves uploads and stems from this store.
@@ -244,7 +288,15 @@ pub async fn run(
     if let Some(p) = config.audio_urls {
         state = state.with_audio_urls(p);
     }
-    state = state.with_queue_metrics(config.queue_metrics);
+    state = state.with_queue_metrics(config.queue_metrics).with_refuse_unserved(config.refuse_unserved);
+    let router_task = {
+        let (js, s) = (state.js.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(e) = router::run(js, s).await {
+                warn!(error = %e, "the router of unrouted requests did not start");
+            }
+        })
+    };
     let nats_task = if config.nats_submit {
         let (c, s, st) = (client.clone(), shutdown.clone(), state.clone());
         Some(tokio::spawn(async move { nats_api::serve(c, st, s).await }))
@@ -268,6 +320,7 @@ pub async fn run(
             warn!(error = %e, "NATS submit endpoint stopped with an error");
         }
     }
+    let _ = router_task.await;
     info!("ingress stopped");
     Ok(())
 }
@@ -287,6 +340,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/webhooks/secret", get(webhooks::get_secret))
         .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
         .route("/v1/webhooks/enable", post(webhooks::enable))
+        .route("/v1/workers", get(workers::list))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
@@ -357,6 +411,12 @@ impl From<SubmitError> for ApiError {
                 message: r.to_string(),
                 field: Some(r.field),
             },
+            SubmitError::Unserved { .. } => ApiError {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                code: "model_not_served",
+                message: e.to_string(),
+                field: Some("model".into()),
+            },
             SubmitError::Limited(l) => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 code: if l.limit == "rate" { "rate_limited" } else { "too_many_in_flight" },
@@ -416,7 +476,18 @@ pub async fn submit_as(
         let _turn = state.key_locks.lock(&caller.key_id).await;
         remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
     }
-    let event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
+    let mut event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
+    if state.refuse_unserved {
+        if let stemq_core::EventBody::Requested(r) = &event.body {
+            workers::check_served(&state.registry, r.request.model)?;
+        }
+    }
+    if let stemq_core::EventBody::Requested(r) = &mut event.body {
+        // The key's lane, when the request names none (interactive stays implicit).
+        if r.priority.is_none() && caller.priority != Priority::Interactive {
+            r.priority = Some(caller.priority);
+        }
+    }
     if enforce && caller.limits.max_in_flight > 0 && state.index.status(&event.subject).is_none() {
         let views = state.views.clone();
         let recorded = move |id: JobId| {

@@ -76,7 +76,7 @@ impl Metrics {
         let outcome = match r {
             Ok((s, _)) if s.cached => "cached",
             Ok(_) => "created",
-            Err(SubmitError::Invalid(_)) => "invalid",
+            Err(SubmitError::Invalid(_) | SubmitError::Unserved { .. }) => "invalid",
             Err(SubmitError::Unavailable(_)) => "unavailable",
             Err(SubmitError::Limited(_)) => "limited",
         };

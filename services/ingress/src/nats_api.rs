@@ -90,6 +90,10 @@ pub async fn serve(
                     "http_status": 422,
                     "error": {"code": "invalid_request", "field": e.field, "message": e.to_string()}
                 }),
+                Err(e @ SubmitError::Unserved { .. }) => json!({
+                    "http_status": 422,
+                    "error": {"code": "model_not_served", "field": "model", "message": e.to_string()}
+                }),
                 Err(SubmitError::Limited(l)) => json!({
                     "http_status": 429,
                     "retry_after": l.retry_after,

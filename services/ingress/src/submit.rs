@@ -1,16 +1,16 @@
 //! Submitting a job: validate, derive the id, publish once. Shared by HTTP and NATS.
 //!
 //! This module owns the ingress's only write. A new job is one publish of its
-//! `requested` event to `stemq.jobs.<id>.requested.<owner token>` with `Nats-Msg-Id` = id and
-//! expected-last-subject-sequence 0, so the same request — a retry, a concurrent
+//! `requested` event to `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>` (the
+//! pool's lane it waits in) with `Nats-Msg-Id` = id and expected-last-subject-sequence 0
+//! over every request subject of the job, so the same request — a retry, a concurrent
 //! duplicate, or the same song a day later after the dedupe window — finds the existing
 //! job instead of creating a second one. Nothing heavy happens here.
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
-use stemq_core::nats::request_subject;
 use stemq_core::netpolicy::{self, HostPolicy};
-use stemq_core::publish::{publish_request, Once};
+use stemq_core::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
@@ -37,9 +37,32 @@ pub enum SubmitError {
     /// A limit of the caller's key refused it (429): nothing was queued.
     #[error("{}", .0.message)]
     Limited(crate::limits::Limited),
+    /// No live worker serves the model, and this ingress refuses rather than queues
+    /// (422): nothing was queued.
+    #[error("{}", unserved_message(*.model, .served))]
+    Unserved {
+        /// The model asked for.
+        model: stemq_core::request::Model,
+        /// What the live workers serve.
+        served: Vec<stemq_core::request::Model>,
+    },
     /// NATS did not take the event (503): nothing was queued; retrying is safe.
     #[error("the job could not be queued: {0}")]
     Unavailable(String),
+}
+
+fn unserved_message(model: stemq_core::request::Model, served: &[stemq_core::request::Model]) -> String {
+    let served: Vec<&str> = served.iter().map(|m| m.as_str()).collect();
+    let here = if served.is_empty() { "no model (no worker is running)".to_string() } else { served.join(", ") };
+    let how = if model == stemq_core::request::Model::Dsp {
+        "start a worker".to_string()
+    } else {
+        format!(
+            "put the weights of {model} into the worker's model folder (`stemq models pull {model}`, in a build with \
+             the demucs engine) and restart it, or ask for a model served here"
+        )
+    };
+    format!("no worker here serves {model}; the workers here serve {here}: {how}")
 }
 
 /// Validates and queues `body` for `owner`; `stores` are the base URLs of the stores an
@@ -103,6 +126,7 @@ pub async fn prepare(
     if let stemq_core::EventBody::Requested(r) = &mut event.body {
         r.start_before = req.start_before;
         r.max_runtime = req.max_runtime;
+        r.priority = req.priority;
     }
     event.traceparent = traceparent;
     Ok(event)
@@ -111,15 +135,12 @@ pub async fn prepare(
 /// Publishes a prepared `requested` event once (see the module doc).
 pub async fn queue(js: &jetstream::Context, event: Event) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let id = event.subject.clone();
-    let owner = match &event.body {
-        stemq_core::EventBody::Requested(r) => r.request.owner.clone(),
-        other => {
-            let message = format!("only a requested event is queued, not {}", other.kind());
-            return Err(RequestError { field: "body".into(), message }.into());
-        }
-    };
-    let subject = request_subject(&id, &owner);
-    let once = publish_request(js, &id, &owner, &event)
+    if !matches!(event.body, stemq_core::EventBody::Requested(_)) {
+        let message = format!("only a requested event is queued, not {}", event.body.kind());
+        return Err(RequestError { field: "body".into(), message }.into());
+    }
+    let subject = request_subject_of(&id, &event);
+    let once = publish_request(js, &id, &event)
         .instrument(tracing::info_span!("nats.publish", subject = %subject))
         .await
         .map_err(|e| SubmitError::Unavailable(e.to_string()))?;

@@ -60,6 +60,7 @@ impl Stack {
                 tls: None,
                 audio_urls: None,
                 queue_metrics: false,
+                refuse_unserved: false,
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

@@ -354,6 +354,11 @@ impl Lane {
                     names::check_request_owner(&msg.subject, &r.request.owner)
                         .err()
                         .map(|e| ("owner_mismatch", e.to_string()))
+                        .or_else(|| {
+                            names::check_request_route(&msg.subject, r.request.model, r.lane())
+                                .err()
+                                .map(|e| ("route_mismatch", e.to_string()))
+                        })
                 };
                 if let Some((kind, error)) = refused {
                     warn!(lane, seq, subject = %msg.subject, %error, "refusing a request that is not its job's");

@@ -14,6 +14,7 @@
 //! part connects as the global flags say (`--nats-creds`, `--nats-ca`, ...).
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -92,6 +93,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
     let engine = crate::services::engine(&g, &a.worker)?;
+    let models: Vec<&str> = engine.models().iter().map(|m| m.as_str()).collect();
+    let models = models.join(", ");
     let mut wconfig = crate::services::worker_config(&g, &a.store, &a.worker)?;
     wconfig.audio_urls = a.audio_urls.worker();
     let scheme = if a.tls.config().is_some() { "https" } else { "http" };
@@ -110,12 +113,25 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             audio_urls: a.audio_urls.policy(),
             // One process: it is the queue exporter.
             queue_metrics: true,
+            // Its one worker is all there is: a model it does not serve would wait for
+            // ever, so it is refused at submit with what to do instead.
+            refuse_unserved: true,
         },
         children.clone(),
     ));
     let projector = tokio::spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
     let worker = tokio::spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
     let relay = tokio::spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
+    // Up means its worker serves: wait (briefly) for its entry in the worker registry,
+    // so the first submit is not refused for a model it is about to serve.
+    let registry = async_nats::jetstream::new(client.clone()).get_key_value(stemq_core::nats::WORKERS_BUCKET).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while stemq_core::registry::live(&registry).await.map(|w| w.is_empty()).unwrap_or(true) {
+        if std::time::Instant::now() > deadline || worker.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
@@ -136,6 +152,10 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         );
     }
     eprintln!("  store   {store}");
+    eprintln!(
+        "  models  {models}   (more: put weights into {} and restart)",
+        a.worker.engine.models.clone().unwrap_or_else(|| g.data_dir.join("models")).display()
+    );
     eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
     if a.auth.insecure_no_auth {
         eprintln!("  API keys        OFF (--insecure-no-auth): every caller is an operator of `{local}`");

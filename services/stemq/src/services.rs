@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::netpolicy::HostPolicy;
+use stemq_core::request::Model;
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
 
@@ -40,6 +41,10 @@ pub struct IngressArgs {
     /// (docs/operations.md, "Metrics").
     #[arg(long = "queue-metrics", env = "STEMQ_QUEUE_METRICS")]
     pub queue_metrics: bool,
+    /// Refuse (422 `model_not_served`) a submit for a model that no live worker serves,
+    /// instead of queueing it until one does (the default: a fleet's workers come and go).
+    #[arg(long = "refuse-unserved-models", env = "STEMQ_REFUSE_UNSERVED_MODELS")]
+    pub refuse_unserved: bool,
     #[command(flatten)]
     pub server: ServerSettings,
 }
@@ -150,8 +155,9 @@ pub struct RelayServiceArgs {
 /// dev` and the hidden `stemq engine-host`.
 #[derive(Debug, Args, Clone)]
 pub struct EngineArgs {
-    /// Separation engine.
-    #[arg(long, env = "STEMQ_ENGINE", value_enum, default_value_t = EngineKind::Dsp)]
+    /// Separation engine. `auto` serves `dsp` and every demucs model whose weights are
+    /// in the model folder (in a build with the demucs engine).
+    #[arg(long, env = "STEMQ_ENGINE", value_enum, default_value_t = EngineKind::Auto)]
     pub engine: EngineKind,
     /// Model folder of the `demucs` engine (demucs `--repo` layout: `<sig>.th`,
     /// `<name>.yaml`); default `<data-dir>/models`.
@@ -167,11 +173,24 @@ pub struct EngineArgs {
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
+    /// The models the fake engine pretends to run, comma-separated (default: all).
+    #[arg(long, env = "STEMQ_FAKE_MODELS", value_delimiter = ',', value_parser = parse_model)]
+    pub fake_models: Vec<Model>,
+}
+
+/// A model's wire name, for flags.
+pub fn parse_model(s: &str) -> Result<Model, String> {
+    Model::parse(s).ok_or_else(|| {
+        let known: Vec<&str> = Model::ALL.iter().map(|m| m.as_str()).collect();
+        format!("unknown model `{s}`; stemq knows {}", known.join(", "))
+    })
 }
 
 /// A separation engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EngineKind {
+    /// `dsp`, plus `demucs` for the models whose weights are in the model folder.
+    Auto,
     /// Built-in signal processing, no weights (runs model `dsp` only).
     Dsp,
     /// HTDemucs on Burn: needs a build with `--features demucs` and a model folder.
@@ -184,6 +203,7 @@ impl EngineKind {
     /// The spelling on the command line (to pass it on to an engine host).
     pub fn as_str(self) -> &'static str {
         match self {
+            EngineKind::Auto => "auto",
             EngineKind::Dsp => "dsp",
             EngineKind::Demucs => "demucs",
             EngineKind::Fake => "fake",
@@ -362,11 +382,20 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
         args.extend(["--memory-budget".into(), b.to_string().into()]);
     }
     args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
+    if !engine.fake_models.is_empty() {
+        let models: Vec<&str> = engine.fake_models.iter().map(|m| m.as_str()).collect();
+        args.extend(["--fake-models".into(), models.join(",").into()]);
+    }
     args
 }
 
 /// Loads the engine named in the options in this process.
 pub fn engine_in_process(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
+    if opts.engine == EngineKind::Fake && !opts.fake_models.is_empty() {
+        let fake =
+            FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms), models: opts.fake_models.clone() };
+        return Ok(Arc::new(fake));
+    }
     engine_named(g, opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
 }
 
@@ -381,7 +410,14 @@ pub fn engine_named(
     fake_delay: Duration,
 ) -> Result<Arc<dyn Engine>> {
     match kind {
-        EngineKind::Fake => Ok(Arc::new(FakeEngine { base_delay: fake_delay })),
+        EngineKind::Fake => Ok(Arc::new(FakeEngine { base_delay: fake_delay, ..FakeEngine::default() })),
+        EngineKind::Auto => {
+            let dsp: Arc<dyn Engine> = Arc::new(stemq_audio::DspEngine::default());
+            match auto_demucs(g, models, memory_budget)? {
+                Some(demucs) => Ok(Arc::new(stemq_core::engine::Engines::new(vec![dsp, demucs]))),
+                None => Ok(dsp),
+            }
+        }
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` on a dsp worker.
         EngineKind::Dsp => Ok(Arc::new(stemq_audio::DspEngine::default())),
@@ -406,6 +442,23 @@ fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>
     })
     .with_context(|| format!("loading the model folder {}", repo.display()))?;
     Ok(Arc::new(engine))
+}
+
+/// The demucs engine for `--engine auto`: `None` when this build has no demucs engine or
+/// the model folder holds no model's weights.
+#[cfg(feature = "demucs")]
+fn auto_demucs(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Option<Arc<dyn Engine>>> {
+    let repo = models.clone().unwrap_or_else(|| g.data_dir.join("models"));
+    if !repo.is_dir() {
+        return Ok(None);
+    }
+    let engine = demucs_engine(g, models, memory_budget)?;
+    Ok((!engine.models().is_empty()).then_some(engine))
+}
+
+#[cfg(not(feature = "demucs"))]
+fn auto_demucs(_: &Global, _: Option<PathBuf>, _: Option<u64>) -> Result<Option<Arc<dyn Engine>>> {
+    Ok(None)
 }
 
 #[cfg(not(feature = "demucs"))]
@@ -442,6 +495,7 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         tls: a.tls.config(),
         audio_urls: a.audio_urls.policy(),
         queue_metrics: a.queue_metrics,
+        refuse_unserved: a.refuse_unserved,
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())

@@ -33,6 +33,9 @@ pub struct MaxDeliverAdvisory {
     pub stream_seq: u64,
     /// How many times it was delivered.
     pub deliveries: u32,
+    /// The consumer that gave up on it (absent in advisories stored by hand).
+    #[serde(default)]
+    pub consumer: String,
 }
 
 /// Handler failures: a JetStream call (opening the consumer or the stream at start,
@@ -77,7 +80,12 @@ async fn handle(
     jobs: &jetstream::stream::Stream<()>,
     adv: &MaxDeliverAdvisory,
 ) -> Result<(), DeadLetterError> {
-    if adv.stream != names::JOBS_STREAM {
+    // Only the pools' consumers run jobs (and the old `workers` consumer did, before
+    // routing); the others never give up on a message.
+    let of_workers = adv.consumer.is_empty()
+        || adv.consumer == names::WORKERS_CONSUMER
+        || names::pool_of_consumer(&adv.consumer).is_some();
+    if adv.stream != names::JOBS_STREAM || !of_workers {
         return Ok(());
     }
     let original = jobs.direct_get(adv.stream_seq).await.map_err(JetStreamError::read("fetch dead message"))?;

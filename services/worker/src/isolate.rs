@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use stemq_core::device::Device;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
-use stemq_core::request::{JobId, NormalizedRequest};
+use stemq_core::request::{JobId, Model, NormalizedRequest};
 use tracing::{info, warn};
 
 /// Failures starting the first engine host.
@@ -103,6 +103,9 @@ struct Hello {
     /// it existed.
     #[serde(default)]
     wants_metadata: bool,
+    /// The engine's [`Engine::models`].
+    #[serde(default)]
+    models: Vec<Model>,
 }
 
 /// A line read from a host, or the end of its output.
@@ -218,6 +221,8 @@ pub struct IsolatedEngine {
     reads_input: bool,
     /// The host engine's [`Engine::wants_metadata`], from its hello.
     wants_metadata: bool,
+    /// The host engine's [`Engine::models`], from its hello.
+    models: Vec<Model>,
     /// Hosts waiting for a job.
     idle: Mutex<Vec<Host>>,
 }
@@ -234,10 +239,19 @@ impl IsolatedEngine {
     pub fn start(program: PathBuf, args: Vec<OsString>, startup: Duration) -> Result<IsolatedEngine, IsolateError> {
         let host =
             Host::spawn(&program, &args).map_err(|source| IsolateError::Spawn { program: program.clone(), source })?;
-        let (host, Hello { name, devices, reads_input, wants_metadata }) =
+        let (host, Hello { name, devices, reads_input, wants_metadata, models }) =
             host.hello(startup).map_err(IsolateError::NoHello)?;
-        info!(engine = %name, pid = host.child.id(), "engine host ready");
-        Ok(IsolatedEngine { program, args, name, devices, reads_input, wants_metadata, idle: Mutex::new(vec![host]) })
+        info!(engine = %name, pid = host.child.id(), ?models, "engine host ready");
+        Ok(IsolatedEngine {
+            program,
+            args,
+            name,
+            devices,
+            reads_input,
+            wants_metadata,
+            models,
+            idle: Mutex::new(vec![host]),
+        })
     }
 
     /// An idle host, or a new one (whose hello is awaited).
@@ -268,6 +282,10 @@ impl Engine for IsolatedEngine {
 
     fn wants_metadata(&self) -> bool {
         self.wants_metadata
+    }
+
+    fn models(&self) -> Vec<Model> {
+        self.models.clone()
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
@@ -348,6 +366,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
         devices: engine.devices(),
         reads_input: engine.reads_input(),
         wants_metadata: engine.wants_metadata(),
+        models: engine.models(),
     }))?;
     let cancel = Arc::new(AtomicBool::new(false));
     let (jobs_tx, jobs) = mpsc::channel::<WireJob>();
@@ -465,9 +484,13 @@ mod tests {
             devices: vec![Device::Cpu],
             reads_input: false,
             wants_metadata: true,
+            models: vec![Model::Htdemucs6s],
         });
         let back: FromHost = serde_json::from_str(&serde_json::to_string(&hello).unwrap()).unwrap();
-        assert!(matches!(back, FromHost::Hello(Hello { wants_metadata: true, .. })), "{back:?}");
+        assert!(
+            matches!(back, FromHost::Hello(Hello { wants_metadata: true, ref models, .. }) if models == &[Model::Htdemucs6s]),
+            "{back:?}"
+        );
         // A host from before the field: its engine gets no metadata.
         let old = r#"{"type":"hello","name":"dsp","devices":["cpu"],"reads_input":true}"#;
         let back: FromHost = serde_json::from_str(old).unwrap();

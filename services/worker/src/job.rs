@@ -49,7 +49,12 @@ use stemq_core::metrics::{metrics, JobLabels};
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
-pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_stop: &CancellationToken) {
+pub(crate) async fn handle(
+    shared: &Arc<Shared>,
+    msg: jetstream::Message,
+    queue: watch::Receiver<crate::QueueSettings>,
+    hard_stop: &CancellationToken,
+) {
     let info = match msg.info() {
         Ok(i) => (i.delivered.max(1) as u32, i.stream_sequence),
         Err(e) => {
@@ -70,16 +75,18 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, hard_s
     let parsed = Event::from_slice(&msg.payload);
     let traceparent = parsed.as_ref().ok().and_then(|e| e.traceparent.as_deref());
     stemq_core::telemetry::set_parent(&span, traceparent);
-    run_delivery(shared, msg, parsed, job_id, attempt, seq, hard_stop).instrument(span).await
+    run_delivery(shared, msg, queue, parsed, job_id, attempt, seq, hard_stop).instrument(span).await
 }
 
 pub(crate) fn source(shared: &Shared) -> String {
     format!("/stemq/worker/{}", shared.config.name)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_delivery(
     shared: &Arc<Shared>,
     msg: jetstream::Message,
+    queue: watch::Receiver<crate::QueueSettings>,
     parsed: Result<Event, serde_json::Error>,
     job_id: JobId,
     attempt: u32,
@@ -178,12 +185,13 @@ async fn run_delivery(
 
     let msg = Arc::new(msg);
     let (progress_tx, progress_rx) = watch::channel::<Option<(f32, String)>>(None);
-    let keepalive = spawn_keepalive(shared, msg.clone(), &job_id, attempt, progress_rx);
+    let max_deliver = queue.borrow().max_deliver;
+    let keepalive = spawn_keepalive(shared, queue, msg.clone(), &job_id, attempt, progress_rx);
     // What the decision needs besides the engine's result (the backoff is drawn now,
     // so the decision stays a pure function).
     let given = |user_cancel: bool| Given {
         attempt,
-        max_deliver: shared.queue().max_deliver,
+        max_deliver,
         backoff: shared.config.backoff.delay(attempt),
         user_cancel,
         elapsed: t0.elapsed(),
@@ -486,6 +494,9 @@ enum Rejection {
     /// by someone allowed to publish for that token's owner only (a publisher).
     #[error(transparent)]
     OwnerMismatch(#[from] stemq_core::nats::OwnerMismatch),
+    /// The request was routed into another pool or lane than its body names.
+    #[error(transparent)]
+    RouteMismatch(#[from] stemq_core::nats::RouteMismatch),
     /// The request is invalid, or valid but not as the ingress would have normalised it
     /// (a raw publisher bypassed the ingress).
     #[error("{0}")]
@@ -507,6 +518,7 @@ impl Rejection {
             Rejection::NotAnEvent(_) | Rejection::NotARequest(_) => FailureCode::InvalidEvent,
             Rejection::IdMismatch { .. } => FailureCode::IdMismatch,
             Rejection::OwnerMismatch(_) => FailureCode::OwnerMismatch,
+            Rejection::RouteMismatch(_) => FailureCode::RouteMismatch,
             Rejection::Invalid(_) => FailureCode::InvalidRequest,
         }
     }
@@ -525,6 +537,7 @@ fn validate(parsed: Result<Event, serde_json::Error>, subject: &str, job_id: &Jo
         return Err(Rejection::IdMismatch { computed, claimed: job_id.clone() });
     }
     stemq_core::nats::check_request_owner(subject, &r.request.owner)?;
+    stemq_core::nats::check_request_route(subject, r.request.model, r.lane())?;
     // Re-validate the request itself: a raw publisher bypasses the ingress.
     r.request.revalidate(r.webhook.as_ref(), r.metadata.as_ref(), r.max_runtime).map_err(Rejection::Invalid)?;
     Ok(Valid { requested: r, at: ev.time, traceparent: ev.traceparent })
@@ -762,8 +775,12 @@ impl Drop for ScratchDir {
 mod tests {
     use super::*;
     use serde_json::json;
-    use stemq_core::nats::request_subject;
-    use stemq_core::request::{JobRequest, ANONYMOUS};
+    use stemq_core::request::{JobRequest, Model, Priority, ANONYMOUS};
+
+    /// The routed subject of an interactive `htdemucs` request (what [`requested`] is).
+    fn request_subject(id: &JobId, owner: &str) -> String {
+        stemq_core::nats::request_subject(id, owner, Model::Htdemucs, Priority::Interactive)
+    }
 
     fn requested() -> Event {
         let n = JobRequest::from_value(json!({"audio_uri": "file:///a.wav"})).unwrap().normalize(ANONYMOUS).unwrap();
@@ -777,7 +794,13 @@ mod tests {
         let valid = validate(Ok(ev.clone()), &request_subject(&id, ANONYMOUS), &id).expect("valid");
         assert_eq!(valid.requested.request.job_id(), id);
         // A request recorded before owner tokens is still run.
-        assert!(validate(Ok(ev), &job_subject(&id, SubjectKind::Requested), &id).is_ok());
+        assert!(validate(Ok(ev.clone()), &job_subject(&id, SubjectKind::Requested), &id).is_ok());
+        // Routed into another pool or lane: refused (another pool's worker may not run it).
+        for (model, lane) in [(Model::Dsp, Priority::Interactive), (Model::Htdemucs, Priority::Batch)] {
+            let wrong = stemq_core::nats::request_subject(&id, ANONYMOUS, model, lane);
+            let e = validate(Ok(ev.clone()), &wrong, &id).unwrap_err();
+            assert_eq!(e.code(), FailureCode::RouteMismatch, "{e:?}");
+        }
     }
 
     #[test]

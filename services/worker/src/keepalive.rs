@@ -23,13 +23,13 @@ use crate::Shared;
 /// Progress acks (every third of `ack_wait`) and rate-limited progress events.
 pub(crate) fn spawn_keepalive(
     shared: &Arc<Shared>,
+    mut queue: watch::Receiver<crate::QueueSettings>,
     msg: Arc<jetstream::Message>,
     job_id: &JobId,
     attempt: u32,
     mut progress: watch::Receiver<Option<(f32, String)>>,
 ) -> tokio::task::JoinHandle<()> {
     let js = shared.js.clone();
-    let mut queue = shared.queue.clone();
     let min_gap = shared.config.progress_every;
     let subject = job_subject(job_id, SubjectKind::Progress);
     let job_id = job_id.clone();

@@ -1,9 +1,13 @@
 //! stemq-worker: runs separation jobs from the queue, each exactly once in effect.
 //!
 //! This crate owns the work side of the pipeline:
-//! - [`run`] starts `concurrency` job loops over the durable `workers` pull consumer,
-//!   one job at a time each (pulled one by one, so nothing waits in a local buffer while
-//!   its ack deadline runs), plus the dead-letter handler ([`deadletter`]);
+//! - [`run`] serves the pools of the models its engine runs ([`Engine::models`]): it
+//!   pulls from their consumers (`workers-<model>-<lane>`, every interactive lane before
+//!   any batch lane) only as many jobs as it has free slots (`concurrency`), so nothing
+//!   waits in a local buffer while its ack deadline runs; it announces itself in the
+//!   worker registry (`stemq_workers`: models, devices, version, free memory, jobs
+//!   running) every few seconds and leaves it on shutdown; and it runs the dead-letter
+//!   handler ([`deadletter`]);
 //! - [`job`] handles one delivery: skip if already done, start, keep the ack deadline
 //!   alive with progress acks, run the engine (with the out-of-memory ladder and the hard
 //!   time limit), store outputs, publish the outcome, and only then ack;
@@ -17,12 +21,12 @@
 //!   process costs only its own attempt;
 //! - [`scratch`] owns local scratch space and sweeps what dead workers left.
 //!
-//! The `workers` consumer's configuration is the single source of truth for the queue
+//! Each pool consumer's configuration is the single source of truth for its queue
 //! settings: ack wait and max deliver are read from it at start and re-read every second
 //! ([`QueueSettings`]), so `stemq nats apply` takes effect on running workers (progress
 //! acks follow a shorter ack wait at once) and no flag of the worker can disagree with it.
 //!
-//! On shutdown the loops stop pulling, the current jobs finish within the grace period
+//! On shutdown the worker stops pulling and leaves the registry, the current jobs finish within the grace period
 //! and the process exits; a job still running when the grace period ends is handed back
 //! (nak) for another worker, with no outcome recorded.
 
@@ -46,6 +50,8 @@ use futures::StreamExt;
 use stemq_core::engine::Engine;
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
+use stemq_core::registry::{self, WorkerInfo};
+use stemq_core::request::Priority;
 use stemq_core::storage::Store;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -63,6 +69,12 @@ pub enum WorkerError {
     /// The scratch directory is unusable.
     #[error("scratch directory {0}: {1}")]
     Scratch(PathBuf, #[source] std::io::Error),
+    /// The engine runs no model, so there is no pool to serve.
+    #[error("the engine `{0}` runs no model (is its model folder empty?)")]
+    NoModels(String),
+    /// The subscription to new requests failed.
+    #[error("subscribing to new requests: {0}")]
+    Subscribe(String),
 }
 
 /// Worker configuration.
@@ -154,23 +166,19 @@ pub(crate) struct Shared {
     pub jobs_stream: jetstream::stream::Stream<()>,
     pub engine: Arc<dyn Engine>,
     pub config: Config,
-    /// The consumer's settings, kept current by [`watch_settings`].
-    pub queue: watch::Receiver<QueueSettings>,
     /// This process's scratch folder.
     pub scratch: scratch::Scratch,
     /// Jobs running in this process, for the cancel listener.
     pub running: Arc<control::Running>,
 }
 
-impl Shared {
-    /// The queue settings now.
-    pub fn queue(&self) -> QueueSettings {
-        *self.queue.borrow()
-    }
-}
-
-/// Re-reads the consumer's settings every second until `stop`, publishing changes.
-async fn watch_settings(mut consumer: PullConsumer, tx: watch::Sender<QueueSettings>, stop: CancellationToken) {
+/// Re-reads a pool consumer's settings every second until `stop`, publishing changes.
+async fn watch_settings(
+    name: String,
+    mut consumer: PullConsumer,
+    tx: watch::Sender<QueueSettings>,
+    stop: CancellationToken,
+) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -184,16 +192,34 @@ async fn watch_settings(mut consumer: PullConsumer, tx: watch::Sender<QueueSetti
         if now != before {
             info!(
                 event = "queue.settings_changed",
+                consumer = %name,
                 ack_wait_ms_before = before.ack_wait.as_millis() as u64,
                 ack_wait_ms = now.ack_wait.as_millis() as u64,
                 max_deliver_before = before.max_deliver,
                 max_deliver = now.max_deliver,
-                "the workers consumer changed; following it"
+                "the pool's consumer changed; following it"
             );
             let _ = tx.send(now);
         }
     }
 }
+
+/// One lane of one pool this worker pulls from.
+struct PoolLane {
+    /// `workers-<model>-<lane>`.
+    name: String,
+    consumer: PullConsumer,
+    queue: watch::Receiver<QueueSettings>,
+}
+
+/// How long an idle worker waits between looks at its pools when it hears of no new
+/// request: redeliveries (retries after their backoff, deliveries whose worker died)
+/// are not announced, so this bounds how late one starts on an idle worker.
+const IDLE_POLL: Duration = Duration::from_millis(250);
+
+/// After hearing of a new request and finding nothing (the request may not have
+/// reached its consumer yet, or another worker took it), look again after these.
+const RECHECK: [Duration; 2] = [Duration::from_millis(10), Duration::from_millis(50)];
 
 /// Runs the worker until `shutdown`, then drains.
 pub async fn run(
@@ -202,50 +228,83 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let js = jetstream::new(client);
-    let mut consumer: PullConsumer = js
-        .get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM)
-        .await
-        .map_err(JetStreamError::open("open workers consumer"))?;
-    let info = consumer.info().await.map_err(JetStreamError::read("consumer info"))?.clone();
+    let js = jetstream::new(client.clone());
+    let models = engine.models();
+    if models.is_empty() {
+        return Err(WorkerError::NoModels(engine.name().to_string()));
+    }
+    // Interactive lanes of every pool first, then batch: the order of every look.
+    let mut lanes = Vec::new();
+    let tracker = TaskTracker::new();
+    for lane in Priority::ALL {
+        for model in &models {
+            let name = names::pool_consumer(*model, *lane);
+            let mut consumer: PullConsumer = js
+                .get_consumer_from_stream(&name, names::JOBS_STREAM)
+                .await
+                .map_err(JetStreamError::open("open a pool consumer"))?;
+            let info = consumer.info().await.map_err(JetStreamError::read("consumer info"))?.clone();
+            let (tx, queue) = watch::channel(QueueSettings::of(&info.config));
+            tracker.spawn(watch_settings(name.clone(), consumer.clone(), tx, shutdown.clone()));
+            lanes.push(PoolLane { name, consumer, queue });
+        }
+    }
+    let settings = *lanes[0].queue.borrow();
     let jobs_stream =
         js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
     let scratch =
         scratch::Scratch::open(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
-    let settings = QueueSettings::of(&info.config);
-    let (settings_tx, queue) = watch::channel(settings);
     let shared = Arc::new(Shared {
         js: js.clone(),
         jobs_stream,
         engine: engine.clone(),
         config: config.clone(),
-        queue,
         scratch,
         running: Arc::new(control::Running::default()),
     });
     let cancel_listener = control::listen(js.client(), shared.running.clone())
         .await
         .map_err(JetStreamError::open("subscribe to cancel requests"))?;
+    // New requests of the pools served here wake the dispatcher (the server does not
+    // tell a pull consumer's clients that something arrived).
+    let wake = Arc::new(tokio::sync::Notify::new());
+    for model in &models {
+        let mut sub = client
+            .subscribe(format!("{}.*.requested.*.{model}.*", names::JOBS_PREFIX))
+            .await
+            .map_err(|e| WorkerError::Subscribe(e.to_string()))?;
+        let (wake, stop) = (wake.clone(), shutdown.clone());
+        tracker.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    m = sub.next() => match m {
+                        Some(_) => wake.notify_one(),
+                        None => return,
+                    },
+                }
+            }
+        });
+    }
     info!(
         worker = %config.name,
         engine = engine.name(),
         devices = ?engine.devices(),
+        models = ?models,
         concurrency = config.concurrency,
         max_deliver = settings.max_deliver,
         ack_wait_ms = settings.ack_wait.as_millis() as u64,
         "worker running"
     );
 
-    let tracker = TaskTracker::new();
-    tracker.spawn(watch_settings(consumer.clone(), settings_tx, shutdown.clone()));
-    // `stop_pulling` ends the loops' pulls; `hard_stop` cancels jobs past the grace period.
+    // `shutdown` ends the dispatcher's pulls; `hard_stop` cancels jobs past the grace period.
     let hard_stop = CancellationToken::new();
-    for n in 0..config.concurrency.max(1) {
-        let shared = shared.clone();
-        let consumer = consumer.clone();
-        let stop = shutdown.clone();
-        let hard = hard_stop.clone();
-        tracker.spawn(async move { job_loop(n, shared, consumer, stop, hard).await });
+    let slots = Arc::new(tokio::sync::Semaphore::new(config.concurrency.max(1)));
+    let jobs = TaskTracker::new();
+    {
+        let (shared, slots, jobs, stop, hard) =
+            (shared.clone(), slots.clone(), jobs.clone(), shutdown.clone(), hard_stop.clone());
+        tracker.spawn(dispatch(lanes, wake, shared, slots, jobs, stop, hard));
     }
     if config.deadletter {
         let js = js.clone();
@@ -256,16 +315,50 @@ pub async fn run(
             }
         });
     }
+    let registry = match js.get_key_value(names::WORKERS_BUCKET).await {
+        Ok(bucket) => Some(bucket),
+        Err(e) => {
+            warn!(error = %e, "no worker registry bucket (run `stemq nats apply`): this worker is not announced");
+            None
+        }
+    };
     {
-        // The heartbeat gauge, for dashboards. Alerts on dead workers read Prometheus's
-        // `up` instead: this series dies with the process.
-        let (name, stop) = (config.name.clone(), shutdown.clone());
+        // The registry entry and the heartbeat gauge. Alerts on dead workers read
+        // Prometheus's `up` instead: this series dies with the process.
+        let announce = registry.clone().map(|bucket| {
+            let info = WorkerInfo {
+                name: config.name.clone(),
+                models: models.clone(),
+                devices: engine.devices().iter().map(|d| d.to_string()).collect(),
+                engine: engine.name().to_string(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                concurrency: config.concurrency.max(1),
+                running: 0,
+                free_memory_bytes: None,
+                started_at: chrono::Utc::now(),
+                heartbeat_at: chrono::Utc::now(),
+            };
+            (bucket, info)
+        });
+        let (name, stop, slots, concurrency) =
+            (config.name.clone(), shutdown.clone(), slots.clone(), config.concurrency.max(1));
         tracker.spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            let mut tick = tokio::time::interval(registry::HEARTBEAT);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = tick.tick() => stemq_core::metrics::metrics().heartbeat(&name),
+                    _ = tick.tick() => {}
+                }
+                stemq_core::metrics::metrics().heartbeat(&name);
+                if let Some((bucket, info)) = &announce {
+                    let mut info = info.clone();
+                    info.running = concurrency.saturating_sub(slots.available_permits());
+                    info.free_memory_bytes = registry::mem_available();
+                    info.heartbeat_at = chrono::Utc::now();
+                    if let Err(e) = registry::announce(bucket, &info).await {
+                        warn!(error = %e, "cannot announce this worker");
+                    }
                 }
             }
         });
@@ -277,46 +370,95 @@ pub async fn run(
 
     shutdown.cancelled().await;
     info!(grace_s = config.grace.as_secs(), "shutting down: finishing current jobs");
-    if tokio::time::timeout(config.grace, tracker.wait()).await.is_err() {
+    // Not serving any more: leave the registry now, so no job waits for this worker.
+    if let Some(bucket) = &registry {
+        if let Err(e) = registry::withdraw(bucket, &config.name).await {
+            warn!(error = %e, "cannot leave the worker registry; the entry expires");
+        }
+    }
+    tracker.wait().await;
+    jobs.close();
+    if tokio::time::timeout(config.grace, jobs.wait()).await.is_err() {
         warn!("grace period over: handing running jobs back");
         hard_stop.cancel();
-        tracker.wait().await;
+        jobs.wait().await;
     }
     cancel_listener.abort();
     info!("worker stopped");
     Ok(())
 }
 
-async fn job_loop(
-    n: usize,
+/// Hands jobs to free job slots: whenever a slot is free, looks at the pools' lanes in
+/// order (every interactive lane before any batch lane) and takes at most as many jobs as
+/// slots are free, so nothing waits in a local buffer while its ack deadline runs and a
+/// job queued in an interactive lane is the next one any free slot takes. When nothing
+/// is there, it waits to hear of a new request (or [`IDLE_POLL`]).
+async fn dispatch(
+    lanes: Vec<PoolLane>,
+    wake: Arc<tokio::sync::Notify>,
     shared: Arc<Shared>,
-    consumer: PullConsumer,
+    slots: Arc<tokio::sync::Semaphore>,
+    jobs: TaskTracker,
     stop: CancellationToken,
     hard: CancellationToken,
 ) {
+    let mut rechecks = 0;
     while !stop.is_cancelled() {
-        let batch = consumer.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                warn!(lane = n, error = %e, "pull failed; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
-                }
-            }
-        };
-        let msg = tokio::select! {
+        let first = tokio::select! {
             _ = stop.cancelled() => return,
-            m = batch.next() => m,
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
         };
-        match msg {
-            Some(Ok(msg)) => job::handle(&shared, msg, &hard).await,
-            Some(Err(e)) => {
-                warn!(lane = n, error = %e, "pull error");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut permits = vec![first];
+        while let Ok(p) = slots.clone().try_acquire_owned() {
+            permits.push(p);
+        }
+        let mut taken = 0;
+        for lane in &lanes {
+            if permits.is_empty() {
+                break;
             }
-            None => {}
+            let batch = match lane.consumer.fetch().max_messages(permits.len()).messages().await {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(consumer = %lane.name, error = %e, "pull failed; retrying");
+                    continue;
+                }
+            };
+            tokio::pin!(batch);
+            while let Some(m) = batch.next().await {
+                let msg = match m {
+                    Ok(msg) => msg,
+                    Err(e) => {
+                        warn!(consumer = %lane.name, error = %e, "pull error");
+                        break;
+                    }
+                };
+                let Some(permit) = permits.pop() else {
+                    // More than asked for cannot come; hand it back untouched if it does.
+                    let _ = msg.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+                    continue;
+                };
+                taken += 1;
+                let (shared, queue, hard) = (shared.clone(), lane.queue.clone(), hard.clone());
+                jobs.spawn(async move {
+                    job::handle(&shared, msg, queue, &hard).await;
+                    drop(permit);
+                });
+            }
+        }
+        drop(permits);
+        if taken > 0 {
+            rechecks = 0;
+            continue;
+        }
+        let pause = match RECHECK.get(rechecks) {
+            Some(d) => *d,
+            None => IDLE_POLL,
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = wake.notified() => rechecks = 0,
+            _ = tokio::time::sleep(pause) => rechecks += 1,
         }
     }
 }

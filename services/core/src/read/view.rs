@@ -123,7 +123,9 @@ pub async fn request_of(
             // Only the job's own request: hashing to its id, for its subject's owner.
             let owner_ok = match &event.body {
                 crate::EventBody::Requested(r) => {
-                    r.request.job_id() == *id && check_request_owner(m.subject.as_str(), &r.request.owner).is_ok()
+                    r.request.job_id() == *id
+                        && check_request_owner(m.subject.as_str(), &r.request.owner).is_ok()
+                        && names::check_request_route(m.subject.as_str(), r.request.model, r.lane()).is_ok()
                 }
                 _ => false,
             };

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::{
-    ClipMode, Encoding, JobId, Model, OtherMethod, OutputFormat, RequestError, ANONYMOUS, MAX_METADATA_BYTES,
+    ClipMode, Encoding, JobId, Model, OtherMethod, OutputFormat, Priority, RequestError, ANONYMOUS, MAX_METADATA_BYTES,
     MAX_RUNTIME_S, MAX_SHIFTS, MAX_URI_LEN,
 };
 
@@ -81,6 +81,11 @@ pub struct JobRequest {
     /// still applies (the smaller wins). Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_runtime: Option<u64>,
+    /// Lane: `interactive` (the HTTP default, or the API key's own default) or `batch`,
+    /// which runs only when no interactive job of the same model waits. Not part of the
+    /// job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
 }
 
 /// The canonical form of a request: what the output depends on, with defaults filled
@@ -334,6 +339,7 @@ impl NormalizedRequest {
             // passed since (the worker then records `expired`).
             start_before: None,
             max_runtime,
+            priority: None,
         };
         let mut normalised = as_sent.normalize(owner)?;
         normalised.retry_of = retry_of.clone();

@@ -3,7 +3,8 @@
 //!
 //! This module owns the *identity* of a job. The job id is the lowercase hex SHA-256 of
 //! the RFC 8785 (JCS) canonical JSON of the [`NormalizedRequest`]: every default filled
-//! in, `webhook`, `metadata` and the deadlines (`start_before`, `max_runtime`) left out
+//! in, `webhook`, `metadata`, the `priority` lane and the deadlines (`start_before`,
+//! `max_runtime`) left out
 //! — they say when and how to tell, not what to compute — the owner included. Two requests that differ
 //! only in key order, whitespace or an explicitly given default share one id; anything
 //! the output depends on changes it. `docs/job-id.md` describes the algorithm for
@@ -24,7 +25,7 @@ mod options;
 pub use error::RequestError;
 pub use id::JobId;
 pub use job::{request_json, JobRequest, NormalizedRequest, Webhook};
-pub use options::{ClipMode, Encoding, Model, OtherMethod, OutputFormat};
+pub use options::{ClipMode, Encoding, Model, OtherMethod, OutputFormat, Priority};
 
 /// Longest accepted `audio_uri`, in bytes.
 pub const MAX_URI_LEN: usize = 2048;

@@ -139,6 +139,28 @@ pub enum OtherMethod {
 
 wire_names!(OtherMethod { Add => "add", Minus => "minus", None => "none" });
 
+/// Which lane of its pool a job waits in. A worker takes every interactive job it can
+/// run before any batch job; within a lane, jobs run in the order they were queued.
+/// Not part of the job id: it says when to compute, not what.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Someone is waiting for it (the default of the HTTP API).
+    #[default]
+    Interactive,
+    /// Bulk work: runs when no interactive job of the pool waits.
+    Batch,
+}
+
+wire_names!(Priority { Interactive => "interactive", Batch => "batch" });
+
+impl Priority {
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<Priority> {
+        Priority::ALL.iter().copied().find(|p| p.as_str() == s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +184,7 @@ mod tests {
         agrees(Encoding::ALL, Encoding::as_str);
         agrees(ClipMode::ALL, ClipMode::as_str);
         agrees(OtherMethod::ALL, OtherMethod::as_str);
+        agrees(Priority::ALL, Priority::as_str);
         assert_eq!(Model::parse("htdemucs_6s"), Some(Model::Htdemucs6s));
         assert_eq!(Model::parse("spleeter"), None);
         assert_eq!(OutputFormat::Flac.extension(), "flac");

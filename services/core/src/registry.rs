@@ -1,0 +1,255 @@
+//! The worker registry: which workers live now, and what each serves.
+//!
+//! This module owns the `stemq_workers` bucket. Every worker writes its
+//! [`WorkerInfo`] (models, devices, version, free memory, jobs running) under its own
+//! key when it starts and again every [`HEARTBEAT`], and deletes it when it stops. An
+//! entry whose heartbeat is older than [`TTL`] belongs to a dead worker and is not
+//! live; the bucket's own `max_age` removes it later. Readers keep a live copy with
+//! [`Registry::watch`] (the ingress: `GET /v1/workers`, the refusal of models nobody
+//! serves, the reason a queued job waits) or read it once with [`live`] (`stemq top`,
+//! the queue metrics).
+//!
+//! The registry says who *announced* what; it never routes work. Routing is the pool
+//! consumers' (`stemq_core::nats::pool_consumer`): a job waits in its pool whatever the
+//! registry says, and runs when a worker of that pool pulls it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::request::Model;
+
+/// How often a worker writes its entry.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
+/// An entry older than this is a dead worker's (three missed heartbeats).
+pub const TTL: Duration = Duration::from_secs(15);
+
+/// What a worker announces.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WorkerInfo {
+    /// The worker's name (`<host>-<pid>` unless configured).
+    pub name: String,
+    /// The models it runs: the pools it pulls from.
+    pub models: Vec<Model>,
+    /// Its devices, preferred first.
+    pub devices: Vec<String>,
+    /// Its engine (`dsp`, `demucs`, `dsp+demucs`, `fake`).
+    pub engine: String,
+    /// The stemq version it runs.
+    pub version: String,
+    /// Job loops (jobs it runs at once at most).
+    pub concurrency: usize,
+    /// Jobs it runs now.
+    pub running: usize,
+    /// Memory available to it now, in bytes (the host's `MemAvailable`), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_memory_bytes: Option<u64>,
+    /// When it started.
+    pub started_at: DateTime<Utc>,
+    /// When it wrote this entry.
+    pub heartbeat_at: DateTime<Utc>,
+}
+
+impl WorkerInfo {
+    /// True when the heartbeat is at most [`TTL`] old at `now`.
+    pub fn is_live(&self, now: DateTime<Utc>) -> bool {
+        now.signed_duration_since(self.heartbeat_at).to_std().map(|age| age <= TTL).unwrap_or(true)
+    }
+}
+
+/// Registry failures.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// Writing the entry failed.
+    #[error("writing the worker registry: {0}")]
+    Put(#[from] kv::PutError),
+    /// Deleting the entry failed.
+    #[error("removing from the worker registry: {0}")]
+    Delete(#[from] kv::DeleteError),
+    /// Reading the bucket failed.
+    #[error("reading the worker registry: {0}")]
+    Read(String),
+}
+
+/// The bucket key of a worker: its name when that is a valid key of letters, digits,
+/// `-`, `_` and `=`, else `h-` and the hex SHA-256 of the name.
+pub fn key_of(name: &str) -> String {
+    crate::request::owner_token(name)
+}
+
+/// Writes (or refreshes) `info`.
+pub async fn announce(bucket: &kv::Store, info: &WorkerInfo) -> Result<(), RegistryError> {
+    let body = serde_json::to_vec(info).expect("worker info serialises");
+    bucket.put(key_of(&info.name), body.into()).await?;
+    Ok(())
+}
+
+/// Removes a worker's entry (it stops).
+pub async fn withdraw(bucket: &kv::Store, name: &str) -> Result<(), RegistryError> {
+    bucket.delete(key_of(name)).await?;
+    Ok(())
+}
+
+/// The live workers now, by name.
+pub async fn live(bucket: &kv::Store) -> Result<Vec<WorkerInfo>, RegistryError> {
+    let mut keys = bucket.keys().await.map_err(|e| RegistryError::Read(e.to_string()))?;
+    let mut out = Vec::new();
+    while let Some(key) = keys.next().await {
+        let key = key.map_err(|e| RegistryError::Read(e.to_string()))?;
+        if let Ok(Some(bytes)) = bucket.get(&key).await {
+            if let Ok(info) = serde_json::from_slice::<WorkerInfo>(&bytes) {
+                out.push(info);
+            }
+        }
+    }
+    let now = Utc::now();
+    out.retain(|w| w.is_live(now));
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// The live workers that serve `model`, from `workers`.
+pub fn serving(workers: &[WorkerInfo], model: Model) -> usize {
+    workers.iter().filter(|w| w.models.contains(&model)).count()
+}
+
+/// Why a queued job of `model` waits, when no live worker serves its model.
+pub fn waiting_reason(workers: &[WorkerInfo], model: Model) -> Option<String> {
+    (serving(workers, model) == 0).then(|| format!("waiting for a worker that serves {model}"))
+}
+
+/// A live copy of the registry, kept by a watch on the bucket.
+#[derive(Clone, Default)]
+pub struct Registry {
+    entries: Arc<RwLock<HashMap<String, WorkerInfo>>>,
+    /// False until the watch has delivered the bucket's current entries.
+    ready: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Registry {
+    /// Starts watching `bucket` (in a task that lives as long as the connection); the
+    /// copy fills in as the watch delivers. The watch restarts when it ends.
+    pub fn watch(bucket: kv::Store) -> Registry {
+        let registry = Registry::default();
+        let r = registry.clone();
+        tokio::spawn(async move {
+            loop {
+                match bucket.watch_all().await {
+                    Ok(mut w) => {
+                        // The current entries come first; an empty bucket sends none, so the
+                        // copy counts as ready at once and then keeps up.
+                        r.ready.store(true, std::sync::atomic::Ordering::Release);
+                        while let Some(entry) = w.next().await {
+                            let Ok(entry) = entry else { break };
+                            let mut map = r.entries.write().unwrap_or_else(|p| p.into_inner());
+                            match entry.operation {
+                                kv::Operation::Put => match serde_json::from_slice::<WorkerInfo>(&entry.value) {
+                                    Ok(info) => {
+                                        map.insert(entry.key, info);
+                                    }
+                                    Err(_) => {
+                                        map.remove(&entry.key);
+                                    }
+                                },
+                                kv::Operation::Delete | kv::Operation::Purge => {
+                                    map.remove(&entry.key);
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "worker registry watch failed; retrying"),
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        registry
+    }
+
+    /// A copy that never changes (tests, and readers without NATS).
+    pub fn fixed(workers: Vec<WorkerInfo>) -> Registry {
+        let r = Registry::default();
+        r.entries.write().expect("fresh lock").extend(workers.into_iter().map(|w| (key_of(&w.name), w)));
+        r.ready.store(true, std::sync::atomic::Ordering::Release);
+        r
+    }
+
+    /// The live workers now, by name.
+    pub fn live(&self) -> Vec<WorkerInfo> {
+        let now = Utc::now();
+        let map = self.entries.read().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<WorkerInfo> = map.values().filter(|w| w.is_live(now)).cloned().collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// True once the watch has read the bucket.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Live workers that serve `model`.
+    pub fn serving(&self, model: Model) -> usize {
+        serving(&self.live(), model)
+    }
+}
+
+/// The host's `MemAvailable` in bytes (Linux), for [`WorkerInfo::free_memory_bytes`].
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(name: &str, models: &[Model], age_s: i64) -> WorkerInfo {
+        let now = Utc::now();
+        WorkerInfo {
+            name: name.into(),
+            models: models.to_vec(),
+            devices: vec!["cpu".into()],
+            engine: "fake".into(),
+            version: "0".into(),
+            concurrency: 1,
+            running: 0,
+            free_memory_bytes: None,
+            started_at: now,
+            heartbeat_at: now - chrono::Duration::seconds(age_s),
+        }
+    }
+
+    #[test]
+    fn a_worker_past_its_ttl_is_not_live_and_serves_nothing() {
+        let r = Registry::fixed(vec![
+            worker("a", &[Model::Dsp], 0),
+            worker("b", &[Model::Htdemucs], 60),
+            worker("c", &[Model::Dsp, Model::Htdemucs6s], 1),
+        ]);
+        let names: Vec<_> = r.live().into_iter().map(|w| w.name).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!(r.serving(Model::Dsp), 2);
+        assert_eq!(r.serving(Model::Htdemucs), 0);
+        let live = r.live();
+        assert_eq!(
+            waiting_reason(&live, Model::Htdemucs).as_deref(),
+            Some("waiting for a worker that serves htdemucs")
+        );
+        assert_eq!(waiting_reason(&live, Model::Htdemucs6s), None);
+    }
+
+    #[test]
+    fn keys_are_valid_bucket_keys() {
+        assert_eq!(key_of("gpu-7-1234"), "gpu-7-1234");
+        let odd = key_of("host.example:42");
+        assert!(odd.starts_with("h-") && odd.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'), "{odd}");
+    }
+}
