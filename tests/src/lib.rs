@@ -393,7 +393,10 @@ impl Stack {
             t.cancel();
         }
         for (_, h) in self.workers.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
+            // A worker stopped with `stop_worker` was awaited there already.
+            if !h.is_finished() {
+                let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
+            }
         }
         self.stop.cancel();
         for h in self.tasks.drain(..) {
