@@ -380,6 +380,69 @@ mod tests {
         assert_eq!(metadata_for(&Plain, None), None);
     }
 
+    /// Records the device each job it ran was given.
+    struct Cpu(Model, std::sync::Mutex<Vec<Device>>);
+
+    impl Engine for Cpu {
+        fn name(&self) -> &str {
+            self.0.as_str()
+        }
+        fn devices(&self) -> Vec<Device> {
+            vec![Device::Cpu]
+        }
+        fn models(&self) -> Vec<Model> {
+            vec![self.0]
+        }
+        fn separate(&self, job: &EngineJob<'_>, _ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+            self.1.lock().unwrap().push(job.device.clone());
+            Ok(vec![StemFile { stem: self.0.to_string(), path: job.out_dir.into(), audio: None }])
+        }
+    }
+
+    struct Quiet;
+    impl EngineContext for Quiet {
+        fn progress(&self, _: f32, _: &str) {}
+        fn cancelled(&self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn engines_send_each_job_to_the_engine_of_its_model_on_a_device_it_has() {
+        let dsp = std::sync::Arc::new(Cpu(Model::Dsp, Default::default()));
+        let ht = std::sync::Arc::new(Cpu(Model::Htdemucs, Default::default()));
+        let both = Engines::new(vec![dsp.clone(), ht.clone()]);
+        assert_eq!(both.name(), "dsp+htdemucs");
+        assert_eq!(both.models(), [Model::Htdemucs, Model::Dsp]);
+        let run = |model: &str, device: &Device| {
+            let request = crate::request::JobRequest::from_value(json!({"audio_uri": "file:///a.wav", "model": model}))
+                .unwrap()
+                .normalize("o")
+                .unwrap();
+            let id = request.job_id();
+            let job = EngineJob {
+                job_id: &id,
+                request: &request,
+                metadata: None,
+                attempt: 1,
+                input: std::path::Path::new("/in"),
+                out_dir: std::path::Path::new("/out"),
+                device,
+                segment: None,
+            };
+            both.separate(&job, &Quiet).map(|s| s[0].stem.clone())
+        };
+        assert_eq!(run("dsp", &Device::Cpu).unwrap(), "dsp");
+        // A device the model's engine lacks becomes that engine's own.
+        assert_eq!(run("htdemucs", &Device::from("cuda")).unwrap(), "htdemucs");
+        assert_eq!(*ht.1.lock().unwrap(), [Device::Cpu]);
+        let e = run("htdemucs_6s", &Device::Cpu).unwrap_err();
+        assert!(
+            matches!(e, EngineError::Unsupported { ref code, .. } if *code == FailureCode::ModelUnavailable),
+            "{e:?}"
+        );
+    }
+
     #[cfg(feature = "fake")]
     #[test]
     fn the_fake_engine_asks_for_its_script() {
