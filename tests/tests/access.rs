@@ -322,7 +322,7 @@ async fn limits_hold_across_two_ingress_replicas() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let stop = CancellationToken::new();
     let bases = [stack.url(""), second_ingress(&stack, &stop).await];
-    let jobs_before = stack.count_on("stemq.jobs.*.requested.*").await;
+    let jobs_before = stack.count_on("stemq.jobs.*.requested.>").await;
 
     // The rate: burst 4, then 1 per 10 s, spent alternately on the two replicas.
     let k = key(&stack, "flood", Role::Submit, Some(Limits { rate: 0.1, burst: 4, max_in_flight: 1000 })).await;
@@ -373,7 +373,7 @@ async fn limits_hold_across_two_ingress_replicas() {
         call(&bases[1], Method::POST, "/v1/separations", Some(&k), Some(&body_of(&stack, "capped", "c0"))).await;
     assert_eq!(code, 200);
     // Nothing refused reached the log: 4 + 3 requests, no more.
-    let published = stack.count_on("stemq.jobs.*.requested.*").await - jobs_before;
+    let published = stack.count_on("stemq.jobs.*.requested.>").await - jobs_before;
     assert_eq!(published, 7);
     stop.cancel();
     stack.shutdown().await;
