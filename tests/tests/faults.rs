@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::nats::{self as names, job_subject, Action, SubjectKind};
+use stemq_core::request::{Model, Priority};
 use stemq_core::JobStatus;
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM};
 
@@ -112,17 +113,25 @@ async fn a_changed_ack_wait_reaches_running_workers() {
     // for a loaded CI machine between progress acks (at most 2 s apart).
     other.ack_wait = Duration::from_secs(5);
     let ensured = names::ensure(&stack.js, &other).await.unwrap();
-    let workers = ensured.iter().find(|c| c.what == "consumer STEMQ_JOBS/workers").unwrap();
+    // The job's pool: dsp, interactive.
+    let pool = names::pool_consumer(Model::Dsp, Priority::Interactive);
+    let what = format!("consumer STEMQ_JOBS/{pool}");
+    let workers = ensured.iter().find(|c| c.what == what).unwrap();
     assert!(matches!(&workers.action, Action::Differs(d) if d.iter().any(|x| x.starts_with("ack_wait"))), "{workers}");
     let mut c: async_nats::jetstream::consumer::PullConsumer =
-        stack.js.get_consumer_from_stream(names::WORKERS_CONSUMER, names::JOBS_STREAM).await.unwrap();
+        stack.js.get_consumer_from_stream(&pool, names::JOBS_STREAM).await.unwrap();
     assert_eq!(c.info().await.unwrap().config.ack_wait, Duration::from_secs(30));
 
-    // `nats apply` with a short ack wait, while the job runs.
+    // `nats apply` with a short ack wait, while the job runs: every pool's consumer
+    // changes, nothing else does.
     let applied = names::apply(&stack.js, &other).await.unwrap();
-    let workers = applied.iter().find(|c| c.what == "consumer STEMQ_JOBS/workers").unwrap();
-    assert_eq!(workers.to_string(), "updated consumer STEMQ_JOBS/workers: ack_wait: 30s -> 5s");
-    assert!(applied.iter().filter(|c| c.what != workers.what).all(|c| c.action == Action::Unchanged), "{applied:?}");
+    let workers = applied.iter().find(|c| c.what == what).unwrap();
+    assert_eq!(workers.to_string(), format!("updated {what}: ack_wait: 30s -> 5s"));
+    let pools: Vec<String> = names::pool_consumers().iter().map(|p| format!("consumer STEMQ_JOBS/{p}")).collect();
+    for c in &applied {
+        let changed = matches!(c.action, Action::Updated(_));
+        assert_eq!(changed, pools.contains(&c.what), "{c}");
+    }
     assert_eq!(c.info().await.unwrap().config.ack_wait, Duration::from_secs(5));
 
     let v = stack.wait_terminal(&id, T).await;

@@ -226,3 +226,39 @@ async fn a_request_of_an_earlier_release_is_routed_into_its_pool() {
     assert_eq!((code, job_id(&b)), (200, id), "{b}");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_can_default_its_jobs_to_the_batch_lane() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let (key, _) = stemq_core::auth::create_with(
+        &stack.keys,
+        stemq_tests::TEST_OWNER,
+        stemq_core::auth::Role::Submit,
+        stemq_core::auth::Limits::NONE,
+        "bulk",
+        Some(stemq_core::request::Priority::Batch),
+    )
+    .await
+    .unwrap();
+    let submit = |body: Value| {
+        let key = key.expose();
+        let url = stack.url("/v1/separations");
+        async move {
+            let r = reqwest::Client::new().post(url).bearer_auth(key).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    // No priority in the request: the key's lane.
+    let (code, b) = submit(job_body(&stack, "bulk-default", None)).await;
+    assert_eq!(code, 202, "{b}");
+    let id = job_id(&b);
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.requested.*.dsp.batch")).await, 1);
+    // A request that names its lane keeps it.
+    let mut urgent = job_body(&stack, "bulk-urgent", None);
+    urgent["priority"] = "interactive".into();
+    let (code, b) = submit(urgent).await;
+    assert_eq!(code, 202, "{b}");
+    let id = job_id(&b);
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.requested.*.dsp.interactive")).await, 1);
+    stack.shutdown().await;
+}

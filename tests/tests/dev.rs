@@ -1,0 +1,95 @@
+//! `stemq dev` as a new user meets it: the real command, its own nats-server, its one
+//! worker. It serves `dsp` always (and the demucs models whose weights are in its model
+//! folder, in a build with the demucs engine); a submit for a model it does not serve —
+//! the default `htdemucs` without weights — is refused with what to do, never queued to
+//! fail later.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use stemq_tests::{signal, wait_exit, Stack, SIGTERM};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let base = format!("http://127.0.0.1:{port}");
+    let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
+    let mut dev = Command::new(Stack::stemq_bin())
+        .args(["--data-dir", dir.path().to_str().unwrap(), "dev", "--http", &format!("127.0.0.1:{port}")])
+        .args(["--isolation", "none"])
+        .env("STEMQ_BACKOFF_BASE_MS", "100")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("stemq dev starts");
+    let http = reqwest::Client::new();
+    let key_file = dir.path().join("admin.key");
+    let t0 = Instant::now();
+    // Up: its admin key is written once the stack (and its worker) is up.
+    while !(key_file.exists() && http.get(format!("{base}/healthz")).send().await.is_ok()) {
+        let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
+        assert!(t0.elapsed() < Duration::from_secs(60), "stemq dev did not come up:\n{log}");
+        assert!(dev.try_wait().unwrap().is_none(), "stemq dev exited:\n{log}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let key = std::fs::read_to_string(&key_file).unwrap().trim().to_string();
+    let song = dir.path().join("song.wav");
+    stemq_audio::synth::write_demo_song(&song, 1.0, 44_100).unwrap();
+    let up: Value = http
+        .post(format!("{base}/v1/uploads?filename=song.wav"))
+        .bearer_auth(&key)
+        .body(std::fs::read(&song).unwrap())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let uri = up["audio_uri"].as_str().expect("an upload").to_string();
+    let submit = |body: Value| {
+        let (http, key, base) = (http.clone(), key.clone(), base.clone());
+        async move {
+            let r = http.post(format!("{base}/v1/separations")).bearer_auth(&key).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+
+    // The default model: refused, with what to do; nothing queued.
+    let (code, b) = submit(json!({"audio_uri": uri})).await;
+    assert_eq!(code, 422, "{b}");
+    assert_eq!(b["error"]["code"], "model_not_served", "{b}");
+    let message = b["error"]["message"].as_str().unwrap();
+    assert!(message.contains("stemq models pull htdemucs") && message.contains("serve dsp"), "{message}");
+
+    // dsp runs.
+    let (code, b) = submit(json!({"audio_uri": uri, "model": "dsp"})).await;
+    assert_eq!(code, 202, "{b}");
+    let id = b["job_id"].as_str().unwrap().to_string();
+    let t0 = Instant::now();
+    loop {
+        let v: Value = http
+            .get(format!("{base}/v1/separations/{id}"))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["status"] == "succeeded" {
+            break;
+        }
+        assert!(!["failed", "dead_lettered", "rejected"].contains(&v["status"].as_str().unwrap_or("")), "{v}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "{v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The fleet is for operators; the local admin key is not one.
+    let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 403);
+
+    signal(&dev, SIGTERM);
+    let status = wait_exit(&mut dev, Duration::from_secs(30)).expect("stemq dev stops on SIGTERM");
+    assert!(status.success(), "{status:?}");
+}
