@@ -10,6 +10,11 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use stemq_tests::{signal, wait_exit, Stack, SIGTERM};
 
+/// Sends `request` with the key; its JSON answer.
+async fn json_of(request: reqwest::RequestBuilder, key: &str) -> Value {
+    request.bearer_auth(key).send().await.unwrap().json().await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let dir = tempfile::tempdir().unwrap();
@@ -37,16 +42,9 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let key = std::fs::read_to_string(&key_file).unwrap().trim().to_string();
     let song = dir.path().join("song.wav");
     stemq_audio::synth::write_demo_song(&song, 1.0, 44_100).unwrap();
-    let up: Value = http
-        .post(format!("{base}/v1/uploads?filename=song.wav"))
-        .bearer_auth(&key)
-        .body(std::fs::read(&song).unwrap())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let up =
+        json_of(http.post(format!("{base}/v1/uploads?filename=song.wav")).body(std::fs::read(&song).unwrap()), &key)
+            .await;
     let uri = up["audio_uri"].as_str().expect("an upload").to_string();
     let submit = |body: Value| {
         let (http, key, base) = (http.clone(), key.clone(), base.clone());
@@ -69,15 +67,7 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let id = b["job_id"].as_str().unwrap().to_string();
     let t0 = Instant::now();
     loop {
-        let v: Value = http
-            .get(format!("{base}/v1/separations/{id}"))
-            .bearer_auth(&key)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = json_of(http.get(format!("{base}/v1/separations/{id}")), &key).await;
         if v["status"] == "succeeded" {
             break;
         }
