@@ -138,15 +138,29 @@ impl Registry {
     pub fn watch(bucket: kv::Store) -> Registry {
         let registry = Registry::default();
         let r = registry.clone();
+        {
+            // Entries that expired between the count and the watch never come: ready
+            // anyway after a while.
+            let ready = registry.ready.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                ready.store(true, std::sync::atomic::Ordering::Release);
+            });
+        }
         tokio::spawn(async move {
             loop {
+                // The current entries come first, the last of them with nothing pending
+                // after it (`delta` 0); an empty bucket sends none, so the copy is ready
+                // at once.
+                let stored = bucket.status().await.map(|s| s.values()).unwrap_or(0);
                 match bucket.watch_all().await {
                     Ok(mut w) => {
-                        // The current entries come first; an empty bucket sends none, so the
-                        // copy counts as ready at once and then keeps up.
-                        r.ready.store(true, std::sync::atomic::Ordering::Release);
+                        if stored == 0 {
+                            r.ready.store(true, std::sync::atomic::Ordering::Release);
+                        }
                         while let Some(entry) = w.next().await {
                             let Ok(entry) = entry else { break };
+                            let caught_up = entry.delta == 0;
                             let mut map = r.entries.write().unwrap_or_else(|p| p.into_inner());
                             match entry.operation {
                                 kv::Operation::Put => match serde_json::from_slice::<WorkerInfo>(&entry.value) {
@@ -160,6 +174,9 @@ impl Registry {
                                 kv::Operation::Delete | kv::Operation::Purge => {
                                     map.remove(&entry.key);
                                 }
+                            }
+                            if caught_up {
+                                r.ready.store(true, std::sync::atomic::Ordering::Release);
                             }
                         }
                     }
