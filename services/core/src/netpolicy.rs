@@ -420,7 +420,7 @@ pub fn precheck<'p>(raw: &str, policy: &'p HostPolicy) -> Result<Unresolved<'p>,
     }
     let (host, literal) = match url.host() {
         None => return Err(UrlError::NoHost),
-        Some(url::Host::Domain(d)) if d.is_empty() => return Err(UrlError::NoHost),
+        Some(url::Host::Domain("")) => return Err(UrlError::NoHost),
         Some(url::Host::Domain(d)) => (d.to_string(), None),
         Some(url::Host::Ipv4(ip)) => (ip.to_string(), Some(IpAddr::V4(ip))),
         Some(url::Host::Ipv6(ip)) => (ip.to_string(), Some(IpAddr::V6(ip))),
