@@ -76,6 +76,7 @@ pub struct Metrics {
     /// Delivery count of jobs when they end (1 = first try).
     pub deliveries: Histogram,
     projector_errors: Family<ProjectorErrorLabels, Counter>,
+    projector_refolds: Counter,
     heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     webhooks: Family<WebhookLabels, Counter>,
     webhook_latency: Histogram,
@@ -104,6 +105,7 @@ pub fn metrics() -> &'static Metrics {
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         let deliveries = Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 10.0]);
         let projector_errors = Family::<ProjectorErrorLabels, Counter>::default();
+        let projector_refolds = Counter::default();
         let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let gpu_memory = Family::<DeviceLabels, Gauge>::default();
         r.register("stemq_gpu_memory_used_bytes", "GPU memory in use, per device", gpu_memory.clone());
@@ -132,8 +134,14 @@ pub fn metrics() -> &'static Metrics {
         r.register(
             "stemq_projector_errors",
             "Events the projector could not apply yet, by kind (corrupt_view, kv_read, kv_write, \
-             unreadable_event); each is retried or held, never skipped",
+             log_read, kv_conflict, unreadable_event); each is retried, never skipped",
             projector_errors.clone(),
+        );
+        r.register(
+            "stemq_projector_refolds",
+            "Jobs the projector refolded from the log because an event came behind its view \
+             (overtaken by another projector, a redelivery or a retried fold)",
+            projector_refolds.clone(),
         );
         r.register(
             "stemq_worker_heartbeat_timestamp_seconds",
@@ -148,6 +156,7 @@ pub fn metrics() -> &'static Metrics {
             outcomes,
             deliveries,
             projector_errors,
+            projector_refolds,
             heartbeat,
             webhooks,
             webhook_latency,
@@ -174,9 +183,14 @@ impl Metrics {
     }
 
     /// Counts one projector error of `kind` (`corrupt_view`, `kv_read`, `kv_write`,
-    /// `unreadable_event`).
+    /// `log_read`, `kv_conflict`, `unreadable_event`, ...).
     pub fn projector_error(&self, kind: &str) {
         self.projector_errors.get_or_create(&ProjectorErrorLabels { kind: kind.into() }).inc();
+    }
+
+    /// Counts one job refolded from the log by the projector.
+    pub fn projector_refold(&self) {
+        self.projector_refolds.inc();
     }
 
     /// Records a worker heartbeat.
@@ -466,6 +480,7 @@ mod tests {
             "stemq_queue_oldest_pending_age_seconds",
             "stemq_projector_lag_events",
             "stemq_projector_errors_total",
+            "stemq_projector_refolds_total",
             "stemq_worker_heartbeat_timestamp_seconds",
             "stemq_webhook_deliveries_total",
             "stemq_webhook_delivery_duration_seconds",

@@ -9,24 +9,28 @@
 //! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
 //! or a recreated consumer (a rebuild) never stops the projector.
 //!
-//! **Per job, in order or not at all.** Idempotence by position means an event whose
-//! sequence is at or below the view's `last_seq` is skipped as already applied. So once
-//! a fold fails, no later event of that job may be applied before the failed one, or the
-//! failed one would be dropped as old on redelivery. A lane therefore remembers, per
-//! job, the log sequences it handed back (nak, with a delay growing with the delivery
-//! count, capped at [`MAX_RETRY_DELAY`]) and not yet applied: the job is *held*. While
-//! held, a delivered event of that job is applied only if every held sequence below it
-//! is in the same batch (they are folded together, in log order); any other is handed
-//! back too and joins the hold. When the failed event comes back and its fold succeeds,
-//! the held ones follow in order. Only the held job waits: its lane keeps applying other
-//! jobs, and a job that keeps failing (a corrupt view) costs a few naks every
-//! [`MAX_RETRY_DELAY`] until it is fixed. Progress events only ever replace older
-//! progress, but they too wait while their job is held. A handed-back event comes back
-//! within [`MAX_RETRY_DELAY`] unless someone acked it (a second projector sharing the
-//! consumer during `stemq projector --rebuild`); one not seen again for [`HOLD_EXPIRY`]
-//! no longer holds its job. The hold lives in memory: a projector that restarts while a
-//! job is held relies on the server's redelivery order (it is not re-derived from the
-//! log).
+//! **Per job, the view is the fold of its log, whoever applies what.** Idempotence by
+//! position means an event at or below the view's `last_seq` changes nothing. But such
+//! an event was not necessarily applied: it may have been overtaken by a newer event of
+//! its job — applied by another projector sharing the consumer, or after this one's fold
+//! of it failed and was handed back, or after its ack was lost and it came again behind
+//! newer ones. The projector cannot tell "applied" from "overtaken" by position, so it
+//! never guesses: a batch holding a log event at or below the view's `last_seq` (the
+//! view as cached, or as re-read after a compare-and-set conflict) is an *anomaly*, and
+//! the job is **refolded from the log**: its events up to the newest position known
+//! (the batch's or the view's) are read back with direct gets (`stemq.jobs.<id>.>`, next
+//! message by subject), refused requests left out as below, folded from nothing with
+//! [`stemq_core::apply`], the live progress carried over from the stored view, and the
+//! result written with compare-and-set like any other fold. The normal path (events in
+//! order) costs nothing more: no read of the log, no extra round trip. Any number of
+//! projectors may therefore share the consumers: a view may for a moment miss an event
+//! another projector still holds, and it is repaired when that event is folded (its
+//! position is then at or below the view's). A fold that fails (a KV write refused, a
+//! stored view that does not parse) hands its events back (nak, with a delay growing with
+//! the delivery count, capped at [`MAX_RETRY_DELAY`]); later events of the job are
+//! applied meanwhile and the failed one, when it comes back, is an anomaly like any other.
+//! Progress has its own positions and only ever replaces older progress, so a progress
+//! event at or below `progress_seq` is simply stale (a newer one is in the view).
 //!
 //! **A request for another owner is refused.** A `requested` event on
 //! `stemq.jobs.<id>.requested.<token>` whose request names an owner with another token
@@ -36,7 +40,7 @@
 //!
 //! **A view that does not parse is an error**, never an absent view to overwrite:
 //! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
-//! it (the job is held as above, logged with its `job_id`, and counted in
+//! it (its events are handed back as above, logged with its `job_id`, and counted in
 //! `stemq_projector_errors_total{kind="corrupt_view"}`), other jobs keep flowing, and
 //! `stemq projector --rebuild` replaces it from the log.
 //!
@@ -45,11 +49,11 @@
 //! view, the list index and its cursor through [`stemq_core::read`], which this crate
 //! uses too (its [`get_view`] is that reader with the projector's error).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, AckKind};
 use futures::StreamExt;
@@ -69,11 +73,6 @@ type Pending = (Position, Event, jetstream::Message);
 
 /// The longest delay before a handed-back event comes again.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
-
-/// How long a handed-back event that is not delivered again keeps holding its job: four
-/// times the projector consumer's `ack_wait` (30 s), so only an event acked elsewhere
-/// (another projector on the same consumer) stops holding.
-pub const HOLD_EXPIRY: Duration = Duration::from_secs(120);
 
 /// Projector failures.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +100,15 @@ pub enum ProjectorError {
         /// The KV error.
         #[source]
         source: kv::UpdateError,
+    },
+    /// Reading a job's events back from the log (to refold it) failed.
+    #[error("reading the log of job {id}")]
+    LogRead {
+        /// The job.
+        id: JobId,
+        /// The failed direct get.
+        #[source]
+        source: JetStreamError,
     },
     /// Other writers kept moving the view while this one tried to write it.
     #[error("writing the view of job {id}: too many revision conflicts")]
@@ -130,6 +138,7 @@ impl ProjectorError {
             ProjectorError::Nats(_) | ProjectorError::JetStream(_) => "nats",
             ProjectorError::KvRead { .. } => "kv_read",
             ProjectorError::KvWrite { .. } => "kv_write",
+            ProjectorError::LogRead { .. } => "log_read",
             ProjectorError::Conflicts { .. } => "kv_conflict",
             ProjectorError::CorruptView { .. } => "corrupt_view",
         }
@@ -175,6 +184,7 @@ pub async fn run(
 ) -> Result<(), ProjectorError> {
     let js = jetstream::new(client);
     let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
+    let log = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
     let jobs: PullConsumer = js
         .get_consumer_from_stream(names::PROJECTOR_CONSUMER, names::JOBS_STREAM)
         .await
@@ -200,7 +210,7 @@ pub async fn run(
     for lane in 0..config.lanes.max(1) {
         let (tx, rx) = mpsc::channel::<(jetstream::Message, bool)>(1024);
         lanes.push(tx);
-        let lane = Lane::new(lane, kv.clone(), config.cache_per_lane, resubscriptions.clone());
+        let lane = Lane::new(lane, kv.clone(), log.clone(), config.cache_per_lane, resubscriptions.clone());
         tracker.spawn(lane.run(rx));
     }
     for (messages, is_progress) in [(jobs, false), (progress, true)] {
@@ -249,19 +259,24 @@ fn retry_delay(msg: &jetstream::Message) -> Duration {
 struct Lane {
     lane: usize,
     kv: kv::Store,
+    /// The job log, read back when a job is refolded.
+    log: jetstream::stream::Stream<()>,
     cap: usize,
     /// Views as last written, with their revision.
     cache: HashMap<JobId, (Option<JobView>, u64)>,
-    /// Held jobs: the log sequences handed back and not yet applied (module docs), with
-    /// when each was last handed back.
-    held: HashMap<JobId, BTreeMap<u64, Instant>>,
     resubscriptions: [Arc<AtomicU64>; 2],
     seen_resubscriptions: u64,
 }
 
 impl Lane {
-    fn new(lane: usize, kv: kv::Store, cap: usize, resubscriptions: [Arc<AtomicU64>; 2]) -> Lane {
-        Lane { lane, kv, cap, cache: HashMap::new(), held: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
+    fn new(
+        lane: usize,
+        kv: kv::Store,
+        log: jetstream::stream::Stream<()>,
+        cap: usize,
+        resubscriptions: [Arc<AtomicU64>; 2],
+    ) -> Lane {
+        Lane { lane, kv, log, cap, cache: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
     }
 
     async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
@@ -282,7 +297,6 @@ impl Lane {
                 self.seen_resubscriptions = resubscriptions;
                 self.cache.clear();
             }
-            self.expire_holds();
             let per_job = self.group(&mut batch).await;
             for (id, events) in per_job {
                 self.job(id, events).await;
@@ -295,25 +309,6 @@ impl Lane {
                 }
             }
         }
-    }
-
-    /// Forgets held events not delivered again for [`HOLD_EXPIRY`]: someone else acked
-    /// them.
-    fn expire_holds(&mut self) {
-        if self.held.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        self.held.retain(|id, h| {
-            h.retain(|seq, at| {
-                let keep = now.duration_since(*at) < HOLD_EXPIRY;
-                if !keep {
-                    warn!(job_id = %id, seq, "held event not delivered again; no longer holding the job for it");
-                }
-                keep
-            });
-            !h.is_empty()
-        });
     }
 
     /// Reads the batch into events per job, each job's log events in log order.
@@ -339,33 +334,11 @@ impl Lane {
                     continue;
                 }
             };
-            // A request that does not hash to its job's id, or names another owner than
-            // its subject's token, is not the job's request (a publisher may put
-            // anything on subjects of its own owner): refused for good, like the worker
-            // drops it; it stays in the log, and the job's real request is folded when
-            // it comes.
-            if let stemq_core::EventBody::Requested(r) = &event.body {
-                let refused = if r.request.job_id() != event.subject || event.id != event.subject.as_str() {
-                    Some((
-                        "id_mismatch",
-                        format!("the request hashes to {}, not {}", r.request.job_id(), event.subject),
-                    ))
-                } else {
-                    names::check_request_owner(&msg.subject, &r.request.owner)
-                        .err()
-                        .map(|e| ("owner_mismatch", e.to_string()))
-                        .or_else(|| {
-                            names::check_request_route(&msg.subject, r.request.model, r.lane())
-                                .err()
-                                .map(|e| ("route_mismatch", e.to_string()))
-                        })
-                };
-                if let Some((kind, error)) = refused {
-                    warn!(lane, seq, subject = %msg.subject, %error, "refusing a request that is not its job's");
-                    stemq_core::metrics::metrics().projector_error(kind);
-                    let _ = msg.ack_with(AckKind::Term).await;
-                    continue;
-                }
+            if let Some((kind, error)) = refusal(&msg.subject, &event) {
+                warn!(lane, seq, subject = %msg.subject, %error, "refusing a request that is not its job's");
+                stemq_core::metrics::metrics().projector_error(kind);
+                let _ = msg.ack_with(AckKind::Term).await;
+                continue;
             }
             match per_job.iter_mut().find(|(id, _)| *id == event.subject) {
                 Some((_, v)) => v.push((pos, event, msg)),
@@ -391,40 +364,18 @@ impl Lane {
         per_job
     }
 
-    /// Applies what may be applied of one job's events, holds back the rest.
+    /// Folds one job's events into its view and acks them, or hands them all back.
     async fn job(&mut self, id: JobId, events: Vec<Pending>) {
-        let in_batch: BTreeSet<u64> = events.iter().filter_map(|(p, _, _)| log_seq(p)).collect();
-        // The first held event that is not here: nothing after it may be applied.
-        let blocker = self.held.get(&id).and_then(|h| h.keys().find(|s| !in_batch.contains(s)).copied());
-        let (ready, later): (Vec<Pending>, Vec<Pending>) = match blocker {
-            None => (events, Vec::new()),
-            Some(b) => events.into_iter().partition(|(p, _, _)| log_seq(p).is_some_and(|s| s < b)),
-        };
-        if !later.is_empty() {
-            debug!(job_id = %id, blocker = ?blocker, events = later.len(), "job held: waiting for an earlier event");
-            self.hand_back(&id, &later).await;
-        }
-        if ready.is_empty() {
-            return;
-        }
-        let refs: Vec<(Position, &Event)> = ready.iter().map(|(p, e, _)| (*p, e)).collect();
+        let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
         let span = tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
         let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
         stemq_core::telemetry::set_parent(&span, tp);
-        match tracing::Instrument::instrument(fold(&self.kv, &mut self.cache, &id, &refs), span).await {
+        let job = Job { kv: &self.kv, log: &self.log, id: &id };
+        match tracing::Instrument::instrument(job.fold(&mut self.cache, &refs), span).await {
             Ok(()) => {
-                if let Some(h) = self.held.get_mut(&id) {
-                    for s in ready.iter().filter_map(|(p, _, _)| log_seq(p)) {
-                        h.remove(&s);
-                    }
-                    if h.is_empty() {
-                        self.held.remove(&id);
-                        info!(job_id = %id, "job released: its held events are applied");
-                    }
-                }
-                for (_, _, msg) in &ready {
+                for (_, _, msg) in &events {
                     if let Err(e) = msg.ack().await {
-                        warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and skipped");
+                        warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
                     }
                 }
             }
@@ -434,26 +385,13 @@ impl Lane {
                 if matches!(e, ProjectorError::CorruptView { .. }) {
                     error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
                 } else {
-                    warn!(job_id = %id, kind = e.kind(), %error, "projection failed; holding the job's events and retrying");
+                    warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
                 }
                 self.cache.remove(&id);
-                self.hand_back(&id, &ready).await;
+                for (_, _, msg) in &events {
+                    let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                }
             }
-        }
-    }
-
-    /// Naks `events` with a growing delay and holds their job until they are applied.
-    async fn hand_back(&mut self, id: &JobId, events: &[Pending]) {
-        let held = self.held.entry(id.clone()).or_default();
-        for (pos, _, msg) in events {
-            if let Some(s) = log_seq(pos) {
-                held.insert(s, Instant::now());
-            }
-            let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
-        }
-        if held.is_empty() {
-            // Only progress was handed back: nothing to wait for.
-            self.held.remove(id);
         }
     }
 }
@@ -465,46 +403,176 @@ fn log_seq(p: &Position) -> Option<u64> {
     }
 }
 
-/// Applies a job's events in order and writes the result once, with compare-and-set;
-/// on a concurrent writer it re-reads and retries. A stored entry that is not a view is
-/// an error ([`ProjectorError::CorruptView`]), never overwritten.
-async fn fold(
-    kv: &kv::Store,
-    cache: &mut HashMap<JobId, (Option<JobView>, u64)>,
-    id: &JobId,
-    events: &[(Position, &Event)],
-) -> Result<(), ProjectorError> {
-    // An unknown job is most likely new: try creating it before paying for a read.
-    let mut current = cache.get(id).cloned().unwrap_or((None, 0));
-    for _ in 0..10 {
-        let mut view = current.0.clone();
-        let mut changed = false;
-        for (pos, event) in events {
-            if let Some(next) = apply(view.as_ref(), *pos, event) {
-                view = Some(next);
-                changed = true;
-            }
-        }
-        if !changed {
-            debug!(job_id = %id, "events change nothing");
-            return Ok(());
-        }
-        let next = view.expect("changed implies a view");
-        let body = serde_json::to_vec(&next).expect("views serialise");
-        match kv.update(id.as_str(), body.into(), current.1).await {
-            Ok(rev) => {
-                cache.insert(id.clone(), (Some(next), rev));
-                return Ok(());
-            }
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                // It exists (or another writer moved it): read the real revision, retry.
-                cache.remove(id);
-                current = read::stored_view(kv, id).await?;
-            }
-            Err(source) => return Err(ProjectorError::KvWrite { id: id.clone(), source }),
+/// Why an event on `subject` is never folded, if it is not: a request that does not
+/// hash to its job's id, or names another owner than its subject's token (a publisher
+/// may put anything on subjects of its own owner). The worker drops such a request too;
+/// it stays in the log, and the job's real request is folded when it comes. Returns the
+/// error kind (`stemq_projector_errors_total{kind}`) and a sentence.
+fn refusal(subject: &str, event: &Event) -> Option<(&'static str, String)> {
+    let stemq_core::EventBody::Requested(r) = &event.body else { return None };
+    if r.request.job_id() != event.subject || event.id != event.subject.as_str() {
+        return Some(("id_mismatch", format!("the request hashes to {}, not {}", r.request.job_id(), event.subject)));
+    }
+    names::check_request_owner(subject, &r.request.owner).err().map(|e| ("owner_mismatch", e.to_string())).or_else(
+        || {
+            names::check_request_route(subject, r.request.model, r.lane())
+                .err()
+                .map(|e| ("route_mismatch", e.to_string()))
+        },
+    )
+}
+
+/// What to do with a batch of one job's events, given its view.
+#[derive(Debug, PartialEq)]
+enum Plan {
+    /// The events change nothing.
+    Unchanged,
+    /// The view with the events applied, in order.
+    Write(Box<JobView>),
+    /// A log event at or below the view's position: refold the job's log up to this
+    /// sequence (module docs).
+    Refold {
+        /// The newest log position known: the batch's or the view's.
+        upto: u64,
+    },
+}
+
+/// The pure part of a fold: apply the events to `view` unless one of them is behind it.
+fn plan(view: Option<&JobView>, events: &[(Position, &Event)]) -> Plan {
+    let last = view.map_or(0, |v| v.last_seq);
+    let newest = events.iter().filter_map(|(p, _)| log_seq(p)).max();
+    if view.is_some() && events.iter().filter_map(|(p, _)| log_seq(p)).any(|s| s <= last) {
+        return Plan::Refold { upto: newest.unwrap_or(last).max(last) };
+    }
+    let mut next: Option<JobView> = None;
+    for (pos, event) in events {
+        if let Some(v) = apply(next.as_ref().or(view), *pos, event) {
+            next = Some(v);
         }
     }
-    Err(ProjectorError::Conflicts { id: id.clone() })
+    next.map_or(Plan::Unchanged, |v| Plan::Write(Box::new(v)))
+}
+
+/// A view refolded from the log keeps the live progress of the stored one: progress
+/// lives in another stream, and only the newest counts. The stored view's progress
+/// position always; its progress and time too when both are running the same attempt
+/// (progress of another attempt, or of an ended job, is not news).
+fn keep_progress(refolded: &mut JobView, stored: &JobView) {
+    refolded.progress_seq = refolded.progress_seq.max(stored.progress_seq);
+    let same_run = refolded.status == stemq_core::JobStatus::Running
+        && stored.status == stemq_core::JobStatus::Running
+        && refolded.attempt == stored.attempt;
+    if same_run && stored.progress.is_some() {
+        refolded.progress = stored.progress.clone();
+        refolded.updated_at = refolded.updated_at.max(stored.updated_at);
+    }
+}
+
+/// One job's view and where its events are.
+struct Job<'a> {
+    kv: &'a kv::Store,
+    log: &'a jetstream::stream::Stream<()>,
+    id: &'a JobId,
+}
+
+impl Job<'_> {
+    /// Applies the job's events in order and writes the result once, with
+    /// compare-and-set; on a concurrent writer it re-reads and plans again. An event
+    /// behind the view refolds the job from the log (module docs). A stored entry that is
+    /// not a view is an error ([`ProjectorError::CorruptView`]), never overwritten.
+    async fn fold(
+        &self,
+        cache: &mut HashMap<JobId, (Option<JobView>, u64)>,
+        events: &[(Position, &Event)],
+    ) -> Result<(), ProjectorError> {
+        let id = self.id;
+        // An unknown job is most likely new: try creating it before paying for a read.
+        let mut current = cache.get(id).cloned().unwrap_or((None, 0));
+        for _ in 0..10 {
+            let next = match plan(current.0.as_ref(), events) {
+                Plan::Unchanged => {
+                    debug!(job_id = %id, "events change nothing");
+                    return Ok(());
+                }
+                Plan::Write(v) => *v,
+                Plan::Refold { upto } => {
+                    stemq_core::metrics::metrics().projector_refold();
+                    let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
+                        return Ok(());
+                    };
+                    if current.0.as_ref() == Some(&v) {
+                        debug!(job_id = %id, upto, "refolded: the view was right");
+                        return Ok(());
+                    }
+                    info!(job_id = %id, upto, "refolded from the log: an event had been overtaken");
+                    v
+                }
+            };
+            let body = serde_json::to_vec(&next).expect("views serialise");
+            match self.kv.update(id.as_str(), body.into(), current.1).await {
+                Ok(rev) => {
+                    cache.insert(id.clone(), (Some(next), rev));
+                    return Ok(());
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    // It exists (or another writer moved it): read the real revision, retry.
+                    cache.remove(id);
+                    current = read::stored_view(self.kv, id).await?;
+                }
+                Err(source) => return Err(ProjectorError::KvWrite { id: id.clone(), source }),
+            }
+        }
+        Err(ProjectorError::Conflicts { id: id.clone() })
+    }
+
+    /// The job's view as its log up to `upto` folds it (refused requests and unreadable
+    /// events left out, as the projector leaves them out), with the live progress of
+    /// `stored` and the batch's progress events on top. `None` when the log holds no
+    /// event of the job.
+    async fn refold(
+        &self,
+        upto: u64,
+        stored: Option<&JobView>,
+        events: &[(Position, &Event)],
+    ) -> Result<Option<JobView>, ProjectorError> {
+        use jetstream::stream::DirectGetErrorKind::NotFound;
+        let filter = format!("{}.{}.>", names::JOBS_PREFIX, self.id);
+        let mut view: Option<JobView> = None;
+        let mut from = 1;
+        while from <= upto {
+            let m = match self.log.direct_get_builder().sequence(from).next_by_subject(filter.as_str()).send().await {
+                Ok(m) => m,
+                Err(e) if e.kind() == NotFound => break,
+                Err(e) => {
+                    return Err(ProjectorError::LogRead {
+                        id: self.id.clone(),
+                        source: JetStreamError::read("direct get")(e),
+                    })
+                }
+            };
+            from = m.sequence + 1;
+            if m.sequence > upto {
+                break;
+            }
+            let Ok(event) = Event::from_slice(&m.payload) else { continue };
+            if event.subject != *self.id || refusal(m.subject.as_str(), &event).is_some() {
+                continue;
+            }
+            if let Some(v) = apply(view.as_ref(), Position::Log(m.sequence), &event) {
+                view = Some(v);
+            }
+        }
+        let Some(mut view) = view else { return Ok(stored.cloned()) };
+        if let Some(stored) = stored {
+            keep_progress(&mut view, stored);
+        }
+        for (pos, event) in events.iter().filter(|(p, _)| matches!(p, Position::Progress(_))) {
+            if let Some(v) = apply(Some(&view), *pos, event) {
+                view = v;
+            }
+        }
+        Ok(Some(view))
+    }
 }
 
 /// Drops the view and the projector's consumers and recreates them empty, so a running
@@ -547,5 +615,98 @@ pub async fn wait_caught_up(js: &jetstream::Context, timeout: Duration) -> Resul
             return Ok(false);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Given a stored view, when a batch of events arrives, then the plan.
+    use super::*;
+    use stemq_core::event::{EventBody, Progress, Started};
+    use stemq_core::request::{JobRequest, ANONYMOUS};
+    use stemq_core::JobStatus;
+
+    fn events() -> (Event, Event, Event) {
+        let request = JobRequest::from_value(serde_json::json!({"audio_uri": "file:///a.wav"}))
+            .unwrap()
+            .normalize(ANONYMOUS)
+            .unwrap();
+        let id = request.job_id();
+        let started = |attempt| {
+            Event::new(&id, "/test", EventBody::Started(Started { attempt, worker: "w".into(), device: "cpu".into() }))
+        };
+        (Event::requested(request, None, None, "/test"), started(1), started(2))
+    }
+
+    fn folded(events: &[(u64, &Event)]) -> JobView {
+        let mut view = None;
+        for (s, e) in events {
+            view = apply(view.as_ref(), Position::Log(*s), e).or(view);
+        }
+        view.unwrap()
+    }
+
+    #[test]
+    fn events_after_the_view_are_applied_in_order() {
+        let (requested, first, second) = events();
+        let view = folded(&[(10, &requested)]);
+        match plan(Some(&view), &[(Position::Log(11), &first), (Position::Log(14), &second)]) {
+            Plan::Write(v) => assert_eq!(*v, folded(&[(10, &requested), (11, &first), (14, &second)])),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(plan(None, &[(Position::Log(10), &requested)]), Plan::Write(Box::new(view)));
+    }
+
+    #[test]
+    fn an_event_behind_the_view_refolds_up_to_the_newest_position_known() {
+        let (requested, first, second) = events();
+        // Another projector applied 12 before this one got 11: 11 is not "already applied".
+        let view = folded(&[(10, &requested), (12, &second)]);
+        assert_eq!(plan(Some(&view), &[(Position::Log(11), &first)]), Plan::Refold { upto: 12 });
+        assert_eq!(
+            plan(Some(&view), &[(Position::Log(11), &first), (Position::Log(15), &second)]),
+            Plan::Refold { upto: 15 }
+        );
+        // A plain redelivery looks the same, and is refolded too (to no change).
+        assert_eq!(plan(Some(&view), &[(Position::Log(12), &second)]), Plan::Refold { upto: 12 });
+    }
+
+    #[test]
+    fn stale_progress_is_no_anomaly() {
+        let (requested, first, _) = events();
+        let id = requested.subject.clone();
+        let progress = |percent| {
+            Event::new(
+                &id,
+                "/test",
+                EventBody::Progress(Progress { attempt: 1, percent, stage: "separate".into(), message: None }),
+            )
+        };
+        let (p1, p2) = (progress(10.0), progress(20.0));
+        let view = folded(&[(10, &requested), (11, &first)]);
+        let Plan::Write(with_p2) = plan(Some(&view), &[(Position::Progress(7), &p2)]) else { panic!() };
+        assert_eq!(plan(Some(&with_p2), &[(Position::Progress(5), &p1)]), Plan::Unchanged);
+    }
+
+    #[test]
+    fn a_refolded_view_keeps_the_live_progress_of_the_same_run_only() {
+        let (requested, first, second) = events();
+        let id = requested.subject.clone();
+        let p = Event::new(
+            &id,
+            "/test",
+            EventBody::Progress(Progress { attempt: 1, percent: 40.0, stage: "separate".into(), message: None }),
+        );
+        let running = folded(&[(10, &requested), (11, &first)]);
+        let stored = apply(Some(&running), Position::Progress(3), &p).unwrap();
+        let mut refolded = running.clone();
+        keep_progress(&mut refolded, &stored);
+        assert_eq!(refolded, stored, "same attempt, still running: the progress stays");
+
+        let mut next_attempt = folded(&[(10, &requested), (11, &first), (12, &second)]);
+        keep_progress(&mut next_attempt, &stored);
+        assert_eq!(next_attempt.progress, None, "progress of attempt 1 is not attempt 2's");
+        assert_eq!(next_attempt.progress_seq, 3, "but its position is kept: older progress stays stale");
+        assert_eq!(next_attempt.status, JobStatus::Running);
     }
 }
