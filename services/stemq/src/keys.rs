@@ -97,8 +97,8 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
         }
         KeysCommand::List => {
             println!(
-                "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} {}",
-                "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "CREATED", "STATUS"
+                "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} STATUS",
+                "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "CREATED"
             );
             for r in auth::list(&bucket).await? {
                 let status = match r.revoked_at {
