@@ -22,6 +22,9 @@ use tokio_util::sync::CancellationToken;
 
 const T: Duration = Duration::from_secs(30);
 
+/// How long `slow` paths take to answer.
+const SLOW: Duration = Duration::from_millis(1500);
+
 /// One request a receiver got.
 #[derive(Debug, Clone)]
 struct Got {
@@ -32,7 +35,7 @@ struct Got {
 }
 
 /// A loopback receiver: each path answers with its script of status codes (the last
-/// one repeats); `hang` paths never answer in time.
+/// one repeats); `hang` paths never answer in time, `slow` paths answer after [`SLOW`].
 #[derive(Clone, Default)]
 struct Receiver {
     got: Arc<Mutex<Vec<Got>>>,
@@ -43,6 +46,9 @@ async fn receive(State(r): State<Receiver>, Path(path): Path<String>, headers: H
     r.got.lock().unwrap().push(Got { path: path.clone(), headers, body, at: Instant::now() });
     if path.starts_with("hang") {
         tokio::time::sleep(Duration::from_secs(30)).await;
+    }
+    if path.starts_with("slow") {
+        tokio::time::sleep(SLOW).await;
     }
     let code = {
         let mut s = r.scripts.lock().unwrap();
@@ -534,5 +540,105 @@ async fn a_gone_url_can_be_enabled_again_over_http_and_the_cli() {
     assert_eq!(b["error"]["field"], "url");
     let (_, doc) = stack.get("/openapi.json").await;
     assert!(doc["paths"]["/v1/webhooks/enable"]["post"].is_object());
+    stack.shutdown().await;
+}
+
+/// Issue 12: two relays share the `relay` consumer, whose `ack_wait` (1 s) is shorter
+/// than the receivers take to answer (1.5 s): every event is handed out again while its
+/// attempt is still in flight, to the other relay or to the same one. Each attempt is
+/// still sent once and recorded once, and each event is delivered exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_12_two_relays_never_send_an_attempt_twice() {
+    allow_loopback();
+    let stack = Stack::start(StackOptions { workers: 2, ..Default::default() }).await;
+    {
+        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
+        let mut config = s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap().config.clone();
+        config.ack_wait = Duration::from_secs(1);
+        s.create_consumer(config).await.unwrap();
+    }
+    let (rx, addr) = Receiver::start().await;
+    let stop = CancellationToken::new();
+    let mut relays = Vec::new();
+    for name in ["relay-a", "relay-b"] {
+        let config = stemq_relay::Config {
+            timeout: Duration::from_secs(5),
+            name: name.into(),
+            ..relay_config(16, &[0, 300, 300, 300])
+        };
+        relays.push(own_relay(&stack, config, stemq_relay::ProgressMemo::new(100), stop.clone()).await);
+    }
+    const JOBS: usize = 10;
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        // Half the receivers fail their first request: a retry, also slow, follows.
+        let path = if i % 2 == 0 { format!("slow-ok{i}") } else { format!("slow-flaky{i}") };
+        if i % 2 == 1 {
+            rx.script(&path, &[500, 204]);
+        }
+        let events = json!(["started", "completed"]);
+        ids.push(
+            submit_with_hook(&stack, &format!("two-relays-{i}"), format!("http://{addr}/{path}"), Some(events)).await,
+        );
+    }
+    for id in &ids {
+        stack.wait_terminal(id, T).await;
+    }
+    // Every delivery is over when the relay consumer has nothing left to hand out.
+    let deadline = Instant::now() + T;
+    loop {
+        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
+        let info = s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap();
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the relays never finished: {info:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Each job has one `started` and one outcome: any hand-out beyond those is a redelivery.
+    let handed_out = {
+        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
+        s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap().delivered.consumer_sequence
+    };
+    let redelivered = handed_out.saturating_sub(2 * JOBS as u64);
+    let got = rx.got.lock().unwrap().clone();
+    let mut problems = Vec::new();
+    let mut deliveries = 0;
+    for id in &ids {
+        let recorded = stemq_core::webhook::delivery_attempts(&stack.js, id, 0).await.unwrap();
+        let mut by_hook: std::collections::BTreeMap<String, Vec<(u32, String)>> = Default::default();
+        for r in &recorded {
+            assert!(!r.attempt.replay);
+            by_hook
+                .entry(r.attempt.webhook_id.clone())
+                .or_default()
+                .push((r.attempt.attempt, format!("{:?}", r.attempt.result)));
+        }
+        if by_hook.len() != 2 {
+            problems.push(format!("job {id}: {} deliveries recorded, wanted started and completed", by_hook.len()));
+        }
+        for (hook, attempts) in &by_hook {
+            deliveries += 1;
+            let numbers: Vec<u32> = attempts.iter().map(|a| a.0).collect();
+            let expected: Vec<u32> = (1..=attempts.len() as u32).collect();
+            if numbers != expected {
+                problems.push(format!("{hook}: attempts recorded {numbers:?}, wanted each once: {expected:?}"));
+            }
+            if attempts.iter().filter(|a| a.1 == "Delivered").count() != 1 {
+                problems.push(format!("{hook}: {attempts:?}, wanted exactly one delivered"));
+            }
+            let sent = got.iter().filter(|g| g.headers["webhook-id"] == hook.as_str()).count();
+            if sent != attempts.len() {
+                problems.push(format!("{hook}: sent {sent} times, {} attempts recorded", attempts.len()));
+            }
+        }
+    }
+    eprintln!("{deliveries} deliveries, {} requests, {redelivered} events handed out again", got.len());
+    assert!(redelivered > 0, "no event was handed out twice: the test shows nothing");
+    assert!(problems.is_empty(), "{} problems:\n{}", problems.len(), problems.join("\n"));
+    stop.cancel();
+    for r in relays {
+        let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
     stack.shutdown().await;
 }

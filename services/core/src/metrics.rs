@@ -448,7 +448,9 @@ mod tests {
                     .unwrap_or(tail.len());
                 let used = &tail[..end];
                 rest = &tail[end..];
-                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks"].contains(&used) {
+                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks", "stemq_delivery_claims"]
+                    .contains(&used)
+                {
                     continue; // the KV buckets, not metrics
                 }
                 if used.ends_with('_') {

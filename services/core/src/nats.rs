@@ -74,6 +74,8 @@ pub const KEYS_BUCKET: &str = "stemq_keys";
 pub const LIMITS_BUCKET: &str = "stemq_limits";
 /// The worker registry bucket (`crate::registry`).
 pub const WORKERS_BUCKET: &str = "stemq_workers";
+/// Webhook delivery claims: which relay makes which attempt (key = `<job id>.<event id>`).
+pub const DELIVERY_CLAIMS_BUCKET: &str = "stemq_delivery_claims";
 /// Request-reply submit subject.
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
@@ -536,6 +538,8 @@ const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../na
 const KV_KEYS: (&str, &str) = ("kv/keys.json", include_str!("../../../nats/kv/keys.json"));
 const KV_LIMITS: (&str, &str) = ("kv/limits.json", include_str!("../../../nats/kv/limits.json"));
 const KV_WORKERS: (&str, &str) = ("kv/workers.json", include_str!("../../../nats/kv/workers.json"));
+const KV_DELIVERY_CLAIMS: (&str, &str) =
+    ("kv/delivery_claims.json", include_str!("../../../nats/kv/delivery_claims.json"));
 /// The server configuration used by tests and `stemq dev`.
 pub const SERVER_CONF: &str = include_str!("../../../nats/nats-server.conf");
 
@@ -588,7 +592,10 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 
 /// Every bucket definition with `settings` applied.
 pub fn kv_configs(settings: &Settings) -> Result<Vec<kv::Config>, NatsError> {
-    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS].into_iter().map(|d| kv_def(d, settings)).collect()
+    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS, KV_DELIVERY_CLAIMS]
+        .into_iter()
+        .map(|d| kv_def(d, settings))
+        .collect()
 }
 
 fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
@@ -740,11 +747,11 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
             Err(_) => None,
         };
         // The bucket's own fields, as its stream stores them.
-        let as_stream = |history: i64, replicas: usize, size: i32, description: &str| {
+        let as_stream = |history: i64, replicas: usize, size: i32, description: &str, max_age: Duration| {
             serde_json::json!({"max_msgs_per_subject": history, "num_replicas": replicas,
-                "max_msg_size": size, "description": description})
+                "max_msg_size": size, "description": description, "max_age": max_age.as_nanos() as u64})
         };
-        let want = as_stream(kv.history, kv.num_replicas, kv.max_value_size, &kv.description);
+        let want = as_stream(kv.history, kv.num_replicas, kv.max_value_size, &kv.description, kv.max_age);
         let differences = existing
             .as_ref()
             .map(|x| {
@@ -753,6 +760,7 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
                     x.num_replicas,
                     x.max_message_size,
                     x.description.as_deref().unwrap_or(""),
+                    x.max_age,
                 );
                 diff(&want, &have)
             })

@@ -464,6 +464,7 @@ mod tests {
             assert_eq!(may(user, "stemq.progress.*"), Some(false), "{user}");
             assert_eq!(may(user, "$KV.stemq_jobs.>"), Some(user == PROJECTOR), "{user}");
             assert_eq!(may(user, "stemq.jobs.*.delivery"), Some(user == RELAY), "{user}");
+            assert_eq!(may(user, "$KV.stemq_delivery_claims.>"), Some(user == RELAY), "{user}");
         }
         assert_eq!(may(WORKER, "stemq.jobs.*.outcome"), Some(true));
         // Only workers announce themselves in the registry.

@@ -11,14 +11,18 @@ use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::publish;
 use stemq_core::webhook;
 use stemq_core::{Event, JobId, JobView};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
+use crate::claim::Claimed;
 use crate::schedule::retry_delay;
 use crate::Shared;
 
 /// One delivery: an event (or a replay request) for one receiver.
 pub(crate) struct Delivery<'a> {
     pub id: &'a JobId,
+    /// The delivery's key among the claims (`claim::key`), also the root of its records'
+    /// message ids.
+    pub key: String,
     pub webhook_id: &'a str,
     pub event_type: &'a str,
     pub url: &'a str,
@@ -34,8 +38,12 @@ pub(crate) enum After {
     Over,
     /// The receiver asked for a retry: hand the event back for this long.
     Retry(Duration),
-    /// Nothing was sent (the owner's settings could not be read): try again in this long.
+    /// Nothing was sent (the owner's settings or the claim could not be read): try again
+    /// in this long.
     NotAttempted(Duration),
+    /// Another relay holds this attempt (or a later one): it acks or hands the event
+    /// back when its attempt is over, so leave the event alone.
+    Taken,
 }
 
 /// Outcome of one HTTP attempt.
@@ -56,7 +64,8 @@ pub(crate) fn classify(a: &Answer) -> DeliveryResult {
     }
 }
 
-/// Makes attempt `n` (from 1) of `d` and records it.
+/// Makes attempt `n` (from 1) of `d` and records it, if this relay wins the attempt's
+/// claim (`claim`): nothing is sent or recorded for an attempt another relay holds.
 pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After {
     let schedule = &shared.config.schedule;
     let (owner_cfg, _) = match webhook::owner_webhooks(&shared.webhooks, &d.owner).await {
@@ -66,6 +75,17 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
             return After::NotAttempted(Duration::from_secs(1));
         }
     };
+    match shared.claims.claim(&d.key, n).await {
+        Ok(Claimed::Mine) => {}
+        Ok(Claimed::Taken { by, attempt }) => {
+            debug!(attempt = n, claimed = attempt, by, "another relay holds this attempt; leaving the event to it");
+            return After::Taken;
+        }
+        Err(e) => {
+            warn!(error = %stemq_core::error::report(&e), "cannot claim the attempt; retrying later");
+            return After::NotAttempted(Duration::from_secs(1));
+        }
+    }
     let t0 = Instant::now();
     let (result, a) = if owner_cfg.disabled.iter().any(|u| u == d.url) {
         let a = Answer {
@@ -176,7 +196,9 @@ pub(crate) fn parse_retry_after(v: &str) -> Option<Duration> {
 }
 
 /// Records the attempt on `stemq.jobs.<id>.delivery`: the record later attempts are
-/// numbered and timed from.
+/// numbered and timed from. Its message id (`<delivery key>.<attempt>`) makes the
+/// publish's retries, and a taken-over attempt recorded within the dedupe window, one
+/// record.
 async fn record(
     shared: &Shared,
     d: &Delivery<'_>,
@@ -201,7 +223,8 @@ async fn record(
             replay: d.replay,
         }),
     );
-    if let Err(e) = publish(&shared.js, &job_subject(d.id, SubjectKind::Delivery), &ev, None).await {
+    let msg_id = format!("{}.{attempt}", d.key);
+    if let Err(e) = publish(&shared.js, &job_subject(d.id, SubjectKind::Delivery), &ev, Some(&msg_id)).await {
         warn!(error = %e, "delivery attempt not recorded");
     }
 }

@@ -160,6 +160,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
         }
         let delivery = Delivery {
             id: &id,
+            key: crate::claim::key(&id, &event.id),
             webhook_id: &webhook_id,
             event_type: &event_type,
             url: &hook.url,
@@ -174,6 +175,9 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
             After::Retry(wait) | After::NotAttempted(wait) => {
                 let _ = msg.ack_with(AckKind::Nak(Some(wait))).await;
             }
+            // The claimant acks the event or hands it back; if it died, the ack wait
+            // brings the event back and the claim's lease decides.
+            After::Taken => {}
         }
     }
     .instrument(span)

@@ -15,12 +15,17 @@
 //!    attempt 1; a redelivery reads the `delivery_attempted` events recorded for its
 //!    `webhook-id` (the log, never memory), which give the attempt number, when it is
 //!    due, or that the delivery is already over;
-//! 4. makes one attempt (`attempt`): the SSRF check with the resolved address pinned,
+//! 4. claims the attempt (`claim`): the delivery's entry in the `stemq_delivery_claims`
+//!    bucket takes attempt `n` by create or compare-and-set, so of two relays handed the
+//!    same event (an ack wait that ran out mid-attempt, a lost ack) exactly one makes
+//!    it; the other leaves the event alone, to be acked or handed back by the winner;
+//! 5. makes the attempt (`attempt`): the SSRF check with the resolved address pinned,
 //!    then a POST of `{"type", "timestamp", "data": <status view>}` signed with Standard
 //!    Webhooks (`webhook-id` = the event id, stable across retries and replays; one `v1,`
 //!    signature per active secret of the job's owner), and records it as
-//!    `delivery_attempted` on `stemq.jobs.<id>.delivery`;
-//! 5. acks when the delivery is over (2xx; 410, which disables the URL for the owner
+//!    `delivery_attempted` on `stemq.jobs.<id>.delivery`, once (`Nats-Msg-Id`
+//!    `<delivery key>.<attempt>`, so a retried publish is not a second record);
+//! 6. acks when the delivery is over (2xx; 410, which disables the URL for the owner
 //!    until `stemq webhooks enable`; 3xx and other 4xx; the schedule's last attempt), or
 //!    naks with the next delay when the receiver asks for a retry (timeout, connection
 //!    error, 5xx, 429): the schedule's next step with up to +20 % jitter, or a longer
@@ -30,15 +35,21 @@
 //! the relay (no task, timer or concurrency slot), so receivers that keep failing cost
 //! one short attempt each per step and cannot starve others, and a relay that stops or
 //! crashes loses nothing: an event is acked only when its delivery is over, and whichever
-//! relay gets it next continues at the attempt number the log gives (a crash between an
-//! attempt and its record repeats that attempt with the same `webhook-id`, which
-//! receivers de-duplicate). The consumers have `max_deliver: -1` (the relay ends a
-//! schedule, not the server) and a `max_ack_pending` far above the deliveries that may
-//! wait for a retry at once.
+//! relay gets it next continues at the attempt number the log gives. The consumers have
+//! `max_deliver: -1` (the relay ends a schedule, not the server) and a `max_ack_pending`
+//! far above the deliveries that may wait for a retry at once.
+//!
+//! **Any number of relays** may share the consumers: the log numbers and times the
+//! attempts, the claims say who makes each one, and no relay keeps a delivery in
+//! memory. What stays at least once is a relay dying (or losing NATS) between its claim
+//! and its record: once the claim's lease (the request timeout plus a minute) has passed
+//! with no record, another relay takes the claim over and makes that attempt again with
+//! the same `webhook-id`, which receivers de-duplicate.
 //!
 //! Deliveries run concurrently, at most `concurrency` attempts in flight.
 
 mod attempt;
+mod claim;
 mod handle;
 mod memo;
 mod schedule;
@@ -113,6 +124,8 @@ struct Shared {
     config: Config,
     /// Last progress percent delivered per job (progress is delivered on change only).
     last_progress: ProgressMemo,
+    /// Who makes which attempt, between relays.
+    claims: claim::Claims,
 }
 
 /// Runs the relay until `shutdown`. Nothing in flight is acked on the way out: an
@@ -142,8 +155,16 @@ pub async fn serve(
         .get_consumer_from_stream(names::RELAY_PROGRESS_CONSUMER, names::PROGRESS_STREAM)
         .await
         .map_err(JetStreamError::open("open relay-progress consumer"))?;
+    let claims = claim::Claims {
+        kv: js
+            .get_key_value(names::DELIVERY_CLAIMS_BUCKET)
+            .await
+            .map_err(JetStreamError::open("open delivery claims bucket"))?,
+        relay: format!("{}/{}", config.name, &uuid::Uuid::new_v4().simple().to_string()[..8]),
+        lease: config.timeout + claim::LEASE_MARGIN,
+    };
     let slots = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo });
+    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo, claims });
     info!(concurrency = shared.config.concurrency, attempts = shared.config.schedule.len(), "relay running");
     let tracker = TaskTracker::new();
     for (consumer, is_progress) in [(events, false), (progress, true)] {
