@@ -1,11 +1,14 @@
 //! stemq-projector: folds the job event log into the KV status view.
 //!
-//! This crate owns the write side of the status view. [`run`] consumes every job event (and the compacted
-//! progress stream) with durable consumers, applies [`stemq_core::apply`] and writes the
-//! result to the `stemq_jobs` bucket with compare-and-set on the entry's revision. It is
-//! idempotent by stream sequence (each view records the last applied position) and acks
-//! only after the write. Events of different jobs are applied concurrently in lanes
-//! (one lane per hash of the job id), so order per job is kept while throughput scales.
+//! This crate owns the write side of the status view. [`run`] consumes every job event
+//! (and the compacted progress stream) with durable consumers, applies
+//! [`stemq_core::apply`] and writes the result to the `stemq_jobs` bucket with
+//! compare-and-set on the entry's revision. It is idempotent by stream sequence (each
+//! view records the last applied position) and acks only after the write. Events of
+//! different jobs are applied concurrently in lanes (one lane per hash of the job id), so
+//! within one process the events of a job are applied in order while throughput scales;
+//! across processes (several projectors on the same consumers), order is not kept, and
+//! need not be (next paragraph).
 //! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
 //! or a recreated consumer (a rebuild) never stops the projector.
 //!
@@ -35,8 +38,9 @@
 //! **A request for another owner is refused.** A `requested` event on
 //! `stemq.jobs.<id>.requested.<token>` whose request names an owner with another token
 //! is never folded (terminated, logged, counted as
-//! `stemq_projector_errors_total{kind="owner_mismatch"}`, `id_mismatch` likewise): the
-//! worker drops it too, so the job's view waits for the job's real request.
+//! `stemq_projector_errors_total{kind="owner_mismatch"}`, `id_mismatch` likewise, as is
+//! any event whose job is not its subject's): the worker drops it too, so the job's view
+//! waits for the job's real request.
 //!
 //! **A view that does not parse is an error**, never an absent view to overwrite:
 //! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
@@ -335,7 +339,7 @@ impl Lane {
                 }
             };
             if let Some((kind, error)) = refusal(&msg.subject, &event) {
-                warn!(lane, seq, subject = %msg.subject, %error, "refusing a request that is not its job's");
+                warn!(lane, seq, subject = %msg.subject, %error, "refusing an event that is not its subject's job's");
                 stemq_core::metrics::metrics().projector_error(kind);
                 let _ = msg.ack_with(AckKind::Term).await;
                 continue;
@@ -403,12 +407,17 @@ fn log_seq(p: &Position) -> Option<u64> {
     }
 }
 
-/// Why an event on `subject` is never folded, if it is not: a request that does not
-/// hash to its job's id, or names another owner than its subject's token (a publisher
-/// may put anything on subjects of its own owner). The worker drops such a request too;
-/// it stays in the log, and the job's real request is folded when it comes. Returns the
-/// error kind (`stemq_projector_errors_total{kind}`) and a sentence.
+/// Why an event on `subject` is never folded, if it is not: an event whose job is not
+/// its subject's (the subject's owner published it for another job); a request that
+/// does not hash to its job's id, or names another owner than its subject's token (a
+/// publisher may put anything on subjects of its own owner). The worker drops such a
+/// request too; it stays in the log, and the job's real request is folded when it
+/// comes. Returns the error kind (`stemq_projector_errors_total{kind}`) and a sentence.
+/// The normal path and the refold leave out the same events, so both fold the same log.
 fn refusal(subject: &str, event: &Event) -> Option<(&'static str, String)> {
+    if let Some(id) = names::job_id_of_subject(subject).filter(|id| *id != event.subject) {
+        return Some(("id_mismatch", format!("an event of job {} on the subject of job {id}", event.subject)));
+    }
     let stemq_core::EventBody::Requested(r) = &event.body else { return None };
     if r.request.job_id() != event.subject || event.id != event.subject.as_str() {
         return Some(("id_mismatch", format!("the request hashes to {}, not {}", r.request.job_id(), event.subject)));
@@ -555,7 +564,7 @@ impl Job<'_> {
                 break;
             }
             let Ok(event) = Event::from_slice(&m.payload) else { continue };
-            if event.subject != *self.id || refusal(m.subject.as_str(), &event).is_some() {
+            if refusal(m.subject.as_str(), &event).is_some() {
                 continue;
             }
             if let Some(v) = apply(view.as_ref(), Position::Log(m.sequence), &event) {
@@ -686,6 +695,24 @@ mod tests {
         let view = folded(&[(10, &requested), (11, &first)]);
         let Plan::Write(with_p2) = plan(Some(&view), &[(Position::Progress(7), &p2)]) else { panic!() };
         assert_eq!(plan(Some(&with_p2), &[(Position::Progress(5), &p1)]), Plan::Unchanged);
+    }
+
+    #[test]
+    fn the_normal_path_and_the_refold_refuse_the_same_events() {
+        let (requested, first, _) = events();
+        let id = requested.subject.clone();
+        let own = names::job_subject(&id, names::SubjectKind::Started);
+        assert_eq!(refusal(&own, &first), None);
+        let routed = |owner: &str| {
+            let EventBody::Requested(r) = &requested.body else { unreachable!() };
+            names::request_subject(&id, owner, r.request.model, r.lane())
+        };
+        assert_eq!(refusal(&routed(ANONYMOUS), &requested), None);
+        assert_eq!(refusal(&names::unrouted_request_subject(&id, ANONYMOUS), &requested), None);
+        let other = JobId::parse(&"cd".repeat(32)).unwrap();
+        let elsewhere = names::job_subject(&other, names::SubjectKind::Started);
+        assert_eq!(refusal(&elsewhere, &first).map(|r| r.0), Some("id_mismatch"));
+        assert_eq!(refusal(&routed("someone-else"), &requested).map(|r| r.0), Some("owner_mismatch"));
     }
 
     #[test]
