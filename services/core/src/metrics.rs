@@ -134,7 +134,7 @@ pub fn metrics() -> &'static Metrics {
         r.register(
             "stemq_projector_errors",
             "Events the projector could not apply yet, by kind (corrupt_view, kv_read, kv_write, \
-             log_read, kv_conflict, unreadable_event); each is retried, never skipped",
+             log_read, log_behind, kv_conflict, unreadable_event); each is retried, never skipped",
             projector_errors.clone(),
         );
         r.register(

@@ -24,7 +24,9 @@
 //! (the batch's or the view's) are read back with direct gets (`stemq.jobs.<id>.>`, next
 //! message by subject), refused requests left out as below, folded from nothing with
 //! [`stemq_core::apply`], the live progress carried over from the stored view, and the
-//! result written with compare-and-set like any other fold. The normal path (events in
+//! result written with compare-and-set like any other fold. A read that ends before the
+//! newest position known (a replica behind, on R3) is an error
+//! ([`ProjectorError::LogBehind`]), retried, never written. The normal path (events in
 //! order) costs nothing more: no read of the log, no extra round trip. Any number of
 //! projectors may therefore share the consumers: a view may for a moment miss an event
 //! another projector still holds, and it is repaired when that event is folded (its
@@ -114,6 +116,18 @@ pub enum ProjectorError {
         #[source]
         source: JetStreamError,
     },
+    /// The log read back to refold a job ended before an event known to be in it: the
+    /// replica that answered is behind (R3 direct gets may be served by any replica).
+    /// Never written: a view folded from a shorter log would drop that event for good.
+    #[error("refolding job {id}: the log read back ends at {read}, before event {wanted}")]
+    LogBehind {
+        /// The job.
+        id: JobId,
+        /// The newest position known to hold one of the job's events.
+        wanted: u64,
+        /// The newest position read back.
+        read: u64,
+    },
     /// Other writers kept moving the view while this one tried to write it.
     #[error("writing the view of job {id}: too many revision conflicts")]
     Conflicts {
@@ -143,6 +157,7 @@ impl ProjectorError {
             ProjectorError::KvRead { .. } => "kv_read",
             ProjectorError::KvWrite { .. } => "kv_write",
             ProjectorError::LogRead { .. } => "log_read",
+            ProjectorError::LogBehind { .. } => "log_behind",
             ProjectorError::Conflicts { .. } => "kv_conflict",
             ProjectorError::CorruptView { .. } => "corrupt_view",
         }
@@ -548,6 +563,7 @@ impl Job<'_> {
         let filter = format!("{}.{}.>", names::JOBS_PREFIX, self.id);
         let mut view: Option<JobView> = None;
         let mut from = 1;
+        let mut read = 0;
         while from <= upto {
             let m = match self.log.direct_get_builder().sequence(from).next_by_subject(filter.as_str()).send().await {
                 Ok(m) => m,
@@ -563,6 +579,7 @@ impl Job<'_> {
             if m.sequence > upto {
                 break;
             }
+            read = m.sequence;
             let Ok(event) = Event::from_slice(&m.payload) else { continue };
             if refusal(m.subject.as_str(), &event).is_some() {
                 continue;
@@ -570,6 +587,11 @@ impl Job<'_> {
             if let Some(v) = apply(view.as_ref(), Position::Log(m.sequence), &event) {
                 view = Some(v);
             }
+        }
+        // `upto` is the position of one of the job's events (the batch's, or the one the
+        // view was last moved by): a read that stops short of it is behind, not the log.
+        if read < upto {
+            return Err(ProjectorError::LogBehind { id: self.id.clone(), wanted: upto, read });
         }
         let Some(mut view) = view else { return Ok(stored.cloned()) };
         if let Some(stored) = stored {
