@@ -217,6 +217,9 @@ struct PoolLane {
 /// are not announced, so this bounds how late one starts on an idle worker.
 const IDLE_POLL: Duration = Duration::from_millis(250);
 
+/// Longest one look at a lane may take (its pull request and the answer).
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// After hearing of a new request and finding nothing (the request may not have
 /// reached its consumer yet, or another worker took it), look again after these.
 const RECHECK: [Duration; 2] = [Duration::from_millis(10), Duration::from_millis(50)];
@@ -417,19 +420,33 @@ async fn dispatch(
             if permits.is_empty() {
                 break;
             }
-            let batch = match lane.consumer.fetch().max_messages(permits.len()).messages().await {
-                Ok(b) => b,
-                Err(e) => {
+            // A look never hangs: a pull request or answer lost in a server restart
+            // would otherwise leave the stream waiting for ever (a no-wait fetch has no
+            // timer of its own).
+            let deadline = tokio::time::Instant::now() + FETCH_TIMEOUT;
+            let fetch = lane.consumer.fetch().max_messages(permits.len()).messages();
+            let batch = match tokio::time::timeout_at(deadline, fetch).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => {
                     warn!(consumer = %lane.name, error = %e, "pull failed; retrying");
+                    continue;
+                }
+                Err(_) => {
+                    warn!(consumer = %lane.name, "pull request unanswered; retrying");
                     continue;
                 }
             };
             tokio::pin!(batch);
-            while let Some(m) = batch.next().await {
-                let msg = match m {
-                    Ok(msg) => msg,
-                    Err(e) => {
+            loop {
+                let msg = match tokio::time::timeout_at(deadline, batch.next()).await {
+                    Ok(Some(Ok(msg))) => msg,
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => {
                         warn!(consumer = %lane.name, error = %e, "pull error");
+                        break;
+                    }
+                    Err(_) => {
+                        warn!(consumer = %lane.name, "pull answer incomplete; looking again");
                         break;
                     }
                 };
