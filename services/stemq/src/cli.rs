@@ -427,6 +427,36 @@ mod tests {
         assert!(Cli::try_parse_from(["stemq", "submit", "--flac", "--format", "wav", "a.wav"]).is_err());
     }
 
+    /// Issue 12: `submit --priority` puts the lane in the request (absent: the key's
+    /// default); `keys create --priority` sets a key's default lane; an unknown lane is
+    /// refused by the parser.
+    #[test]
+    fn priority_flags_name_a_lane() {
+        let submit = |args: &[&str]| match Cli::try_parse_from([&["stemq", "submit"], args, &["x://a.wav"]].concat()) {
+            Ok(Cli { command: Command::Submit(a), .. }) => Ok(a.request("x://a.wav")),
+            Ok(_) => unreachable!(),
+            Err(e) => Err(e),
+        };
+        assert_eq!(submit(&["--priority", "batch"]).unwrap()["priority"], "batch");
+        assert_eq!(submit(&["--priority", "interactive"]).unwrap()["priority"], "interactive");
+        assert!(submit(&[]).unwrap().get("priority").is_none(), "no flag: the key's default applies");
+        assert!(submit(&["--priority", "urgent"]).is_err());
+        let create = |args: &[&str]| {
+            Cli::try_parse_from([&["stemq", "keys", "create", "--owner", "acme"], args].concat()).map(|c| c.command)
+        };
+        match create(&["--priority", "batch"]).unwrap() {
+            Command::Keys { command: crate::keys::KeysCommand::Create { priority, .. } } => {
+                assert_eq!(priority.map(|p| p.priority()), Some(stemq_core::request::Priority::Batch))
+            }
+            _ => unreachable!(),
+        }
+        match create(&[]).unwrap() {
+            Command::Keys { command: crate::keys::KeysCommand::Create { priority, .. } } => assert_eq!(priority, None),
+            _ => unreachable!(),
+        }
+        assert!(create(&["--priority", "soon"]).is_err());
+    }
+
     /// The engine host command line the worker writes is one this parser reads.
     #[test]
     fn the_engine_host_command_line_parses() {
