@@ -152,10 +152,11 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum ModelsCommand {
-    /// Download a released model (htdemucs, htdemucs_ft, htdemucs_6s), checksums verified.
+    /// Download released models (htdemucs, htdemucs_ft, htdemucs_6s), checksums verified.
     Pull {
-        /// Model name.
-        name: String,
+        /// Model names, one or more.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Download root (default: the one the demucs package uses).
         #[arg(long, env = "STEMQ_MODELS_URL", default_value = crate::models::ROOT_URL)]
         url: String,
@@ -256,7 +257,12 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Models { command, dir } => {
             let dir = dir.unwrap_or_else(|| g.data_dir.join("models"));
             match command {
-                ModelsCommand::Pull { name, url } => crate::models::pull(&name, &dir, &url).await,
+                ModelsCommand::Pull { names, url } => {
+                    for name in &names {
+                        crate::models::pull(name, &dir, &url).await?;
+                    }
+                    Ok(())
+                }
                 ModelsCommand::List => crate::models::list(&dir),
             }
         }
