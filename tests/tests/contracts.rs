@@ -250,6 +250,10 @@ async fn health_readiness_metrics_and_openapi() {
     ] {
         assert!(text.contains(series), "missing {series} in\n{text}");
     }
+    // The oldest unfinished request is found in its pool (after the pool consumer's ack
+    // floor, on the pool's routed filter).
+    let oldest = value(&text, "stemq_queue_oldest_pending_age_seconds ");
+    assert!(oldest > 0.0 && oldest < 60.0, "oldest pending age {oldest} in\n{text}");
     assert!(text.contains("stemq_http_request_duration_seconds_bucket"), "{text}");
     let (code, doc) = stack.get("/openapi.json").await;
     assert_eq!(code, 200);
