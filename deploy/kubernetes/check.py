@@ -5,7 +5,14 @@ Usage: check.py REPO_ROOT RENDERED.yaml... (each file: one overlay, rendered by 
 
 - KEDA ScaledObjects against the documented shape of the `nats-jetstream` trigger
   (kubernetes-validate has no schema for custom resources and passes them silently), and
-  against nats/: the stream and durable consumer they watch must exist there.
+  against nats/: the stream and durable consumer they watch must exist there (the pool
+  consumers `workers-<model>-<lane>` of nats/consumers/pool.json, for every model and
+  lane of the Rust enums in services/core/src/request/options.rs).
+- A worker ScaledObject scales on exactly the pool consumers its workers serve, both
+  lanes of each: `STEMQ_ENGINE` dsp serves dsp; demucs the models the overlay's
+  `models pull` Job downloads; auto both. Never the unrouted `workers` consumer (no
+  worker pulls it), never a pool nobody in the deployment serves (its jobs would wake
+  pods that never take them).
 - Every Deployment/StatefulSet container: readiness and liveness probes, CPU and memory
   requests, a memory limit, no `:latest` image; every Deployment and StatefulSet has a
   PodDisruptionBudget selecting it.
@@ -48,6 +55,51 @@ SCALED_OBJECT_SPEC = {"scaleTargetRef": dict, "minReplicaCount": int, "maxReplic
                       "pollingInterval": int, "cooldownPeriod": int, "idleReplicaCount": int,
                       "initialCooldownPeriod": int, "triggers": list, "advanced": dict,
                       "fallback": dict}
+
+
+def served_models(engine, pulled):
+    """The models a worker with STEMQ_ENGINE `engine` serves, given the models pulled
+    into its model folder (services/stemq/src/services.rs, `EngineKind`)."""
+    return {"dsp": {"dsp"}, "demucs": set(pulled), "auto": {"dsp"} | set(pulled)}.get(engine)
+
+
+def pulled_models(docs):
+    """Models the overlay's Jobs download (`stemq models pull NAME...`)."""
+    pulled = set()
+    for d in docs:
+        if d["kind"] != "Job":
+            continue
+        for c in d["spec"]["template"]["spec"].get("containers", []):
+            args = c.get("args", [])
+            if args[:2] == ["models", "pull"]:
+                pulled |= set(args[2:])
+    return pulled
+
+
+def check_worker_triggers(d, docs, lanes):
+    """The triggers of a worker ScaledObject are the pools its deployment serves."""
+    where = f"ScaledObject/{d['metadata']['name']}"
+    target = d.get("spec", {}).get("scaleTargetRef", {}).get("name")
+    deployments = [x for x in docs if x["kind"] == "Deployment" and x["metadata"]["name"] == target]
+    workers = [c for x in deployments for c in pod_spec(x).get("containers", [])
+               if c.get("args", [None])[0] == "worker"]
+    if not workers:
+        return
+    engine = env_value(workers[0], "STEMQ_ENGINE") or "auto"
+    served = served_models(engine, pulled_models(docs))
+    if served is None:
+        bad(where, f"STEMQ_ENGINE {engine!r} of {target}: no known models to scale on")
+        return
+    want = {f"workers-{m}-{lane}" for m in served for lane in lanes}
+    have = {t.get("metadata", {}).get("consumer") for t in d["spec"].get("triggers") or []}
+    if "workers" in have:
+        bad(where, "scales on the unrouted `workers` consumer, which no worker pulls "
+            "(the ingress's router moves its requests into the pools): use the pool consumers")
+    for c in sorted(want - have):
+        bad(where, f"no trigger on {c}, a pool {target} serves ({engine}): its jobs would not wake it")
+    for c in sorted(have - want - {"workers"}):
+        bad(where, f"trigger on {c}, a pool {target} does not serve ({engine}, models {sorted(served)}): "
+            "its jobs would wake pods that never take them")
 
 
 def check_scaled_object(d, names, nats_defs):
@@ -96,7 +148,7 @@ def check_scaled_object(d, names, nats_defs):
         if not endpoint.startswith(f"nats-headless.{ns}.svc"):
             bad(where, f"endpoint {endpoint!r} is not the headless NATS Service of namespace {ns}"
                 " (KEDA resolves it from its own namespace; clustered NATS needs per-node names)")
-        streams, consumers = nats_defs
+        streams, consumers, _ = nats_defs
         if md.get("stream") not in streams:
             bad(where, f"stream {md.get('stream')!r} is not defined in nats/streams")
         if (md.get("stream"), md.get("consumer")) not in consumers:
@@ -176,13 +228,30 @@ def check_workloads(docs, known_env, secret_names, example_configmaps):
     return names
 
 
+def wire_names(root, enum):
+    """The wire names of a `wire_names!(Enum { Variant => "name", ... })` in the core crate."""
+    text = open(f"{root}/services/core/src/request/options.rs").read()
+    body = re.search(r"wire_names!\(\s*" + enum + r"\s*\{(.*?)\}\s*\)", text, re.S)
+    if not body:
+        bad("services/core/src/request/options.rs", f"no wire_names!({enum} ...)")
+        return []
+    return re.findall(r'=>\s*"([a-z0-9_]+)"', body.group(1))
+
+
 def nats_definitions(root):
     streams = {json.load(open(p))["name"] for p in glob.glob(f"{root}/nats/streams/*.json")}
+    models, lanes = wire_names(root, "Model"), wire_names(root, "Priority")
     consumers = set()
     for p in glob.glob(f"{root}/nats/consumers/*.json"):
         c = json.load(open(p))
-        consumers.add((c["stream"], c["config"]["durable_name"]))
-    return streams, consumers
+        name = c["config"]["durable_name"]
+        if "{model}" in name:
+            # nats/consumers/pool.json: one consumer per model and lane.
+            consumers |= {(c["stream"], name.replace("{model}", m).replace("{lane}", lane))
+                          for m in models for lane in lanes}
+        else:
+            consumers.add((c["stream"], name))
+    return streams, consumers, lanes
 
 
 def cli_env(root):
@@ -213,6 +282,7 @@ def main():
         for d in docs:
             if d["kind"] == "ScaledObject":
                 check_scaled_object(d, names, nats_defs)
+                check_worker_triggers(d, docs, nats_defs[2])
         for p in problems[before:]:
             print(f"{os.path.basename(f)}: {p}")
         kinds = sorted({d["kind"] for d in docs})

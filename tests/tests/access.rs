@@ -92,12 +92,16 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
         (Method::POST, "/v1/webhooks/secret/rotate".into()),
         (Method::POST, "/v1/webhooks/enable".into()),
         (Method::GET, "/metrics".into()),
+        (Method::GET, "/v1/workers".into()),
         (Method::GET, "/v1/no-such-route".into()),
     ];
     let revoked = key(&stack, "acme", Role::Admin, None).await;
     auth::revoke(&stack.keys, &revoked).await.unwrap();
     let malformed = "sk_0123_nothex";
-    let forged = format!("{}0", &stack.key[..stack.key.len() - 1]);
+    // The operator's key with its last hex digit changed (to one it is not: a fixed `0`
+    // left the key intact, and valid, once in 16 runs).
+    let (head, last) = stack.key.split_at(stack.key.len() - 1);
+    let forged = format!("{head}{}", if last == "0" { "1" } else { "0" });
     for (m, path) in &routes {
         let (code, h, body) = call(&base, m.clone(), path, None, None).await;
         assert_eq!(code, 401, "{m} {path} without a key: {body}");
@@ -141,12 +145,21 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
         assert!(forbidden(call(&base, Method::GET, "/v1/webhooks/secret", Some(k), None).await.0));
         assert!(forbidden(call(&base, Method::POST, "/v1/webhooks/secret/rotate", Some(k), None).await.0));
     }
+    // The operators' routes: /metrics, and the fleet (every owner's workload and the
+    // workers' names, devices and memory) — 403 for any role of an owner, admin included.
     for k in [&read, &submit, &admin] {
         assert!(forbidden(call(&base, Method::GET, "/metrics", Some(k), None).await.0));
+        let (code, _, body) = call(&base, Method::GET, "/v1/workers", Some(k), None).await;
+        assert!(forbidden(code), "GET /v1/workers with a non-operator key: {code} {body}");
+        assert!(body.get("workers").is_none() && body.get("pools").is_none(), "{body}");
     }
     assert_eq!(call(&base, Method::POST, "/v1/separations", Some(&submit), Some(&acme_body)).await.0, 202);
     assert_eq!(call(&base, Method::GET, "/v1/webhooks/secret", Some(&admin), None).await.0, 200);
     assert_eq!(call(&base, Method::GET, "/metrics", Some(&stack.key), None).await.0, 200);
+    let operator = key(&stack, "ops", Role::Operator, None).await;
+    let (code, _, fleet) = call(&base, Method::GET, "/v1/workers", Some(&operator), None).await;
+    assert_eq!(code, 200, "{fleet}");
+    assert!(fleet["workers"].is_array() && fleet["pools"].is_array(), "{fleet}");
 
     // Revocation takes effect within seconds (the ring re-reads records every 2 s).
     assert_eq!(call(&base, Method::GET, "/v1/separations", Some(&submit), None).await.0, 200);

@@ -226,9 +226,38 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     let bad = run(args(&["keys", "create", "--owner", "Not Valid"])).await.unwrap();
     assert!(!bad.status.success() && text(&bad.stderr).contains("owner"), "{}", text(&bad.stderr));
 
+    // Issue 12: a key with a default lane (`--priority batch`).
+    let out = run(args(&["keys", "create", "--owner", "archive", "--role", "submit", "--priority", "batch"])).await;
+    let archive = ok(&out.unwrap(), "keys create --priority").trim().to_string();
+    let archive_id = archive.split('_').nth(1).unwrap().to_string();
+    let bad = run(args(&["keys", "create", "--owner", "archive", "--priority", "urgent"])).await.unwrap();
+    assert!(!bad.status.success() && text(&bad.stderr).contains("urgent"), "{}", text(&bad.stderr));
+
     let list = ok(&run(args(&["keys", "list"])).await.unwrap(), "keys list");
     assert!(list.contains(&id) && list.contains("band") && list.contains("admin") && list.contains("active"), "{list}");
     assert!(!list.contains(&key), "the key itself is never listed");
+    let line =
+        |id: &str| list.lines().find(|l| l.starts_with(id)).unwrap_or_else(|| panic!("{id} in {list}")).to_string();
+    assert!(line(&archive_id).contains(" batch "), "{list}");
+    assert!(line(&id).contains("interactive (default)"), "{list}");
+
+    // Its jobs wait in the batch lane unless they ask for another (`submit --priority`).
+    let submit = |extra: &[&str]| {
+        let mut a = args(&["submit", "song.wav", "--api", &api, "--api-key", &archive]);
+        a.extend(args(extra));
+        run(a)
+    };
+    ok(&run(args(&["synth", "--seconds", "1", "-o", "song.wav"])).await.unwrap(), "synth");
+    for (extra, lane) in [
+        (&[][..], stemq_core::request::Priority::Batch),
+        (&["--priority", "interactive", "--two-stems", "vocals"][..], stemq_core::request::Priority::Interactive),
+    ] {
+        let stdout = ok(&submit(extra).await.unwrap(), "submit --api with the archive key");
+        let answer: serde_json::Value =
+            serde_json::from_str(&stdout[stdout.find('{').expect(&stdout)..]).expect(&stdout);
+        let view = stack.wait_terminal(&job_id(&answer), T).await;
+        assert_eq!((view.status, view.priority), (JobStatus::Succeeded, Some(lane)), "{extra:?}: {view:#?}");
+    }
 
     // The key from <data-dir>/admin.key, with no --api-key.
     std::fs::create_dir_all(dir.path().join(".stemq")).unwrap();

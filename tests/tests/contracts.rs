@@ -238,7 +238,22 @@ async fn health_readiness_metrics_and_openapi() {
     let (code, text) = stack.get_text("/metrics").await;
     assert_eq!(code, 200);
     assert!(value(&text, created) - before >= 3.0, "{text}");
-    assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3"), "{text}");
+    // The jobs wait in their pool's lane (dsp, interactive: the API's default), which no
+    // live worker serves (the stack has none).
+    for series in [
+        r#"stemq_queue_pending_jobs{consumer="workers-dsp-interactive",model="dsp",lane="interactive"} 3"#,
+        r#"stemq_queue_pending_jobs{consumer="workers-htdemucs-batch",model="htdemucs",lane="batch"} 0"#,
+        r#"stemq_queue_pending_jobs{consumer="workers"} 0"#,
+        r#"stemq_pool_workers{model="dsp"} 0"#,
+        r#"stemq_jobs_waiting_for_worker{model="dsp"} 3"#,
+        r#"stemq_jobs_waiting_for_worker{model="htdemucs"} 0"#,
+    ] {
+        assert!(text.contains(series), "missing {series} in\n{text}");
+    }
+    // The oldest unfinished request is found in its pool (after the pool consumer's ack
+    // floor, on the pool's routed filter).
+    let oldest = value(&text, "stemq_queue_oldest_pending_age_seconds ");
+    assert!(oldest > 0.0 && oldest < 60.0, "oldest pending age {oldest} in\n{text}");
     assert!(text.contains("stemq_http_request_duration_seconds_bucket"), "{text}");
     let (code, doc) = stack.get("/openapi.json").await;
     assert_eq!(code, 200);
@@ -403,6 +418,15 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     assert!(screen.contains("queue: 0 pending"), "{screen}");
     assert!(screen.contains("succeeded 1") && screen.contains("failed 1"), "{screen}");
     assert!(screen.contains(&job_id(&bad).as_str()[..12]) && screen.contains("invalid_audio"), "{screen}");
+    // The fleet: the worker with what it serves (the fake engine: every model) and its
+    // devices, and per pool and lane pending/running; every pool is served, so no pool
+    // is marked as waiting for a worker.
+    assert!(screen.contains("workers (1):"), "{screen}");
+    let line = screen.lines().find(|l| l.trim_start().starts_with("metered")).unwrap_or_else(|| panic!("{screen}"));
+    assert!(line.contains("htdemucs,htdemucs_ft,htdemucs_6s,dsp") && line.contains("fake-gpu,cpu"), "{line}");
+    let dsp = screen.lines().find(|l| l.trim_start().starts_with("dsp ")).unwrap_or_else(|| panic!("{screen}"));
+    assert!(dsp.contains("0/0"), "{dsp}");
+    assert!(!screen.contains("waiting for a worker"), "{screen}");
     stemq_tests::signal(&w, stemq_tests::SIGTERM);
     stemq_tests::wait_exit(&mut w, T);
     stack.shutdown().await;

@@ -424,3 +424,127 @@ async fn the_cli_adds_a_publisher_that_can_connect_at_once() {
     assert_denied("another owner", js_publish(&js, routed(&other.subject, "anonymous"), &other, None).await);
     stack.shutdown().await;
 }
+
+/// A worker's registry entry, as a forger would write it: a worker named `name` that
+/// claims to serve every model.
+fn forged_worker(name: &str) -> Vec<u8> {
+    let now = chrono::Utc::now();
+    serde_json::to_vec(&stemq_core::registry::WorkerInfo {
+        name: name.into(),
+        models: Model::ALL.to_vec(),
+        devices: vec!["cuda:0".into()],
+        engine: "demucs".into(),
+        version: "0".into(),
+        concurrency: 64,
+        running: 0,
+        free_memory_bytes: None,
+        started_at: now,
+        heartbeat_at: now,
+    })
+    .unwrap()
+}
+
+/// A JetStream publish of raw `body` to `subject`: the sequence, or the error (a timeout
+/// when the server refused it).
+async fn js_put(js: &jetstream::Context, subject: String, body: Vec<u8>) -> Result<u64, String> {
+    match js.publish(subject, body.into()).await {
+        Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Issue 12: only workers announce themselves. Anyone else who could write the registry
+/// could make `GET /v1/workers`, `stemq top` and the alerts show a fleet that is not
+/// there (a worker "serving" a model nobody runs hides `StemqJobsWaitingForWorker`, and
+/// an ingress that refuses unserved models would accept them). Every other service user
+/// and a publisher are refused a put, through the KV API where they may open the bucket
+/// (the queue exporters read it) and as a raw publish on `$KV.stemq_workers.<key>`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_workers_write_the_worker_registry() {
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let acme = stack.add_publisher("acme").await;
+    let registry = stack.js.get_key_value(names::WORKERS_BUCKET).await.unwrap();
+    for user in [INGRESS, PROJECTOR, RELAY, STATUS_READER, acme.as_str()] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        let name = format!("ghost-{user}");
+        let key = stemq_core::registry::key_of(&name);
+        if let Ok(kv) = js.get_key_value(names::WORKERS_BUCKET).await {
+            // Readers (the ingress, the queue exporters) open it; the write is refused.
+            assert!([INGRESS, PROJECTOR, RELAY].contains(&user), "{user} opens the worker registry");
+            denied(&format!("{user} announces a worker"), kv.put(&key, forged_worker(&name).into()).await);
+            denied(&format!("{user} removes a worker"), kv.delete(&key).await);
+        }
+        let subject = format!("$KV.{}.{key}", names::WORKERS_BUCKET);
+        assert_denied(&format!("{user} publishes a registry entry"), js_put(&js, subject, forged_worker(&name)).await);
+        assert!(registry.get(&key).await.unwrap().is_none(), "{user} wrote the registry");
+    }
+    assert!(stemq_core::registry::live(&registry).await.unwrap().is_empty(), "a forged worker is live");
+
+    // A worker may: it announces itself, and the operator reads it back.
+    let c = stack.connect_as(WORKER).await;
+    let kv = short(&c).get_key_value(names::WORKERS_BUCKET).await.expect("the worker opens the registry");
+    kv.put(stemq_core::registry::key_of("w-real"), forged_worker("w-real").into()).await.expect("a worker announces");
+    let live = stemq_core::registry::live(&registry).await.unwrap();
+    assert_eq!(live.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["w-real"]);
+    stack.shutdown().await;
+}
+
+/// Issue 12: a worker pulls only from the pools. The `projector` consumer (every event
+/// of every job) and the unrouted `workers` consumer (the ingress's router's) are not its
+/// to pull: a pull request there is refused by the server (no answer; a `Permissions
+/// Violation` on the connection), while the same request on a pool consumer is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_pulls_from_no_consumer_but_its_pools() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let (client, errors) = watched(&stack, WORKER).await;
+    // One message, without waiting: a pool with nothing in it answers "no messages".
+    let pull = || json!({"batch": 1, "no_wait": true}).to_string();
+    let next = |consumer: &str| format!("$JS.API.CONSUMER.MSG.NEXT.{}.{consumer}", names::JOBS_STREAM);
+    let pool = names::pool_consumer(Model::Dsp, Priority::Interactive);
+    let answer = tokio::time::timeout(T, client.request(next(&pool), pull().into())).await;
+    assert!(matches!(answer, Ok(Ok(_))), "a pull on its own pool {pool} got no answer: {answer:?}");
+    for consumer in [names::PROJECTOR_CONSUMER, names::WORKERS_CONSUMER] {
+        let r = tokio::time::timeout(DENIED, client.request(next(consumer), pull().into())).await;
+        assert!(!matches!(r, Ok(Ok(_))), "the worker pulled from {consumer}: {r:?}");
+        wait_error(&errors, &format!("Publish to \"{}\"", next(consumer))).await;
+        // Nor through the client API (the same request, with a JetStream timeout).
+        let js = short(&client);
+        let c: jetstream::consumer::PullConsumer = match js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await
+        {
+            Ok(c) => c,
+            // It may read their info (the queue figures) but needs not to.
+            Err(_) => continue,
+        };
+        let batch = c.fetch().max_messages(1).expires(DENIED).messages().await;
+        if let Ok(mut batch) = batch {
+            let first = tokio::time::timeout(2 * DENIED, futures::StreamExt::next(&mut batch)).await;
+            assert!(!matches!(first, Ok(Some(Ok(_)))), "the worker fetched from {consumer}: {first:?}");
+        }
+    }
+    stack.shutdown().await;
+}
+
+/// The queue figures (`--queue-metrics`) may be exported by the projector (the deployed
+/// exporter), the relay or a worker: each reads every pool's consumer, the unrouted
+/// `workers` consumer and the worker registry with its own user, so no figure goes
+/// missing under least privilege.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_exporters_read_every_pool_and_the_registry() {
+    let stack = Stack::start(StackOptions { workers: 1, ..Default::default() }).await;
+    let t0 = std::time::Instant::now();
+    let registry = stack.js.get_key_value(names::WORKERS_BUCKET).await.unwrap();
+    while stemq_core::registry::live(&registry).await.unwrap().is_empty() {
+        assert!(t0.elapsed() < T, "the in-process worker never announced itself");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for user in [PROJECTOR, RELAY, WORKER] {
+        let c = stack.connect_as(user).await;
+        let q = stemq_core::metrics::read_queue(&jetstream::new(c)).await;
+        assert_eq!(q.lanes.len(), names::pool_consumers().len(), "{user} reads every pool: {q:?}");
+        assert!(q.unrouted.is_some() && q.projector.is_some(), "{user}: {q:?}");
+        assert_eq!(q.serving(Model::Dsp), Some(1), "{user} reads the registry: {q:?}");
+        assert_eq!(q.waiting_for_worker(Model::Htdemucs), Some(0), "{user}");
+    }
+    stack.shutdown().await;
+}

@@ -4,9 +4,10 @@
 //! model, device, outcome, class, consumer, kind) and the process-wide registry. Each service
 //! records into it; whichever serves `/metrics` (the ingress, or the small metrics
 //! listener of a worker or projector process) renders all of it, so `stemq dev` shows
-//! everything on one endpoint. Queue figures that NATS already knows (pending, in
-//! flight, oldest pending, projector lag) are read from consumer info at scrape time by
-//! [`read_queue`], and only in the one process that exports them ([`QueueFigures`]).
+//! everything on one endpoint. Queue figures that NATS already knows (pending and in
+//! flight per pool consumer and lane, oldest pending, projector lag, live workers per
+//! model from the worker registry) are read at scrape time by [`read_queue`], and only
+//! in the one process that exports them ([`QueueFigures`]).
 //! It also owns the exposition formats ([`Format`]): classic text 0.0.4 unless the
 //! scraper asks for OpenMetrics.
 
@@ -22,6 +23,8 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::nats as names;
+use crate::registry::{self, WorkerInfo};
+use crate::request::{Model, Priority};
 
 /// Labels of per-job measurements.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -40,11 +43,6 @@ pub struct OutcomeLabels {
     /// `succeeded`, `degraded`, `failed_permanent`, `failed_transient`, `dead_lettered`,
     /// `cancelled`, `rejected`, `expired`.
     pub outcome: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ConsumerLabels {
-    consumer: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -283,47 +281,119 @@ pub struct ConsumerFigures {
     pub in_flight: u64,
 }
 
-/// The queue figures (`stemq_queue_*`, `stemq_projector_lag_events`), read from NATS at
+/// One pool's lane: its consumer (`workers-<model>-<lane>`) as NATS knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneFigures {
+    /// The pool's model.
+    pub model: Model,
+    /// The lane.
+    pub lane: Priority,
+    /// The lane consumer's figures.
+    pub queue: ConsumerFigures,
+}
+
+/// The queue figures (`stemq_queue_*`, `stemq_pool_workers`,
+/// `stemq_jobs_waiting_for_worker`, `stemq_projector_lag_events`), read from NATS at
 /// scrape time by [`read_queue`].
 ///
-/// They describe the stream, not the process that reads them, so exactly one process
-/// exports them: the one started with `--queue-metrics` (and `stemq dev`). Were every
-/// process to export them, `sum()` over the scrape targets would count the same jobs once
-/// per process; the rules and the dashboard use `max` so that two exporters (during a
-/// rolling upgrade of that process) still do not double them.
+/// They describe the stream and the worker registry, not the process that reads them, so
+/// exactly one process exports them: the one started with `--queue-metrics` (and
+/// `stemq dev`). Were every process to export them, `sum()` over the scrape targets
+/// would count the same jobs once per process; the rules and the dashboard use `max`
+/// so that two exporters (during a rolling upgrade of that process) still do not double
+/// them.
+///
+/// Every label set is bounded: one series per pool consumer (models are a fixed enum,
+/// lanes two), plus the unrouted `workers` consumer and the `projector` consumer.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct QueueFigures {
-    /// The `workers` consumer, when it exists.
-    pub workers: Option<ConsumerFigures>,
+    /// The pool consumers that exist, models in [`Model::ALL`] order, lanes in
+    /// [`Priority::ALL`] order.
+    pub lanes: Vec<LaneFigures>,
+    /// The `workers` consumer (requests of earlier releases, published without a route,
+    /// that the ingress's router has not moved into their pools yet), when it exists.
+    pub unrouted: Option<ConsumerFigures>,
     /// The `projector` consumer, when it exists.
     pub projector: Option<ConsumerFigures>,
-    /// Age of the oldest job request the workers have not finished (zero when none).
+    /// Age of the oldest job request the workers have not finished, over every pool and
+    /// the unrouted consumer (zero when none).
     pub oldest_pending_age: Duration,
     /// Job events not yet applied to the status view, when the projector consumer exists.
     pub projector_lag: Option<u64>,
+    /// The live workers (the worker registry), by name, when it was readable.
+    pub workers: Option<Vec<WorkerInfo>>,
 }
 
+/// Labels of the queue gauges: `consumer`, and for a pool consumer `model` and `lane`.
+type QueueLabels = Vec<(&'static str, String)>;
+
 impl QueueFigures {
+    /// Live workers serving `model`; `None` when the registry was not readable.
+    pub fn serving(&self, model: Model) -> Option<usize> {
+        self.workers.as_deref().map(|w| registry::serving(w, model))
+    }
+
+    /// Jobs pending in the pool of `model` (both lanes).
+    pub fn pending(&self, model: Model) -> u64 {
+        self.lanes.iter().filter(|l| l.model == model).map(|l| l.queue.pending).sum()
+    }
+
+    /// Jobs pending in the pool of `model` (both lanes) while no live worker serves it;
+    /// `None` when the registry was not readable (nobody knows who serves what).
+    pub fn waiting_for_worker(&self, model: Model) -> Option<u64> {
+        Some(if self.serving(model)? > 0 { 0 } else { self.pending(model) })
+    }
+
     /// The figures as a registry of gauges, built for one scrape.
     fn registry(&self) -> Registry {
         let mut r = Registry::default();
-        let pending = Family::<ConsumerLabels, Gauge>::default();
-        let in_flight = Family::<ConsumerLabels, Gauge>::default();
-        for (name, c) in [(names::WORKERS_CONSUMER, self.workers), (names::PROJECTOR_CONSUMER, self.projector)] {
+        let pending = Family::<QueueLabels, Gauge>::default();
+        let in_flight = Family::<QueueLabels, Gauge>::default();
+        let set = |labels: QueueLabels, c: ConsumerFigures| {
+            pending.get_or_create(&labels).set(c.pending as i64);
+            in_flight.get_or_create(&labels).set(c.in_flight as i64);
+        };
+        for l in &self.lanes {
+            let labels = vec![
+                ("consumer", names::pool_consumer(l.model, l.lane)),
+                ("model", l.model.as_str().to_string()),
+                ("lane", l.lane.as_str().to_string()),
+            ];
+            set(labels, l.queue);
+        }
+        for (name, c) in [(names::WORKERS_CONSUMER, self.unrouted), (names::PROJECTOR_CONSUMER, self.projector)] {
             let Some(c) = c else { continue };
-            let l = ConsumerLabels { consumer: name.to_string() };
-            pending.get_or_create(&l).set(c.pending as i64);
-            in_flight.get_or_create(&l).set(c.in_flight as i64);
+            set(vec![("consumer", name.to_string())], c);
         }
         let oldest = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         oldest.set(self.oldest_pending_age.as_secs_f64());
-        r.register("stemq_queue_pending_jobs", "Messages not yet delivered to the consumer", pending);
+        r.register(
+            "stemq_queue_pending_jobs",
+            "Messages not yet delivered to the consumer (per pool consumer and lane, the unrouted workers \
+             consumer, the projector)",
+            pending,
+        );
         r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight);
         r.register(
             "stemq_queue_oldest_pending_age_seconds",
-            "Age of the oldest job request not yet finished by a worker",
+            "Age of the oldest job request not yet finished by a worker, over every pool",
             oldest,
         );
+        if self.workers.is_some() {
+            let workers = Family::<ModelLabels, Gauge>::default();
+            let waiting = Family::<ModelLabels, Gauge>::default();
+            for model in Model::ALL.iter().copied() {
+                let l = ModelLabels { model: model.as_str().to_string() };
+                workers.get_or_create(&l).set(self.serving(model).unwrap_or(0) as i64);
+                waiting.get_or_create(&l).set(self.waiting_for_worker(model).unwrap_or(0) as i64);
+            }
+            r.register("stemq_pool_workers", "Live workers (worker registry) serving each model", workers);
+            r.register(
+                "stemq_jobs_waiting_for_worker",
+                "Jobs pending in a model's pool while no live worker serves that model",
+                waiting,
+            );
+        }
         if let Some(lag) = self.projector_lag {
             let g = Gauge::<i64>::default();
             g.set(lag as i64);
@@ -333,54 +403,92 @@ impl QueueFigures {
     }
 }
 
-/// Reads the queue figures from NATS (called at scrape time by the queue exporter, and
-/// by `stemq top`). What cannot be read is left out.
-pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
-    let mut q = QueueFigures::default();
-    let mut workers_floor = None;
-    let mut projector_floor = None;
-    for consumer in [names::WORKERS_CONSUMER, names::PROJECTOR_CONSUMER] {
-        let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
-        let info = match c {
-            Ok(mut c) => c.info().await.cloned().map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        let info = match info {
-            Ok(info) => info,
-            Err(error) => {
-                tracing::warn!(consumer, %error, "queue figures: consumer info not readable");
-                continue;
-            }
-        };
-        let figures = ConsumerFigures { pending: info.num_pending, in_flight: info.num_ack_pending as u64 };
-        let floor = info.ack_floor.stream_sequence;
-        let busy = info.num_pending + info.num_ack_pending as u64 > 0;
-        if consumer == names::WORKERS_CONSUMER {
-            q.workers = Some(figures);
-            workers_floor = busy.then_some(floor);
-        } else {
-            q.projector = Some(figures);
-            projector_floor = Some(floor);
+/// The `model` label of the per-pool gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabels {
+    model: String,
+}
+
+/// Consumer info of `consumer` on the job stream: its figures and its ack floor (stream
+/// sequence), or `None` (logged) when it cannot be read.
+async fn consumer_figures(js: &jetstream::Context, consumer: &str) -> Option<(ConsumerFigures, u64)> {
+    let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
+    let info = match c {
+        Ok(mut c) => c.info().await.cloned().map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match info {
+        Ok(info) => Some((
+            ConsumerFigures { pending: info.num_pending, in_flight: info.num_ack_pending as u64 },
+            info.ack_floor.stream_sequence,
+        )),
+        Err(error) => {
+            tracing::warn!(consumer, %error, "queue figures: consumer info not readable");
+            None
         }
     }
+}
+
+/// Reads the queue figures from NATS (called at scrape time by the queue exporter, and
+/// by `stemq top`): every pool consumer, the unrouted `workers` consumer, the projector,
+/// and the worker registry. What cannot be read is left out.
+pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
+    let mut q = QueueFigures::default();
+    let pools: Vec<(Model, Priority)> =
+        Model::ALL.iter().flat_map(|m| Priority::ALL.iter().map(move |l| (*m, *l))).collect();
+    let pool_names: Vec<String> = pools.iter().map(|(m, l)| names::pool_consumer(*m, *l)).collect();
+    let (pool_infos, unrouted, projector) = futures::join!(
+        futures::future::join_all(pool_names.iter().map(|name| consumer_figures(js, name))),
+        consumer_figures(js, names::WORKERS_CONSUMER),
+        consumer_figures(js, names::PROJECTOR_CONSUMER),
+    );
+    // The oldest unfinished request of each busy consumer is the first request after its
+    // ack floor that its filter matches.
+    let busy = |c: &ConsumerFigures| c.pending + c.in_flight > 0;
+    let mut starts: Vec<(u64, String)> = Vec::new();
+    for ((model, lane), info) in pools.iter().zip(pool_infos) {
+        let Some((figures, floor)) = info else { continue };
+        q.lanes.push(LaneFigures { model: *model, lane: *lane, queue: figures });
+        if busy(&figures) {
+            starts.push((floor, names::pool_filter(*model, *lane)));
+        }
+    }
+    if let Some((figures, floor)) = unrouted {
+        q.unrouted = Some(figures);
+        if busy(&figures) {
+            starts.extend(names::UNROUTED_FILTERS.iter().map(|f| (floor, f.to_string())));
+        }
+    }
+    q.projector = projector.map(|(figures, _)| figures);
+    let projector_floor = projector.map(|(_, floor)| floor);
+
+    q.workers = match js.get_key_value(names::WORKERS_BUCKET).await {
+        Ok(bucket) => match registry::live(&bucket).await {
+            Ok(live) => Some(live),
+            Err(error) => {
+                tracing::warn!(%error, "queue figures: worker registry not readable");
+                None
+            }
+        },
+        Err(error) => {
+            tracing::warn!(%error, "queue figures: worker registry not readable");
+            None
+        }
+    };
+
     let Ok(stream) = js.get_stream_no_info(names::JOBS_STREAM).await else {
         return q;
     };
-    // The oldest unfinished request: the first `requested` after the workers' ack floor.
-    if let Some(floor) = workers_floor {
-        // Requests come in two subject forms (with and without the owner token): the
-        // oldest of the first of each.
-        let mut oldest: Option<(u64, std::time::SystemTime)> = None;
-        for filter in names::REQUESTED_FILTERS {
-            if let Ok(msg) = stream.direct_get_builder().sequence(floor + 1).next_by_subject(filter).send().await {
-                if oldest.is_none_or(|(seq, _)| msg.sequence < seq) {
-                    oldest = Some((msg.sequence, msg.time.into()));
-                }
+    let mut oldest: Option<(u64, std::time::SystemTime)> = None;
+    for (floor, filter) in &starts {
+        if let Ok(msg) = stream.direct_get_builder().sequence(floor + 1).next_by_subject(filter).send().await {
+            if oldest.is_none_or(|(seq, _)| msg.sequence < seq) {
+                oldest = Some((msg.sequence, msg.time.into()));
             }
         }
-        if let Some((_, t)) = oldest {
-            q.oldest_pending_age = t.elapsed().unwrap_or(Duration::ZERO);
-        }
+    }
+    if let Some((_, t)) = oldest {
+        q.oldest_pending_age = t.elapsed().unwrap_or(Duration::ZERO);
     }
     if let (Some(floor), Ok(mut s)) = (projector_floor, js.get_stream(names::JOBS_STREAM).await) {
         if let Ok(info) = s.info().await {
@@ -394,13 +502,44 @@ pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
 mod tests {
     use super::*;
 
-    /// Queue figures as the exporting process reads them.
+    /// A live worker serving `models`.
+    fn worker(name: &str, models: &[Model]) -> WorkerInfo {
+        let now = chrono::Utc::now();
+        WorkerInfo {
+            name: name.into(),
+            models: models.to_vec(),
+            devices: vec!["cpu".into()],
+            engine: "dsp".into(),
+            version: "0".into(),
+            concurrency: 1,
+            running: 0,
+            free_memory_bytes: None,
+            started_at: now,
+            heartbeat_at: now,
+        }
+    }
+
+    /// Queue figures as the exporting process reads them: 3 interactive dsp jobs
+    /// waiting with a dsp worker up, 2 batch htdemucs jobs waiting with no htdemucs
+    /// worker, 1 unrouted request.
     fn queue() -> QueueFigures {
+        let lane = |model, lane, pending, in_flight| LaneFigures {
+            model,
+            lane,
+            queue: ConsumerFigures { pending, in_flight },
+        };
         QueueFigures {
-            workers: Some(ConsumerFigures { pending: 3, in_flight: 1 }),
+            lanes: vec![
+                lane(Model::Dsp, Priority::Interactive, 3, 1),
+                lane(Model::Dsp, Priority::Batch, 0, 0),
+                lane(Model::Htdemucs, Priority::Interactive, 0, 0),
+                lane(Model::Htdemucs, Priority::Batch, 2, 0),
+            ],
+            unrouted: Some(ConsumerFigures { pending: 1, in_flight: 0 }),
             projector: Some(ConsumerFigures { pending: 0, in_flight: 0 }),
             oldest_pending_age: Duration::from_secs(42),
             projector_lag: Some(0),
+            workers: Some(vec![worker("cpu-1", &[Model::Dsp])]),
         }
     }
 
@@ -448,8 +587,15 @@ mod tests {
                     .unwrap_or(tail.len());
                 let used = &tail[..end];
                 rest = &tail[end..];
-                if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks", "stemq_delivery_claims"]
-                    .contains(&used)
+                if [
+                    "stemq_jobs",
+                    "stemq_keys",
+                    "stemq_limits",
+                    "stemq_webhooks",
+                    "stemq_delivery_claims",
+                    "stemq_workers",
+                ]
+                .contains(&used)
                 {
                     continue; // the KV buckets, not metrics
                 }
@@ -480,6 +626,8 @@ mod tests {
             "stemq_queue_pending_jobs",
             "stemq_queue_in_flight_jobs",
             "stemq_queue_oldest_pending_age_seconds",
+            "stemq_pool_workers",
+            "stemq_jobs_waiting_for_worker",
             "stemq_projector_lag_events",
             "stemq_projector_errors_total",
             "stemq_projector_refolds_total",
@@ -530,7 +678,40 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert_eq!(text.matches("# EOF").count(), 1, "{text}");
         assert!(text.contains("# TYPE stemq_job_outcomes counter\n"), "{text}");
-        assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 3\n"), "{text}");
+        assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 1\n"), "{text}");
+    }
+
+    /// Issue 12: the queue figures are per pool and lane, with the pool's model and lane
+    /// as labels; live workers per model; jobs waiting in a pool nobody serves.
+    #[test]
+    fn queue_figures_are_per_pool_and_lane() {
+        let m = metrics();
+        populate(m);
+        let text = m.encode(Format::Classic, Some(&queue()));
+        for series in [
+            r#"stemq_queue_pending_jobs{consumer="workers-dsp-interactive",model="dsp",lane="interactive"} 3"#,
+            r#"stemq_queue_in_flight_jobs{consumer="workers-dsp-interactive",model="dsp",lane="interactive"} 1"#,
+            r#"stemq_queue_pending_jobs{consumer="workers-htdemucs-batch",model="htdemucs",lane="batch"} 2"#,
+            r#"stemq_queue_pending_jobs{consumer="workers"} 1"#,
+            r#"stemq_queue_pending_jobs{consumer="projector"} 0"#,
+            r#"stemq_pool_workers{model="dsp"} 1"#,
+            r#"stemq_pool_workers{model="htdemucs_6s"} 0"#,
+            // dsp is served: its jobs wait for their turn, not for a worker.
+            r#"stemq_jobs_waiting_for_worker{model="dsp"} 0"#,
+            r#"stemq_jobs_waiting_for_worker{model="htdemucs"} 2"#,
+            r#"stemq_jobs_waiting_for_worker{model="htdemucs_ft"} 0"#,
+        ] {
+            assert!(text.contains(&format!("{series}\n")), "missing {series} in\n{text}");
+        }
+        // One series per model for the per-model gauges: a bounded label set.
+        for family in ["stemq_pool_workers{", "stemq_jobs_waiting_for_worker{"] {
+            assert_eq!(text.lines().filter(|l| l.starts_with(family)).count(), Model::ALL.len(), "{family}");
+        }
+        // Without the registry nobody knows who serves what: no claim either way.
+        let blind = QueueFigures { workers: None, ..queue() };
+        assert_eq!(blind.waiting_for_worker(Model::Htdemucs), None);
+        let text = m.encode(Format::Classic, Some(&blind));
+        assert!(!text.contains("stemq_pool_workers") && !text.contains("stemq_jobs_waiting_for_worker"), "{text}");
     }
 
     /// Issue "alerts that tell the truth" (a): a process that is not the queue exporter
@@ -542,7 +723,9 @@ mod tests {
         populate(m);
         for format in [Format::Classic, Format::OpenMetrics] {
             let other = m.encode(format, None);
-            for family in ["stemq_queue_", "stemq_projector_lag_events"] {
+            for family in
+                ["stemq_queue_", "stemq_projector_lag_events", "stemq_pool_workers", "stemq_jobs_waiting_for_worker"]
+            {
                 assert!(!other.contains(family), "{family} exported by a non-exporter:\n{other}");
             }
             let exporter = m.encode(format, Some(&queue()));

@@ -152,10 +152,11 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum ModelsCommand {
-    /// Download a released model (htdemucs, htdemucs_ft, htdemucs_6s), checksums verified.
+    /// Download released models (htdemucs, htdemucs_ft, htdemucs_6s), checksums verified.
     Pull {
-        /// Model name.
-        name: String,
+        /// Model names, one or more.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Download root (default: the one the demucs package uses).
         #[arg(long, env = "STEMQ_MODELS_URL", default_value = crate::models::ROOT_URL)]
         url: String,
@@ -256,7 +257,12 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Models { command, dir } => {
             let dir = dir.unwrap_or_else(|| g.data_dir.join("models"));
             match command {
-                ModelsCommand::Pull { name, url } => crate::models::pull(&name, &dir, &url).await,
+                ModelsCommand::Pull { names, url } => {
+                    for name in &names {
+                        crate::models::pull(name, &dir, &url).await?;
+                    }
+                    Ok(())
+                }
                 ModelsCommand::List => crate::models::list(&dir),
             }
         }
@@ -425,6 +431,36 @@ mod tests {
         assert_eq!(req(&demucs), req(&own));
         assert_eq!(req(&own).0["output_format"], "flac");
         assert!(Cli::try_parse_from(["stemq", "submit", "--flac", "--format", "wav", "a.wav"]).is_err());
+    }
+
+    /// Issue 12: `submit --priority` puts the lane in the request (absent: the key's
+    /// default); `keys create --priority` sets a key's default lane; an unknown lane is
+    /// refused by the parser.
+    #[test]
+    fn priority_flags_name_a_lane() {
+        let submit = |args: &[&str]| match Cli::try_parse_from([&["stemq", "submit"], args, &["x://a.wav"]].concat()) {
+            Ok(Cli { command: Command::Submit(a), .. }) => Ok(a.request("x://a.wav")),
+            Ok(_) => unreachable!(),
+            Err(e) => Err(e),
+        };
+        assert_eq!(submit(&["--priority", "batch"]).unwrap()["priority"], "batch");
+        assert_eq!(submit(&["--priority", "interactive"]).unwrap()["priority"], "interactive");
+        assert!(submit(&[]).unwrap().get("priority").is_none(), "no flag: the key's default applies");
+        assert!(submit(&["--priority", "urgent"]).is_err());
+        let create = |args: &[&str]| {
+            Cli::try_parse_from([&["stemq", "keys", "create", "--owner", "acme"], args].concat()).map(|c| c.command)
+        };
+        match create(&["--priority", "batch"]).unwrap() {
+            Command::Keys { command: crate::keys::KeysCommand::Create { priority, .. } } => {
+                assert_eq!(priority.map(|p| p.priority()), Some(stemq_core::request::Priority::Batch))
+            }
+            _ => unreachable!(),
+        }
+        match create(&[]).unwrap() {
+            Command::Keys { command: crate::keys::KeysCommand::Create { priority, .. } } => assert_eq!(priority, None),
+            _ => unreachable!(),
+        }
+        assert!(create(&["--priority", "soon"]).is_err());
     }
 
     /// The engine host command line the worker writes is one this parser reads.

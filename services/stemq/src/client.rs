@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::ApiArgs;
 use crate::global::{Global, StoreArg};
-use crate::job_opts::{json_of, set_fields, EncodingArg, FormatArg, OutputOpts, SplitOpts};
+use crate::job_opts::{json_of, set_fields, EncodingArg, FormatArg, OutputOpts, PriorityArg, SplitOpts};
 
 /// `stemq submit`: the job request in the spellings of `stemq separate` (demucs's), with
 /// the request's own names (`--model`, `--format`, `--encoding`, `--output-dir`) too.
@@ -43,6 +43,11 @@ pub struct SubmitArgs {
     /// Metadata (a JSON object).
     #[arg(long, value_parser = parse_metadata)]
     pub metadata: Option<Value>,
+    /// The lane the job waits in within its model's pool: `interactive` runs before any
+    /// `batch` job. Default: the API key's default lane (`stemq keys create
+    /// --priority`), else interactive.
+    #[arg(long, value_enum)]
+    pub priority: Option<PriorityArg>,
     /// Wait for the job to end, with a progress bar.
     #[arg(long)]
     pub wait: bool,
@@ -71,6 +76,7 @@ impl SubmitArgs {
                 ("encoding", encoding.map(json_of)),
                 ("clip_mode", self.output.clip_mode.map(|c| json_of(c.mode()))),
                 ("metadata", self.metadata.clone()),
+                ("priority", self.priority.map(|p| json_of(p.priority()))),
             ],
         );
         req

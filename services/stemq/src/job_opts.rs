@@ -9,7 +9,7 @@
 
 use clap::{Args, ValueEnum};
 use serde_json::Value;
-use stemq_core::request::{ClipMode, Encoding, OtherMethod, OutputFormat};
+use stemq_core::request::{ClipMode, Encoding, OtherMethod, OutputFormat, Priority};
 
 /// How to split: shared by `submit` and `separate`.
 #[derive(Debug, Args, Clone, Default)]
@@ -168,6 +168,25 @@ impl EncodingArg {
     }
 }
 
+/// `--priority` (`submit`, `keys create`): the lane a job waits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PriorityArg {
+    /// Someone waits for it: runs before any batch job of its pool.
+    Interactive,
+    /// Bulk work: runs when no interactive job of its pool waits.
+    Batch,
+}
+
+impl PriorityArg {
+    /// The request's (and the key's) value.
+    pub fn priority(self) -> Priority {
+        match self {
+            PriorityArg::Interactive => Priority::Interactive,
+            PriorityArg::Batch => Priority::Batch,
+        }
+    }
+}
+
 /// `separate -d`: where the engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
@@ -230,5 +249,7 @@ mod tests {
         assert_eq!(json_of(out.encoding()), "s24");
         assert_eq!(json_of(ClipModeArg::None.mode()), "none");
         assert_eq!(json_of(EncodingArg::F32.encoding()), "f32");
+        assert_eq!(json_of(PriorityArg::Batch.priority()), "batch");
+        assert_eq!(json_of(PriorityArg::Interactive.priority()), "interactive");
     }
 }

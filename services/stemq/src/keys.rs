@@ -15,6 +15,7 @@ use stemq_core::auth::{self, Limits, Role};
 use stemq_core::nats as names;
 
 use crate::global::Global;
+use crate::job_opts::PriorityArg;
 
 /// `stemq keys …`.
 #[derive(Debug, Subcommand)]
@@ -39,6 +40,11 @@ pub enum KeysCommand {
         /// A note for people (who holds it, what for).
         #[arg(long, default_value = "")]
         name: String,
+        /// The lane of this key's jobs when a request names none (`interactive` when
+        /// not set): `batch` for a bulk client, so its jobs never hold up interactive
+        /// ones of the same model.
+        #[arg(long, value_enum)]
+        priority: Option<PriorityArg>,
     },
     /// List keys (ids, owners, roles, limits; never the keys).
     List,
@@ -86,19 +92,23 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
     let client = crate::services::connect_cli(g).await?;
     let bucket = bucket(client).await?;
     match command {
-        KeysCommand::Create { owner, role, rate, burst, max_in_flight, name } => {
+        KeysCommand::Create { owner, role, rate, burst, max_in_flight, name, priority } => {
             let limits = Limits { rate, burst, max_in_flight };
-            let (key, record) = auth::create(&bucket, &owner, role.role(), limits, &name).await?;
+            let priority = priority.map(PriorityArg::priority);
+            let (key, record) = auth::create_with(&bucket, &owner, role.role(), limits, &name, priority).await?;
             eprintln!(
-                "created key {} for owner {} (role {}); it is shown only now:",
-                record.id, record.owner, record.role
+                "created key {} for owner {} (role {}, lane {}); it is shown only now:",
+                record.id,
+                record.owner,
+                record.role,
+                lane(&record)
             );
             println!("{}", key.expose());
         }
         KeysCommand::List => {
             println!(
-                "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} STATUS",
-                "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "CREATED"
+                "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<21} {:<20} STATUS",
+                "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "LANE", "CREATED"
             );
             for r in auth::list(&bucket).await? {
                 let status = match r.revoked_at {
@@ -106,13 +116,14 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
                     None => "active".into(),
                 };
                 println!(
-                    "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<20} {}{}",
+                    "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<21} {:<20} {}{}",
                     r.id,
                     r.owner,
                     r.role.as_str(),
                     r.limits.rate,
                     r.limits.burst,
                     r.limits.max_in_flight,
+                    lane(&r),
                     r.created_at.format("%Y-%m-%d %H:%M"),
                     status,
                     if r.name.is_empty() { String::new() } else { format!("  ({})", r.name) }
@@ -125,6 +136,14 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The lane a key gives its jobs when a request names none, as `stemq keys` prints it.
+fn lane(r: &auth::KeyRecord) -> String {
+    match r.priority {
+        Some(p) => p.as_str().to_string(),
+        None => format!("{} (default)", stemq_core::request::Priority::default()),
+    }
 }
 
 /// Where `stemq dev` keeps its admin key.
