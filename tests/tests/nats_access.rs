@@ -438,6 +438,7 @@ fn forged_worker(name: &str) -> Vec<u8> {
         concurrency: 64,
         running: 0,
         free_memory_bytes: None,
+        gpu_free_memory_bytes: Default::default(),
         started_at: now,
         heartbeat_at: now,
     })

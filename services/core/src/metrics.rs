@@ -514,6 +514,7 @@ mod tests {
             concurrency: 1,
             running: 0,
             free_memory_bytes: None,
+            gpu_free_memory_bytes: Default::default(),
             started_at: now,
             heartbeat_at: now,
         }

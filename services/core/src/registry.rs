@@ -50,6 +50,10 @@ pub struct WorkerInfo {
     /// Memory available to it now, in bytes (the host's `MemAvailable`), when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub free_memory_bytes: Option<u64>,
+    /// Free memory of each GPU (`cuda:<index>` to bytes, from `nvidia-smi`), for a worker
+    /// with a CUDA device.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub gpu_free_memory_bytes: std::collections::BTreeMap<String, u64>,
     /// When it started.
     pub started_at: DateTime<Utc>,
     /// When it wrote this entry.
@@ -239,6 +243,7 @@ mod tests {
             concurrency: 1,
             running: 0,
             free_memory_bytes: None,
+            gpu_free_memory_bytes: Default::default(),
             started_at: now,
             heartbeat_at: now - chrono::Duration::seconds(age_s),
         }

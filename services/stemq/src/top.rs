@@ -235,6 +235,7 @@ mod tests {
             concurrency: 2,
             running: 1,
             free_memory_bytes: Some(3 << 30),
+            gpu_free_memory_bytes: Default::default(),
             started_at: now,
             heartbeat_at: now - chrono::Duration::seconds(age_s),
         }

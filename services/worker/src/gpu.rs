@@ -43,6 +43,17 @@ pub async fn sample(probe: &PathBuf) -> std::io::Result<Vec<(String, u64)>> {
     Ok(read)
 }
 
+/// Free memory of each device now (`memory.free`), for the worker registry; `None` when
+/// the probe cannot say.
+pub async fn free(probe: &PathBuf) -> Option<Vec<(String, u64)>> {
+    let out = tokio::process::Command::new(probe)
+        .args(["--query-gpu=index,memory.free", "--format=csv,noheader,nounits"])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(10), out).await.ok()?.ok()?;
+    out.status.success().then(|| parse(&String::from_utf8_lossy(&out.stdout)))
+}
+
 /// Samples every `every` until `stop`, or until the probe fails.
 pub async fn run(probe: PathBuf, every: Duration, stop: CancellationToken) {
     let mut tick = tokio::time::interval(every);
@@ -87,5 +98,7 @@ mod tests {
         assert!(text.contains(r#"stemq_gpu_memory_used_bytes{device="cuda:3"} 536870912"#), "{text}");
         let missing = dir.path().join("absent");
         assert!(sample(&missing).await.is_err());
+        assert_eq!(free(&probe).await.unwrap()[0], ("cuda:0".to_string(), 2048 << 20));
+        assert_eq!(free(&missing).await, None);
     }
 }

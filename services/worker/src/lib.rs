@@ -338,13 +338,14 @@ pub async fn run(
                 concurrency: config.concurrency.max(1),
                 running: 0,
                 free_memory_bytes: None,
+                gpu_free_memory_bytes: Default::default(),
                 started_at: chrono::Utc::now(),
                 heartbeat_at: chrono::Utc::now(),
             };
             (bucket, info)
         });
-        let (name, stop, slots, concurrency) =
-            (config.name.clone(), shutdown.clone(), slots.clone(), config.concurrency.max(1));
+        let (name, stop, slots, concurrency, gpu_probe) =
+            (config.name.clone(), shutdown.clone(), slots.clone(), config.concurrency.max(1), config.gpu_probe.clone());
         tracker.spawn(async move {
             let mut tick = tokio::time::interval(registry::HEARTBEAT);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -358,6 +359,9 @@ pub async fn run(
                     let mut info = info.clone();
                     info.running = concurrency.saturating_sub(slots.available_permits());
                     info.free_memory_bytes = registry::mem_available();
+                    if let Some(probe) = &gpu_probe {
+                        info.gpu_free_memory_bytes = gpu::free(probe).await.unwrap_or_default().into_iter().collect();
+                    }
                     info.heartbeat_at = chrono::Utc::now();
                     if let Err(e) = registry::announce(bucket, &info).await {
                         warn!(error = %e, "cannot announce this worker");
