@@ -10,6 +10,23 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use stemq_tests::{signal, wait_exit, Stack, SIGTERM};
 
+/// Kills the child if the test ends early (a failed assertion), so no `stemq dev`
+/// outlives it.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            // Gracefully first, so it stops its own nats-server too.
+            signal(c, SIGTERM);
+            if wait_exit(c, Duration::from_secs(10)).is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
 /// Sends `request` with the key; its JSON answer.
 async fn json_of(request: reqwest::RequestBuilder, key: &str) -> Value {
     request.bearer_auth(key).send().await.unwrap().json().await.unwrap()
@@ -29,6 +46,8 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
         .stderr(log)
         .spawn()
         .expect("stemq dev starts");
+    let mut dev = KillOnDrop(Some(dev));
+    let dev_ref = dev.0.as_mut().unwrap();
     let http = reqwest::Client::new();
     let key_file = dir.path().join("admin.key");
     let t0 = Instant::now();
@@ -36,7 +55,7 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     while !(key_file.exists() && http.get(format!("{base}/healthz")).send().await.is_ok()) {
         let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
         assert!(t0.elapsed() < Duration::from_secs(60), "stemq dev did not come up:\n{log}");
-        assert!(dev.try_wait().unwrap().is_none(), "stemq dev exited:\n{log}");
+        assert!(dev_ref.try_wait().unwrap().is_none(), "stemq dev exited:\n{log}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let key = std::fs::read_to_string(&key_file).unwrap().trim().to_string();
@@ -79,6 +98,7 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 403);
 
+    let mut dev = dev.0.take().unwrap();
     signal(&dev, SIGTERM);
     let status = wait_exit(&mut dev, Duration::from_secs(30)).expect("stemq dev stops on SIGTERM");
     assert!(status.success(), "{status:?}");
