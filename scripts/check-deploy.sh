@@ -2,9 +2,10 @@
 # Checks deploy/ offline (under a minute): renders the Kustomize overlays, validates every
 # object against the Kubernetes schemas (strict: unknown fields fail), checks what the
 # schemas cannot (KEDA ScaledObjects, probes, resources, PDBs, secrets, env names:
-# deploy/kubernetes/check.py), tests the NATS cluster configuration with nats-server
-# itself, and lints the Containerfiles. Needs scripts/install-test-deps.sh and
-# scripts/install-nats.sh (scripts/test.sh runs both first).
+# deploy/kubernetes/check.py), tests the NATS cluster configurations (Kubernetes and
+# nats/cluster/) with nats-server itself, and lints the Containerfiles. Needs
+# scripts/install-test-deps.sh and scripts/install-nats.sh (scripts/test.sh runs both
+# first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.stemq/venv/bin
@@ -52,6 +53,11 @@ openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=nats -addext subject
   -keyout "$out/nats/tls/tls.key" -out "$out/nats/tls/tls.crt" 2>/dev/null
 cp "$out/nats/tls/tls.crt" "$out/nats/tls/ca.crt"
 POD_NAME=nats-0 $venv/nats-server -t -c "$out/nats/config/nats.conf"
+
+echo "== nats/cluster (nats-server -t on each node's configuration)"
+cp -r nats/cluster "$out/nats-cluster"
+printf 'authorization {\n  users: [ {user: placeholder, password: placeholder} ]\n}\n' > "$out/nats-cluster/auth.conf"
+for node in n1 n2 n3; do $venv/nats-server -t -c "$out/nats-cluster/$node.conf"; done
 
 echo "== Containerfiles (hadolint)"
 $venv/hadolint deploy/images/Containerfile.services deploy/images/Containerfile.worker-cuda

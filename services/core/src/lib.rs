@@ -35,7 +35,10 @@
 //! - `pull`: the pull loop of every long-running consumer (resubscribes when its stream ends);
 //! - `nats_users`: NATS users and their permissions (`nats/users.json`), nkey
 //!   credentials, the server's `authorization` block;
-//! - `nats_server`: a local `nats-server` process (users, TLS) for `stemq dev` and tests;
+//! - `nats_server`: a local `nats-server` process (users, TLS, a cluster node) for
+//!   `stemq dev` and tests;
+//! - `nats_cluster`: a three-node JetStream cluster of such processes on loopback, for
+//!   the cluster fault tests and the R3 benchmark;
 //! - `registry`: the worker registry (`stemq_workers`): who lives and what each serves;
 //! - `storage`: object storage for inputs and outputs (local files, S3);
 //! - `telemetry`: logging set-up shared by the binaries;
@@ -62,6 +65,8 @@ pub mod error;
 pub mod metrics;
 #[cfg(feature = "runtime")]
 pub mod nats;
+#[cfg(feature = "runtime")]
+pub mod nats_cluster;
 #[cfg(feature = "runtime")]
 pub mod nats_server;
 #[cfg(feature = "runtime")]

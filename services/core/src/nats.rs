@@ -3,10 +3,11 @@
 //! This module owns the layout of stemq inside NATS and how a process connects to it.
 //! The definitions are data in the repository's `nats/` folder (embedded at build time)
 //! and are applied idempotently by `stemq nats apply` (and, on a server without users,
-//! created when missing by every service at start). [`connect_with`] connects as a user
-//! ([`ConnectAuth`]: nkey credentials, TLS), logs the server's asynchronous errors
-//! (a permission denial arrives only that way) and refuses servers older than
-//! [`MIN_SERVER`]. Who may do what is [`crate::nats_users`]'s.
+//! created when missing by every service at start). [`connect_with`] connects to one
+//! server or to any node of a cluster's URL list ([`server_addrs`]), reconnecting across
+//! the nodes, as a user ([`ConnectAuth`]: nkey credentials, TLS), logs the server's
+//! asynchronous errors (a permission denial arrives only that way) and refuses servers
+//! older than [`MIN_SERVER`]. Who may do what is [`crate::nats_users`]'s.
 //!
 //! Subjects:
 //! - `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>` — the request
@@ -325,6 +326,15 @@ pub enum NatsError {
     /// A TLS file could not be used.
     #[error("NATS TLS: {0}")]
     Tls(String),
+    /// The server URL list is empty or one of its URLs is malformed.
+    #[error("bad NATS server URL `{url}`")]
+    Url {
+        /// The offending entry (or the whole list when it is empty).
+        url: String,
+        /// The client's parse error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The server is too old.
     #[error(
         "nats-server {found} is too old: stemq needs {}.{} or newer (per-message TTL, +TERM reasons, \
@@ -455,6 +465,25 @@ impl ConnectAuth {
     }
 }
 
+/// The servers of a URL list: `nats://a:4222,nats://b:4222,nats://c:4222` (the form
+/// `--nats-url` and `NATS_URL` take; spaces around the commas are allowed, empty
+/// entries ignored). async-nats reads one string as *one* address, so a cluster's list
+/// must be split here; each entry is parsed as async-nats parses a single URL (no scheme
+/// means `nats://`, no port means 4222).
+pub fn server_addrs(urls: &str) -> Result<Vec<async_nats::ServerAddr>, NatsError> {
+    let addrs = urls
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| u.parse::<async_nats::ServerAddr>().map_err(|source| NatsError::Url { url: u.to_string(), source }))
+        .collect::<Result<Vec<_>, _>>()?;
+    if addrs.is_empty() {
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidInput, "no server URL given");
+        return Err(NatsError::Url { url: urls.to_string(), source });
+    }
+    Ok(addrs)
+}
+
 /// Connects anonymously (see [`connect_with`]).
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
     connect_with(url, name, &ConnectAuth::default()).await
@@ -463,11 +492,18 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
 /// Connects as `auth` says, names the connection, and checks the server version. Waits
 /// up to 10 s for the server (it may still be starting); the error then carries the
 /// server's last word (an authorization violation for wrong or missing credentials).
+///
+/// `url` is one server or a comma-separated list of a cluster's servers
+/// ([`server_addrs`]). The client connects to one of them and, when that node goes away,
+/// reconnects to any other (the list, plus the nodes the cluster advertises), without
+/// end: at once, then after 1, 2, 4 ... ms, at most 4 s apart. While it reconnects,
+/// publishes wait in the client's buffer and requests time out.
 pub async fn connect_with(url: &str, name: &str, auth: &ConnectAuth) -> Result<async_nats::Client, NatsError> {
     let last_error = Arc::new(Mutex::new(None));
+    let addrs = server_addrs(url)?;
     let client = auth
         .options(name, last_error.clone())?
-        .connect(url)
+        .connect(addrs)
         .await
         .map_err(|source| NatsError::Connect { url: url.to_string(), source })?;
     // retry_on_initial_connect returns at once; wait for the first connection so the
@@ -834,6 +870,31 @@ mod tests {
         assert_eq!(pool_of_consumer(&pool), Some((Model::Htdemucs6s, Priority::Batch)));
         assert_eq!(pool_of_consumer(WORKERS_CONSUMER), None);
         assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
+    }
+
+    #[test]
+    fn a_url_list_is_split_into_servers() {
+        let one = server_addrs("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].host(), one[0].port()), ("127.0.0.1", 4222));
+        let three = server_addrs("nats://n1:4222, nats://n2:4223 ,tls://n3:4224,").unwrap();
+        let hosts: Vec<_> = three.iter().map(|a| (a.host().to_string(), a.port())).collect();
+        assert_eq!(hosts, [("n1".into(), 4222), ("n2".into(), 4223), ("n3".into(), 4224)]);
+        assert!(three[2].tls_required());
+        // As async-nats reads a single URL: no scheme is nats://, no port is 4222.
+        let bare = server_addrs("n1,n2:5222").unwrap();
+        assert_eq!((bare[0].scheme(), bare[0].port(), bare[1].port()), ("nats", 4222, 5222));
+    }
+
+    #[test]
+    fn a_bad_url_list_names_the_bad_entry() {
+        for empty in ["", " , ,"] {
+            let e = server_addrs(empty).unwrap_err();
+            assert!(matches!(e, NatsError::Url { .. }), "{e:?}");
+        }
+        let e = server_addrs("nats://n1:4222,http://n2:4222").unwrap_err();
+        assert!(matches!(&e, NatsError::Url { url, .. } if url == "http://n2:4222"), "{e:?}");
+        assert!(std::error::Error::source(&e).is_some(), "the parse error is kept");
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! from them, and anonymous clients are refused. [`NatsServer::credentials`] names a
 //! user's file; [`NatsServer::add_publisher`] adds a publisher for an owner and reloads
 //! the server (SIGHUP). [`ServerOptions::tls`] serves TLS only ([`ServerTls`]).
+//!
+//! [`ServerOptions::cluster`] makes the server one node of a JetStream cluster on
+//! loopback ([`ClusterNode`]: a stable name, route and monitoring ports); the nodes
+//! share one credentials folder ([`ServerOptions::creds`]). [`crate::nats_cluster`]
+//! starts three of them.
 
 use std::io;
 use std::net::TcpStream;
@@ -47,6 +52,23 @@ pub enum ServerError {
     /// The server did not confirm a configuration reload in time.
     #[error("nats-server did not reload its configuration within {0:?}; see {1}")]
     NoReload(Duration, PathBuf),
+    /// No free port could be reserved.
+    #[error("cannot reserve a free port on 127.0.0.1")]
+    Port(#[source] io::Error),
+    /// A cluster node's `/healthz` did not answer 200 in time.
+    #[error("nats-server {name} was not healthy (/healthz on port {port}) within {wait:?}: {last}; see {log}")]
+    Unhealthy {
+        /// The node's name.
+        name: String,
+        /// Its monitoring port.
+        port: u16,
+        /// How long we waited.
+        wait: Duration,
+        /// Its last answer (status and body, or the connection error).
+        last: String,
+        /// Its log file.
+        log: PathBuf,
+    },
 }
 
 /// How to run the server.
@@ -58,11 +80,57 @@ pub struct ServerOptions {
     pub auth: bool,
     /// Serve TLS only.
     pub tls: Option<ServerTls>,
+    /// The folder of stemq's users' credentials; `None`: `<store>/creds`. The nodes of a
+    /// cluster share one, so that every node knows every user.
+    pub creds: Option<PathBuf>,
+    /// Run as a node of a JetStream cluster.
+    pub cluster: Option<ClusterNode>,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        ServerOptions { port: 0, auth: true, tls: None }
+        ServerOptions { port: 0, auth: true, tls: None, creds: None, cluster: None }
+    }
+}
+
+/// One node of a JetStream cluster on loopback: what `nats/cluster/n1.conf` says for a
+/// real node, with ports of our choosing.
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    /// `server_name`: the node's RAFT peer identity. It must be unique in the cluster and
+    /// stay the same across restarts (a new name is a new peer, and the old one is
+    /// counted as missing).
+    pub name: String,
+    /// The cluster's name (every node the same).
+    pub cluster: String,
+    /// This node's route port.
+    pub route_port: u16,
+    /// The route ports of every node (this one's included, which nats-server ignores).
+    pub routes: Vec<u16>,
+    /// The monitoring port (`/healthz`, `/jsz`, `/varz`).
+    pub http_port: u16,
+}
+
+impl ClusterNode {
+    /// The configuration block (after the shared `nats/nats-server.conf`; its
+    /// `server_name` replaces the one there). Lame duck as in `nats/cluster/`, with a
+    /// short grace period: a node in lame duck mode stops taking clients, moves its
+    /// leaderships away and exits once its clients have gone.
+    pub fn conf(&self) -> String {
+        let routes: Vec<String> = self.routes.iter().map(|p| format!("nats-route://127.0.0.1:{p}")).collect();
+        format!(
+            "\n# A node of the JetStream cluster `{cluster}` (replaces server_name above).\n\
+             server_name: {name}\n\
+             http: 127.0.0.1:{http}\n\
+             lame_duck_duration: 30s\n\
+             lame_duck_grace_period: 1s\n\
+             cluster {{\n  name: {cluster}\n  listen: 127.0.0.1:{route}\n  routes: [ {routes} ]\n}}\n",
+            name = self.name,
+            cluster = self.cluster,
+            http = self.http_port,
+            route = self.route_port,
+            routes = routes.join(", "),
+        )
     }
 }
 
@@ -118,7 +186,8 @@ impl NatsServer {
         let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".to_string());
         std::fs::create_dir_all(store).map_err(|e| ServerError::Store(store.to_path_buf(), e))?;
         let users = if options.auth {
-            let u = UserStore::open(&store.join("creds"))?;
+            let creds = options.creds.clone().unwrap_or_else(|| store.join("creds"));
+            let u = UserStore::open(&creds)?;
             u.ensure_fixed()?;
             Some(u)
         } else {
@@ -143,6 +212,9 @@ impl NatsServer {
         if let Some(tls) = &self.options.tls {
             text.push('\n');
             text.push_str(&tls.conf());
+        }
+        if let Some(node) = &self.options.cluster {
+            text.push_str(&node.conf());
         }
         std::fs::write(&conf, text).map_err(|e| ServerError::Store(conf.clone(), e))?;
         Ok(conf)
@@ -206,6 +278,54 @@ impl NatsServer {
             Some(u) => u.path(user),
             None => self.store.join("creds").join(format!("{user}.{}", crate::nats_users::CREDENTIALS_EXT)),
         }
+    }
+
+    /// The node's name in its cluster (`None` for a single server).
+    pub fn name(&self) -> Option<&str> {
+        self.options.cluster.as_ref().map(|c| c.name.as_str())
+    }
+
+    /// The monitoring port of a cluster node.
+    pub fn http_port(&self) -> Option<u16> {
+        self.options.cluster.as_ref().map(|c| c.http_port)
+    }
+
+    /// True while the process runs (not killed or stopped by us).
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// The status and body of a cluster node's `GET /healthz` (`path_and_query` may add
+    /// options, e.g. `/healthz?js-enabled-only=true`). 200 once the node is up, JetStream
+    /// runs and a meta leader is known; 503 without quorum.
+    pub fn healthz(&self, path_and_query: &str) -> io::Result<(u16, String)> {
+        let port = self.http_port().ok_or_else(|| io::Error::other("not a cluster node: no monitoring port"))?;
+        http_get(port, path_and_query)
+    }
+
+    /// Waits until [`NatsServer::healthz`] answers 200, up to `wait`; returns how long
+    /// it took.
+    pub fn wait_healthy(&self, wait: Duration) -> Result<Duration, ServerError> {
+        let t0 = Instant::now();
+        let mut last = String::new();
+        while t0.elapsed() < wait {
+            match self.healthz("/healthz") {
+                Ok((200, _)) => return Ok(t0.elapsed()),
+                Ok((code, body)) => last = format!("{code} {}", body.trim()),
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(ServerError::Unhealthy {
+            name: self.name().unwrap_or("nats-server").to_string(),
+            port: self.http_port().unwrap_or(0),
+            wait,
+            last,
+            log: self.log_file(),
+        })
     }
 
     /// The folder of the credential files, when the server runs with users.
@@ -312,11 +432,61 @@ impl NatsServer {
         }
     }
 
-    /// Kills (if running) and starts again on the same port with the same store.
+    /// Lame duck mode (SIGUSR2), as a graceful rolling restart does it: the server stops
+    /// accepting clients, hands its leaderships to other nodes, closes its clients (they
+    /// reconnect elsewhere) and exits. Waits for the exit, up to 60 s (then SIGKILL).
+    pub fn lame_duck(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
+            // is our own child's, not yet reaped (we hold its `Child`).
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGUSR2);
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills (if running) and starts again on the same port with the same store (also
+    /// after [`NatsServer::kill`], [`NatsServer::stop`] or [`NatsServer::lame_duck`]).
     pub fn restart(&mut self) -> Result<(), ServerError> {
         self.kill();
         self.spawn()
     }
+}
+
+/// A plain HTTP/1.0 GET on loopback (the monitoring port), with short timeouts.
+fn http_get(port: u16, path_and_query: &str) -> io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let timeout = Duration::from_secs(2);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    write!(stream, "GET {path_and_query} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("not an HTTP answer: {text:.80}")))?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// A free TCP port on 127.0.0.1, chosen by the OS (free when this returns; a server
+/// started right after takes it).
+pub fn free_port() -> Result<u16, ServerError> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(ServerError::Port)?;
+    Ok(l.local_addr().map_err(ServerError::Port)?.port())
 }
 
 impl Drop for NatsServer {
