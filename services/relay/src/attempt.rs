@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
 use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::publish;
+use stemq_core::publish::publish_within;
 use stemq_core::webhook;
 use stemq_core::{Event, JobId, JobView};
 use tracing::{debug, info, warn};
@@ -195,6 +195,9 @@ pub(crate) fn parse_retry_after(v: &str) -> Option<Duration> {
     (t.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().ok()
 }
 
+/// How long recording an attempt keeps retrying while NATS cannot store it.
+const RECORD_PATIENCE: Duration = Duration::from_secs(60);
+
 /// Records the attempt on `stemq.jobs.<id>.delivery`: the record later attempts are
 /// numbered and timed from. Its message id (`<delivery key>.<attempt>`) makes the
 /// publish's retries, and a taken-over attempt recorded within the dedupe window, one
@@ -223,8 +226,11 @@ async fn record(
             replay: d.replay,
         }),
     );
+    // The record is the delivery's memory (a redelivery reads it to know the attempt is
+    // made): it waits out a leader election or a quorum loss rather than being dropped.
     let msg_id = format!("{}.{attempt}", d.key);
-    if let Err(e) = publish(&shared.js, &job_subject(d.id, SubjectKind::Delivery), &ev, Some(&msg_id)).await {
+    let subject = job_subject(d.id, SubjectKind::Delivery);
+    if let Err(e) = publish_within(&shared.js, &subject, &ev, Some(&msg_id), RECORD_PATIENCE).await {
         warn!(error = %e, "delivery attempt not recorded");
     }
 }

@@ -12,13 +12,18 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::event::{EventBody, Progress};
 use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::publish;
+use stemq_core::publish::publish_within;
 use stemq_core::{Event, JobId};
 use tokio::sync::watch;
 use tracing::warn;
 
 use crate::job::source;
 use crate::Shared;
+
+/// How long a progress event may keep retrying (during a leader election): progress is
+/// news, not a record (the stream keeps only the last per job), and this task's
+/// progress acks must not wait behind it.
+const PROGRESS_PATIENCE: Duration = Duration::from_secs(1);
 
 /// Progress acks (every third of `ack_wait`) and rate-limited progress events.
 pub(crate) fn spawn_keepalive(
@@ -67,7 +72,7 @@ pub(crate) fn spawn_keepalive(
                     let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
                         attempt, percent: (last.0 * 100.0).round(), stage: last.1.clone(), message: None,
                     }));
-                    if let Err(e) = publish(&js, &subject, &ev, None).await {
+                    if let Err(e) = publish_within(&js, &subject, &ev, None, PROGRESS_PATIENCE).await {
                         warn!(error = %e, "progress heartbeat not stored");
                     }
                     last_sent = Some(Instant::now());
@@ -87,7 +92,7 @@ pub(crate) fn spawn_keepalive(
                     let ev = Event::new(&job_id, &src, EventBody::Progress(Progress {
                         attempt, percent: (fraction * 100.0).round(), stage, message: None,
                     }));
-                    if let Err(e) = publish(&js, &subject, &ev, None).await {
+                    if let Err(e) = publish_within(&js, &subject, &ev, None, PROGRESS_PATIENCE).await {
                         warn!(error = %e, "progress event not stored");
                     }
                     last_sent = Some(Instant::now());
