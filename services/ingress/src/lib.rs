@@ -25,11 +25,16 @@
 //! Every route but `/healthz`, `/readyz` and `/openapi.json` needs an API key, and every
 //! job is its owner's alone ([`access`]); submits are limited per key ([`limits`]).
 //!
+//! A submit waits out a leader election of the job stream (up to 10 s) and, once the
+//! queue is known to take nothing (quorum lost), answers 503 within a second
+//! ([`availability`]). Every 503 carries `Retry-After`.
+//!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
 //! The listener speaks plain HTTP, or HTTPS (optionally with client certificates) when
 //! [`Config::tls`] is set ([`tls`]).
 
 pub mod access;
+pub mod availability;
 pub mod control;
 pub mod events;
 pub mod limits;
@@ -145,6 +150,8 @@ pub struct AppState {
     registry: Registry,
     /// See [`Config::refuse_unserved`].
     refuse_unserved: bool,
+    /// How long submits wait for the queue (shared by HTTP and NATS submits).
+    availability: Arc<availability::Availability>,
 }
 
 impl AppState {
@@ -175,6 +182,7 @@ impl AppState {
             queue_metrics: false,
             registry,
             refuse_unserved: false,
+            availability: Arc::default(),
         })
     }
 
@@ -357,23 +365,42 @@ pub fn router(state: AppState) -> Router {
 async fn nats_gate(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
     let needs_nats = path.starts_with("/v1/") && !path.starts_with("/v1/uploads");
-    if needs_nats && state.js.client().connection_state() != async_nats::connection::State::Connected {
-        let mut resp = ApiError {
+    if needs_nats && !connected_within(&state.js.client(), RECONNECT_GRACE).await {
+        return ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
             code: "unavailable",
             message: "the queue (NATS) is unreachable right now; retrying later is safe".into(),
             field: None,
         }
         .into_response();
-        resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
-        return resp;
     }
     next.run(req).await
 }
 
-/// Longest a submit waits for the queue to take its event before answering 503 (the
-/// submit is idempotent, so the client's retry is safe even if the event got through).
-const SUBMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// True when `client` is connected, or reconnects within `grace`.
+async fn connected_within(client: &async_nats::Client, grace: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + grace;
+    loop {
+        if client.connection_state() == async_nats::connection::State::Connected {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Longest an HTTP submit takes before answering 503: the publish's own budget (at
+/// most 10 s, [`availability`]) and the checks before it. The submit is idempotent, so
+/// the client's retry is safe even if the event got through.
+const SUBMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(12);
+
+/// How long a request that needs NATS waits for a lost connection to come back before
+/// 503: when its node dies, the client reconnects to another node of a cluster within
+/// milliseconds (a refused connection costs nothing; the next attempt follows 1 ms
+/// later).
+const RECONNECT_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
 async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "other".into());
@@ -384,7 +411,8 @@ async fn track(State(state): State<AppState>, req: Request, next: Next) -> Respo
     resp
 }
 
-/// An API error body: `{"error": {"code", "message", "field"?}}`.
+/// An API error body: `{"error": {"code", "message", "field"?}}`. A 503 also says when
+/// to try again (`Retry-After: 2`).
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
@@ -398,7 +426,11 @@ impl IntoResponse for ApiError {
         if let Some(f) = self.field {
             err["field"] = json!(f);
         }
-        (self.status, Json(json!({ "error": err }))).into_response()
+        let mut resp = (self.status, Json(json!({ "error": err }))).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
+        }
+        resp
     }
 }
 
@@ -505,7 +537,7 @@ pub async fn submit_as(
             .map_err(unavailable)?
             .map_err(SubmitError::Limited)?;
     }
-    let (resp, _) = submit::queue(&state.js, event).await?;
+    let (resp, _) = submit::queue_with(&state.js, event, &state.availability).await?;
     Ok((resp, remaining))
 }
 

@@ -5,7 +5,9 @@
 //! pool's lane it waits in) with `Nats-Msg-Id` = id and expected-last-subject-sequence 0
 //! over every request subject of the job, so the same request — a retry, a concurrent
 //! duplicate, or the same song a day later after the dedupe window — finds the existing
-//! job instead of creating a second one. Nothing heavy happens here.
+//! job instead of creating a second one. Nothing heavy happens here. The publish waits
+//! out a leader election of the job stream and fails fast while the queue is known to
+//! take nothing ([`crate::availability`]).
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
@@ -14,6 +16,8 @@ use stemq_core::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
+
+use crate::availability::Availability;
 
 /// Answer to a submit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -132,18 +136,45 @@ pub async fn prepare(
     Ok(event)
 }
 
-/// Publishes a prepared `requested` event once (see the module doc).
+/// Publishes a prepared `requested` event once (see the module doc), waiting up to an
+/// election's length for the queue.
 pub async fn queue(js: &jetstream::Context, event: Event) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
+    queue_with(js, event, &Availability::default()).await
+}
+
+/// Publishes a prepared `requested` event once, waiting for the queue as long as
+/// `availability` says, and tells it how the publish went.
+pub async fn queue_with(
+    js: &jetstream::Context,
+    event: Event,
+    availability: &Availability,
+) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
     let id = event.subject.clone();
     if !matches!(event.body, stemq_core::EventBody::Requested(_)) {
         let message = format!("only a requested event is queued, not {}", event.body.kind());
         return Err(RequestError { field: "body".into(), message }.into());
     }
     let subject = request_subject_of(&id, &event);
-    let once = publish_request(js, &id, &event)
-        .instrument(tracing::info_span!("nats.publish", subject = %subject))
-        .await
-        .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+    let (t0, budget) = (tokio::time::Instant::now(), availability.budget());
+    let publish = publish_request(js, &id, &event).instrument(tracing::info_span!("nats.publish", subject = %subject));
+    // The publish retries transient failures itself (same message id); the budget cuts
+    // it short, which is safe: a retry of the submit finds the job if it got through.
+    let once = match tokio::time::timeout(budget, publish).await {
+        Ok(Ok(once)) => {
+            availability.succeeded();
+            once
+        }
+        Ok(Err(e)) => {
+            if e.is_transient() {
+                availability.failed(t0.elapsed());
+            }
+            return Err(SubmitError::Unavailable(e.to_string()));
+        }
+        Err(_) => {
+            availability.failed(t0.elapsed());
+            return Err(SubmitError::Unavailable(format!("the queue took nothing within {budget:?}")));
+        }
+    };
     let cached = once == Once::AlreadyThere;
     let resp =
         SubmitResponse { status_url: format!("/v1/separations/{id}"), job_id: id, status: JobStatus::Queued, cached };

@@ -19,7 +19,10 @@ use tokio_util::sync::CancellationToken;
 /// Options every command takes.
 #[derive(Debug, Args, Clone)]
 pub struct Global {
-    /// NATS server URL. `stemq dev` starts its own server when this is not set.
+    /// NATS server URL, or a cluster's URLs separated by commas
+    /// (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): the client connects to any of
+    /// them and reconnects to another when its node goes away. `stemq dev` starts its
+    /// own server when this is not set.
     #[arg(long, env = "NATS_URL", global = true, help_heading = "Global options")]
     pub nats_url: Option<String>,
     /// Data directory (NATS store of `stemq dev`, local object store, scratch, models).
@@ -49,7 +52,7 @@ pub struct Global {
 }
 
 impl Global {
-    /// The NATS URL, or the default local one.
+    /// The NATS URL (or comma-separated URL list), or the default local one.
     pub fn nats_url(&self) -> String {
         self.nats_url.clone().unwrap_or_else(|| "nats://127.0.0.1:4222".to_string())
     }
