@@ -17,7 +17,10 @@ use stemq_core::request::RequestError;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
 
-use crate::availability::Availability;
+use crate::availability::{Availability, ATTEMPT};
+
+/// Between two publish attempts of a submit.
+const PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Answer to a submit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -156,24 +159,28 @@ pub async fn queue_with(
     }
     let subject = request_subject_of(&id, &event);
     let (t0, budget) = (tokio::time::Instant::now(), availability.budget());
-    let publish = publish_request(js, &id, &event).instrument(tracing::info_span!("nats.publish", subject = %subject));
-    // The publish retries transient failures itself (same message id); the budget cuts
-    // it short, which is safe: a retry of the submit finds the job if it got through.
-    let once = match tokio::time::timeout(budget, publish).await {
-        Ok(Ok(once)) => {
-            availability.succeeded();
-            once
-        }
-        Ok(Err(e)) => {
-            if e.is_transient() {
-                availability.failed(t0.elapsed());
+    let deadline = t0 + budget;
+    // Attempts with the same message id until the budget is spent (each also retries
+    // transient failures itself); cutting one short is safe: the next finds the job if
+    // the cut one got through.
+    let once = loop {
+        let attempt =
+            publish_request(js, &id, &event).instrument(tracing::info_span!("nats.publish", subject = %subject));
+        let cut = deadline.min(tokio::time::Instant::now() + ATTEMPT);
+        let last = match tokio::time::timeout_at(cut, attempt).await {
+            Ok(Ok(once)) => {
+                availability.succeeded();
+                break once;
             }
-            return Err(SubmitError::Unavailable(e.to_string()));
+            Ok(Err(e)) if !e.is_transient() => return Err(SubmitError::Unavailable(e.to_string())),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {ATTEMPT:?}"),
+        };
+        if tokio::time::Instant::now() + PAUSE >= deadline {
+            availability.failed(t0);
+            return Err(SubmitError::Unavailable(format!("the queue took nothing within {budget:?}: {last}")));
         }
-        Err(_) => {
-            availability.failed(t0.elapsed());
-            return Err(SubmitError::Unavailable(format!("the queue took nothing within {budget:?}")));
-        }
+        tokio::time::sleep(PAUSE).await;
     };
     let cached = once == Once::AlreadyThere;
     let resp =
