@@ -1,7 +1,9 @@
 //! `stemq bench pipeline`: end-to-end throughput and latency with the fake engine.
 //!
-//! Everything runs in one box: a nats-server of its own (unless `NATS_URL` is set), the
-//! projector and a worker in this process, and a submitter that publishes distinct jobs.
+//! Everything runs in one box: a nats-server of its own (unless `NATS_URL` is set; with
+//! `--cluster`, three nodes on loopback with every stream, consumer and bucket at R3),
+//! the projector and a worker in this process, and a submitter that publishes distinct
+//! jobs.
 //! A job counts as done when its KV view turns terminal, so the figures include the
 //! projector. Two modes:
 //! - throughput: `--jobs N` as fast as the pipeline takes them → jobs/s, p50/p99;
@@ -16,6 +18,7 @@ use async_nats::jetstream::{self, kv};
 use clap::Subcommand;
 use futures::StreamExt;
 use stemq_core::engine::FakeEngine;
+use stemq_core::nats_cluster::NatsCluster;
 use stemq_core::nats_server::NatsServer;
 use stemq_core::storage::Store;
 use stemq_core::JobId;
@@ -52,6 +55,12 @@ pub enum BenchCommand {
         /// what isolation costs).
         #[arg(long, value_enum, default_value_t = Isolation::None)]
         isolation: Isolation,
+        /// Run on a three-node JetStream cluster of its own (loopback, R3: every
+        /// stream, consumer and bucket on three nodes) instead of one server. The
+        /// processes connect with the three URLs. Implies `--replicas 3`; `NATS_URL` is
+        /// not used.
+        #[arg(long)]
+        cluster: bool,
         #[command(flatten)]
         server: ServerSettings,
     },
@@ -68,8 +77,8 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, server } => {
-            pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation).await
+        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, cluster, server } => {
+            pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation, cluster).await
         }
         BenchCommand::Rss { minutes, server } => rss(&server.settings(), &minutes).await,
     }
@@ -156,6 +165,16 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
     Ok(())
 }
 
+/// The NATS the pipeline benchmark runs on, when it is its own.
+enum Own {
+    /// `NATS_URL`'s.
+    Nothing,
+    /// One server.
+    Server(Box<NatsServer>),
+    /// Three nodes at R3.
+    Cluster(NatsCluster),
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn pipeline(
     g: &Global,
@@ -166,30 +185,39 @@ async fn pipeline(
     in_flight: usize,
     store: String,
     isolation: Isolation,
+    cluster: bool,
 ) -> Result<()> {
     let tmp = tempfile::tempdir()?;
-    let mut _server = None;
-    let url = match &g.nats_url {
-        Some(u) => u.clone(),
-        None => {
-            let dir = tmp.path().join("nats");
-            let s = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
-            let u = s.url();
-            _server = Some(s);
-            u
-        }
+    let dir = tmp.path().join("nats");
+    let own = if cluster {
+        let c = tokio::task::spawn_blocking(move || NatsCluster::start(&dir, 3, Default::default())).await??;
+        Own::Cluster(c)
+    } else if g.nats_url.is_some() {
+        Own::Nothing
+    } else {
+        Own::Server(Box::new(tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??))
+    };
+    let url = match &own {
+        Own::Server(s) => s.url(),
+        Own::Cluster(c) => c.urls(),
+        Own::Nothing => g.nats_url(),
     };
     // Each part as its own user on a server of our own; as the flags say otherwise.
     let auth = |user: &str| -> Result<stemq_core::nats::ConnectAuth> {
-        match &_server {
-            Some(s) => Ok(s.connect_auth(user)?),
-            None => g.nats_auth(),
+        match &own {
+            Own::Server(s) => Ok(s.connect_auth(user)?),
+            Own::Cluster(c) => Ok(c.connect_auth(user)?),
+            Own::Nothing => g.nats_auth(),
         }
     };
+    let mut settings = server.settings();
+    if cluster {
+        settings.replicas = 3;
+    }
     use stemq_core::nats_users::{OPERATOR, PROJECTOR, WORKER};
     let client = stemq_core::nats::connect_with(&url, "stemq-bench", &auth(OPERATOR)?).await?;
     let js = jetstream::new(client.clone());
-    stemq_core::nats::apply(&js, &server.settings()).await?;
+    stemq_core::nats::apply(&js, &settings).await?;
     let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
 
     let store = match store.as_str() {
@@ -309,6 +337,11 @@ async fn pipeline(
         None => println!("  mode            throughput, {in_flight} submits in flight"),
     }
     println!("  worker loops    {workers}");
+    match &own {
+        Own::Cluster(_) => println!("  nats            3-node cluster, R{}", settings.replicas),
+        Own::Server(_) => println!("  nats            1 server, R{}", settings.replicas),
+        Own::Nothing => println!("  nats            {url}, R{}", settings.replicas),
+    }
     println!("  submit rate     {:.0} jobs/s", jobs as f64 / submit_secs);
     println!("  end to end      {:.0} jobs/s ({:.2} s)", lat.len() as f64 / e2e, e2e);
     println!("  latency p50     {:.2} ms", pct(0.50));
