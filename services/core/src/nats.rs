@@ -757,7 +757,12 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         let differences = existing.as_ref().map(|x| diff(&json(&c), &json(x))).unwrap_or_default();
         let action = action(existing.is_some(), differences, update);
         if matches!(action, Action::Created | Action::Updated(_)) {
+            let (name, replicas) = (c.name.clone(), c.num_replicas);
             js.create_or_update_stream(c).await.map_err(|e| no_jetstream(what.clone(), e))?;
+            if existing.as_ref().is_some_and(|x| x.num_replicas != replicas) {
+                // Its consumers may not have more replicas than it has peers.
+                wait_for_peers(js, &name, replicas).await.map_err(|e| apply_err(&what, e))?;
+            }
         }
         changes.push(Change { what, action });
     }
@@ -803,11 +808,40 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
             .unwrap_or_default();
         let action = action(existing.is_some(), differences, update);
         if matches!(action, Action::Created | Action::Updated(_)) {
+            let (stream, replicas) = (format!("KV_{}", kv.bucket), kv.num_replicas);
             js.create_or_update_key_value(kv).await.map_err(|e| apply_err(&what, e))?;
+            if existing.as_ref().is_some_and(|x| x.num_replicas != replicas) {
+                // Done means replicated: `stemq nats apply --replicas 3` returns once it is.
+                wait_for_peers(js, &stream, replicas).await.map_err(|e| apply_err(&what, e))?;
+            }
         }
         changes.push(Change { what, action });
     }
     Ok(changes)
+}
+
+/// Waits until stream `name` has its `replicas` peers (a leader and `replicas - 1`
+/// replicas). A scale-up returns before the new peers are placed (about 0.2 s on three
+/// nodes), and until then the server refuses a consumer with more replicas than the
+/// stream has (10126); a bucket is a stream too.
+async fn wait_for_peers(js: &jetstream::Context, name: &str, replicas: usize) -> Result<(), std::io::Error> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let peers = match js.get_stream(name).await {
+            Ok(mut s) => s.info().await.ok().and_then(|i| i.cluster.as_ref().map(|c| 1 + c.replicas.len())),
+            Err(_) => None,
+        };
+        if peers.unwrap_or(1) >= replicas {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            let found = peers.map(|p| p.to_string()).unwrap_or_else(|| "unknown".into());
+            return Err(std::io::Error::other(format!(
+                "stream {name} has {found} of {replicas} peers after 30 s (are {replicas} nodes up?)"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Creates or updates every stream, consumer and bucket to match `nats/` with
