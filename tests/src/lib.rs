@@ -8,6 +8,10 @@
 //! own client is `operator`. Workers can also be started as child processes of the real
 //! `stemq` command ([`Stack::spawn_worker`], as user `worker`) for SIGKILL, SIGTERM and
 //! crash-loop tests. Waiting is always polling with a deadline, never a fixed sleep.
+//! [`cluster`] does the same on a three-node JetStream cluster with every service
+//! replicated.
+
+pub mod cluster;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
