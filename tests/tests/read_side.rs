@@ -87,6 +87,32 @@ async fn issue_17_a_view_opened_before_its_request_gets_the_request_folded_in() 
     assert_eq!((v.status, v.request.is_some()), (JobStatus::Running, true), "{v:?}");
 }
 
+/// Issue 12: with two projectors, one may fold a job's `started` before the other folds
+/// its earlier `requested`. The view then holds a later position than the request, and
+/// the request must still be read under it (a relay deciding whether the job has a
+/// webhook reads this view).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_12_a_view_opened_by_a_later_event_gets_the_earlier_request_folded_in() {
+    let (_server, _dir, js) = bare().await;
+    let views = Views::open(&js).await.unwrap();
+    let mut ev = requested("overtaken");
+    if let EventBody::Requested(r) = &mut ev.body {
+        r.webhook = Some(stemq_core::request::Webhook { url: "https://hooks.example/x".into(), events: vec![] });
+    }
+    let id = ev.subject.clone();
+    publish(&js, SubjectKind::Requested, &ev).await;
+    let started =
+        Event::new(&id, "/test", EventBody::Started(Started { attempt: 1, worker: "w".into(), device: "cpu".into() }));
+    let seq = publish(&js, SubjectKind::Started, &started).await;
+    let partial = apply(None, Position::Log(seq), &started).expect("an event opens a view");
+    views.bucket().put(id.as_str(), serde_json::to_vec(&partial).unwrap().into()).await.unwrap();
+
+    let v = views.current(&id).await.unwrap().expect("a view");
+    assert_eq!((v.status, v.request.is_some()), (JobStatus::Running, true), "{v:?}");
+    assert!(v.webhook.is_some(), "the request's webhook is read under the later view");
+    assert_eq!(v.last_seq, seq, "the view keeps its own position");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue_17_a_stored_view_that_does_not_parse_is_an_error_not_a_fallback() {
     let (_server, _dir, js) = bare().await;

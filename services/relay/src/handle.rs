@@ -108,6 +108,12 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
                 return;
             }
         };
+        if view.request.is_none() {
+            // A view built from later events before the request was folded (or read
+            // from a replica behind) cannot say whether the job has a webhook.
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            return;
+        }
         let Some(hook) = view.webhook.clone() else {
             let _ = msg.ack().await;
             return;

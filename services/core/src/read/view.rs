@@ -95,7 +95,20 @@ pub async fn current_view(
         source: JetStreamError::read("direct get request")(e),
     })?;
     let Some((seq, event)) = requested else { return Ok(view) };
-    let folded = apply(view.as_ref(), Position::Log(seq), &event);
+    let folded = match &view {
+        // Opened by a later event (a second projector folded it first, or this read
+        // came from a replica behind): the request goes under it, whatever the
+        // positions say, and the view keeps its own.
+        Some(v) if v.last_seq >= seq => {
+            let mut under = v.clone();
+            under.last_seq = seq.saturating_sub(1);
+            apply(Some(&under), Position::Log(seq), &event).map(|mut f| {
+                f.last_seq = v.last_seq;
+                f
+            })
+        }
+        _ => apply(view.as_ref(), Position::Log(seq), &event),
+    };
     Ok(folded.or(view))
 }
 
