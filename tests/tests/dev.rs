@@ -38,7 +38,7 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let base = format!("http://127.0.0.1:{port}");
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
-    let mut dev = Command::new(Stack::stemq_bin())
+    let dev = Command::new(Stack::stemq_bin())
         .args(["--data-dir", dir.path().to_str().unwrap(), "dev", "--http", &format!("127.0.0.1:{port}")])
         .args(["--isolation", "none"])
         .env("STEMQ_BACKOFF_BASE_MS", "100")

@@ -81,8 +81,11 @@ pub struct DemucsEngine {
 /// twice) and tolerates poisoning: a load that panicked leaves the slot empty, and the
 /// next job simply loads again instead of failing on a poisoned lock until restart.
 struct ModelCache<T> {
-    slots: Mutex<HashMap<String, Arc<Mutex<Option<Arc<T>>>>>>,
+    slots: Mutex<HashMap<String, Slot<T>>>,
 }
+
+/// One model's place in the cache: empty until loaded.
+type Slot<T> = Arc<Mutex<Option<Arc<T>>>>;
 
 impl<T> Default for ModelCache<T> {
     fn default() -> Self {

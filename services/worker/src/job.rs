@@ -180,7 +180,10 @@ async fn run_delivery(
     }
     let js = shared.js.clone();
     let started_subject = job_subject(&job_id, SubjectKind::Started);
-    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, None).await });
+    // With a message id of its own attempt, so a publish retried through a leader
+    // election is stored once, and one lost with a dying node is retried, not dropped.
+    let started_id = format!("{job_id}.started.{attempt}");
+    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, Some(&started_id)).await });
     let t0 = Instant::now();
 
     let msg = Arc::new(msg);
