@@ -32,8 +32,6 @@ use stemq_core::{Event, JobId, JobView};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::TEST_OWNER;
-
 /// What runs against the cluster.
 #[derive(Clone)]
 pub struct ClusterOptions {
@@ -186,13 +184,7 @@ impl ClusterStack {
             .expect("three nats-servers start (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
         let client = cluster.connect_as(OPERATOR, "test").await.expect("connect as operator");
         let js = jetstream::new(client.clone());
-        names::apply(&js, &options.settings).await.expect("apply definitions at R3");
-        let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
-        let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
-        let limits = stemq_core::auth::Limits::NONE;
-        let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
-            .await
-            .expect("test key");
+        let (kv, _keys, key) = crate::provision(&js, &options.settings).await;
         let store = Store::local(&dir.path().join("store")).expect("store");
         let mut stack = ClusterStack {
             cluster,
@@ -202,7 +194,7 @@ impl ClusterStack {
             kv,
             api: Api {
                 ingresses: Vec::new(),
-                key: key.expose(),
+                key,
                 store: store.clone(),
                 http_client: reqwest::Client::builder()
                     .timeout(Duration::from_secs(30))

@@ -106,14 +106,7 @@ impl Stack {
             .expect("nats-server starts (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
         let client = server.connect_as(OPERATOR, "test").await.expect("connect as operator");
         let js = jetstream::new(client.clone());
-        names::apply(&js, &options.settings).await.expect("apply definitions");
-        let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
-        let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
-        let limits = stemq_core::auth::Limits::NONE;
-        let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
-            .await
-            .expect("test key");
-        let key = key.expose();
+        let (kv, keys, key) = provision(&js, &options.settings).await;
         let store = Store::local(&dir.path().join("store")).expect("store");
         let stop = CancellationToken::new();
         let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.expect("bind");
@@ -407,6 +400,19 @@ impl Stack {
             let _ = tokio::time::timeout(Duration::from_secs(10), h).await;
         }
     }
+}
+
+/// Applies the NATS definitions with `settings` and creates the harness's operator key
+/// of [`TEST_OWNER`]: the status bucket, the keys bucket and the key.
+pub(crate) async fn provision(js: &jetstream::Context, settings: &Settings) -> (kv::Store, kv::Store, String) {
+    names::apply(js, settings).await.expect("apply definitions");
+    let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
+    let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
+    let limits = stemq_core::auth::Limits::NONE;
+    let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
+        .await
+        .expect("test key");
+    (kv, keys, key.expose())
 }
 
 /// The owner of the stack's key: jobs submitted through the stack are this owner's.

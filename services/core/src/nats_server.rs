@@ -413,14 +413,20 @@ impl NatsServer {
 
     /// Asks the server to stop (SIGTERM) and waits for it, up to 10 s.
     pub fn stop(&mut self) {
+        self.signal_and_wait(libc::SIGTERM, Duration::from_secs(10));
+    }
+
+    /// Sends `signal` to the server and waits up to `patience` for it to exit (then
+    /// SIGKILL).
+    fn signal_and_wait(&mut self, signal: libc::c_int, patience: Duration) {
         if let Some(mut c) = self.child.take() {
             // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
             // is our own child's, not yet reaped (we hold its `Child`), so it cannot name
             // another process.
             unsafe {
-                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+                libc::kill(c.id() as libc::pid_t, signal);
             }
-            let deadline = Instant::now() + Duration::from_secs(10);
+            let deadline = Instant::now() + patience;
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = c.try_wait() {
                     return;
@@ -436,22 +442,7 @@ impl NatsServer {
     /// accepting clients, hands its leaderships to other nodes, closes its clients (they
     /// reconnect elsewhere) and exits. Waits for the exit, up to 60 s (then SIGKILL).
     pub fn lame_duck(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid
-            // is our own child's, not yet reaped (we hold its `Child`).
-            unsafe {
-                libc::kill(c.id() as libc::pid_t, libc::SIGUSR2);
-            }
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.signal_and_wait(libc::SIGUSR2, Duration::from_secs(60));
     }
 
     /// Kills (if running) and starts again on the same port with the same store (also
