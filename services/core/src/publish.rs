@@ -204,11 +204,7 @@ async fn squatted(js: &jetstream::Context, stream: &str, seq: u64, subject: &str
 /// token>.>`). Only the owner's own subjects count: a request of this id on another
 /// owner's subject is forged (the id hashes the owner) and must not block the real one.
 pub async fn publish_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
-    let subject = request_subject_of(id, event);
-    let owner = match &event.body {
-        crate::EventBody::Requested(r) => r.request.owner.as_str(),
-        _ => crate::request::ANONYMOUS,
-    };
+    let owner = owner_of(event);
     if let Ok(log) = js.get_stream_no_info(JOBS_STREAM).await {
         // A request from before routing: the job exists. Any other answer than "found"
         // (not found, or the log unreadable now) leaves it to the publish below.
@@ -220,21 +216,35 @@ pub async fn publish_request(js: &jetstream::Context, id: &JobId, event: &Event)
             return Ok(Once::AlreadyThere);
         }
     }
-    let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner));
-    publish_first(js, &subject, Some(&routed_of_owner), event, id.as_str(), PATIENCE).await
+    publish_routed(js, id, event, id.as_str()).await
 }
 
 /// Publishes an unrouted request again on its routed subject (the ingress's router),
 /// once per owner and job like [`publish_request`] (a routed request of the owner in
 /// either lane means it is done), with its own message id.
 pub async fn route_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
-    let subject = request_subject_of(id, event);
-    let owner = match &event.body {
+    publish_routed(js, id, event, &format!("{id}.routed")).await
+}
+
+/// The owner of a `requested` event (anonymous for any other event, which the worker
+/// refuses).
+fn owner_of(event: &Event) -> &str {
+    match &event.body {
         crate::EventBody::Requested(r) => r.request.owner.as_str(),
         _ => crate::request::ANONYMOUS,
-    };
-    let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner));
-    publish_first(js, &subject, Some(&routed_of_owner), event, &format!("{id}.routed"), PATIENCE).await
+    }
+}
+
+/// Publishes a request on its routed subject unless a routed request of the same owner
+/// and job is stored in either lane (`stemq.jobs.<id>.requested.<owner token>.>`).
+async fn publish_routed(
+    js: &jetstream::Context,
+    id: &JobId,
+    event: &Event,
+    msg_id: &str,
+) -> Result<Once, PublishError> {
+    let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner_of(event)));
+    publish_first(js, &request_subject_of(id, event), Some(&routed_of_owner), event, msg_id, PATIENCE).await
 }
 
 /// The routed subject of a `requested` event: its owner, model and lane (a
