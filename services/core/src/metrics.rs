@@ -504,20 +504,7 @@ mod tests {
 
     /// A live worker serving `models`.
     fn worker(name: &str, models: &[Model]) -> WorkerInfo {
-        let now = chrono::Utc::now();
-        WorkerInfo {
-            name: name.into(),
-            models: models.to_vec(),
-            devices: vec!["cpu".into()],
-            engine: "dsp".into(),
-            version: "0".into(),
-            concurrency: 1,
-            running: 0,
-            free_memory_bytes: None,
-            gpu_free_memory_bytes: Default::default(),
-            started_at: now,
-            heartbeat_at: now,
-        }
+        crate::registry::test_worker(name, models, 0)
     }
 
     /// Queue figures as the exporting process reads them: 3 interactive dsp jobs

@@ -228,25 +228,32 @@ pub fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// A worker of the `fake` engine on the CPU serving `models`, last heard of `age_s`
+/// seconds ago (tests of the registry's readers).
+#[cfg(test)]
+pub(crate) fn test_worker(name: &str, models: &[Model], age_s: i64) -> WorkerInfo {
+    let now = Utc::now();
+    WorkerInfo {
+        name: name.into(),
+        models: models.to_vec(),
+        devices: vec!["cpu".into()],
+        engine: "fake".into(),
+        version: "0".into(),
+        concurrency: 1,
+        running: 0,
+        free_memory_bytes: None,
+        gpu_free_memory_bytes: Default::default(),
+        started_at: now,
+        heartbeat_at: now - chrono::Duration::seconds(age_s),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn worker(name: &str, models: &[Model], age_s: i64) -> WorkerInfo {
-        let now = Utc::now();
-        WorkerInfo {
-            name: name.into(),
-            models: models.to_vec(),
-            devices: vec!["cpu".into()],
-            engine: "fake".into(),
-            version: "0".into(),
-            concurrency: 1,
-            running: 0,
-            free_memory_bytes: None,
-            gpu_free_memory_bytes: Default::default(),
-            started_at: now,
-            heartbeat_at: now - chrono::Duration::seconds(age_s),
-        }
+        test_worker(name, models, age_s)
     }
 
     #[test]
