@@ -250,6 +250,7 @@ impl ClusterStack {
             // One queue exporter per deployment.
             queue_metrics: i == 0,
             refuse_unserved: false,
+            signin: None,
         };
         self.spawn(format!("ingress-{i}"), async move {
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");

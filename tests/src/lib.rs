@@ -132,6 +132,7 @@ impl Stack {
                         // The stack's ingress is its queue exporter, as in `stemq dev`.
                         queue_metrics: true,
                         refuse_unserved,
+                        signin: None,
                     },
                     s,
                 )

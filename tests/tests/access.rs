@@ -63,6 +63,7 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         audio_urls: None,
         queue_metrics: false,
         refuse_unserved: false,
+        signin: None,
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -469,6 +470,7 @@ async fn turning_keys_off_is_for_loopback_only() {
         audio_urls: None,
         queue_metrics: false,
         refuse_unserved: false,
+        signin: None,
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

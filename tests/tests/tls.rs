@@ -75,6 +75,7 @@ async fn tls_ingress(
         audio_urls: None,
         queue_metrics: false,
         refuse_unserved: false,
+        signin: None,
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

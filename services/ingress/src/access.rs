@@ -3,7 +3,9 @@
 //! This module owns the HTTP access rules in one table ([`permission`]) and the
 //! middleware that applies it ([`authenticate`]):
 //!
-//! - `/healthz`, `/readyz` and `/openapi.json` are public; everything else needs
+//! - `/healthz`, `/readyz`, `/openapi.json`, the page (`/`, `/app/{file}`,
+//!   `/favicon.ico`: it holds no data) and `POST /v1/signin` (it takes a one-time token
+//!   instead) are public; everything else needs
 //!   `Authorization: Bearer sk_…`. No key, a malformed, unknown or revoked key: 401 with
 //!   `WWW-Authenticate: Bearer`. A key whose role does not allow the route: 403.
 //! - A key in the query string (`?api_key=`, `?token=`, any value starting `sk_`) is
@@ -42,7 +44,9 @@ pub fn unauthenticated_operator() -> Caller {
 pub fn permission(method: &Method, route: &str) -> Option<Permission> {
     match (method.as_str(), route) {
         (_, "/healthz" | "/readyz" | "/openapi.json") => None,
-        ("GET", "/metrics" | "/v1/workers") => Some(Permission::Operate),
+        ("GET" | "HEAD", "/" | "/app/{file}" | "/favicon.ico") => None,
+        ("POST", "/v1/signin") => None,
+        ("GET", "/metrics" | "/v1/workers" | "/v1/overview") => Some(Permission::Operate),
         (_, "/v1/webhooks/secret" | "/v1/webhooks/secret/rotate" | "/v1/webhooks/enable") => {
             Some(Permission::WebhookAdmin)
         }

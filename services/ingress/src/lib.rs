@@ -13,8 +13,12 @@
 //! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
 //!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate`,
 //!   `POST /v1/webhooks/enable` ([`webhooks`])
-//! - `GET /v1/workers` → the live workers and what they serve, per pool (operators;
-//!   [`workers`])
+//! - `GET /v1/workers` → the live workers and what they serve, per pool, and
+//!   `GET /v1/overview` → job counts, oldest job, throughput per minute (operators;
+//!   [`workers`]); `GET /v1/models` → the models, their stems, and which are served now
+//! - `GET /v1/me` → the caller's owner and role; `POST /v1/signin` → a one-time sign-in
+//!   link's key (`stemq dev` only; [`session`])
+//! - `GET /`, `GET /app/{file}` → the page for people ([`web`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! A queued job's view says why it waits (`waiting`) when no live worker serves its
@@ -42,10 +46,12 @@ pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
 pub mod router;
+pub mod session;
 pub mod stems;
 pub mod submit;
 pub mod tls;
 pub mod uploads;
+pub mod web;
 pub mod webhooks;
 pub mod workers;
 
@@ -128,6 +134,8 @@ pub struct Config {
     /// to wait for one (`--refuse-unserved-models`; on in `stemq dev`, whose one worker is
     /// all there is).
     pub refuse_unserved: bool,
+    /// A one-time sign-in link for the page (`stemq dev`; see [`session`]).
+    pub signin: Option<Arc<session::SigninLink>>,
 }
 
 /// Shared handler state.
@@ -152,6 +160,8 @@ pub struct AppState {
     refuse_unserved: bool,
     /// How long submits wait for the queue (shared by HTTP and NATS submits).
     availability: Arc<availability::Availability>,
+    /// See [`Config::signin`].
+    signin: Option<Arc<session::SigninLink>>,
 }
 
 impl AppState {
@@ -183,7 +193,19 @@ impl AppState {
             registry,
             refuse_unserved: false,
             availability: Arc::default(),
+            signin: None,
         })
+    }
+
+    /// Accepts `link`'s token once on `POST /v1/signin`.
+    pub fn with_signin(mut self, link: Option<Arc<session::SigninLink>>) -> AppState {
+        self.signin = link;
+        self
+    }
+
+    /// The list index (every job, newest first, per status and owner).
+    pub fn index(&self) -> &ListIndex {
+        &self.index
     }
 
     /// Refuses submits for models no live worker serves (see [`Config::refuse_unserved`]).
@@ -296,7 +318,10 @@ pub async fn run(
     if let Some(p) = config.audio_urls {
         state = state.with_audio_urls(p);
     }
-    state = state.with_queue_metrics(config.queue_metrics).with_refuse_unserved(config.refuse_unserved);
+    state = state
+        .with_queue_metrics(config.queue_metrics)
+        .with_refuse_unserved(config.refuse_unserved)
+        .with_signin(config.signin);
     let router_task = {
         let (js, s) = (state.js.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -349,6 +374,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
         .route("/v1/webhooks/enable", post(webhooks::enable))
         .route("/v1/workers", get(workers::list))
+        .route("/v1/overview", get(workers::overview))
+        .route("/v1/models", get(workers::models))
+        .route("/v1/me", get(session::me))
+        .route("/v1/signin", post(session::signin))
+        .route("/", get(web::index))
+        .route("/app/{file}", get(web::file))
+        .route("/favicon.ico", get(web::favicon))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))

@@ -98,3 +98,94 @@ pub fn check_served(registry: &Registry, model: Model) -> Result<(), SubmitError
     served.dedup();
     Err(SubmitError::Unserved { model, served })
 }
+
+/// One model as a submitter sees it (`GET /v1/models`).
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct ModelInfo {
+    /// The model's name, as `model` of a request takes it.
+    pub name: Model,
+    /// The stems it writes, in order.
+    pub stems: Vec<&'static str>,
+    /// True when a live worker serves it now (a submit then runs); `None` while the
+    /// worker registry has not been read.
+    pub served: Option<bool>,
+    /// Live workers serving it.
+    pub workers: usize,
+}
+
+/// The answer of `GET /v1/models`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct Models {
+    /// Every model stemq knows, the ones served first.
+    pub models: Vec<ModelInfo>,
+    /// The containers a request's `output_format` takes.
+    pub output_formats: Vec<&'static str>,
+}
+
+/// Every model, whether it is served now, and its stems (any key: submitters pick a
+/// model with it; workers' names and hosts are for operators, on `GET /v1/workers`).
+pub async fn models(State(state): State<AppState>) -> Json<Models> {
+    let ready = state.registry().is_ready();
+    let live = state.registry().live();
+    let mut models: Vec<ModelInfo> = Model::ALL
+        .iter()
+        .map(|m| {
+            let workers = registry::serving(&live, *m);
+            ModelInfo { name: *m, stems: m.sources().to_vec(), served: ready.then_some(workers > 0), workers }
+        })
+        .collect();
+    models.sort_by_key(|m| m.served != Some(true));
+    let output_formats = stemq_core::request::OutputFormat::ALL.iter().map(|f| f.as_str()).collect();
+    Json(Models { models, output_formats })
+}
+
+/// The answer of `GET /v1/overview`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct Overview {
+    /// Jobs the status view holds, per status.
+    pub counts: std::collections::BTreeMap<String, usize>,
+    /// Age in seconds of the oldest request no worker has finished (0 when none).
+    pub oldest_pending_seconds: f64,
+    /// The oldest queued job, when there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oldest_queued: Option<OldestJob>,
+    /// Job events the projector has not applied yet, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub projector_lag: Option<u64>,
+    /// Jobs that ended per minute over the last 15 minutes, oldest first.
+    pub throughput: Vec<stemq_core::read::MinuteCount>,
+    /// False while the list index is still loading (the counts are then partial).
+    pub complete: bool,
+}
+
+/// A job and when it was created.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct OldestJob {
+    /// The job.
+    pub job_id: stemq_core::JobId,
+    /// Its creation time.
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Minutes of throughput `GET /v1/overview` shows.
+pub const THROUGHPUT_MINUTES: usize = 15;
+
+/// `GET /v1/overview` (operators): the queue and the jobs at a glance, beside
+/// `GET /v1/workers`.
+pub async fn overview(State(state): State<AppState>) -> Json<Overview> {
+    let queue = stemq_core::metrics::read_queue(state.jetstream()).await;
+    let index = state.index();
+    let counts = index.counts().into_iter().map(|(s, n)| (s.as_str().to_string(), n)).collect();
+    let oldest_queued = index.oldest(stemq_core::JobStatus::Queued).map(|(job_id, ns)| OldestJob {
+        job_id,
+        created_at: chrono::DateTime::from_timestamp_nanos(ns),
+    });
+    Json(Overview {
+        counts,
+        oldest_pending_seconds: queue.oldest_pending_age.as_secs_f64(),
+        oldest_queued,
+        projector_lag: queue.projector_lag,
+        throughput: index.finished_per_minute(chrono::Utc::now(), THROUGHPUT_MINUTES),
+        complete: index.caught_up(),
+    })
+}

@@ -61,6 +61,7 @@ impl Stack {
                 audio_urls: None,
                 queue_metrics: false,
                 refuse_unserved: false,
+                signin: None,
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

@@ -6,6 +6,11 @@
 //! the owner `local` is: `<data-dir>/admin.key`, created on first start)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server.
 //!
+//! The ingress serves the page (`/`); `stemq dev` prints a one-time link to it that signs
+//! the browser in with the operator key of `local` (`<data-dir>/operator.key`), so the
+//! page opens ready, with the operators' view. The link's token is in its fragment and
+//! works once; after that, sign in with a key file.
+//!
 //! The server it starts runs with stemq's NATS users: their credentials are created once
 //! in `<data-dir>/nats/creds/` (mode 0600 each), the definitions are applied as
 //! `operator`, and every service connects as its own user (`ingress`, `worker`,
@@ -100,6 +105,17 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let scheme = if a.tls.config().is_some() { "https" } else { "http" };
     let store = wconfig.store.base_url().to_string();
 
+    // The page's one-time sign-in link hands out the operator key (with keys on).
+    let keys = crate::keys::bucket(client.clone()).await?;
+    let (signin, signin_token) = if a.auth.insecure_no_auth {
+        (None, None)
+    } else {
+        let path = crate::keys::ensure_operator_key(&keys, &g.data_dir).await?;
+        let key = std::fs::read_to_string(&path)?.trim().to_string();
+        let (link, token) = stemq_ingress::session::SigninLink::new(key);
+        (Some(std::sync::Arc::new(link)), Some(token))
+    };
+
     let children = CancellationToken::new();
     let ingress = tokio::spawn(stemq_ingress::run(
         ingress_client.clone(),
@@ -116,6 +132,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             // Its one worker is all there is: a model it does not serve would wait for
             // ever, so it is refused at submit with what to do instead.
             refuse_unserved: true,
+            signin,
         },
         children.clone(),
     ));
@@ -136,13 +153,17 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
     let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, local).await?;
-    let key_path = crate::keys::ensure_admin_key(&crate::keys::bucket(client.clone()).await?, &g.data_dir).await?;
+    let key_path = crate::keys::ensure_admin_key(&keys, &g.data_dir).await?;
     // For scripts and other terminals: where this stack's NATS is, written once the
     // stack is up and its admin key is in place.
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
 
     eprintln!();
     eprintln!("stemq dev is up");
+    match &signin_token {
+        Some(token) => eprintln!("  page    {scheme}://{addr}/#signin={token}   (signs this browser in once)"),
+        None => eprintln!("  page    {scheme}://{addr}/"),
+    }
     eprintln!("  HTTP    {scheme}://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
     eprintln!("  NATS    {}", g.nats_url());
     if let Some(s) = &server {

@@ -151,20 +151,37 @@ pub fn admin_key_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin.key")
 }
 
+/// Where `stemq dev` keeps the operator key its page sign-in link hands out.
+pub fn operator_key_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("operator.key")
+}
+
 /// The key in `<data-dir>/admin.key` if it still authenticates; otherwise a new admin
 /// key of the owner `local`, written there (mode 0600). Returns the path.
 pub async fn ensure_admin_key(bucket: &kv::Store, data_dir: &Path) -> Result<PathBuf> {
-    let path = admin_key_path(data_dir);
-    if let Ok(existing) = std::fs::read_to_string(&path) {
+    ensure_local_key(bucket, &admin_key_path(data_dir), Role::Admin).await
+}
+
+/// Like [`ensure_admin_key`], an operator key of the owner `local` in
+/// `<data-dir>/operator.key`: the key of `stemq dev`'s page sign-in link, so the person
+/// at the laptop sees the operators' view too.
+pub async fn ensure_operator_key(bucket: &kv::Store, data_dir: &Path) -> Result<PathBuf> {
+    ensure_local_key(bucket, &operator_key_path(data_dir), Role::Operator).await
+}
+
+/// The key in `path` if it still authenticates; otherwise a new `role` key of the owner
+/// `local`, written there (mode 0600).
+async fn ensure_local_key(bucket: &kv::Store, path: &Path, role: Role) -> Result<PathBuf> {
+    if let Ok(existing) = std::fs::read_to_string(path) {
         let ring = auth::KeyRing::new(bucket.clone());
-        if ring.authenticate(existing.trim()).await.is_ok() {
-            return Ok(path);
+        if ring.authenticate(existing.trim()).await.is_ok_and(|c| c.role == role) {
+            return Ok(path.to_path_buf());
         }
     }
     let limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: Limits::MAX_IN_FLIGHT };
-    let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, Role::Admin, limits, "stemq dev").await?;
-    write_secret(&path, &format!("{}\n", key.expose()))?;
-    Ok(path)
+    let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, role, limits, "stemq dev").await?;
+    write_secret(path, &format!("{}\n", key.expose()))?;
+    Ok(path.to_path_buf())
 }
 
 /// Writes `text` to `path` readable by its owner only.

@@ -496,6 +496,7 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         audio_urls: a.audio_urls.policy(),
         queue_metrics: a.queue_metrics,
         refuse_unserved: a.refuse_unserved,
+        signin: None,
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())

@@ -6,9 +6,12 @@
 //! 100 000 jobs is then a walk of 50 entries in a B-tree plus 50 KV reads, whatever the
 //! bucket holds. The index is a projection of the view and, like it, disposable: it is
 //! rebuilt from the bucket at start.
+//!
+//! It also keeps when each ended job ended ([`ListIndex::finished_per_minute`]), so the
+//! operators' throughput over the last minutes is a walk of a B-tree too.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 
 use async_nats::jetstream::kv;
@@ -28,7 +31,22 @@ type SetKey = (Option<String>, Option<JobStatus>);
 struct Inner {
     by_id: HashMap<JobId, (i64, JobStatus, String)>,
     sets: HashMap<SetKey, BTreeSet<Key>>,
+    /// Ended jobs by when they ended (Unix ms), with how.
+    finished: BTreeMap<(i64, JobId), JobStatus>,
+    /// When each ended job ended (the key into `finished`).
+    finished_at: HashMap<JobId, i64>,
     caught_up: bool,
+}
+
+/// Jobs that ended within one minute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, schemars::JsonSchema)]
+pub struct MinuteCount {
+    /// Start of the minute, Unix seconds.
+    pub minute: i64,
+    /// Jobs that succeeded in it.
+    pub succeeded: u32,
+    /// Jobs that ended otherwise (failed, dead-lettered, rejected, cancelled, expired).
+    pub other: u32,
 }
 
 impl Inner {
@@ -93,6 +111,44 @@ impl ListIndex {
             g.sets.entry(sk).or_default().insert(k.clone());
         }
         g.by_id.insert(view.job_id.clone(), (created, view.status, owner));
+        Self::track_finish(&mut g, view);
+    }
+
+    fn track_finish(g: &mut Inner, view: &JobView) {
+        if let Some(old) = g.finished_at.remove(&view.job_id) {
+            g.finished.remove(&(old, view.job_id.clone()));
+        }
+        if view.status.is_terminal() {
+            let at = view.finished_at.unwrap_or(view.updated_at).timestamp_millis();
+            g.finished.insert((at, view.job_id.clone()), view.status);
+            g.finished_at.insert(view.job_id.clone(), at);
+        }
+    }
+
+    /// Jobs that ended per minute, for the `minutes` minutes up to and including the one
+    /// holding `now`, oldest first (minutes without any are there with zeros).
+    pub fn finished_per_minute(&self, now: chrono::DateTime<chrono::Utc>, minutes: usize) -> Vec<MinuteCount> {
+        let last = now.timestamp().div_euclid(60) * 60;
+        let first = last - 60 * (minutes as i64 - 1).max(0);
+        let mut out: Vec<MinuteCount> =
+            (0..minutes as i64).map(|i| MinuteCount { minute: first + 60 * i, ..Default::default() }).collect();
+        let g = self.inner.read().expect("index lock");
+        for ((ms, _), status) in g.finished.iter().rev().take_while(|((ms, _), _)| *ms >= first * 1000) {
+            let i = ((ms.div_euclid(1000) - first) / 60) as usize;
+            let Some(m) = out.get_mut(i) else { continue };
+            if *status == JobStatus::Succeeded {
+                m.succeeded += 1;
+            } else {
+                m.other += 1;
+            }
+        }
+        out
+    }
+
+    /// The oldest job of `status` (by creation), with its creation time in Unix ns.
+    pub fn oldest(&self, status: JobStatus) -> Option<(JobId, i64)> {
+        let g = self.inner.read().expect("index lock");
+        g.sets.get(&(None, Some(status)))?.iter().next_back().map(|(Reverse(ns), id)| (id.clone(), *ns))
     }
 
     /// Forgets a job.
@@ -105,6 +161,9 @@ impl ListIndex {
                     s.remove(&k);
                 }
             }
+        }
+        if let Some(at) = g.finished_at.remove(id) {
+            g.finished.remove(&(at, id.clone()));
         }
     }
 
@@ -266,6 +325,36 @@ mod tests {
         assert_eq!(idx.page_of(Some("b"), Some(JobStatus::Queued), 10, None).len(), 3);
         assert!(idx.page_of(Some("c"), None, 10, None).is_empty());
         assert_eq!(idx.page(None, 10, None).len(), 6);
+    }
+
+    #[test]
+    fn counts_ended_jobs_per_minute_and_finds_the_oldest_queued() {
+        let idx = ListIndex::default();
+        let t0 = chrono::Utc.with_ymd_and_hms(2026, 12, 1, 10, 0, 0).unwrap();
+        let ns = |s: i64| (t0 + chrono::Duration::seconds(s)).timestamp_nanos_opt().unwrap();
+        let ended = |n: u8, at_s: i64, status: JobStatus| {
+            let mut v = view(n, ns(0), status);
+            v.finished_at = Some(t0 + chrono::Duration::seconds(at_s));
+            v
+        };
+        idx.upsert(&ended(1, 5, JobStatus::Succeeded));
+        idx.upsert(&ended(2, 59, JobStatus::Succeeded));
+        idx.upsert(&ended(3, 61, JobStatus::Failed));
+        idx.upsert(&ended(4, 125, JobStatus::Succeeded));
+        idx.upsert(&ended(5, -600, JobStatus::Succeeded)); // before the window
+        // The same job seen again (a later revision) counts once.
+        idx.upsert(&ended(4, 125, JobStatus::Succeeded));
+        idx.upsert(&view(6, ns(-30), JobStatus::Queued));
+        idx.upsert(&view(7, ns(-10), JobStatus::Queued));
+        let per = idx.finished_per_minute(t0 + chrono::Duration::seconds(130), 3);
+        let row = |m: &MinuteCount| (m.minute - t0.timestamp(), m.succeeded, m.other);
+        assert_eq!(per.iter().map(row).collect::<Vec<_>>(), [(0, 2, 0), (60, 0, 1), (120, 1, 0)]);
+        // A job that is queued again (a retry in place would not, but a removal does)
+        // leaves the timeline.
+        idx.remove(&ended(1, 5, JobStatus::Succeeded).job_id);
+        assert_eq!(idx.finished_per_minute(t0 + chrono::Duration::seconds(130), 3)[0].succeeded, 1);
+        assert_eq!(idx.oldest(JobStatus::Queued).map(|x| x.1), Some(ns(-30)));
+        assert_eq!(idx.oldest(JobStatus::Running), None);
     }
 
     fn stemq_core_request(owner: &str) -> crate::NormalizedRequest {

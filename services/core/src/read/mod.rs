@@ -15,5 +15,5 @@
 pub mod index;
 pub mod view;
 
-pub use index::{Cursor, ListIndex};
+pub use index::{Cursor, ListIndex, MinuteCount};
 pub use view::{current_view, get_view, request_of, stored_view, ViewError, Views};
