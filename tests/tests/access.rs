@@ -94,6 +94,9 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
         (Method::POST, "/v1/webhooks/enable".into()),
         (Method::GET, "/metrics".into()),
         (Method::GET, "/v1/workers".into()),
+        (Method::GET, "/v1/overview".into()),
+        (Method::GET, "/v1/models".into()),
+        (Method::GET, "/v1/me".into()),
         (Method::GET, "/v1/no-such-route".into()),
     ];
     let revoked = key(&stack, "acme", Role::Admin, None).await;
@@ -118,14 +121,35 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
     for path in ["/healthz", "/readyz", "/openapi.json"] {
         assert_eq!(call(&base, Method::GET, path, None, None).await.0, 200, "{path}");
     }
+    // The page: public (it holds no data), under a strict CSP; nothing else is public
+    // under /app/, and no path escapes it.
+    for path in ["/", "/app/app.js", "/app/style.css", "/favicon.ico"] {
+        let resp = reqwest::get(format!("{base}{path}")).await.unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+        let csp = resp.headers()["content-security-policy"].to_str().unwrap().to_string();
+        assert!(csp.contains("default-src 'none'") && csp.contains("script-src 'self'"), "{path}: {csp}");
+        assert_eq!(resp.headers()["x-content-type-options"], "nosniff", "{path}");
+    }
+    for path in ["/app/nope.js", "/app/..%2Fadmin.key", "/app/Cargo.toml", "/app/index.html"] {
+        let (code, _, body) = call(&base, Method::GET, path, None, None).await;
+        assert_eq!((code, body["error"]["code"].as_str()), (404, Some("not_found")), "{path}: {body}");
+    }
+    // Sign-in links: public, but only where one is configured (`stemq dev`), and never
+    // for a wrong token.
+    let (code, _, body) = call(&base, Method::POST, "/v1/signin", None, Some(&json!({"token": "00"}))).await;
+    assert_eq!(code, 404, "{body}");
+    assert!(body.get("key").is_none());
     // The document says so: the scheme, and 401/403 on every operation but the public ones.
     let (_, _, doc) = call(&base, Method::GET, "/openapi.json", None, None).await;
     assert_eq!(doc["components"]["securitySchemes"]["bearerAuth"]["scheme"], "bearer");
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, op) in item.as_object().unwrap() {
-            let public = ["/healthz", "/readyz", "/openapi.json"].contains(&path.as_str());
+            let public = ["/healthz", "/readyz", "/openapi.json", "/v1/signin"].contains(&path.as_str());
             assert_eq!(op["security"] == json!([]), public, "{method} {path}");
-            assert_eq!(op["responses"].get("401").is_some(), !public, "{method} {path}");
+            // A sign-in link's 401 is its own (a wrong or used token), not a key's.
+            let own_401 = path == "/v1/signin";
+            assert_eq!(op["responses"].get("401").is_some(), !public || own_401, "{method} {path}");
+            assert_eq!(op.get("x-stemq-roles").is_some(), !public, "{method} {path}");
         }
     }
     // A key in the URL is refused, even with a good header.
@@ -153,7 +177,19 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
         let (code, _, body) = call(&base, Method::GET, "/v1/workers", Some(k), None).await;
         assert!(forbidden(code), "GET /v1/workers with a non-operator key: {code} {body}");
         assert!(body.get("workers").is_none() && body.get("pools").is_none(), "{body}");
+        let (code, _, body) = call(&base, Method::GET, "/v1/overview", Some(k), None).await;
+        assert!(forbidden(code), "GET /v1/overview with a non-operator key: {code} {body}");
+        assert!(body.get("counts").is_none(), "{body}");
     }
+    // Any key may see the models and who it is, and nothing of other owners.
+    let (code, _, models) = call(&base, Method::GET, "/v1/models", Some(&read), None).await;
+    assert_eq!(code, 200, "{models}");
+    assert!(models["models"].as_array().unwrap().iter().any(|m| m["name"] == "dsp"), "{models}");
+    assert!(models.get("workers").is_none() && !models.to_string().contains("\"devices\""), "{models}");
+    let (_, _, me) = call(&base, Method::GET, "/v1/me", Some(&read), None).await;
+    assert_eq!((me["owner"].as_str(), me["role"].as_str()), (Some("acme"), Some("read")), "{me}");
+    assert_eq!((me["can"]["read"].as_bool(), me["can"]["write"].as_bool()), (Some(true), Some(false)), "{me}");
+    assert_eq!(me["can"]["operate"], false, "{me}");
     assert_eq!(call(&base, Method::POST, "/v1/separations", Some(&submit), Some(&acme_body)).await.0, 202);
     assert_eq!(call(&base, Method::GET, "/v1/webhooks/secret", Some(&admin), None).await.0, 200);
     assert_eq!(call(&base, Method::GET, "/metrics", Some(&stack.key), None).await.0, 200);
@@ -161,6 +197,10 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
     let (code, _, fleet) = call(&base, Method::GET, "/v1/workers", Some(&operator), None).await;
     assert_eq!(code, 200, "{fleet}");
     assert!(fleet["workers"].is_array() && fleet["pools"].is_array(), "{fleet}");
+    let (code, _, overview) = call(&base, Method::GET, "/v1/overview", Some(&operator), None).await;
+    assert_eq!(code, 200, "{overview}");
+    assert_eq!(overview["throughput"].as_array().map(Vec::len), Some(15), "{overview}");
+    assert!(overview["counts"].is_object(), "{overview}");
 
     // Revocation takes effect within seconds (the ring re-reads records every 2 s).
     assert_eq!(call(&base, Method::GET, "/v1/separations", Some(&submit), None).await.0, 200);

@@ -226,6 +226,22 @@ try {
   check(await page.isVisible("#job-retry"), "a failed job offers retry");
   await shot(page, "05-bad-file");
 
+  // ---- what the page says for refusals it cannot easily provoke here ------------
+  step = "words";
+  const said = await page.evaluate(async () => {
+    const w = await import("/app/words.js");
+    return {
+      limited: w.sayRequest({ status: 429, code: "rate_limited", retryAfter: 7 }),
+      large: w.sayRequest({ status: 413, code: "too_large" }),
+      credits: w.sayRequest({ status: 402, code: "insufficient_credits" }),
+      long: w.sayJob({ code: "too_long", message: "longer than 3600 s" }),
+      unknown: w.sayJob({ code: "something_new", message: "the engine said so" }),
+    };
+  });
+  check(/Too many requests.*Try again in 7 s/.test(said.limited), `rate limited: "${said.limited}"`);
+  check(/too large/.test(said.large) && /credits/.test(said.credits) && /too long/.test(said.long), JSON.stringify(said));
+  check(said.unknown === "the engine said so", `an unknown code keeps the server's words: ${said.unknown}`);
+
   // ---- phone width --------------------------------------------------------------
   step = "phone";
   await page.setViewportSize({ width: 375, height: 740 });

@@ -26,6 +26,12 @@ pub fn document() -> Value {
         ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
         ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
         ("DeliveryAttempted", schema::<stemq_core::event::DeliveryAttempted>()),
+        ("Fleet", schema::<crate::workers::Fleet>()),
+        ("Overview", schema::<crate::workers::Overview>()),
+        ("Models", schema::<crate::workers::Models>()),
+        ("Me", schema::<crate::session::Me>()),
+        ("SigninRequest", schema::<crate::session::SigninRequest>()),
+        ("SigninResponse", schema::<crate::session::SigninResponse>()),
     ] {
         if let Some(defs) = s.as_object_mut().and_then(|o| o.remove("x-defs")) {
             let text = serde_json::to_string(&defs).expect("json").replace("#/$defs/", "#/components/schemas/");
@@ -206,6 +212,18 @@ pub fn document() -> Value {
                     }
                 }
             },
+            "/v1/workers": {"get": {"summary": "The live workers (name, models, devices, heartbeat, free memory) and, per model's pool and lane, the jobs waiting and running (operator keys only)",
+                "responses": {"200": ok("The fleet", "Fleet")}}},
+            "/v1/overview": {"get": {"summary": "Job counts per status, the oldest unfinished request, the oldest queued job, projector lag, and jobs ended per minute over the last 15 minutes (operator keys only)",
+                "responses": {"200": ok("The overview", "Overview")}}},
+            "/v1/models": {"get": {"summary": "Every model, its stems, and whether a live worker serves it now; the output formats",
+                "responses": {"200": ok("The models", "Models")}}},
+            "/v1/me": {"get": {"summary": "The caller: owner, role, key id, and what the role allows",
+                "responses": {"200": ok("The caller", "Me")}}},
+            "/v1/signin": {"post": {"summary": "Exchange the one-time token of a sign-in link (`stemq dev` prints one) for the API key it stands for. Public; a token works once",
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SigninRequest"}}}},
+                "responses": {"200": ok("The key", "SigninResponse"), "401": err("A wrong or used token"),
+                              "404": err("This server has no sign-in links")}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"summary": "Readiness: NATS connected and the job stream present",
                                  "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},

@@ -176,10 +176,9 @@ pub async fn overview(State(state): State<AppState>) -> Json<Overview> {
     let queue = stemq_core::metrics::read_queue(state.jetstream()).await;
     let index = state.index();
     let counts = index.counts().into_iter().map(|(s, n)| (s.as_str().to_string(), n)).collect();
-    let oldest_queued = index.oldest(stemq_core::JobStatus::Queued).map(|(job_id, ns)| OldestJob {
-        job_id,
-        created_at: chrono::DateTime::from_timestamp_nanos(ns),
-    });
+    let oldest_queued = index
+        .oldest(stemq_core::JobStatus::Queued)
+        .map(|(job_id, ns)| OldestJob { job_id, created_at: chrono::DateTime::from_timestamp_nanos(ns) });
     Json(Overview {
         counts,
         oldest_pending_seconds: queue.oldest_pending_age.as_secs_f64(),

@@ -74,7 +74,7 @@ export class Ops {
     const w = 300, h = 80, n = minutes.length, bw = w / n;
     const max = Math.max(1, ...minutes.map((m) => m.succeeded + m.other));
     const svg = document.createElementNS(SVG, "svg");
-    svg.setAttribute("viewBox", `0 0 ${w} ${h + 14}`);
+    svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
     svg.setAttribute("preserveAspectRatio", "none");
     svg.setAttribute("role", "img");
     const total = minutes.reduce((s, m) => s + m.succeeded + m.other, 0);
@@ -97,12 +97,9 @@ export class Ops {
       const top = bar(m.succeeded, h, "ok");
       bar(m.other, top, "bad");
     });
-    const label = document.createElementNS(SVG, "text");
-    label.setAttribute("x", "0");
-    label.setAttribute("y", String(h + 12));
-    label.textContent = `max ${max}/min`;
-    svg.append(label);
-    $("throughput").replaceChildren(svg);
+    const first = new Date(minutes[0].minute * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    const caption = el("p", { class: "hint" }, `${total} ended since ${first}; the tallest bar is ${max} a minute; green succeeded, red did not.`);
+    $("throughput").replaceChildren(svg, caption);
   }
 
   pools(fleet) {

@@ -342,7 +342,7 @@ mod tests {
         idx.upsert(&ended(3, 61, JobStatus::Failed));
         idx.upsert(&ended(4, 125, JobStatus::Succeeded));
         idx.upsert(&ended(5, -600, JobStatus::Succeeded)); // before the window
-        // The same job seen again (a later revision) counts once.
+                                                           // The same job seen again (a later revision) counts once.
         idx.upsert(&ended(4, 125, JobStatus::Succeeded));
         idx.upsert(&view(6, ns(-30), JobStatus::Queued));
         idx.upsert(&view(7, ns(-10), JobStatus::Queued));
