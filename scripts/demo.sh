@@ -3,7 +3,8 @@
 # Installs nats-server (into ./.stemq/venv), builds stemq, starts `stemq dev`, synthesises a
 # 20-second song, separates it into stems through the whole pipeline (upload → queue →
 # worker with the built-in dsp engine → object store → status view), writes the stems
-# to ./stems/, and stops everything cleanly.
+# to ./stems/, and ends with the URL of the page (GET /): in a terminal the stack stays
+# up for it, signed in by a one-time link, until Ctrl-C; otherwise it stops cleanly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-nats.sh >/dev/null
@@ -41,9 +42,24 @@ echo "== synthesising a 20 s song"
 echo "== separating (model dsp) through the HTTP API, with the admin key stemq dev wrote to $data/admin.key"
 "$bin" submit "$data/demo-song.wav" --model dsp --wait -o "$out" --api "http://$http"
 
+link="$(grep -o "http://[^ ]*#signin=[0-9a-f]*" "$data/dev.log" | tail -n 1 || true)"
+if [[ -t 0 && -t 1 && -z "${STEMQ_DEMO_EXIT:-}" ]]; then
+  echo
+  echo "Stems of the demo song are in $out:"
+  ls -l "$out"
+  echo
+  echo "The page (drop a song, watch it move, listen to the stems; signs this browser in once):"
+  echo "  $link"
+  echo "Ctrl-C stops stemq dev."
+  wait "$dev" || true
+  exit 0
+fi
 echo "== stopping stemq dev"
 stop
 trap - EXIT
 echo
 echo "Stems of the demo song are in $out:"
 ls -l "$out"
+echo
+echo "The page: run the demo in a terminal (it then stays up), or \`target/release/stemq dev\`, and open"
+echo "  http://$http/   (stemq dev prints a link that signs you in)"
