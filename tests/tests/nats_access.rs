@@ -198,6 +198,7 @@ async fn a_forged_outcome_is_refused_and_the_real_submit_runs() {
             device: "cpu".into(),
             segment: None,
             duration_ms: 1,
+            audio_ms: None,
         }),
     );
     let client = stack.connect_as(&publisher).await;

@@ -320,6 +320,7 @@ async fn lost_ack_does_not_run_the_job_again() {
             device: "fake-gpu".into(),
             segment: None,
             duration_ms: 1,
+            audio_ms: None,
         }),
     );
     stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))

@@ -357,6 +357,7 @@ async fn issue_12_two_projectors_and_redeliveries_keep_every_view_equal_to_its_l
                             device: "cpu".into(),
                             segment: None,
                             duration_ms: 5,
+                            audio_ms: None,
                         }),
                     ),
                 ),

@@ -145,6 +145,13 @@ pub trait Engine: Send + Sync + 'static {
     fn wants_metadata(&self) -> bool {
         false
     }
+    /// How long the input plays, in milliseconds, known before the engine runs (what
+    /// credits are reserved for), when the engine can say without reading the input
+    /// (the fake engine reads it from its script). `None`: the worker probes the input
+    /// file's header itself.
+    fn audio_ms(&self, _request: &crate::NormalizedRequest, _metadata: Option<&Value>) -> Option<u64> {
+        None
+    }
     /// Runs one attempt.
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
 }
@@ -208,6 +215,10 @@ impl Engine for Engines {
         self.engines.iter().any(|e| e.wants_metadata())
     }
 
+    fn audio_ms(&self, request: &crate::NormalizedRequest, metadata: Option<&Value>) -> Option<u64> {
+        self.for_model(request.model)?.audio_ms(request, metadata)
+    }
+
     /// Runs the job on the engine of its model, on the device asked for when that
     /// engine has it, else on that engine's first device.
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
@@ -247,7 +258,13 @@ pub struct FakeScript {
     pub oom_until: Option<String>,
     /// Abort the whole process, on attempts 1..=N (`u32::MAX` for always).
     pub abort: u32,
+    /// The length of the pretend input, in milliseconds (default 10 s): what credits
+    /// are reserved for.
+    pub audio_ms: Option<u64>,
 }
+
+/// What the fake engine takes an input to last when its script does not say.
+pub const FAKE_AUDIO_MS: u64 = 10_000;
 
 /// A stand-in engine that does no audio work: it follows the job's [`FakeScript`] and
 /// writes small deterministic stem files.
@@ -295,6 +312,14 @@ impl Engine for FakeEngine {
 
     fn wants_metadata(&self) -> bool {
         true
+    }
+
+    fn audio_ms(&self, _request: &crate::NormalizedRequest, metadata: Option<&Value>) -> Option<u64> {
+        let script: FakeScript = metadata
+            .and_then(|m| m.get("fake"))
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default();
+        Some(script.audio_ms.unwrap_or(FAKE_AUDIO_MS))
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {

@@ -260,6 +260,10 @@ pub struct Succeeded {
     pub segment: Option<f64>,
     /// Wall time of the attempt in milliseconds.
     pub duration_ms: u64,
+    /// Length of the audio separated, in milliseconds, when the engine said (what
+    /// credits are charged for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audio_ms: Option<u64>,
 }
 
 /// Whether a failure is worth retrying.

@@ -120,6 +120,10 @@ failure_codes! {
     MaxDeliveries = "max_deliveries",
     /// Every delivery ended without a word: the job kills its worker (dead-letter handler).
     CrashLoop = "crash_loop",
+    /// The owner's available credits cannot pay the job (worker, before the engine starts).
+    InsufficientCredits = "insufficient_credits",
+    /// The credits ledger could not be read or written (worker; retried).
+    CreditsUnavailable = "credits_unavailable",
 }
 
 impl fmt::Display for FailureCode {

@@ -62,6 +62,8 @@ pub mod auth;
 #[cfg(feature = "runtime")]
 pub mod error;
 #[cfg(feature = "runtime")]
+pub mod ledger;
+#[cfg(feature = "runtime")]
 pub mod metrics;
 #[cfg(feature = "runtime")]
 pub mod nats;

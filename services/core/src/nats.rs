@@ -555,25 +555,28 @@ struct KvDef {
     max_age: u64,
 }
 
-const STREAMS: [(&str, &str); 3] = [
+const STREAMS: [(&str, &str); 4] = [
     ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
     ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
     ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
+    ("streams/ledger.json", include_str!("../../../nats/streams/ledger.json")),
 ];
 const POOL_CONSUMER: (&str, &str) = ("consumers/pool.json", include_str!("../../../nats/consumers/pool.json"));
-const CONSUMERS: [(&str, &str); 6] = [
+const CONSUMERS: [(&str, &str); 7] = [
     ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
     ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
     ("consumers/projector-progress.json", include_str!("../../../nats/consumers/projector-progress.json")),
     ("consumers/deadletter.json", include_str!("../../../nats/consumers/deadletter.json")),
     ("consumers/relay.json", include_str!("../../../nats/consumers/relay.json")),
     ("consumers/relay-progress.json", include_str!("../../../nats/consumers/relay-progress.json")),
+    ("consumers/ledger.json", include_str!("../../../nats/consumers/ledger.json")),
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
 const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
 const KV_KEYS: (&str, &str) = ("kv/keys.json", include_str!("../../../nats/kv/keys.json"));
 const KV_LIMITS: (&str, &str) = ("kv/limits.json", include_str!("../../../nats/kv/limits.json"));
 const KV_WORKERS: (&str, &str) = ("kv/workers.json", include_str!("../../../nats/kv/workers.json"));
+const KV_CONFIG: (&str, &str) = ("kv/config.json", include_str!("../../../nats/kv/config.json"));
 const KV_DELIVERY_CLAIMS: (&str, &str) =
     ("kv/delivery_claims.json", include_str!("../../../nats/kv/delivery_claims.json"));
 /// The server configuration used by tests and `stemq dev`.
@@ -628,7 +631,7 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 
 /// Every bucket definition with `settings` applied.
 pub fn kv_configs(settings: &Settings) -> Result<Vec<kv::Config>, NatsError> {
-    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS, KV_DELIVERY_CLAIMS]
+    [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS, KV_DELIVERY_CLAIMS, KV_CONFIG]
         .into_iter()
         .map(|d| kv_def(d, settings))
         .collect()

@@ -432,8 +432,15 @@ mod tests {
                     for forbidden in ["STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "$JS.API.>"] {
                         assert!(!p.contains(forbidden), "{} may publish {p}", r.user);
                     }
-                    let on_job_stream = p.starts_with("$JS.API.CONSUMER.CREATE.STEMQ")
-                        || p.starts_with("$JS.API.CONSUMER.DELETE.STEMQ")
+                    // The one exception: the ingress reads an owner's ledger entries of a
+                    // period through an ephemeral ordered consumer (the exact subject
+                    // names no durable; the ledger stream has no durable to delete).
+                    let ephemeral_ledger_reader = r.user == INGRESS
+                        && ["$JS.API.CONSUMER.CREATE.STEMQ_LEDGER", "$JS.API.CONSUMER.DELETE.STEMQ_LEDGER.*"]
+                            .contains(&p.as_str());
+                    let on_job_stream = (p.starts_with("$JS.API.CONSUMER.CREATE.STEMQ")
+                        || p.starts_with("$JS.API.CONSUMER.DELETE.STEMQ"))
+                        && !ephemeral_ledger_reader
                         || p.starts_with("$JS.API.CONSUMER.DURABLE");
                     assert!(!on_job_stream, "{} may create or delete consumers of the job streams: {p}", r.user);
                 }

@@ -417,6 +417,7 @@ mod tests {
             device: "fake".into(),
             segment: None,
             duration_ms: 5,
+            audio_ms: None,
         }))
     }
 

@@ -188,6 +188,7 @@ impl Recorder {
             device: if degraded { "cpu".into() } else { "cuda:0".into() },
             segment: degraded.then_some(3.9),
             duration_ms: 41_250,
+            audio_ms: None,
         });
         self.on(id, "/stemq/worker/w-gpu-1", body);
     }

@@ -55,6 +55,8 @@
 //! view, the list index and its cursor through [`stemq_core::read`], which this crate
 //! uses too (its [`get_view`] is that reader with the projector's error).
 
+pub mod ledger;
+
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -236,6 +238,8 @@ pub async fn run(
         let lanes = lanes.clone();
         tracker.spawn(pump(messages, is_progress, lanes));
     }
+    // Credits: the reservations of ended jobs are settled or refunded here.
+    tracker.spawn(ledger::run(js.clone(), shutdown.clone()));
     drop(lanes);
     tracker.close();
     info!(lanes = config.lanes, "projector running");

@@ -404,6 +404,7 @@ fn decide(given: &Given, result: Result<Done, Failure>) -> Decision {
             device: done.device,
             segment: done.segment,
             duration_ms: given.elapsed.as_millis() as u64,
+            audio_ms: done.audio_secs.map(|s| (s * 1000.0).round() as u64),
         }),
         Err(f) if f.class == FailureClass::Permanent => EventBody::Failed(Failed {
             attempt,
@@ -630,6 +631,8 @@ async fn run_engine(
     } else {
         dir.join("input")
     };
+    // Paid for before any engine time is spent (nothing happens when credits are off).
+    crate::credits::reserve(shared, job_id, requested, &input).await?;
 
     let ctx = Arc::new(Ctx { progress, cancel });
     let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());

@@ -32,6 +32,7 @@
 
 pub mod backoff;
 mod control;
+mod credits;
 pub mod deadletter;
 pub mod fetch;
 pub mod gpu;
@@ -108,6 +109,11 @@ pub struct Config {
     /// External audio: http(s) `audio_uri`s are fetched under these settings; `None`
     /// (the default) refuses them like any URI outside the store.
     pub audio_urls: Option<fetch::AudioUrls>,
+    /// Reads how long an input file plays (milliseconds) from its header, for the
+    /// credits reserved before the engine runs when the engine cannot say itself
+    /// (`stemq` passes stemq-audio's probe). `None`: such jobs reserve nothing and are
+    /// charged what they separate.
+    pub audio_probe: Option<fn(&std::path::Path) -> Option<u64>>,
 }
 
 impl Config {
@@ -126,6 +132,7 @@ impl Config {
             deadletter: true,
             gpu_probe: None,
             audio_urls: None,
+            audio_probe: None,
         }
     }
 }
@@ -170,6 +177,8 @@ pub(crate) struct Shared {
     pub scratch: scratch::Scratch,
     /// Jobs running in this process, for the cancel listener.
     pub running: Arc<control::Running>,
+    /// The ledger and the price list.
+    pub credits: credits::Credits,
 }
 
 /// Re-reads a pool consumer's settings every second until `stop`, publishing changes.
@@ -264,6 +273,7 @@ pub async fn run(
         config: config.clone(),
         scratch,
         running: Arc::new(control::Running::default()),
+        credits: credits::Credits::open(&js).await,
     });
     let cancel_listener = control::listen(js.client(), shared.running.clone())
         .await

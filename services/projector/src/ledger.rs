@@ -1,0 +1,204 @@
+//! Closing credit reservations from job outcomes (the ledger: `stemq_core::ledger`).
+//!
+//! This module owns the second half of paying for a job: it follows every job's
+//! outcome (durable consumer `ledger` on `stemq.jobs.*.outcome`; a job has one outcome,
+//! the first terminal event) and closes the job's open reservation, if it has one:
+//! settled at the actual audio when the job succeeded, refunded in full for any other
+//! end. Closing is idempotent in the owner's account (only an open reservation is
+//! closed), so a redelivered outcome, a restarted projector or two projectors at once
+//! move nothing twice. It also counts usage per owner for Prometheus, with a bounded
+//! label set: the first [`OWNER_LABELS`] owners seen by this process by name, the rest
+//! as `other`.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
+use futures::StreamExt;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use stemq_core::ledger::{self, Close, Ledger, Movement};
+use stemq_core::metrics::metrics;
+use stemq_core::nats as names;
+use stemq_core::pull::{self, PullOptions};
+use stemq_core::{Event, EventBody, JobId};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+/// Owners named in the usage metrics; later ones count as `other`.
+pub const OWNER_LABELS: usize = 100;
+
+/// Outcomes being closed at once.
+const CONCURRENCY: usize = 64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UsageLabels {
+    owner: String,
+    model: String,
+}
+
+struct UsageMetrics {
+    audio: Family<UsageLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    engine: Family<UsageLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    charged: Family<UsageLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    named: Mutex<HashSet<String>>,
+}
+
+fn usage() -> &'static UsageMetrics {
+    static U: OnceLock<UsageMetrics> = OnceLock::new();
+    U.get_or_init(|| {
+        let u = UsageMetrics {
+            audio: Family::default(),
+            engine: Family::default(),
+            charged: Family::default(),
+            named: Mutex::new(HashSet::new()),
+        };
+        metrics().register(|r| {
+            r.register(
+                "stemq_usage_audio_seconds",
+                "Audio separated and charged, per owner and model",
+                u.audio.clone(),
+            );
+            r.register(
+                "stemq_usage_engine_seconds",
+                "Engine time of charged jobs, per owner and model",
+                u.engine.clone(),
+            );
+            r.register("stemq_usage_credits", "Credits charged, per owner and model", u.charged.clone());
+        });
+        u
+    })
+}
+
+/// The owner's label: its name for the first [`OWNER_LABELS`] owners, `other` after.
+fn owner_label(owner: &str) -> String {
+    let mut named = usage().named.lock().expect("labels lock");
+    if named.contains(owner) || (named.len() < OWNER_LABELS && named.insert(owner.to_string())) {
+        owner.to_string()
+    } else {
+        "other".into()
+    }
+}
+
+/// Follows outcomes and closes reservations until `shutdown`. Without the ledger's
+/// definitions (an older deployment before `stemq nats apply`) it says so and stops.
+pub async fn run(js: jetstream::Context, shutdown: CancellationToken) {
+    let consumer: PullConsumer = match js.get_consumer_from_stream(ledger::LEDGER_CONSUMER, names::JOBS_STREAM).await {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(error = %e, "no `ledger` consumer (stemq nats apply creates it): credit reservations are not closed");
+            return;
+        }
+    };
+    let log = match js.get_stream_no_info(names::JOBS_STREAM).await {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot open the job stream: credit reservations are not closed");
+            return;
+        }
+    };
+    let _ = usage();
+    let closer = Arc::new(Closer { ledger: Ledger::new(js.clone()), js, log, empty_until: Mutex::new(None) });
+    let options = PullOptions {
+        batch: 256,
+        heartbeat: Some(Duration::from_secs(5)),
+        expires: Some(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut messages = pull::messages(consumer, options, shutdown.clone());
+    let slots = Arc::new(Semaphore::new(CONCURRENCY));
+    info!("ledger closer running");
+    while let Some(msg) = messages.next().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else { break };
+        let closer = closer.clone();
+        tokio::spawn(async move {
+            closer.handle(msg).await;
+            drop(permit);
+        });
+    }
+    // Let the closes in flight finish.
+    let _ = slots.acquire_many(CONCURRENCY as u32).await;
+    info!("ledger closer stopped");
+}
+
+struct Closer {
+    js: jetstream::Context,
+    ledger: Ledger,
+    log: jetstream::stream::Stream<()>,
+    /// Until when the ledger stream is known to be empty (no credits ever used): then
+    /// outcomes are acked without reading requests.
+    empty_until: Mutex<Option<Instant>>,
+}
+
+impl Closer {
+    async fn ledger_is_empty(&self) -> bool {
+        if self.empty_until.lock().expect("lock").is_some_and(|t| Instant::now() < t) {
+            return true;
+        }
+        let empty = match self.js.get_stream(ledger::LEDGER_STREAM).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages == 0).unwrap_or(false),
+            Err(_) => false,
+        };
+        *self.empty_until.lock().expect("lock") = empty.then(|| Instant::now() + Duration::from_secs(2));
+        empty
+    }
+
+    async fn handle(&self, msg: jetstream::Message) {
+        let Some(job_id) = names::job_id_of_subject(&msg.subject) else {
+            let _ = msg.ack().await;
+            return;
+        };
+        let span = tracing::info_span!("ledger.close", job_id = %job_id);
+        async {
+            match self.close(&job_id, &msg.payload).await {
+                Ok(()) => {
+                    let _ = msg.ack().await;
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot close the job's reservation yet; retrying");
+                    let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn close(&self, job_id: &JobId, payload: &[u8]) -> Result<(), String> {
+        let Ok(event) = Event::from_slice(payload) else {
+            return Ok(()); // Not an event: the projector reports it; nothing to pay.
+        };
+        let how = match &event.body {
+            EventBody::Succeeded(s) => Close::Settle { audio_ms: s.audio_ms, engine_ms: s.duration_ms },
+            body if body.is_terminal() => Close::Refund { reason: body.kind().to_string() },
+            _ => return Ok(()),
+        };
+        if self.ledger_is_empty().await {
+            return Ok(());
+        }
+        let owner = match stemq_core::read::request_of(&self.log, job_id).await {
+            Ok(Some((_, req))) => match req.body {
+                EventBody::Requested(r) => r.request.owner,
+                _ => return Ok(()),
+            },
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        match self.ledger.close(&owner, job_id, &how).await.map_err(|e| e.to_string())? {
+            Some(entry) => {
+                if let Movement::Settled { model, charged, audio_ms, engine_ms, .. } = &entry.movement {
+                    let l = UsageLabels { owner: owner_label(&owner), model: model.as_str().to_string() };
+                    usage().audio.get_or_create(&l).inc_by(*audio_ms as f64 / 1000.0);
+                    usage().engine.get_or_create(&l).inc_by(*engine_ms as f64 / 1000.0);
+                    usage().charged.get_or_create(&l).inc_by(ledger::credits(*charged));
+                }
+                info!(event = "credits.closed", movement = ?entry.movement, "reservation closed");
+            }
+            None => {}
+        }
+        Ok(())
+    }
+}

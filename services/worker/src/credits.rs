@@ -1,0 +1,105 @@
+//! Paying for a job before its engine starts (the ledger: `stemq_core::ledger`).
+//!
+//! This module owns the worker's side of credits: with a price list in the
+//! configuration bucket, every attempt reserves what the job's audio costs before the
+//! engine runs (idempotent: a redelivery finds its reservation open), and a job the
+//! owner's available credits cannot pay fails at once with `insufficient_credits`,
+//! before any engine time is spent. The reservation is closed by the ledger consumer
+//! when the job's outcome is recorded (`stemq_projector::ledger`). One race is closed
+//! here: a job that ended (cancelled, expired) between this worker's start checks and
+//! its reservation is refunded by the worker itself, since the ledger consumer may have
+//! seen that outcome before the reservation existed.
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, kv};
+use stemq_core::event::Requested;
+use stemq_core::failure::FailureCode;
+use stemq_core::ledger::{self, Close, Ledger, LedgerError, Prices};
+use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::JobId;
+use tracing::{info, warn};
+
+use crate::job::Failure;
+use crate::Shared;
+
+/// How long a read price list is used before it is read again.
+const PRICES_TTL: Duration = Duration::from_secs(2);
+
+/// The ledger and the price list, as a worker uses them.
+pub(crate) struct Credits {
+    ledger: Ledger,
+    config: Option<kv::Store>,
+    cache: Mutex<Option<(Instant, Option<Prices>)>>,
+}
+
+impl Credits {
+    /// Opens the configuration bucket; without one (an older deployment), credits are
+    /// off.
+    pub(crate) async fn open(js: &jetstream::Context) -> Credits {
+        let config = match js.get_key_value(ledger::CONFIG_BUCKET).await {
+            Ok(kv) => Some(kv),
+            Err(e) => {
+                warn!(error = %e, "no configuration bucket (stemq nats apply creates it): credits are off");
+                None
+            }
+        };
+        Credits { ledger: Ledger::new(js.clone()), config, cache: Mutex::new(None) }
+    }
+
+    /// The price list (`None`: credits are off), read at most every [`PRICES_TTL`].
+    async fn prices(&self) -> Result<Option<Prices>, LedgerError> {
+        let Some(config) = &self.config else { return Ok(None) };
+        if let Some((at, p)) = self.cache.lock().expect("prices lock").as_ref() {
+            if at.elapsed() < PRICES_TTL {
+                return Ok(p.clone());
+            }
+        }
+        let p = ledger::prices(config).await?;
+        *self.cache.lock().expect("prices lock") = Some((Instant::now(), p.clone()));
+        Ok(p)
+    }
+}
+
+/// Reserves the job's cost before its engine runs (nothing when credits are off).
+pub(crate) async fn reserve(
+    shared: &Shared,
+    job_id: &JobId,
+    requested: &Requested,
+    input: &Path,
+) -> Result<(), Failure> {
+    let unavailable = |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, e.to_string());
+    let prices = match shared.credits.prices().await {
+        Ok(Some(p)) => p,
+        Ok(None) => return Ok(()),
+        Err(e) => return Err(unavailable(e)),
+    };
+    let r = &requested.request;
+    let metadata = stemq_core::engine::metadata_for(shared.engine.as_ref(), requested.metadata.as_ref());
+    let audio_ms = shared
+        .engine
+        .audio_ms(r, metadata)
+        .or_else(|| shared.config.audio_probe.and_then(|probe| probe(input)))
+        .unwrap_or(0);
+    match shared.credits.ledger.reserve(&r.owner, job_id, r.model, audio_ms, &prices).await {
+        Ok(open) => {
+            info!(event = "credits.reserved", amount = ledger::credits(open.amount), audio_ms, "credits set aside")
+        }
+        Err(e @ LedgerError::Insufficient { .. }) => {
+            return Err(Failure::permanent(FailureCode::InsufficientCredits, format!("{e} ({})", prices.unit)))
+        }
+        Err(e) => return Err(unavailable(e)),
+    }
+    // Ended meanwhile (a cancel of the queued job, say)? Then nothing runs, and the
+    // reservation this worker just made is given back here.
+    if shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome)).await.is_ok() {
+        let how = Close::Refund { reason: "ended before it ran".into() };
+        if let Err(e) = shared.credits.ledger.close(&r.owner, job_id, &how).await {
+            warn!(error = %e, "cannot refund the reservation of a job that ended before it ran");
+        }
+        return Err(Failure::permanent(FailureCode::Cancelled, "the job ended before it ran".into()));
+    }
+    Ok(())
+}
