@@ -718,3 +718,15 @@ impl Iterator for Decoder {
         self.next_chunk().transpose()
     }
 }
+
+/// How long the file at `path` plays, in milliseconds, as its header states (`None`:
+/// not audio, or the header does not say). Reads the header only.
+pub fn probe_duration_ms(path: &Path) -> Option<u64> {
+    let d = Decoder::open_path(path, DecodeOptions::default()).ok()?;
+    let info = d.info();
+    match (info.frames, info.duration_secs) {
+        (Some(f), _) if info.sample_rate > 0 => Some(f * 1000 / info.sample_rate as u64),
+        (_, Some(s)) if s.is_finite() && s >= 0.0 => Some((s * 1000.0).round() as u64),
+        _ => None,
+    }
+}

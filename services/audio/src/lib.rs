@@ -27,7 +27,7 @@ pub mod synth;
 pub mod wav;
 
 pub use chunk::StereoChunk;
-pub use decode::{DecodeOptions, Decoder, SourceInfo, ENGINE_SAMPLE_RATE};
+pub use decode::{probe_duration_ms, DecodeOptions, Decoder, SourceInfo, ENGINE_SAMPLE_RATE};
 pub use dsp::{separate_file, DspOptions, DspSeparator, EncodeSettings, Stem, StemOutput};
 pub use encode::{summarize_file, ClipMode, FileSummary, OutputFormat, StemEncoder};
 pub use engine::DspEngine;

@@ -16,6 +16,8 @@
 //! - `GET /v1/workers` → the live workers and what they serve, per pool, and
 //!   `GET /v1/overview` → job counts, oldest job, throughput per minute (operators;
 //!   [`workers`]); `GET /v1/models` → the models, their stems, and which are served now
+//! - `GET /v1/account` → credits: balance, reserved, usage per model over a period;
+//!   a submit the owner cannot pay is 402 ([`credits`])
 //! - `GET /v1/me` → the caller's owner and role; `POST /v1/signin` → a one-time sign-in
 //!   link's key (`stemq dev` only; [`session`])
 //! - `GET /`, `GET /app/{file}` → the page for people ([`web`])
@@ -40,6 +42,7 @@
 pub mod access;
 pub mod availability;
 pub mod control;
+pub mod credits;
 pub mod events;
 pub mod limits;
 pub mod metrics;
@@ -162,6 +165,8 @@ pub struct AppState {
     availability: Arc<availability::Availability>,
     /// See [`Config::signin`].
     signin: Option<Arc<session::SigninLink>>,
+    /// The price list (credits), read from the configuration bucket.
+    prices: Arc<credits::PriceCache>,
 }
 
 impl AppState {
@@ -178,6 +183,8 @@ impl AppState {
         let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
         let limits = open(names::LIMITS_BUCKET).await?;
         let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
+        // An older deployment without the bucket has credits off.
+        let prices = Arc::new(credits::PriceCache::new(js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok()));
         Ok(AppState {
             js,
             views,
@@ -194,6 +201,7 @@ impl AppState {
             refuse_unserved: false,
             availability: Arc::default(),
             signin: None,
+            prices,
         })
     }
 
@@ -377,6 +385,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/overview", get(workers::overview))
         .route("/v1/models", get(workers::models))
         .route("/v1/me", get(session::me))
+        .route("/v1/account", get(credits::account))
         .route("/v1/signin", post(session::signin))
         .route("/", get(web::index))
         .route("/app/{file}", get(web::file))
@@ -445,6 +454,7 @@ async fn track(State(state): State<AppState>, req: Request, next: Next) -> Respo
 
 /// An API error body: `{"error": {"code", "message", "field"?}}`. A 503 also says when
 /// to try again (`Retry-After: 2`).
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
@@ -475,6 +485,7 @@ impl From<SubmitError> for ApiError {
                 message: r.to_string(),
                 field: Some(r.field),
             },
+            SubmitError::Refused(e) => e,
             SubmitError::Unserved { .. } => ApiError {
                 status: StatusCode::UNPROCESSABLE_ENTITY,
                 code: "model_not_served",
@@ -541,9 +552,15 @@ pub async fn submit_as(
         remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
     }
     let mut event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
-    if state.refuse_unserved {
-        if let stemq_core::EventBody::Requested(r) = &event.body {
+    if let stemq_core::EventBody::Requested(r) = &event.body {
+        if state.refuse_unserved {
             workers::check_served(&state.registry, r.request.model)?;
+        }
+        // A job whose cost is known now and cannot be paid is refused before it is queued.
+        if state.index.status(&event.subject).is_none() {
+            credits::check_affordable(state, &caller.owner, r.request.model, &r.request.audio_uri)
+                .await
+                .map_err(SubmitError::Refused)?;
         }
     }
     if let stemq_core::EventBody::Requested(r) = &mut event.body {

@@ -79,6 +79,7 @@ impl Metrics {
             Err(SubmitError::Invalid(_) | SubmitError::Unserved { .. }) => "invalid",
             Err(SubmitError::Unavailable(_)) => "unavailable",
             Err(SubmitError::Limited(_)) => "limited",
+            Err(SubmitError::Refused(_)) => "refused",
         };
         self.submits.get_or_create(&SubmitLabels { outcome }).inc();
     }

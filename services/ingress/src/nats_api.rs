@@ -99,6 +99,10 @@ pub async fn serve(
                     "retry_after": l.retry_after,
                     "error": {"code": if l.limit == "rate" { "rate_limited" } else { "too_many_in_flight" }, "message": l.message}
                 }),
+                Err(SubmitError::Refused(e)) => json!({
+                    "http_status": e.status.as_u16(),
+                    "error": {"code": e.code, "message": e.message}
+                }),
                 Err(SubmitError::Unavailable(m)) => json!({
                     "http_status": 503,
                     "error": {"code": "unavailable", "message": m}

@@ -38,6 +38,9 @@ pub struct SubmitResponse {
 /// Why a submit failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SubmitError {
+    /// Refused by a rule of the ingress with its own answer (402 `insufficient_credits`).
+    #[error("{}", .0.message)]
+    Refused(crate::ApiError),
     /// The request is invalid (422).
     #[error(transparent)]
     Invalid(#[from] RequestError),

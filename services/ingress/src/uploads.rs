@@ -23,6 +23,9 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::{ApiError, AppState};
 
+/// Bytes of an upload kept to read its header.
+const HEAD_BYTES: usize = 64 * 1024;
+
 /// Default upload limit: 1 GiB.
 pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 1 << 30;
 /// Default lifetime of presigned stem URLs.
@@ -55,6 +58,10 @@ pub struct UploadResponse {
     pub bytes: u64,
     /// Lowercase hex SHA-256 of the upload.
     pub sha256: String,
+    /// How long it plays, in milliseconds, when its header says (WAV, FLAC): what
+    /// credits a job of it costs is then known at submit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -123,7 +130,17 @@ pub(crate) async fn upload(
     let tmp = format!("incoming/{}", uuid::Uuid::new_v4());
     let span = info_span!("upload", tmp = %tmp);
     async move {
-        let stream = body.into_data_stream().map_err(|e| e.to_string());
+        // The first bytes are kept: the header says how long the audio plays.
+        let head = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let tee = head.clone();
+        let stream = body.into_data_stream().map_err(|e| e.to_string()).map_ok(move |chunk| {
+            let mut h = tee.lock().expect("head lock");
+            if h.len() < HEAD_BYTES {
+                let take = (HEAD_BYTES - h.len()).min(chunk.len());
+                h.extend_from_slice(&chunk[..take]);
+            }
+            chunk
+        });
         let stored = match storage.store.put_stream(&tmp, stream, limit).await {
             Ok(s) => s,
             Err(StorageError::TooLarge { .. }) => return Err(too_large()),
@@ -157,7 +174,18 @@ pub(crate) async fn upload(
                 "the store is unavailable; retrying is safe".into(),
             ));
         }
-        let resp = UploadResponse { audio_uri: storage.store.uri(&key), bytes: stored.bytes, sha256: stored.sha256 };
+        let duration_ms = crate::credits::header_duration_ms(&head.lock().expect("head lock"));
+        let meta = serde_json::to_vec(&crate::credits::UploadMeta { duration_ms }).expect("json");
+        if let Err(e) = storage.store.put_bytes(&crate::credits::meta_key(&key), meta).await {
+            // Only the early 402 needs it; the worker measures the audio anyway.
+            warn!(error = %e, "upload facts not stored");
+        }
+        let resp = UploadResponse {
+            audio_uri: storage.store.uri(&key),
+            bytes: stored.bytes,
+            sha256: stored.sha256,
+            duration_ms,
+        };
         info!(event = "upload.stored", bytes = resp.bytes, sha256 = %resp.sha256, "upload stored");
         Ok((StatusCode::CREATED, Json(resp)).into_response())
     }

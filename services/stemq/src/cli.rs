@@ -109,6 +109,20 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::keys::KeysCommand,
     },
+    /// Credits (operators): grant, show an owner's account or movements, the price list.
+    Credits {
+        #[command(subcommand)]
+        command: crate::credits::CreditsCommand,
+    },
+    /// Usage per owner and model from the credits ledger (operators).
+    Usage {
+        /// Only these owners (default: every owner with a ledger).
+        #[arg(long = "owner")]
+        owners: Vec<String>,
+        /// Only since this RFC 3339 time.
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+    },
     /// Webhook settings (re-enable a URL a 410 Gone disabled).
     Webhooks {
         #[command(subcommand)]
@@ -299,6 +313,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         },
         Command::Webhooks { command } => crate::webhooks::run(&g, command).await,
         Command::Keys { command } => crate::keys::run(&g, command).await,
+        Command::Credits { command } => crate::credits::run(&g, command).await,
+        Command::Usage { owners, since } => crate::credits::usage(&g, owners, since).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
             println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());

@@ -20,6 +20,7 @@ pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod credits;
 pub mod dev;
 pub mod global;
 pub mod job_opts;

@@ -475,6 +475,8 @@ pub fn worker_config(g: &Global, store: &StoreArg, opts: &WorkerOpts) -> Result<
     c.time_limit = Duration::from_secs(opts.time_limit_s);
     c.backoff.base = Duration::from_millis(opts.backoff_base_ms);
     c.backoff.cap = Duration::from_millis(opts.backoff_cap_ms);
+    // Credits are reserved for what the input's header says it lasts.
+    c.audio_probe = Some(stemq_audio::probe_duration_ms);
     if let Some(n) = &opts.name {
         c.name = n.clone();
     }
