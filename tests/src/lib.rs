@@ -47,6 +47,9 @@ pub struct StackOptions {
     pub audio_urls: Option<HostPolicy>,
     /// The ingress refuses models no live worker serves (as in `stemq dev`).
     pub refuse_unserved: bool,
+    /// Run a projector in the test process (off: the test runs its own, e.g. as a child
+    /// process it can kill).
+    pub projector: bool,
 }
 
 impl Default for StackOptions {
@@ -63,6 +66,7 @@ impl Default for StackOptions {
             time_limit: Duration::from_secs(60),
             audio_urls: None,
             refuse_unserved: false,
+            projector: true,
         }
     }
 }
@@ -140,7 +144,7 @@ impl Stack {
                 .expect("ingress runs");
             }));
         }
-        {
+        if options.projector {
             let c = server.connect_as(PROJECTOR, "projector").await.expect("connect as projector");
             let s = stop.clone();
             tasks.push(tokio::spawn(async move {
@@ -352,6 +356,21 @@ impl Stack {
             cmd.env(k, v);
         }
         cmd.spawn().expect("spawn stemq worker")
+    }
+
+    /// Starts `stemq projector` as a child process (NATS user `projector`).
+    pub fn spawn_projector(&self, name: &str) -> Child {
+        Command::new(Stack::stemq_bin())
+            .arg("projector")
+            .env("NATS_URL", self.server.url())
+            .env("STEMQ_NATS_CREDS", self.server.credentials(PROJECTOR))
+            .env("STEMQ_DATA_DIR", self.dir.path())
+            .env("STEMQ_LOG_FORMAT", "json")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).expect("log file")))
+            .spawn()
+            .expect("spawn stemq projector")
     }
 
     /// The log file of a spawned worker.

@@ -363,7 +363,11 @@ pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     }
     let program = std::env::current_exe().context("finding the stemq executable for the engine host")?;
     let args = engine_host_args(g, &opts.engine);
-    let engine = stemq_worker::isolate::IsolatedEngine::start(program, args, Duration::from_secs(600))?;
+    let mut engine = stemq_worker::isolate::IsolatedEngine::start(program, args, Duration::from_secs(600))?;
+    if opts.engine.engine == EngineKind::Fake {
+        // The fake engine says how long its pretend input lasts (credits); it reads none.
+        engine = engine.with_lengths(Arc::new(FakeEngine::default()));
+    }
     Ok(Arc::new(engine))
 }
 

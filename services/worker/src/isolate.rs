@@ -225,6 +225,9 @@ pub struct IsolatedEngine {
     models: Vec<Model>,
     /// Hosts waiting for a job.
     idle: Mutex<Vec<Host>>,
+    /// An in-process engine that tells how long inputs last without reading them
+    /// ([`Engine::audio_ms`]; the fake engine), when the hosted one needs that.
+    lengths: Option<std::sync::Arc<dyn Engine>>,
 }
 
 /// How long a cancelled attempt may take to stop before its host is killed.
@@ -251,7 +254,15 @@ impl IsolatedEngine {
             wants_metadata,
             models,
             idle: Mutex::new(vec![host]),
+            lengths: None,
         })
+    }
+
+    /// Asks `engine` (in this process) how long inputs last ([`Engine::audio_ms`]): for
+    /// a hosted engine that knows without reading the input (the fake engine).
+    pub fn with_lengths(mut self, engine: std::sync::Arc<dyn Engine>) -> IsolatedEngine {
+        self.lengths = Some(engine);
+        self
     }
 
     /// An idle host, or a new one (whose hello is awaited).
@@ -286,6 +297,10 @@ impl Engine for IsolatedEngine {
 
     fn models(&self) -> Vec<Model> {
         self.models.clone()
+    }
+
+    fn audio_ms(&self, request: &stemq_core::NormalizedRequest, metadata: Option<&serde_json::Value>) -> Option<u64> {
+        self.lengths.as_ref()?.audio_ms(request, metadata)
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {

@@ -1,0 +1,284 @@
+//! Credits, end to end against a real nats-server: reserved before the engine, settled
+//! at the actual audio on success, refunded in full otherwise, refused with 402 at
+//! submit when the cost is known and cannot be paid, and exact under faults: workers
+//! and the projector killed mid-run and the server restarted while 300 jobs of mixed
+//! outcomes run.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use stemq_core::auth::{self, Limits, Role};
+use stemq_core::ledger::{self, fold, Ledger, Movement, Prices, MICRO};
+use stemq_core::request::Model;
+use stemq_core::{JobId, JobStatus};
+use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM, TEST_OWNER};
+
+const T: Duration = Duration::from_secs(30);
+
+/// Turns credits on: `dsp` at `per_minute` credits a minute of audio.
+async fn set_prices(stack: &Stack, per_minute: f64, enforce: bool) -> Prices {
+    let p = Prices {
+        unit: "credit".into(),
+        per_audio_minute: [("dsp".to_string(), per_minute)].into_iter().collect(),
+        enforce,
+    };
+    let kv = stack.js.get_key_value(ledger::CONFIG_BUCKET).await.unwrap();
+    kv.put(ledger::PRICES_KEY, serde_json::to_vec(&p).unwrap().into()).await.unwrap();
+    // Readers cache the list for 2 s.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    p
+}
+
+async fn call(stack: &Stack, key: &str, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+    let mut r = reqwest::Client::new().request(method, stack.url(path)).bearer_auth(key);
+    if let Some(b) = body {
+        r = r.json(&b);
+    }
+    let resp = r.send().await.unwrap();
+    (resp.status().as_u16(), resp.json().await.unwrap_or(Value::Null))
+}
+
+/// Waits until the owner has no open reservation (the ledger consumer caught up).
+async fn settled(ledger: &Ledger, owner: &str, timeout: Duration) -> ledger::Account {
+    let t0 = Instant::now();
+    loop {
+        let (a, _) = ledger.account(owner).await.unwrap();
+        if a.open.is_empty() {
+            return a;
+        }
+        assert!(t0.elapsed() < timeout, "reservations still open after {timeout:?}: {:?}", a.open.keys());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn jobs_pay_for_what_they_separate_and_nothing_else() {
+    let stack = Stack::start(StackOptions { workers: 2, ..Default::default() }).await;
+    let ledger = Ledger::new(stack.js.clone());
+
+    // Off by default: a job runs and nothing moves.
+    let (code, v) = stack.submit(&job_body(&stack, "free", None)).await;
+    assert_eq!(code, 202, "{v}");
+    assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);
+    assert_eq!(ledger.account(TEST_OWNER).await.unwrap().1, 0, "credits are off: no ledger entry");
+
+    // 6 credits a minute: the fake engine's 10 s cost 1 credit.
+    let prices = set_prices(&stack, 6.0, true).await;
+    let acme = auth::create(&stack.keys, "acme", Role::Submit, Limits::NONE, "t").await.unwrap().0.expose();
+    ledger.grant("acme", 3 * MICRO + MICRO / 2, "test", Some("start".into()), "g1").await.unwrap();
+    let body = |name: &str, fake: Value| json!({"audio_uri": stack.store.uri(&format!("uploads/acme/{name}.wav")), "model": "dsp", "metadata": {"fake": fake}});
+    let submit = |b: Value| {
+        let acme = acme.clone();
+        let stack = &stack;
+        async move {
+            let (code, v) = call(stack, &acme, reqwest::Method::POST, "/v1/separations", Some(b)).await;
+            assert_eq!(code, 202, "{v}");
+            job_id(&v)
+        }
+    };
+
+    // A success is charged its audio.
+    let ok = submit(body("ok", json!({"sleep_ms": 100}))).await;
+    assert_eq!(stack.wait_terminal(&ok, T).await.status, JobStatus::Succeeded);
+    // A failure costs nothing.
+    let bad = submit(body("bad", json!({"fail_permanent": true}))).await;
+    assert_eq!(stack.wait_terminal(&bad, T).await.status, JobStatus::Failed);
+    // A job cancelled while it runs costs nothing.
+    let long = submit(body("long", json!({"sleep_ms": 20_000}))).await;
+    stack.wait_status(&long, JobStatus::Running, T).await;
+    let (code, _) = call(&stack, &acme, reqwest::Method::POST, &format!("/v1/separations/{long}/cancel"), None).await;
+    assert!(code == 200 || code == 202);
+    assert_eq!(stack.wait_terminal(&long, T).await.status, JobStatus::Cancelled);
+    let a = settled(&ledger, "acme", T).await;
+    assert_eq!((a.balance, a.charged, a.reserved), (2 * MICRO + MICRO / 2, MICRO, 0), "{a:?}");
+    assert_eq!(a.refunded, 2 * MICRO, "the failure's and the cancelled job's reservations came back: {a:?}");
+
+    // 30 s cost 3 credits; 2.5 are available: refused before the engine runs (its 20 s
+    // of work never start).
+    let t0 = Instant::now();
+    let poor = submit(body("poor", json!({"sleep_ms": 20_000, "audio_ms": 30_000}))).await;
+    let v = stack.wait_terminal(&poor, T).await;
+    assert_eq!(v.status, JobStatus::Failed);
+    assert_eq!(v.error.as_ref().map(|e| e.code.as_str()), Some("insufficient_credits"), "{v:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "the engine ran: {:?}", t0.elapsed());
+
+    // The account as the owner sees it.
+    let (code, acc) = call(&stack, &acme, reqwest::Method::GET, "/v1/account", None).await;
+    assert_eq!(code, 200, "{acc}");
+    assert_eq!((acc["balance"].as_f64(), acc["available"].as_f64()), (Some(2.5), Some(2.5)), "{acc}");
+    assert_eq!((acc["credits_on"].as_bool(), acc["enforced"].as_bool()), (Some(true), Some(true)), "{acc}");
+    let usage = &acc["usage"][0];
+    assert_eq!((usage["model"].as_str(), usage["jobs"].as_u64()), (Some("dsp"), Some(1)), "{acc}");
+    assert_eq!((usage["audio_seconds"].as_f64(), usage["credits"].as_f64()), (Some(10.0), Some(1.0)), "{acc}");
+    // A period without the job shows no usage; a bad time is a 422.
+    let (_, old) = call(&stack, &acme, reqwest::Method::GET, "/v1/account?to=2020-01-01T00:00:00Z", None).await;
+    assert_eq!(old["usage"], json!([]), "{old}");
+    let (code, _) = call(&stack, &acme, reqwest::Method::GET, "/v1/account?from=yesterday", None).await;
+    assert_eq!(code, 422);
+    // Another owner's account is the operator's business only.
+    let (code, _) = call(&stack, &acme, reqwest::Method::GET, "/v1/account?owner=test", None).await;
+    assert_eq!(code, 403);
+    let (code, other) = call(&stack, &stack.key, reqwest::Method::GET, "/v1/account?owner=acme", None).await;
+    assert_eq!((code, other["balance"].as_f64()), (200, Some(2.5)), "{other}");
+
+    // An upload whose length is known and cannot be paid: 402 before anything is queued.
+    let song = stack.dir.path().join("minute.wav");
+    stemq_audio::synth::write_demo_song(&song, 60.0, 44_100).unwrap();
+    let up: Value = reqwest::Client::new()
+        .post(stack.url("/v1/uploads?filename=minute.wav"))
+        .bearer_auth(&acme)
+        .body(std::fs::read(&song).unwrap())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(up["duration_ms"].as_u64(), Some(60_000), "{up}");
+    let (code, refused) = call(
+        &stack,
+        &acme,
+        reqwest::Method::POST,
+        "/v1/separations",
+        Some(json!({"audio_uri": up["audio_uri"], "model": "dsp"})),
+    )
+    .await;
+    assert_eq!((code, refused["error"]["code"].as_str()), (402, Some("insufficient_credits")), "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("nothing was queued"), "{refused}");
+    let would_be = stemq_core::JobRequest::from_slice(
+        serde_json::to_vec(&json!({"audio_uri": up["audio_uri"], "model": "dsp"})).unwrap().as_slice(),
+    )
+    .unwrap()
+    .normalize("acme")
+    .unwrap()
+    .job_id();
+    assert!(stack.view(&would_be).await.is_none(), "a refused job must not be queued");
+    // With credits, it goes through.
+    ledger.grant("acme", 10 * MICRO, "test", None, "g2").await.unwrap();
+    let (code, v) = call(
+        &stack,
+        &acme,
+        reqwest::Method::POST,
+        "/v1/separations",
+        Some(json!({"audio_uri": up["audio_uri"], "model": "dsp"})),
+    )
+    .await;
+    assert_eq!(code, 202, "{v}");
+    assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);
+    let a = settled(&ledger, "acme", T).await;
+    assert_eq!(a.charged, MICRO + prices.cost(Model::Dsp, 10_000), "the fake engine's 10 s: {a:?}");
+
+    // The snapshot is the fold of the movements.
+    let entries = ledger.entries("acme", None).await.unwrap();
+    assert_eq!(fold(&entries), entries.last().unwrap().after);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_ledger_is_exact_when_workers_the_projector_and_the_server_die() {
+    const JOBS: usize = 300;
+    let options = StackOptions { workers: 0, projector: false, ..Default::default() };
+    let mut stack = Stack::start(options).await;
+    let ledger = Ledger::new(stack.js.clone());
+    let prices = set_prices(&stack, 6.0, true).await;
+    ledger.grant(TEST_OWNER, 100_000 * MICRO, "test", None, "fault").await.unwrap();
+    let mut workers: Vec<_> = (0..3).map(|i| stack.spawn_worker(&format!("w{i}"), &[])).collect();
+    let mut projector = stack.spawn_projector("p0");
+
+    // Mixed outcomes: successes of many lengths, permanent failures, dead letters
+    // (transient failures past max_deliver), and cancels.
+    let mut audio = HashMap::new();
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        let audio_ms = 1_000 + (i as u64 * 7_919) % 50_000;
+        let fake = match i % 10 {
+            0 => json!({"fail_permanent": true, "audio_ms": audio_ms}),
+            1 => json!({"fail_transient": 99, "audio_ms": audio_ms}),
+            _ => json!({"sleep_ms": 50 + (i as u64 * 37) % 300, "audio_ms": audio_ms}),
+        };
+        let (code, v) = stack.submit(&job_body(&stack, &format!("f{i}"), Some(fake))).await;
+        assert_eq!(code, 202, "{v}");
+        let id = job_id(&v);
+        audio.insert(id.clone(), audio_ms);
+        ids.push(id);
+    }
+    let cancel = |i: usize| i % 10 == 2;
+    for (i, id) in ids.iter().enumerate() {
+        if cancel(i) {
+            let _ = stack.request(reqwest::Method::POST, &format!("/v1/separations/{id}/cancel")).send().await;
+        }
+    }
+
+    // The faults, while the jobs run.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    signal(&workers[0], SIGKILL);
+    let _ = wait_exit(&mut workers[0], Duration::from_secs(5));
+    workers[0] = stack.spawn_worker("w3", &[]);
+    signal(&projector, SIGKILL);
+    let _ = wait_exit(&mut projector, Duration::from_secs(5));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    projector = stack.spawn_projector("p1");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stack.server.restart().expect("the server restarts");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    signal(&workers[1], SIGKILL);
+    let _ = wait_exit(&mut workers[1], Duration::from_secs(5));
+    workers[1] = stack.spawn_worker("w4", &[]);
+
+    // Every job ends, and every reservation is closed.
+    let t0 = Instant::now();
+    let mut views = HashMap::new();
+    for id in &ids {
+        let v = stack.wait_terminal(id, Duration::from_secs(240).saturating_sub(t0.elapsed())).await;
+        views.insert(id.clone(), v);
+    }
+    let account = settled(&ledger, TEST_OWNER, Duration::from_secs(60)).await;
+    println!("all {JOBS} jobs ended after {:?}", t0.elapsed());
+
+    let entries = ledger.entries(TEST_OWNER, None).await.unwrap();
+    assert_eq!(fold(&entries), account, "the balance is the fold of the ledger");
+    let (mut reserved, mut closed) = (HashMap::<JobId, i64>::new(), HashSet::<JobId>::new());
+    let (mut charged, mut refunded) = (0i64, 0i64);
+    for e in &entries {
+        match &e.movement {
+            Movement::Reserved { job_id, amount, .. } => {
+                assert!(reserved.insert(job_id.clone(), *amount).is_none(), "{job_id} reserved twice");
+            }
+            Movement::Settled { job_id, charged: c, .. } => {
+                assert!(closed.insert(job_id.clone()), "{job_id} closed twice");
+                assert_eq!(views[job_id].status, JobStatus::Succeeded, "{job_id} charged but not succeeded");
+                assert_eq!(*c, prices.cost(Model::Dsp, audio[job_id]), "{job_id} charged its audio");
+                charged += c;
+            }
+            Movement::Refunded { job_id, amount, .. } => {
+                assert!(closed.insert(job_id.clone()), "{job_id} closed twice");
+                assert_ne!(views[job_id].status, JobStatus::Succeeded, "{job_id} refunded but succeeded");
+                refunded += amount;
+            }
+            Movement::Granted { .. } => {}
+        }
+    }
+    let succeeded: Vec<&JobId> = ids.iter().filter(|id| views[*id].status == JobStatus::Succeeded).collect();
+    let expected: i64 = succeeded.iter().map(|id| prices.cost(Model::Dsp, audio[*id])).sum();
+    assert_eq!(charged, expected, "charged = the sum over succeeded jobs");
+    assert!(succeeded.iter().all(|id| closed.contains(*id)), "every success was settled");
+    let others: i64 = reserved.iter().filter(|(id, _)| views[*id].status != JobStatus::Succeeded).map(|(_, a)| a).sum();
+    assert_eq!(refunded, others, "refunded = what the other jobs had set aside");
+    assert_eq!(reserved.len(), closed.len(), "every reservation was closed");
+    assert_eq!(account.balance, 100_000 * MICRO - expected);
+    let by_status = views.values().fold(HashMap::new(), |mut m, v| {
+        *m.entry(v.status.as_str()).or_insert(0) += 1;
+        m
+    });
+    println!("outcomes: {by_status:?}; {} reservations, charged {charged}, refunded {refunded}", reserved.len());
+    assert!(by_status.len() >= 3, "mixed outcomes: {by_status:?}");
+
+    for mut w in workers.into_iter().chain([projector]) {
+        signal(&w, SIGTERM);
+        if wait_exit(&mut w, Duration::from_secs(20)).is_none() {
+            let _ = w.kill();
+        }
+    }
+    stack.shutdown().await;
+}
