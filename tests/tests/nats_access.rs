@@ -550,3 +550,55 @@ async fn the_queue_exporters_read_every_pool_and_the_registry() {
     }
     stack.shutdown().await;
 }
+
+/// Issue 15: credits are minted by operators only. A movement on an owner's ledger
+/// subject is refused for the ingress, the relay, the status reader and publishers
+/// (a grant there would be free money); only workers (reservations) and the projector
+/// (settlements) write it, and nobody but the operator sets the price list (a service
+/// that could would set every price to 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_operator_mints_credits_or_sets_prices() {
+    use stemq_core::ledger::{self, Ledger};
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let acme = stack.add_publisher("acme").await;
+    let grant = |amount: i64| {
+        serde_json::to_vec(&ledger::Entry {
+            owner: "acme".into(),
+            time: chrono::Utc::now(),
+            movement: ledger::Movement::Granted { amount, by: "forger".into(), note: None },
+            after: ledger::Account { balance: amount, granted: amount, ..Default::default() },
+        })
+        .unwrap()
+    };
+    for user in [INGRESS, RELAY, STATUS_READER, acme.as_str()] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        assert_denied(
+            &format!("{user} grants credits"),
+            js_put(&js, ledger::ledger_subject("acme"), grant(1_000_000)).await,
+        );
+        if let Ok(kv) = js.get_key_value(ledger::CONFIG_BUCKET).await {
+            assert_eq!(user, INGRESS, "{user} opens the configuration bucket");
+            denied(
+                &format!("{user} sets the prices"),
+                kv.put(ledger::PRICES_KEY, b"{\"per_audio_minute\":{}}".to_vec().into()).await,
+            );
+        }
+        let subject = format!("$KV.{}.{}", ledger::CONFIG_BUCKET, ledger::PRICES_KEY);
+        assert_denied(&format!("{user} publishes prices"), js_put(&js, subject, b"{}".to_vec()).await);
+    }
+    for user in [WORKER, PROJECTOR] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        let kv = js.get_key_value(ledger::CONFIG_BUCKET).await;
+        if let Ok(kv) = kv {
+            denied(&format!("{user} sets the prices"), kv.put(ledger::PRICES_KEY, b"{}".to_vec().into()).await);
+        }
+    }
+    let (account, seq) = Ledger::new(stack.js.clone()).account("acme").await.unwrap();
+    assert_eq!((account.balance, seq), (0, 0), "a forged grant reached the ledger");
+    // The ingress reads an account (for GET /v1/account and the 402).
+    let c = stack.connect_as(INGRESS).await;
+    Ledger::new(short(&c)).account("acme").await.expect("the ingress reads accounts");
+    stack.shutdown().await;
+}
