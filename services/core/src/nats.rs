@@ -892,7 +892,7 @@ mod tests {
     fn definitions_parse_and_take_settings() {
         let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
         let streams = stream_configs(&s).unwrap();
-        assert_eq!(streams.len(), 3);
+        assert_eq!(streams.len(), 4);
         assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
         let pool = pool_consumer(Model::Htdemucs6s, Priority::Batch);
