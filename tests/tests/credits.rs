@@ -282,3 +282,47 @@ async fn the_ledger_is_exact_when_workers_the_projector_and_the_server_die() {
     }
     stack.shutdown().await;
 }
+
+/// The operators' commands: set the prices from `nats/prices.json`, grant, show, log,
+/// usage; a job's charge shows in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operators_grant_and_read_credits_from_the_command_line() {
+    let stack = Stack::start(StackOptions { workers: 1, ..Default::default() }).await;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(Stack::stemq_bin())
+            .args(args)
+            .current_dir(&root)
+            .env("STEMQ_DATA_DIR", stack.dir.path())
+            .env("NATS_URL", stack.server.url())
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+            .env_remove("STEMQ_API")
+            .output()
+            .unwrap();
+        let (so, se) = (String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string());
+        assert!(out.status.success(), "stemq {args:?} failed:\n{so}\n{se}");
+        so
+    };
+    assert!(cli(&["credits", "prices", "show"]).contains("credits are off"));
+    assert!(cli(&["credits", "prices", "set", "nats/prices.json"]).contains("credits are on (enforced)"));
+    let out = cli(&["credits", "grant", TEST_OWNER, "12.5", "--note", "welcome"]);
+    assert!(out.contains("balance 12.500000"), "{out}");
+    let out = cli(&["credits", "grant", TEST_OWNER, "-2.5"]);
+    assert!(out.contains("balance 10.000000"), "{out}");
+    tokio::time::sleep(Duration::from_millis(2100)).await; // the workers' price cache
+    let (code, v) = stack.submit(&job_body(&stack, "cli", None)).await;
+    assert_eq!(code, 202, "{v}");
+    assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);
+    let ledger = Ledger::new(stack.js.clone());
+    let a = settled(&ledger, TEST_OWNER, T).await;
+    // nats/prices.json: dsp at 0.1 a minute; the fake engine's 10 s.
+    assert_eq!(a.charged, Prices::cost_at(MICRO / 10, 10_000));
+    let show = cli(&["credits", "show", TEST_OWNER]);
+    assert!(show.contains("available  9.98333") && show.contains("dsp"), "{show}");
+    let log = cli(&["credits", "log", TEST_OWNER]);
+    assert!(log.contains("granted  +12.500000") && log.contains("(welcome)") && log.contains("charged  0.016667"), "{log}");
+    let usage = cli(&["usage"]);
+    assert!(usage.lines().any(|l| l.starts_with(TEST_OWNER) && l.contains("dsp") && l.contains("10.0")), "{usage}");
+    assert!(cli(&["credits", "prices", "off"]).contains("credits are off"));
+    stack.shutdown().await;
+}

@@ -33,6 +33,7 @@ const JOB = {
   over_memory_budget: "The song did not fit in the worker's memory. Try a shorter song or a smaller model.",
   time_limit: "The job took longer than its time limit.",
   cancelled: "The job was cancelled.",
+  insufficient_credits: "You ran out of credits for this song. Ask your operator to add credits, then retry.",
   max_deliveries: "The job failed on every attempt. An operator can look at it and replay it.",
   crash_loop: "The job stopped its worker on every attempt. An operator can look at it.",
 };

@@ -202,3 +202,16 @@ impl Closer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_metrics_name_a_bounded_number_of_owners() {
+        let first: Vec<String> = (0..OWNER_LABELS).map(|i| owner_label(&format!("owner-{i}"))).collect();
+        assert!(first.iter().enumerate().all(|(i, l)| *l == format!("owner-{i}")));
+        assert_eq!(owner_label("one-too-many"), "other");
+        assert_eq!(owner_label("owner-7"), "owner-7", "a named owner keeps its name");
+    }
+}

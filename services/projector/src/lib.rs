@@ -50,6 +50,8 @@
 //! `stemq_projector_errors_total{kind="corrupt_view"}`), other jobs keep flowing, and
 //! `stemq projector --rebuild` replaces it from the log.
 //!
+//! It also closes credit reservations from job outcomes ([`ledger`]).
+//!
 //! The view is disposable: [`reset`] drops the bucket and the consumers, and replays
 //! the log into an identical view. Readers never depend on this crate: they read the
 //! view, the list index and its cursor through [`stemq_core::read`], which this crate

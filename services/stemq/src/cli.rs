@@ -117,7 +117,6 @@ pub enum Command {
     /// Usage per owner and model from the credits ledger (operators).
     Usage {
         /// Only these owners (default: every owner with a ledger).
-        #[arg(long = "owner")]
         owners: Vec<String>,
         /// Only since this RFC 3339 time.
         #[arg(long)]
