@@ -299,7 +299,8 @@ async fn operators_grant_and_read_credits_from_the_command_line() {
             .env_remove("STEMQ_API")
             .output()
             .unwrap();
-        let (so, se) = (String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string());
+        let (so, se) =
+            (String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string());
         assert!(out.status.success(), "stemq {args:?} failed:\n{so}\n{se}");
         so
     };
@@ -320,7 +321,10 @@ async fn operators_grant_and_read_credits_from_the_command_line() {
     let show = cli(&["credits", "show", TEST_OWNER]);
     assert!(show.contains("available  9.98333") && show.contains("dsp"), "{show}");
     let log = cli(&["credits", "log", TEST_OWNER]);
-    assert!(log.contains("granted  +12.500000") && log.contains("(welcome)") && log.contains("charged  0.016667"), "{log}");
+    assert!(
+        log.contains("granted  +12.500000") && log.contains("(welcome)") && log.contains("charged  0.016667"),
+        "{log}"
+    );
     let usage = cli(&["usage"]);
     assert!(usage.lines().any(|l| l.starts_with(TEST_OWNER) && l.contains("dsp") && l.contains("10.0")), "{usage}");
     assert!(cli(&["credits", "prices", "off"]).contains("credits are off"));

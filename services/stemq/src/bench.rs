@@ -61,8 +61,28 @@ pub enum BenchCommand {
         /// not used.
         #[arg(long)]
         cluster: bool,
+        /// Measure raw JetStream cycles first with the same load, on a fresh server of
+        /// its own, and print the pipeline's figures as ratios of it.
+        #[arg(long)]
+        raw: bool,
         #[command(flatten)]
         server: ServerSettings,
+    },
+    /// Raw JetStream with the pipeline's load shape: publish a request, pull it, publish
+    /// an outcome, ack; no stemq logic. The ceiling `bench pipeline` is compared with.
+    Raw {
+        /// Requests to cycle.
+        #[arg(long, default_value_t = 1000)]
+        jobs: usize,
+        /// Publish at this steady rate (per second) instead of as fast as possible.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Consumer loops (cycles in flight).
+        #[arg(long, default_value_t = 64)]
+        workers: usize,
+        /// Publishes in flight at once (throughput mode).
+        #[arg(long, default_value_t = 256)]
+        in_flight: usize,
     },
     /// Peak RSS of a `stemq worker` process (dsp engine) separating songs of several
     /// lengths through the whole pipeline, side by side.
@@ -77,8 +97,23 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, cluster, server } => {
-            pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation, cluster).await
+        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, cluster, raw, server } => {
+            let baseline = if raw { Some(raw_cycles(jobs, rate, workers, in_flight).await?) } else { None };
+            if let Some(b) = &baseline {
+                b.print();
+            }
+            let figures = pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation, cluster).await?;
+            if let Some(b) = baseline {
+                println!("pipeline / raw JetStream (same run, same load)");
+                println!("  end to end      {:.3}×", figures.per_sec / b.per_sec);
+                println!("  latency p50     {:.2}× ({:.2} vs {:.2} ms)", figures.p50 / b.p50, figures.p50, b.p50);
+                println!("  latency p99     {:.2}× ({:.2} vs {:.2} ms)", figures.p99 / b.p99, figures.p99, b.p99);
+            }
+            Ok(())
+        }
+        BenchCommand::Raw { jobs, rate, workers, in_flight } => {
+            raw_cycles(jobs, rate, workers, in_flight).await?.print();
+            Ok(())
         }
         BenchCommand::Rss { minutes, server } => rss(&server.settings(), &minutes).await,
     }
@@ -175,6 +210,153 @@ enum Own {
     Cluster(NatsCluster),
 }
 
+/// What one benchmark run measured.
+struct Figures {
+    /// What ran (for the printout).
+    name: &'static str,
+    /// Cycles (jobs) completed.
+    done: usize,
+    /// Completed per second, first submit to last completion.
+    per_sec: f64,
+    /// Latency percentiles, submit → completion, in ms.
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+impl Figures {
+    fn of(name: &'static str, t0: Instant, submitted: &HashMap<u64, Instant>, done: &HashMap<u64, Instant>) -> Figures {
+        let mut lat: Vec<f64> = submitted
+            .iter()
+            .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
+            .collect();
+        lat.sort_by(|a, b| a.total_cmp(b));
+        let pct =
+            |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+        let last = done.values().max().copied().unwrap_or(t0);
+        let e2e = last.duration_since(t0).as_secs_f64();
+        Figures {
+            name,
+            done: lat.len(),
+            per_sec: lat.len() as f64 / e2e,
+            p50: pct(0.50),
+            p99: pct(0.99),
+            max: lat.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    fn print(&self) {
+        println!("{}", self.name);
+        println!("  completed       {}", self.done);
+        println!("  end to end      {:.0} per s", self.per_sec);
+        println!("  latency p50     {:.2} ms", self.p50);
+        println!("  latency p99     {:.2} ms", self.p99);
+        println!("  latency max     {:.2} ms", self.max);
+    }
+}
+
+/// Raw JetStream cycles on a server of its own (see the module doc).
+async fn raw_cycles(jobs: usize, rate: Option<f64>, workers: usize, in_flight: usize) -> Result<Figures> {
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("nats");
+    let server = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
+    let client = server.connect_as(stemq_core::nats_users::OPERATOR, "stemq-bench-raw").await?;
+    let js = jetstream::new(client.clone());
+    let stream = js
+        .create_stream(jetstream::stream::Config {
+            name: "RAW_BENCH".into(),
+            subjects: vec!["rawbench.req.*".into(), "rawbench.out.*".into()],
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+    let consumer: jetstream::consumer::PullConsumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            filter_subject: "rawbench.req.*".into(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            max_ack_pending: workers as i64,
+            ..Default::default()
+        })
+        .await?;
+    // Completions: the outcomes, seen on a plain subscription.
+    let done: Arc<Mutex<HashMap<u64, Instant>>> = Default::default();
+    let mut outs = client.subscribe("rawbench.out.*").await?;
+    let watcher = {
+        let done = done.clone();
+        tokio::spawn(async move {
+            while let Some(m) = outs.next().await {
+                if let Some(n) = m.subject.rsplit('.').next().and_then(|n| n.parse::<u64>().ok()) {
+                    done.lock().await.entry(n).or_insert_with(Instant::now);
+                }
+            }
+        })
+    };
+    // The consumer loops: pull, publish the outcome (acked), ack the request.
+    let cycler = {
+        let js = js.clone();
+        let mut messages = consumer.messages().await?;
+        let slots = Arc::new(Semaphore::new(workers));
+        tokio::spawn(async move {
+            while let Some(Ok(m)) = messages.next().await {
+                let Ok(permit) = slots.clone().acquire_owned().await else { break };
+                let js = js.clone();
+                tokio::spawn(async move {
+                    let n = m.subject.rsplit('.').next().unwrap_or("0").to_string();
+                    if let Ok(ack) = js.publish(format!("rawbench.out.{n}"), "done".into()).await {
+                        let _ = ack.await;
+                    }
+                    let _ = m.ack().await;
+                    drop(permit);
+                });
+            }
+        })
+    };
+    let submitted: Arc<Mutex<HashMap<u64, Instant>>> = Default::default();
+    let sem = Arc::new(Semaphore::new(in_flight));
+    let t0 = Instant::now();
+    let interval = rate.map(|r| Duration::from_secs_f64(1.0 / r));
+    let mut handles = Vec::with_capacity(jobs);
+    for i in 0..jobs as u64 {
+        if let Some(iv) = interval {
+            tokio::time::sleep_until((t0 + iv.mul_f64(i as f64)).into()).await;
+        }
+        let permit = sem.clone().acquire_owned().await?;
+        let (js, submitted) = (js.clone(), submitted.clone());
+        handles.push(tokio::spawn(async move {
+            let start = Instant::now();
+            let body = format!(r#"{{"audio_uri":"bench/{i}.wav","model":"dsp"}}"#);
+            let mut h = async_nats::HeaderMap::new();
+            h.insert("Nats-Msg-Id", format!("raw-{i}").as_str());
+            let ok = match js.publish_with_headers(format!("rawbench.req.{i}"), h, body.into()).await {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            };
+            drop(permit);
+            if ok {
+                submitted.lock().await.insert(i, start);
+            }
+        }));
+    }
+    for h in handles {
+        h.await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60 + jobs as u64 / 100);
+    while done.lock().await.len() < submitted.lock().await.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let figures = Figures::of(
+        "raw JetStream cycles (publish, pull, publish outcome, ack)",
+        t0,
+        &*submitted.lock().await,
+        &*done.lock().await,
+    );
+    cycler.abort();
+    watcher.abort();
+    drop(server);
+    Ok(figures)
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn pipeline(
     g: &Global,
@@ -186,7 +368,7 @@ async fn pipeline(
     store: String,
     isolation: Isolation,
     cluster: bool,
-) -> Result<()> {
+) -> Result<Figures> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("nats");
     let own = if cluster {
@@ -355,5 +537,13 @@ async fn pipeline(
     if lat.len() < jobs - failed_submits {
         bail!("only {} of {} jobs finished", lat.len(), jobs);
     }
-    Ok(())
+    let last = done.values().max().copied().unwrap_or(t0);
+    Ok(Figures {
+        name: "stemq pipeline",
+        done: lat.len(),
+        per_sec: lat.len() as f64 / last.duration_since(t0).as_secs_f64(),
+        p50: pct(0.50),
+        p99: pct(0.99),
+        max: lat.last().copied().unwrap_or(f64::NAN),
+    })
 }
