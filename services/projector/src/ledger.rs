@@ -187,17 +187,14 @@ impl Closer {
             Ok(None) => return Ok(()),
             Err(e) => return Err(e.to_string()),
         };
-        match self.ledger.close(&owner, job_id, &how).await.map_err(|e| e.to_string())? {
-            Some(entry) => {
-                if let Movement::Settled { model, charged, audio_ms, engine_ms, .. } = &entry.movement {
-                    let l = UsageLabels { owner: owner_label(&owner), model: model.as_str().to_string() };
-                    usage().audio.get_or_create(&l).inc_by(*audio_ms as f64 / 1000.0);
-                    usage().engine.get_or_create(&l).inc_by(*engine_ms as f64 / 1000.0);
-                    usage().charged.get_or_create(&l).inc_by(ledger::credits(*charged));
-                }
-                info!(event = "credits.closed", movement = ?entry.movement, "reservation closed");
+        if let Some(entry) = self.ledger.close(&owner, job_id, &how).await.map_err(|e| e.to_string())? {
+            if let Movement::Settled { model, charged, audio_ms, engine_ms, .. } = &entry.movement {
+                let l = UsageLabels { owner: owner_label(&owner), model: model.as_str().to_string() };
+                usage().audio.get_or_create(&l).inc_by(*audio_ms as f64 / 1000.0);
+                usage().engine.get_or_create(&l).inc_by(*engine_ms as f64 / 1000.0);
+                usage().charged.get_or_create(&l).inc_by(ledger::credits(*charged));
             }
-            None => {}
+            info!(event = "credits.closed", movement = ?entry.movement, "reservation closed");
         }
         Ok(())
     }
