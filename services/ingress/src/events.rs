@@ -161,3 +161,43 @@ pub(crate) async fn sse(
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queued(position: Option<u64>, eta_ms: Option<i64>, eta_seconds: Option<u64>) -> JobView {
+        let mut v: JobView = serde_json::from_value(serde_json::json!({
+            "job_id": "0".repeat(64), "status": "queued", "updated_at": "2026-12-01T10:00:00Z",
+            "attempt": 0, "retries": 0, "last_seq": 1
+        }))
+        .unwrap();
+        v.queue_position = position;
+        v.eta = eta_ms.and_then(DateTime::<Utc>::from_timestamp_millis);
+        v.eta_seconds = eta_seconds;
+        v
+    }
+
+    fn sent(position: Option<u64>, eta_ms: Option<i64>) -> Option<(Option<u64>, Option<DateTime<Utc>>)> {
+        Some((position, eta_ms.and_then(DateTime::<Utc>::from_timestamp_millis)))
+    }
+
+    #[test]
+    fn a_queued_job_is_sent_again_when_its_place_moves_and_only_then() {
+        // Nothing sent yet: send.
+        assert!(moved(None, &queued(Some(3), None, None)));
+        // Same place: nothing to say.
+        assert!(!moved(sent(Some(3), None), &queued(Some(3), None, None)));
+        assert!(!moved(sent(Some(3), Some(60_000)), &queued(Some(3), Some(60_000), Some(50))));
+        // The position moved, or the eta came or went.
+        assert!(moved(sent(Some(3), Some(60_000)), &queued(Some(2), Some(60_000), Some(50))));
+        assert!(moved(sent(Some(3), None), &queued(Some(3), Some(60_000), Some(50))));
+        assert!(moved(sent(Some(3), Some(60_000)), &queued(Some(3), None, None)));
+        // The eta moved: by less than a second, or by less than a tenth of the wait, is
+        // noise; more is news.
+        assert!(!moved(sent(Some(3), Some(60_000)), &queued(Some(3), Some(60_900), Some(10))));
+        assert!(moved(sent(Some(3), Some(60_000)), &queued(Some(3), Some(61_500), Some(10))));
+        assert!(!moved(sent(Some(3), Some(600_000)), &queued(Some(3), Some(605_000), Some(100))));
+        assert!(moved(sent(Some(3), Some(600_000)), &queued(Some(3), Some(620_000), Some(100))));
+    }
+}
