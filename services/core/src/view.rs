@@ -181,6 +181,27 @@ pub struct JobView {
     /// worker registry; never part of the stored view (the fold leaves it absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
+    /// Where a queued job is in its queue: how many queued jobs of the same pool and
+    /// lane (model and priority) were queued before it; 0 means it is next. A batch
+    /// job also waits for every queued interactive job of its pool, which this count
+    /// leaves out (its `eta` does not). Added by the API when it answers, from its index
+    /// of the jobs; never part of the stored view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<u64>,
+    /// When the job is expected to *finish* (RFC 3339, UTC). For a queued job: the jobs
+    /// ahead of it, the job slots of the live workers that serve its model, and the
+    /// typical (median) run time of the model's recent successful jobs; for a running
+    /// job: its progress, else that typical run time from its start. Absent when it
+    /// cannot be told: no recent success of the model, no live worker serving it, a
+    /// running job past its typical time without progress. An estimate, added by the API
+    /// when it answers (see `docs/events.md`, "Queue position and ETA"); never part of
+    /// the stored view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta: Option<DateTime<Utc>>,
+    /// Whole seconds from the answer to `eta`, rounded up (0 when it is due); present
+    /// with `eta`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_seconds: Option<u64>,
     /// When a cancel was asked for (the job stops at its worker's next check).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel_requested_at: Option<DateTime<Utc>>,
@@ -233,6 +254,9 @@ impl JobView {
             max_runtime: None,
             priority: None,
             waiting: None,
+            queue_position: None,
+            eta: None,
+            eta_seconds: None,
             cancel_requested_at: None,
             last_seq: 0,
             progress_seq: 0,

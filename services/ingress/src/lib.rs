@@ -24,7 +24,9 @@
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
 //!
 //! A queued job's view says why it waits (`waiting`) when no live worker serves its
-//! model (from the worker registry); with [`Config::refuse_unserved`] (`stemq dev`) such
+//! model (from the worker registry), where it is in its pool's lane (`queue_position`)
+//! and when it should be done (`eta`, `eta_seconds`; from the list index and the
+//! registry, see `stemq_core::read::queue`); with [`Config::refuse_unserved`] (`stemq dev`) such
 //! a submit is refused instead. Every ingress also runs the [`router`], which moves
 //! requests recorded without a route (earlier releases, old publishers) into their pools.
 //!
@@ -235,9 +237,26 @@ impl AppState {
 
     /// The view of `id` if `caller` may see it: another owner's job is as absent as a job
     /// that does not exist.
-    /// A queued job's view says why it waits when no live worker serves its model.
+    /// The view carries the read-time fields ([`AppState::annotate`]).
     pub async fn view_for(&self, caller: &Caller, id: &JobId) -> Result<Option<JobView>, ViewError> {
-        Ok(self.view(id).await?.filter(|v| caller.sees(v.owner())).map(|v| self.with_waiting(v)))
+        Ok(self.view(id).await?.filter(|v| caller.sees(v.owner())).map(|v| self.annotate(v)))
+    }
+
+    /// `view` with what only a reader knows, as every answer carries it: why a queued job
+    /// waits ([`AppState::with_waiting`]) and where the job stands now
+    /// ([`AppState::with_place`]).
+    pub fn annotate(&self, view: JobView) -> JobView {
+        self.with_place(self.with_waiting(view), chrono::Utc::now())
+    }
+
+    /// `view` with its `queue_position`, `eta` and `eta_seconds` as of `now`, from the
+    /// list index (the queue and recent run times) and the live workers
+    /// ([`ListIndex::place`]).
+    pub fn with_place(&self, mut view: JobView, now: chrono::DateTime<chrono::Utc>) -> JobView {
+        if !view.status.is_terminal() {
+            self.index.place(&view, &self.registry.live(), now).write_into(&mut view, now);
+        }
+        view
     }
 
     /// `view` with `waiting` set when it is queued for a model no live worker serves.

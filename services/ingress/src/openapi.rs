@@ -94,6 +94,9 @@ pub fn document() -> Value {
             "/v1/separations/{id}": {
                 "get": {
                     "summary": "The status view of one job",
+                    "description": "With the read-time fields: `waiting`, and while the job is queued or running its \
+                        `queue_position` (0 = next in its pool and lane) and `eta` / `eta_seconds` (when it should finish; \
+                        absent when unknown). See docs/events.md, \"Queue position and ETA\".",
                     "parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}],
                     "responses": {"200": ok("The job", "JobView"), "404": err("No such job")}
                 }
@@ -159,6 +162,9 @@ pub fn document() -> Value {
             "/v1/separations/{id}/events": {
                 "get": {
                     "summary": "Live status as Server-Sent Events: one message per change of the status view (event `status` when the status changed, `progress` otherwise; data = JobView; id = KV revision). Running jobs send at least one message every 2 s. Ends after the terminal status.",
+                    "description": "Every message carries the read-time fields of GET /v1/separations/{id} (`waiting`, \
+                        `queue_position`, `eta`, `eta_seconds`). While the job is queued, the view is sent again (event \
+                        `progress`, no `id`) when its `queue_position` or `eta` moves, looked at every second.",
                     "parameters": [id_param.clone(),
                         {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}, "description": "Resume: only revisions newer than this id are sent"}],
                     "responses": {

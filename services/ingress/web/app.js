@@ -312,8 +312,17 @@ function render(v) {
   const pct = v.status === "succeeded" ? 100 : v.progress?.percent ?? 0;
   $("job-progress").value = pct;
   const q = [];
-  if (v.queue_position !== undefined && v.status === "queued") q.push(`position ${v.queue_position + 1} in the queue`);
-  if (v.eta) q.push(`expected ${typeof v.eta === "number" ? `in about ${Math.round(v.eta)} s` : `at ${new Date(v.eta).toLocaleTimeString()}`}`);
+  // queue_position is 0-based (0: next); eta is when the job should finish, eta_seconds
+  // how far that is from the answer.
+  if (v.queue_position !== undefined && v.status === "queued") {
+    const n = v.queue_position;
+    q.push(n === 0 ? "next in the queue" : `${n} job${n === 1 ? "" : "s"} ahead in the queue`);
+  }
+  if (v.eta && v.eta_seconds !== undefined) {
+    const s = v.eta_seconds;
+    q.push(`done ${s < 60 ? `in about ${Math.max(1, s)} s` : s < 3600 ? `in about ${Math.round(s / 60)} min`
+      : `around ${new Date(v.eta).toLocaleTimeString()}`}`);
+  }
   $("job-queue").textContent = q.join(" · ");
   $("job-error").textContent = v.error && v.status !== "succeeded" ? sayJob(v.error) : "";
   $("job-cancel").hidden = TERMINAL.has(v.status) || !me.can.write;

@@ -8,7 +8,11 @@
 //! rebuilt from the bucket at start.
 //!
 //! It also keeps when each ended job ended ([`ListIndex::finished_per_minute`]), so the
-//! operators' throughput over the last minutes is a walk of a B-tree too.
+//! operators' throughput over the last minutes is a walk of a B-tree too; and what a
+//! job's place in its queue needs ([`ListIndex::place`]): the queued jobs of every pool
+//! and lane in the order they were queued, the running jobs with their worker, start
+//! and progress, and the run times of each model's recent successes (the arithmetic is
+//! in [`super::queue`]).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -19,22 +23,62 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use super::queue::{self, Place, RUN_TIME_WINDOW};
+use crate::registry::WorkerInfo;
+use crate::request::{Model, Priority};
 use crate::{JobId, JobStatus, JobView};
 
 type Key = (Reverse<i64>, JobId);
+
+/// A pool's lane: the jobs of one model and priority (`workers-<model>-<lane>`).
+type Lane = (Model, Priority);
 
 /// The sets a page can be taken from: every job, or one owner's (`Some(owner)`), of
 /// every status or of one.
 type SetKey = (Option<String>, Option<JobStatus>);
 
+/// What the index knows of one job.
+#[derive(Debug, Clone, PartialEq)]
+struct Entry {
+    /// Creation time, Unix ns ([`created_key`]).
+    created: i64,
+    status: JobStatus,
+    owner: String,
+    /// Its pool's lane (absent while its request has not been seen).
+    lane: Option<Lane>,
+    /// The attempt running now, for a running job.
+    run: Option<Run>,
+}
+
+/// A running attempt.
+#[derive(Debug, Clone, PartialEq)]
+struct Run {
+    worker: String,
+    attempt: u32,
+    /// When this attempt started, Unix ms: the view's `started_at` for the first attempt
+    /// (exact), else when the index first saw the job run this attempt (the view keeps
+    /// only the first attempt's start).
+    started_ms: i64,
+    /// Its latest progress: percent, and when it was reported (the view's `updated_at`,
+    /// Unix ms).
+    progress: Option<(f32, i64)>,
+}
+
 #[derive(Default)]
 struct Inner {
-    by_id: HashMap<JobId, (i64, JobStatus, String)>,
+    by_id: HashMap<JobId, Entry>,
     sets: HashMap<SetKey, BTreeSet<Key>>,
     /// Ended jobs by when they ended (Unix ms), with how.
     finished: BTreeMap<(i64, JobId), JobStatus>,
     /// When each ended job ended (the key into `finished`).
     finished_at: HashMap<JobId, i64>,
+    /// Queued jobs of each pool's lane, oldest first (creation ns, id).
+    queued: HashMap<Lane, BTreeSet<(i64, JobId)>>,
+    /// Running jobs, with their model.
+    running: HashMap<JobId, (Model, Run)>,
+    /// Run times (ms) of each model's latest successful jobs, by when they ended (ms):
+    /// at most [`RUN_TIME_WINDOW`] per model.
+    run_times: HashMap<Model, BTreeMap<(i64, JobId), i64>>,
     caught_up: bool,
 }
 
@@ -67,6 +111,31 @@ fn created_key(view: &JobView) -> i64 {
     t.timestamp_nanos_opt().unwrap_or_else(|| t.timestamp_micros().saturating_mul(1000))
 }
 
+/// The pool's lane of a view: its model and priority (absent without its request).
+fn lane_of(view: &JobView) -> Option<Lane> {
+    view.request.as_ref().map(|r| (r.model, view.priority.unwrap_or_default()))
+}
+
+/// The running attempt of a view, given what the index knew of the job before.
+fn run_of(view: &JobView, was: Option<&Run>) -> Option<Run> {
+    if view.status != JobStatus::Running {
+        return None;
+    }
+    let started_ms = match was {
+        Some(r) if r.attempt == view.attempt => r.started_ms,
+        _ => match view.started_at {
+            Some(t) if view.attempt <= 1 => t.timestamp_millis(),
+            _ => view.updated_at.timestamp_millis(),
+        },
+    };
+    Some(Run {
+        worker: view.worker.clone().unwrap_or_default(),
+        attempt: view.attempt,
+        started_ms,
+        progress: view.progress.as_ref().map(|p| (p.percent, view.updated_at.timestamp_millis())),
+    })
+}
+
 /// A page position: the creation time (ns) and id of the last job of the previous page.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cursor {
@@ -92,26 +161,135 @@ impl Cursor {
 impl ListIndex {
     /// Records a view (insert or move between statuses).
     pub fn upsert(&self, view: &JobView) {
-        let created = created_key(view);
-        let owner = view.owner().to_string();
         let mut g = self.inner.write().expect("index lock");
-        if let Some((old_created, old_status, old_owner)) = g.by_id.get(&view.job_id).cloned() {
-            if old_created == created && old_status == view.status && old_owner == owner {
-                return;
-            }
-            let k = (Reverse(old_created), view.job_id.clone());
-            for sk in Inner::set_keys(&old_owner, old_status) {
-                if let Some(s) = g.sets.get_mut(&sk) {
-                    s.remove(&k);
-                }
-            }
+        let old = g.by_id.get(&view.job_id).cloned();
+        let entry = Entry {
+            created: created_key(view),
+            status: view.status,
+            owner: view.owner().to_string(),
+            lane: lane_of(view),
+            run: run_of(view, old.as_ref().and_then(|o| o.run.as_ref())),
+        };
+        if old.as_ref() == Some(&entry) {
+            return;
         }
-        let k = (Reverse(created), view.job_id.clone());
-        for sk in Inner::set_keys(&owner, view.status) {
+        if let Some(old) = &old {
+            Self::unlink(&mut g, &view.job_id, old);
+        }
+        let k = (Reverse(entry.created), view.job_id.clone());
+        for sk in Inner::set_keys(&entry.owner, entry.status) {
             g.sets.entry(sk).or_default().insert(k.clone());
         }
-        g.by_id.insert(view.job_id.clone(), (created, view.status, owner));
+        if let Some(lane) = entry.lane {
+            if entry.status == JobStatus::Queued {
+                g.queued.entry(lane).or_default().insert((entry.created, view.job_id.clone()));
+            }
+            if let Some(run) = &entry.run {
+                g.running.insert(view.job_id.clone(), (lane.0, run.clone()));
+            }
+            if view.status == JobStatus::Succeeded {
+                Self::track_run_time(&mut g, view, lane.0, old.as_ref().and_then(|o| o.run.as_ref()));
+            }
+        }
+        g.by_id.insert(view.job_id.clone(), entry);
         Self::track_finish(&mut g, view);
+    }
+
+    /// Takes a job out of the sets, queues and running jobs it was in as `old`.
+    fn unlink(g: &mut Inner, id: &JobId, old: &Entry) {
+        let k = (Reverse(old.created), id.clone());
+        for sk in Inner::set_keys(&old.owner, old.status) {
+            if let Some(s) = g.sets.get_mut(&sk) {
+                s.remove(&k);
+            }
+        }
+        if let Some(lane) = old.lane {
+            if let Some(q) = g.queued.get_mut(&lane) {
+                q.remove(&(old.created, id.clone()));
+            }
+        }
+        g.running.remove(id);
+    }
+
+    /// Keeps a succeeded job's run time (its last attempt, start to outcome) among its
+    /// model's latest [`RUN_TIME_WINDOW`].
+    fn track_run_time(g: &mut Inner, view: &JobView, model: Model, was: Option<&Run>) {
+        let Some(end) = view.finished_at.map(|t| t.timestamp_millis()) else { return };
+        // The attempt's start: seen running, or the view's own start for a first attempt
+        // (the view keeps only the first attempt's start).
+        let start = match was {
+            Some(r) if r.attempt == view.attempt => Some(r.started_ms),
+            _ if view.attempt <= 1 => view.started_at.map(|t| t.timestamp_millis()),
+            _ => None,
+        };
+        let Some(start) = start.filter(|s| *s <= end) else { return };
+        let times = g.run_times.entry(model).or_default();
+        times.insert((end, view.job_id.clone()), end - start);
+        while times.len() > RUN_TIME_WINDOW {
+            times.pop_first();
+        }
+    }
+
+    /// The typical run time (ms) of `model`'s recent successful jobs: the median of the
+    /// latest [`RUN_TIME_WINDOW`]; `None` before the first.
+    pub fn typical_run_ms(&self, model: Model) -> Option<i64> {
+        let g = self.inner.read().expect("index lock");
+        queue::typical(g.run_times.get(&model).into_iter().flat_map(|t| t.values().copied()))
+    }
+
+    /// Where `view`'s job stands at `now` with the live `workers` (see [`super::queue`]):
+    /// for a queued job its position in its pool's lane and when it should finish, for a
+    /// running job when it should finish; nothing for an ended job, a job whose request
+    /// has not been seen, or before the index has read the bucket.
+    ///
+    /// The view is the caller's (it may be newer than what the index holds, right after
+    /// a submit); the jobs around it are the index's.
+    pub fn place(&self, view: &JobView, workers: &[WorkerInfo], now: chrono::DateTime<chrono::Utc>) -> Place {
+        let Some((model, lane)) = lane_of(view) else { return Place::default() };
+        let g = self.inner.read().expect("index lock");
+        if !g.caught_up {
+            return Place::default();
+        }
+        let now_ms = now.timestamp_millis();
+        let typical = |m: Model| queue::typical(g.run_times.get(&m).into_iter().flat_map(|t| t.values().copied()));
+        let run = typical(model);
+        match view.status {
+            JobStatus::Queued => {
+                let empty = BTreeSet::new();
+                let mine = g.queued.get(&(model, lane)).unwrap_or(&empty);
+                let position = mine.range(..(created_key(view), view.job_id.clone())).count() as u64;
+                // A worker takes every queued interactive job of its pools before a batch job.
+                let interactive = match lane {
+                    Priority::Batch => g.queued.get(&(model, Priority::Interactive)).map_or(0, |q| q.len() as u64),
+                    Priority::Interactive => 0,
+                };
+                let eta_ms = run.and_then(|run| {
+                    // When each slot of the pool frees: now, or when the job on it ends.
+                    let mut free = Vec::new();
+                    for w in workers.iter().filter(|w| w.models.contains(&model)) {
+                        let mut on: Vec<i64> = g
+                            .running
+                            .values()
+                            .filter(|(_, r)| r.worker == w.name)
+                            .map(|(m, r)| {
+                                queue::running_end(r.started_ms, now_ms, typical(*m), r.progress).unwrap_or(now_ms)
+                            })
+                            .collect();
+                        on.sort_unstable();
+                        on.resize(w.concurrency, now_ms);
+                        free.extend(on);
+                    }
+                    queue::start_of(&free, position + interactive, run).map(|start| start + run)
+                });
+                Place { queue_position: Some(position), eta_ms }
+            }
+            JobStatus::Running => {
+                let old = g.by_id.get(&view.job_id).and_then(|e| e.run.as_ref());
+                let eta_ms = run_of(view, old).and_then(|r| queue::running_end(r.started_ms, now_ms, run, r.progress));
+                Place { queue_position: None, eta_ms }
+            }
+            _ => Place::default(),
+        }
     }
 
     fn track_finish(g: &mut Inner, view: &JobView) {
@@ -154,11 +332,11 @@ impl ListIndex {
     /// Forgets a job.
     pub fn remove(&self, id: &JobId) {
         let mut g = self.inner.write().expect("index lock");
-        if let Some((created, status, owner)) = g.by_id.remove(id) {
-            let k = (Reverse(created), id.clone());
-            for sk in Inner::set_keys(&owner, status) {
-                if let Some(s) = g.sets.get_mut(&sk) {
-                    s.remove(&k);
+        if let Some(old) = g.by_id.remove(id) {
+            Self::unlink(&mut g, id, &old);
+            if let (Some((model, _)), Some(at)) = (old.lane, g.finished_at.get(id).copied()) {
+                if let Some(t) = g.run_times.get_mut(&model) {
+                    t.remove(&(at, id.clone()));
                 }
             }
         }
@@ -195,7 +373,7 @@ impl ListIndex {
 
     /// A job's status as the index knows it.
     pub fn status(&self, id: &JobId) -> Option<JobStatus> {
-        self.inner.read().expect("index lock").by_id.get(id).map(|x| x.1)
+        self.inner.read().expect("index lock").by_id.get(id).map(|x| x.status)
     }
 
     /// Jobs known, per status.
@@ -355,6 +533,158 @@ mod tests {
         assert_eq!(idx.finished_per_minute(t0 + chrono::Duration::seconds(130), 3)[0].succeeded, 1);
         assert_eq!(idx.oldest(JobStatus::Queued).map(|x| x.1), Some(ns(-30)));
         assert_eq!(idx.oldest(JobStatus::Running), None);
+    }
+
+    /// A view of job `n` of `model` in `lane`, created at `created_ms`.
+    fn pooled(n: u8, created_ms: i64, model: &str, lane: Priority, status: JobStatus) -> JobView {
+        let mut v = view(n, created_ms * 1_000_000, status);
+        let body = format!(r#"{{"audio_uri":"file:///s/uploads/{n}.wav","model":"{model}"}}"#);
+        v.request = Some(crate::JobRequest::from_slice(body.as_bytes()).unwrap().normalize("a").unwrap());
+        v.priority = (lane == Priority::Batch).then_some(lane);
+        v
+    }
+
+    fn at(ms: i64) -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc.timestamp_millis_opt(ms).unwrap()
+    }
+
+    /// `v` running on `worker` since `since_ms` (first attempt).
+    fn running(mut v: JobView, worker: &str, since_ms: i64) -> JobView {
+        v.status = JobStatus::Running;
+        v.attempt = 1;
+        v.worker = Some(worker.into());
+        v.started_at = Some(at(since_ms));
+        v.updated_at = at(since_ms);
+        v
+    }
+
+    /// `v` succeeded after running from `from_ms` to `to_ms` (first attempt).
+    fn succeeded(v: JobView, from_ms: i64, to_ms: i64) -> JobView {
+        let mut v = running(v, "w", from_ms);
+        v.status = JobStatus::Succeeded;
+        v.finished_at = Some(at(to_ms));
+        v.updated_at = at(to_ms);
+        v
+    }
+
+    fn caught_up(idx: &ListIndex) {
+        idx.inner.write().unwrap().caught_up = true;
+    }
+
+    fn worker(name: &str, models: &[Model], concurrency: usize) -> WorkerInfo {
+        WorkerInfo { concurrency, ..crate::registry::test_worker(name, models, 0) }
+    }
+
+    #[test]
+    fn a_queued_job_counts_only_the_queued_jobs_of_its_pool_and_lane_before_it() {
+        let idx = ListIndex::default();
+        caught_up(&idx);
+        let (i, b) = (Priority::Interactive, Priority::Batch);
+        let dsp: Vec<JobView> = (0..5).map(|n| pooled(n, 1000 + n as i64, "dsp", i, JobStatus::Queued)).collect();
+        // Other lanes and models, queued in between.
+        let batch = pooled(10, 1001, "dsp", b, JobStatus::Queued);
+        let other = pooled(11, 1002, "htdemucs", i, JobStatus::Queued);
+        for v in dsp.iter().chain([&batch, &other]) {
+            idx.upsert(v);
+        }
+        let pos = |v: &JobView| idx.place(v, &[], at(2000)).queue_position;
+        assert_eq!(dsp.iter().map(pos).collect::<Vec<_>>(), [Some(0), Some(1), Some(2), Some(3), Some(4)]);
+        assert_eq!((pos(&batch), pos(&other)), (Some(0), Some(0)));
+        // The first one runs, the second ends (cancelled): the others move up.
+        idx.upsert(&running(dsp[0].clone(), "w", 1500));
+        let mut cancelled = dsp[1].clone();
+        cancelled.status = JobStatus::Cancelled;
+        idx.upsert(&cancelled);
+        assert_eq!(dsp[2..].iter().map(pos).collect::<Vec<_>>(), [Some(0), Some(1), Some(2)]);
+        // A job back in the queue after a transient failure takes its place by creation.
+        idx.upsert(&dsp[0]);
+        assert_eq!(dsp[2..].iter().map(pos).collect::<Vec<_>>(), [Some(1), Some(2), Some(3)]);
+        // A view newer than the index (right after its submit) is placed behind the rest.
+        let fresh = pooled(20, 3000, "dsp", i, JobStatus::Queued);
+        assert_eq!(pos(&fresh), Some(4));
+        // No place for a running or ended job, nor before the index has read the bucket.
+        assert_eq!(idx.place(&running(dsp[3].clone(), "w", 1), &[], at(2000)), Place::default());
+        assert_eq!(pos(&cancelled), None);
+        assert_eq!(ListIndex::default().place(&dsp[4], &[], at(2000)), Place::default());
+        // Forgotten jobs leave the queue.
+        idx.remove(&dsp[0].job_id);
+        assert_eq!(pos(&dsp[4]), Some(2));
+    }
+
+    #[test]
+    fn the_typical_run_time_is_the_median_of_the_latest_successes_of_the_model() {
+        let idx = ListIndex::default();
+        let i = Priority::Interactive;
+        assert_eq!(idx.typical_run_ms(Model::Dsp), None);
+        // 25 jobs of 100..=124 ms, ended in order: the last 20 count (105..=124).
+        for n in 0..25u8 {
+            let end = 10_000 + 1000 * n as i64;
+            idx.upsert(&succeeded(pooled(n, 1, "dsp", i, JobStatus::Queued), end - 100 - n as i64, end));
+        }
+        assert_eq!(idx.typical_run_ms(Model::Dsp), Some(114));
+        assert_eq!(idx.typical_run_ms(Model::Htdemucs), None);
+        // Failures do not count; a second attempt counts from its own start, when the
+        // index saw it.
+        let mut failed = succeeded(pooled(30, 1, "htdemucs", i, JobStatus::Queued), 0, 50_000);
+        failed.status = JobStatus::Failed;
+        idx.upsert(&failed);
+        let retried = pooled(31, 1, "htdemucs", i, JobStatus::Queued);
+        let mut second = running(retried.clone(), "w", 1_000);
+        second.attempt = 2;
+        second.updated_at = at(40_000);
+        idx.upsert(&second);
+        let mut done = succeeded(retried, 1_000, 43_000);
+        done.attempt = 2;
+        idx.upsert(&done);
+        assert_eq!(idx.typical_run_ms(Model::Htdemucs), Some(3_000));
+        // A second attempt whose start the index never saw tells nothing.
+        let mut unseen = succeeded(pooled(32, 1, "htdemucs", i, JobStatus::Queued), 0, 44_000);
+        unseen.attempt = 2;
+        idx.upsert(&unseen);
+        assert_eq!(idx.typical_run_ms(Model::Htdemucs), Some(3_000));
+        // A job forgotten takes its run time along.
+        idx.remove(&done.job_id);
+        assert_eq!(idx.typical_run_ms(Model::Htdemucs), None);
+    }
+
+    #[test]
+    fn the_eta_comes_from_the_jobs_ahead_the_slots_and_the_typical_run() {
+        let idx = ListIndex::default();
+        caught_up(&idx);
+        let (i, b) = (Priority::Interactive, Priority::Batch);
+        let workers = [worker("w1", &[Model::Dsp], 1)];
+        let queued: Vec<JobView> = (0..3).map(|n| pooled(n, 100 + n as i64, "dsp", i, JobStatus::Queued)).collect();
+        for v in &queued {
+            idx.upsert(v);
+        }
+        // No run time yet: a position, no eta.
+        assert_eq!(idx.place(&queued[0], &workers, at(1000)), Place { queue_position: Some(0), eta_ms: None });
+        idx.upsert(&succeeded(pooled(9, 1, "dsp", i, JobStatus::Queued), 0, 1000));
+        // w1 runs a job since 9 500 ms (1 000 ms typical, so it ends at 10 500); now is
+        // 10 000: the queue starts at 10 500 and each job takes 1 000 ms.
+        let busy = running(pooled(8, 50, "dsp", i, JobStatus::Queued), "w1", 9_500);
+        idx.upsert(&busy);
+        let eta = |v: &JobView, w: &[WorkerInfo]| idx.place(v, w, at(10_000)).eta_ms;
+        assert_eq!(
+            queued.iter().map(|v| eta(v, &workers)).collect::<Vec<_>>(),
+            [Some(11_500), Some(12_500), Some(13_500)]
+        );
+        // The running job itself.
+        assert_eq!(eta(&busy, &workers), Some(10_500));
+        // A batch job waits for every queued interactive job of its pool too.
+        let batch = pooled(20, 10, "dsp", b, JobStatus::Queued);
+        idx.upsert(&batch);
+        assert_eq!(idx.place(&batch, &workers, at(10_000)), Place { queue_position: Some(0), eta_ms: Some(14_500) });
+        // A second worker with two slots, free: three slots take the queue.
+        let more = [workers[0].clone(), worker("w2", &[Model::Dsp, Model::Htdemucs], 2)];
+        assert_eq!(
+            queued.iter().map(|v| eta(v, &more)).collect::<Vec<_>>(),
+            [Some(11_000), Some(11_000), Some(11_500)]
+        );
+        // No live worker of the model: no eta, the position stays.
+        let elsewhere = [worker("w3", &[Model::Htdemucs], 4)];
+        assert_eq!(idx.place(&queued[2], &elsewhere, at(10_000)), Place { queue_position: Some(2), eta_ms: None });
+        assert_eq!(eta(&queued[2], &[]), None);
     }
 
     fn stemq_core_request(owner: &str) -> crate::NormalizedRequest {

@@ -7,13 +7,18 @@
 //!   [`current_view`] / [`Views::current`], the stored view else the job's `requested`
 //!   event folded from the log, so a job that exists is never "not found";
 //! - [`index`]: the [`ListIndex`] of ids newest first per status, fed by a watch on the
-//!   bucket, and the [`Cursor`] of a page.
+//!   bucket, and the [`Cursor`] of a page; it also holds what a job's place in its
+//!   queue needs ([`ListIndex::place`]);
+//! - [`queue`]: the arithmetic of that place — `queue_position`, and the `eta` from the
+//!   slots of the live workers and the model's typical run time.
 //!
 //! The projector writes with [`stored_view`]'s revision (compare-and-set); nothing here
 //! writes.
 
 pub mod index;
+pub mod queue;
 pub mod view;
 
 pub use index::{Cursor, ListIndex, MinuteCount};
+pub use queue::Place;
 pub use view::{current_view, get_view, request_of, stored_view, ViewError, Views};
