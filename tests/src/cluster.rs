@@ -251,6 +251,8 @@ impl ClusterStack {
             queue_metrics: i == 0,
             refuse_unserved: false,
             signin: None,
+            public_url: None,
+            cors_origins: Vec::new(),
         };
         self.spawn(format!("ingress-{i}"), async move {
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");

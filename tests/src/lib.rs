@@ -50,6 +50,10 @@ pub struct StackOptions {
     /// Run a projector in the test process (off: the test runs its own, e.g. as a child
     /// process it can kill).
     pub projector: bool,
+    /// The ingress's public URL (`--public-url`; `None`: links follow the Host header).
+    pub public_url: Option<stemq_ingress::links::PublicUrl>,
+    /// Origins the ingress lets call it from a browser (`--cors-origin`; empty: off).
+    pub cors_origins: Vec<stemq_ingress::cors::Origin>,
 }
 
 impl Default for StackOptions {
@@ -67,6 +71,8 @@ impl Default for StackOptions {
             audio_urls: None,
             refuse_unserved: false,
             projector: true,
+            public_url: None,
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -122,6 +128,7 @@ impl Stack {
             let ingress_store = store.clone();
             let audio_urls = options.audio_urls.clone();
             let refuse_unserved = options.refuse_unserved;
+            let (public_url, cors_origins) = (options.public_url.clone(), options.cors_origins.clone());
             tasks.push(tokio::spawn(async move {
                 stemq_ingress::run(
                     c,
@@ -137,6 +144,8 @@ impl Stack {
                         queue_metrics: true,
                         refuse_unserved,
                         signin: None,
+                        public_url,
+                        cors_origins,
                     },
                     s,
                 )

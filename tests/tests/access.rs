@@ -64,6 +64,8 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         queue_metrics: false,
         refuse_unserved: false,
         signin: None,
+        public_url: None,
+        cors_origins: Vec::new(),
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -511,6 +513,8 @@ async fn turning_keys_off_is_for_loopback_only() {
         queue_metrics: false,
         refuse_unserved: false,
         signin: None,
+        public_url: None,
+        cors_origins: Vec::new(),
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

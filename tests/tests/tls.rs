@@ -76,6 +76,8 @@ async fn tls_ingress(
         queue_metrics: false,
         refuse_unserved: false,
         signin: None,
+        public_url: None,
+        cors_origins: Vec::new(),
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

@@ -13,7 +13,7 @@
 //! HTTP: `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry`.
 
 use async_nats::jetstream;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -24,6 +24,8 @@ use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, publish_request, Once};
 use stemq_core::{Event, JobId, JobStatus, JobView};
 
+use crate::errors::Path;
+use crate::links::Links;
 use crate::submit::SubmitResponse;
 use crate::{internal, ApiError, AppState};
 
@@ -155,6 +157,7 @@ pub(crate) async fn cancel_http(
 pub(crate) async fn retry_http(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    links: Links,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let view = view_or_404(&state, &caller, &id).await?;
@@ -163,8 +166,13 @@ pub(crate) async fn retry_http(
         true => JobStatus::Queued,
         false => state.view(&new_id).await.ok().flatten().map(|v| v.status).unwrap_or(JobStatus::Queued),
     };
-    let resp =
-        SubmitResponse { status_url: format!("/v1/separations/{new_id}"), job_id: new_id, status, cached: !created };
+    let resp = SubmitResponse {
+        status_url: format!("/v1/separations/{new_id}"),
+        urls: Some(links.of(&new_id)),
+        job_id: new_id,
+        status,
+        cached: !created,
+    };
     let code = if created { StatusCode::ACCEPTED } else { StatusCode::OK };
     Ok((code, Json(resp)).into_response())
 }

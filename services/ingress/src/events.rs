@@ -8,7 +8,7 @@
 //! ```text
 //! id: <KV revision>
 //! event: status | progress
-//! data: <the JobView as JSON>
+//! data: <the job as JSON: the JobView with its `urls`, as GET /v1/separations/{id}>
 //! ```
 //!
 //! `event` is `status` when the status changed since the previous message (and for the
@@ -29,7 +29,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use chrono::{DateTime, Utc};
@@ -39,6 +39,8 @@ use stemq_core::{JobStatus, JobView};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::control::view_or_404;
+use crate::errors::Path;
+use crate::links::Links;
 use crate::{internal, ApiError, AppState};
 
 /// How often the stream of a queued job looks at its place again.
@@ -47,6 +49,7 @@ pub const RECHECK: Duration = Duration::from_secs(1);
 struct Follow {
     state: AppState,
     watch: kv::Watch,
+    links: Links,
     after: u64,
     last_status: Option<JobStatus>,
     /// The latest revision of the view (as stored), to send again when its place moves.
@@ -87,6 +90,7 @@ fn moved(sent: Option<(Option<u64>, Option<DateTime<Utc>>)>, view: &JobView) -> 
 pub(crate) async fn sse(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    links: Links,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
@@ -99,7 +103,8 @@ pub(crate) async fn sse(
     let watch = state.bucket().watch_with_history(view.job_id.as_str()).await.map_err(internal)?;
     let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
     recheck.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let follow = Follow { state, watch, after, last_status: None, latest: None, sent: None, recheck, done: false };
+    let follow =
+        Follow { state, watch, links, after, last_status: None, latest: None, sent: None, recheck, done: false };
     let stream = futures::stream::unfold(follow, |mut f| async move {
         if f.done {
             return None;
@@ -123,7 +128,7 @@ pub(crate) async fn sse(
                         continue;
                     }
                     f.sent = Some((view.queue_position, view.eta));
-                    let data = serde_json::to_string(&view).expect("views serialise");
+                    let data = serde_json::to_string(&f.links.job(view)).expect("views serialise");
                     return Some((Ok(SseEvent::default().event("progress").data(data)), f));
                 }
                 Wake::Watch(Some(Ok(e))) => e,
@@ -154,7 +159,7 @@ pub(crate) async fn sse(
             f.done = view.status.is_terminal();
             let view = f.state.annotate(view);
             f.sent = Some((view.queue_position, view.eta));
-            let data = serde_json::to_string(&view).expect("views serialise");
+            let data = serde_json::to_string(&f.links.job(view)).expect("views serialise");
             let ev = SseEvent::default().id(entry.revision.to_string()).event(kind).data(data);
             return Some((Ok(ev), f));
         }

@@ -3,10 +3,13 @@
 //! This crate owns the public API. It never does heavy work: a submit is one publish
 //! ([`submit`]), a status read is one KV get. Routes (see `/openapi.json`):
 //!
-//! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid
-//! - `GET /v1/separations/{id}` → the status view, 404 unknown
+//! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid;
+//!   with `Prefer: wait=N` the job's view once it ended (200) or after N s (202)
+//! - `GET /v1/separations/{id}` → the status view, 404 unknown; `Prefer: wait=N` waits
+//!   up to N s for its end ([`prefer`])
 //! - `GET /v1/separations?status=&limit=&cursor=` → newest first
-//! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`])
+//! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`]);
+//!   the `audio_uri` is `upload:<sha256>.<ext>`, never a server path
 //! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
 //! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
 //! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
@@ -22,6 +25,13 @@
 //!   link's key (`stemq dev` only; [`session`])
 //! - `GET /`, `GET /app/{file}` → the page for people ([`web`])
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
+//!
+//! Every job the API answers with carries `urls`: absolute links to read, cancel and
+//! follow it and, once it succeeded, to download each stem ([`links`]; under
+//! [`Config::public_url`], else the request's host). Unknown routes, wrong methods,
+//! bodies too large and unparsable paths or queries answer in the API's error shape like
+//! every other error ([`errors`]). Browser pages of the origins in
+//! [`Config::cors_origins`] may call the API ([`cors`]; off by default).
 //!
 //! A queued job's view says why it waits (`waiting`) when no live worker serves its
 //! model (from the worker registry), where it is in its pool's lane (`queue_position`)
@@ -44,12 +54,16 @@
 pub mod access;
 pub mod availability;
 pub mod control;
+pub mod cors;
 pub mod credits;
+pub mod errors;
 pub mod events;
 pub mod limits;
+pub mod links;
 pub mod metrics;
 pub mod nats_api;
 pub mod openapi;
+pub mod prefer;
 pub mod router;
 pub mod session;
 pub mod stems;
@@ -65,9 +79,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_nats::jetstream::{self, kv};
-use axum::body::Bytes;
-use axum::extract::{Extension, MatchedPath, Path, Query, Request, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, Extension, MatchedPath, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -86,6 +99,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
+use crate::errors::{Bytes, Path, Query};
+use crate::links::{Job, Links};
 use crate::metrics::Metrics;
 use crate::submit::{SubmitError, SubmitResponse};
 
@@ -141,6 +156,12 @@ pub struct Config {
     pub refuse_unserved: bool,
     /// A one-time sign-in link for the page (`stemq dev`; see [`session`]).
     pub signin: Option<Arc<session::SigninLink>>,
+    /// The URL clients reach the API at (`--public-url`), under which answers link a
+    /// job's resources; `None`: each request's `Host` with this listener's scheme.
+    pub public_url: Option<links::PublicUrl>,
+    /// Web page origins allowed to call the API from a browser (`--cors-origin`); empty:
+    /// no CORS headers at all.
+    pub cors_origins: Vec<cors::Origin>,
 }
 
 /// Shared handler state.
@@ -169,6 +190,12 @@ pub struct AppState {
     signin: Option<Arc<session::SigninLink>>,
     /// The price list (credits), read from the configuration bucket.
     prices: Arc<credits::PriceCache>,
+    /// Where answers' links point ([`links`]).
+    links: Arc<links::LinkBase>,
+    /// See [`Config::cors_origins`].
+    cors_origins: Arc<Vec<cors::Origin>>,
+    /// Cancelled when the ingress stops: requests waiting on a job answer at once.
+    stopping: CancellationToken,
 }
 
 impl AppState {
@@ -176,7 +203,7 @@ impl AppState {
     pub async fn new(client: async_nats::Client, shutdown: CancellationToken) -> Result<AppState, IngressError> {
         let js = jetstream::new(client);
         let views = Views::open(&js).await?;
-        let index = ListIndex::follow(views.bucket().clone(), shutdown).await;
+        let index = ListIndex::follow(views.bucket().clone(), shutdown.clone()).await;
         let metrics = Arc::new(Metrics::new(js.clone()));
         let open = |name: &'static str| {
             let js = js.clone();
@@ -204,6 +231,9 @@ impl AppState {
             availability: Arc::default(),
             signin: None,
             prices,
+            links: Arc::default(),
+            cors_origins: Arc::default(),
+            stopping: shutdown,
         })
     }
 
@@ -216,6 +246,18 @@ impl AppState {
     /// The list index (every job, newest first, per status and owner).
     pub fn index(&self) -> &ListIndex {
         &self.index
+    }
+
+    /// Links answers under `base` ([`links`]).
+    pub fn with_links(mut self, base: links::LinkBase) -> AppState {
+        self.links = Arc::new(base);
+        self
+    }
+
+    /// Lets browser pages of `origins` call the API ([`cors`]).
+    pub fn with_cors_origins(mut self, origins: Vec<cors::Origin>) -> AppState {
+        self.cors_origins = Arc::new(origins);
+        self
     }
 
     /// Refuses submits for models no live worker serves (see [`Config::refuse_unserved`]).
@@ -348,7 +390,9 @@ pub async fn run(
     state = state
         .with_queue_metrics(config.queue_metrics)
         .with_refuse_unserved(config.refuse_unserved)
-        .with_signin(config.signin);
+        .with_signin(config.signin)
+        .with_links(links::LinkBase::new(config.public_url, tls.is_some(), addr))
+        .with_cors_origins(config.cors_origins);
     let router_task = {
         let (js, s) = (state.js.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -387,7 +431,8 @@ pub async fn run(
 
 /// The HTTP routes.
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let cors = cors::layer(&state.cors_origins);
+    let app = Router::new()
         .route("/v1/separations", post(create).get(list))
         .route("/v1/separations/{id}", get(status))
         .route("/v1/separations/{id}/stems/{stem}", get(stems::download))
@@ -413,10 +458,19 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        // After every route: the 405 fallback applies to the routes added before it.
+        .fallback(errors::no_route)
+        .method_not_allowed_fallback(errors::wrong_method)
+        .layer(DefaultBodyLimit::max(errors::BODY_LIMIT))
         .layer(middleware::from_fn_with_state(state.clone(), access::authenticate))
         .layer(middleware::from_fn_with_state(state.clone(), nats_gate))
         .layer(middleware::from_fn_with_state(state.clone(), track))
-        .with_state(state)
+        .with_state(state);
+    // Outermost: a preflight is answered before authentication (it carries no key).
+    match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
 }
 
 /// Routes that read or write NATS answer 503 at once while the connection is down,
@@ -612,6 +666,7 @@ pub async fn submit_as(
 async fn create(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    links: Links,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -633,34 +688,64 @@ async fn create(
         Err(SubmitError::Limited(l)) => return Ok(l.into_response()),
         r => r?,
     };
-    if resp.cached {
+    let urls = links.of(&resp.job_id);
+    let location = urls.get.clone();
+    if let Some(secs) = prefer::wait(&headers) {
+        // The job's view instead of the submit answer: the caller's own job, read as any
+        // read is (right after the publish it comes from the log if the view lags).
+        if let Some(view) = state.view_for(&caller, &resp.job_id).await? {
+            let waited = prefer::until_ended(&state, &caller, view, secs).await?;
+            let code = if waited.view.status.is_terminal() { StatusCode::OK } else { StatusCode::ACCEPTED };
+            let mut out = (code, [(header::LOCATION, location)], Json::<Job>(links.job(waited.view))).into_response();
+            prefer::mark(&mut out, waited.honoured.then_some(secs));
+            return Ok(out);
+        }
+    }
+    resp.urls = Some(urls);
+    let mut out = if resp.cached {
         if let Ok(Some(v)) = state.view(&resp.job_id).await {
             resp.status = v.status;
         }
-        return Ok((StatusCode::OK, Json(resp)).into_response());
-    }
-    let location = resp.status_url.clone();
-    Ok((StatusCode::ACCEPTED, [("location", location)], Json::<SubmitResponse>(resp)).into_response())
+        (StatusCode::OK, Json(resp)).into_response()
+    } else {
+        (StatusCode::ACCEPTED, [(header::LOCATION, location)], Json::<SubmitResponse>(resp)).into_response()
+    };
+    prefer::mark(&mut out, None);
+    Ok(out)
 }
 
 async fn status(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    links: Links,
     Path(id): Path<String>,
-) -> Result<Json<JobView>, ApiError> {
-    Ok(Json(control::view_or_404(&state, &caller, &id).await?))
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let view = control::view_or_404(&state, &caller, &id).await?;
+    let (view, applied) = match prefer::wait(&headers) {
+        Some(secs) => {
+            let waited = prefer::until_ended(&state, &caller, view, secs).await?;
+            (waited.view, waited.honoured.then_some(secs))
+        }
+        None => (view, None),
+    };
+    let mut resp = Json(links.job(view)).into_response();
+    prefer::mark(&mut resp, applied);
+    Ok(resp)
 }
 
+/// The list's query, read as strings so a bad value is a 422 naming its parameter.
 #[derive(Deserialize)]
 struct ListQuery {
     status: Option<String>,
-    limit: Option<usize>,
+    limit: Option<String>,
     cursor: Option<String>,
 }
 
 async fn list(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    links: Links,
     Query(q): Query<ListQuery>,
 ) -> Result<Response, ApiError> {
     let bad = |field: &str, message: String| ApiError {
@@ -673,10 +758,14 @@ async fn list(
         None | Some("") => None,
         Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),
     };
-    let limit = q.limit.unwrap_or(50);
-    if !(1..=1000).contains(&limit) {
-        return Err(bad("limit", "must be between 1 and 1000".into()));
-    }
+    let limit = match q.limit.as_deref() {
+        None | Some("") => 50,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| bad("limit", format!("`{l}` is not a number between 1 and 1000")))?,
+    };
     let cursor = match q.cursor.as_deref() {
         None | Some("") => None,
         Some(c) => Some(Cursor::decode(c).ok_or_else(|| bad("cursor", "malformed cursor".into()))?),
@@ -685,7 +774,7 @@ async fn list(
     let owner = (!caller.role.allows(stemq_core::auth::Permission::Operate)).then_some(caller.owner.as_str());
     let page = state.index.page_of(owner, status, limit, cursor.as_ref());
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view_for(&caller, id))).await;
-    let jobs: Vec<JobView> = views.into_iter().filter_map(|v| v.ok().flatten()).collect();
+    let jobs: Vec<Job> = views.into_iter().filter_map(|v| v.ok().flatten()).map(|v| links.job(v)).collect();
     let next_cursor = (page.len() == limit)
         .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))
         .flatten();

@@ -2,7 +2,10 @@
 //!
 //! This module owns the HTTP API description. Paths are written out here; the request
 //! and view schemas come from the same Rust types as `schemas/` (JSON Schema 2020-12 is
-//! OpenAPI 3.1's schema dialect), so they cannot drift.
+//! OpenAPI 3.1's schema dialect), so they cannot drift: `Job` is [`crate::links::Job`],
+//! the view with its `urls`, as every route answers a job. The `Prefer: wait=N` header
+//! and its `Preference-Applied` answer ([`crate::prefer`]) are written on the two routes
+//! that honour it, and the framework's refusals ([`crate::errors`]) where they occur.
 
 use serde_json::{json, Value};
 
@@ -23,6 +26,8 @@ pub fn document() -> Value {
     for (name, mut s) in [
         ("JobRequest", schema::<stemq_core::JobRequest>()),
         ("JobView", schema::<stemq_core::JobView>()),
+        ("Job", schema::<crate::links::Job>()),
+        ("JobUrls", schema::<crate::links::JobUrls>()),
         ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
         ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
         ("DeliveryAttempted", schema::<stemq_core::event::DeliveryAttempted>()),
@@ -59,18 +64,43 @@ pub fn document() -> Value {
         "disabled_urls": {"type": "array", "items": {"type": "string"}, "description": "Receivers that answered 410 Gone"}}});
     let err = |d: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
     let ok = |d: &str, s: &str| json!({"description": d, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{s}")}}}});
+    let prefer = json!({"name": "Prefer", "in": "header", "schema": {"type": "string", "examples": ["wait=30"]},
+        "description": "RFC 7240. `wait=N`: answer once the job has ended, or after N seconds with its current view \
+                        (N is capped at 60). Other preferences are ignored."});
+    let applied = json!({"Preference-Applied": {"description": "`wait=N` (the N waited, capped at 60) when a `Prefer: wait` was honoured",
+        "schema": {"type": "string"}}, "Vary": {"description": "`Prefer`", "schema": {"type": "string"}}});
+    let location =
+        json!({"description": "The job's absolute URL (`urls.get`)", "schema": {"type": "string", "format": "uri"}});
+    let with_headers = |mut r: Value, h: &Value| {
+        r["headers"] = h.clone();
+        r
+    };
+    let submitted = |d: &str| {
+        json!({"description": d, "content": {"application/json": {"schema": {"oneOf": [
+            {"$ref": "#/components/schemas/SubmitResponse"}, {"$ref": "#/components/schemas/Job"}]}}}})
+    };
+    let mut submit_headers = applied.clone();
+    submit_headers["Location"] = location.clone();
     let mut doc = json!({
         "openapi": "3.1.0",
         "info": {"title": "stemq", "version": env!("CARGO_PKG_VERSION"),
-                 "description": "Music source separation as a service: submit a song, get stems."},
+                 "description": "Music source separation as a service: submit a song, get stems. \
+                    Every error answers `{\"error\": {\"code\", \"message\"}}` (the Error schema), the framework's own too: \
+                    an unknown route is 404 `not_found`, a known route asked with another method 405 `method_not_allowed` \
+                    (with `Allow`), a body over the limit 413 `too_large`, a path or query that does not parse 400 `bad_request`."},
         "paths": {
             "/v1/separations": {
                 "post": {
                     "summary": "Submit a separation job (idempotent: the job id is the hash of the request)",
+                    "description": "Without `Prefer: wait` the answer is a SubmitResponse: 202 for a new job, 200 for an \
+                        existing one (`cached: true`). With `Prefer: wait=N` it is the Job (the view with its `urls`) once \
+                        the job has ended (200) or, after N seconds, as it is then (202).",
+                    "parameters": [prefer.clone()],
                     "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobRequest"}}}},
                     "responses": {
-                        "202": ok("A new job was queued", "SubmitResponse"),
-                        "200": ok("The same job already exists (cached: true)", "SubmitResponse"),
+                        "202": with_headers(submitted("A new job was queued (SubmitResponse), or with `Prefer: wait` the job has not ended yet (Job)"), &submit_headers),
+                        "200": with_headers(submitted("The same job already exists (SubmitResponse, cached: true), or with `Prefer: wait` the job has ended (Job)"), &submit_headers),
+                        "413": err("The body is larger than 2 MiB"),
                         "422": err("Invalid request; `field` names the offending field"),
                         "503": err("Could not queue now; retrying is safe"),
                     }
@@ -84,21 +114,22 @@ pub fn document() -> Value {
                     ],
                     "responses": {
                         "200": {"description": "A page of jobs", "content": {"application/json": {"schema": {"type": "object",
-                            "properties": {"jobs": {"type": "array", "items": {"$ref": "#/components/schemas/JobView"}},
+                            "properties": {"jobs": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
                                            "next_cursor": {"type": ["string", "null"]},
                                            "complete": {"type": "boolean"}}}}}},
-                        "422": err("Invalid query"),
+                        "400": err("A query string that does not parse"),
+                        "422": err("Invalid query; `field` names the parameter"),
                     }
                 }
             },
             "/v1/separations/{id}": {
                 "get": {
-                    "summary": "The status view of one job",
+                    "summary": "The status view of one job, with its `urls`; `Prefer: wait=N` waits up to N seconds for its end",
                     "description": "With the read-time fields: `waiting`, and while the job is queued or running its \
                         `queue_position` (0 = next in its pool and lane) and `eta` / `eta_seconds` (when it should finish; \
                         absent when unknown). See docs/events.md, \"Queue position and ETA\".",
-                    "parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}],
-                    "responses": {"200": ok("The job", "JobView"), "404": err("No such job")}
+                    "parameters": [id_param.clone(), prefer],
+                    "responses": {"200": with_headers(ok("The job (ended, or as it is once the wait is over)", "Job"), &applied), "404": err("No such job")}
                 }
             },
             "/v1/separations/{id}/stems/{stem}": {
@@ -122,7 +153,7 @@ pub fn document() -> Value {
             },
             "/v1/uploads": {
                 "post": {
-                    "summary": "Upload a song (streamed, content-addressed: uploads/<sha256>.<ext>); use the returned audio_uri in a separation request",
+                    "summary": "Upload a song (streamed, content-addressed); use the returned audio_uri (`upload:<sha256>.<ext>`) in a separation request",
                     "parameters": [{"name": "filename", "in": "query", "schema": {"type": "string"},
                                     "description": "Original file name; its extension is kept (else it comes from Content-Type)"}],
                     "requestBody": {"required": true, "content": {"application/octet-stream": {}, "audio/*": {}}},
@@ -161,7 +192,7 @@ pub fn document() -> Value {
             },
             "/v1/separations/{id}/events": {
                 "get": {
-                    "summary": "Live status as Server-Sent Events: one message per change of the status view (event `status` when the status changed, `progress` otherwise; data = JobView; id = KV revision). Running jobs send at least one message every 2 s. Ends after the terminal status.",
+                    "summary": "Live status as Server-Sent Events: one message per change of the status view (event `status` when the status changed, `progress` otherwise; data = Job, the view with its `urls`; id = KV revision). Running jobs send at least one message every 2 s. Ends after the terminal status.",
                     "description": "Every message carries the read-time fields of GET /v1/separations/{id} (`waiting`, \
                         `queue_position`, `eta`, `eta_seconds`). While the job is queued, the view is sent again (event \
                         `progress`, no `id`) when its `queue_position` or `eta` moves, looked at every second.",
@@ -191,7 +222,7 @@ pub fn document() -> Value {
                 "post": {
                     "summary": "Send delivery n again (same webhook-id, the job's current status view)",
                     "parameters": [id_param.clone(), {"name": "n", "in": "path", "required": true, "schema": {"type": "integer", "minimum": 1}}],
-                    "responses": {"202": {"description": "Queued for the relay"}, "404": err("No such job or delivery")}
+                    "responses": {"202": {"description": "Queued for the relay"}, "400": err("`n` is not a number"), "404": err("No such job or delivery")}
                 }
             },
             "/v1/webhooks/secret": {
@@ -214,6 +245,7 @@ pub fn document() -> Value {
                         "200": {"description": "Enabled", "content": {"application/json": {"schema": {"type": "object", "properties": {
                             "url": {"type": "string"}, "was_disabled": {"type": "boolean"},
                             "disabled_urls": {"type": "array", "items": {"type": "string"}}}}}}},
+                        "413": err("The body is larger than 2 MiB"),
                         "422": err("No `url` in the body"),
                     }
                 }

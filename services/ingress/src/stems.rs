@@ -9,13 +9,14 @@
 use std::ops::Range;
 
 use axum::body::Body;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use stemq_core::auth::Caller;
 use stemq_core::{JobId, JobStatus};
 use tracing::{info_span, warn, Instrument};
 
+use crate::errors::Path;
 use crate::uploads::no_store;
 use crate::{internal, ApiError, AppState};
 

@@ -31,8 +31,12 @@ pub struct SubmitResponse {
     pub status: JobStatus,
     /// True when the job already existed (nothing new was queued).
     pub cached: bool,
-    /// Where to read the status.
+    /// Where to read the status (a path; `urls.get` is the same, absolute).
     pub status_url: String,
+    /// Absolute URLs of the job's resources (HTTP answers only; not over NATS, which
+    /// has no address to name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub urls: Option<crate::links::JobUrls>,
 }
 
 /// Why a submit failed.
@@ -91,7 +95,9 @@ pub async fn submit(
 }
 
 /// Validates `body` for `owner` and builds its `requested` event (the job id is its
-/// subject); nothing is published. `stores` and `audio_urls` as for [`submit`].
+/// subject); nothing is published. An `upload:` `audio_uri` becomes the URI of the
+/// owner's upload in the store first ([`crate::uploads::resolve`]). `stores` and
+/// `audio_urls` as for [`submit`].
 pub async fn prepare(
     body: &[u8],
     owner: &str,
@@ -99,7 +105,11 @@ pub async fn prepare(
     stores: &[String],
     audio_urls: Option<&HostPolicy>,
 ) -> Result<Event, SubmitError> {
-    let req = JobRequest::from_slice(body)?;
+    let mut req = JobRequest::from_slice(body)?;
+    // An upload named as POST /v1/uploads answered: the caller's own, in our store.
+    if let Some(uri) = crate::uploads::resolve(&req.audio_uri, owner, stores)? {
+        req.audio_uri = uri;
+    }
     // Only the owner's own uploads inside the configured stores, or, where the operator
     // allows external audio, a URL whose host is admitted and whose addresses are public
     // (or exempt): refused before anything is published. The worker checks again when it
@@ -186,7 +196,12 @@ pub async fn queue_with(
         tokio::time::sleep(PAUSE).await;
     };
     let cached = once == Once::AlreadyThere;
-    let resp =
-        SubmitResponse { status_url: format!("/v1/separations/{id}"), job_id: id, status: JobStatus::Queued, cached };
+    let resp = SubmitResponse {
+        status_url: format!("/v1/separations/{id}"),
+        job_id: id,
+        status: JobStatus::Queued,
+        cached,
+        urls: None,
+    };
     Ok((resp, (!cached).then_some(event)))
 }

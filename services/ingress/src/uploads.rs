@@ -6,11 +6,16 @@
 //! complete upload is moved to `uploads/<owner>/<sha256>.<ext>`, so the same song
 //! uploaded twice by one owner is one object and yields the same `audio_uri` (and so the
 //! same job id), and a job can read only its own owner's uploads.
+//!
+//! The answer names the upload without saying where the store is: its `audio_uri` is
+//! `upload:<sha256>.<ext>` ([`upload_uri`]), which a submit resolves to the caller's own
+//! upload in the store ([`resolve`]) before the job id is derived, so submitting it or the
+//! store URI it stands for is the same job. Server paths and bucket names stay inside.
 
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Extension, Query, State};
+use axum::extract::{Extension, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -18,9 +23,11 @@ use futures::TryStreamExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use stemq_core::auth::Caller;
+use stemq_core::request::RequestError;
 use stemq_core::storage::{StorageError, Store};
 use tracing::{info, info_span, warn, Instrument};
 
+use crate::errors::Query;
 use crate::{ApiError, AppState};
 
 /// Bytes of an upload kept to read its header.
@@ -52,7 +59,8 @@ impl StorageConfig {
 /// Answer of `POST /v1/uploads`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct UploadResponse {
-    /// Use this as the `audio_uri` of a separation request.
+    /// Use this as the `audio_uri` of a separation request: `upload:<sha256>.<ext>`, the
+    /// caller's own upload (another owner's submit of it names its own upload).
     pub audio_uri: String,
     /// Size of the upload.
     pub bytes: u64,
@@ -62,6 +70,40 @@ pub struct UploadResponse {
     /// credits a job of it costs is then known at submit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+}
+
+/// The scheme of the `audio_uri` an upload answers with (see the module doc).
+pub const UPLOAD_SCHEME: &str = "upload";
+
+/// The `audio_uri` of the caller's upload stored under the file name `file`
+/// (`<sha256>.<ext>`).
+pub fn upload_uri(file: &str) -> String {
+    format!("{UPLOAD_SCHEME}:{file}")
+}
+
+/// Resolves an `upload:<sha256>.<ext>` `audio_uri` to the URI of `owner`'s upload of
+/// that name in the store (the first of `stores`, the ingress's one); `Ok(None)` for any
+/// other URI, which is checked as it is.
+pub fn resolve(audio_uri: &str, owner: &str, stores: &[String]) -> Result<Option<String>, RequestError> {
+    let Some((scheme, file)) = audio_uri.split_once(':') else {
+        return Ok(None);
+    };
+    if !scheme.eq_ignore_ascii_case(UPLOAD_SCHEME) {
+        return Ok(None);
+    }
+    let refuse = |message: String| RequestError { field: "audio_uri".into(), message };
+    let (sha, ext) = file.split_once('.').unwrap_or((file, ""));
+    let hex = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let plain = |s: &str| (1..=8).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    if !hex(sha) || !plain(ext) {
+        return Err(refuse(format!(
+            "`{audio_uri}` is not an upload: use the audio_uri POST /v1/uploads answered (upload:<sha256>.<ext>)"
+        )));
+    }
+    let Some(store) = stores.first() else {
+        return Err(refuse("this ingress has no object store configured, so it has no uploads".into()));
+    };
+    Ok(Some(format!("{}/{}{file}", store.trim_end_matches('/'), stemq_core::uri::uploads_prefix(owner))))
 }
 
 #[derive(Deserialize)]
@@ -180,15 +222,57 @@ pub(crate) async fn upload(
             // Only the early 402 needs it; the worker measures the audio anyway.
             warn!(error = %e, "upload facts not stored");
         }
-        let resp = UploadResponse {
-            audio_uri: storage.store.uri(&key),
-            bytes: stored.bytes,
-            sha256: stored.sha256,
-            duration_ms,
-        };
+        let file = format!("{}.{ext}", stored.sha256);
+        let resp =
+            UploadResponse { audio_uri: upload_uri(&file), bytes: stored.bytes, sha256: stored.sha256, duration_ms };
         info!(event = "upload.stored", bytes = resp.bytes, sha256 = %resp.sha256, "upload stored");
         Ok((StatusCode::CREATED, Json(resp)).into_response())
     }
     .instrument(span)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHA: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn upload_uris_resolve_to_the_callers_own_upload() {
+        let stores = ["file:///srv/store".to_string()];
+        let uri = upload_uri(&format!("{SHA}.wav"));
+        assert_eq!(uri, format!("upload:{SHA}.wav"));
+        assert_eq!(
+            resolve(&uri, "acme", &stores).unwrap().unwrap(),
+            format!("file:///srv/store/uploads/acme/{SHA}.wav")
+        );
+        assert_eq!(
+            resolve(&uri, "bob", &["s3://b/p/".to_string()]).unwrap().unwrap(),
+            format!("s3://b/p/uploads/bob/{SHA}.wav")
+        );
+        // Other URIs are left to the store checks.
+        for other in ["file:///srv/store/uploads/acme/x.wav", "https://example.com/a.wav", "s3://b/k", "nonsense"] {
+            assert_eq!(resolve(other, "acme", &stores).unwrap(), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn only_upload_names_resolve() {
+        let stores = ["file:///srv/store".to_string()];
+        for bad in [
+            "upload:".to_string(),
+            format!("upload:{SHA}"),
+            format!("upload:{}.wav", &SHA[1..]),
+            format!("upload:{}.wav", SHA.to_uppercase()),
+            format!("upload:{SHA}.wav/../../x"),
+            format!("upload:../{SHA}.wav"),
+            format!("upload:{SHA}.toolongext"),
+            format!("upload:{SHA}.w%2e"),
+        ] {
+            assert_eq!(resolve(&bad, "acme", &stores).unwrap_err().field, "audio_uri", "{bad}");
+        }
+        let none = resolve(&upload_uri(&format!("{SHA}.wav")), "acme", &[]).unwrap_err();
+        assert!(none.message.contains("no object store"), "{}", none.message);
+    }
 }

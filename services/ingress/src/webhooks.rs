@@ -15,8 +15,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use axum::body::Bytes;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -29,6 +28,7 @@ use stemq_core::webhook::{self, OwnerWebhooks};
 use stemq_core::{Event, JobId};
 
 use crate::control::view_or_404;
+use crate::errors::{Bytes, Path};
 use crate::{internal, ApiError, AppState};
 
 fn grace() -> Duration {

@@ -62,6 +62,8 @@ impl Stack {
                 queue_metrics: false,
                 refuse_unserved: false,
                 signin: None,
+                public_url: None,
+                cors_origins: Vec::new(),
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

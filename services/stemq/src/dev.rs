@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::global::{shutdown_on_signals, Global, ServerSettings, StoreArg};
-use crate::services::{AudioUrlArg, AuthArg, RelayArgs, TlsArgs, WorkerOpts};
+use crate::services::{AudioUrlArg, AuthArg, PublicArgs, RelayArgs, TlsArgs, WorkerOpts};
 
 /// `stemq dev`.
 #[derive(Debug, Args, Clone)]
@@ -42,6 +42,8 @@ pub struct DevArgs {
     pub auth: AuthArg,
     #[command(flatten)]
     pub tls: TlsArgs,
+    #[command(flatten)]
+    pub public: PublicArgs,
     #[command(flatten)]
     pub worker: WorkerOpts,
     #[command(flatten)]
@@ -133,6 +135,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             // ever, so it is refused at submit with what to do instead.
             refuse_unserved: true,
             signin,
+            public_url: a.public.public_url.clone(),
+            cors_origins: a.public.cors_origins.clone(),
         },
         children.clone(),
     ));
@@ -165,6 +169,13 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         None => eprintln!("  page    {scheme}://{addr}/"),
     }
     eprintln!("  HTTP    {scheme}://{addr}   (POST /v1/separations, GET /v1/separations/{{id}}, /openapi.json)");
+    if let Some(u) = &a.public.public_url {
+        eprintln!("  links   {u}   (--public-url)");
+    }
+    if !a.public.cors_origins.is_empty() {
+        let origins: Vec<String> = a.public.cors_origins.iter().map(|o| o.to_string()).collect();
+        eprintln!("  CORS    {}   (--cors-origin)", origins.join(", "));
+    }
     eprintln!("  NATS    {}", g.nats_url());
     if let Some(s) = &server {
         eprintln!(

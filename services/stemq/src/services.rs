@@ -46,7 +46,24 @@ pub struct IngressArgs {
     #[arg(long = "refuse-unserved-models", env = "STEMQ_REFUSE_UNSERVED_MODELS")]
     pub refuse_unserved: bool,
     #[command(flatten)]
+    pub public: PublicArgs,
+    #[command(flatten)]
     pub server: ServerSettings,
+}
+
+/// How the HTTP API presents itself to clients and browsers (`stemq ingress`,
+/// `stemq dev`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct PublicArgs {
+    /// The URL clients reach the API at (`https://stemq.example.com`, with a path prefix
+    /// if a proxy adds one): answers link a job's resources (`urls`) under it. Default:
+    /// the request's Host header with this listener's scheme; set it behind a proxy.
+    #[arg(long = "public-url", env = "STEMQ_PUBLIC_URL", value_name = "URL")]
+    pub public_url: Option<stemq_ingress::links::PublicUrl>,
+    /// Let web pages of ORIGIN (`https://app.example.com`) call the API from a browser
+    /// (CORS). Repeatable or comma-separated; exact origins only. Off by default.
+    #[arg(long = "cors-origin", env = "STEMQ_CORS_ORIGINS", value_name = "ORIGIN", value_delimiter = ',')]
+    pub cors_origins: Vec<stemq_ingress::cors::Origin>,
 }
 
 /// `--insecure-no-auth`.
@@ -503,6 +520,8 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         queue_metrics: a.queue_metrics,
         refuse_unserved: a.refuse_unserved,
         signin: None,
+        public_url: a.public.public_url,
+        cors_origins: a.public.cors_origins,
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())

@@ -36,8 +36,10 @@ fn default_webhook_events() -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobRequest {
-    /// The input audio: an upload of the caller in one of the configured stores, or, where
-    /// the operator allows external audio, an `https://` URL of an allowed public host.
+    /// The input audio: an upload of the caller (`upload:<sha256>.<ext>` as
+    /// `POST /v1/uploads` answers it, which the submit resolves, or its URI in one of the
+    /// configured stores), or, where the operator allows external audio, an `https://`
+    /// URL of an allowed public host.
     pub audio_uri: String,
     /// The model to run; default `htdemucs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -93,7 +95,8 @@ pub struct JobRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NormalizedRequest {
-    /// The input audio URI, as given.
+    /// The input audio URI, as given (an `upload:` name given to the submit APIs is
+    /// stored as the URI of the upload in the store).
     pub audio_uri: String,
     /// The model.
     pub model: Model,
