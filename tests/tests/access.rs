@@ -244,7 +244,7 @@ async fn owners_never_see_or_touch_each_others_jobs() {
         .unwrap();
     let up: Value = resp.json().await.unwrap();
     let alice_uri = up["audio_uri"].as_str().unwrap().to_string();
-    assert!(alice_uri.contains("/uploads/alice/"), "{alice_uri}");
+    assert!(alice_uri.starts_with("upload:"), "an opaque name, no server path: {alice_uri}");
     let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let hook_url = format!("http://{}/hook", hook.local_addr().unwrap());
     tokio::spawn(async move {
@@ -258,6 +258,7 @@ async fn owners_never_see_or_touch_each_others_jobs() {
     let view = stack.wait_terminal(&id, T).await;
     assert_eq!(view.status, JobStatus::Succeeded);
     assert_eq!(view.request.as_ref().unwrap().owner, "alice", "the owner comes from the key");
+    assert!(view.request.as_ref().unwrap().audio_uri.contains("/uploads/alice/"), "her upload, in the store");
 
     // The owner in a body is ignored: Bob cannot submit as Alice.
     let mut as_alice = body.clone();
@@ -307,10 +308,12 @@ async fn owners_never_see_or_touch_each_others_jobs() {
     assert!(ids(&o).contains(&id.to_string()) && ids(&o).contains(&bob_id.to_string()));
     assert_eq!(call(&base, Method::GET, &format!("/v1/separations/{id}"), Some(&operator), None).await.0, 200);
 
-    // Bob may not read Alice's upload or Alice's stems as input.
+    // Bob may not read Alice's upload (by its name or its store URI) or Alice's stems as
+    // input: her upload's name is no upload of his.
     let stolen_upload = json!({"audio_uri": alice_uri, "model": "dsp"});
+    let stolen_uri = json!({"audio_uri": view.request.as_ref().unwrap().audio_uri, "model": "dsp"});
     let stem_uri = view.outputs[0].uri.clone();
-    for b in [stolen_upload, json!({"audio_uri": stem_uri, "model": "dsp"})] {
+    for b in [stolen_upload, stolen_uri, json!({"audio_uri": stem_uri, "model": "dsp"})] {
         let (code, _, v) = call(&base, Method::POST, "/v1/separations", Some(&bob), Some(&b)).await;
         assert_eq!((code, v["error"]["field"].as_str()), (422, Some("audio_uri")), "{b}: {v}");
     }

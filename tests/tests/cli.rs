@@ -48,6 +48,32 @@ fn an_unknown_log_format_is_an_error_that_names_the_choices() {
 }
 
 #[test]
+fn public_url_and_cors_origins_are_checked_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    for sub in ["ingress", "dev"] {
+        let help = ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
+        assert!(help.contains("--public-url") && help.contains("--cors-origin"), "`stemq {sub} --help`:\n{help}");
+        for (flag, value, says) in [
+            ("--cors-origin", "*", "list each web page origin exactly"),
+            ("--cors-origin", "https://app.example/page", "has no path"),
+            ("--public-url", "ftp://files.example", "http:// or https://"),
+        ] {
+            let out = stemq(&[sub, flag, value], dir.path()).env("NATS_URL", "nats://127.0.0.1:1").output().unwrap();
+            assert!(!out.status.success(), "stemq {sub} {flag} {value} was accepted");
+            let err = text(&out.stderr);
+            assert!(err.contains(flag) && err.contains(says), "stemq {sub} {flag} {value}: {err}");
+        }
+        // The environment's comma list is read one origin at a time.
+        let out = stemq(&[sub], dir.path())
+            .env("NATS_URL", "nats://127.0.0.1:1")
+            .env("STEMQ_CORS_ORIGINS", "https://a.example,*")
+            .output()
+            .unwrap();
+        assert!(!out.status.success() && text(&out.stderr).contains("`*` is not an origin"), "{}", text(&out.stderr));
+    }
+}
+
+#[test]
 fn server_settings_show_on_the_services_and_not_on_the_client_commands() {
     let dir = tempfile::tempdir().unwrap();
     let help = |sub: &str| ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
@@ -127,8 +153,12 @@ async fn the_client_commands_work_over_the_http_api_alone() {
     let out = cli(&["submit", "song.wav", "--name", "dsp", "--flac", "--wait", "--out", "stems"]).await;
     let stdout = ok(&out, "submit --api");
     let start = stdout.find('{').expect("the submit answer");
-    let end = stdout.find('}').expect("the submit answer") + 1;
-    let answer: serde_json::Value = serde_json::from_str(&stdout[start..end]).expect(&stdout);
+    // The answer is the first JSON document (it nests: `urls`); the download report follows.
+    let answer: serde_json::Value = serde_json::Deserializer::from_str(&stdout[start..])
+        .into_iter()
+        .next()
+        .expect("the submit answer")
+        .expect(&stdout);
     let id = job_id(&answer);
     let view = stack.wait_terminal(&id, T).await;
     assert_eq!(view.status, JobStatus::Succeeded);

@@ -2,7 +2,8 @@
 //! worker. It serves `dsp` always (and the demucs models whose weights are in its model
 //! folder, in a build with the demucs engine); a submit for a model it does not serve —
 //! the default `htdemucs` without weights — is refused with what to do, never queued to
-//! fail later.
+//! fail later. Its HTTP flags reach the API: `--public-url` names the links,
+//! `STEMQ_CORS_ORIGINS` (a comma list) lets those pages in.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,7 +41,8 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
     let dev = Command::new(Stack::stemq_bin())
         .args(["--data-dir", dir.path().to_str().unwrap(), "dev", "--http", &format!("127.0.0.1:{port}")])
-        .args(["--isolation", "none"])
+        .args(["--isolation", "none", "--public-url", "https://stemq.example.test/api"])
+        .env("STEMQ_CORS_ORIGINS", "https://a.example.test,https://b.example.test")
         .env("STEMQ_BACKOFF_BASE_MS", "100")
         .stdout(Stdio::null())
         .stderr(log)
@@ -65,6 +67,7 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
         json_of(http.post(format!("{base}/v1/uploads?filename=song.wav")).body(std::fs::read(&song).unwrap()), &key)
             .await;
     let uri = up["audio_uri"].as_str().expect("an upload").to_string();
+    assert!(uri.starts_with("upload:"), "no server path in the answer: {up}");
     let submit = |body: Value| {
         let (http, key, base) = (http.clone(), key.clone(), base.clone());
         async move {
@@ -84,15 +87,28 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     let (code, b) = submit(json!({"audio_uri": uri, "model": "dsp"})).await;
     assert_eq!(code, 202, "{b}");
     let id = b["job_id"].as_str().unwrap().to_string();
+    assert_eq!(b["urls"]["get"], format!("https://stemq.example.test/api/v1/separations/{id}"), "{b}");
     let t0 = Instant::now();
     loop {
-        let v = json_of(http.get(format!("{base}/v1/separations/{id}")), &key).await;
+        let v = json_of(http.get(format!("{base}/v1/separations/{id}")).header("prefer", "wait=20"), &key).await;
         if v["status"] == "succeeded" {
+            assert_eq!(v["urls"]["stems"]["vocals"], format!("{}/stems/vocals", b["urls"]["get"].as_str().unwrap()));
             break;
         }
         assert!(!["failed", "dead_lettered", "rejected"].contains(&v["status"].as_str().unwrap_or("")), "{v}");
         assert!(t0.elapsed() < Duration::from_secs(60), "{v}");
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Both listed origins may call it from a page.
+    for origin in ["https://a.example.test", "https://b.example.test"] {
+        let r = http
+            .request(reqwest::Method::OPTIONS, format!("{base}/v1/separations"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.headers().get("access-control-allow-origin").and_then(|v| v.to_str().ok()), Some(origin));
     }
     // The fleet is for operators; the local admin key is not one.
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();

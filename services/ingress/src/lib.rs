@@ -624,7 +624,9 @@ pub async fn submit_as(
         let _turn = state.key_locks.lock(&caller.key_id).await;
         remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
     }
-    let mut event = submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls()).await?;
+    let uploads = state.storage.as_ref().map(|s| &s.store);
+    let mut event =
+        submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls(), uploads).await?;
     if let stemq_core::EventBody::Requested(r) = &event.body {
         if state.refuse_unserved {
             workers::check_served(&state.registry, r.request.model)?;

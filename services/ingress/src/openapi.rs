@@ -312,3 +312,49 @@ fn secure(doc: &mut Value) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_are_documented_with_their_links() {
+        let doc = document();
+        let schemas = &doc["components"]["schemas"];
+        let job = &schemas["Job"];
+        for field in ["job_id", "status", "outputs", "urls"] {
+            assert!(job["properties"][field].is_object(), "Job lacks {field}: {job}");
+        }
+        let urls = serde_json::to_string(&job["properties"]["urls"]).unwrap();
+        assert!(urls.contains("JobUrls"), "{urls}");
+        for field in ["get", "cancel", "events", "stems"] {
+            assert!(schemas["JobUrls"]["properties"][field].is_object(), "JobUrls lacks {field}");
+        }
+        assert!(schemas["SubmitResponse"]["properties"]["urls"].is_object());
+        let one = &doc["paths"]["/v1/separations/{id}"]["get"];
+        assert_eq!(
+            one["responses"]["200"]["content"]["application/json"]["schema"]["$ref"],
+            "#/components/schemas/Job"
+        );
+        let list = &doc["paths"]["/v1/separations"]["get"]["responses"]["200"]["content"]["application/json"]["schema"];
+        assert_eq!(list["properties"]["jobs"]["items"]["$ref"], "#/components/schemas/Job");
+    }
+
+    #[test]
+    fn prefer_wait_is_documented_where_it_is_honoured() {
+        let doc = document();
+        for (path, method, answer) in [
+            ("/v1/separations", "post", "202"),
+            ("/v1/separations", "post", "200"),
+            ("/v1/separations/{id}", "get", "200"),
+        ] {
+            let op = &doc["paths"][path][method];
+            let params = op["parameters"].as_array().unwrap();
+            assert!(params.iter().any(|p| p["name"] == "Prefer" && p["in"] == "header"), "{method} {path}");
+            assert!(op["responses"][answer]["headers"]["Preference-Applied"].is_object(), "{method} {path} {answer}");
+        }
+        let submit = &doc["paths"]["/v1/separations"]["post"]["responses"];
+        assert!(submit["202"]["headers"]["Location"].is_object());
+        assert!(submit["413"].is_object(), "a body over the limit");
+    }
+}

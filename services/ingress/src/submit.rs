@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use stemq_core::netpolicy::{self, HostPolicy};
 use stemq_core::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
+use stemq_core::storage::Store;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
 
@@ -90,25 +91,36 @@ pub async fn submit(
     stores: &[String],
     audio_urls: Option<&HostPolicy>,
 ) -> Result<(SubmitResponse, Option<Event>), SubmitError> {
-    let event = prepare(body, owner, traceparent, stores, audio_urls).await?;
+    let event = prepare(body, owner, traceparent, stores, audio_urls, None).await?;
     queue(js, event).await
 }
 
 /// Validates `body` for `owner` and builds its `requested` event (the job id is its
 /// subject); nothing is published. An `upload:` `audio_uri` becomes the URI of the
-/// owner's upload in the store first ([`crate::uploads::resolve`]). `stores` and
-/// `audio_urls` as for [`submit`].
+/// owner's upload in the store first ([`crate::uploads::resolve`]), and with `uploads`
+/// (the store itself) it must exist. `stores` and `audio_urls` as for [`submit`].
 pub async fn prepare(
     body: &[u8],
     owner: &str,
     traceparent: Option<String>,
     stores: &[String],
     audio_urls: Option<&HostPolicy>,
+    uploads: Option<&Store>,
 ) -> Result<Event, SubmitError> {
     let mut req = JobRequest::from_slice(body)?;
     // An upload named as POST /v1/uploads answered: the caller's own, in our store.
-    if let Some(uri) = crate::uploads::resolve(&req.audio_uri, owner, stores)? {
-        req.audio_uri = uri;
+    if let Some(upload) = crate::uploads::resolve(&req.audio_uri, owner, stores)? {
+        if let Some(store) = uploads {
+            let size = store.size(&upload.key).await.map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+            if size.is_none() {
+                let message = format!(
+                    "no upload `{}` of yours: upload the file with POST /v1/uploads and use the audio_uri it returns",
+                    req.audio_uri
+                );
+                return Err(RequestError { field: "audio_uri".into(), message }.into());
+            }
+        }
+        req.audio_uri = upload.uri;
     }
     // Only the owner's own uploads inside the configured stores, or, where the operator
     // allows external audio, a URL whose host is admitted and whose addresses are public

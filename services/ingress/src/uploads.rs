@@ -81,10 +81,19 @@ pub fn upload_uri(file: &str) -> String {
     format!("{UPLOAD_SCHEME}:{file}")
 }
 
-/// Resolves an `upload:<sha256>.<ext>` `audio_uri` to the URI of `owner`'s upload of
-/// that name in the store (the first of `stores`, the ingress's one); `Ok(None)` for any
-/// other URI, which is checked as it is.
-pub fn resolve(audio_uri: &str, owner: &str, stores: &[String]) -> Result<Option<String>, RequestError> {
+/// An `upload:` name resolved to one of the owner's uploads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upload {
+    /// Its key in the store (`uploads/<owner>/<sha256>.<ext>`).
+    pub key: String,
+    /// Its URI in the store: what the job reads.
+    pub uri: String,
+}
+
+/// Resolves an `upload:<sha256>.<ext>` `audio_uri` to `owner`'s upload of that name in
+/// the store (the first of `stores`, the ingress's one); `Ok(None)` for any other URI,
+/// which is checked as it is.
+pub fn resolve(audio_uri: &str, owner: &str, stores: &[String]) -> Result<Option<Upload>, RequestError> {
     let Some((scheme, file)) = audio_uri.split_once(':') else {
         return Ok(None);
     };
@@ -103,7 +112,8 @@ pub fn resolve(audio_uri: &str, owner: &str, stores: &[String]) -> Result<Option
     let Some(store) = stores.first() else {
         return Err(refuse("this ingress has no object store configured, so it has no uploads".into()));
     };
-    Ok(Some(format!("{}/{}{file}", store.trim_end_matches('/'), stemq_core::uri::uploads_prefix(owner))))
+    let key = format!("{}{file}", stemq_core::uri::uploads_prefix(owner));
+    Ok(Some(Upload { uri: format!("{}/{key}", store.trim_end_matches('/')), key }))
 }
 
 #[derive(Deserialize)]
@@ -243,14 +253,11 @@ mod tests {
         let stores = ["file:///srv/store".to_string()];
         let uri = upload_uri(&format!("{SHA}.wav"));
         assert_eq!(uri, format!("upload:{SHA}.wav"));
-        assert_eq!(
-            resolve(&uri, "acme", &stores).unwrap().unwrap(),
-            format!("file:///srv/store/uploads/acme/{SHA}.wav")
-        );
-        assert_eq!(
-            resolve(&uri, "bob", &["s3://b/p/".to_string()]).unwrap().unwrap(),
-            format!("s3://b/p/uploads/bob/{SHA}.wav")
-        );
+        let up = resolve(&uri, "acme", &stores).unwrap().unwrap();
+        assert_eq!(up.uri, format!("file:///srv/store/uploads/acme/{SHA}.wav"));
+        assert_eq!(up.key, format!("uploads/acme/{SHA}.wav"));
+        let up = resolve(&uri, "bob", &["s3://b/p/".to_string()]).unwrap().unwrap();
+        assert_eq!(up.uri, format!("s3://b/p/uploads/bob/{SHA}.wav"));
         // Other URIs are left to the store checks.
         for other in ["file:///srv/store/uploads/acme/x.wav", "https://example.com/a.wav", "s3://b/k", "nonsense"] {
             assert_eq!(resolve(other, "acme", &stores).unwrap(), None, "{other}");

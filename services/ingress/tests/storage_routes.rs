@@ -2,7 +2,8 @@
 //! with a local store, the projector, and a worker running the `dsp` engine.
 //!
 //! upload a WAV → submit it (model `dsp`) → the worker separates it → the stems and
-//! the manifest are in the store → download a stem whole and by ranges.
+//! the manifest are in the store → download a stem whole and by ranges, at the URL the
+//! job's view links it under.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -153,7 +154,11 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(up["sha256"], sha);
     assert_eq!(up["bytes"], wav.len());
     let audio_uri = up["audio_uri"].as_str().unwrap().to_string();
-    assert_eq!(audio_uri, stack.store.uri(&format!("uploads/acme/{sha}.wav")));
+    // An opaque name of the caller's upload: no server path, no store.
+    assert_eq!(audio_uri, format!("upload:{sha}.wav"));
+    let fields: Vec<&String> = up.as_object().unwrap().keys().collect();
+    assert_eq!(fields, ["audio_uri", "bytes", "sha256"], "{up}");
+    assert!(!up.to_string().contains(stack.store.base_url()), "{up}");
     let again: Value = http
         .post(stack.url("/v1/uploads"))
         .header("content-type", "audio/wav")
@@ -181,6 +186,19 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(resp.status(), StatusCode::ACCEPTED);
     let job: Value = resp.json().await.unwrap();
     let id = job["job_id"].as_str().unwrap().to_string();
+    assert_eq!(job["urls"]["get"], stack.url(&format!("/v1/separations/{id}")), "{job}");
+    // The upload's name stands for its store URI: naming that is the same job.
+    let store_uri = stack.store.uri(&format!("uploads/acme/{sha}.wav"));
+    let same: Value = http
+        .post(stack.url("/v1/separations"))
+        .json(&json!({"audio_uri": store_uri, "model": "dsp", "two_stems": "vocals"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!((&same["job_id"], &same["cached"]), (&job["job_id"], &json!(true)), "{same}");
 
     // Not ready yet, or already done: never a 404 for a known job's known stem.
     let early = http.get(stack.url(&format!("/v1/separations/{id}/stems/vocals"))).send().await.unwrap();
@@ -190,6 +208,13 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(view["status"], "succeeded", "{view}");
     let outputs = view["outputs"].as_array().unwrap();
     assert_eq!(outputs.iter().map(|o| o["stem"].as_str().unwrap()).collect::<Vec<_>>(), ["vocals", "no_vocals"]);
+    assert_eq!(view["request"]["audio_uri"], store_uri, "the job reads the upload from the store");
+    // Each stem is linked where the download route serves it.
+    let links = view["urls"]["stems"].as_object().expect("stem links once succeeded").clone();
+    assert_eq!(links.len(), 2, "{view}");
+    for stem in ["vocals", "no_vocals"] {
+        assert_eq!(links[stem], stack.url(&format!("/v1/separations/{id}/stems/{stem}")));
+    }
 
     // The manifest describes every stem.
     let manifest: Value =
@@ -206,8 +231,8 @@ async fn upload_separate_and_download_stems() {
         assert_eq!(m["frames"], 2 * 44_100);
     }
 
-    // The whole stem.
-    let url = stack.url(&format!("/v1/separations/{id}/stems/vocals"));
+    // The whole stem, at its link.
+    let url = links["vocals"].as_str().unwrap().to_string();
     let resp = http.get(&url).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()["accept-ranges"], "bytes");
