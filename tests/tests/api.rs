@@ -194,6 +194,8 @@ async fn prefer_wait_answers_when_the_job_ends() {
             (t0.elapsed(), h, resp.json::<Value>().await.unwrap())
         })
     };
+    // Give the read a moment to start waiting (a cancel that comes first is answered the
+    // same way: the job has ended, at once).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (code, _, _) = call(stack.request(Method::POST, &format!("/v1/separations/{slow_id}/cancel"))).await;
     assert!(code == 200 || code == 202, "cancel: {code}");

@@ -84,28 +84,35 @@ pub(crate) async fn until_ended(
         }
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    let honoured = loop {
+    let (ended, honoured) = loop {
         let entry = tokio::select! {
-            _ = tokio::time::sleep_until(deadline) => break true,
-            _ = state.stopping.cancelled() => break true,
+            _ = tokio::time::sleep_until(deadline) => break (None, true),
+            _ = state.stopping.cancelled() => break (None, true),
             e = watch.next() => e,
         };
         match entry {
             Some(Ok(e)) if e.operation == kv::Operation::Put => {
-                if serde_json::from_slice::<JobView>(&e.value).is_ok_and(|v| v.status.is_terminal()) {
-                    break true;
+                if let Ok(v) = serde_json::from_slice::<JobView>(&e.value) {
+                    if v.status.is_terminal() {
+                        break (Some(v), true);
+                    }
                 }
             }
             Some(Ok(_)) => {}
             Some(Err(e)) => {
                 warn!(job_id = %id, error = %e, "the status watch failed; answering the current view");
-                break false;
+                break (None, false);
             }
-            None => break false,
+            None => break (None, false),
         }
     };
-    // The answer is read as any read is (the caller's access, `waiting`), and is at least
-    // as new as the revision that ended the wait.
+    // The revision that ended the job is the answer (a read now could be served by a
+    // replica that has not seen it yet), under the same access rule as any read.
+    if let Some(v) = ended.filter(|v| caller.sees(v.owner())) {
+        return Ok(Waited { view: state.with_waiting(v), honoured });
+    }
+    // Not ended within the wait (or the ended view lacks its request): read it now, as
+    // any read is.
     match state.view_for(caller, &id).await? {
         Some(view) => Ok(Waited { view, honoured }),
         None => Ok(Waited { view, honoured: false }),
