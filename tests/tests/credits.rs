@@ -146,8 +146,10 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     .await;
     assert_eq!((code, refused["error"]["code"].as_str()), (402, Some("insufficient_credits")), "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("nothing was queued"), "{refused}");
+    // The upload's name stands for its store URI, which the job id is derived from.
+    let stored = stack.store.uri(&format!("uploads/acme/{}.wav", up["sha256"].as_str().unwrap()));
     let would_be = stemq_core::JobRequest::from_slice(
-        serde_json::to_vec(&json!({"audio_uri": up["audio_uri"], "model": "dsp"})).unwrap().as_slice(),
+        serde_json::to_vec(&json!({"audio_uri": stored, "model": "dsp"})).unwrap().as_slice(),
     )
     .unwrap()
     .normalize("acme")
@@ -165,6 +167,7 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     )
     .await;
     assert_eq!(code, 202, "{v}");
+    assert_eq!(job_id(&v), would_be, "the job the refusal did not queue");
     assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);
     let a = settled(&ledger, "acme", T).await;
     assert_eq!(a.charged, MICRO + prices.cost(Model::Dsp, 10_000), "the fake engine's 10 s: {a:?}");

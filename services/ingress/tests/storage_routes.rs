@@ -157,7 +157,7 @@ async fn upload_separate_and_download_stems() {
     // An opaque name of the caller's upload: no server path, no store.
     assert_eq!(audio_uri, format!("upload:{sha}.wav"));
     let fields: Vec<&String> = up.as_object().unwrap().keys().collect();
-    assert_eq!(fields, ["audio_uri", "bytes", "sha256"], "{up}");
+    assert_eq!(fields, ["audio_uri", "bytes", "duration_ms", "sha256"], "{up}");
     assert!(!up.to_string().contains(stack.store.base_url()), "{up}");
     let again: Value = http
         .post(stack.url("/v1/uploads"))
@@ -172,8 +172,8 @@ async fn upload_separate_and_download_stems() {
     assert_eq!(again["audio_uri"], audio_uri);
     assert_eq!(
         stack.store.list("uploads").await.unwrap(),
-        vec![format!("uploads/acme/{sha}.wav")],
-        "no temp objects left"
+        vec![format!("uploads/acme/{sha}.wav"), format!("uploads/acme/{sha}.wav.meta.json")],
+        "the upload and what it lasts, no temp objects left"
     );
 
     // Separate it with the dsp engine.
@@ -289,7 +289,8 @@ async fn uploads_over_the_limit_are_refused() {
     // At the limit: fine.
     let resp = http.post(stack.url("/v1/uploads?filename=a.flac")).body(vec![7u8; 1000]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::CREATED);
-    let keys = stack.store.list("uploads").await.unwrap();
+    let keys: Vec<String> =
+        stack.store.list("uploads").await.unwrap().into_iter().filter(|k| !k.ends_with(".meta.json")).collect();
     assert_eq!(keys.len(), 1, "{keys:?}");
     assert!(keys[0].ends_with(".flac"));
     // Empty and badly named uploads.
