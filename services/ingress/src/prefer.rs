@@ -109,7 +109,7 @@ pub(crate) async fn until_ended(
     // The revision that ended the job is the answer (a read now could be served by a
     // replica that has not seen it yet), under the same access rule as any read.
     if let Some(v) = ended.filter(|v| caller.sees(v.owner())) {
-        return Ok(Waited { view: state.with_waiting(v), honoured });
+        return Ok(Waited { view: state.annotate(v), honoured });
     }
     // Not ended within the wait (or the ended view lacks its request): read it now, as
     // any read is.
