@@ -27,24 +27,18 @@ if ! .stemq/venv/bin/python -c 'import kubernetes_validate, yaml' 2>/dev/null ||
 fi
 .stemq/venv/bin/moto_server --help >/dev/null
 .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks'
-if ! command -v promtool >/dev/null 2>&1; then
+# Installs Debian package $1 (what $2 needs) as root; elsewhere says so and goes on.
+apt_install() {
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 ||
-      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; } ||
-      echo "could not install promtool (apt-get install prometheus failed)" >&2
+    { apt-get install -y -qq --no-install-recommends "$1" >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "$1" >/dev/null; }; } ||
+      echo "could not install $1 (apt-get install $1 failed)" >&2
   else
-    echo "promtool is missing and apt-get needs root: install Debian's prometheus package to check the alert rules" >&2
+    echo "$1 is missing and apt-get needs root: install Debian's $1 package for $2" >&2
   fi
-fi
-if [[ ! -x /usr/bin/chromium ]]; then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 ||
-      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; } ||
-      echo "could not install chromium (apt-get install chromium failed)" >&2
-  else
-    echo "chromium is missing and apt-get needs root: install Debian's chromium package for the page test" >&2
-  fi
-fi
+}
+command -v promtool >/dev/null 2>&1 || apt_install prometheus "the alert rules' checks (promtool)"
+[[ -x /usr/bin/chromium ]] || apt_install chromium "the page test"
 if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
     (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)

@@ -136,14 +136,11 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
         .await
         .unwrap();
     assert_eq!(up["duration_ms"].as_u64(), Some(60_000), "{up}");
-    let (code, refused) = call(
-        &stack,
-        &acme,
-        reqwest::Method::POST,
-        "/v1/separations",
-        Some(json!({"audio_uri": up["audio_uri"], "model": "dsp"})),
-    )
-    .await;
+    let submit_upload = || {
+        let body = json!({"audio_uri": up["audio_uri"], "model": "dsp"});
+        call(&stack, &acme, reqwest::Method::POST, "/v1/separations", Some(body))
+    };
+    let (code, refused) = submit_upload().await;
     assert_eq!((code, refused["error"]["code"].as_str()), (402, Some("insufficient_credits")), "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("nothing was queued"), "{refused}");
     // The upload's name stands for its store URI, which the job id is derived from.
@@ -158,14 +155,7 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     assert!(stack.view(&would_be).await.is_none(), "a refused job must not be queued");
     // With credits, it goes through.
     ledger.grant("acme", 10 * MICRO, "test", None, "g2").await.unwrap();
-    let (code, v) = call(
-        &stack,
-        &acme,
-        reqwest::Method::POST,
-        "/v1/separations",
-        Some(json!({"audio_uri": up["audio_uri"], "model": "dsp"})),
-    )
-    .await;
+    let (code, v) = submit_upload().await;
     assert_eq!(code, 202, "{v}");
     assert_eq!(job_id(&v), would_be, "the job the refusal did not queue");
     assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);

@@ -31,22 +31,29 @@ use crate::services::Isolation;
 /// The owner of the benchmark's jobs (it publishes as an operator, past the ingress).
 const BENCH_OWNER: &str = "bench";
 
+/// The load of `bench pipeline` and `bench raw`.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct Load {
+    /// Jobs (cycles) to run.
+    #[arg(long, default_value_t = 1000)]
+    pub jobs: usize,
+    /// Submit at this steady rate (per second) instead of as fast as possible.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Worker job loops (consumer loops of the raw cycles).
+    #[arg(long, default_value_t = 64)]
+    pub workers: usize,
+    /// Submits in flight at once (throughput mode).
+    #[arg(long, default_value_t = 256)]
+    pub in_flight: usize,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Submitted → terminal in the KV view, with the fake engine.
     Pipeline {
-        /// Jobs to run.
-        #[arg(long, default_value_t = 1000)]
-        jobs: usize,
-        /// Submit at this steady rate (jobs/s) instead of as fast as possible.
-        #[arg(long)]
-        rate: Option<f64>,
-        /// Worker job loops.
-        #[arg(long, default_value_t = 64)]
-        workers: usize,
-        /// Submits in flight at once (throughput mode).
-        #[arg(long, default_value_t = 256)]
-        in_flight: usize,
+        #[command(flatten)]
+        load: Load,
         /// Where outputs go: `memory` or `local` (files under a temp dir).
         #[arg(long, default_value = "memory")]
         store: String,
@@ -71,18 +78,8 @@ pub enum BenchCommand {
     /// Raw JetStream with the pipeline's load shape: publish a request, pull it, publish
     /// an outcome, ack; no stemq logic. The ceiling `bench pipeline` is compared with.
     Raw {
-        /// Requests to cycle.
-        #[arg(long, default_value_t = 1000)]
-        jobs: usize,
-        /// Publish at this steady rate (per second) instead of as fast as possible.
-        #[arg(long)]
-        rate: Option<f64>,
-        /// Consumer loops (cycles in flight).
-        #[arg(long, default_value_t = 64)]
-        workers: usize,
-        /// Publishes in flight at once (throughput mode).
-        #[arg(long, default_value_t = 256)]
-        in_flight: usize,
+        #[command(flatten)]
+        load: Load,
     },
     /// Peak RSS of a `stemq worker` process (dsp engine) separating songs of several
     /// lengths through the whole pipeline, side by side.
@@ -97,8 +94,9 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { jobs, rate, workers, in_flight, store, isolation, cluster, raw, server } => {
-            let baseline = if raw { Some(raw_cycles(jobs, rate, workers, in_flight).await?) } else { None };
+        BenchCommand::Pipeline { load, store, isolation, cluster, raw, server } => {
+            let Load { jobs, rate, workers, in_flight } = load;
+            let baseline = if raw { Some(raw_cycles(load).await?) } else { None };
             if let Some(b) = &baseline {
                 b.print();
             }
@@ -111,8 +109,8 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
             }
             Ok(())
         }
-        BenchCommand::Raw { jobs, rate, workers, in_flight } => {
-            raw_cycles(jobs, rate, workers, in_flight).await?.print();
+        BenchCommand::Raw { load } => {
+            raw_cycles(load).await?.print();
             Ok(())
         }
         BenchCommand::Rss { minutes, server } => rss(&server.settings(), &minutes).await,
@@ -256,7 +254,7 @@ impl Figures {
 }
 
 /// Raw JetStream cycles on a server of its own (see the module doc).
-async fn raw_cycles(jobs: usize, rate: Option<f64>, workers: usize, in_flight: usize) -> Result<Figures> {
+async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) -> Result<Figures> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("nats");
     let server = tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??;
