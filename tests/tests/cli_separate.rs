@@ -59,6 +59,40 @@ fn separate_writes_out_name_track_stem_like_demucs() {
     let out = stemq(&["separate", "-n", "dsp", "--other-method", "minus", "song.wav"], dir.path());
     assert!(!out.status.success(), "--other-method needs --two-stems");
 
+    // --other-method minus names the complement `minus_STEM`, as demucs 4.1.0 does;
+    // --mp3 with demucs's bit rate and preset flags (and --int24, which demucs ignores
+    // for MP3).
+    let out = stemq(
+        &[
+            "separate",
+            "-n",
+            "dsp",
+            "--two-stems",
+            "bass",
+            "--other-method",
+            "minus",
+            "--mp3",
+            "--mp3-bitrate",
+            "128",
+            "--mp3-preset",
+            "7",
+            "--int24",
+            "-o",
+            "mp3",
+            "song.wav",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!dir.path().join("mp3/dsp/song/no_bass.mp3").exists());
+    for stem in ["bass", "minus_bass"] {
+        let p = dir.path().join(format!("mp3/dsp/song/{stem}.mp3"));
+        let bytes = std::fs::read(&p).unwrap_or_else(|_| panic!("{} missing", p.display()));
+        assert_eq!((bytes[0], bytes[1] & 0xFE), (0xFF, 0xFA), "{stem}: MPEG-1 Layer III");
+        // 128 kbit/s, constant: 3 s of song plus LAME's delay and padding.
+        assert!((48_000..52_000).contains(&bytes.len()), "{stem}: {} B", bytes.len());
+    }
+
     // Refusals say why: a request the pipeline would refuse, and an absent engine.
     let out = stemq(&["separate", "-n", "dsp", "--overlap", "1.5", "song.wav"], dir.path());
     assert!(!out.status.success());

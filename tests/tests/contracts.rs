@@ -126,7 +126,9 @@ async fn invalid_requests_get_422_naming_the_field_and_publish_nothing() {
         // Every enum-valued option names itself, not `body`.
         (json!({"audio_uri": uri, "encoding": "s32"}), "encoding"),
         (json!({"audio_uri": uri, "clip_mode": "soft"}), "clip_mode"),
-        (json!({"audio_uri": uri, "output_format": "mp3"}), "output_format"),
+        (json!({"audio_uri": uri, "output_format": "ogg"}), "output_format"),
+        (json!({"audio_uri": uri, "output_format": "mp3", "mp3_bitrate": 300}), "mp3_bitrate"),
+        (json!({"audio_uri": uri, "output_format": "mp3", "mp3_preset": 9}), "mp3_preset"),
         (json!({"audio_uri": uri, "two_stems": "vocals", "other_method": "mul"}), "other_method"),
         (json!({"audio_uri": uri, "shifts": 1u64 << 32}), "shifts"),
         // Untrusted URIs: refused before anything is published.

@@ -26,7 +26,10 @@
 //! * other  = **mixture − vocals − drums − bass in the time domain**, so the
 //!   four stems sum back to the input by construction (to float rounding).
 //!
-//! With `two_stems: Some(s)` the output is `s` and `no_s = mixture − s`.
+//! With `two_stems: Some(s)` the output is `s` and its complement `mixture − s`,
+//! named as Demucs names it: `no_s` for `other_method` `add` (the sum of the other
+//! stems, which here is exactly the mixture minus `s`, as the stems sum to the
+//! mixture), `minus_s` for `minus`, and nothing for `none`.
 //!
 //! # Streaming
 //! [`DspSeparator::push`] accepts chunks of any size; the STFT frames, the
@@ -57,6 +60,8 @@ use std::sync::Arc;
 
 use realfft::num_complex::Complex32;
 use realfft::{ComplexToReal, RealFftPlanner, RealToComplex};
+
+use stemq_core::request::OtherMethod;
 
 use crate::chunk::StereoChunk;
 use crate::decode::{DecodeOptions, Decoder};
@@ -112,16 +117,22 @@ impl Stem {
 /// Options of the `dsp` engine.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DspOptions {
-    /// `Some(stem)`: output only `stem` and `no_<stem>` (mixture minus it).
+    /// `Some(stem)`: output only `stem` and its complement (mixture minus it).
     pub two_stems: Option<Stem>,
+    /// With `two_stems`: the complement's name (`no_<stem>` for `add`, `minus_<stem>`
+    /// for `minus`, as Demucs names them), or no complement (`none`).
+    #[serde(default)]
+    pub other_method: OtherMethod,
 }
 
 impl DspOptions {
     /// Names of the output stems in the order [`DspSeparator`] returns them.
     pub fn stem_names(&self) -> Vec<String> {
-        match self.two_stems {
-            None => Stem::ALL.iter().map(|s| s.name().to_string()).collect(),
-            Some(s) => vec![s.name().to_string(), format!("no_{}", s.name())],
+        match (self.two_stems, self.other_method) {
+            (None, _) => Stem::ALL.iter().map(|s| s.name().to_string()).collect(),
+            (Some(s), OtherMethod::None) => vec![s.name().to_string()],
+            (Some(s), OtherMethod::Minus) => vec![s.name().to_string(), format!("minus_{}", s.name())],
+            (Some(s), OtherMethod::Add) => vec![s.name().to_string(), format!("no_{}", s.name())],
         }
     }
 }
@@ -235,8 +246,7 @@ impl DspSeparator {
     }
 
     fn empty_outputs(&self) -> Vec<StereoChunk> {
-        let n = if self.opts.two_stems.is_some() { 2 } else { 4 };
-        vec![StereoChunk::default(); n]
+        vec![StereoChunk::default(); self.opts.stem_names().len()]
     }
 
     /// Feeds a chunk; returns the separated samples that became final.
@@ -400,7 +410,7 @@ impl DspSeparator {
 /// One written stem file.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StemOutput {
-    /// Stem name (`"vocals"`, `"no_vocals"`, ...).
+    /// Stem name (`"vocals"`, `"no_vocals"`, `"minus_vocals"`, ...).
     pub name: String,
     /// Where the file was written.
     pub path: PathBuf,

@@ -1,6 +1,6 @@
 //! Owns streamed stem encoding: output formats (WAV 16/24-bit PCM, WAV 32-bit
-//! float, FLAC 16/24-bit), Demucs-compatible clip modes, and the file summary
-//! (sha256, size, duration) used for manifests.
+//! float, FLAC 16/24-bit, MP3 at a constant bit rate), Demucs-compatible clip modes,
+//! and the file summary (sha256, size, duration) used for manifests.
 //!
 //! # Clip modes (Demucs meanings)
 //! * [`ClipMode::Rescale`] — divide the whole stem by `max(1.01 * peak, 1)`,
@@ -25,6 +25,8 @@ use crate::chunk::StereoChunk;
 use crate::decode::{DecodeOptions, Decoder};
 use crate::error::AudioError;
 use crate::flac::FlacWriter;
+#[cfg(feature = "mp3")]
+use crate::mp3::Mp3Writer;
 use crate::wav::{WavSampleFormat, WavWriter};
 
 /// Output file format of a stem.
@@ -42,15 +44,40 @@ pub enum OutputFormat {
     Flac16,
     /// FLAC, 24 bit.
     Flac24,
+    /// MP3 (MPEG-1 Layer III) at a constant bit rate, encoded by LAME (needs the `mp3`
+    /// feature).
+    Mp3(Mp3Settings),
 }
 
 impl OutputFormat {
-    /// File extension without the dot (`"wav"` or `"flac"`).
+    /// File extension without the dot (`"wav"`, `"flac"` or `"mp3"`).
     pub fn extension(self) -> &'static str {
         match self {
             OutputFormat::Flac16 | OutputFormat::Flac24 => "flac",
-            _ => "wav",
+            OutputFormat::Mp3(_) => "mp3",
+            OutputFormat::Wav16 | OutputFormat::Wav24 | OutputFormat::WavF32 => "wav",
         }
+    }
+}
+
+/// How an MP3 stem is encoded (Demucs's `--mp3-bitrate` and `--mp3-preset`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Mp3Settings {
+    /// Constant bit rate in kbit/s, one of [`Mp3Settings::BITRATES`]; Demucs's default is 320.
+    pub bitrate_kbps: u16,
+    /// LAME's quality, 0 (best, slowest) to 9; Demucs's presets are 2 (its default) to 7.
+    pub quality: u8,
+}
+
+impl Mp3Settings {
+    /// The bit rates of MPEG-1 Layer III (the layer of 32, 44.1 and 48 kHz audio).
+    pub const BITRATES: [u16; 14] = [32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320];
+}
+
+impl Default for Mp3Settings {
+    /// Demucs's defaults: 320 kbit/s, preset 2.
+    fn default() -> Self {
+        Mp3Settings { bitrate_kbps: 320, quality: 2 }
     }
 }
 
@@ -61,6 +88,8 @@ pub use stemq_core::request::ClipMode;
 enum Sink<W: Write + Seek> {
     Wav(WavWriter<W>),
     Flac(Box<FlacWriter<W>>),
+    #[cfg(feature = "mp3")]
+    Mp3(Box<Mp3Writer<W>>),
 }
 
 impl<W: Write + Seek> Sink<W> {
@@ -68,12 +97,16 @@ impl<W: Write + Seek> Sink<W> {
         match self {
             Sink::Wav(w) => w.write(l, r),
             Sink::Flac(w) => w.write(l, r),
+            #[cfg(feature = "mp3")]
+            Sink::Mp3(w) => w.write(l, r),
         }
     }
     fn finish(self) -> Result<W, AudioError> {
         match self {
             Sink::Wav(w) => w.finish(),
             Sink::Flac(w) => w.finish(),
+            #[cfg(feature = "mp3")]
+            Sink::Mp3(w) => w.finish(),
         }
     }
 }
@@ -101,6 +134,10 @@ impl<W: Write + Seek> StemEncoder<W> {
             OutputFormat::WavF32 => Sink::Wav(WavWriter::new(out, WavSampleFormat::Float32, sample_rate)?),
             OutputFormat::Flac16 => Sink::Flac(Box::new(FlacWriter::new(out, 16, sample_rate)?)),
             OutputFormat::Flac24 => Sink::Flac(Box::new(FlacWriter::new(out, 24, sample_rate)?)),
+            #[cfg(feature = "mp3")]
+            OutputFormat::Mp3(settings) => Sink::Mp3(Box::new(Mp3Writer::new(out, settings, sample_rate)?)),
+            #[cfg(not(feature = "mp3"))]
+            OutputFormat::Mp3(_) => return Err(AudioError::FormatUnavailable { format: "MP3", feature: "mp3" }),
         };
         let spool = if clip == ClipMode::Rescale {
             Some(Spool { file: BufWriter::with_capacity(1 << 16, tempfile::tempfile()?), peak: 0.0 })

@@ -15,7 +15,7 @@ use stemq_core::request::{ClipMode, Encoding, Model, OutputFormat as RequestForm
 use tracing::{debug, info_span};
 
 use crate::dsp::{separate_file, DspOptions, EncodeSettings, Stem};
-use crate::encode::OutputFormat;
+use crate::encode::{Mp3Settings, OutputFormat};
 use crate::error::AudioError;
 use crate::{DecodeOptions, ENGINE_SAMPLE_RATE};
 
@@ -52,6 +52,14 @@ pub fn output_settings(req: &stemq_core::NormalizedRequest) -> (OutputFormat, Cl
         (RequestFormat::Flac, Encoding::S24) => OutputFormat::Flac24,
         // f32 FLAC is refused at validation; 16 bit is the safe reading.
         (RequestFormat::Flac, _) => OutputFormat::Flac16,
+        // A validated MP3 request always names both; the defaults are the safe reading.
+        (RequestFormat::Mp3, _) => {
+            let default = Mp3Settings::default();
+            OutputFormat::Mp3(Mp3Settings {
+                bitrate_kbps: req.mp3_bitrate.and_then(|b| u16::try_from(b).ok()).unwrap_or(default.bitrate_kbps),
+                quality: req.mp3_preset.and_then(|p| u8::try_from(p).ok()).unwrap_or(default.quality),
+            })
+        }
     };
     (format, req.clip_mode)
 }
@@ -83,6 +91,10 @@ pub fn engine_error(e: AudioError) -> EngineError {
             format!("the input is not an audio file stemq can read (the decoder failed on it: {detail})"),
         ),
         AudioError::Cancelled => EngineError::Cancelled,
+        // A build without the format: every worker of this build refuses it alike.
+        e @ AudioError::FormatUnavailable { .. } => {
+            EngineError::Unsupported { code: FailureCode::InvalidArgument, message: e.to_string() }
+        }
         AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
         // Our own bugs: not the input's fault, and another try will not fix them.
         e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => {
@@ -137,7 +149,7 @@ impl Engine for DspEngine {
             job.input,
             job.out_dir,
             &decode,
-            &DspOptions { two_stems },
+            &DspOptions { two_stems, other_method: req.other_method.unwrap_or_default() },
             EncodeSettings { format, clip },
             &mut progress,
             &cancel,

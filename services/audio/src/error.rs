@@ -80,6 +80,14 @@ pub enum AudioError {
     /// A caller passed an invalid argument (bad sample rate, wrong chunk shape, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The output format was left out of this build (a cargo feature of `stemq-audio`).
+    #[error("{format} output is not built into this program (stemq-audio's `{feature}` feature)")]
+    FormatUnavailable {
+        /// The format's name, e.g. `"MP3"`.
+        format: &'static str,
+        /// The cargo feature that brings it.
+        feature: &'static str,
+    },
     /// An internal failure that should not happen (resampler construction, ...).
     #[error("internal audio error: {0}")]
     Internal(String),

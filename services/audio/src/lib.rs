@@ -2,8 +2,9 @@
 //!
 //! * [`decode`] — streamed decoding of WAV / FLAC / MP3 / Ogg Vorbis into
 //!   stereo `f32` chunks at 44.1 kHz, with typed input errors;
-//! * [`encode`] — streamed WAV (16/24-bit PCM, 32-bit float) and FLAC (16/24)
-//!   stem writers with Demucs's clip modes, and file summaries for manifests;
+//! * [`encode`] — streamed WAV (16/24-bit PCM, 32-bit float), FLAC (16/24, with
+//!   LPC and the MD5 of the samples) and MP3 (LAME, `mp3` feature) stem writers with
+//!   Demucs's clip modes, and file summaries for manifests;
 //! * [`dsp`] — the weight-free baseline separation engine (vocals, drums,
 //!   bass, other), streamed with bounded memory;
 //! * [`engine`] — [`DspEngine`], the `dsp` separator behind stemq's engine seam;
@@ -21,6 +22,8 @@ pub mod encode;
 pub mod engine;
 pub mod error;
 pub mod flac;
+#[cfg(feature = "mp3")]
+pub mod mp3;
 mod preflight;
 mod resample;
 pub mod synth;
@@ -29,6 +32,6 @@ pub mod wav;
 pub use chunk::StereoChunk;
 pub use decode::{probe_duration_ms, DecodeOptions, Decoder, SourceInfo, ENGINE_SAMPLE_RATE};
 pub use dsp::{separate_file, DspOptions, DspSeparator, EncodeSettings, Stem, StemOutput};
-pub use encode::{summarize_file, ClipMode, FileSummary, OutputFormat, StemEncoder};
+pub use encode::{summarize_file, ClipMode, FileSummary, Mp3Settings, OutputFormat, StemEncoder};
 pub use engine::DspEngine;
 pub use error::AudioError;

@@ -123,6 +123,43 @@ fn two_stems_as_flac() {
     std::fs::create_dir(&out).unwrap();
     let stems = run(&DspEngine::default(), &req, &input, &out, &Ctx::default()).unwrap();
     assert_eq!(stems.iter().map(|s| s.stem.as_str()).collect::<Vec<_>>(), ["vocals"]);
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1, "no complement is written either");
+    // --other-method minus: `minus_<stem>`, as demucs names it; the same samples as
+    // `add`'s `no_<stem>` (the dsp stems sum to the mixture exactly).
+    let req = request(json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "two_stems": "vocals",
+                             "other_method": "minus"}));
+    let out = dir.path().join("minus");
+    std::fs::create_dir(&out).unwrap();
+    let stems = run(&DspEngine::default(), &req, &input, &out, &Ctx::default()).unwrap();
+    assert_eq!(stems.iter().map(|s| s.stem.as_str()).collect::<Vec<_>>(), ["vocals", "minus_vocals"]);
+    let add_out = dir.path().join("add");
+    std::fs::create_dir(&add_out).unwrap();
+    let add = request(json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "two_stems": "vocals"}));
+    let add_stems = run(&DspEngine::default(), &add, &input, &add_out, &Ctx::default()).unwrap();
+    assert_eq!(add_stems[1].stem, "no_vocals");
+    assert_eq!(std::fs::read(&stems[1].path).unwrap(), std::fs::read(&add_stems[1].path).unwrap());
+}
+
+#[cfg(feature = "mp3")]
+#[test]
+fn mp3_follows_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("song.wav");
+    write_song(&input, 1.0);
+    let req = request(json!({"audio_uri": "file:///x/song.wav", "model": "dsp", "output_format": "mp3",
+                             "mp3_bitrate": 96, "mp3_preset": 7}));
+    let stems = run(&DspEngine::default(), &req, &input, dir.path(), &Ctx::default()).unwrap();
+    assert_eq!(stems.len(), 4);
+    for s in &stems {
+        assert_eq!(s.path.extension().unwrap(), "mp3");
+        let bytes = std::fs::read(&s.path).unwrap();
+        assert_eq!((bytes[0], bytes[1] & 0xFE), (0xFF, 0xFA), "{}: MPEG-1 Layer III", s.stem);
+        // 96 kbit/s, constant: 1 s of audio, LAME's delay and padding, the Info frame.
+        assert!((12_000..14_500).contains(&bytes.len()), "{}: {} B", s.stem, bytes.len());
+        let audio = s.audio.unwrap();
+        assert_eq!(audio.sample_rate, 44_100);
+        assert!(audio.frames >= 44_100 + 1105 && audio.frames < 44_100 + 1105 + 1152, "{}", audio.frames);
+    }
 }
 
 #[test]

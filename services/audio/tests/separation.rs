@@ -210,7 +210,7 @@ fn two_stems_give_stem_and_its_complement() {
     let src = synth(4.0);
     let mix = src.mixture();
     let four = run(&mut DspSeparator::new(DspOptions::default()), &mix, 4096);
-    let mut sep = DspSeparator::new(DspOptions { two_stems: Some(Stem::Vocals) });
+    let mut sep = DspSeparator::new(DspOptions { two_stems: Some(Stem::Vocals), ..Default::default() });
     assert_eq!(sep.stem_names(), ["vocals", "no_vocals"]);
     let two = run(&mut sep, &mix, 4096);
     assert_eq!(two.len(), 2);
@@ -293,7 +293,7 @@ fn file_pipeline_reports_progress_and_can_be_cancelled() {
         &input,
         &out_dir,
         &DecodeOptions::default(),
-        &DspOptions { two_stems: Some(Stem::Drums) },
+        &DspOptions { two_stems: Some(Stem::Drums), ..Default::default() },
         EncodeSettings { format: OutputFormat::Flac16, clip: ClipMode::Rescale },
         &mut |_| {},
         &|| calls.fetch_add(1, Ordering::SeqCst) >= 3,

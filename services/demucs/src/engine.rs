@@ -3,9 +3,10 @@
 //! statistics, once streamed through [`separate_stream`] (segments with overlap, shifts
 //! seeded from the job id) straight into one `StemEncoder` per stem, so memory does not
 //! grow with the track. Progress is reported and cancellation honoured per chunk;
-//! partial files are removed on failure. Two-stem requests get `STEM` and `no_STEM`,
-//! made as demucs's `--other-method` says: the sum of the other stems (`add`), the
-//! mixture minus the stem (`minus`, reading the input a third time), or not at all.
+//! partial files are removed on failure. Two-stem requests get `STEM` and its
+//! complement, made and named as demucs's `--other-method` says: the sum of the other
+//! stems (`add`: `no_STEM`), the mixture minus the stem (`minus`: `minus_STEM`, reading
+//! the input a third time), or not at all.
 //!
 //! Models come from a local folder ([`ModelRepo`]) and stay resident once loaded.
 //!

@@ -51,6 +51,8 @@ fn request(model: Model, two_stems: Option<&str>) -> NormalizedRequest {
         two_stems: two_stems.map(String::from),
         other_method: None,
         output_format: RequestFormat::Wav,
+        mp3_bitrate: None,
+        mp3_preset: None,
         encoding: Default::default(),
         clip_mode: Default::default(),
         segment: None,

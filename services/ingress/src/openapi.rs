@@ -137,12 +137,12 @@ pub fn document() -> Value {
                     "summary": "Download one stem of a succeeded job (single-range HTTP Range supported; S3 stores redirect to a presigned URL)",
                     "parameters": [
                         {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
-                        {"name": "stem", "in": "path", "required": true, "schema": {"type": "string"}, "description": "`vocals`, `no_vocals`, ..."},
+                        {"name": "stem", "in": "path", "required": true, "schema": {"type": "string"}, "description": "`vocals`, `no_vocals` (`--other-method add`), `minus_vocals` (`minus`), ..."},
                         {"name": "Range", "in": "header", "schema": {"type": "string"}, "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`"}
                     ],
                     "responses": {
-                        "200": {"description": "The whole stem", "content": {"audio/wav": {}, "audio/flac": {}}},
-                        "206": {"description": "The requested byte range (`Content-Range`)", "content": {"audio/wav": {}, "audio/flac": {}}},
+                        "200": {"description": "The whole stem", "content": {"audio/wav": {}, "audio/flac": {}, "audio/mpeg": {}}},
+                        "206": {"description": "The requested byte range (`Content-Range`)", "content": {"audio/wav": {}, "audio/flac": {}, "audio/mpeg": {}}},
                         "307": {"description": "Redirect to a short-lived presigned URL (S3 stores)"},
                         "404": err("No such job or stem"),
                         "409": err("The job has not succeeded"),

@@ -125,6 +125,7 @@ pub(crate) async fn download(
         let content_type = match ext {
             "wav" => "audio/wav",
             "flac" => "audio/flac",
+            "mp3" => "audio/mpeg",
             _ => "application/octet-stream",
         };
         let mut out = HeaderMap::new();

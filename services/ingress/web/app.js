@@ -342,7 +342,7 @@ async function finish(view, mine) {
     for (const o of view.outputs) {
       const ext = (o.uri.match(/\.([a-z0-9]+)$/i) || [, "wav"])[1];
       const data = await bytes(`/v1/separations/${view.job_id}/stems/${encodeURIComponent(o.stem)}`);
-      stems.push({ name: o.stem, bytes: data, file: `${o.stem}.${ext}`, type: ext === "flac" ? "audio/flac" : "audio/wav" });
+      stems.push({ name: o.stem, bytes: data, file: `${o.stem}.${ext}`, type: { flac: "audio/flac", mp3: "audio/mpeg" }[ext] || "audio/wav" });
     }
   } catch (e) {
     if (job === mine) $("job-error").textContent = sayRequest(e);

@@ -446,6 +446,18 @@ mod tests {
         assert_eq!(req(&demucs), req(&own));
         assert_eq!(req(&own).0["output_format"], "flac");
         assert!(Cli::try_parse_from(["stemq", "submit", "--flac", "--format", "wav", "a.wav"]).is_err());
+        // MP3, in both spellings.
+        let mp3 = ["stemq", "submit", "--mp3", "--mp3-bitrate", "192", "--mp3-preset", "3", "--wait", "x://a.wav"];
+        let own =
+            ["stemq", "submit", "--format", "mp3", "--mp3-bitrate", "192", "--mp3-preset", "3", "--wait", "x://a.wav"];
+        assert_eq!(req(&mp3), req(&own));
+        assert_eq!(req(&mp3).0["output_format"], "mp3");
+        assert_eq!(
+            (&req(&mp3).0["mp3_bitrate"], &req(&mp3).0["mp3_preset"]),
+            (&serde_json::json!(192), &serde_json::json!(3))
+        );
+        assert!(Cli::try_parse_from(["stemq", "submit", "--mp3", "--flac", "a.wav"]).is_err());
+        assert!(Cli::try_parse_from(["stemq", "submit", "--mp3", "--mp3-preset", "8", "a.wav"]).is_err());
     }
 
     /// Issue 12: `submit --priority` puts the lane in the request (absent: the key's

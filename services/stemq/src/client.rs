@@ -34,8 +34,9 @@ pub struct SubmitArgs {
     pub split: SplitOpts,
     #[command(flatten)]
     pub output: OutputOpts,
-    /// Output container (`--flac` is the same as `--format flac`).
-    #[arg(long, value_enum, conflicts_with = "flac")]
+    /// Output container (`--flac` is the same as `--format flac`, `--mp3` as `--format
+    /// mp3`).
+    #[arg(long, value_enum, conflicts_with_all = ["flac", "mp3"])]
     pub format: Option<FormatArg>,
     /// Sample encoding (`--int24` is `s24`, `--float32` is `f32`).
     #[arg(long, value_enum, conflicts_with_all = ["int24", "float32"])]
@@ -79,6 +80,7 @@ impl SubmitArgs {
                 ("priority", self.priority.map(|p| json_of(p.priority()))),
             ],
         );
+        set_fields(&mut req, self.output.mp3_fields(format));
         req
     }
 

@@ -3,22 +3,25 @@
 //!
 //! This module owns the mapping from flags to the request document: the demucs
 //! spellings (`--two-stems`, `--other-method`, `--segment`, `--overlap`, `--shifts`,
-//! `--flac`, `--int24`, `--float32`, `--clip-mode`) parse into typed values here and
+//! `--flac`, `--mp3`, `--mp3-bitrate`, `--mp3-preset`, `--int24`, `--float32`,
+//! `--clip-mode`) parse into typed values here and
 //! become the request's fields through the core crate's own enums, so a value the
 //! request does not know is refused by the parser, before anything runs.
 
 use clap::{Args, ValueEnum};
 use serde_json::Value;
-use stemq_core::request::{ClipMode, Encoding, OtherMethod, OutputFormat, Priority};
+use stemq_core::request::{ClipMode, Encoding, OtherMethod, OutputFormat, Priority, MP3_BITRATES};
 
 /// How to split: shared by `submit` and `separate`.
 #[derive(Debug, Args, Clone, Default)]
 pub struct SplitOpts {
-    /// Only this stem and its complement (`no_<stem>`).
+    /// Only this stem and its complement (`no_<stem>`, or `minus_<stem>` with
+    /// `--other-method minus`, as demucs names them).
     #[arg(long)]
     pub two_stems: Option<String>,
-    /// With `--two-stems`: `no_<stem>` as the sum of the other stems (`add`, the
-    /// default), as the mixture minus the stem (`minus`), or not at all (`none`).
+    /// With `--two-stems`: the complement as the sum of the other stems (`add`, the
+    /// default: `no_<stem>`), as the mixture minus the stem (`minus`: `minus_<stem>`), or
+    /// not at all (`none`).
     #[arg(long, value_enum, requires = "two_stems")]
     pub other_method: Option<OtherMethodArg>,
     /// Segment length in seconds.
@@ -51,8 +54,20 @@ impl SplitOpts {
 #[derive(Debug, Args, Clone, Default)]
 pub struct OutputOpts {
     /// Write FLAC instead of WAV.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "mp3")]
     pub flac: bool,
+    /// Write MP3 instead of WAV (LAME, constant bit rate; `--int24` and `--float32` are
+    /// then ignored, as demucs ignores them).
+    #[arg(long)]
+    pub mp3: bool,
+    /// MP3 bit rate in kbit/s (default 320). As with demucs (LAME), a rate MPEG-1 does
+    /// not have becomes the nearest one it has (32 to 320). Ignored without MP3 output.
+    #[arg(long, value_name = "KBPS")]
+    pub mp3_bitrate: Option<u32>,
+    /// MP3 encoder preset: 2 for the best quality (default) to 7 for the fastest.
+    /// Ignored without MP3 output.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=7))]
+    pub mp3_preset: Option<u32>,
     /// 24-bit integer samples.
     #[arg(long, conflicts_with = "float32")]
     pub int24: bool,
@@ -68,18 +83,43 @@ pub struct OutputOpts {
 impl OutputOpts {
     /// The container the flags ask for, if they ask.
     pub fn format(&self) -> Option<OutputFormat> {
-        self.flac.then_some(OutputFormat::Flac)
+        if self.mp3 {
+            Some(OutputFormat::Mp3)
+        } else {
+            self.flac.then_some(OutputFormat::Flac)
+        }
     }
 
-    /// The sample encoding the flags ask for, if they ask.
+    /// The sample encoding the flags ask for, if they ask (never with `--mp3`: demucs
+    /// ignores `--int24` and `--float32` there).
     pub fn encoding(&self) -> Option<Encoding> {
-        if self.float32 {
+        if self.mp3 {
+            None
+        } else if self.float32 {
             Some(Encoding::F32)
         } else if self.int24 {
             Some(Encoding::S24)
         } else {
             None
         }
+    }
+}
+
+/// The MPEG-1 Layer III bit rate nearest to `kbps` (the lower one on a tie), as LAME
+/// picks it for demucs's `--mp3-bitrate`.
+pub fn nearest_mp3_bitrate(kbps: u32) -> u32 {
+    *MP3_BITRATES.iter().min_by_key(|&&b| b.abs_diff(kbps)).expect("non-empty")
+}
+
+impl OutputOpts {
+    /// The request's `mp3_bitrate` and `mp3_preset` for a job whose container is
+    /// `format`: the flags' values with MP3, nothing otherwise.
+    pub fn mp3_fields(&self, format: Option<OutputFormat>) -> [(&'static str, Option<Value>); 2] {
+        let mp3 = format == Some(OutputFormat::Mp3);
+        [
+            ("mp3_bitrate", self.mp3_bitrate.filter(|_| mp3).map(|b| Value::from(nearest_mp3_bitrate(b)))),
+            ("mp3_preset", self.mp3_preset.filter(|_| mp3).map(Value::from)),
+        ]
     }
 }
 
@@ -134,6 +174,8 @@ pub enum FormatArg {
     Wav,
     /// FLAC.
     Flac,
+    /// MP3.
+    Mp3,
 }
 
 impl FormatArg {
@@ -142,6 +184,7 @@ impl FormatArg {
         match self {
             FormatArg::Wav => OutputFormat::Wav,
             FormatArg::Flac => OutputFormat::Flac,
+            FormatArg::Mp3 => OutputFormat::Mp3,
         }
     }
 }
@@ -251,5 +294,27 @@ mod tests {
         assert_eq!(json_of(EncodingArg::F32.encoding()), "f32");
         assert_eq!(json_of(PriorityArg::Batch.priority()), "batch");
         assert_eq!(json_of(PriorityArg::Interactive.priority()), "interactive");
+    }
+
+    #[test]
+    fn mp3_flags_follow_demucs() {
+        let out =
+            OutputOpts { mp3: true, int24: true, mp3_bitrate: Some(192), mp3_preset: Some(7), ..Default::default() };
+        assert_eq!(json_of(out.format()), "mp3");
+        // demucs ignores the sample depth for MP3.
+        assert_eq!(out.encoding(), None);
+        let mut req = serde_json::json!({});
+        set_fields(&mut req, out.mp3_fields(out.format()));
+        assert_eq!(req, serde_json::json!({"mp3_bitrate": 192, "mp3_preset": 7}));
+        // Without MP3 output the MP3 flags change nothing (as in demucs).
+        let wav = OutputOpts { mp3_bitrate: Some(128), ..Default::default() };
+        let mut req = serde_json::json!({});
+        set_fields(&mut req, wav.mp3_fields(wav.format()));
+        assert_eq!(req, serde_json::json!({}));
+        // LAME's nearest MPEG-1 rate.
+        for (asked, used) in [(320, 320), (300, 320), (1000, 320), (0, 32), (50, 48), (52, 48), (60, 56), (144, 128)] {
+            assert_eq!(nearest_mp3_bitrate(asked), used, "{asked}");
+        }
+        assert_eq!(FormatArg::Mp3.format(), OutputFormat::Mp3);
     }
 }

@@ -18,7 +18,7 @@ use stemq_core::engine::{Engine, EngineContext, EngineJob};
 use stemq_core::request::{JobRequest, ANONYMOUS};
 
 use crate::global::Global;
-use crate::job_opts::{json_of, ClipModeArg, DeviceArg, OutputOpts, SplitOpts};
+use crate::job_opts::{json_of, set_fields, ClipModeArg, DeviceArg, OutputOpts, SplitOpts};
 use crate::services::EngineKind;
 
 /// `demucs`-compatible options.
@@ -93,6 +93,7 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
             "clip_mode": json_of(a.output.clip_mode.unwrap_or(ClipModeArg::Rescale).mode()),
         });
         a.split.fill(&mut req);
+        set_fields(&mut req, a.output.mp3_fields(a.output.format()));
         let request = JobRequest::from_value(req).and_then(|r| r.normalize(ANONYMOUS)).map_err(|e| anyhow!("{e}"))?;
         let job_id = request.job_id();
         let scratch = tempfile::tempdir()?;

@@ -46,7 +46,7 @@ pub(crate) async fn store_outputs(
         outputs.push(Output { stem: s.stem.clone(), uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
     }
     let first_audio = stems.iter().find_map(|s| s.audio);
-    let manifest = json!({
+    let mut manifest = json!({
         "manifest_version": 1,
         "job_id": job_id,
         "model": requested.request.model,
@@ -57,6 +57,11 @@ pub(crate) async fn store_outputs(
         "degraded": degraded,
         "stems": entries,
     });
+    // How MP3 stems were encoded (only for MP3, so other manifests are as they were).
+    if let (Some(bitrate), Some(preset)) = (requested.request.mp3_bitrate, requested.request.mp3_preset) {
+        manifest["mp3_bitrate"] = json!(bitrate);
+        manifest["mp3_preset"] = json!(preset);
+    }
     let key = stemq_core::storage::manifest_key(job_id.as_str());
     let stored = store
         .put_bytes(&key, serde_json::to_vec_pretty(&manifest).expect("json"))

@@ -11,8 +11,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::{
-    ClipMode, Encoding, JobId, Model, OtherMethod, OutputFormat, Priority, RequestError, ANONYMOUS, MAX_METADATA_BYTES,
-    MAX_RUNTIME_S, MAX_SHIFTS, MAX_URI_LEN,
+    ClipMode, Encoding, JobId, Model, OtherMethod, OutputFormat, Priority, RequestError, ANONYMOUS,
+    DEFAULT_MP3_BITRATE, DEFAULT_MP3_PRESET, MAX_METADATA_BYTES, MAX_RUNTIME_S, MAX_SHIFTS, MAX_URI_LEN, MP3_BITRATES,
+    MP3_PRESETS,
 };
 
 /// Where and which job events a client wants to be told about (delivered by the relay).
@@ -44,17 +45,28 @@ pub struct JobRequest {
     /// The model to run; default `htdemucs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<Model>,
-    /// Produce only this stem and its complement (`no_<stem>`).
+    /// Produce only this stem and its complement (`no_<stem>`, or `minus_<stem>` with
+    /// `other_method` `minus`, as Demucs names them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub two_stems: Option<String>,
-    /// With `two_stems`: how `no_<stem>` is made, `add` (default: the sum of the other
-    /// stems), `minus` (the mixture minus the stem) or `none` (not written).
+    /// With `two_stems`: how the complement is made, `add` (default: `no_<stem>`, the sum
+    /// of the other stems), `minus` (`minus_<stem>`, the mixture minus the stem) or
+    /// `none` (not written).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub other_method: Option<OtherMethod>,
-    /// Container of the stems; default `wav`.
+    /// Container of the stems: `wav` (default), `flac` or `mp3`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_format: Option<OutputFormat>,
-    /// Sample encoding: `s16` (default), `s24`, `f32` (WAV only).
+    /// With `output_format` `mp3`: the constant bit rate in kbit/s, one of 32, 40, 48, 56,
+    /// 64, 80, 96, 112, 128, 160, 192, 224, 256, 320; default 320 (Demucs's
+    /// `--mp3-bitrate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mp3_bitrate: Option<u32>,
+    /// With `output_format` `mp3`: the encoder preset, 2 (best quality, the default) to 7
+    /// (fastest) (Demucs's `--mp3-preset`, LAME's quality).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mp3_preset: Option<u32>,
+    /// Sample encoding: `s16` (default), `s24`, `f32` (WAV only; MP3 takes only `s16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encoding: Option<Encoding>,
     /// Clipping: `rescale` (default), `clamp`, `none`.
@@ -103,12 +115,19 @@ pub struct NormalizedRequest {
     /// The one stem asked for, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub two_stems: Option<String>,
-    /// How `no_<stem>` is made; absent means `add` (and always absent without
+    /// How the complement is made; absent means `add` (and always absent without
     /// `two_stems`, where it changes nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub other_method: Option<OtherMethod>,
     /// Container of the stems.
     pub output_format: OutputFormat,
+    /// The MP3 bit rate in kbit/s: present exactly when `output_format` is `mp3` (the
+    /// default written out), so the canonical form of other requests is unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mp3_bitrate: Option<u32>,
+    /// The MP3 encoder preset: present exactly when `output_format` is `mp3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mp3_preset: Option<u32>,
     /// Sample encoding.
     pub encoding: Encoding,
     /// Clipping.
@@ -220,6 +239,45 @@ impl JobRequest {
         if encoding == Encoding::F32 && output_format == OutputFormat::Flac {
             return Err(RequestError::new("encoding", "FLAC has no float encoding; use s16 or s24, or wav"));
         }
+        let (mp3_bitrate, mp3_preset) = if output_format == OutputFormat::Mp3 {
+            if encoding != Encoding::S16 {
+                return Err(RequestError::new(
+                    "encoding",
+                    "MP3 has no choice of sample encoding; leave `encoding` out (or s16), or use wav or flac",
+                ));
+            }
+            let bitrate = self.mp3_bitrate.unwrap_or(DEFAULT_MP3_BITRATE);
+            if !MP3_BITRATES.contains(&bitrate) {
+                let list = MP3_BITRATES.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ");
+                return Err(RequestError::new("mp3_bitrate", format!("{bitrate} is not one of {list} (kbit/s)")));
+            }
+            let preset = self.mp3_preset.unwrap_or(DEFAULT_MP3_PRESET);
+            if !MP3_PRESETS.contains(&preset) {
+                return Err(RequestError::new(
+                    "mp3_preset",
+                    format!(
+                        "must be {} (best quality) to {} (fastest), not {preset}",
+                        MP3_PRESETS.start(),
+                        MP3_PRESETS.end()
+                    ),
+                ));
+            }
+            // Written out with their defaults: MP3 requests are new, so no earlier id
+            // depends on their absence.
+            (Some(bitrate), Some(preset))
+        } else {
+            // As with `other_method`: a default that changes nothing is harmless, any
+            // other value asks for something this format does not do.
+            for (field, value, default) in [
+                ("mp3_bitrate", self.mp3_bitrate, DEFAULT_MP3_BITRATE),
+                ("mp3_preset", self.mp3_preset, DEFAULT_MP3_PRESET),
+            ] {
+                if value.is_some_and(|v| v != default) {
+                    return Err(RequestError::new(field, "only applies with `output_format` mp3"));
+                }
+            }
+            (None, None)
+        };
         let shifts = self.shifts.unwrap_or(0);
         if shifts > MAX_SHIFTS {
             return Err(RequestError::new("shifts", format!("at most {MAX_SHIFTS}")));
@@ -259,6 +317,8 @@ impl JobRequest {
             two_stems: self.two_stems.clone(),
             other_method,
             output_format,
+            mp3_bitrate,
+            mp3_preset,
             encoding,
             clip_mode: self.clip_mode.unwrap_or_default(),
             segment,
@@ -317,6 +377,8 @@ impl NormalizedRequest {
             two_stems,
             other_method,
             output_format,
+            mp3_bitrate,
+            mp3_preset,
             encoding,
             clip_mode,
             segment,
@@ -331,6 +393,8 @@ impl NormalizedRequest {
             two_stems: two_stems.clone(),
             other_method: *other_method,
             output_format: Some(*output_format),
+            mp3_bitrate: *mp3_bitrate,
+            mp3_preset: *mp3_preset,
             encoding: Some(*encoding),
             clip_mode: Some(*clip_mode),
             segment: *segment,
@@ -355,10 +419,16 @@ impl NormalizedRequest {
         Ok(())
     }
 
-    /// The stems this request produces, in order.
+    /// The stems this request produces, in order. With `two_stems`, the complement is
+    /// named as Demucs names it: `no_<stem>` for `add`, `minus_<stem>` for `minus`.
+    ///
+    /// Jobs that ran before `minus_` was adopted stored their complement as
+    /// `no_<stem>`: their views and manifests keep that name (they are facts), and
+    /// nothing recomputes an old job's names from its request.
     pub fn stems(&self) -> Vec<String> {
         match (&self.two_stems, self.other_method) {
             (Some(s), Some(OtherMethod::None)) => vec![s.clone()],
+            (Some(s), Some(OtherMethod::Minus)) => vec![s.clone(), format!("minus_{s}")],
             (Some(s), _) => vec![s.clone(), format!("no_{s}")],
             (None, _) => self.model.sources().iter().map(|s| s.to_string()).collect(),
         }
@@ -448,6 +518,7 @@ mod tests {
             json!({"audio_uri": "file:///a.wav", "model": "htdemucs_ft"}),
             json!({"audio_uri": "file:///a.wav", "two_stems": "vocals"}),
             json!({"audio_uri": "file:///a.wav", "output_format": "flac"}),
+            json!({"audio_uri": "file:///a.wav", "output_format": "mp3"}),
             json!({"audio_uri": "file:///a.wav", "encoding": "s24"}),
             json!({"audio_uri": "file:///a.wav", "clip_mode": "clamp"}),
             json!({"audio_uri": "file:///a.wav", "segment": 6.0}),
@@ -488,7 +559,16 @@ mod tests {
             (json!({"audio_uri": "file:///a", "overlap": 1.0}), "overlap"),
             (json!({"audio_uri": "file:///a", "shifts": -1}), "shifts"),
             (json!({"audio_uri": "file:///a", "shifts": 99}), "shifts"),
-            (json!({"audio_uri": "file:///a", "output_format": "mp3"}), "output_format"),
+            (json!({"audio_uri": "file:///a", "output_format": "ogg"}), "output_format"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "mp3_bitrate": 300}), "mp3_bitrate"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "mp3_bitrate": -1}), "mp3_bitrate"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "mp3_bitrate": "320k"}), "mp3_bitrate"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "mp3_preset": 1}), "mp3_preset"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "mp3_preset": 8}), "mp3_preset"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "encoding": "s24"}), "encoding"),
+            (json!({"audio_uri": "file:///a", "output_format": "mp3", "encoding": "f32"}), "encoding"),
+            (json!({"audio_uri": "file:///a", "mp3_bitrate": 192}), "mp3_bitrate"),
+            (json!({"audio_uri": "file:///a", "output_format": "flac", "mp3_preset": 7}), "mp3_preset"),
             (json!({"audio_uri": "file:///a", "metadata": [1]}), "metadata"),
             (json!({"audio_uri": "file:///a", "webhook": {"url": "https://x", "events": ["x"]}}), "webhook"),
             (json!({"audio_uri": "file:///a", "colour": "red"}), "colour"),
@@ -543,7 +623,17 @@ mod tests {
     #[test]
     fn null_options_are_absent() {
         let plain = id_of(json!({"audio_uri": "file:///a.wav"}));
-        for field in ["model", "output_format", "encoding", "clip_mode", "other_method", "segment", "shifts"] {
+        for field in [
+            "model",
+            "output_format",
+            "encoding",
+            "clip_mode",
+            "other_method",
+            "segment",
+            "shifts",
+            "mp3_bitrate",
+            "mp3_preset",
+        ] {
             let mut v = json!({"audio_uri": "file:///a.wav"});
             v[field] = Value::Null;
             assert_eq!(id_of(v), plain, "{field}");
@@ -568,6 +658,60 @@ mod tests {
         let r = JobRequest::from_value(json!({"audio_uri": "file:///a", "two_stems": "drums", "other_method": "none"}))
             .unwrap();
         assert_eq!(r.normalize(ANONYMOUS).unwrap().stems(), ["drums"]);
+    }
+
+    /// demucs 4.1.0's `separate.py` names the complement `no_<stem>` for
+    /// `--other-method add` and `minus_<stem>` for `--other-method minus`.
+    #[test]
+    fn the_complement_is_named_as_demucs_names_it() {
+        let two = |m: &str| {
+            let v = json!({"audio_uri": "file:///a", "two_stems": "bass", "other_method": m});
+            JobRequest::from_value(v).unwrap().normalize(ANONYMOUS).unwrap().stems()
+        };
+        assert_eq!(two("add"), ["bass", "no_bass"]);
+        assert_eq!(two("minus"), ["bass", "minus_bass"]);
+        assert_eq!(two("none"), ["bass"]);
+    }
+
+    #[test]
+    fn mp3_options_are_written_out_for_mp3_and_absent_otherwise() {
+        // The defaults are written out, in the canonical form and so in the id.
+        let mp3 = normalized(json!({"audio_uri": "file:///a.wav", "output_format": "mp3"}));
+        assert_eq!((mp3.mp3_bitrate, mp3.mp3_preset), (Some(320), Some(2)));
+        assert_eq!(
+            String::from_utf8(mp3.canonical_json()).unwrap(),
+            r#"{"audio_uri":"file:///a.wav","clip_mode":"rescale","encoding":"s16","model":"htdemucs","mp3_bitrate":320,"mp3_preset":2,"output_format":"mp3","overlap":0.25,"owner":"anonymous","shifts":0}"#
+        );
+        // Pinned, as docs/job-id.md shows it.
+        assert_eq!(mp3.job_id().as_str(), "aa6a936346a382c894b2a911ccf98916f8f819450885ac82e1154abd577801cd");
+        let explicit = json!({"audio_uri": "file:///a.wav", "output_format": "mp3", "mp3_bitrate": 320,
+                              "mp3_preset": 2, "encoding": "s16"});
+        assert_eq!(id_of(explicit), mp3.job_id());
+        // Each option changes the output, so the id.
+        for v in [
+            json!({"audio_uri": "file:///a.wav", "output_format": "mp3", "mp3_bitrate": 192}),
+            json!({"audio_uri": "file:///a.wav", "output_format": "mp3", "mp3_preset": 7}),
+        ] {
+            assert_ne!(id_of(v.clone()), mp3.job_id(), "{v}");
+        }
+        assert_eq!(mp3.revalidate(None, None, None), Ok(()));
+        // Other formats: absent, so ids of requests from before MP3 stay as they were
+        // (the pinned example of `canonical_json_is_jcs` is one), and an explicit
+        // default is harmless.
+        let wav = normalized(json!({"audio_uri": "file:///a.wav", "mp3_bitrate": 320, "mp3_preset": 2}));
+        assert_eq!((wav.mp3_bitrate, wav.mp3_preset), (None, None));
+        assert_eq!(wav.job_id(), id_of(json!({"audio_uri": "file:///a.wav"})));
+        assert!(!String::from_utf8(wav.canonical_json()).unwrap().contains("mp3"));
+        // A recorded request must hold them exactly when the format is MP3.
+        let mut bad = wav.clone();
+        bad.mp3_bitrate = Some(320);
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "request");
+        let mut bad = mp3.clone();
+        bad.mp3_preset = None;
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "request");
+        let mut bad = mp3;
+        bad.mp3_bitrate = Some(300);
+        assert_eq!(bad.revalidate(None, None, None).unwrap_err().field, "mp3_bitrate");
     }
 
     #[test]

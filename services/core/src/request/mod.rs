@@ -25,7 +25,10 @@ mod options;
 pub use error::RequestError;
 pub use id::JobId;
 pub use job::{request_json, JobRequest, NormalizedRequest, Webhook};
-pub use options::{ClipMode, Encoding, Model, OtherMethod, OutputFormat, Priority};
+pub use options::{
+    ClipMode, Encoding, Model, OtherMethod, OutputFormat, Priority, DEFAULT_MP3_BITRATE, DEFAULT_MP3_PRESET,
+    MP3_BITRATES, MP3_PRESETS,
+};
 
 /// Longest accepted `audio_uri`, in bytes.
 pub const MAX_URI_LEN: usize = 2048;

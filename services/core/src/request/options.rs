@@ -83,9 +83,22 @@ pub enum OutputFormat {
     Wav,
     /// FLAC, lossless.
     Flac,
+    /// MP3 at a constant bit rate (`mp3_bitrate`, `mp3_preset`), as `demucs --mp3`.
+    Mp3,
 }
 
-wire_names!(OutputFormat { Wav => "wav", Flac => "flac" });
+wire_names!(OutputFormat { Wav => "wav", Flac => "flac", Mp3 => "mp3" });
+
+/// The MP3 bit rates a request may ask for, in kbit/s: those of MPEG-1 Layer III, the
+/// layer of 44.1 kHz stems.
+pub const MP3_BITRATES: [u32; 14] = [32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320];
+/// The MP3 bit rate when a request names none (Demucs's `--mp3-bitrate` default).
+pub const DEFAULT_MP3_BITRATE: u32 = 320;
+/// The accepted MP3 encoder presets (Demucs's `--mp3-preset`: LAME's quality, 2 for the
+/// best quality to 7 for the fastest).
+pub const MP3_PRESETS: std::ops::RangeInclusive<u32> = 2..=7;
+/// The MP3 preset when a request names none (Demucs's default).
+pub const DEFAULT_MP3_PRESET: u32 = 2;
 
 impl OutputFormat {
     /// File extension of the format.
@@ -124,16 +137,18 @@ pub enum ClipMode {
 
 wire_names!(ClipMode { Rescale => "rescale", Clamp => "clamp", None => "none" });
 
-/// What `no_<stem>` is when only one stem is asked for (Demucs's `--other-method`).
+/// How the complement of the stem is made when only one stem is asked for (Demucs's
+/// `--other-method`), which also names it, as Demucs does: `no_<stem>` for `add`,
+/// `minus_<stem>` for `minus`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OtherMethod {
-    /// The sum of the other stems the model predicted.
+    /// `no_<stem>`: the sum of the other stems the model predicted.
     #[default]
     Add,
-    /// The input mixture minus the stem.
+    /// `minus_<stem>`: the input mixture minus the stem.
     Minus,
-    /// No `no_<stem>` output at all.
+    /// No complement at all.
     None,
 }
 
@@ -188,5 +203,6 @@ mod tests {
         assert_eq!(Model::parse("htdemucs_6s"), Some(Model::Htdemucs6s));
         assert_eq!(Model::parse("spleeter"), None);
         assert_eq!(OutputFormat::Flac.extension(), "flac");
+        assert_eq!(OutputFormat::Mp3.extension(), "mp3");
     }
 }
