@@ -12,6 +12,8 @@
 //! cargo run -p stemq-audio --release --example flac_size -- --seconds 60
 //! ```
 //! Options: `--seconds N` (default 60), `--flac PATH` (default `flac` on the `PATH`).
+//! With the `mp3` feature it also times MP3 encoding of the demo song (320 kbit/s,
+//! presets 2 and 7).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -142,4 +144,32 @@ fn main() {
         "\nall: stemq / libFLAC = {:.4} (every stemq file passed `flac -t`)",
         total_ours as f64 / total_lib as f64
     );
+    #[cfg(feature = "mp3")]
+    mp3_speed(&inputs[0].1, dir.path());
+}
+
+/// MP3 of the first input at Demucs's default (320 kbit/s, preset 2) and its fastest
+/// preset: size and encoding time (from memory).
+#[cfg(feature = "mp3")]
+fn mp3_speed(wav: &Path, dir: &Path) {
+    let mut d = Decoder::open_path(wav, DecodeOptions { target_sample_rate: 44_100, max_duration_secs: None }).unwrap();
+    let mut chunks = Vec::new();
+    while let Some(c) = d.next_chunk().unwrap() {
+        chunks.push(c);
+    }
+    for quality in [2, 7] {
+        let out = dir.join(format!("q{quality}.mp3"));
+        let t = Instant::now();
+        let format = OutputFormat::Mp3(stemq_audio::Mp3Settings { bitrate_kbps: 320, quality });
+        let mut enc = StemEncoder::create(&out, format, ClipMode::None, 44_100).unwrap();
+        for c in &chunks {
+            enc.write(c).unwrap();
+        }
+        enc.finish().unwrap();
+        println!(
+            "MP3 320 kbit/s preset {quality} of the first signal: {} B in {:.2} s",
+            size(&out),
+            t.elapsed().as_secs_f64()
+        );
+    }
 }
