@@ -12,7 +12,8 @@
 # - Debian's chromium and, from npm, playwright-core and axe-core (tests/web/, locked by
 #   its package-lock.json; playwright never downloads a browser), used by the page's
 #   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
-#   says so and goes on (scripts/test.sh then skips the page test, except in CI).
+#   says so and goes on (scripts/test.sh then skips the page test, except in CI);
+# - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -39,6 +40,7 @@ apt_install() {
 }
 command -v promtool >/dev/null 2>&1 || apt_install prometheus "the alert rules' checks (promtool)"
 [[ -x /usr/bin/chromium ]] || apt_install chromium "the page test"
+command -v flac >/dev/null 2>&1 || apt_install flac "the FLAC checks against libFLAC (services/audio/tests/output_codecs.rs)"
 if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
     (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
