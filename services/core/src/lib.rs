@@ -9,6 +9,7 @@
 //! Contracts (always built):
 //!
 //! - [`request`]: the job request, its validation and the job id;
+//! - [`batch`]: batches of requests, their content-derived id, item states and view;
 //! - [`event`]: the CloudEvents the pipeline records;
 //! - [`failure`]: failure codes, the stable reasons recorded when a job fails;
 //! - [`device`]: devices engines run on (`cpu`, `cuda:0`, ...) as a type;
@@ -23,6 +24,7 @@
 //!
 //! Runtime (feature `runtime`):
 //!
+//! - `batch_log`: the batch log (`STEMQ_BATCHES`): a batch's rounds, its jobs, its end;
 //! - `auth`: API keys, roles and the `stemq_keys` bucket; who a caller is;
 //! - `read`: the read side — one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor; what every reader of the view uses;
@@ -45,6 +47,7 @@
 //! - `webhook`: webhook signing, per-owner secrets and the SSRF policy for receivers.
 
 // The contracts: what an engine crate builds against.
+pub mod batch;
 pub mod device;
 pub mod engine;
 pub mod event;
@@ -59,6 +62,8 @@ pub mod view;
 // The runtime: NATS, storage, telemetry, metrics, webhooks.
 #[cfg(feature = "runtime")]
 pub mod auth;
+#[cfg(feature = "runtime")]
+pub mod batch_log;
 #[cfg(feature = "runtime")]
 pub mod error;
 #[cfg(feature = "runtime")]

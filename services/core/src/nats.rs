@@ -33,6 +33,10 @@
 //! - `stemq.jobs.<id>.delivery`, `stemq.jobs.<id>.delivery_replay` — webhook delivery
 //!   attempts and replay requests (the relay's);
 //! - `stemq.progress.<id>` — latest progress (compacted stream);
+//! - `stemq.batches.<batch id>.submitted`, `.ended`, `.delivery` — a batch's submission
+//!   rounds, its one end (expected last subject sequence 0) and its webhook attempts, and
+//!   `stemq.batch_jobs.<job id>.<batch id>` — which batches hold a job (all in
+//!   `STEMQ_BATCHES`, see [`crate::batch_log`]);
 //! - `stemq.api.submit` — request-reply submit endpoint (queue group `ingress`).
 
 use std::path::PathBuf;
@@ -53,6 +57,8 @@ pub const JOBS_STREAM: &str = "STEMQ_JOBS";
 pub const PROGRESS_STREAM: &str = "STEMQ_PROGRESS";
 /// Captured advisories.
 pub const ADVISORY_STREAM: &str = "STEMQ_ADVISORIES";
+/// The batch log.
+pub const BATCHES_STREAM: &str = "STEMQ_BATCHES";
 /// The workers' durable consumer.
 pub const WORKERS_CONSUMER: &str = "workers";
 /// The projector's durable consumer over job events.
@@ -65,6 +71,10 @@ pub const DEADLETTER_CONSUMER: &str = "deadletter";
 pub const RELAY_CONSUMER: &str = "relay";
 /// The webhook relay's durable consumer over progress.
 pub const RELAY_PROGRESS_CONSUMER: &str = "relay-progress";
+/// The webhook relay's durable consumer over batch rounds and ends (`STEMQ_BATCHES`).
+pub const RELAY_BATCHES_CONSUMER: &str = "relay-batches";
+/// The webhook relay's durable consumer over job outcomes, for the batches that hold them.
+pub const RELAY_BATCH_OUTCOMES_CONSUMER: &str = "relay-batch-outcomes";
 /// The status view bucket.
 pub const JOBS_BUCKET: &str = "stemq_jobs";
 /// Per-owner webhook signing secrets (and endpoints disabled by a 410).
@@ -81,6 +91,10 @@ pub const DELIVERY_CLAIMS_BUCKET: &str = "stemq_delivery_claims";
 pub const SUBMIT_SUBJECT: &str = "stemq.api.submit";
 /// Prefix of every job subject.
 pub const JOBS_PREFIX: &str = "stemq.jobs";
+/// Prefix of every batch subject (`stemq.batches.<batch id>.<kind>`).
+pub const BATCHES_PREFIX: &str = "stemq.batches";
+/// Prefix of the batch memberships (`stemq.batch_jobs.<job id>.<batch id>`).
+pub const BATCH_JOBS_PREFIX: &str = "stemq.batch_jobs";
 
 /// Subject of one kind of event of one job. For [`SubjectKind::Requested`] this is the
 /// form before owner tokens (`stemq.jobs.<id>.requested`), which is still read but no
@@ -555,14 +569,15 @@ struct KvDef {
     max_age: u64,
 }
 
-const STREAMS: [(&str, &str); 4] = [
+const STREAMS: [(&str, &str); 5] = [
     ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
     ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
     ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
     ("streams/ledger.json", include_str!("../../../nats/streams/ledger.json")),
+    ("streams/batches.json", include_str!("../../../nats/streams/batches.json")),
 ];
 const POOL_CONSUMER: (&str, &str) = ("consumers/pool.json", include_str!("../../../nats/consumers/pool.json"));
-const CONSUMERS: [(&str, &str); 7] = [
+const CONSUMERS: [(&str, &str); 9] = [
     ("consumers/workers.json", include_str!("../../../nats/consumers/workers.json")),
     ("consumers/projector.json", include_str!("../../../nats/consumers/projector.json")),
     ("consumers/projector-progress.json", include_str!("../../../nats/consumers/projector-progress.json")),
@@ -570,6 +585,8 @@ const CONSUMERS: [(&str, &str); 7] = [
     ("consumers/relay.json", include_str!("../../../nats/consumers/relay.json")),
     ("consumers/relay-progress.json", include_str!("../../../nats/consumers/relay-progress.json")),
     ("consumers/ledger.json", include_str!("../../../nats/consumers/ledger.json")),
+    ("consumers/relay-batches.json", include_str!("../../../nats/consumers/relay-batches.json")),
+    ("consumers/relay-batch-outcomes.json", include_str!("../../../nats/consumers/relay-batch-outcomes.json")),
 ];
 const KV_JOBS: (&str, &str) = ("kv/jobs.json", include_str!("../../../nats/kv/jobs.json"));
 const KV_WEBHOOKS: (&str, &str) = ("kv/webhooks.json", include_str!("../../../nats/kv/webhooks.json"));
@@ -892,7 +909,8 @@ mod tests {
     fn definitions_parse_and_take_settings() {
         let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
         let streams = stream_configs(&s).unwrap();
-        assert_eq!(streams.len(), 4);
+        assert_eq!(streams.len(), 5);
+        assert!(streams.iter().any(|c| c.name == BATCHES_STREAM));
         assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
         let pool = pool_consumer(Model::Htdemucs6s, Priority::Batch);

@@ -84,12 +84,12 @@ pub const PATIENCE: Duration = Duration::from_secs(15);
 const MAX_PAUSE: Duration = Duration::from_secs(1);
 
 fn headers_of(event: &Event, msg_id: Option<&str>, first: bool) -> HeaderMap {
-    headers_with(event, msg_id, first, None)
+    headers_with(event.traceparent.as_deref(), msg_id, first, None)
 }
 
 /// `first_of`: with `first`, the expected-last-subject-sequence 0 holds for every
 /// subject matching this wildcard (nats-server 2.11+), not only the one published to.
-fn headers_with(event: &Event, msg_id: Option<&str>, first: bool, first_of: Option<&str>) -> HeaderMap {
+fn headers_with(traceparent: Option<&str>, msg_id: Option<&str>, first: bool, first_of: Option<&str>) -> HeaderMap {
     let mut h = HeaderMap::new();
     h.insert("Content-Type", "application/cloudevents+json");
     if let Some(id) = msg_id {
@@ -101,8 +101,8 @@ fn headers_with(event: &Event, msg_id: Option<&str>, first: bool, first_of: Opti
             h.insert("Nats-Expected-Last-Subject-Sequence-Subject", filter);
         }
     }
-    if let Some(tp) = &event.traceparent {
-        h.insert("traceparent", tp.as_str());
+    if let Some(tp) = traceparent {
+        h.insert("traceparent", tp);
     }
     h
 }
@@ -126,7 +126,18 @@ pub async fn publish_once(
     event: &Event,
     msg_id: &str,
 ) -> Result<Once, PublishError> {
-    publish_first(js, subject, None, event, msg_id, PATIENCE).await
+    publish_first(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, PATIENCE).await
+}
+
+/// [`publish_once`] of a payload that is not a job event (a batch's end, see
+/// [`crate::batch_log`]).
+pub async fn publish_payload_once(
+    js: &jetstream::Context,
+    subject: &str,
+    payload: bytes::Bytes,
+    msg_id: &str,
+) -> Result<Once, PublishError> {
+    publish_first(js, subject, None, payload, None, msg_id, PATIENCE).await
 }
 
 /// [`publish_once`], retrying transient failures for up to `patience`.
@@ -137,7 +148,7 @@ pub async fn publish_once_within(
     msg_id: &str,
     patience: Duration,
 ) -> Result<Once, PublishError> {
-    publish_first(js, subject, None, event, msg_id, patience).await
+    publish_first(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, patience).await
 }
 
 /// [`publish_once`], where "nothing yet" holds for every subject matching `first_of`
@@ -146,17 +157,18 @@ async fn publish_first(
     js: &jetstream::Context,
     subject: &str,
     first_of: Option<&str>,
-    event: &Event,
+    payload: bytes::Bytes,
+    traceparent: Option<&str>,
     msg_id: &str,
     patience: Duration,
 ) -> Result<Once, PublishError> {
-    let payload = event.to_bytes();
     let t0 = Instant::now();
     let mut attempt = 0;
     let mut msg_id = Some(msg_id);
     loop {
         attempt += 1;
-        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_with(event, msg_id, true, first_of));
+        let msg =
+            PublishMessage::build().payload(payload.clone()).headers(headers_with(traceparent, msg_id, true, first_of));
         let res = match js.send_publish(subject.to_string(), msg).await {
             Ok(fut) => fut.await,
             Err(e) => Err(e),
@@ -244,7 +256,9 @@ async fn publish_routed(
     msg_id: &str,
 ) -> Result<Once, PublishError> {
     let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner_of(event)));
-    publish_first(js, &request_subject_of(id, event), Some(&routed_of_owner), event, msg_id, PATIENCE).await
+    let (payload, traceparent) = (event.to_bytes(), event.traceparent.as_deref());
+    publish_first(js, &request_subject_of(id, event), Some(&routed_of_owner), payload, traceparent, msg_id, PATIENCE)
+        .await
 }
 
 /// The routed subject of a `requested` event: its owner, model and lane (a
@@ -325,6 +339,40 @@ pub async fn publish_within(
             Err(e)
                 if retryable(&e)
                     && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound)
+                    && again(t0, attempt, patience).await => {}
+            Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
+        }
+    }
+}
+
+/// Publishes `payload` to `subject` with `headers` and waits for the PubAck, retrying
+/// transient failures for up to `patience`: any that stored nothing, and, when
+/// `headers` hold a `Nats-Msg-Id`, any other transient one (the id keeps the retry
+/// idempotent). For what is not a job event (a batch's rounds, see
+/// [`crate::batch_log`]); a refused expectation (`Nats-Expected-Last-Subject-Sequence`)
+/// is returned as the error it is ([`PublishErrorKind::WrongLastSequence`]).
+pub async fn publish_payload(
+    js: &jetstream::Context,
+    subject: &str,
+    payload: bytes::Bytes,
+    headers: HeaderMap,
+    patience: Duration,
+) -> Result<u64, PublishError> {
+    let has_id = headers.get("Nats-Msg-Id").is_some();
+    let t0 = Instant::now();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let msg = PublishMessage::build().payload(payload.clone()).headers(headers.clone());
+        let res = match js.send_publish(subject.to_string(), msg).await {
+            Ok(fut) => fut.await,
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(ack) => return Ok(ack.sequence),
+            Err(e)
+                if retryable(&e)
+                    && (has_id || e.kind() == PublishErrorKind::StreamNotFound)
                     && again(t0, attempt, patience).await => {}
             Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
         }

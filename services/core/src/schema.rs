@@ -7,6 +7,7 @@
 use schemars::{schema_for, JsonSchema};
 use serde_json::Value;
 
+use crate::batch::{BatchEvent, BatchRequest, BatchSubmitted, BatchView};
 use crate::event::{
     CancelRequested, Cancelled, DeadLettered, DeliveryAttempted, DeliveryReplayRequested, Event, Expired, Failed,
     Progress, Rejected, Requested, Retried, Started, Succeeded,
@@ -37,6 +38,10 @@ pub fn all() -> Vec<(&'static str, Value)> {
         ("event-expired.v1.json", one::<Expired>()),
         ("event-delivery_attempted.v1.json", one::<DeliveryAttempted>()),
         ("event-delivery_replay_requested.v1.json", one::<DeliveryReplayRequested>()),
+        ("batch-request.json", one::<BatchRequest>()),
+        ("batch-view.json", one::<BatchView>()),
+        ("batch-event.json", one::<BatchEvent>()),
+        ("batch-event-submitted.v1.json", one::<BatchSubmitted>()),
     ]
 }
 

@@ -8,6 +8,8 @@
 //! - `GET /v1/separations/{id}` → the status view, 404 unknown; `Prefer: wait=N` waits
 //!   up to N s for its end ([`prefer`])
 //! - `GET /v1/separations?status=&limit=&cursor=` → newest first
+//! - `POST /v1/batches` → up to 1 000 requests as one batch (its id is its content),
+//!   `GET /v1/batches/{id}` → each item's job and status, counts ([`batches`])
 //! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`]);
 //!   the `audio_uri` is `upload:<sha256>.<ext>`, never a server path
 //! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
@@ -53,6 +55,7 @@
 
 pub mod access;
 pub mod availability;
+pub mod batches;
 pub mod control;
 pub mod cors;
 pub mod credits;
@@ -196,6 +199,8 @@ pub struct AppState {
     cors_origins: Arc<Vec<cors::Origin>>,
     /// Cancelled when the ingress stops: requests waiting on a job answer at once.
     stopping: CancellationToken,
+    /// The batch log (`STEMQ_BATCHES`).
+    batches: stemq_core::batch_log::BatchLog,
 }
 
 impl AppState {
@@ -214,6 +219,7 @@ impl AppState {
         let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
         // An older deployment without the bucket has credits off.
         let prices = Arc::new(credits::PriceCache::new(js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok()));
+        let batches = stemq_core::batch_log::BatchLog::open(&js).await?;
         Ok(AppState {
             js,
             views,
@@ -234,6 +240,7 @@ impl AppState {
             links: Arc::default(),
             cors_origins: Arc::default(),
             stopping: shutdown,
+            batches,
         })
     }
 
@@ -435,6 +442,8 @@ pub fn router(state: AppState) -> Router {
     let app = Router::new()
         .route("/v1/separations", post(create).get(list))
         .route("/v1/separations/{id}", get(status))
+        .route("/v1/batches", post(batches::create))
+        .route("/v1/batches/{id}", get(batches::status))
         .route("/v1/separations/{id}/stems/{stem}", get(stems::download))
         .route("/v1/uploads", post(uploads::upload))
         .route("/v1/separations/{id}/cancel", post(control::cancel_http))
@@ -617,13 +626,36 @@ pub async fn submit_as(
     body: &[u8],
     traceparent: Option<String>,
 ) -> Result<(SubmitResponse, u64), SubmitError> {
-    let unavailable = |e: limits::LimitsError| SubmitError::Unavailable(e.to_string());
-    let enforce = state.keys.is_some();
-    let mut remaining = u64::MAX;
-    if enforce && caller.limits.rate > 0.0 {
-        let _turn = state.key_locks.lock(&caller.key_id).await;
-        remaining = limits::rate(&state.limits, caller).await.map_err(unavailable)?.map_err(SubmitError::Limited)?;
+    let remaining = spend_rate(state, caller).await?;
+    let event = prepare_as(state, caller, body, traceparent).await?;
+    let resp = admit_and_queue(state, caller, event).await?;
+    Ok((resp, remaining))
+}
+
+/// The rate limit of `caller`'s key: takes one token, and says how many are left
+/// (`u64::MAX` when the key has no rate or keys are off).
+pub(crate) async fn spend_rate(state: &AppState, caller: &Caller) -> Result<u64, SubmitError> {
+    if state.keys.is_none() || caller.limits.rate <= 0.0 {
+        return Ok(u64::MAX);
     }
+    let _turn = state.key_locks.lock(&caller.key_id).await;
+    limits::rate(&state.limits, caller).await.map_err(limits_unavailable)?.map_err(SubmitError::Limited)
+}
+
+fn limits_unavailable(e: limits::LimitsError) -> SubmitError {
+    SubmitError::Unavailable(e.to_string())
+}
+
+/// Validates `body` for `caller` and builds its `requested` event: the request's own
+/// checks ([`submit::prepare`]), the served models (with [`Config::refuse_unserved`]),
+/// what the owner can pay when the cost is known now ([`credits::check_affordable`]),
+/// and the key's lane when the request names none. Nothing is published.
+pub(crate) async fn prepare_as(
+    state: &AppState,
+    caller: &Caller,
+    body: &[u8],
+    traceparent: Option<String>,
+) -> Result<stemq_core::Event, SubmitError> {
     let uploads = state.storage.as_ref().map(|s| &s.store);
     let mut event =
         submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls(), uploads).await?;
@@ -644,6 +676,16 @@ pub async fn submit_as(
             r.priority = Some(caller.priority);
         }
     }
+    Ok(event)
+}
+
+/// The cap on `caller`'s jobs in flight, then the publish of a prepared `event`.
+pub(crate) async fn admit_and_queue(
+    state: &AppState,
+    caller: &Caller,
+    event: stemq_core::Event,
+) -> Result<SubmitResponse, SubmitError> {
+    let enforce = state.keys.is_some();
     if enforce && caller.limits.max_in_flight > 0 && state.index.status(&event.subject).is_none() {
         let views = state.views.clone();
         let recorded = move |id: JobId| {
@@ -658,11 +700,11 @@ pub async fn submit_as(
         let _turn = state.key_locks.lock(&caller.key_id).await;
         limits::admit(&state.limits, caller, &event.subject, known, recorded)
             .await
-            .map_err(unavailable)?
+            .map_err(limits_unavailable)?
             .map_err(SubmitError::Limited)?;
     }
     let (resp, _) = submit::queue_with(&state.js, event, &state.availability).await?;
-    Ok((resp, remaining))
+    Ok(resp)
 }
 
 async fn create(

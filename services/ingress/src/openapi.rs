@@ -28,6 +28,8 @@ pub fn document() -> Value {
         ("JobView", schema::<stemq_core::JobView>()),
         ("Job", schema::<crate::links::Job>()),
         ("JobUrls", schema::<crate::links::JobUrls>()),
+        ("BatchRequest", schema::<stemq_core::batch::BatchRequest>()),
+        ("BatchView", schema::<stemq_core::batch::BatchView>()),
         ("SubmitResponse", schema::<crate::submit::SubmitResponse>()),
         ("UploadResponse", schema::<crate::uploads::UploadResponse>()),
         ("DeliveryAttempted", schema::<stemq_core::event::DeliveryAttempted>()),
@@ -269,6 +271,27 @@ pub fn document() -> Value {
         },
         "components": {"schemas": components}
     });
+    // Batches (a separate insert: one `json!` of every path is past the macro's recursion
+    // limit).
+    doc["paths"]["/v1/batches"] = json!({
+        "post": {
+            "summary": "Submit up to 1 000 separation requests as one batch. Items are taken in order; each gets a job (`submitted`) or its own error (`refused`: an invalid item does not stop the others). When a limit of the key (rate, jobs in flight, credits) or the queue refuses, the batch stops: the remaining items are `not_submitted` with the reason, and `Retry-After` says when to submit the same batch again, which goes on where it stopped (the batch id is the hash of the owner and the items' jobs, so the same items are the same batch; items already submitted are not submitted twice). A `webhook` is told once when the batch ends (`io.stemq.batch.ended.v1`)",
+            "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/BatchRequest"}}}},
+            "responses": {
+                "202": ok("A new batch, or a round that queued new jobs: the batch (`Location: /v1/batches/{id}`; `Retry-After` when items were not submitted)", "BatchView"),
+                "200": ok("The same batch, with nothing new to submit (or nothing submittable yet: see `stopped` and `Retry-After`)", "BatchView"),
+                "422": err("Not a batch: no items, more than 1 000, unknown fields, a bad `webhook.url` (`field` says which); invalid items are refused one by one instead"),
+                "503": err("The batch could not be recorded now; submitting it again is safe"),
+            }
+        }
+    });
+    doc["paths"]["/v1/batches/{id}"] = json!({
+        "get": {
+            "summary": "A batch: every item (its job and the job's status, its error, or why it waits for a resubmission), counts, and the batch's status (`running`, `stopped` when items wait for a resubmission and nothing runs, `ended`)",
+            "parameters": [id_param.clone()],
+            "responses": {"200": ok("The batch", "BatchView"), "404": err("No such batch, or another owner's")}
+        }
+    });
     secure(&mut doc);
     doc
 }
@@ -301,7 +324,9 @@ fn secure(doc: &mut Value) {
             let responses = &mut op["responses"];
             responses["401"] = err("No key, or a malformed, unknown or revoked key (`WWW-Authenticate: Bearer`)");
             responses["403"] = err(&format!("The key's role does not allow this; it needs {role}"));
-            if path.contains("{id}") {
+            if path.starts_with("/v1/batches/") {
+                responses["404"] = err("No such batch, or another owner's batch (the two are not told apart)");
+            } else if path.contains("{id}") {
                 responses["404"] = err("No such job, or another owner's job (the two are not told apart)");
             }
             if (method == "post" && path == "/v1/separations") || path.ends_with("/replay") {

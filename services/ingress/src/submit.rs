@@ -66,6 +66,39 @@ pub enum SubmitError {
     Unavailable(String),
 }
 
+impl SubmitError {
+    /// Inside a batch, whether this refusal stops the batch (the items after it are
+    /// `not_submitted`, and submitting the batch again goes on from there) rather than
+    /// refusing this one item while the others go on. A limit of the caller's budget
+    /// (rate, jobs in flight, credits; any refusal about what the caller may still spend) and a
+    /// queue that takes nothing would refuse every later item alike; an invalid request
+    /// is its own. A new refusal must say which it is here.
+    pub fn stops_batch(&self) -> bool {
+        match self {
+            SubmitError::Invalid(_) | SubmitError::Unserved { .. } => false,
+            SubmitError::Limited(_) | SubmitError::Unavailable(_) => true,
+            // A rule's own answer: what the owner cannot pay (402), a limit (429) or a
+            // store that did not answer (5xx) holds for the items after it too.
+            SubmitError::Refused(e) => {
+                use axum::http::StatusCode;
+                e.status == StatusCode::PAYMENT_REQUIRED
+                    || e.status == StatusCode::TOO_MANY_REQUESTS
+                    || e.status.is_server_error()
+            }
+        }
+    }
+
+    /// Seconds until trying again can succeed, when the refusal says.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            SubmitError::Limited(l) => Some(l.retry_after),
+            SubmitError::Unavailable(_) => Some(2),
+            // Credits do not come back by waiting.
+            SubmitError::Invalid(_) | SubmitError::Unserved { .. } | SubmitError::Refused(_) => None,
+        }
+    }
+}
+
 fn unserved_message(model: stemq_core::request::Model, served: &[stemq_core::request::Model]) -> String {
     let served: Vec<&str> = served.iter().map(|m| m.as_str()).collect();
     let here = if served.is_empty() { "no model (no worker is running)".to_string() } else { served.join(", ") };

@@ -6,20 +6,30 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use stemq_core::batch::BatchId;
 use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
 use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::publish_within;
 use stemq_core::webhook;
-use stemq_core::{Event, JobId, JobView};
+use stemq_core::{Event, JobId};
 use tracing::{debug, info, warn};
 
 use crate::claim::Claimed;
 use crate::schedule::retry_delay;
 use crate::Shared;
 
+/// Whose delivery it is: where its attempts are recorded.
+#[derive(Clone, Copy)]
+pub(crate) enum Of<'a> {
+    /// A job's (`stemq.jobs.<id>.delivery`).
+    Job(&'a JobId),
+    /// A batch's end (`stemq.batches.<id>.delivery`).
+    Batch(&'a BatchId),
+}
+
 /// One delivery: an event (or a replay request) for one receiver.
 pub(crate) struct Delivery<'a> {
-    pub id: &'a JobId,
+    pub of: Of<'a>,
     /// The delivery's key among the claims (`claim::key`), also the root of its records'
     /// message ids.
     pub key: String,
@@ -27,7 +37,8 @@ pub(crate) struct Delivery<'a> {
     pub event_type: &'a str,
     pub url: &'a str,
     pub owner: String,
-    pub view: &'a JobView,
+    /// The payload's `data`: the job's status view, or the batch's view.
+    pub data: serde_json::Value,
     pub replay: bool,
 }
 
@@ -143,7 +154,7 @@ async fn post(shared: &Shared, d: &Delivery<'_>, owner: &webhook::OwnerWebhooks,
     let body = serde_json::to_vec(&json!({
         "type": d.event_type,
         "timestamp": now.to_rfc3339(),
-        "data": d.view,
+        "data": &d.data,
     }))
     .expect("payload serialises");
     let ts = now.timestamp();
@@ -198,7 +209,8 @@ pub(crate) fn parse_retry_after(v: &str) -> Option<Duration> {
 /// How long recording an attempt keeps retrying while NATS cannot store it.
 const RECORD_PATIENCE: Duration = Duration::from_secs(60);
 
-/// Records the attempt on `stemq.jobs.<id>.delivery`: the record later attempts are
+/// Records the attempt on `stemq.jobs.<id>.delivery` (a batch's on
+/// `stemq.batches.<id>.delivery`): the record later attempts are
 /// numbered and timed from. Its message id (`<delivery key>.<attempt>`) makes the
 /// publish's retries, and a taken-over attempt recorded within the dedupe window, one
 /// record.
@@ -210,27 +222,35 @@ async fn record(
     result: DeliveryResult,
     next: Option<Duration>,
 ) {
-    let ev = Event::new(
-        d.id,
-        &format!("/stemq/{}", shared.config.name),
-        EventBody::DeliveryAttempted(DeliveryAttempted {
-            webhook_id: d.webhook_id.to_string(),
-            event_type: d.event_type.to_string(),
-            url: d.url.to_string(),
-            attempt,
-            status_code: a.status,
-            latency_ms: a.latency.as_millis() as u64,
-            result,
-            error: a.error.clone(),
-            retry_in_ms: next.map(|n| n.as_millis() as u64),
-            replay: d.replay,
-        }),
-    );
+    let attempted = DeliveryAttempted {
+        webhook_id: d.webhook_id.to_string(),
+        event_type: d.event_type.to_string(),
+        url: d.url.to_string(),
+        attempt,
+        status_code: a.status,
+        latency_ms: a.latency.as_millis() as u64,
+        result,
+        error: a.error.clone(),
+        retry_in_ms: next.map(|n| n.as_millis() as u64),
+        replay: d.replay,
+    };
+    let source = format!("/stemq/{}", shared.config.name);
     // The record is the delivery's memory (a redelivery reads it to know the attempt is
     // made): it waits out a leader election or a quorum loss rather than being dropped.
     let msg_id = format!("{}.{attempt}", d.key);
-    let subject = job_subject(d.id, SubjectKind::Delivery);
-    if let Err(e) = publish_within(&shared.js, &subject, &ev, Some(&msg_id), RECORD_PATIENCE).await {
+    let recorded = match d.of {
+        Of::Job(id) => {
+            let ev = Event::new(id, &source, EventBody::DeliveryAttempted(attempted));
+            let subject = job_subject(id, SubjectKind::Delivery);
+            publish_within(&shared.js, &subject, &ev, Some(&msg_id), RECORD_PATIENCE).await.map(drop)
+        }
+        Of::Batch(id) => {
+            stemq_core::batch_log::record_attempt(&shared.js, id, attempted, &msg_id, &source, RECORD_PATIENCE)
+                .await
+                .map(drop)
+        }
+    };
+    if let Err(e) = recorded {
         warn!(error = %e, "delivery attempt not recorded");
     }
 }

@@ -34,7 +34,6 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use stemq_core::error::JetStreamError;
-use stemq_core::JobId;
 use tracing::{debug, warn};
 
 /// What the lease adds to the request timeout: the URL check, the record's publish with
@@ -115,9 +114,10 @@ pub(crate) struct Claims {
     pub lease: Duration,
 }
 
-/// The delivery's key: `<job id>.<event id>`, the event id hashed when it holds
-/// characters a key may not (stemq's own events have UUIDs).
-pub(crate) fn key(job: &JobId, event_id: &str) -> String {
+/// The delivery's key: `<job id>.<event id>` (`<batch id>.<event id>` for a batch's
+/// end), the event id hashed when it holds characters a key may not (stemq's own events
+/// have UUIDs).
+pub(crate) fn key(job: &str, event_id: &str) -> String {
     let plain = !event_id.is_empty() && event_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
     if plain {
         format!("{job}.{event_id}")
@@ -228,6 +228,7 @@ impl From<kv::CreateError> for Conflict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stemq_core::JobId;
 
     const LEASE: Duration = Duration::from_secs(75);
     const NOW: Duration = Duration::ZERO;
@@ -260,10 +261,10 @@ mod tests {
     #[test]
     fn keys_are_valid_kv_keys() {
         let job = JobId::parse(&"ab".repeat(32)).unwrap();
-        let k = key(&job, "0b1e8a2c-5c1d-4d7e-9a55-7a1c3a0e9f10");
+        let k = key(job.as_str(), "0b1e8a2c-5c1d-4d7e-9a55-7a1c3a0e9f10");
         assert_eq!(k, format!("{job}.0b1e8a2c-5c1d-4d7e-9a55-7a1c3a0e9f10"));
-        let odd = key(&job, "a.b c*>");
+        let odd = key(job.as_str(), "a.b c*>");
         assert!(odd.starts_with(&format!("{job}.h")) && odd.len() == 64 + 2 + 32, "{odd}");
-        assert_eq!(odd, key(&job, "a.b c*>"), "stable");
+        assert_eq!(odd, key(job.as_str(), "a.b c*>"), "stable");
     }
 }

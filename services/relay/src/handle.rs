@@ -15,7 +15,7 @@ use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio_util::sync::CancellationToken;
 use tracing::{info_span, warn, Instrument};
 
-use crate::attempt::{attempt, After, Delivery};
+use crate::attempt::{attempt, After, Delivery, Of};
 use crate::schedule::{next_step, Step};
 use crate::Shared;
 
@@ -165,29 +165,34 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
             return;
         }
         let delivery = Delivery {
-            id: &id,
-            key: crate::claim::key(&id, &event.id),
+            of: Of::Job(&id),
+            key: crate::claim::key(id.as_str(), &event.id),
             webhook_id: &webhook_id,
             event_type: &event_type,
             url: &hook.url,
             owner: view.owner().to_string(),
-            view: &view,
+            data: serde_json::to_value(&view).expect("views serialise"),
             replay,
         };
-        match attempt(shared, &delivery, n).await {
-            After::Over => {
-                let _ = msg.ack().await;
-            }
-            After::Retry(wait) | After::NotAttempted(wait) => {
-                let _ = msg.ack_with(AckKind::Nak(Some(wait))).await;
-            }
-            // The claimant acks the event or hands it back; if it died, the ack wait
-            // brings the event back and the claim's lease decides.
-            After::Taken => {}
-        }
+        finish(&msg, attempt(shared, &delivery, n).await).await;
     }
     .instrument(span)
     .await
+}
+
+/// Acks or hands back an event after an attempt (see [`After`]).
+pub(crate) async fn finish(msg: &jetstream::Message, after: After) {
+    match after {
+        After::Over => {
+            let _ = msg.ack().await;
+        }
+        After::Retry(wait) | After::NotAttempted(wait) => {
+            let _ = msg.ack_with(AckKind::Nak(Some(wait))).await;
+        }
+        // The claimant acks the event or hands it back; if it died, the ack wait brings
+        // the event back and the claim's lease decides.
+        After::Taken => {}
+    }
 }
 
 /// Where the delivery of `webhook_id` stands. A first delivery of the event has no

@@ -46,9 +46,16 @@
 //! with no record, another relay takes the claim over and makes that attempt again with
 //! the same `webhook-id`, which receivers de-duplicate.
 //!
+//! **Batches** (`batches`): the relay also tells when a batch has ended — on each of
+//! its submission rounds (`relay-batches`) and on each end of a job it holds
+//! (`relay-batch-outcomes`) — records the end once, and delivers it to the batch's
+//! webhook the same way (`io.stemq.batch.ended.v1`, recorded on
+//! `stemq.batches.<id>.delivery`).
+//!
 //! Deliveries run concurrently, at most `concurrency` attempts in flight.
 
 mod attempt;
+mod batches;
 mod claim;
 mod handle;
 mod memo;
@@ -126,6 +133,21 @@ struct Shared {
     last_progress: ProgressMemo,
     /// Who makes which attempt, between relays.
     claims: claim::Claims,
+    /// Batches: their log, and the job ends seen.
+    batches: batches::Batches,
+}
+
+/// Which consumer a message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Feed {
+    /// `relay`: started, outcome and replay-request events.
+    Jobs,
+    /// `relay-progress`.
+    Progress,
+    /// `relay-batches`: batch rounds and ends.
+    Batches,
+    /// `relay-batch-outcomes`: job ends, for their batches.
+    BatchOutcomes,
 }
 
 /// Runs the relay until `shutdown`. Nothing in flight is acked on the way out: an
@@ -155,6 +177,19 @@ pub async fn serve(
         .get_consumer_from_stream(names::RELAY_PROGRESS_CONSUMER, names::PROGRESS_STREAM)
         .await
         .map_err(JetStreamError::open("open relay-progress consumer"))?;
+    let open_consumer = |name: &'static str, stream: &'static str| {
+        let js = js.clone();
+        async move {
+            let c: PullConsumer = js
+                .get_consumer_from_stream(name, stream)
+                .await
+                .map_err(JetStreamError::open("open a relay consumer of batches"))?;
+            Ok::<_, JetStreamError>(c)
+        }
+    };
+    let batch_events = open_consumer(names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM).await?;
+    let batch_outcomes = open_consumer(names::RELAY_BATCH_OUTCOMES_CONSUMER, names::JOBS_STREAM).await?;
+    let batches = batches::Batches::new(stemq_core::batch_log::BatchLog::open(&js).await?, jobs_stream.clone());
     let claims = claim::Claims {
         kv: js
             .get_key_value(names::DELIVERY_CLAIMS_BUCKET)
@@ -164,12 +199,18 @@ pub async fn serve(
         lease: config.timeout + claim::LEASE_MARGIN,
     };
     let slots = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo, claims });
+    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo, claims, batches });
     info!(concurrency = shared.config.concurrency, attempts = shared.config.schedule.len(), "relay running");
     let tracker = TaskTracker::new();
-    for (consumer, is_progress) in [(events, false), (progress, true)] {
+    let feeds = [
+        (events, Feed::Jobs),
+        (progress, Feed::Progress),
+        (batch_events, Feed::Batches),
+        (batch_outcomes, Feed::BatchOutcomes),
+    ];
+    for (consumer, feed) in feeds {
         let (shared, slots, stop, t) = (shared.clone(), slots.clone(), shutdown.clone(), tracker.clone());
-        tracker.spawn(async move { pump(shared, consumer, is_progress, slots, stop, t).await });
+        tracker.spawn(async move { pump(shared, consumer, feed, slots, stop, t).await });
     }
     shutdown.cancelled().await;
     tracker.close();
@@ -181,7 +222,7 @@ pub async fn serve(
 async fn pump(
     shared: Arc<Shared>,
     consumer: PullConsumer,
-    is_progress: bool,
+    feed: Feed,
     slots: Arc<Semaphore>,
     stop: CancellationToken,
     tracker: TaskTracker,
@@ -198,7 +239,12 @@ async fn pump(
         let (shared, stop) = (shared.clone(), stop.clone());
         tracker.spawn(async move {
             let _permit = permit;
-            handle::handle(&shared, msg, is_progress, &stop).await;
+            match feed {
+                Feed::Jobs => handle::handle(&shared, msg, false, &stop).await,
+                Feed::Progress => handle::handle(&shared, msg, true, &stop).await,
+                Feed::Batches => batches::on_batch_event(&shared, msg, &stop).await,
+                Feed::BatchOutcomes => batches::on_outcome(&shared, msg).await,
+            }
         });
     }
 }

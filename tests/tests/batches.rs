@@ -1,0 +1,313 @@
+//! Batches against a real nats-server, the fake engine and a loopback webhook receiver:
+//! `POST /v1/batches` takes items in order, refuses an invalid item alone, stops on the
+//! key's rate limit with the rest `not_submitted` and goes on when the same batch is
+//! submitted again; the batch id is its content (a resubmission queues no new job);
+//! `GET /v1/batches/{id}` counts the items until every job has ended; the batch's
+//! webhook fires once, signed; another owner's batch is a 404; 1 001 items are a 422.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use reqwest::Method;
+use serde_json::{json, Value};
+use stemq_core::auth::{self, Limits, Role};
+use stemq_core::nats as names;
+use stemq_core::webhook::{verify, Secret};
+use stemq_tests::{Stack, StackOptions, TEST_OWNER};
+
+const T: Duration = Duration::from_secs(30);
+
+/// A loopback receiver that answers 204 and keeps what it got.
+#[derive(Clone, Default)]
+struct Receiver {
+    got: Arc<Mutex<Vec<(HeaderMap, Bytes)>>>,
+}
+
+async fn receive(State(r): State<Receiver>, headers: HeaderMap, body: Bytes) -> axum::http::StatusCode {
+    r.got.lock().unwrap().push((headers, body));
+    axum::http::StatusCode::NO_CONTENT
+}
+
+impl Receiver {
+    async fn start() -> (Receiver, SocketAddr) {
+        let r = Receiver::default();
+        let app = axum::Router::new().route("/hook", axum::routing::post(receive)).with_state(r.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        (r, addr)
+    }
+
+    fn got(&self) -> Vec<(HeaderMap, Bytes)> {
+        self.got.lock().unwrap().clone()
+    }
+
+    async fn wait(&self, n: usize) -> Vec<(HeaderMap, Bytes)> {
+        let deadline = Instant::now() + T;
+        loop {
+            let got = self.got();
+            if got.len() >= n {
+                return got;
+            }
+            assert!(Instant::now() < deadline, "the receiver got {} requests, wanted {n}", got.len());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A stack with one fake worker and the relay; loopback receivers allowed.
+async fn stack() -> Stack {
+    // Every test in this binary uses the same allow-list (the variable is process-wide).
+    std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
+    let mut stack = Stack::start(StackOptions::default()).await;
+    stack
+        .start_relay(stemq_relay::Config {
+            schedule: vec![Duration::ZERO, Duration::from_millis(200)],
+            timeout: Duration::from_secs(2),
+            max_retry_after: Duration::from_secs(1),
+            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            concurrency: 16,
+            name: "relay-test".into(),
+            progress_jobs: 100,
+        })
+        .await;
+    stack
+}
+
+/// A key of `owner` with `limits`.
+async fn key(stack: &Stack, owner: &str, role: Role, limits: Limits) -> String {
+    auth::create(&stack.keys, owner, role, limits, "test").await.expect("key").0.expose()
+}
+
+/// One HTTP call with `key`: (status, headers, JSON body or Null).
+async fn call(stack: &Stack, method: Method, path: &str, key: &str, body: Option<&Value>) -> (u16, HeaderMap, Value) {
+    let mut r = reqwest::Client::new().request(method, stack.url(path)).bearer_auth(key);
+    if let Some(b) = body {
+        r = r.json(b);
+    }
+    let resp = r.send().await.expect("http");
+    let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+    (status, headers, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// A valid item: upload `name` of `owner`, a short fake job.
+fn item(stack: &Stack, owner: &str, name: &str) -> Value {
+    json!({"audio_uri": stack.store.uri(&format!("uploads/{owner}/{name}.wav")), "model": "dsp",
+           "metadata": {"fake": {"sleep_ms": 50}}})
+}
+
+/// Requests recorded in the job log.
+async fn requests(stack: &Stack) -> u64 {
+    stack.count_on("stemq.jobs.*.requested.>").await
+}
+
+/// Messages stored on `subject` in the batch log.
+async fn in_batch_log(stack: &Stack, subject: &str) -> u64 {
+    use futures::StreamExt;
+    let stream = stack.js.get_stream(names::BATCHES_STREAM).await.unwrap();
+    let info = stream.info_with_subjects(subject).await.unwrap();
+    futures::pin_mut!(info);
+    let mut n = 0;
+    while let Some(Ok((_, c))) = info.next().await {
+        n += c as u64;
+    }
+    n
+}
+
+/// Polls `GET /v1/batches/{id}` until `pred` holds; panics with the last view.
+async fn wait_batch(stack: &Stack, key: &str, id: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + T;
+    loop {
+        let (code, _, v) = call(stack, Method::GET, &format!("/v1/batches/{id}"), key, None).await;
+        assert_eq!(code, 200, "{v}");
+        if pred(&v) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "batch {id} did not get there; last view: {v:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn states(v: &Value) -> Vec<String> {
+    v["items"].as_array().unwrap().iter().map(|i| i["state"].as_str().unwrap().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
+    let stack = stack().await;
+    let (rx, addr) = Receiver::start().await;
+    let owner_key = stack.key.clone();
+    let mut items: Vec<Value> = (0..5).map(|i| item(&stack, TEST_OWNER, &format!("song{i}"))).collect();
+    // The fourth item names a model that does not exist: refused alone.
+    items.insert(3, json!({"audio_uri": stack.store.uri(&format!("uploads/{TEST_OWNER}/bad.wav")), "model": "nope"}));
+    let body = json!({"items": items, "webhook": {"url": format!("http://{addr}/hook")}, "metadata": {"album": "x"}});
+    let before = requests(&stack).await;
+
+    let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&body)).await;
+    assert_eq!(code, 202, "{v:#}");
+    let id = v["batch_id"].as_str().unwrap().to_string();
+    assert_eq!(h["location"].to_str().unwrap(), format!("/v1/batches/{id}"));
+    assert!(h.get("retry-after").is_none());
+    assert_eq!(states(&v), ["submitted", "submitted", "submitted", "refused", "submitted", "submitted"]);
+    let bad = &v["items"][3];
+    assert_eq!(
+        (bad["error"]["code"].as_str(), bad["error"]["field"].as_str()),
+        (Some("invalid_request"), Some("model"))
+    );
+    assert_eq!((v["counts"]["submitted"].as_u64(), v["counts"]["refused"].as_u64()), (Some(5), Some(1)));
+    assert_eq!(v["metadata"]["album"], "x");
+    assert_eq!(requests(&stack).await - before, 5, "five jobs queued");
+    // Each item's job is the one the same request gets alone.
+    let (_, alone) = stack.submit(&items[0]).await;
+    assert_eq!(alone["job_id"], v["items"][0]["job_id"]);
+    assert_eq!(alone["cached"], true);
+
+    // The same batch again: the same id, nothing new queued (whatever the key order or
+    // the batch's own webhook and metadata).
+    let mut again = body.clone();
+    again["metadata"] = json!({"album": "other"});
+    let (code, _, v2) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&again)).await;
+    assert_eq!(code, 200, "{v2:#}");
+    assert_eq!(v2["batch_id"], id.as_str());
+    assert_eq!(v2["metadata"]["album"], "x", "the first submission's metadata stays");
+    assert_eq!(requests(&stack).await - before, 5, "no new job");
+
+    // Every job ends; the counts say so and the batch ends.
+    let done = wait_batch(&stack, &owner_key, &id, |v| v["status"] == "ended").await;
+    assert_eq!(done["counts"]["succeeded"], 5, "{done:#}");
+    assert_eq!((done["counts"]["queued"].as_u64(), done["counts"]["running"].as_u64()), (Some(0), Some(0)));
+    assert!(done["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["state"] == "submitted")
+        .all(|i| i["status"] == "succeeded"));
+
+    // The webhook fires once, signed with the owner's secret.
+    let got = rx.wait(1).await;
+    let (code, _, s) = call(&stack, Method::GET, "/v1/webhooks/secret", &owner_key, None).await;
+    assert_eq!(code, 200);
+    let secret = Secret::parse(s["secret"].as_str().unwrap()).unwrap();
+    let (headers, raw) = &got[0];
+    let ts: i64 = headers["webhook-timestamp"].to_str().unwrap().parse().unwrap();
+    let wid = headers["webhook-id"].to_str().unwrap();
+    verify(&secret, wid, ts, raw, headers["webhook-signature"].to_str().unwrap(), chrono::Utc::now().timestamp())
+        .expect("the signature verifies");
+    let payload: Value = serde_json::from_slice(raw).unwrap();
+    assert_eq!(payload["type"], "io.stemq.batch.ended.v1");
+    assert_eq!(payload["data"]["batch_id"], id.as_str());
+    assert_eq!(payload["data"]["status"], "ended");
+    assert_eq!(payload["data"]["counts"]["succeeded"], 5);
+    assert!(payload["data"]["ended_at"].is_string());
+    // Submitting the ended batch again changes nothing, and no second end is recorded.
+    let (code, _, _) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&body)).await;
+    assert_eq!(code, 200);
+    let ended = wait_batch(&stack, &owner_key, &id, |v| v["ended_at"].is_string()).await;
+    assert_eq!(ended["ended_at"], payload["data"]["ended_at"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rx.got().len(), 1, "one delivery");
+    assert_eq!(in_batch_log(&stack, &format!("stemq.batches.{id}.ended")).await, 1);
+    assert_eq!(in_batch_log(&stack, &format!("stemq.batches.{id}.delivery")).await, 1);
+
+    // Another owner: the batch is not there; its own submission of the same items is
+    // another batch (and its items are not its uploads).
+    let other = key(&stack, "globex", Role::Submit, Limits::NONE).await;
+    let (code, _, e) = call(&stack, Method::GET, &format!("/v1/batches/{id}"), &other, None).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (404, Some("not_found")));
+    let (code, _, theirs) = call(&stack, Method::POST, "/v1/batches", &other, Some(&body)).await;
+    assert_eq!(code, 202);
+    assert_ne!(theirs["batch_id"], id.as_str());
+    assert_eq!(theirs["counts"]["refused"], 6, "another owner's uploads: {theirs:#}");
+    // A read key may look but not submit; no key is 401.
+    let reader = key(&stack, TEST_OWNER, Role::Read, Limits::NONE).await;
+    assert_eq!(call(&stack, Method::GET, &format!("/v1/batches/{id}"), &reader, None).await.0, 200);
+    assert_eq!(call(&stack, Method::POST, "/v1/batches", &reader, Some(&body)).await.0, 403);
+    let anonymous = reqwest::Client::new().get(stack.url(&format!("/v1/batches/{id}"))).send().await.unwrap();
+    assert_eq!(anonymous.status().as_u16(), 401);
+    assert_eq!(call(&stack, Method::GET, &format!("/v1/batches/{}", "0".repeat(64)), &owner_key, None).await.0, 404);
+    assert_eq!(call(&stack, Method::GET, "/v1/batches/nothex", &owner_key, None).await.0, 404);
+
+    // Not batches: 1 001 items, none, an unknown field, a receiver the policy refuses.
+    let too_many = json!({"items": vec![items[0].clone(); 1001]});
+    let (code, _, e) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&too_many)).await;
+    assert_eq!((code, e["error"]["field"].as_str()), (422, Some("items")), "{e}");
+    for (bad, field) in [
+        (json!({"items": []}), "items"),
+        (json!({"items": [items[0]], "priority": "batch"}), "body"),
+        (json!({"items": [items[0]], "webhook": {"url": "https://10.0.0.1/hook"}}), "webhook.url"),
+    ] {
+        let (code, _, e) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&bad)).await;
+        assert_eq!((code, e["error"]["field"].as_str()), (422, Some(field)), "{bad}: {e}");
+    }
+    assert_eq!(requests(&stack).await - before, 5, "nothing refused was queued");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_stops_the_batch_and_the_same_batch_goes_on_later() {
+    let stack = stack().await;
+    let (rx, addr) = Receiver::start().await;
+    // Two submits at once, then two a second.
+    let k = key(&stack, TEST_OWNER, Role::Submit, Limits { rate: 2.0, burst: 2, max_in_flight: 1000 }).await;
+    let mut items: Vec<Value> = (0..5).map(|i| item(&stack, TEST_OWNER, &format!("rated{i}"))).collect();
+    // An invalid item after the stop is still told its own error.
+    items.push(json!({"audio_uri": stack.store.uri(&format!("uploads/{TEST_OWNER}/x.wav")), "shifts": -1}));
+    let body = json!({"items": items, "webhook": {"url": format!("http://{addr}/hook")}});
+    let before = requests(&stack).await;
+
+    let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
+    assert_eq!(code, 202, "{v:#}");
+    let id = v["batch_id"].as_str().unwrap().to_string();
+    assert_eq!(states(&v), ["submitted", "submitted", "not_submitted", "not_submitted", "not_submitted", "refused"]);
+    let reason = &v["items"][2]["reason"];
+    assert_eq!(reason["code"], "rate_limited", "{v:#}");
+    assert!(reason["retry_after"].as_u64().unwrap() >= 1);
+    assert_eq!(v["stopped"]["code"], "rate_limited");
+    assert_eq!(v["items"][5]["error"]["field"], "shifts");
+    let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=2).contains(&retry), "{retry}");
+    assert_eq!(requests(&stack).await - before, 2);
+
+    // The two jobs end; the batch is stopped, not ended: no end, no webhook.
+    let stopped = wait_batch(&stack, &k, &id, |v| v["status"] == "stopped").await;
+    assert_eq!(
+        (stopped["counts"]["succeeded"].as_u64(), stopped["counts"]["not_submitted"].as_u64()),
+        (Some(2), Some(3))
+    );
+    assert_eq!(in_batch_log(&stack, &format!("stemq.batches.{id}.ended")).await, 0);
+    assert!(rx.got().is_empty());
+
+    // Submitting the same batch again, after Retry-After each time, goes on where it
+    // stopped, and never queues an item twice.
+    let mut rounds = 1;
+    let mut wait = retry;
+    loop {
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+        let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
+        rounds += 1;
+        assert!(code == 202 || code == 200, "{code}: {v:#}");
+        assert_eq!(v["batch_id"], id.as_str());
+        assert_eq!(v["items"][0]["state"], "submitted");
+        if v["counts"]["not_submitted"] == 0 {
+            assert_eq!(v["counts"]["submitted"], 5);
+            assert!(h.get("retry-after").is_none());
+            break;
+        }
+        assert!(rounds < 6, "the batch does not get through: {v:#}");
+        wait = h["retry-after"].to_str().unwrap().parse().unwrap();
+    }
+    assert_eq!(requests(&stack).await - before, 5, "each job queued once");
+    let done = wait_batch(&stack, &k, &id, |v| v["status"] == "ended").await;
+    assert_eq!((done["counts"]["succeeded"].as_u64(), done["counts"]["refused"].as_u64()), (Some(5), Some(1)));
+    assert!(done["rounds"].as_u64().unwrap() >= 2);
+    let got = rx.wait(1).await;
+    let payload: Value = serde_json::from_slice(&got[0].1).unwrap();
+    assert_eq!(payload["data"]["counts"]["succeeded"], 5);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rx.got().len(), 1, "one delivery");
+    stack.shutdown().await;
+}
