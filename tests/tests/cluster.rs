@@ -581,7 +581,7 @@ async fn issue_12_three_nodes_keep_every_promise_while_nodes_die() {
     println!("measured: cluster and services up in {}", secs(t_test.elapsed()));
 
     // `stemq nats apply --replicas 3` put every stream, bucket and consumer on 3 nodes.
-    for stream in [names::JOBS_STREAM, names::PROGRESS_STREAM, names::ADVISORY_STREAM] {
+    for stream in [names::JOBS_STREAM, names::PROGRESS_STREAM, names::ADVISORY_STREAM, names::BATCHES_STREAM] {
         let info = stack.js.get_stream(stream).await.unwrap().get_info().await.unwrap();
         assert_eq!(info.config.num_replicas, 3, "{stream}");
         let c = info.cluster.expect("cluster info");

@@ -602,3 +602,85 @@ async fn only_the_operator_mints_credits_or_sets_prices() {
     Ledger::new(short(&c)).account("acme").await.expect("the ingress reads accounts");
     stack.shutdown().await;
 }
+
+/// Batches: only the ingress records a batch's rounds and which batches hold a job, only
+/// the relay records a batch's end and its webhook attempts (a forged end would fire the
+/// batch's webhook before its jobs are done; a forged round could add another owner's
+/// jobs to a batch). Nobody else reads the batch log (its rounds name each owner's jobs)
+/// or pulls the relay's batch consumers. Each denied write is checked against the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_ingress_records_batch_rounds_and_only_the_relay_ends_them() {
+    use stemq_core::batch::{BatchEvent, BatchEventBody, BatchId, BatchSubmitted, ItemState};
+    use stemq_core::batch_log::{batch_subject, member_subject, BatchSubject};
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let acme = stack.add_publisher("acme").await;
+    let batch = BatchId::parse(&"b".repeat(64)).unwrap();
+    let job = JobId::parse(&"a".repeat(64)).unwrap();
+    let round = BatchSubmitted {
+        owner: "acme".into(),
+        items: vec![ItemState::Submitted { job_id: job.clone() }],
+        webhook: None,
+        metadata: None,
+        created_at: chrono::Utc::now(),
+        rounds: 1,
+    };
+    let forged = BatchEvent::new(&batch, "urn:test:forged", BatchEventBody::Submitted(round)).to_bytes().to_vec();
+    let (submitted, ended, delivery, member) = (
+        batch_subject(&batch, BatchSubject::Submitted),
+        batch_subject(&batch, BatchSubject::Ended),
+        batch_subject(&batch, BatchSubject::Delivery),
+        member_subject(&job, &batch),
+    );
+    let log = stack.js.get_stream(names::BATCHES_STREAM).await.unwrap();
+    let stored = |subject: String| {
+        let log = log.clone();
+        async move { log.direct_get_last_for_subject(subject).await.is_ok() }
+    };
+    for (user, subject) in [
+        (WORKER, &submitted),
+        (PROJECTOR, &submitted),
+        (RELAY, &submitted),
+        (STATUS_READER, &submitted),
+        (acme.as_str(), &submitted),
+        (INGRESS, &ended),
+        (WORKER, &ended),
+        (PROJECTOR, &ended),
+        (acme.as_str(), &ended),
+        (INGRESS, &delivery),
+        (WORKER, &delivery),
+        (acme.as_str(), &delivery),
+        (WORKER, &member),
+        (RELAY, &member),
+        (acme.as_str(), &member),
+    ] {
+        let c = stack.connect_as(user).await;
+        assert_denied(&format!("{user} publishes {subject}"), js_put(&short(&c), subject.clone(), forged.clone()).await);
+        assert!(!stored(subject.clone()).await, "{user} wrote {subject}");
+    }
+    // Reading the log, and pulling the relay's batch consumers, is the services' own.
+    for user in [WORKER, PROJECTOR, STATUS_READER, acme.as_str()] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        let theirs = js.get_stream_no_info(names::BATCHES_STREAM).await.unwrap();
+        denied(&format!("{user} reads the batch log"), theirs.direct_get_last_for_subject(submitted.clone()).await);
+        for (consumer, stream) in [
+            (names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM),
+            (names::RELAY_BATCH_OUTCOMES_CONSUMER, names::JOBS_STREAM),
+        ] {
+            let r = js.get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(consumer, stream).await;
+            denied(&format!("{user} opens {stream}/{consumer}"), r);
+        }
+    }
+    let c = stack.connect_as(INGRESS).await;
+    let js = short(&c);
+    let r = js.get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM);
+    denied("the ingress opens the relay's batch consumer", r.await);
+
+    // The ingress records rounds and memberships, the relay ends and attempts.
+    for (user, subject) in [(INGRESS, &member), (INGRESS, &submitted), (RELAY, &ended), (RELAY, &delivery)] {
+        let c = stack.connect_as(user).await;
+        js_put(&short(&c), subject.clone(), forged.clone()).await.unwrap_or_else(|e| panic!("{user} on {subject}: {e}"));
+        assert!(stored(subject.clone()).await, "{subject}");
+    }
+    stack.shutdown().await;
+}
