@@ -58,10 +58,27 @@ pub enum Command {
     Separate(crate::separate::SeparateArgs),
     /// Submit a job (a file path is uploaded to the store first).
     Submit(SubmitArgs),
-    /// Print a job's status view.
+    /// Submit every song of a folder as one batch, over the HTTP API (`--api`): the
+    /// `submit` flags make each song's request; `--wait` follows the whole batch with one
+    /// progress bar (submitting what a rate limit held back once it allows), `-o OUT`
+    /// then downloads each song's stems into `OUT/<song>/`. The same folder is the same
+    /// batch: running the command again goes on where it stopped.
+    #[command(
+        mut_arg("input", |a| a
+            .value_name("DIR")
+            .help("A folder of songs (WAV, FLAC, MP3, Ogg; not its subfolders): each is uploaded and becomes one item")),
+        mut_arg("output_dir", |a| a.help("With `--wait`: copy each song's stems into DIR/<song>/<stem>.<ext>")),
+        mut_arg("wait", |a| a.help("Wait for every job of the batch to end, with one progress bar")),
+        mut_arg("store", |a| a.hide(true))
+    )]
+    Batch(crate::batch::BatchArgs),
+    /// Print a job's status view (or a batch's, with `--batch`).
     Status {
-        /// Job id.
+        /// Job id (a batch id with `--batch`).
         id: String,
+        /// ID is a batch (over the HTTP API).
+        #[arg(long)]
+        batch: bool,
         #[command(flatten)]
         api: ApiArgs,
     },
@@ -76,10 +93,16 @@ pub enum Command {
         #[command(flatten)]
         api: ApiArgs,
     },
-    /// Follow a job with a progress bar until it ends.
+    /// Follow a job with a progress bar until it ends (or a batch, with `--batch`).
     Watch {
-        /// Job id.
+        /// Job id (a batch id with `--batch`).
         id: String,
+        /// ID is a batch (over the HTTP API): one bar for all its jobs, then a summary.
+        #[arg(long)]
+        batch: bool,
+        /// With `--batch`: copy each succeeded song's stems into DIR/<song>/.
+        #[arg(short = 'o', long = "output-dir", value_name = "DIR", requires = "batch")]
+        output_dir: Option<PathBuf>,
         #[command(flatten)]
         api: ApiArgs,
     },
@@ -247,6 +270,16 @@ fn parse_status(s: &str) -> Result<String, String> {
     }
 }
 
+/// The API client of the batch commands: batches are an HTTP API feature.
+fn batch_api(g: &Global, api: &ApiArgs) -> Result<crate::api::Api> {
+    api.client(&g.data_dir).ok_or_else(|| {
+        anyhow::anyhow!(
+            "batches go through the HTTP API: pass --api URL (or set STEMQ_API), e.g. --api http://127.0.0.1:8080 \
+             for `stemq dev`"
+        )
+    })
+}
+
 /// Dispatches a parsed command line.
 pub async fn run(cli: Cli) -> Result<()> {
     let g = cli.global;
@@ -280,19 +313,27 @@ pub async fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Separate(a) => tokio::task::spawn_blocking(move || crate::separate::run(&g, a)).await?,
+        Command::Submit(a) if std::path::Path::new(&a.input).is_dir() => {
+            anyhow::bail!("{} is a folder: `stemq batch {}` submits its songs as one batch", a.input, a.input)
+        }
         Command::Submit(a) => match a.api.client(&g.data_dir) {
             Some(api) => crate::api::submit(&api, a).await,
             None => crate::client::submit(&g, a).await,
         },
-        Command::Status { id, api } => match api.client(&g.data_dir) {
+        Command::Batch(a) => crate::batch::submit(&batch_api(&g, &a.job.api)?, a).await,
+        Command::Status { id, batch: true, api } => crate::batch::status(&batch_api(&g, &api)?, &id).await,
+        Command::Status { id, api, .. } => match api.client(&g.data_dir) {
             Some(api) => crate::api::status(&api, &id).await,
             None => crate::client::status(&g, &id).await,
         },
+        Command::Watch { id, batch: true, output_dir, api } => {
+            crate::batch::watch(&batch_api(&g, &api)?, &id, output_dir.as_deref()).await
+        }
         Command::List { status, limit, api } => match api.client(&g.data_dir) {
             Some(api) => crate::api::list(&api, status.as_deref(), limit).await,
             None => crate::client::list(&g, status.as_deref(), limit).await,
         },
-        Command::Watch { id, api } => match api.client(&g.data_dir) {
+        Command::Watch { id, api, .. } => match api.client(&g.data_dir) {
             Some(api) => crate::api::watch(&api, &id).await,
             None => crate::client::watch(&g, &id).await.map(|_| ()),
         },
@@ -488,6 +529,37 @@ mod tests {
             _ => unreachable!(),
         }
         assert!(create(&["--priority", "soon"]).is_err());
+    }
+
+    /// `batch DIR` takes the `submit` flags, a webhook, `--wait` and `-o`; its help
+    /// names a folder and hides `--store` (batches go through the API); `status` and
+    /// `watch` read a batch with `--batch`, and `watch -o` is for batches only.
+    #[test]
+    fn batch_takes_a_folder_and_the_submit_flags() {
+        let cli = Cli::try_parse_from([
+            "stemq", "batch", "songs/", "--flac", "--priority", "batch", "--webhook", "https://example.com/h", "--wait",
+            "-o", "out",
+        ])
+        .unwrap();
+        let Command::Batch(a) = cli.command else { unreachable!() };
+        assert_eq!(a.job.input, "songs/");
+        assert_eq!(a.webhook.as_deref(), Some("https://example.com/h"));
+        let req = a.job.request("x://a.wav");
+        assert_eq!((req["output_format"].as_str(), req["priority"].as_str()), (Some("flac"), Some("batch")));
+        assert_eq!(a.job.output_dir.as_deref(), Some(std::path::Path::new("out")));
+        assert!(Cli::try_parse_from(["stemq", "batch", "songs/", "-o", "out"]).is_err(), "-o needs --wait");
+        let help = help_of("batch");
+        assert!(help.contains("DIR") && help.contains("A folder of songs"), "{help}");
+        assert!(!help.contains("--store"), "{help}");
+        match Cli::try_parse_from(["stemq", "watch", "--batch", "abc", "-o", "d"]).unwrap().command {
+            Command::Watch { batch, output_dir, .. } => assert!(batch && output_dir.is_some()),
+            _ => unreachable!(),
+        }
+        assert!(Cli::try_parse_from(["stemq", "watch", "abc", "-o", "d"]).is_err());
+        assert!(matches!(
+            Cli::try_parse_from(["stemq", "status", "--batch", "abc"]).unwrap().command,
+            Command::Status { batch: true, .. }
+        ));
     }
 
     /// The engine host command line the worker writes is one this parser reads.

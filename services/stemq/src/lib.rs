@@ -10,6 +10,7 @@
 //! - [`services`]: each service alone, and loading engines;
 //! - [`client`]: submit, status, list, watch, cancel, retry, dead-letter replay over NATS;
 //! - [`api`]: the same client commands over the HTTP API (`--api URL`);
+//! - [`batch`]: a folder of songs as one batch over the HTTP API (`stemq batch DIR`);
 //! - [`bench`]: the benchmarks;
 //! - [`top`]: the live terminal view;
 //! - [`webhooks`]: webhook settings (re-enabling a URL a 410 disabled);
@@ -17,6 +18,7 @@
 //! - [`users`]: NATS users and their credentials (`stemq nats users`).
 
 pub mod api;
+pub mod batch;
 pub mod bench;
 pub mod cli;
 pub mod client;
