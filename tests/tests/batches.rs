@@ -311,3 +311,71 @@ async fn a_rate_limit_stops_the_batch_and_the_same_batch_goes_on_later() {
     assert_eq!(rx.got().len(), 1, "one delivery");
     stack.shutdown().await;
 }
+
+/// `stemq ARGS` in `dir` against the stack's API only (a NATS URL and a store that
+/// would fail if the command used them).
+async fn stemq(stack: &Stack, dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(Stack::stemq_bin());
+    cmd.args(args)
+        .current_dir(dir)
+        .env("STEMQ_DATA_DIR", dir.join(".stemq"))
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .env("STEMQ_STORE", "file:///nonexistent/store/")
+        .env("STEMQ_API", format!("http://{}", stack.http))
+        .env("STEMQ_API_KEY", &stack.key)
+        .env_remove("STEMQ_NATS_CREDS")
+        .env_remove("STEMQ_LOG_FORMAT");
+    tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap()
+}
+
+fn ok(out: &std::process::Output, what: &str) -> (String, String) {
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    assert!(out.status.success(), "{what} failed:\n{stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_submits_a_folder_as_one_batch_and_downloads_its_stems() {
+    let stack = stack().await;
+    let dir = tempfile::tempdir().unwrap();
+    let songs = dir.path().join("songs");
+    std::fs::create_dir(&songs).unwrap();
+    for (name, seconds) in [("one.wav", "1"), ("two.wav", "1.5")] {
+        let out = stemq(&stack, dir.path(), &["synth", "--seconds", seconds, "-o", &format!("songs/{name}")]).await;
+        ok(&out, "synth");
+    }
+    std::fs::write(songs.join("cover.jpg"), b"not audio").unwrap();
+
+    let out = stemq(&stack, dir.path(), &["batch", "songs", "--wait", "-o", "stems"]).await;
+    let (stdout, stderr) = ok(&out, "batch --wait");
+    assert!(stderr.contains("skipping 1 files that are not audio: cover.jpg"), "{stderr}");
+    let first = stdout.lines().next().unwrap();
+    assert!(first.contains("2 items, 2 submitted, 0 refused, 0 not submitted"), "{stdout}");
+    let id = first.split_whitespace().nth(1).unwrap().trim_end_matches(':').to_string();
+    assert!(stdout.contains("2 succeeded"), "{stdout}");
+    for song in ["one", "two"] {
+        let stems: Vec<_> = std::fs::read_dir(dir.path().join("stems").join(song)).unwrap().collect();
+        assert_eq!(stems.len(), 4, "stems/{song}");
+    }
+    let (code, _, v) = call(&stack, Method::GET, &format!("/v1/batches/{id}"), &stack.key, None).await;
+    assert_eq!((code, v["status"].as_str()), (200, Some("ended")), "{v:#}");
+    assert_eq!(v["items"][0]["state"], "submitted");
+
+    // The same folder again is the same batch, and nothing new; a watch of it
+    // downloads the stems by song name (from each job's `metadata.file`).
+    let before = requests(&stack).await;
+    let (stdout, _) = ok(&stemq(&stack, dir.path(), &["batch", "songs"]).await, "batch again");
+    assert!(stdout.contains(&format!("batch {id}:")), "{stdout}");
+    assert_eq!(requests(&stack).await, before);
+    let (stdout, _) = ok(&stemq(&stack, dir.path(), &["watch", "--batch", &id, "-o", "again"]).await, "watch --batch");
+    assert!(stdout.contains("2 succeeded"), "{stdout}");
+    assert!(dir.path().join("again/one").is_dir() && dir.path().join("again/two").is_dir());
+    let (stdout, _) = ok(&stemq(&stack, dir.path(), &["status", "--batch", &id]).await, "status --batch");
+    assert!(stdout.contains("\"ended\""), "{stdout}");
+    // A folder given to `submit` points to `batch`.
+    let out = stemq(&stack, dir.path(), &["submit", "songs"]).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stemq batch songs"));
+    stack.shutdown().await;
+}

@@ -654,7 +654,10 @@ async fn only_the_ingress_records_batch_rounds_and_only_the_relay_ends_them() {
         (acme.as_str(), &member),
     ] {
         let c = stack.connect_as(user).await;
-        assert_denied(&format!("{user} publishes {subject}"), js_put(&short(&c), subject.clone(), forged.clone()).await);
+        assert_denied(
+            &format!("{user} publishes {subject}"),
+            js_put(&short(&c), subject.clone(), forged.clone()).await,
+        );
         assert!(!stored(subject.clone()).await, "{user} wrote {subject}");
     }
     // Reading the log, and pulling the relay's batch consumers, is the services' own.
@@ -673,13 +676,18 @@ async fn only_the_ingress_records_batch_rounds_and_only_the_relay_ends_them() {
     }
     let c = stack.connect_as(INGRESS).await;
     let js = short(&c);
-    let r = js.get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM);
+    let r = js.get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(
+        names::RELAY_BATCHES_CONSUMER,
+        names::BATCHES_STREAM,
+    );
     denied("the ingress opens the relay's batch consumer", r.await);
 
     // The ingress records rounds and memberships, the relay ends and attempts.
     for (user, subject) in [(INGRESS, &member), (INGRESS, &submitted), (RELAY, &ended), (RELAY, &delivery)] {
         let c = stack.connect_as(user).await;
-        js_put(&short(&c), subject.clone(), forged.clone()).await.unwrap_or_else(|e| panic!("{user} on {subject}: {e}"));
+        js_put(&short(&c), subject.clone(), forged.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{user} on {subject}: {e}"));
         assert!(stored(subject.clone()).await, "{subject}");
     }
     stack.shutdown().await;

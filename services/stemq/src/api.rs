@@ -145,7 +145,12 @@ impl Api {
     }
 
     /// Calls `method path` with an optional JSON body and decodes the JSON answer.
-    pub(crate) async fn call<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<&Value>) -> Result<T, ApiError> {
+    pub(crate) async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<T, ApiError> {
         let url = self.url(path);
         let mut rb = self.request(method.clone(), &url);
         if let Some(b) = body {

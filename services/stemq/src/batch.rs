@@ -132,7 +132,8 @@ pub async fn submit(api: &Api, a: BatchArgs) -> Result<()> {
             songs.len()
         );
     }
-    let files: Vec<String> = songs.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect();
+    let files: Vec<String> =
+        songs.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect();
     let bar = BatchBar::new(songs.len() as u64, "uploading");
     let mut items = Vec::with_capacity(songs.len());
     for (path, file) in songs.iter().zip(&files) {
@@ -215,7 +216,8 @@ fn leftovers(v: &BatchView) -> Result<()> {
 /// Polls the batch with one bar until it has ended (or stopped with nothing running).
 async fn follow(api: &Api, id: &str, bar: BatchBar) -> Result<BatchView> {
     loop {
-        let v: BatchView = api.call(Method::GET, &format!("/v1/batches/{id}"), None).await.inspect_err(|_| bar.0.abandon())?;
+        let v: BatchView =
+            api.call(Method::GET, &format!("/v1/batches/{id}"), None).await.inspect_err(|_| bar.0.abandon())?;
         bar.show(&v);
         if v.status != BatchStatus::Running {
             bar.0.finish();

@@ -537,8 +537,17 @@ mod tests {
     #[test]
     fn batch_takes_a_folder_and_the_submit_flags() {
         let cli = Cli::try_parse_from([
-            "stemq", "batch", "songs/", "--flac", "--priority", "batch", "--webhook", "https://example.com/h", "--wait",
-            "-o", "out",
+            "stemq",
+            "batch",
+            "songs/",
+            "--flac",
+            "--priority",
+            "batch",
+            "--webhook",
+            "https://example.com/h",
+            "--wait",
+            "-o",
+            "out",
         ])
         .unwrap();
         let Command::Batch(a) = cli.command else { unreachable!() };
