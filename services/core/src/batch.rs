@@ -592,6 +592,16 @@ mod tests {
         assert!(BatchId::parse(id.as_str()).is_some());
     }
 
+    /// The example of `docs/job-id.md`.
+    #[test]
+    fn the_documented_batch_id() {
+        let items = [json!({"audio_uri": "file:///a.wav", "segment": 5.0}), json!({"audio_uri": "file:///b.wav", "shifts": -1})];
+        let (id, jobs) = batch_id(crate::request::ANONYMOUS, &items);
+        assert_eq!(jobs[0].as_ref().map(JobId::as_str), Some("542ebe90ff7f7b97334d77cb5a4d19f44862779d40f2a7724461aa270fbef4d0"));
+        assert_eq!(jobs[1], None);
+        assert_eq!(id.as_str(), "db490f649a5b3ae2f3dd52e8b1e44bed508069ed1867ebf4179fb3265b0ea22a");
+    }
+
     #[test]
     fn batch_bodies_are_checked_before_any_item() {
         let body = |v: Value| BatchRequest::from_slice(&serde_json::to_vec(&v).unwrap());
