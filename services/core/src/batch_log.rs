@@ -303,7 +303,7 @@ pub async fn record_end(
 ) -> Result<Once, PublishError> {
     let now = Utc::now();
     view.ended_at = Some(now);
-    let mut event = BatchEvent::new(id, source, BatchEventBody::Ended(view));
+    let mut event = BatchEvent::new(id, source, BatchEventBody::Ended(Box::new(view)));
     event.time = now;
     publish_payload_once(js, &batch_subject(id, BatchSubject::Ended), event.to_bytes(), &format!("{id}.ended")).await
 }

@@ -166,6 +166,8 @@ mod tests {
         assert_eq!(permission(&Method::GET, "/v1/separations/{id}"), Some(Permission::Read));
         assert_eq!(permission(&Method::POST, "/v1/separations"), Some(Permission::Write));
         assert_eq!(permission(&Method::POST, "/v1/separations/{id}/cancel"), Some(Permission::Write));
+        assert_eq!(permission(&Method::POST, "/v1/batches"), Some(Permission::Write));
+        assert_eq!(permission(&Method::GET, "/v1/batches/{id}"), Some(Permission::Read));
         assert_eq!(permission(&Method::GET, "/v1/webhooks/secret"), Some(Permission::WebhookAdmin));
         assert_eq!(permission(&Method::POST, "/v1/webhooks/secret/rotate"), Some(Permission::WebhookAdmin));
         assert_eq!(permission(&Method::GET, "/metrics"), Some(Permission::Operate));
