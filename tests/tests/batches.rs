@@ -142,8 +142,12 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
     let (rx, addr) = Receiver::start().await;
     let owner_key = stack.key.clone();
     let mut items: Vec<Value> = (0..5).map(|i| item(&stack, TEST_OWNER, &format!("song{i}"))).collect();
-    // The fourth item names a model that does not exist: refused alone.
+    // The fourth item names a model that does not exist: refused alone. The last one
+    // is a job that fails: it ends the batch as much as a success does.
     items.insert(3, json!({"audio_uri": stack.store.uri(&format!("uploads/{TEST_OWNER}/bad.wav")), "model": "nope"}));
+    let mut failing = item(&stack, TEST_OWNER, "fails");
+    failing["metadata"] = json!({"fake": {"fail_permanent": true}});
+    items.push(failing);
     let body = json!({"items": items, "webhook": {"url": format!("http://{addr}/hook")}, "metadata": {"album": "x"}});
     let before = requests(&stack).await;
 
@@ -152,15 +156,15 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
     let id = v["batch_id"].as_str().unwrap().to_string();
     assert_eq!(h["location"].to_str().unwrap(), format!("/v1/batches/{id}"));
     assert!(h.get("retry-after").is_none());
-    assert_eq!(states(&v), ["submitted", "submitted", "submitted", "refused", "submitted", "submitted"]);
+    assert_eq!(states(&v), ["submitted", "submitted", "submitted", "refused", "submitted", "submitted", "submitted"]);
     let bad = &v["items"][3];
     assert_eq!(
         (bad["error"]["code"].as_str(), bad["error"]["field"].as_str()),
         (Some("invalid_request"), Some("model"))
     );
-    assert_eq!((v["counts"]["submitted"].as_u64(), v["counts"]["refused"].as_u64()), (Some(5), Some(1)));
+    assert_eq!((v["counts"]["submitted"].as_u64(), v["counts"]["refused"].as_u64()), (Some(6), Some(1)));
     assert_eq!(v["metadata"]["album"], "x");
-    assert_eq!(requests(&stack).await - before, 5, "five jobs queued");
+    assert_eq!(requests(&stack).await - before, 6, "six jobs queued");
     // Each item's job is the one the same request gets alone.
     let (_, alone) = stack.submit(&items[0]).await;
     assert_eq!(alone["job_id"], v["items"][0]["job_id"]);
@@ -174,18 +178,14 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
     assert_eq!(code, 200, "{v2:#}");
     assert_eq!(v2["batch_id"], id.as_str());
     assert_eq!(v2["metadata"]["album"], "x", "the first submission's metadata stays");
-    assert_eq!(requests(&stack).await - before, 5, "no new job");
+    assert_eq!(requests(&stack).await - before, 6, "no new job");
 
     // Every job ends; the counts say so and the batch ends.
     let done = wait_batch(&stack, &owner_key, &id, |v| v["status"] == "ended").await;
-    assert_eq!(done["counts"]["succeeded"], 5, "{done:#}");
+    let counts = (done["counts"]["succeeded"].as_u64(), done["counts"]["failed"].as_u64());
+    assert_eq!(counts, (Some(5), Some(1)), "{done:#}");
     assert_eq!((done["counts"]["queued"].as_u64(), done["counts"]["running"].as_u64()), (Some(0), Some(0)));
-    assert!(done["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|i| i["state"] == "submitted")
-        .all(|i| i["status"] == "succeeded"));
+    assert_eq!(done["items"][6]["status"], "failed");
 
     // The webhook fires once, signed with the owner's secret.
     let got = rx.wait(1).await;
@@ -202,6 +202,7 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
     assert_eq!(payload["data"]["batch_id"], id.as_str());
     assert_eq!(payload["data"]["status"], "ended");
     assert_eq!(payload["data"]["counts"]["succeeded"], 5);
+    assert_eq!(payload["data"]["counts"]["failed"], 1);
     assert!(payload["data"]["ended_at"].is_string());
     // Submitting the ended batch again changes nothing, and no second end is recorded.
     let (code, _, _) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&body)).await;
@@ -221,7 +222,7 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
     let (code, _, theirs) = call(&stack, Method::POST, "/v1/batches", &other, Some(&body)).await;
     assert_eq!(code, 202);
     assert_ne!(theirs["batch_id"], id.as_str());
-    assert_eq!(theirs["counts"]["refused"], 6, "another owner's uploads: {theirs:#}");
+    assert_eq!(theirs["counts"]["refused"], 7, "another owner's uploads: {theirs:#}");
     // A read key may look but not submit; no key is 401.
     let reader = key(&stack, TEST_OWNER, Role::Read, Limits::NONE).await;
     assert_eq!(call(&stack, Method::GET, &format!("/v1/batches/{id}"), &reader, None).await.0, 200);
@@ -243,7 +244,7 @@ async fn a_batch_refuses_its_invalid_item_alone_ends_once_and_is_its_content() {
         let (code, _, e) = call(&stack, Method::POST, "/v1/batches", &owner_key, Some(&bad)).await;
         assert_eq!((code, e["error"]["field"].as_str()), (422, Some(field)), "{bad}: {e}");
     }
-    assert_eq!(requests(&stack).await - before, 5, "nothing refused was queued");
+    assert_eq!(requests(&stack).await - before, 6, "nothing refused was queued");
     stack.shutdown().await;
 }
 
