@@ -380,3 +380,70 @@ async fn the_command_line_submits_a_folder_as_one_batch_and_downloads_its_stems(
     assert!(String::from_utf8_lossy(&out.stderr).contains("stemq batch songs"));
     stack.shutdown().await;
 }
+
+/// Turns credits on (enforced): `dsp` at 6 credits a minute of audio (readers cache the
+/// price list for 2 s).
+async fn set_prices(stack: &Stack) {
+    use stemq_core::ledger::{Prices, CONFIG_BUCKET, PRICES_KEY};
+    let p = Prices {
+        unit: "credit".into(),
+        per_audio_minute: [("dsp".to_string(), 6.0)].into_iter().collect(),
+        enforce: true,
+    };
+    let kv = stack.js.get_key_value(CONFIG_BUCKET).await.unwrap();
+    kv.put(PRICES_KEY, serde_json::to_vec(&p).unwrap().into()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+}
+
+/// Uploads a synthesised song of `seconds` as `key`'s owner; its `audio_uri`.
+async fn upload_song(stack: &Stack, key: &str, name: &str, seconds: f64) -> Value {
+    let path = stack.dir.path().join(name);
+    stemq_audio::synth::write_demo_song(&path, seconds, 44_100).unwrap();
+    let up: Value = reqwest::Client::new()
+        .post(stack.url(&format!("/v1/uploads?filename={name}")))
+        .bearer_auth(key)
+        .body(std::fs::read(&path).unwrap())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(up["duration_ms"].is_u64(), "the upload's length is known: {up}");
+    up["audio_uri"].clone()
+}
+
+/// Credits are a budget like the rate: a song the owner cannot pay stops the batch (402
+/// `insufficient_credits`, no `Retry-After`: waiting does not bring credits), and once
+/// credits are granted the same batch goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_credits_stops_the_batch_until_credits_are_granted() {
+    use stemq_core::ledger::{Ledger, MICRO};
+    // No workers: the jobs stay queued, so nothing is reserved or charged meanwhile.
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    set_prices(&stack).await;
+    let ledger = Ledger::new(stack.js.clone());
+    ledger.grant("acme", MICRO, "test", None, "batch-g1").await.unwrap();
+    let k = key(&stack, "acme", Role::Submit, Limits::NONE).await;
+    // 1 s (0.1 credit), 20 s (2 credits: more than the 1 granted), 1.5 s.
+    let mut items = Vec::new();
+    for (name, seconds) in [("short.wav", 1.0), ("long.wav", 20.0), ("other.wav", 1.5)] {
+        items.push(json!({"audio_uri": upload_song(&stack, &k, name, seconds).await, "model": "dsp"}));
+    }
+    let body = json!({"items": items});
+    let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
+    assert_eq!(code, 202, "{v:#}");
+    assert_eq!(states(&v), ["submitted", "not_submitted", "not_submitted"]);
+    assert_eq!(v["stopped"]["code"], "insufficient_credits", "{v:#}");
+    assert!(v["stopped"]["retry_after"].is_null());
+    assert!(h.get("retry-after").is_none());
+    // Nothing changes until credits come; then the same batch goes on.
+    let (code, _, again) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
+    assert_eq!((code, again["counts"]["not_submitted"].as_u64()), (200, Some(2)), "{again:#}");
+    ledger.grant("acme", 10 * MICRO, "test", None, "batch-g2").await.unwrap();
+    let (code, _, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
+    assert_eq!(code, 202, "{v:#}");
+    assert_eq!(states(&v), ["submitted", "submitted", "submitted"]);
+    assert!(v["stopped"].is_null());
+    stack.shutdown().await;
+}
