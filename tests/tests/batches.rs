@@ -434,6 +434,14 @@ async fn running_out_of_credits_stops_the_batch_until_credits_are_granted() {
     let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;
     assert_eq!(code, 202, "{v:#}");
     assert_eq!(states(&v), ["submitted", "not_submitted", "not_submitted"]);
+    // An upload's name and its store URI are one job, and so one batch.
+    let job = stemq_core::JobId::parse(v["items"][0]["job_id"].as_str().unwrap()).unwrap();
+    let stored_uri = stack.wait_for(&job, T, |_| true).await.request.unwrap().audio_uri;
+    assert!(items[0]["audio_uri"].as_str().unwrap().starts_with("upload:"), "{items:?}");
+    let mut spelled = body.clone();
+    spelled["items"][0]["audio_uri"] = json!(stored_uri);
+    let (_, _, same) = call(&stack, Method::POST, "/v1/batches", &k, Some(&spelled)).await;
+    assert_eq!(same["batch_id"], v["batch_id"], "{same:#}");
     assert_eq!(v["stopped"]["code"], "insufficient_credits", "{v:#}");
     assert!(v["stopped"]["retry_after"].is_null());
     assert!(h.get("retry-after").is_none());

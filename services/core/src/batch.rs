@@ -156,7 +156,9 @@ pub fn item_job_id(owner: &str, item: &Value) -> Option<JobId> {
 /// `{"owner": <owner>, "items": [<job id> | {"invalid": <item as sent>}, ...]}`.
 /// Job ids leave out what the output does not depend on (per-item `webhook`,
 /// `metadata`, `priority`, deadlines), and so does the batch id, like the batch's own
-/// `webhook` and `metadata`: a batch is its jobs, in order, for its owner.
+/// `webhook` and `metadata`: a batch is its jobs, in order, for its owner. Items are
+/// hashed as given: a caller that rewrites `audio_uri` before a job id is computed (the
+/// ingress resolves `upload:` names) does the same here first.
 pub fn batch_id(owner: &str, items: &[Value]) -> (BatchId, Vec<Option<JobId>>) {
     let jobs: Vec<Option<JobId>> = items.iter().map(|i| item_job_id(owner, i)).collect();
     let keys: Vec<Value> = jobs

@@ -6,7 +6,8 @@
 //!
 //! 1. the body's shape is checked (1 to 1 000 items, a `webhook` URL under the address
 //!    policy), then the batch id is derived from the owner and the items' job ids
-//!    ([`batch_id`]): the same batch submitted again is the same batch;
+//!    ([`batch_id`]; an `upload:` name counts as its store URI, as in a job id): the same
+//!    batch submitted again is the same batch;
 //! 2. the batch's latest round is read; items it already settled (submitted, or refused
 //!    as invalid) are kept as they are, so a resubmission spends nothing on them;
 //! 3. every other item, in order, goes the way of a single submit, validation first
@@ -94,7 +95,11 @@ pub(crate) async fn create(
             });
         }
     }
-    let (id, _) = batch_id(&caller.owner, &req.items);
+    // The id hashes the items' jobs: an upload's name stands for its store URI there, as
+    // it does in a job id.
+    let keyed: Vec<serde_json::Value> =
+        req.items.iter().map(|i| with_upload_resolved(i, &caller.owner, &state)).collect();
+    let (id, _) = batch_id(&caller.owner, &keyed);
     let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
     // One round of a batch at a time in this process (rounds from elsewhere are merged).
     let _turn = state.key_locks.lock(&format!("batch.{id}")).await;
@@ -173,6 +178,20 @@ pub(crate) async fn create(
         h.insert("retry-after", HeaderValue::from(after.max(1)));
     }
     Ok(resp)
+}
+
+/// `item` with an `upload:` `audio_uri` replaced by the store URI of the owner's upload
+/// ([`crate::uploads::resolve`]); any other item as it is.
+fn with_upload_resolved(item: &serde_json::Value, owner: &str, state: &AppState) -> serde_json::Value {
+    let Some(uri) = item.get("audio_uri").and_then(|u| u.as_str()) else { return item.clone() };
+    match crate::uploads::resolve(uri, owner, state.stores()) {
+        Ok(Some(upload)) => {
+            let mut resolved = item.clone();
+            resolved["audio_uri"] = serde_json::Value::String(upload.uri);
+            resolved
+        }
+        _ => item.clone(),
+    }
 }
 
 /// The state of an item whose submit failed with `e`, and the batch's stop when `e`
