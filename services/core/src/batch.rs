@@ -44,7 +44,7 @@ pub const MAX_ITEM_MESSAGE: usize = 500;
 /// A batch id: 64 lowercase hex characters (see [`batch_id`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, JsonSchema)]
 #[serde(transparent)]
-pub struct BatchId(String);
+pub struct BatchId(#[schemars(regex(pattern = r"^[0-9a-f]{64}$"))] String);
 
 impl BatchId {
     /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in
@@ -78,6 +78,7 @@ impl<'de> Deserialize<'de> for BatchId {
 pub struct BatchWebhook {
     /// The receiver's URL (https and public, as for job webhooks). It gets one
     /// `io.stemq.batch.ended.v1` delivery, signed with the owner's webhook secret.
+    #[schemars(regex(pattern = r"\S"))]
     pub url: String,
 }
 
@@ -94,9 +95,10 @@ pub struct BatchRequest {
     /// the batch id: the first submission's is kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<BatchWebhook>,
-    /// Client metadata, returned with the batch (not part of the batch id; the first
-    /// submission's is kept).
+    /// Client metadata, returned with the batch (an object of at most 16 KiB; not part of
+    /// the batch id; the first submission's is kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<serde_json::Map<String, Value>>")]
     pub metadata: Option<Value>,
 }
 

@@ -24,8 +24,7 @@
 //!
 //! Another owner's batch is a 404, as a job is.
 
-use axum::body::Bytes;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -36,8 +35,17 @@ use stemq_core::batch_log::{record_round, Read, Recorded, WriteError};
 use stemq_core::{JobId, JobStatus};
 use tracing::{info, warn};
 
+use crate::errors::{Bytes, Path};
 use crate::submit::SubmitError;
 use crate::{ApiError, AppState};
+
+/// The `{id}` of `GET /v1/batches/{id}`.
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+pub struct BatchPath {
+    /// The batch id: 64 lowercase hex digits. Any other value is no batch (404).
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub id: String,
+}
 
 /// Views read at once when a batch's view is built.
 const VIEW_READS: usize = 32;
@@ -210,7 +218,7 @@ fn refusal(e: SubmitError, stop: &mut Option<ItemError>) -> ItemState {
 pub(crate) async fn status(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    Path(BatchPath { id }): Path<BatchPath>,
 ) -> Result<Json<BatchView>, ApiError> {
     let batch = BatchId::parse(&id).ok_or_else(|| not_found(&id))?;
     let recorded = state.batches.record(&batch, Read::Any).await.map_err(unavailable)?;

@@ -15,8 +15,8 @@
 use async_nats::jetstream;
 use axum::extract::{Extension, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use axum::Json;
+use schemars::JsonSchema;
 use serde::Serialize;
 use stemq_core::auth::Caller;
 use stemq_core::event::{CancelRequested, Cancelled, EventBody, Retried};
@@ -27,6 +27,7 @@ use stemq_core::{Event, JobId, JobStatus, JobView};
 use crate::errors::Path;
 use crate::links::Links;
 use crate::submit::SubmitResponse;
+use crate::JobPath;
 use crate::{internal, ApiError, AppState};
 
 /// Why a control operation was refused or failed.
@@ -51,7 +52,7 @@ pub enum ControlError {
 }
 
 /// What a cancel did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CancelOutcome {
     /// The job was queued and is now `cancelled`; it never runs.
@@ -138,19 +139,49 @@ pub(crate) async fn view_or_404(state: &AppState, caller: &Caller, id: &str) -> 
     state.view_for(caller, &job_id).await?.ok_or_else(not_found)
 }
 
+/// The job's status as a cancel leaves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelStatus {
+    /// Ended: it never runs (it was queued, or had been cancelled already). HTTP 200.
+    Cancelled,
+    /// Running: its worker stops it within about a second, keeping no outputs; the job
+    /// then reads `cancelled`. HTTP 202.
+    Cancelling,
+}
+
+/// The answer of `POST /v1/separations/{id}/cancel`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
+pub struct CancelResponse {
+    /// The job.
+    pub job_id: JobId,
+    /// Where the cancel leaves it.
+    pub status: CancelStatus,
+    /// What this cancel did.
+    pub outcome: CancelOutcome,
+}
+
+impl CancelResponse {
+    /// The answer for `outcome` of job `job_id`, and its HTTP status.
+    pub fn of(job_id: JobId, outcome: CancelOutcome) -> (StatusCode, CancelResponse) {
+        let (code, status) = match outcome {
+            CancelOutcome::Cancelling => (StatusCode::ACCEPTED, CancelStatus::Cancelling),
+            CancelOutcome::Cancelled | CancelOutcome::AlreadyCancelled => (StatusCode::OK, CancelStatus::Cancelled),
+        };
+        (code, CancelResponse { job_id, status, outcome })
+    }
+}
+
 /// `POST /v1/separations/{id}/cancel`.
 pub(crate) async fn cancel_http(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+    Path(JobPath { id }): Path<JobPath>,
+) -> Result<(StatusCode, Json<CancelResponse>), ApiError> {
     let view = view_or_404(&state, &caller, &id).await?;
     let outcome = cancel(&state.js, &view, "http").await?;
-    let (code, status) = match outcome {
-        CancelOutcome::Cancelling => (StatusCode::ACCEPTED, "cancelling"),
-        _ => (StatusCode::OK, "cancelled"),
-    };
-    Ok((code, Json(serde_json::json!({"job_id": view.job_id, "status": status, "outcome": outcome}))).into_response())
+    let (code, resp) = CancelResponse::of(view.job_id, outcome);
+    Ok((code, Json(resp)))
 }
 
 /// `POST /v1/separations/{id}/retry`.
@@ -158,8 +189,8 @@ pub(crate) async fn retry_http(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     links: Links,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+    Path(JobPath { id }): Path<JobPath>,
+) -> Result<(StatusCode, Json<SubmitResponse>), ApiError> {
     let view = view_or_404(&state, &caller, &id).await?;
     let (new_id, created) = retry(&state.js, &view, "/stemq/ingress").await?;
     let status = match created {
@@ -174,5 +205,5 @@ pub(crate) async fn retry_http(
         cached: !created,
     };
     let code = if created { StatusCode::ACCEPTED } else { StatusCode::OK };
-    Ok((code, Json(resp)).into_response())
+    Ok((code, Json(resp)))
 }

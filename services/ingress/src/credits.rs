@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
-use axum::extract::{Extension, Query, State};
+use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Utc};
@@ -30,6 +30,7 @@ use stemq_core::ledger::{self, credits, Account, Ledger, Movement, Prices};
 use stemq_core::request::Model;
 use tracing::warn;
 
+use crate::errors::Query;
 use crate::{ApiError, AppState};
 
 /// The price list as the ingress reads it (every 2 s at most).
@@ -143,10 +144,16 @@ pub async fn check_affordable(state: &AppState, owner: &str, model: Model, audio
 }
 
 /// `GET /v1/account` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct AccountQuery {
+    /// Another owner's account (operator keys only); default the caller's own.
+    #[schemars(regex(pattern = r"^[a-z0-9][a-z0-9_-]{0,63}$"))]
     owner: Option<String>,
+    /// Start of the usage period (RFC 3339); default 30 days before `to`.
+    #[schemars(with = "Option<DateTime<Utc>>")]
     from: Option<String>,
+    /// End of the usage period (RFC 3339); default now.
+    #[schemars(with = "Option<DateTime<Utc>>")]
     to: Option<String>,
 }
 
@@ -226,16 +233,23 @@ pub async fn account(
     Query(q): Query<AccountQuery>,
 ) -> Result<Json<AccountView>, ApiError> {
     let owner = match q.owner.as_deref() {
-        None | Some("") => caller.owner.clone(),
+        None => caller.owner.clone(),
         Some(o) if o == caller.owner => o.to_string(),
         Some(o) => {
             crate::access::require(&caller, Permission::Operate)?;
+            if !stemq_core::auth::valid_owner(o) {
+                return Err(ApiError {
+                    status: StatusCode::UNPROCESSABLE_ENTITY,
+                    code: "invalid_request",
+                    message: format!("`{o}` is not an owner name (1-64 of a-z, 0-9, `_`, `-`)"),
+                    field: Some("owner".into()),
+                });
+            }
             o.to_string()
         }
     };
     let parse = |field: &str, v: &Option<String>| -> Result<Option<DateTime<Utc>>, ApiError> {
         v.as_deref()
-            .filter(|s| !s.is_empty())
             .map(|s| DateTime::parse_from_rfc3339(s).map(|t| t.with_timezone(&Utc)).map_err(|_| bad_time(field, s)))
             .transpose()
     };

@@ -91,7 +91,7 @@ pub(crate) async fn sse(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     links: Links,
-    Path(id): Path<String>,
+    Path(crate::JobPath { id }): Path<crate::JobPath>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
     let view = view_or_404(&state, &caller, &id).await?;

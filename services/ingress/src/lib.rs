@@ -54,6 +54,7 @@
 //! [`Config::tls`] is set ([`tls`]).
 
 pub mod access;
+pub mod api;
 pub mod availability;
 pub mod batches;
 pub mod control;
@@ -86,10 +87,9 @@ use axum::extract::{DefaultBodyLimit, Extension, MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
-use serde_json::json;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use stemq_core::auth::{Caller, KeyRing};
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
@@ -436,38 +436,16 @@ pub async fn run(
     Ok(())
 }
 
-/// The HTTP routes.
+/// The HTTP routes: every operation of [`api::routes`] (the same table `/openapi.json`
+/// is generated from), then the framework's refusals in the API's shape.
 pub fn router(state: AppState) -> Router {
     let cors = cors::layer(&state.cors_origins);
-    let app = Router::new()
-        .route("/v1/separations", post(create).get(list))
-        .route("/v1/separations/{id}", get(status))
-        .route("/v1/batches", post(batches::create))
-        .route("/v1/batches/{id}", get(batches::status))
-        .route("/v1/separations/{id}/stems/{stem}", get(stems::download))
-        .route("/v1/uploads", post(uploads::upload))
-        .route("/v1/separations/{id}/cancel", post(control::cancel_http))
-        .route("/v1/separations/{id}/retry", post(control::retry_http))
-        .route("/v1/separations/{id}/events", get(events::sse))
-        .route("/v1/separations/{id}/deliveries", get(webhooks::list))
-        .route("/v1/separations/{id}/deliveries/{n}/replay", post(webhooks::replay))
-        .route("/v1/webhooks/secret", get(webhooks::get_secret))
-        .route("/v1/webhooks/secret/rotate", post(webhooks::rotate_secret))
-        .route("/v1/webhooks/enable", post(webhooks::enable))
-        .route("/v1/workers", get(workers::list))
-        .route("/v1/overview", get(workers::overview))
-        .route("/v1/models", get(workers::models))
-        .route("/v1/me", get(session::me))
-        .route("/v1/account", get(credits::account))
-        .route("/v1/signin", post(session::signin))
-        .route("/", get(web::index))
-        .route("/app/{file}", get(web::file))
-        .route("/favicon.ico", get(web::favicon))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(metrics_text))
-        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
-        // After every route: the 405 fallback applies to the routes added before it.
+    let mut app = Router::new();
+    for route in api::routes() {
+        app = app.route(route.op.path, route.handler);
+    }
+    // After every route: the 405 fallback applies to the routes added before it.
+    let app = app
         .fallback(errors::no_route)
         .method_not_allowed_fallback(errors::wrong_method)
         .layer(DefaultBodyLimit::max(errors::BODY_LIMIT))
@@ -534,8 +512,8 @@ async fn track(State(state): State<AppState>, req: Request, next: Next) -> Respo
     resp
 }
 
-/// An API error body: `{"error": {"code", "message", "field"?}}`. A 503 also says when
-/// to try again (`Retry-After: 2`).
+/// An API error: its status and [`ErrorBody`]. A 503 also says when to try again
+/// (`Retry-After: 2`).
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
@@ -544,13 +522,32 @@ pub struct ApiError {
     field: Option<String>,
 }
 
+/// The body of every error the API answers (the `Error` schema of `/openapi.json`).
+#[derive(Debug, Serialize, JsonSchema)]
+#[schemars(rename = "Error")]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: ErrorDetail,
+}
+
+/// What went wrong, for programs (`code`) and for people (`message`).
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct ErrorDetail {
+    /// Stable and matchable: `invalid_request`, `not_found`, `unauthorized`, ... (every
+    /// code and its status are listed in docs/api.md).
+    #[schemars(regex(pattern = r"^[a-z][a-z_]*$"))]
+    pub code: &'static str,
+    /// A sentence for people; never parse it.
+    pub message: String,
+    /// The offending request field or parameter, where there is one (422).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut err = json!({"code": self.code, "message": self.message});
-        if let Some(f) = self.field {
-            err["field"] = json!(f);
-        }
-        let mut resp = (self.status, Json(json!({ "error": err }))).into_response();
+        let body = ErrorBody { error: ErrorDetail { code: self.code, message: self.message, field: self.field } };
+        let mut resp = (self.status, Json(body)).into_response();
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
         }
@@ -707,6 +704,18 @@ pub(crate) async fn admit_and_queue(
     Ok(resp)
 }
 
+/// The answer of `POST /v1/separations`: the submit answer, or with `Prefer: wait` the
+/// job itself.
+#[derive(Debug, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Submitted {
+    /// Without `Prefer: wait`: the job's id, status and links.
+    Queued(SubmitResponse),
+    /// With `Prefer: wait=N`: the job (its view with its `urls`), ended or after N s.
+    Job(Job),
+}
+
+/// `POST /v1/separations`.
 async fn create(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -740,7 +749,8 @@ async fn create(
         if let Some(view) = state.view_for(&caller, &resp.job_id).await? {
             let waited = prefer::until_ended(&state, &caller, view, secs).await?;
             let code = if waited.view.status.is_terminal() { StatusCode::OK } else { StatusCode::ACCEPTED };
-            let mut out = (code, [(header::LOCATION, location)], Json::<Job>(links.job(waited.view))).into_response();
+            let job = Submitted::Job(links.job(waited.view));
+            let mut out = (code, [(header::LOCATION, location)], Json(job)).into_response();
             prefer::mark(&mut out, waited.honoured.then_some(secs));
             return Ok(out);
         }
@@ -750,19 +760,29 @@ async fn create(
         if let Ok(Some(v)) = state.view(&resp.job_id).await {
             resp.status = v.status;
         }
-        (StatusCode::OK, Json(resp)).into_response()
+        (StatusCode::OK, [(header::LOCATION, location)], Json(Submitted::Queued(resp))).into_response()
     } else {
-        (StatusCode::ACCEPTED, [(header::LOCATION, location)], Json::<SubmitResponse>(resp)).into_response()
+        (StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(Submitted::Queued(resp))).into_response()
     };
     prefer::mark(&mut out, None);
     Ok(out)
 }
 
+/// The `{id}` of a job's routes.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct JobPath {
+    /// The job id: 64 lowercase hex digits (the SHA-256 of the canonical request). Any
+    /// other value is no job (404).
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub id: String,
+}
+
+/// `GET /v1/separations/{id}`.
 async fn status(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     links: Links,
-    Path(id): Path<String>,
+    Path(JobPath { id }): Path<JobPath>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let view = control::view_or_404(&state, &caller, &id).await?;
@@ -778,20 +798,40 @@ async fn status(
     Ok(resp)
 }
 
-/// The list's query, read as strings so a bad value is a 422 naming its parameter.
-#[derive(Deserialize)]
-struct ListQuery {
+/// The list's query. Each value is read as a string, so a bad one is a 422 naming its
+/// parameter; the schema says what each takes.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ListQuery {
+    /// Only the jobs in this status.
+    #[schemars(with = "Option<JobStatus>")]
     status: Option<String>,
+    /// Jobs per page, 1 to 1000; default 50.
+    #[schemars(with = "Option<u16>", range(min = 1, max = 1000))]
     limit: Option<String>,
+    /// Where the page starts: the `next_cursor` of the previous page.
+    #[schemars(regex(pattern = r"^-?(1[0-9]{18}|[0-9]{1,18})\.[0-9a-f]{64}$"))]
     cursor: Option<String>,
 }
 
+/// A page of `GET /v1/separations`.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct JobList {
+    /// The jobs, newest first.
+    pub jobs: Vec<Job>,
+    /// The `cursor` of the next page; null on the last one.
+    pub next_cursor: Option<String>,
+    /// False while the ingress is still reading the status view at start (the list may
+    /// miss jobs then).
+    pub complete: bool,
+}
+
+/// `GET /v1/separations`.
 async fn list(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     links: Links,
     Query(q): Query<ListQuery>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<JobList>, ApiError> {
     let bad = |field: &str, message: String| ApiError {
         status: StatusCode::UNPROCESSABLE_ENTITY,
         code: "invalid_request",
@@ -799,11 +839,11 @@ async fn list(
         field: Some(field.into()),
     };
     let status = match q.status.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),
     };
     let limit = match q.limit.as_deref() {
-        None | Some("") => 50,
+        None => 50,
         Some(l) => l
             .parse::<usize>()
             .ok()
@@ -811,7 +851,7 @@ async fn list(
             .ok_or_else(|| bad("limit", format!("`{l}` is not a number between 1 and 1000")))?,
     };
     let cursor = match q.cursor.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(c) => Some(Cursor::decode(c).ok_or_else(|| bad("cursor", "malformed cursor".into()))?),
     };
     // An operator sees every owner's jobs; anyone else only their own.
@@ -822,9 +862,15 @@ async fn list(
     let next_cursor = (page.len() == limit)
         .then(|| page.last().map(|(id, ms)| Cursor { created_ns: *ms, id: id.clone() }.encode()))
         .flatten();
-    Ok(Json(json!({ "jobs": jobs, "next_cursor": next_cursor, "complete": state.index.caught_up() })).into_response())
+    Ok(Json(JobList { jobs, next_cursor, complete: state.index.caught_up() }))
 }
 
+/// `GET /healthz`.
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+/// `GET /readyz`.
 async fn ready(State(state): State<AppState>) -> Response {
     let connected = state.js.client().connection_state() == async_nats::connection::State::Connected;
     if connected && names::ready(&state.js).await {

@@ -132,6 +132,11 @@ impl FromRequestParts<AppState> for Links {
 }
 
 impl Links {
+    /// The links of every request under `base` (the documentation's examples).
+    pub fn under(base: &PublicUrl) -> Links {
+        Links { base: base.0.clone() }
+    }
+
     /// The absolute URL of `segments` under the base (each segment percent-encoded).
     fn url(&self, segments: &[&str]) -> String {
         let mut u = self.base.clone();

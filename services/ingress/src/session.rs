@@ -48,9 +48,10 @@ impl SigninLink {
 }
 
 /// Body of `POST /v1/signin`.
-#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct SigninRequest {
-    /// The token of the link.
+    /// The token of the link (after `#signin=`).
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
     pub token: String,
 }
 

@@ -75,6 +75,18 @@ pub fn parse_range(value: Option<&str>, size: u64) -> RangeRequest {
     }
 }
 
+/// The path of `GET /v1/separations/{id}/stems/{stem}`.
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+pub struct StemPath {
+    /// The job id.
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub id: String,
+    /// The stem's name (`vocals`, `no_vocals` with `other_method` `add`, `minus_vocals`
+    /// with `minus`, ...), as `outputs[].stem` of the job names it.
+    #[schemars(length(min = 1))]
+    pub stem: String,
+}
+
 fn not_found(message: String) -> ApiError {
     ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message, field: None }
 }
@@ -82,7 +94,7 @@ fn not_found(message: String) -> ApiError {
 pub(crate) async fn download(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-    Path((id, stem)): Path<(String, String)>,
+    Path(StemPath { id, stem }): Path<StemPath>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let storage = state.storage.clone().ok_or_else(no_store)?;

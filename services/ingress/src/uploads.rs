@@ -116,8 +116,12 @@ pub fn resolve(audio_uri: &str, owner: &str, stores: &[String]) -> Result<Option
     Ok(Some(Upload { uri: format!("{}/{key}", store.trim_end_matches('/')), key }))
 }
 
-#[derive(Deserialize)]
-pub(crate) struct UploadQuery {
+/// The query of `POST /v1/uploads`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct UploadQuery {
+    /// The song's file name; its extension (at most 8 letters or digits) is kept, else the
+    /// one of the `Content-Type` (`bin` for other types).
+    #[schemars(regex(pattern = r"(^[^.]*|\.[A-Za-z0-9]{0,8})$"))]
     filename: Option<String>,
 }
 

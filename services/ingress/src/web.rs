@@ -11,7 +11,7 @@
 //! The routes are public: the page holds no data. It asks for an API key, keeps it in
 //! the tab's session storage and sends it as `Authorization: Bearer` (never in a URL).
 
-use axum::extract::Path;
+use crate::errors::Path;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
@@ -79,8 +79,27 @@ fn asset(name: &str) -> Option<Response> {
     ASSETS.iter().find(|a| a.name == name).map(|a| serve(a.mime, a.body))
 }
 
+/// The path of `GET /app/{file}`.
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+pub struct FilePath {
+    /// One of the page's files (any other name is 404).
+    #[schemars(schema_with = "asset_names")]
+    pub file: String,
+}
+
+/// The schema of [`FilePath::file`]: the names of the embedded assets.
+fn asset_names(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let names: Vec<&str> = ASSETS.iter().map(|a| a.name).collect();
+    schemars::json_schema!({"type": "string", "enum": names})
+}
+
+/// The page's files, as (name, media type): what `GET /app/{file}` serves.
+pub fn assets() -> impl Iterator<Item = (&'static str, &'static str)> {
+    ASSETS.iter().map(|a| (a.name, a.mime))
+}
+
 /// `GET /app/{file}`.
-pub async fn file(Path(name): Path<String>) -> Response {
+pub async fn file(Path(FilePath { file: name }): Path<FilePath>) -> Response {
     asset(&name).unwrap_or_else(|| {
         crate::ApiError {
             status: StatusCode::NOT_FOUND,

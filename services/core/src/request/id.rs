@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 /// A job id: 64 lowercase hex characters.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, JsonSchema)]
 #[serde(transparent)]
-pub struct JobId(String);
+pub struct JobId(#[schemars(regex(pattern = r"^[0-9a-f]{64}$"))] String);
 
 impl JobId {
     /// Accepts only the exact form (64 lowercase hex digits), so an id is always safe in

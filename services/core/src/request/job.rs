@@ -21,33 +21,111 @@ use super::{
 #[serde(deny_unknown_fields)]
 pub struct Webhook {
     /// The receiver's URL.
+    #[schemars(regex(pattern = r"\S"))]
     pub url: String,
     /// Event classes to deliver: `started`, `progress`, `completed`. Default
     /// `["completed"]`.
     #[serde(default = "default_webhook_events")]
+    #[schemars(with = "Vec<WebhookEvent>")]
     pub events: Vec<String>,
+}
+
+/// An event class a webhook may ask for (the schema of [`Webhook::events`], whose values
+/// [`JobRequest::normalize`] checks).
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[allow(dead_code)]
+enum WebhookEvent {
+    /// The job started running.
+    Started,
+    /// Progress while it runs.
+    Progress,
+    /// It ended, whatever the outcome.
+    Completed,
 }
 
 fn default_webhook_events() -> Vec<String> {
     vec!["completed".to_string()]
 }
 
+/// The schema of `two_stems`: a stem some model produces, or null.
+fn two_stems_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut values: Vec<Value> = Vec::new();
+    for stem in Model::ALL.iter().flat_map(|m| m.sources().iter().copied()) {
+        if !values.contains(&Value::from(stem)) {
+            values.push(Value::from(stem));
+        }
+    }
+    values.push(Value::Null);
+    schemars::json_schema!({"type": ["string", "null"], "enum": values})
+}
+
+/// The schema of `mp3_bitrate`: one of the bit rates, or null.
+fn mp3_bitrate_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut values: Vec<Value> = MP3_BITRATES.iter().map(|b| Value::from(*b)).collect();
+    values.push(Value::Null);
+    schemars::json_schema!({"type": ["integer", "null"], "enum": values})
+}
+
+/// What [`JobRequest::normalize`] checks across fields, as schema rules (`allOf` of
+/// `if`/`then`): each model's own stems and longest segment, `other_method` only with
+/// `two_stems`, no float samples in FLAC, only 16-bit samples in MP3, and the MP3
+/// options only with MP3 (or at their defaults).
+fn request_rules(schema: &mut schemars::Schema) {
+    let mut rules: Vec<Value> = Vec::new();
+    for m in Model::ALL.iter().copied() {
+        let mut stems: Vec<Value> = m.sources().iter().map(|s| Value::from(*s)).collect();
+        stems.push(Value::Null);
+        let mut then = serde_json::json!({"properties": {"two_stems": {"enum": stems}}});
+        if let Some(max) = m.max_segment() {
+            then["properties"]["segment"] = serde_json::json!({"maximum": max});
+        }
+        // A request without `model` is for the default model.
+        let when = if m == Model::Htdemucs {
+            let other = serde_json::json!({"not": {"enum": [m.as_str(), null]}});
+            serde_json::json!({"not": {"required": ["model"], "properties": {"model": other}}})
+        } else {
+            serde_json::json!({"required": ["model"], "properties": {"model": {"const": m.as_str()}}})
+        };
+        rules.push(serde_json::json!({"if": when, "then": then}));
+    }
+    rules.push(serde_json::json!({
+        "if": {"required": ["other_method"], "properties": {"other_method": {"enum": ["minus", "none"]}}},
+        "then": {"required": ["two_stems"], "properties": {"two_stems": {"type": "string"}}}
+    }));
+    rules.push(serde_json::json!({
+        "if": {"required": ["output_format"], "properties": {"output_format": {"const": "flac"}}},
+        "then": {"properties": {"encoding": {"not": {"const": "f32"}}}}
+    }));
+    rules.push(serde_json::json!({
+        "if": {"required": ["output_format"], "properties": {"output_format": {"const": "mp3"}}},
+        "then": {"properties": {"encoding": {"enum": ["s16", null]}}},
+        "else": {"properties": {"mp3_bitrate": {"enum": [DEFAULT_MP3_BITRATE, null]},
+                                "mp3_preset": {"enum": [DEFAULT_MP3_PRESET, null]}}}
+    }));
+    schema.insert("allOf".into(), Value::Array(rules));
+}
+
 /// A separation request as a client sends it (`POST /v1/separations`, the NATS submit
 /// endpoint, or inside a raw `JobRequested` event).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(transform = request_rules)]
 pub struct JobRequest {
     /// The input audio: an upload of the caller (`upload:<sha256>.<ext>` as
     /// `POST /v1/uploads` answers it, which the submit resolves, or its URI in one of the
     /// configured stores), or, where the operator allows external audio, an `https://`
     /// URL of an allowed public host.
+    #[schemars(length(min = 1, max = MAX_URI_LEN), regex(pattern = r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$"))]
+    #[schemars(example = &"upload:5d41402abc4b2a76b9719d911017c592c5b8e8a7f1c2b3d4e5f60718293a4b5c.wav")]
     pub audio_uri: String,
     /// The model to run; default `htdemucs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<Model>,
     /// Produce only this stem and its complement (`no_<stem>`, or `minus_<stem>` with
-    /// `other_method` `minus`, as Demucs names them).
+    /// `other_method` `minus`, as Demucs names them): one of the model's sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "two_stems_schema")]
     pub two_stems: Option<String>,
     /// With `two_stems`: how the complement is made, `add` (default: `no_<stem>`, the sum
     /// of the other stems), `minus` (`minus_<stem>`, the mixture minus the stem) or
@@ -61,10 +139,12 @@ pub struct JobRequest {
     /// 64, 80, 96, 112, 128, 160, 192, 224, 256, 320; default 320 (Demucs's
     /// `--mp3-bitrate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "mp3_bitrate_schema")]
     pub mp3_bitrate: Option<u32>,
     /// With `output_format` `mp3`: the encoder preset, 2 (best quality, the default) to 7
     /// (fastest) (Demucs's `--mp3-preset`, LAME's quality).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = *MP3_PRESETS.start(), max = *MP3_PRESETS.end()))]
     pub mp3_preset: Option<u32>,
     /// Sample encoding: `s16` (default), `s24`, `f32` (WAV only; MP3 takes only `s16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -72,20 +152,25 @@ pub struct JobRequest {
     /// Clipping: `rescale` (default), `clamp`, `none`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_mode: Option<ClipMode>,
-    /// Segment length in seconds; default the model's own (7.8 s for HTDemucs).
+    /// Segment length in seconds; default the model's own (7.8 s for HTDemucs, which is
+    /// also the most it takes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0.0))]
     pub segment: Option<f64>,
     /// Overlap between segments, in [0, 1); default 0.25.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0), extend("exclusiveMaximum" = 1.0))]
     pub overlap: Option<f64>,
     /// Number of random shifts averaged (test-time augmentation); default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = MAX_SHIFTS))]
     pub shifts: Option<u32>,
     /// Where to send notifications. Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<Webhook>,
-    /// Free JSON kept with the job. Not part of the job id.
+    /// Free JSON kept with the job (an object of at most 16 KiB). Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Map<String, Value>>")]
     pub metadata: Option<Value>,
     /// RFC 3339 deadline: a job not started by then becomes `expired` and never runs.
     /// Not part of the job id (it does not change the output).
@@ -94,6 +179,7 @@ pub struct JobRequest {
     /// Time limit of one attempt in seconds (1 to 86400); the worker's own hard limit
     /// still applies (the smaller wins). Not part of the job id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = MAX_RUNTIME_S))]
     pub max_runtime: Option<u64>,
     /// Lane: `interactive` (the HTTP default, or the API key's own default) or `batch`,
     /// which runs only when no interactive job of the same model waits. Not part of the

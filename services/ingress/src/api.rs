@@ -1,0 +1,991 @@
+//! The route table: every operation of the HTTP API, next to the handler that serves it.
+//!
+//! This module owns *what* the API serves. Each [`Route`] is an [`Operation`] (method,
+//! path, `operationId`, parameters, body and answers, by the handler's own Rust types)
+//! and its handler; [`crate::router`] routes exactly these, and `/openapi.json` is
+//! generated from exactly these ([`crate::openapi`]), so the two cannot disagree. Who
+//! may call each route is decided by [`crate::access::permission`], which the document
+//! reads too.
+//!
+//! `operationId`s are camelCase and stable: generated clients name their functions
+//! after them (docs/api.md lists them). A test checks they are unique, and that every
+//! path parameter is documented.
+
+use axum::handler::Handler;
+use axum::http::{header, Method};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodFilter, MethodRouter};
+use serde_json::json;
+use stemq_core::auth::Role;
+use stemq_core::batch::{BatchRequest, BatchView};
+use stemq_core::event::DeliveryResult;
+use stemq_core::request::{Model, OutputFormat};
+use stemq_core::{JobId, JobRequest, JobStatus, JobView};
+
+use crate::control::{CancelOutcome, CancelResponse};
+use crate::credits::{AccountView, ModelUsage};
+use crate::links::{Job, Links};
+use crate::openapi::{Answer, Operation};
+use crate::session::{Can, Me, SigninRequest, SigninResponse};
+use crate::submit::SubmitResponse;
+use crate::uploads::UploadResponse;
+use crate::webhooks::{
+    Deliveries, Delivery, DeliveryAttempt, EnableRequest, EnableResponse, ReplayQueued, ReplayState, WebhookSecret,
+};
+use crate::workers::{Fleet, ModelInfo, Models, Overview};
+use crate::{AppState, JobList, JobPath, ListQuery, Submitted};
+
+/// One route: its description and its handler.
+pub struct Route {
+    /// What `/openapi.json` says of it.
+    pub op: Operation,
+    /// What serves it (for `op.method` only).
+    pub handler: MethodRouter<AppState>,
+}
+
+/// `op`, served by `handler`.
+fn serve<H, T>(op: Operation, handler: H) -> Route
+where
+    H: Handler<T, AppState>,
+    T: 'static,
+{
+    let filter = MethodFilter::try_from(op.method.clone()).expect("a method axum routes");
+    Route { handler: axum::routing::on(filter, handler), op }
+}
+
+/// An example job id (any 64 lowercase hex digits is the form).
+pub const EXAMPLE_ID: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+/// The job an example retry made.
+const EXAMPLE_RETRY_ID: &str = "60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752";
+/// An example upload's SHA-256.
+const EXAMPLE_SHA: &str = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824";
+
+fn time(s: &str) -> chrono::DateTime<chrono::Utc> {
+    s.parse().expect("example times are RFC 3339")
+}
+
+fn id(s: &str) -> JobId {
+    JobId::parse(s).expect("example ids are ids")
+}
+
+fn links() -> Links {
+    Links::under(&"https://stemq.example.com".parse().expect("a public URL"))
+}
+
+fn upload_uri() -> String {
+    format!("upload:{EXAMPLE_SHA}.wav")
+}
+
+/// An example request.
+fn request() -> JobRequest {
+    serde_json::from_value(json!({"audio_uri": upload_uri(), "model": "dsp"})).expect("an example request")
+}
+
+/// An example view in `status`.
+fn view(status: JobStatus) -> JobView {
+    let mut v = json!({
+        "job_id": EXAMPLE_ID,
+        "status": status,
+        "request": {"audio_uri": format!("s3://stemq/uploads/acme/{EXAMPLE_SHA}.wav"), "model": "dsp",
+                    "output_format": "wav", "encoding": "s16", "clip_mode": "rescale", "overlap": 0.25,
+                    "shifts": 0, "owner": "acme"},
+        "created_at": "2026-01-05T10:00:00Z",
+        "updated_at": "2026-01-05T10:00:00Z",
+        "attempt": 0, "retries": 0, "degraded": false, "last_seq": 1, "progress_seq": 0,
+    });
+    match status {
+        JobStatus::Queued => {
+            v["queue_position"] = json!(0);
+            v["eta"] = json!("2026-01-05T10:00:12Z");
+            v["eta_seconds"] = json!(12);
+        }
+        JobStatus::Running => {
+            v["attempt"] = json!(1);
+            v["started_at"] = json!("2026-01-05T10:00:01Z");
+            v["updated_at"] = json!("2026-01-05T10:00:04Z");
+            v["worker"] = json!("worker-7f3a");
+            v["device"] = json!("cpu");
+            v["progress"] = json!({"percent": 40.0, "stage": "separating"});
+            v["last_seq"] = json!(2);
+            v["eta"] = json!("2026-01-05T10:00:09Z");
+            v["eta_seconds"] = json!(5);
+        }
+        _ => {
+            v["attempt"] = json!(1);
+            v["started_at"] = json!("2026-01-05T10:00:01Z");
+            v["finished_at"] = json!("2026-01-05T10:00:09Z");
+            v["updated_at"] = json!("2026-01-05T10:00:09Z");
+            v["worker"] = json!("worker-7f3a");
+            v["device"] = json!("cpu");
+            v["last_seq"] = json!(3);
+            v["outputs"] = json!(["drums", "bass", "other", "vocals"].map(|stem| json!({
+                "stem": stem, "uri": format!("s3://stemq/jobs/{EXAMPLE_ID}/{stem}.wav"),
+                "bytes": 1_764_044, "sha256": EXAMPLE_SHA,
+            })));
+        }
+    }
+    serde_json::from_value(v).expect("an example view")
+}
+
+fn job(status: JobStatus) -> Job {
+    links().job(view(status))
+}
+
+fn submitted(cached: bool, status: JobStatus) -> SubmitResponse {
+    SubmitResponse {
+        job_id: id(EXAMPLE_ID),
+        status,
+        cached,
+        status_url: format!("/v1/separations/{EXAMPLE_ID}"),
+        urls: Some(links().of(&id(EXAMPLE_ID))),
+    }
+}
+
+fn retried(cached: bool) -> SubmitResponse {
+    SubmitResponse {
+        job_id: id(EXAMPLE_RETRY_ID),
+        status: JobStatus::Queued,
+        cached,
+        status_url: format!("/v1/separations/{EXAMPLE_RETRY_ID}"),
+        urls: Some(links().of(&id(EXAMPLE_RETRY_ID))),
+    }
+}
+
+fn delivery() -> Delivery {
+    let attempt = |n: u32, code: u16, result: DeliveryResult, retry: Option<u64>| DeliveryAttempt {
+        attempt: n,
+        status_code: Some(code),
+        latency_ms: 42,
+        result,
+        error: None,
+        retry_in_ms: retry,
+        replay: false,
+        time: time(&format!("2026-01-05T10:00:1{n}Z")),
+    };
+    Delivery {
+        n: 1,
+        webhook_id: format!("msg_{EXAMPLE_ID}_succeeded"),
+        event_type: "io.stemq.job.succeeded.v1".into(),
+        url: "https://hooks.example.com/stemq".into(),
+        result: DeliveryResult::Delivered,
+        attempts: vec![
+            attempt(1, 503, DeliveryResult::Retrying, Some(1000)),
+            attempt(2, 200, DeliveryResult::Delivered, None),
+        ],
+    }
+}
+
+/// The `Prefer` request header of the routes that honour it.
+fn prefer(op: Operation) -> Operation {
+    op.header(
+        "Prefer",
+        "RFC 7240. `wait=N`: answer once the job has ended, or after N seconds with its current view (N is \
+         capped at 60). Other preferences are ignored.",
+        json!({"type": "string"}),
+        json!("wait=10"),
+    )
+}
+
+/// `Preference-Applied` and `Vary` on an answer of a route that honours `Prefer`.
+fn applied(a: Answer) -> Answer {
+    a.header(
+        "Preference-Applied",
+        "`wait=N` (the N waited, capped at 60) when a `Prefer: wait` was honoured",
+        false,
+        json!({"type": "string", "pattern": "^wait=[0-9]+$"}),
+    )
+    .header("Vary", "`prefer`", true, json!({"type": "string"}))
+}
+
+/// `Location`, the job's URL.
+fn location(a: Answer) -> Answer {
+    a.header("Location", "The job's absolute URL (`urls.get`)", true, json!({"type": "string", "format": "uri"}))
+}
+
+/// The answers of a limit of the caller's key (429).
+fn limited(description: &str, codes: &[&'static str]) -> Answer {
+    Answer::error(description, codes)
+        .header("Retry-After", "Seconds until the limit lets a request through", true, json!({"type": "integer"}))
+        .header(
+            "RateLimit-Policy",
+            "The limit (draft-ietf-httpapi-ratelimit-headers): `\"rate\";q=60;w=60`",
+            true,
+            json!({"type": "string"}),
+        )
+        .header("RateLimit", "What is left of it: `\"rate\";r=0;t=3`", true, json!({"type": "string"}))
+}
+
+/// The links from an answer carrying a job id at `pointer` to the routes of that job.
+fn job_links(op: Operation, statuses: &[u16], pointer: &str) -> Operation {
+    let id = format!("$response.body#{pointer}");
+    let mut op = op;
+    for &s in statuses {
+        for (name, target) in [
+            ("getSeparation", "getSeparation"),
+            ("cancelSeparation", "cancelSeparation"),
+            ("retrySeparation", "retrySeparation"),
+            ("streamSeparationEvents", "streamSeparationEvents"),
+            ("listDeliveries", "listDeliveries"),
+        ] {
+            op = op.link(s, name, target, json!({"path.id": id}), None);
+        }
+    }
+    op
+}
+
+/// Every route the ingress serves, in the order `/openapi.json` lists them.
+pub fn routes() -> Vec<Route> {
+    vec![
+        serve(separations_create(), crate::create),
+        serve(separations_list(), crate::list),
+        serve(separations_get(), crate::status),
+        serve(separations_cancel(), crate::control::cancel_http),
+        serve(separations_retry(), crate::control::retry_http),
+        serve(separations_events(), crate::events::sse),
+        serve(stems_get(), crate::stems::download),
+        serve(batches_create(), crate::batches::create),
+        serve(batches_get(), crate::batches::status),
+        serve(uploads_create(), crate::uploads::upload),
+        serve(deliveries_list(), crate::webhooks::list),
+        serve(deliveries_replay(), crate::webhooks::replay),
+        serve(webhook_secret_get(), crate::webhooks::get_secret),
+        serve(webhook_secret_rotate(), crate::webhooks::rotate_secret),
+        serve(webhook_enable(), crate::webhooks::enable),
+        serve(models_list(), crate::workers::models),
+        serve(me_get(), crate::session::me),
+        serve(account_get(), crate::credits::account),
+        serve(signin(), crate::session::signin),
+        serve(workers_list(), crate::workers::list),
+        serve(overview_get(), crate::workers::overview),
+        serve(metrics_get(), crate::metrics_text),
+        serve(health_get(), crate::healthz),
+        serve(ready_get(), crate::ready),
+        serve(openapi_get(), openapi_json),
+        serve(page_get(), crate::web::index),
+        serve(page_file(), crate::web::file),
+        serve(favicon_get(), crate::web::favicon),
+    ]
+}
+
+/// `GET /openapi.json`: the document of [`routes`], made once.
+async fn openapi_json() -> Response {
+    static DOC: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let body = DOC.get_or_init(|| serde_json::to_vec(&crate::openapi::document()).expect("the document serialises"));
+    ([(header::CONTENT_TYPE, "application/json")], axum::body::Bytes::from_static(body)).into_response()
+}
+
+fn separations_create() -> Operation {
+    let op = Operation::new(Method::POST, "/v1/separations", "createSeparation")
+        .tag("separations")
+        .summary("Submit a separation job (idempotent: the job id is the hash of the request)")
+        .description(
+            "Without `Prefer: wait` the answer is a SubmitResponse: 202 for a new job, 200 for an existing one \
+             (`cached: true`). With `Prefer: wait=N` it is the Job (the view with its `urls`) once the job has \
+             ended (200) or, after N seconds, as it is then (202). The `audio_uri` must name an upload of the \
+             caller (`POST /v1/uploads`) or an object in the store; one that does not exist is 422.",
+        );
+    let op = prefer(op)
+        .json_body::<JobRequest, 2>([
+            ("dsp", "An upload, separated by the built-in engine", request()),
+            (
+                "two_stems",
+                "Vocals and the rest, as FLAC, in the batch lane",
+                serde_json::from_value(json!({"audio_uri": upload_uri(), "model": "htdemucs", "two_stems": "vocals",
+                    "output_format": "flac", "priority": "batch"}))
+                .expect("an example request"),
+            ),
+        ])
+        .answer(
+            202,
+            location(applied(Answer::json_examples::<Submitted, 2>(
+                "A new job was queued (SubmitResponse), or with `Prefer: wait` the job has not ended yet (Job)",
+                [
+                    ("queued", "A new job", Submitted::Queued(submitted(false, JobStatus::Queued))),
+                    (
+                        "waited",
+                        "With `Prefer: wait=N`: still running after N s",
+                        Submitted::Job(job(JobStatus::Running)),
+                    ),
+                ],
+            ))),
+        )
+        .answer(
+            200,
+            location(applied(Answer::json_examples::<Submitted, 2>(
+                "The same job already exists (SubmitResponse, `cached: true`), or with `Prefer: wait` the job has \
+                 ended (Job)",
+                [
+                    ("cached", "The job existed", Submitted::Queued(submitted(true, JobStatus::Succeeded))),
+                    ("ended", "With `Prefer: wait=N`: it ended within N s", Submitted::Job(job(JobStatus::Succeeded))),
+                ],
+            ))),
+        )
+        .answer(
+            402,
+            Answer::error(
+                "The owner's credits cannot pay the job (where credits are on and the upload's length is known); \
+                 nothing was queued",
+                &["insufficient_credits"],
+            ),
+        )
+        .answer(
+            422,
+            Answer::invalid(
+                "Invalid request, an `audio_uri` that names no upload of the caller, or a model no worker serves \
+                 (`stemq dev`); `field` names the offending field",
+                &["invalid_request", "model_not_served"],
+                "audio_uri",
+                "invalid `audio_uri`: must not be empty",
+            ),
+        )
+        .answer(
+            429,
+            limited(
+                "Over the key's rate or jobs-in-flight limit; nothing was queued",
+                &["rate_limited", "too_many_in_flight"],
+            ),
+        );
+    job_links(op, &[200, 202], "/job_id")
+}
+
+fn separations_list() -> Operation {
+    let page = JobList {
+        jobs: vec![job(JobStatus::Succeeded)],
+        next_cursor: Some(format!("1767607200000000000.{EXAMPLE_ID}")),
+        complete: true,
+    };
+    let op = Operation::new(Method::GET, "/v1/separations", "listSeparations")
+        .tag("separations")
+        .summary("List jobs, newest first (the caller's own; every owner's for operator keys)")
+        .query::<ListQuery>(json!({"status": "succeeded", "limit": 20}))
+        .answer(200, Answer::json("A page of jobs", page))
+        .answer(
+            422,
+            Answer::invalid(
+                "Invalid query; `field` names the parameter",
+                &["invalid_request"],
+                "limit",
+                "`lots` is not a number between 1 and 1000",
+            ),
+        );
+    job_links(op, &[200], "/jobs/0/job_id").link(
+        200,
+        "getStem",
+        "getStem",
+        json!({"path.id": "$response.body#/jobs/0/job_id", "path.stem": "$response.body#/jobs/0/outputs/0/stem"}),
+        None,
+    )
+}
+
+fn separations_get() -> Operation {
+    let op = Operation::new(Method::GET, "/v1/separations/{id}", "getSeparation")
+        .tag("separations")
+        .summary("The status view of one job, with its `urls`; `Prefer: wait=N` waits up to N seconds for its end")
+        .description(
+            "With the read-time fields: `waiting`, and while the job is queued or running its `queue_position` \
+             (0 = next in its pool and lane) and `eta` / `eta_seconds` (when it should finish; absent when \
+             unknown). See docs/events.md, \"Queue position and ETA\".",
+        )
+        .path_params::<JobPath>(json!({"id": EXAMPLE_ID}));
+    prefer(op)
+        .answer(
+            200,
+            applied(Answer::json_examples::<Job, 3>(
+                "The job (ended, or as it is once the wait is over)",
+                [
+                    ("queued", "Queued, next in its lane", job(JobStatus::Queued)),
+                    ("running", "Running", job(JobStatus::Running)),
+                    ("succeeded", "Succeeded, with its stems' links", job(JobStatus::Succeeded)),
+                ],
+            )),
+        )
+        .link(
+            200,
+            "getStem",
+            "getStem",
+            json!({"path.id": "$response.body#/job_id", "path.stem": "$response.body#/outputs/0/stem"}),
+            None,
+        )
+}
+
+fn separations_cancel() -> Operation {
+    let (_, queued) = CancelResponse::of(id(EXAMPLE_ID), CancelOutcome::Cancelled);
+    let (_, again) = CancelResponse::of(id(EXAMPLE_ID), CancelOutcome::AlreadyCancelled);
+    let (_, running) = CancelResponse::of(id(EXAMPLE_ID), CancelOutcome::Cancelling);
+    Operation::new(Method::POST, "/v1/separations/{id}/cancel", "cancelSeparation")
+        .tag("separations")
+        .summary(
+            "Cancel a job: a queued job never starts; a running job stops within about a second and keeps no \
+             outputs (status `cancelled`)",
+        )
+        .path_params::<JobPath>(json!({"id": EXAMPLE_ID}))
+        .answer(
+            200,
+            Answer::json_examples::<CancelResponse, 2>(
+                "Cancelled: it was queued (`outcome: cancelled`), or had been cancelled already \
+                 (`already_cancelled`)",
+                [("queued", "It was queued", queued), ("again", "It was cancelled already", again)],
+            ),
+        )
+        .answer(
+            202,
+            Answer::json::<CancelResponse>(
+                "Running: its worker stops it shortly (`status` and `outcome`: `cancelling`)",
+                running,
+            ),
+        )
+        .answer(409, Answer::error("The job has already ended otherwise", &["conflict"]))
+        .link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None)
+        .link(202, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None)
+}
+
+fn separations_retry() -> Operation {
+    let op = Operation::new(Method::POST, "/v1/separations/{id}/retry", "retrySeparation")
+        .tag("separations")
+        .summary(
+            "Re-run a failed, dead-lettered, cancelled or expired job as a new job (`retry_of` / `retried_by` \
+             link both); the old job is unchanged",
+        )
+        .path_params::<JobPath>(json!({"id": EXAMPLE_ID}))
+        .answer(202, Answer::json("The new job was queued", retried(false)))
+        .answer(200, Answer::json("This job was already retried: the same new job (`cached: true`)", retried(true)))
+        .answer(409, Answer::error("The job is not failed, dead-lettered, cancelled or expired", &["conflict"]));
+    op.link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None).link(
+        202,
+        "getSeparation",
+        "getSeparation",
+        json!({"path.id": "$response.body#/job_id"}),
+        None,
+    )
+}
+
+fn separations_events() -> Operation {
+    let data = serde_json::to_string(&job(JobStatus::Running)).expect("json");
+    Operation::new(Method::GET, "/v1/separations/{id}/events", "streamSeparationEvents")
+        .tag("separations")
+        .summary(
+            "Live status as Server-Sent Events: one message per change of the status view (event `status` when \
+             the status changed, `progress` otherwise; data = Job, the view with its `urls`; id = KV revision). \
+             Running jobs send at least one message every 2 s. Ends after the terminal status.",
+        )
+        .description(
+            "Every message carries the read-time fields of GET /v1/separations/{id} (`waiting`, \
+             `queue_position`, `eta`, `eta_seconds`). While the job is queued, the view is sent again (event \
+             `progress`, no `id`) when its `queue_position` or `eta` moves, looked at every second.",
+        )
+        .path_params::<JobPath>(json!({"id": EXAMPLE_ID}))
+        .header(
+            "Last-Event-ID",
+            "Resume: only revisions newer than this id are sent",
+            json!({"type": "string"}),
+            json!("3"),
+        )
+        .answer(
+            200,
+            Answer::events::<Job>(
+                format!(
+                    "The event stream (the schema is one event's: `data` is a Job), for example:\n\n```\nid: 3\n\
+                     event: progress\ndata: {data}\n```"
+                ),
+                &["status", "progress"],
+            ),
+        )
+}
+
+/// An example batch of two songs, one refused.
+fn batch() -> BatchView {
+    serde_json::from_value(json!({
+        "batch_id": EXAMPLE_RETRY_ID, "owner": "acme", "status": "running",
+        "counts": {"items": 2, "submitted": 1, "refused": 1, "not_submitted": 0, "queued": 0, "running": 1,
+                   "succeeded": 0, "failed": 0, "dead_lettered": 0, "rejected": 0, "cancelled": 0, "expired": 0},
+        "created_at": "2026-01-05T10:00:00Z", "updated_at": "2026-01-05T10:00:00Z", "rounds": 1,
+        "items": [
+            {"index": 0, "state": "submitted", "job_id": EXAMPLE_ID, "status": "running"},
+            {"index": 1, "state": "refused", "error": {"code": "invalid_request", "field": "two_stems",
+             "message": "`guitar` is not a source of htdemucs; expected one of drums, bass, other, vocals"}},
+        ],
+    }))
+    .expect("an example batch")
+}
+
+fn batches_create() -> Operation {
+    let items = vec![
+        serde_json::to_value(request()).expect("json"),
+        json!({"audio_uri": upload_uri(), "model": "htdemucs", "two_stems": "guitar"}),
+    ];
+    let body: BatchRequest = serde_json::from_value(json!({"items": items})).expect("an example batch request");
+    let answer = |a: Answer| {
+        a.header("Location", "The batch's path", true, json!({"type": "string", "format": "uri-reference"})).header(
+            "Retry-After",
+            "When items were not submitted: seconds until submitting the same batch again can go on",
+            false,
+            json!({"type": "integer"}),
+        )
+    };
+    Operation::new(Method::POST, "/v1/batches", "createBatch")
+        .tag("batches")
+        .summary("Submit up to 1 000 separation requests as one batch")
+        .description(
+            "Items are taken in order; each gets a job (`submitted`) or its own error (`refused`: an invalid item \
+             does not stop the others, so an item that is not a valid request is answered in the batch, not with \
+             a 422). When a limit of the key (rate, jobs in flight, credits) or the queue refuses, the batch \
+             stops: the remaining items are `not_submitted` with the reason, and `Retry-After` says when to submit \
+             the same batch again, which goes on where it stopped (the batch id is the hash of the owner and the \
+             items' jobs, so the same items are the same batch; items already submitted are not submitted twice). \
+             A `webhook` (a public https URL) is told once when the batch ends (`io.stemq.batch.ended.v1`).",
+        )
+        .json_body::<BatchRequest, 1>([("two", "Two songs, the second refused (no guitar in htdemucs)", body)])
+        .answer(
+            202,
+            answer(Answer::json(
+                "A new batch, or a round that queued new jobs: the batch (`Retry-After` when items were not \
+                 submitted)",
+                batch(),
+            )),
+        )
+        .answer(
+            200,
+            answer(Answer::json(
+                "The same batch, with nothing new to submit (or nothing submittable yet: see `stopped` and \
+                 `Retry-After`)",
+                batch(),
+            )),
+        )
+        .answer(
+            422,
+            Answer::invalid(
+                "Not a batch: no items, more than 1 000, unknown fields, `metadata` not an object, a `webhook.url` \
+                 that is not a public https URL (`field` says which); invalid items are refused one by one instead",
+                &["invalid_request"],
+                "items",
+                "holds no item; a batch has 1 to 1000",
+            ),
+        )
+        .link(202, "getBatch", "getBatch", json!({"path.id": "$response.body#/batch_id"}), None)
+        .link(200, "getBatch", "getBatch", json!({"path.id": "$response.body#/batch_id"}), None)
+        .link(202, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/items/0/job_id"}), None)
+}
+
+fn batches_get() -> Operation {
+    Operation::new(Method::GET, "/v1/batches/{id}", "getBatch")
+        .tag("batches")
+        .summary(
+            "A batch: every item (its job and the job's status, its error, or why it waits for a resubmission), \
+             counts, and the batch's status (`running`, `stopped` when items wait for a resubmission and nothing \
+             runs, `ended`)",
+        )
+        .path_params::<crate::batches::BatchPath>(json!({"id": EXAMPLE_RETRY_ID}))
+        .answer(200, Answer::json("The batch", batch()))
+        .answer(404, Answer::error("No such batch, or another owner's batch (the two are not told apart)", &["not_found"]))
+        .link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/items/0/job_id"}), None)
+}
+
+fn stems_get() -> Operation {
+    let bytes = json!({"type": "string", "contentMediaType": "application/octet-stream"});
+    Operation::new(Method::GET, "/v1/separations/{id}/stems/{stem}", "getStem")
+        .tag("separations")
+        .summary(
+            "Download one stem of a succeeded job (single-range HTTP Range supported; S3 stores redirect to a \
+             presigned URL)",
+        )
+        .path_params::<crate::stems::StemPath>(json!({"id": EXAMPLE_ID, "stem": "vocals"}))
+        .header(
+            "Range",
+            "`bytes=a-b`, `bytes=a-` or `bytes=-n` (anything else: the whole stem)",
+            json!({"type": "string"}),
+            json!("bytes=0-1023"),
+        )
+        .answer(
+            200,
+            Answer::media("The whole stem", &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"], bytes.clone())
+                .header("ETag", "The stem's SHA-256, quoted", true, json!({"type": "string"}))
+                .header("Accept-Ranges", "`bytes`", true, json!({"type": "string"})),
+        )
+        .answer(
+            206,
+            Answer::media("The requested byte range", &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"], bytes)
+                .header("Content-Range", "`bytes a-b/size`", true, json!({"type": "string"})),
+        )
+        .answer(
+            307,
+            Answer::empty("Redirect to a short-lived presigned URL (S3 stores)").header(
+                "Location",
+                "The presigned URL",
+                true,
+                json!({"type": "string", "format": "uri"}),
+            ),
+        )
+        .answer(404, Answer::error("No such job or stem (another owner's job included)", &["not_found"]))
+        .answer(409, Answer::error("The job has not succeeded", &["not_ready"]))
+        .answer(
+            416,
+            Answer::empty("Range not satisfiable").header(
+                "Content-Range",
+                "`bytes */size`",
+                true,
+                json!({"type": "string"}),
+            ),
+        )
+        .answer(
+            503,
+            Answer::error("No object store configured, or the store is unavailable", &["no_store", "unavailable"])
+                .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
+        )
+}
+
+fn uploads_create() -> Operation {
+    let answer = UploadResponse {
+        audio_uri: upload_uri(),
+        bytes: 1_764_044,
+        sha256: EXAMPLE_SHA.into(),
+        duration_ms: Some(10_000),
+    };
+    Operation::new(Method::POST, "/v1/uploads", "createUpload")
+        .tag("uploads")
+        .summary(
+            "Upload a song (streamed, content-addressed); use the returned `audio_uri` \
+             (`upload:<sha256>.<ext>`) in a separation request",
+        )
+        .query::<crate::uploads::UploadQuery>(json!({"filename": "song.wav"}))
+        .raw_body(
+            &["application/octet-stream", "audio/wav", "audio/flac", "audio/mpeg", "audio/ogg"],
+            json!({"type": "string", "contentMediaType": "application/octet-stream", "minLength": 1}),
+        )
+        .answer(201, Answer::json("Stored", answer))
+        .answer(
+            400,
+            Answer::error(
+                "The upload was interrupted, or a query that does not parse",
+                &["upload_interrupted", "bad_request", "key_in_query"],
+            ),
+        )
+        .answer(413, Answer::error("Larger than the configured limit (default 1 GiB)", &["too_large"]))
+        .answer(
+            422,
+            Answer::invalid(
+                "An empty upload, or a file name with no plain extension",
+                &["empty_upload", "invalid_request"],
+                "filename",
+                "the extension of `a.?` is not a plain extension",
+            ),
+        )
+        .answer(
+            503,
+            Answer::error("No object store configured, or the store is unavailable", &["no_store", "unavailable"])
+                .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
+        )
+        .link(
+            201,
+            "createSeparation",
+            "createSeparation",
+            json!({}),
+            Some(json!({"audio_uri": "$response.body#/audio_uri", "model": "dsp"})),
+        )
+}
+
+fn deliveries_list() -> Operation {
+    let example = Deliveries { job_id: id(EXAMPLE_ID), deliveries: vec![delivery()] };
+    Operation::new(Method::GET, "/v1/separations/{id}/deliveries", "listDeliveries")
+        .tag("webhooks")
+        .summary("Webhook deliveries of a job and every attempt (attempt, status code, latency, result)")
+        .path_params::<JobPath>(json!({"id": EXAMPLE_ID}))
+        .answer(200, Answer::json("Deliveries, numbered from 1 in order of first attempt", example))
+        .link(
+            200,
+            "replayDelivery",
+            "replayDelivery",
+            json!({"path.id": "$response.body#/job_id", "path.n": "$response.body#/deliveries/0/n"}),
+            None,
+        )
+}
+
+fn deliveries_replay() -> Operation {
+    let example = ReplayQueued {
+        job_id: id(EXAMPLE_ID),
+        n: 1,
+        webhook_id: format!("msg_{EXAMPLE_ID}_succeeded"),
+        replay: ReplayState::Queued,
+    };
+    Operation::new(Method::POST, "/v1/separations/{id}/deliveries/{n}/replay", "replayDelivery")
+        .tag("webhooks")
+        .summary("Send delivery n again (same webhook-id, the job's current status view)")
+        .path_params::<crate::webhooks::ReplayPath>(json!({"id": EXAMPLE_ID, "n": 1}))
+        .answer(202, Answer::json("Queued for the relay", example))
+        .answer(
+            400,
+            Answer::error("`n` is not a number, or a query that does not parse", &["bad_request", "key_in_query"]),
+        )
+        .answer(404, Answer::error("No such job or delivery", &["not_found"]))
+        .answer(429, limited("This delivery was replayed too often lately", &["rate_limited"]))
+}
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+
+fn webhook_secret_get() -> Operation {
+    Operation::new(Method::GET, "/v1/webhooks/secret", "getWebhookSecret")
+        .tag("webhooks")
+        .summary("The owner's webhook signing secret (`whsec_...`, Standard Webhooks); created on first use")
+        .answer(
+            200,
+            Answer::json(
+                "The secret",
+                WebhookSecret {
+                    secret: SECRET.into(),
+                    previous: None,
+                    previous_valid_until: None,
+                    disabled_urls: vec![],
+                },
+            ),
+        )
+}
+
+fn webhook_secret_rotate() -> Operation {
+    let rotated = WebhookSecret {
+        secret: "whsec_5y7iWHoM1mVn0ypJ8Tq8KGd4vSdHsL2P".into(),
+        previous: Some(SECRET.into()),
+        previous_valid_until: Some(time("2026-01-06T10:00:00Z")),
+        disabled_urls: vec![],
+    };
+    Operation::new(Method::POST, "/v1/webhooks/secret/rotate", "rotateWebhookSecret")
+        .tag("webhooks")
+        .summary(
+            "Rotate the signing secret; during the grace period (default 24 h) deliveries carry signatures with \
+             both the new and the previous secret",
+        )
+        .answer(200, Answer::json("The new secret", rotated))
+}
+
+fn webhook_enable() -> Operation {
+    let url = "https://hooks.example.com/stemq".to_string();
+    Operation::new(Method::POST, "/v1/webhooks/enable", "enableWebhookUrl")
+        .tag("webhooks")
+        .summary(
+            "Deliver to a receiver URL again after a 410 Gone disabled it (the same as `stemq webhooks enable URL`)",
+        )
+        .json_body::<EnableRequest, 1>([("url", "A receiver", EnableRequest { url: url.clone() })])
+        .answer(200, Answer::json("Enabled", EnableResponse { url, was_disabled: true, disabled_urls: Vec::new() }))
+        .answer(
+            422,
+            Answer::invalid(
+                "No `url` string in the body",
+                &["invalid_request"],
+                "url",
+                "the body must be a JSON object with a `url` string",
+            ),
+        )
+}
+
+fn models_list() -> Operation {
+    let example = Models {
+        models: Model::ALL
+            .iter()
+            .map(|m| ModelInfo {
+                name: *m,
+                stems: m.sources().to_vec(),
+                served: Some(*m == Model::Dsp),
+                workers: usize::from(*m == Model::Dsp),
+            })
+            .collect(),
+        output_formats: OutputFormat::ALL.iter().map(|f| f.as_str()).collect(),
+    };
+    Operation::new(Method::GET, "/v1/models", "listModels")
+        .tag("account")
+        .summary("Every model, its stems, and whether a live worker serves it now; the output formats")
+        .answer(200, Answer::json("The models", example))
+}
+
+fn me_get() -> Operation {
+    let me = Me {
+        owner: "acme".into(),
+        role: Role::Submit,
+        key_id: "k7f3a9c2e".into(),
+        can: Can { read: true, write: true, webhooks: false, operate: false },
+    };
+    Operation::new(Method::GET, "/v1/me", "getMe")
+        .tag("account")
+        .summary("The caller: owner, role, key id, and what the role allows")
+        .answer(200, Answer::json("The caller", me))
+}
+
+fn account_get() -> Operation {
+    let example = AccountView {
+        owner: "acme".into(),
+        credits_on: true,
+        enforced: true,
+        unit: "credit".into(),
+        prices: [("dsp".to_string(), 0.1), ("htdemucs".to_string(), 1.0)].into(),
+        balance: 95.5,
+        reserved: 1.0,
+        available: 94.5,
+        granted: 100.0,
+        charged: 4.5,
+        refunded: 0.0,
+        open_jobs: 1,
+        from: time("2025-12-06T10:00:00Z"),
+        to: time("2026-01-05T10:00:00Z"),
+        usage: vec![ModelUsage {
+            model: "htdemucs".into(),
+            jobs: 2,
+            audio_seconds: 270.0,
+            engine_seconds: 61.2,
+            credits: 4.5,
+        }],
+    };
+    Operation::new(Method::GET, "/v1/account", "getAccount")
+        .tag("account")
+        .summary("Credits: balance, reserved, and usage per model over a period (docs/credits.md)")
+        .query::<crate::credits::AccountQuery>(json!({"from": "2025-12-06T10:00:00Z"}))
+        .answer(200, Answer::json("The account", example))
+        .answer(
+            422,
+            Answer::invalid(
+                "A time that is not RFC 3339, or a malformed owner",
+                &["invalid_request"],
+                "from",
+                "`from` must be an RFC 3339 time, got `yesterday`",
+            ),
+        )
+}
+
+fn signin() -> Operation {
+    Operation::new(Method::POST, "/v1/signin", "signIn")
+        .tag("account")
+        .summary(
+            "Exchange the one-time token of a sign-in link (`stemq dev` prints one) for the API key it stands for. \
+             Public; a token works once",
+        )
+        .json_body::<SigninRequest, 1>([("token", "The link's token", SigninRequest { token: "5f".repeat(32) })])
+        .answer(200, Answer::json("The key", SigninResponse { key: "sk_k7f3a9c2e_0123456789abcdef".into() }))
+        .answer(401, Answer::error("A wrong or used token (every token but the link's one, once)", &["unauthorized"]))
+        .answer(404, Answer::error("This server has no sign-in links", &["not_found"]))
+}
+
+fn workers_list() -> Operation {
+    Operation::new(Method::GET, "/v1/workers", "listWorkers")
+        .tag("operations")
+        .summary(
+            "The live workers (name, models, devices, heartbeat, free memory) and, per model's pool and lane, the \
+             jobs waiting and running (operator keys only)",
+        )
+        .answer(200, Answer::json_type::<Fleet>("The fleet"))
+}
+
+fn overview_get() -> Operation {
+    Operation::new(Method::GET, "/v1/overview", "getOverview")
+        .tag("operations")
+        .summary(
+            "Job counts per status, the oldest unfinished request, the oldest queued job, projector lag, and jobs \
+             ended per minute over the last 15 minutes (operator keys only)",
+        )
+        .answer(200, Answer::json_type::<Overview>("The overview"))
+}
+
+fn metrics_get() -> Operation {
+    Operation::new(Method::GET, "/metrics", "getMetrics")
+        .tag("operations")
+        .summary("Prometheus metrics (operator keys only)")
+        .answer(
+            200,
+            Answer::media(
+                "Prometheus text format 0.0.4, or OpenMetrics 1.0.0 when the Accept header asks for \
+                 application/openmetrics-text",
+                &["text/plain", "application/openmetrics-text"],
+                json!({"type": "string"}),
+            ),
+        )
+}
+
+fn health_get() -> Operation {
+    Operation::new(Method::GET, "/healthz", "getHealth")
+        .tag("operations")
+        .summary("Liveness: the process answers")
+        .answer(200, Answer::media("Alive (`ok`)", &["text/plain"], json!({"type": "string", "const": "ok"})))
+}
+
+fn ready_get() -> Operation {
+    Operation::new(Method::GET, "/readyz", "getReadiness")
+        .tag("operations")
+        .summary("Readiness: NATS connected and the job stream present")
+        .answer(200, Answer::media("Ready", &["text/plain"], json!({"type": "string"})))
+        .answer(
+            503,
+            Answer::media("Not ready (a probe's answer, in plain text)", &["text/plain"], json!({"type": "string"})),
+        )
+}
+
+fn openapi_get() -> Operation {
+    Operation::new(Method::GET, "/openapi.json", "getOpenApi")
+        .tag("operations")
+        .summary("This document (OpenAPI 3.1)")
+        .answer(
+            200,
+            Answer::media(
+                "The document",
+                &["application/json"],
+                json!({"type": "object", "required": ["openapi", "paths"]}),
+            ),
+        )
+}
+
+fn page_get() -> Operation {
+    Operation::new(Method::GET, "/", "getPage")
+        .tag("page")
+        .summary("The page for people: upload, separate, play and download stems; the operations view")
+        .answer(200, Answer::media("The page", &["text/html"], json!({"type": "string"})))
+}
+
+fn page_file() -> Operation {
+    let mut media: Vec<&'static str> =
+        crate::web::assets().map(|(_, mime)| mime.split(';').next().unwrap_or(mime)).collect();
+    media.sort_unstable();
+    media.dedup();
+    Operation::new(Method::GET, "/app/{file}", "getPageFile")
+        .tag("page")
+        .summary("One of the page's files (scripts, style, icon)")
+        .path_params::<crate::web::FilePath>(json!({"file": "app.js"}))
+        .answer(200, Answer::media("The file", &media, json!({"type": "string"})))
+        .answer(404, Answer::error("No such file", &["not_found"]))
+}
+
+fn favicon_get() -> Operation {
+    Operation::new(Method::GET, "/favicon.ico", "getFavicon")
+        .tag("page")
+        .summary("The page's icon (browsers ask for it whatever the page links)")
+        .answer(200, Answer::media("The icon", &["image/svg+xml"], json!({"type": "string"})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operation_ids_are_unique_camel_case_and_routes_are_distinct() {
+        let routes = routes();
+        let mut ids = std::collections::BTreeSet::new();
+        let mut routes_seen = std::collections::BTreeSet::new();
+        for r in &routes {
+            let id = r.op.id;
+            assert!(ids.insert(id), "operationId {id} twice");
+            assert!(id.chars().next().is_some_and(|c| c.is_ascii_lowercase()), "{id}");
+            assert!(id.chars().all(|c| c.is_ascii_alphanumeric()), "{id} is not camelCase");
+            assert!(routes_seen.insert((r.op.method.to_string(), r.op.path)), "{} {} twice", r.op.method, r.op.path);
+        }
+    }
+
+    #[test]
+    fn every_path_parameter_is_documented_and_every_documented_one_is_in_the_path() {
+        for r in routes() {
+            let in_path: Vec<String> =
+                r.op.path
+                    .split('/')
+                    .filter_map(|s| s.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+                    .map(str::to_string)
+                    .collect();
+            let mut documented = r.op.param_names("path");
+            documented.sort();
+            let mut expected = in_path.clone();
+            expected.sort();
+            assert_eq!(documented, expected, "{} {}", r.op.method, r.op.path);
+        }
+    }
+}
