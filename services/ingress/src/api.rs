@@ -304,7 +304,7 @@ fn separations_create() -> Operation {
                     (
                         "waited",
                         "With `Prefer: wait=N`: still running after N s",
-                        Submitted::Job(job(JobStatus::Running)),
+                        Submitted::Job(Box::new(job(JobStatus::Running))),
                     ),
                 ],
             ))),
@@ -316,7 +316,11 @@ fn separations_create() -> Operation {
                  ended (Job)",
                 [
                     ("cached", "The job existed", Submitted::Queued(submitted(true, JobStatus::Succeeded))),
-                    ("ended", "With `Prefer: wait=N`: it ended within N s", Submitted::Job(job(JobStatus::Succeeded))),
+                    (
+                        "ended",
+                        "With `Prefer: wait=N`: it ended within N s",
+                        Submitted::Job(Box::new(job(JobStatus::Succeeded))),
+                    ),
                 ],
             ))),
         )

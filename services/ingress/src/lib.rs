@@ -1,7 +1,9 @@
 //! stemq-ingress: the front door. Validates requests, queues jobs, answers status.
 //!
 //! This crate owns the public API. It never does heavy work: a submit is one publish
-//! ([`submit`]), a status read is one KV get. Routes (see `/openapi.json`):
+//! ([`submit`]), a status read is one KV get. Every route is one entry of the route
+//! table ([`api::routes`]): its handler and its description, from which both the router
+//! and `/openapi.json` ([`openapi`]) are made. Routes:
 //!
 //! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid;
 //!   with `Prefer: wait=N` the job's view once it ended (200) or after N s (202)
@@ -712,7 +714,7 @@ pub enum Submitted {
     /// Without `Prefer: wait`: the job's id, status and links.
     Queued(SubmitResponse),
     /// With `Prefer: wait=N`: the job (its view with its `urls`), ended or after N s.
-    Job(Job),
+    Job(Box<Job>),
 }
 
 /// `POST /v1/separations`.
@@ -749,7 +751,7 @@ async fn create(
         if let Some(view) = state.view_for(&caller, &resp.job_id).await? {
             let waited = prefer::until_ended(&state, &caller, view, secs).await?;
             let code = if waited.view.status.is_terminal() { StatusCode::OK } else { StatusCode::ACCEPTED };
-            let job = Submitted::Job(links.job(waited.view));
+            let job = Submitted::Job(Box::new(links.job(waited.view)));
             let mut out = (code, [(header::LOCATION, location)], Json(job)).into_response();
             prefer::mark(&mut out, waited.honoured.then_some(secs));
             return Ok(out);

@@ -56,9 +56,11 @@ impl Source {
                 "type": "object",
                 "required": ["data", "event"],
                 "properties": {
-                    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": f(g).to_value()},
+                    "data": {"type": "string", "contentMediaType": "application/json",
+                             "contentSchema": f(g).to_value()},
                     "event": {"enum": names},
-                    "id": {"type": "string", "pattern": "^[0-9]+$", "description": "The view's revision (`Last-Event-ID`)"},
+                    "id": {"type": "string", "pattern": "^[0-9]+$",
+                           "description": "The revision of the view it carries (`Last-Event-ID`)"},
                 },
             }),
         }
