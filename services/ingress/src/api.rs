@@ -580,7 +580,10 @@ fn batches_get() -> Operation {
         )
         .path_params::<crate::batches::BatchPath>(json!({"id": EXAMPLE_RETRY_ID}))
         .answer(200, Answer::json("The batch", batch()))
-        .answer(404, Answer::error("No such batch, or another owner's batch (the two are not told apart)", &["not_found"]))
+        .answer(
+            404,
+            Answer::error("No such batch, or another owner's batch (the two are not told apart)", &["not_found"]),
+        )
         .link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/items/0/job_id"}), None)
 }
 
@@ -601,14 +604,22 @@ fn stems_get() -> Operation {
         )
         .answer(
             200,
-            Answer::media("The whole stem", &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"], bytes.clone())
-                .header("ETag", "The stem's SHA-256, quoted", true, json!({"type": "string"}))
-                .header("Accept-Ranges", "`bytes`", true, json!({"type": "string"})),
+            Answer::media(
+                "The whole stem",
+                &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"],
+                bytes.clone(),
+            )
+            .header("ETag", "The stem's SHA-256, quoted", true, json!({"type": "string"}))
+            .header("Accept-Ranges", "`bytes`", true, json!({"type": "string"})),
         )
         .answer(
             206,
-            Answer::media("The requested byte range", &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"], bytes)
-                .header("Content-Range", "`bytes a-b/size`", true, json!({"type": "string"})),
+            Answer::media(
+                "The requested byte range",
+                &["audio/wav", "audio/flac", "audio/mpeg", "application/octet-stream"],
+                bytes,
+            )
+            .header("Content-Range", "`bytes a-b/size`", true, json!({"type": "string"})),
         )
         .answer(
             307,
