@@ -20,31 +20,7 @@ bin="${STEMQ_BIN:-$root/target/debug/stemq}"
 st="${SCHEMATHESIS:-$root/.stemq/venv/bin/schemathesis}"
 seed="${STEMQ_API_SEED:-20260105}"
 examples="${STEMQ_API_EXAMPLES:-100}"
-data="$(mktemp -d)"
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-base="http://127.0.0.1:$port"
-"$bin" --data-dir "$data" --log-format text dev --http "127.0.0.1:$port" --isolation none >"$data/dev.log" 2>&1 &
-dev=$!
-stop() {
-  if kill -0 "$dev" 2>/dev/null; then kill -TERM "$dev"; wait "$dev" || true; fi
-  rm -rf "$data"
-}
-trap stop EXIT
-ready() {
-  python3 - "$base/readyz" <<'PY'
-import sys, urllib.request
-try:
-    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)
-except Exception:
-    sys.exit(1)
-PY
-}
-for _ in $(seq 1 600); do
-  [[ -s "$data/operator.key" ]] && ready && break
-  kill -0 "$dev" 2>/dev/null || { echo "stemq dev exited:"; cat "$data/dev.log"; exit 1; }
-  sleep 0.1
-done
-ready || { echo "stemq dev did not get ready:"; tail -n 40 "$data/dev.log"; exit 1; }
+source "$root/tests/dev-stack.sh"
 key="$(cat "$data/operator.key")"
 # One job that succeeded: the newest job at first, which the list's links lead to.
 "$bin" synth --seconds 4 -o "$data/song.wav" >/dev/null

@@ -367,6 +367,21 @@ impl Stack {
         cmd.spawn().expect("spawn stemq worker")
     }
 
+    /// Uploads a synthesised song of `seconds` as `key`'s owner; the upload's answer
+    /// (`audio_uri`, `duration_ms`, ...).
+    pub async fn upload_song(&self, key: &str, name: &str, seconds: f64) -> Value {
+        let path = self.dir.path().join(name);
+        stemq_audio::synth::write_demo_song(&path, seconds, 44_100).expect("the demo song");
+        let resp = reqwest::Client::new()
+            .post(self.url(&format!("/v1/uploads?filename={name}")))
+            .bearer_auth(key)
+            .body(std::fs::read(&path).expect("the song"))
+            .send()
+            .await
+            .expect("upload");
+        resp.json().await.expect("the upload's answer")
+    }
+
     /// Starts `stemq projector` as a child process (NATS user `projector`).
     pub fn spawn_projector(&self, name: &str) -> Child {
         Command::new(Stack::stemq_bin())

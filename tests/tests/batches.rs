@@ -395,24 +395,6 @@ async fn set_prices(stack: &Stack) {
     tokio::time::sleep(Duration::from_millis(2100)).await;
 }
 
-/// Uploads a synthesised song of `seconds` as `key`'s owner; its `audio_uri`.
-async fn upload_song(stack: &Stack, key: &str, name: &str, seconds: f64) -> Value {
-    let path = stack.dir.path().join(name);
-    stemq_audio::synth::write_demo_song(&path, seconds, 44_100).unwrap();
-    let up: Value = reqwest::Client::new()
-        .post(stack.url(&format!("/v1/uploads?filename={name}")))
-        .bearer_auth(key)
-        .body(std::fs::read(&path).unwrap())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(up["duration_ms"].is_u64(), "the upload's length is known: {up}");
-    up["audio_uri"].clone()
-}
-
 /// Credits are a budget like the rate: a song the owner cannot pay stops the batch (402
 /// `insufficient_credits`, no `Retry-After`: waiting does not bring credits), and once
 /// credits are granted the same batch goes on.
@@ -428,7 +410,9 @@ async fn running_out_of_credits_stops_the_batch_until_credits_are_granted() {
     // 1 s (0.1 credit), 20 s (2 credits: more than the 1 granted), 1.5 s.
     let mut items = Vec::new();
     for (name, seconds) in [("short.wav", 1.0), ("long.wav", 20.0), ("other.wav", 1.5)] {
-        items.push(json!({"audio_uri": upload_song(&stack, &k, name, seconds).await, "model": "dsp"}));
+        let up = stack.upload_song(&k, name, seconds).await;
+        assert!(up["duration_ms"].is_u64(), "the upload's length is known: {up}");
+        items.push(json!({"audio_uri": up["audio_uri"], "model": "dsp"}));
     }
     let body = json!({"items": items});
     let (code, h, v) = call(&stack, Method::POST, "/v1/batches", &k, Some(&body)).await;

@@ -123,18 +123,7 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     assert_eq!((code, other["balance"].as_f64()), (200, Some(2.5)), "{other}");
 
     // An upload whose length is known and cannot be paid: 402 before anything is queued.
-    let song = stack.dir.path().join("minute.wav");
-    stemq_audio::synth::write_demo_song(&song, 60.0, 44_100).unwrap();
-    let up: Value = reqwest::Client::new()
-        .post(stack.url("/v1/uploads?filename=minute.wav"))
-        .bearer_auth(&acme)
-        .body(std::fs::read(&song).unwrap())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let up = stack.upload_song(&acme, "minute.wav", 60.0).await;
     assert_eq!(up["duration_ms"].as_u64(), Some(60_000), "{up}");
     let submit_upload = || {
         let body = json!({"audio_uri": up["audio_uri"], "model": "dsp"});

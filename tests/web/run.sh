@@ -9,24 +9,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 bin="${STEMQ_BIN:-$root/target/debug/stemq}"
-data="$(mktemp -d)"
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-base="http://127.0.0.1:$port"
-"$bin" --data-dir "$data" --log-format text dev --http "127.0.0.1:$port" --isolation none >"$data/dev.log" 2>&1 &
-dev=$!
-stop() {
-  if kill -0 "$dev" 2>/dev/null; then kill -TERM "$dev"; wait "$dev" || true; fi
-  rm -rf "$data"
-}
-trap stop EXIT
-link=""
-for _ in $(seq 1 600); do
-  link="$(grep -o "http://[^ ]*#signin=[0-9a-f]*" "$data/dev.log" || true)"
-  [[ -n "$link" ]] && break
-  kill -0 "$dev" 2>/dev/null || { echo "stemq dev exited:"; cat "$data/dev.log"; exit 1; }
-  sleep 0.1
-done
-[[ -n "$link" ]] || { echo "stemq dev printed no sign-in link:"; cat "$data/dev.log"; exit 1; }
+source "$root/tests/dev-stack.sh"
 "$bin" synth --seconds 8 -o "$data/song.wav" >/dev/null
 "$bin" synth --seconds 90 -o "$data/long.wav" >/dev/null
 head -c 20000 /dev/urandom >"$data/not-audio.wav"
