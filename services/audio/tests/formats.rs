@@ -25,18 +25,6 @@ fn test_signal(rate: u32, frames: usize) -> StereoChunk {
     )
 }
 
-fn write_stem(path: &Path, chunk: &StereoChunk, format: OutputFormat, clip: ClipMode, rate: u32) {
-    let mut enc = StemEncoder::create(path, format, clip, rate).unwrap();
-    // Odd-sized pieces to exercise buffering.
-    let mut i = 0;
-    while i < chunk.len() {
-        let j = (i + 3001).min(chunk.len());
-        enc.write(&StereoChunk::from_planar(chunk.left[i..j].to_vec(), chunk.right[i..j].to_vec())).unwrap();
-        i = j;
-    }
-    enc.finish().unwrap();
-}
-
 fn native(rate: u32) -> DecodeOptions {
     DecodeOptions { target_sample_rate: rate, max_duration_secs: None }
 }

@@ -23,18 +23,6 @@ use symphonia::core::io::MediaSourceStream;
 use symphonia::core::meta::MetadataOptions;
 use symphonia::core::probe::Hint;
 
-fn write_stem(path: &Path, chunk: &StereoChunk, format: OutputFormat, clip: ClipMode, rate: u32) {
-    let mut enc = StemEncoder::create(path, format, clip, rate).unwrap();
-    // Odd-sized pieces to exercise buffering.
-    let mut i = 0;
-    while i < chunk.len() {
-        let j = (i + 3001).min(chunk.len());
-        enc.write(&StereoChunk::from_planar(chunk.left[i..j].to_vec(), chunk.right[i..j].to_vec())).unwrap();
-        i = j;
-    }
-    enc.finish().unwrap();
-}
-
 /// What symphonia reads from a file, straight (no stemq conversion): the interleaved
 /// samples as `i32` at full scale, and the track's parameters.
 #[cfg_attr(not(feature = "mp3"), allow(dead_code))]

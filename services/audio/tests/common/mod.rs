@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use stemq_audio::{DecodeOptions, Decoder, StereoChunk};
+use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, StereoChunk};
 
 pub fn sine(freq: f64, amp: f64, rate: u32, frames: usize) -> Vec<f32> {
     (0..frames).map(|i| (amp * (2.0 * std::f64::consts::PI * freq * i as f64 / rate as f64).sin()) as f32).collect()
@@ -54,4 +54,16 @@ pub fn measure_amp(x: &[f32]) -> f64 {
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Writes `chunk` as one stem file, fed in odd-sized pieces to exercise buffering.
+pub fn write_stem(path: &Path, chunk: &StereoChunk, format: OutputFormat, clip: ClipMode, rate: u32) {
+    let mut enc = StemEncoder::create(path, format, clip, rate).unwrap();
+    let mut i = 0;
+    while i < chunk.len() {
+        let j = (i + 3001).min(chunk.len());
+        enc.write(&StereoChunk::from_planar(chunk.left[i..j].to_vec(), chunk.right[i..j].to_vec())).unwrap();
+        i = j;
+    }
+    enc.finish().unwrap();
 }
