@@ -324,25 +324,7 @@ pub async fn publish_within(
     msg_id: Option<&str>,
     patience: Duration,
 ) -> Result<u64, PublishError> {
-    let payload = event.to_bytes();
-    let t0 = Instant::now();
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let msg = PublishMessage::build().payload(payload.clone()).headers(headers_of(event, msg_id, false));
-        let res = match js.send_publish(subject.to_string(), msg).await {
-            Ok(fut) => fut.await,
-            Err(e) => Err(e),
-        };
-        match res {
-            Ok(ack) => return Ok(ack.sequence),
-            Err(e)
-                if retryable(&e)
-                    && (msg_id.is_some() || e.kind() == PublishErrorKind::StreamNotFound)
-                    && again(t0, attempt, patience).await => {}
-            Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
-        }
-    }
+    publish_payload(js, subject, event.to_bytes(), headers_of(event, msg_id, false), patience).await
 }
 
 /// Publishes `payload` to `subject` with `headers` and waits for the PubAck, retrying
