@@ -33,6 +33,7 @@ use futures::StreamExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::publish::{publish_payload, PATIENCE};
 use crate::request::{owner_token, Model};
 use crate::JobId;
 
@@ -126,6 +127,36 @@ pub async fn prices(config: &kv::Store) -> Result<Option<Prices>, LedgerError> {
         None => Ok(None),
         Some(b) if b.is_empty() => Ok(None),
         Some(b) => Prices::parse(&b).map(Some).map_err(LedgerError::Decode),
+    }
+}
+
+/// How long a read price list is used before it is read again.
+pub const PRICES_TTL: Duration = Duration::from_secs(2);
+
+/// The price list as a service reads it: from the configuration bucket, at most every
+/// [`PRICES_TTL`] (a change reaches every worker and ingress within that).
+pub struct PriceCache {
+    config: Option<kv::Store>,
+    cache: std::sync::Mutex<Option<(std::time::Instant, Option<Prices>)>>,
+}
+
+impl PriceCache {
+    /// Over the configuration bucket; without one (an older deployment), credits are off.
+    pub fn new(config: Option<kv::Store>) -> PriceCache {
+        PriceCache { config, cache: std::sync::Mutex::new(None) }
+    }
+
+    /// The price list (`None`: credits are off).
+    pub async fn get(&self) -> Result<Option<Prices>, LedgerError> {
+        let Some(config) = &self.config else { return Ok(None) };
+        if let Some((at, p)) = self.cache.lock().expect("prices lock").as_ref() {
+            if at.elapsed() < PRICES_TTL {
+                return Ok(p.clone());
+            }
+        }
+        let p = prices(config).await?;
+        *self.cache.lock().expect("prices lock") = Some((std::time::Instant::now(), p.clone()));
+        Ok(p)
     }
 }
 
@@ -357,7 +388,7 @@ impl Ledger {
 
     /// Decides a movement from the current account and records it, again and again
     /// while another writer gets there first. `None`: nothing to record.
-    async fn commit<F>(&self, owner: &str, msg_id: Option<&str>, mut decide: F) -> Result<Option<Entry>, LedgerError>
+    async fn commit<F>(&self, owner: &str, msg_id: &str, mut decide: F) -> Result<Option<Entry>, LedgerError>
     where
         F: FnMut(&Account) -> Result<Option<Movement>, LedgerError>,
     {
@@ -371,16 +402,13 @@ impl Ledger {
             let body = serde_json::to_vec(&entry).map_err(|e| LedgerError::Decode(e.to_string()))?;
             let mut h = HeaderMap::new();
             h.insert("Nats-Expected-Last-Subject-Sequence", seq.to_string().as_str());
-            if let Some(id) = msg_id {
-                h.insert("Nats-Msg-Id", id);
-            }
-            let sent = match self.js.publish_with_headers(subject.clone(), h, body.into()).await {
-                Ok(ack) => ack.await,
-                Err(e) => Err(e),
-            };
-            match sent {
+            h.insert("Nats-Msg-Id", msg_id);
+            // Transient failures (an election, a lost ack) are retried there: every
+            // movement carries a message id, so a retry that was stored already is a
+            // duplicate, not a second movement.
+            match publish_payload(&self.js, &subject, body.into(), h, PATIENCE).await {
                 Ok(_) => return Ok(Some(entry)),
-                Err(e) if e.kind() == PublishErrorKind::WrongLastSequence || wrong_last(&e) => {
+                Err(e) if e.kind() == PublishErrorKind::WrongLastSequence || wrong_last(&e.source) => {
                     // Someone else moved first: decide again on the new state.
                     if attempt > 3 {
                         tokio::time::sleep(Duration::from_millis(1 + (attempt as u64 % 7))).await;
@@ -404,7 +432,7 @@ impl Ledger {
     ) -> Result<Entry, LedgerError> {
         let m = Movement::Granted { amount, by: by.to_string(), note };
         let id = format!("grant.{grant_id}");
-        match self.commit(owner, Some(&id), |_| Ok(Some(m.clone()))).await? {
+        match self.commit(owner, &id, |_| Ok(Some(m.clone()))).await? {
             Some(e) => Ok(e),
             None => Err(LedgerError::Publish("nothing recorded".into())),
         }
@@ -426,7 +454,7 @@ impl Ledger {
         let mut existing = None;
         let id = format!("{job_id}.credits.reserved");
         let entry = self
-            .commit(owner, Some(&id), |acc| {
+            .commit(owner, &id, |acc| {
                 if let Some(o) = acc.open.get(job_id) {
                     existing = Some(o.clone());
                     return Ok(None);
@@ -447,7 +475,7 @@ impl Ledger {
     /// there was nothing open (never reserved, or closed already).
     pub async fn close(&self, owner: &str, job_id: &JobId, how: &Close) -> Result<Option<Entry>, LedgerError> {
         let id = format!("{job_id}.credits.closed");
-        self.commit(owner, Some(&id), |acc| {
+        self.commit(owner, &id, |acc| {
             let Some(o) = acc.open.get(job_id) else { return Ok(None) };
             Ok(Some(match how {
                 Close::Settle { audio_ms, engine_ms } => {

@@ -16,10 +16,7 @@
 //!   last 30 days): jobs, audio seconds, engine seconds, credits.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
-use async_nats::jetstream::kv;
 use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::Json;
@@ -33,36 +30,13 @@ use tracing::warn;
 use crate::errors::Query;
 use crate::{ApiError, AppState};
 
-/// The price list as the ingress reads it (every 2 s at most).
-pub struct PriceCache {
-    config: Option<kv::Store>,
-    cache: Mutex<Option<(Instant, Option<Prices>)>>,
-}
-
-impl PriceCache {
-    /// Over the configuration bucket, when there is one.
-    pub fn new(config: Option<kv::Store>) -> PriceCache {
-        PriceCache { config, cache: Mutex::new(None) }
-    }
-
-    /// The price list; `None` when credits are off (or unreadable: the worker decides).
-    pub async fn get(&self) -> Option<Prices> {
-        let config = self.config.as_ref()?;
-        if let Some((at, p)) = self.cache.lock().expect("prices lock").as_ref() {
-            if at.elapsed() < Duration::from_secs(2) {
-                return p.clone();
-            }
-        }
-        let p = match ledger::prices(config).await {
-            Ok(p) => p,
-            Err(e) => {
-                warn!(error = %e, "cannot read the price list; the workers decide about credits");
-                None
-            }
-        };
-        *self.cache.lock().expect("prices lock") = Some((Instant::now(), p.clone()));
-        p
-    }
+/// The price list; `None` when credits are off, or when it cannot be read (the workers
+/// then decide, at their reservation).
+pub(crate) async fn prices(state: &AppState) -> Option<Prices> {
+    state.prices.get().await.unwrap_or_else(|e| {
+        warn!(error = %e, "cannot read the price list; the workers decide about credits");
+        None
+    })
 }
 
 /// The sidecar object of an upload: `<key>.meta.json`.
@@ -106,7 +80,7 @@ pub fn header_duration_ms(head: &[u8]) -> Option<u64> {
 
 /// The refusal of a submit the owner cannot pay, when that is known before queueing.
 pub async fn check_affordable(state: &AppState, owner: &str, model: Model, audio_uri: &str) -> Result<(), ApiError> {
-    let Some(prices) = state.prices.get().await else { return Ok(()) };
+    let Some(prices) = prices(state).await else { return Ok(()) };
     if !prices.enforce || prices.per_minute(model) == 0 {
         return Ok(());
     }
@@ -278,7 +252,7 @@ pub async fn account(
             }
         }
     }
-    let prices = state.prices.get().await;
+    let prices = prices(&state).await;
     Ok(Json(AccountView {
         owner,
         credits_on: prices.is_some(),

@@ -194,7 +194,7 @@ pub struct AppState {
     /// See [`Config::signin`].
     signin: Option<Arc<session::SigninLink>>,
     /// The price list (credits), read from the configuration bucket.
-    prices: Arc<credits::PriceCache>,
+    prices: Arc<stemq_core::ledger::PriceCache>,
     /// Where answers' links point ([`links`]).
     links: Arc<links::LinkBase>,
     /// See [`Config::cors_origins`].
@@ -220,7 +220,9 @@ impl AppState {
         let limits = open(names::LIMITS_BUCKET).await?;
         let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
         // An older deployment without the bucket has credits off.
-        let prices = Arc::new(credits::PriceCache::new(js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok()));
+        let prices = Arc::new(stemq_core::ledger::PriceCache::new(
+            js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok(),
+        ));
         let batches = stemq_core::batch_log::BatchLog::open(&js).await?;
         Ok(AppState {
             js,

@@ -11,13 +11,11 @@
 //! seen that outcome before the reservation existed.
 
 use std::path::Path;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream;
 use stemq_core::event::Requested;
 use stemq_core::failure::FailureCode;
-use stemq_core::ledger::{self, Close, Ledger, LedgerError, Prices};
+use stemq_core::ledger::{self, Close, Ledger, LedgerError, PriceCache};
 use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::JobId;
 use tracing::{info, warn};
@@ -25,14 +23,10 @@ use tracing::{info, warn};
 use crate::job::Failure;
 use crate::Shared;
 
-/// How long a read price list is used before it is read again.
-const PRICES_TTL: Duration = Duration::from_secs(2);
-
 /// The ledger and the price list, as a worker uses them.
 pub(crate) struct Credits {
     ledger: Ledger,
-    config: Option<kv::Store>,
-    cache: Mutex<Option<(Instant, Option<Prices>)>>,
+    prices: PriceCache,
 }
 
 impl Credits {
@@ -46,20 +40,7 @@ impl Credits {
                 None
             }
         };
-        Credits { ledger: Ledger::new(js.clone()), config, cache: Mutex::new(None) }
-    }
-
-    /// The price list (`None`: credits are off), read at most every [`PRICES_TTL`].
-    async fn prices(&self) -> Result<Option<Prices>, LedgerError> {
-        let Some(config) = &self.config else { return Ok(None) };
-        if let Some((at, p)) = self.cache.lock().expect("prices lock").as_ref() {
-            if at.elapsed() < PRICES_TTL {
-                return Ok(p.clone());
-            }
-        }
-        let p = ledger::prices(config).await?;
-        *self.cache.lock().expect("prices lock") = Some((Instant::now(), p.clone()));
-        Ok(p)
+        Credits { ledger: Ledger::new(js.clone()), prices: PriceCache::new(config) }
     }
 }
 
@@ -71,7 +52,7 @@ pub(crate) async fn reserve(
     input: &Path,
 ) -> Result<(), Failure> {
     let unavailable = |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, e.to_string());
-    let prices = match shared.credits.prices().await {
+    let prices = match shared.credits.prices.get().await {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(()),
         Err(e) => return Err(unavailable(e)),
