@@ -223,7 +223,14 @@ struct Figures {
 }
 
 impl Figures {
-    fn of(name: &'static str, t0: Instant, submitted: &HashMap<u64, Instant>, done: &HashMap<u64, Instant>) -> Figures {
+    /// From when each job was submitted and when it was done (latency: the one minus
+    /// the other; rate: done jobs over first submit to last done).
+    fn of<K: std::hash::Hash + Eq>(
+        name: &'static str,
+        t0: Instant,
+        submitted: &HashMap<K, Instant>,
+        done: &HashMap<K, Instant>,
+    ) -> Figures {
         let mut lat: Vec<f64> = submitted
             .iter()
             .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
@@ -500,18 +507,9 @@ async fn pipeline(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let total = t0.elapsed().as_secs_f64();
-    let done = done.lock().await.clone();
-    let submitted = submitted.lock().await.clone();
-    let mut lat: Vec<f64> = submitted
-        .iter()
-        .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
-        .collect();
-    lat.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
-    let last_done = done.values().max().copied().unwrap_or(t0);
-    let e2e = last_done.duration_since(t0).as_secs_f64();
+    let f = Figures::of("stemq pipeline", t0, &*submitted.lock().await, &*done.lock().await);
     println!("stemq bench pipeline");
-    println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", lat.len());
+    println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", f.done);
     match rate {
         Some(r) => println!("  mode            steady {r} jobs/s"),
         None => println!("  mode            throughput, {in_flight} submits in flight"),
@@ -523,25 +521,17 @@ async fn pipeline(
         Own::Nothing => println!("  nats            {url}, R{}", settings.replicas),
     }
     println!("  submit rate     {:.0} jobs/s", jobs as f64 / submit_secs);
-    println!("  end to end      {:.0} jobs/s ({:.2} s)", lat.len() as f64 / e2e, e2e);
-    println!("  latency p50     {:.2} ms", pct(0.50));
-    println!("  latency p99     {:.2} ms", pct(0.99));
-    println!("  latency max     {:.2} ms", lat.last().copied().unwrap_or(f64::NAN));
+    println!("  end to end      {:.0} jobs/s ({:.2} s)", f.per_sec, f.done as f64 / f.per_sec);
+    println!("  latency p50     {:.2} ms", f.p50);
+    println!("  latency p99     {:.2} ms", f.p99);
+    println!("  latency max     {:.2} ms", f.max);
     let _ = total;
     stop.cancel();
     watcher.abort();
     let _ = w.await;
     let _ = p.await;
-    if lat.len() < jobs - failed_submits {
-        bail!("only {} of {} jobs finished", lat.len(), jobs);
+    if f.done < jobs - failed_submits {
+        bail!("only {} of {} jobs finished", f.done, jobs);
     }
-    let last = done.values().max().copied().unwrap_or(t0);
-    Ok(Figures {
-        name: "stemq pipeline",
-        done: lat.len(),
-        per_sec: lat.len() as f64 / last.duration_since(t0).as_secs_f64(),
-        p50: pct(0.50),
-        p99: pct(0.99),
-        max: lat.last().copied().unwrap_or(f64::NAN),
-    })
+    Ok(f)
 }
