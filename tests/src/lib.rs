@@ -477,6 +477,37 @@ pub fn job_body(stack: &Stack, name: &str, fake: Option<Value>) -> Value {
     v
 }
 
+/// One Server-Sent Events message: its `id:` (when it has one), `event:` and `data:`.
+pub struct SseMessage {
+    /// `id:`, when the message has one.
+    pub id: Option<u64>,
+    /// `event:` (empty when none).
+    pub event: String,
+    /// `data:` (empty for a keep-alive comment).
+    pub data: String,
+}
+
+/// Takes every complete message (up to a blank line) off the front of `buf`, the bytes
+/// read so far of an event stream; an incomplete one stays for the next read.
+pub fn take_sse_messages(buf: &mut String) -> Vec<SseMessage> {
+    let mut out = Vec::new();
+    while let Some(end) = buf.find("\n\n") {
+        let block: String = buf.drain(..end + 2).collect();
+        let mut m = SseMessage { id: None, event: String::new(), data: String::new() };
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("id:") {
+                m.id = v.trim().parse().ok();
+            } else if let Some(v) = line.strip_prefix("event:") {
+                m.event = v.trim().to_string();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                m.data.push_str(v.trim_start());
+            }
+        }
+        out.push(m);
+    }
+    out
+}
+
 /// Sends a signal to a child.
 pub fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) takes plain integers and touches no memory of ours; the pid is our

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use stemq_core::JobStatus;
-use stemq_tests::{job_body, job_id, Stack, StackOptions};
+use stemq_tests::{job_body, job_id, take_sse_messages, Stack, StackOptions};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -37,23 +37,12 @@ async fn read_stream(stack: &Stack, path: &str, last_event_id: Option<u64>) -> V
             .expect("read");
         let Some(chunk) = chunk else { break };
         buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buf.find("\n\n") {
-            let block: String = buf.drain(..end + 2).collect();
-            let (mut id, mut event, mut data) = (None, String::new(), String::new());
-            for line in block.lines() {
-                if let Some(v) = line.strip_prefix("id:") {
-                    id = v.trim().parse().ok();
-                } else if let Some(v) = line.strip_prefix("event:") {
-                    event = v.trim().to_string();
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    data.push_str(v.trim_start());
-                }
-            }
-            if let Some(id) = id {
+        for m in take_sse_messages(&mut buf) {
+            if let Some(id) = m.id {
                 out.push(Msg {
                     id,
-                    event,
-                    data: serde_json::from_str(&data).expect("data is JSON"),
+                    event: m.event,
+                    data: serde_json::from_str(&m.data).expect("data is JSON"),
                     at: Instant::now(),
                 });
             }

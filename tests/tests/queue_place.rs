@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use stemq_core::engine::FakeEngine;
 use stemq_core::request::Model;
 use stemq_core::{JobId, JobStatus};
-use stemq_tests::{job_body, job_id, Stack, StackOptions};
+use stemq_tests::{job_body, job_id, take_sse_messages, Stack, StackOptions};
 
 const T: Duration = Duration::from_secs(30);
 /// What each job takes in the fake engine.
@@ -80,20 +80,9 @@ async fn sse(url: String, key: String, first: tokio::sync::oneshot::Sender<()>) 
         tokio::time::timeout_at(deadline.into(), resp.chunk()).await.expect("the stream ends").expect("read")
     {
         buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buf.find("\n\n") {
-            let block: String = buf.drain(..end + 2).collect();
-            let (mut id, mut event, mut data) = (None, String::new(), String::new());
-            for line in block.lines() {
-                if let Some(v) = line.strip_prefix("id:") {
-                    id = v.trim().parse().ok();
-                } else if let Some(v) = line.strip_prefix("event:") {
-                    event = v.trim().to_string();
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    data.push_str(v.trim_start());
-                }
-            }
-            if !data.is_empty() {
-                out.push((id, event, serde_json::from_str(&data).expect("data is JSON")));
+        for m in take_sse_messages(&mut buf) {
+            if !m.data.is_empty() {
+                out.push((m.id, m.event, serde_json::from_str(&m.data).expect("data is JSON")));
                 if let Some(tx) = first.take() {
                     let _ = tx.send(());
                 }
