@@ -24,25 +24,28 @@ if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
+# Runs a test against a live `stemq dev` (the binary the tests just built) when what it
+# needs is installed: $1 says what it is, $2 what it needs, $3 is the script, the rest
+# the check that it can run. In CI a missing tool is a failure, elsewhere a SKIPPED line.
+live_test() {
+  local what="$1" needs="$2" script="$3"
+  shift 3
+  if "$@"; then
+    STEMQ_BIN="$PWD/target/debug/stemq-under-test" "$script"
+  elif [[ "${CI:-}" == "true" ]]; then
+    echo "$what needs $needs (scripts/install-test-deps.sh)" >&2
+    exit 1
+  else
+    echo "SKIPPED: $what (needs $needs: scripts/install-test-deps.sh)" >&2
+  fi
+}
 # The API against its own document: Schemathesis (tests/api/, pinned in
-# tests/api/requirements.txt) over every operation of /openapi.json on a live
-# `stemq dev` (the binary the tests just built), with a fixed seed (under a minute).
-if [[ -x .stemq/venv/bin/schemathesis ]]; then
-  STEMQ_BIN="$PWD/target/debug/stemq-under-test" tests/api/run.sh
-elif [[ "${CI:-}" == "true" ]]; then
-  echo "the API test needs schemathesis in .stemq/venv (scripts/install-test-deps.sh)" >&2
-  exit 1
-else
-  echo "SKIPPED: the API test (needs .stemq/venv/bin/schemathesis: scripts/install-test-deps.sh)" >&2
-fi
-# The page (GET /), as a person uses it: headless Chromium against a live `stemq dev`
-# (the binary the tests just built), with axe-core (tests/web/; screenshots go to
-# tests/web/artifacts/, not into git).
-if [[ -x /usr/bin/chromium ]] && command -v node >/dev/null 2>&1 && [[ -d tests/web/node_modules/playwright-core ]]; then
-  STEMQ_BIN="$PWD/target/debug/stemq-under-test" tests/web/run.sh
-elif [[ "${CI:-}" == "true" ]]; then
-  echo "the page test needs chromium, node and tests/web/node_modules (scripts/install-test-deps.sh)" >&2
-  exit 1
-else
-  echo "SKIPPED: the page test (needs /usr/bin/chromium, node, and npm ci in tests/web)" >&2
-fi
+# tests/api/requirements.txt) over every operation of /openapi.json, with a fixed seed
+# (under a minute).
+live_test "the API test" ".stemq/venv/bin/schemathesis" tests/api/run.sh test -x .stemq/venv/bin/schemathesis
+# The page (GET /), as a person uses it: headless Chromium with axe-core (tests/web/;
+# screenshots go to tests/web/artifacts/, not into git).
+page_ready() {
+  [[ -x /usr/bin/chromium ]] && command -v node >/dev/null 2>&1 && [[ -d tests/web/node_modules/playwright-core ]]
+}
+live_test "the page test" "/usr/bin/chromium, node, and npm ci in tests/web" tests/web/run.sh page_ready
