@@ -139,7 +139,7 @@ impl Closer {
             return true;
         }
         let empty = match self.js.get_stream(ledger::LEDGER_STREAM).await {
-            Ok(mut s) => s.info().await.map(|i| i.state.messages == 0).unwrap_or(false),
+            Ok(s) => s.cached_info().state.messages == 0,
             Err(_) => false,
         };
         *self.empty_until.lock().expect("lock") = empty.then(|| Instant::now() + Duration::from_secs(2));
