@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 
 use crate::nats::{ConnectAuth, NatsError};
-use crate::nats_server::{free_port, ClusterNode, NatsServer, ServerError, ServerOptions};
+use crate::nats_server::{free_ports, ClusterNode, NatsServer, ServerError, ServerOptions};
 
 /// The cluster's name in every node's `cluster` block.
 pub const CLUSTER_NAME: &str = "stemq";
@@ -40,11 +40,28 @@ impl NatsCluster {
     /// `options.auth` is off; `options.tls` applies to every node; its `port`, `creds`
     /// and `cluster` are chosen here) and waits until every node's `/healthz` answers 200
     /// (a meta leader is elected).
+    ///
+    /// A node that exits at once (one of its ports was taken between choosing it and
+    /// binding it: another process's outgoing connection, say) makes the whole start
+    /// begin again with other ports, up to three times.
     pub fn start(dir: &Path, size: usize, options: ServerOptions) -> Result<NatsCluster, ServerError> {
-        let mut ports = Vec::with_capacity(size);
-        for _ in 0..size {
-            ports.push((free_port()?, free_port()?, free_port()?));
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match NatsCluster::start_once(dir, size, options.clone()) {
+                Err(ServerError::NotReady(wait, _)) if wait.is_zero() && tries < 3 => {
+                    for i in 0..size {
+                        let _ = std::fs::remove_dir_all(dir.join(format!("n{}", i + 1)));
+                    }
+                }
+                other => return other,
+            }
         }
+    }
+
+    fn start_once(dir: &Path, size: usize, options: ServerOptions) -> Result<NatsCluster, ServerError> {
+        let free = free_ports(3 * size)?;
+        let ports: Vec<(u16, u16, u16)> = free.chunks(3).map(|p| (p[0], p[1], p[2])).collect();
         let routes: Vec<u16> = ports.iter().map(|p| p.1).collect();
         let creds = dir.join("creds");
         let mut nodes = Vec::with_capacity(size);

@@ -480,6 +480,14 @@ pub fn free_port() -> Result<u16, ServerError> {
     Ok(l.local_addr().map_err(ServerError::Port)?.port())
 }
 
+/// `n` different free ports: each is held until all are chosen, so none repeats.
+pub fn free_ports(n: usize) -> Result<Vec<u16>, ServerError> {
+    let held = (0..n)
+        .map(|_| std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(ServerError::Port))
+        .collect::<Result<Vec<_>, _>>()?;
+    held.iter().map(|l| l.local_addr().map(|a| a.port()).map_err(ServerError::Port)).collect()
+}
+
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
