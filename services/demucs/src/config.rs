@@ -198,7 +198,111 @@ fn as_fraction(key: &str, v: &Value) -> Result<(i64, i64), DemucsError> {
     }
 }
 
+/// The parameters of `demucs.htdemucs.HTDemucs.__init__` (4.1.0) in order: where the
+/// checkpoint's positional `args` land (demucs builds the model as `klass(*args,
+/// **kwargs)`).
+pub const HTDEMUCS_PARAMS: &[&str] = &[
+    "sources",
+    "audio_channels",
+    "channels",
+    "channels_time",
+    "growth",
+    "nfft",
+    "wiener_iters",
+    "end_iters",
+    "wiener_residual",
+    "cac",
+    "depth",
+    "rewrite",
+    "multi_freqs",
+    "multi_freqs_depth",
+    "freq_emb",
+    "emb_scale",
+    "emb_smooth",
+    "kernel_size",
+    "time_stride",
+    "stride",
+    "context",
+    "context_enc",
+    "norm_starts",
+    "norm_groups",
+    "dconv_mode",
+    "dconv_depth",
+    "dconv_comp",
+    "dconv_init",
+    "bottom_channels",
+    "t_layers",
+    "t_emb",
+    "t_hidden_scale",
+    "t_heads",
+    "t_dropout",
+    "t_max_positions",
+    "t_norm_in",
+    "t_norm_in_group",
+    "t_group_norm",
+    "t_norm_first",
+    "t_norm_out",
+    "t_max_period",
+    "t_weight_decay",
+    "t_lr",
+    "t_layer_scale",
+    "t_gelu",
+    "t_weight_pos_embed",
+    "t_sin_random_shift",
+    "t_cape_mean_normalize",
+    "t_cape_augment",
+    "t_cape_glob_loc_scale",
+    "t_sparse_self_attn",
+    "t_sparse_cross_attn",
+    "t_mask_type",
+    "t_mask_random_seed",
+    "t_sparse_attn_window",
+    "t_global_window",
+    "t_sparsity",
+    "t_auto_sparsity",
+    "t_cross_first",
+    "rescale",
+    "samplerate",
+    "segment",
+    "use_train_segment",
+];
+
+/// The keyword arguments a call `klass(*args, **kwargs)` binds, as one dict: the
+/// positional `args` named by `params` (in order), then `kwargs`. Like Python, a
+/// parameter given both ways, or more positional arguments than parameters, is an error.
+pub fn bind_args(params: &[&str], args: &Value, kwargs: &Value) -> Result<Value, DemucsError> {
+    let positional: &[Value] = match args {
+        Value::List(l) | Value::Tuple(l) => l,
+        Value::None => &[],
+        other => return Err(DemucsError::Checkpoint(format!("`args` is not a list: {other:?}"))),
+    };
+    let named = kwargs.dict_items().ok_or_else(|| DemucsError::Checkpoint("`kwargs` is not a dict".into()))?;
+    if positional.len() > params.len() {
+        return Err(DemucsError::Checkpoint(format!(
+            "{} positional arguments; the model takes at most {}",
+            positional.len(),
+            params.len()
+        )));
+    }
+    let mut items: Vec<(Value, Value)> =
+        params.iter().zip(positional).map(|(p, v)| (Value::Str(p.to_string()), v.clone())).collect();
+    for (k, v) in named {
+        if let Some(key) = k.as_str().filter(|k| params[..positional.len()].contains(k)) {
+            return Err(DemucsError::Checkpoint(format!("`{key}` given both in `args` and in `kwargs`")));
+        }
+        items.push((k.clone(), v.clone()));
+    }
+    Ok(Value::Dict(items))
+}
+
 impl HTDemucsConfig {
+    /// Reads a checkpoint's `args` and `kwargs` as demucs passes them to the class
+    /// (`klass(*args, **kwargs)`): `sources` may come first in `args` rather than in
+    /// `kwargs`.
+    pub fn from_args_kwargs(args: &Value, kwargs: &Value) -> Result<Self, DemucsError> {
+        Self::from_kwargs(&bind_args(HTDEMUCS_PARAMS, args, kwargs)?)
+    }
+
     /// Reads the pickled `kwargs` of a checkpoint. Unknown keys are ignored (demucs
     /// drops them too); options with behaviour this port lacks are refused.
     pub fn from_kwargs(kwargs: &Value) -> Result<Self, DemucsError> {

@@ -200,7 +200,7 @@ impl<B: Backend> HTDemucs<B> {
                 return Err(DemucsError::Unsupported(format!("model class {name} (only HTDemucs)")));
             }
         }
-        let config = HTDemucsConfig::from_kwargs(&ckpt.kwargs)?;
+        let config = HTDemucsConfig::from_args_kwargs(&ckpt.args, &ckpt.kwargs)?;
         let model = config.init(device)?;
         let mut state = ckpt.state;
         let model = model.load(&mut state)?;

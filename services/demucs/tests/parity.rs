@@ -38,6 +38,30 @@ fn checkpoint_is_read_without_python() {
     assert!(ckpt.state.get("encoder.0.dconv.layers.1.6.scale").is_some());
 }
 
+/// demucs builds a model as `klass(*args, **kwargs)`: a checkpoint whose `sources` come
+/// first in `args` (not in `kwargs`) loads into the same model, and its output matches.
+#[test]
+fn sources_given_positionally_in_args_load_the_same_model() {
+    use stemq_demucs::pickle::Value;
+    let mut ckpt = Checkpoint::load(&fixtures().join("repo/a0a0a0a0.th")).unwrap();
+    let by_name = HTDemucsConfig::from_args_kwargs(&ckpt.args, &ckpt.kwargs).unwrap();
+    let Value::Dict(items) = &mut ckpt.kwargs else { panic!("kwargs is a dict") };
+    let at = items.iter().position(|(k, _)| k.as_str() == Some("sources")).expect("sources in kwargs");
+    let (_, sources) = items.remove(at);
+    ckpt.args = Value::List(vec![sources.clone()]);
+    assert!(HTDemucsConfig::from_kwargs(&ckpt.kwargs).is_err(), "without sources the kwargs alone are refused");
+    let by_position = HTDemucsConfig::from_args_kwargs(&ckpt.args, &ckpt.kwargs).unwrap();
+    assert_eq!(format!("{by_position:?}"), format!("{by_name:?}"));
+    // Given both ways, Python refuses the call (`got multiple values`): so do we.
+    let mut twice = ckpt.kwargs.clone();
+    let Value::Dict(items) = &mut twice else { unreachable!() };
+    items.push((Value::Str("sources".into()), sources));
+    assert!(HTDemucsConfig::from_args_kwargs(&ckpt.args, &twice).unwrap_err().to_string().contains("both"));
+    let m = HTDemucs::<B>::from_checkpoint(ckpt, &Default::default()).expect("positional sources load");
+    let f = load("blocks.safetensors");
+    check("forward (sources in args)", &f["forward.out"], &m.forward(&f["forward.in"]).unwrap(), E2E_DB);
+}
+
 #[test]
 fn stft_and_istft() {
     let f = load("stft.safetensors");
