@@ -68,6 +68,34 @@ pub struct MemoryPlan {
     pub estimate: u64,
 }
 
+/// What a caller may choose besides the request: the demucs command line's `-n` (any
+/// model of the folder, not only the names the service routes), `--no-split` and `-j`.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// The model (a bag `NAME.yaml` or a signature) in the folder; default: the
+    /// request's model.
+    pub model: Option<String>,
+    /// One forward pass over the whole track instead of overlapping segments (demucs
+    /// `--no-split`: memory grows with the track; HTDemucs refuses tracks longer than
+    /// its trained segment, as demucs does).
+    pub no_split: bool,
+    /// Forward passes run at once on the CPU (demucs `-j`); default: the engine's.
+    pub jobs: Option<usize>,
+}
+
+/// How one attempt's forward passes run.
+#[derive(Debug, Clone, Copy)]
+struct Passes {
+    /// Segments per forward pass (CUDA).
+    batch_size: usize,
+    /// Forward passes at once (CPU threads).
+    jobs: usize,
+    /// Forward passes shortened to this segment ([`MemoryPlan::training_segment`]).
+    training_segment: Option<f64>,
+    /// One pass over the whole track ([`RunOptions::no_split`]).
+    no_split: bool,
+}
+
 /// HTDemucs as a stemq engine.
 pub struct DemucsEngine {
     repo: ModelRepo,
@@ -218,10 +246,9 @@ impl DemucsEngine {
         bag: &BagOfModels<B>,
         job: &EngineJob<'_>,
         ctx: &dyn EngineContext,
-        batch_size: usize,
-        jobs: usize,
-        training_segment: Option<f64>,
+        passes: Passes,
     ) -> Result<Vec<StemFile>, DemucsError> {
+        let Passes { batch_size, jobs, training_segment, no_split } = passes;
         let req = job.request;
         if bag.audio_channels() != 2 {
             return Err(DemucsError::Unsupported("models with other than 2 audio channels".into()));
@@ -239,7 +266,7 @@ impl DemucsEngine {
         let seed = u64::from_str_radix(&job.job_id.as_str().chars().take(16).collect::<String>(), 16).unwrap_or(0);
         let opts = ApplyOptions {
             shifts: req.shifts as usize,
-            split: true,
+            split: !no_split,
             overlap: req.overlap,
             transition_power: 1.0,
             segment: job.segment.or(req.segment),
@@ -315,7 +342,20 @@ impl DemucsEngine {
                 }
                 Ok(())
             };
-            separate_stream(bag, stats, &mut next, &opts, &mut Ctx(ctx), &mut sink)?;
+            if no_split {
+                // The whole track in memory, one pass (the stats are the same).
+                let (mut left, mut right) = (Vec::new(), Vec::new());
+                while let Some(block) = next()? {
+                    left.extend_from_slice(&block[0]);
+                    right.extend_from_slice(&block[1]);
+                }
+                let len = left.len();
+                left.extend_from_slice(&right);
+                let mix = HostTensor { shape: vec![2, len], data: left };
+                sink(crate::apply::separate(bag, &mix, &opts, &mut Ctx(ctx))?)?;
+            } else {
+                separate_stream(bag, stats, &mut next, &opts, &mut Ctx(ctx), &mut sink)?;
+            }
             for enc in encoders {
                 enc.finish()?;
             }
@@ -339,7 +379,13 @@ impl DemucsEngine {
     }
 
     #[cfg(feature = "cuda")]
-    fn run_cuda(&self, name: &str, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+    fn run_cuda(
+        &self,
+        name: &str,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+        options: &RunOptions,
+    ) -> Result<Vec<StemFile>, EngineError> {
         /// Refused by the memory plan, or failed while loading or running.
         enum Failed {
             Planned(EngineError),
@@ -352,7 +398,13 @@ impl DemucsEngine {
                 .get_or_load(name, || self.repo.load::<crate::CudaBackend>(name, &Default::default()))
                 .map_err(Run)?;
             let plan = self.plan(&bag, job, "cuda", self.config.gpu_batch.max(1)).map_err(Planned)?;
-            self.run(&bag, job, ctx, plan.parallel, 1, plan.training_segment).map_err(Run)
+            let passes = Passes {
+                batch_size: plan.parallel,
+                jobs: 1,
+                training_segment: plan.training_segment,
+                no_split: options.no_split,
+            };
+            self.run(&bag, job, ctx, passes).map_err(Run)
         }));
         match attempt {
             Ok(Ok(stems)) => Ok(stems),
@@ -427,8 +479,26 @@ impl Engine for DemucsEngine {
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
-        let name = job.request.model.as_str();
-        if job.request.model == Model::Dsp || !self.repo.has(name) {
+        if job.request.model == Model::Dsp {
+            return Err(EngineError::Unsupported {
+                code: FailureCode::ModelUnavailable,
+                message: "model `dsp` is not a demucs model".into(),
+            });
+        }
+        self.separate_with(job, ctx, &RunOptions::default())
+    }
+}
+
+impl DemucsEngine {
+    /// [`Engine::separate`] with the command line's choices ([`RunOptions`]).
+    pub fn separate_with(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+        options: &RunOptions,
+    ) -> Result<Vec<StemFile>, EngineError> {
+        let name = options.model.as_deref().unwrap_or(job.request.model.as_str());
+        if !self.repo.has(name) {
             return Err(EngineError::Unsupported {
                 code: FailureCode::ModelUnavailable,
                 message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
@@ -437,16 +507,27 @@ impl Engine for DemucsEngine {
         match job.device {
             Device::Cpu => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;
-                let plan = self.plan(&bag, job, "cpu", self.config.cpu_jobs.max(1))?;
-                self.run(&bag, job, ctx, 1, plan.parallel, plan.training_segment).map_err(engine_error)
+                let plan = self.plan(&bag, job, "cpu", options.jobs.unwrap_or(self.config.cpu_jobs).max(1))?;
+                let passes = Passes {
+                    batch_size: 1,
+                    jobs: plan.parallel,
+                    training_segment: plan.training_segment,
+                    no_split: options.no_split,
+                };
+                self.run(&bag, job, ctx, passes).map_err(engine_error)
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(None) => self.run_cuda(name, job, ctx),
+            Device::Cuda(None) => self.run_cuda(name, job, ctx, options),
             other => Err(EngineError::Unsupported {
                 code: FailureCode::DeviceUnavailable,
                 message: format!("device `{other}` is not available to the demucs engine"),
             }),
         }
+    }
+
+    /// The model folder this engine reads.
+    pub fn repo(&self) -> &ModelRepo {
+        &self.repo
     }
 }
 

@@ -97,6 +97,16 @@ impl ModelRepo {
         self.bags.keys().chain(self.checkpoints.keys()).cloned().collect()
     }
 
+    /// The bags (`NAME.yaml`), sorted.
+    pub fn bag_names(&self) -> Vec<String> {
+        self.bags.keys().cloned().collect()
+    }
+
+    /// The checkpoints' signatures, sorted.
+    pub fn signatures(&self) -> Vec<String> {
+        self.checkpoints.keys().cloned().collect()
+    }
+
     /// Whether `name` resolves.
     pub fn has(&self, name: &str) -> bool {
         self.bags.contains_key(name) || self.checkpoints.contains_key(name)

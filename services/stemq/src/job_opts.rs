@@ -21,8 +21,8 @@ pub struct SplitOpts {
     pub two_stems: Option<String>,
     /// With `--two-stems`: the complement as the sum of the other stems (`add`, the
     /// default: `no_<stem>`), as the mixture minus the stem (`minus`: `minus_<stem>`), or
-    /// not at all (`none`).
-    #[arg(long, value_enum, requires = "two_stems")]
+    /// not at all (`none`). Without `--two-stems` it changes nothing (as in demucs).
+    #[arg(long, value_enum)]
     pub other_method: Option<OtherMethodArg>,
     /// Segment length in seconds.
     #[arg(long)]
@@ -40,7 +40,7 @@ impl SplitOpts {
     pub fn fill(&self, req: &mut Value) {
         let fields = [
             ("two_stems", self.two_stems.clone().map(Value::from)),
-            ("other_method", self.other_method.map(|m| json_of(m.method()))),
+            ("other_method", self.other_method.filter(|_| self.two_stems.is_some()).map(|m| json_of(m.method()))),
             ("segment", self.segment.map(Value::from)),
             ("overlap", self.overlap.map(Value::from)),
             ("shifts", self.shifts.map(Value::from)),
@@ -237,6 +237,18 @@ pub enum DeviceArg {
     Cpu,
     /// An NVIDIA GPU.
     Cuda,
+}
+
+/// A device as demucs's `-d` takes it (torch's spelling): `cpu`, `cuda`, `cuda:N`.
+pub fn parse_device(s: &str) -> Result<DeviceArg, String> {
+    match s {
+        "cpu" => Ok(DeviceArg::Cpu),
+        "cuda" => Ok(DeviceArg::Cuda),
+        _ if s.strip_prefix("cuda:").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) => {
+            Ok(DeviceArg::Cuda)
+        }
+        _ => Err(format!("unknown device `{s}`: cpu, cuda or cuda:N")),
+    }
 }
 
 impl DeviceArg {

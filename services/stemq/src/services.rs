@@ -448,12 +448,23 @@ pub fn engine_named(
 
 #[cfg(feature = "demucs")]
 fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Arc<dyn Engine>> {
+    Ok(Arc::new(demucs_engine_here(g, models, memory_budget)?))
+}
+
+/// The demucs engine itself (not behind the [`Engine`] trait), for `stemq separate`'s
+/// choices beyond a request: `models` is the model folder (default `<data-dir>/models`).
+#[cfg(feature = "demucs")]
+pub fn demucs_engine_here(
+    g: &Global,
+    models: Option<PathBuf>,
+    memory_budget: Option<u64>,
+) -> Result<stemq_demucs::engine::DemucsEngine> {
     let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     // This process runs the model (a worker, `stemq dev`, `stemq separate`): tune the
     // allocator for its working set.
     stemq_demucs::cpu::tune_allocator();
-    let engine = stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
+    stemq_demucs::engine::DemucsEngine::new(stemq_demucs::engine::DemucsEngineConfig {
         repo: repo.clone(),
         clip: stemq_audio::ClipMode::Rescale,
         max_duration_secs: Some(stemq_audio::engine::DEFAULT_MAX_DURATION_SECS),
@@ -461,8 +472,7 @@ fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>
         cpu_jobs: cores.min(2),
         memory_budget,
     })
-    .with_context(|| format!("loading the model folder {}", repo.display()))?;
-    Ok(Arc::new(engine))
+    .with_context(|| format!("loading the model folder {}", repo.display()))
 }
 
 /// The demucs engine for `--engine auto`: `None` when this build has no demucs engine or
