@@ -313,3 +313,79 @@ async fn a_budget_too_small_for_every_rung_fails_the_job_at_once() {
     assert_eq!(failed, 1, "one failure event, not a retry loop");
     stack.shutdown().await;
 }
+
+/// A GPU that runs out of memory: the demucs engine, offered as `cuda` and `cpu`. On
+/// `cuda` it runs the CPU model with a context whose progress callback panics with the
+/// text CubeCL prints when a CUDA allocation fails (`IoError::BufferTooBig`): the panic
+/// rises from inside the engine's run, as the backend's would.
+struct OutOfMemoryGpu(DemucsEngine);
+
+struct AllocationFails;
+
+impl EngineContext for AllocationFails {
+    fn progress(&self, _: f32, _: &str) {
+        panic!("can't allocate buffer of size: 4294967296");
+    }
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+impl Engine for OutOfMemoryGpu {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn devices(&self) -> Vec<stemq_core::device::Device> {
+        vec![stemq_core::device::Device::Cuda(None), stemq_core::device::Device::Cpu]
+    }
+    fn models(&self) -> Vec<stemq_core::request::Model> {
+        self.0.models()
+    }
+    fn separate(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Result<Vec<stemq_core::engine::StemFile>, stemq_core::engine::EngineError> {
+        if job.device.is_cpu() {
+            return self.0.separate(job, ctx);
+        }
+        let on_cpu = EngineJob { device: &stemq_core::device::Device::Cpu, ..*job };
+        self.0.separate(&on_cpu, &AllocationFails)
+    }
+}
+
+/// Issue 14: a CUDA out-of-memory inside the demucs engine reaches the worker's ladder
+/// as an out-of-memory step: the smaller segment on the GPU (out of memory again), then
+/// the CPU, where the job succeeds, degraded, with the same stems as a direct CPU run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_out_of_memory_steps_down_the_ladder_to_the_cpu() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    stack.add_worker(Arc::new(OutOfMemoryGpu(engine(&repo, None)))).await;
+    let uri = upload(&stack).await;
+    let body = request(&uri, json!({}));
+    let (id, view) = run_job(&stack, &body).await;
+    assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
+    assert!(view.degraded, "finished down the ladder");
+    assert_eq!(view.device.as_deref(), Some("cpu"));
+    assert_eq!(view.attempt, 1, "the ladder is within one delivery: no redelivery");
+    let succeeded = stack
+        .events(&id)
+        .await
+        .into_iter()
+        .find_map(|e| match e.body {
+            EventBody::Succeeded(s) => Some(s),
+            _ => None,
+        })
+        .expect("a succeeded event");
+    assert_eq!((succeeded.degraded, succeeded.device.to_string().as_str()), (true, "cpu"));
+    let stems = download(&stack, &id, &view).await;
+    let reference = direct(&engine(&repo, None), &stack, &id, &body, None);
+    for ((name, got), want) in stems.iter().zip(&reference) {
+        for c in 0..2 {
+            assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: the CPU rung's stems");
+        }
+    }
+    stack.shutdown().await;
+}

@@ -103,6 +103,9 @@ pub struct DemucsEngine {
     cpu: ModelCache<BagOfModels<CpuBackend>>,
     #[cfg(feature = "cuda")]
     cuda: ModelCache<BagOfModels<crate::CudaBackend>>,
+    /// The CUDA budget read from free device memory, once.
+    #[cfg(feature = "cuda")]
+    cuda_budget: std::sync::OnceLock<Option<u64>>,
 }
 
 /// Loaded models by name. The map's lock is held only to find a model's slot; a slot's
@@ -181,6 +184,8 @@ impl DemucsEngine {
             cpu: ModelCache::default(),
             #[cfg(feature = "cuda")]
             cuda: ModelCache::default(),
+            #[cfg(feature = "cuda")]
+            cuda_budget: std::sync::OnceLock::new(),
         })
     }
 
@@ -207,6 +212,18 @@ impl DemucsEngine {
         device: &str,
         parallel: usize,
     ) -> Result<MemoryPlan, EngineError> {
+        self.plan_within(bag, job, device, parallel, self.config.memory_budget)
+    }
+
+    /// [`DemucsEngine::plan`] within `budget` (bytes; `None`: no limit).
+    pub fn plan_within<B: burn::tensor::backend::Backend>(
+        &self,
+        bag: &BagOfModels<B>,
+        job: &EngineJob<'_>,
+        device: &str,
+        parallel: usize,
+        budget: Option<u64>,
+    ) -> Result<MemoryPlan, EngineError> {
         let sr = bag.samplerate() as f64;
         // One pass of the hungriest model of the bag at the given training segments.
         let per_pass = |training_segment: Option<f64>| {
@@ -219,7 +236,7 @@ impl DemucsEngine {
                 .unwrap_or(0)
         };
         let full = per_pass(None);
-        let Some(budget) = self.config.memory_budget else {
+        let Some(budget) = budget else {
             return Ok(MemoryPlan { parallel, training_segment: None, estimate: full * parallel as u64 });
         };
         let fitting = (budget / full.max(1)).min(parallel as u64) as usize;
@@ -227,7 +244,7 @@ impl DemucsEngine {
             return Ok(MemoryPlan { parallel: fitting, training_segment: None, estimate: full * fitting as u64 });
         }
         let mut needed = full;
-        if let Some(s) = job.segment.or(job.request.segment) {
+        if let Some(s) = segment_for(bag, job) {
             if s < bag.max_allowed_segment() {
                 let short = per_pass(Some(s));
                 if short <= budget {
@@ -269,7 +286,7 @@ impl DemucsEngine {
             split: !no_split,
             overlap: req.overlap,
             transition_power: 1.0,
-            segment: job.segment.or(req.segment),
+            segment: segment_for(bag, job),
             seed,
             shift_offsets: None,
             batch_size,
@@ -292,6 +309,8 @@ impl DemucsEngine {
         let (format, clip) = stemq_audio::engine::output_settings(req);
         let ext = req.output_format.extension();
         let paths: Vec<PathBuf> = names.iter().map(|n| job.out_dir.join(format!("{n}.{ext}"))).collect();
+        // Partial stems go, whether the run fails or panics (a device out of memory).
+        let partial = Partial(&paths);
         let result = (|| {
             let mut encoders =
                 paths.iter().map(|p| StemEncoder::create(p, format, clip, sr)).collect::<Result<Vec<_>, _>>()?;
@@ -361,12 +380,8 @@ impl DemucsEngine {
             }
             Ok::<(), DemucsError>(())
         })();
-        if let Err(e) = result {
-            for p in &paths {
-                let _ = std::fs::remove_file(p);
-            }
-            return Err(e);
-        }
+        result?;
+        std::mem::forget(partial);
         Ok(names
             .into_iter()
             .zip(paths)
@@ -386,42 +401,99 @@ impl DemucsEngine {
         ctx: &dyn EngineContext,
         options: &RunOptions,
     ) -> Result<Vec<StemFile>, EngineError> {
-        /// Refused by the memory plan, or failed while loading or running.
-        enum Failed {
-            Planned(EngineError),
-            Run(DemucsError),
+        let bag = self
+            .cuda
+            .get_or_load(name, || self.repo.load::<crate::CudaBackend>(name, &Default::default()))
+            .map_err(engine_error)?;
+        let budget = self.cuda_budget();
+        let plan = self.plan_within(&bag, job, "cuda", self.config.gpu_batch.max(1), budget)?;
+        let passes = Passes {
+            batch_size: plan.parallel,
+            jobs: 1,
+            training_segment: plan.training_segment,
+            no_split: options.no_split,
+        };
+        self.run(&bag, job, ctx, passes).map_err(engine_error)
+    }
+
+    /// The budget of CUDA forward passes: the configured one, else 80 % of the device
+    /// memory free once the first model is on it (read once: Burn's memory pool keeps
+    /// what it allocated, so later readings would count our own passes as used).
+    #[cfg(feature = "cuda")]
+    fn cuda_budget(&self) -> Option<u64> {
+        if self.config.memory_budget.is_some() {
+            return self.config.memory_budget;
         }
-        use Failed::{Planned, Run};
-        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let bag = self
-                .cuda
-                .get_or_load(name, || self.repo.load::<crate::CudaBackend>(name, &Default::default()))
-                .map_err(Run)?;
-            let plan = self.plan(&bag, job, "cuda", self.config.gpu_batch.max(1)).map_err(Planned)?;
-            let passes = Passes {
-                batch_size: plan.parallel,
-                jobs: 1,
-                training_segment: plan.training_segment,
-                no_split: options.no_split,
-            };
-            self.run(&bag, job, ctx, passes).map_err(Run)
-        }));
-        match attempt {
-            Ok(Ok(stems)) => Ok(stems),
-            Ok(Err(Planned(e))) => Err(e),
-            Ok(Err(Run(e))) => Err(engine_error(e)),
-            Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                if msg.to_lowercase().contains("out of memory") {
-                    Err(EngineError::OutOfMemory { device: "cuda".into() })
-                } else {
-                    Err(EngineError::Transient(format!("cuda backend panicked: {msg}")))
+        *self.cuda_budget.get_or_init(|| {
+            let free = match cudarc::driver::CudaContext::new(0).and_then(|c| c.mem_get_info()) {
+                Ok((free, _total)) => free as u64,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading free CUDA memory failed; no memory budget on CUDA");
+                    return None;
                 }
+            };
+            let budget = free / 10 * 8;
+            tracing::info!(free, budget, "CUDA memory budget: 80 % of the free device memory");
+            Some(budget)
+        })
+    }
+}
+
+/// The segment an attempt runs with: the request's, or the one the worker's
+/// out-of-memory ladder chose. The ladder halves the trained segment of the model *name*
+/// (7.8 s for HTDemucs); a folder's model trained on less (a bag naming other
+/// checkpoints) gets half of its own instead, never a segment it would refuse. A
+/// segment the request itself asks for is kept, and refused when too long.
+fn segment_for<B: burn::tensor::backend::Backend>(bag: &BagOfModels<B>, job: &EngineJob<'_>) -> Option<f64> {
+    let max = bag.max_allowed_segment();
+    match job.segment {
+        Some(s) if job.segment != job.request.segment && s > max => Some((max / 2.0).max(1.0).min(max)),
+        other => other.or(job.request.segment),
+    }
+}
+
+/// True when a panic's message is a device allocation failure: CubeCL's
+/// `IoError::BufferTooBig` ("can't allocate buffer of size"), its launch error
+/// `OutOfMemory` ("An out-of-memory error happened during launch"), or the CUDA
+/// driver's `CUDA_ERROR_OUT_OF_MEMORY` / "out of memory", in their `Display` or `Debug`
+/// spellings.
+pub fn is_out_of_memory(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    ["out of memory", "out-of-memory", "outofmemory", "out_of_memory", "can't allocate buffer", "buffertoobig"]
+        .iter()
+        .any(|needle| m.contains(needle))
+}
+
+/// Runs one attempt, turning a panic of the backend into an engine error: an
+/// allocation failure on `device` ([`is_out_of_memory`]) into
+/// [`EngineError::OutOfMemory`], which the worker's ladder steps down from (a smaller
+/// segment, then the CPU); any other panic into a transient failure.
+fn guarded<T>(device: &Device, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            if is_out_of_memory(&msg) {
+                Err(EngineError::OutOfMemory { device: device.to_string() })
+            } else {
+                Err(EngineError::Transient(format!("the {device} backend panicked: {msg}")))
             }
+        }
+    }
+}
+
+/// Removes its files when dropped (a finished run forgets it): the stems of a run that
+/// did not finish.
+struct Partial<'a>(&'a [PathBuf]);
+
+impl Drop for Partial<'_> {
+    fn drop(&mut self) {
+        for p in self.0 {
+            let _ = std::fs::remove_file(p);
         }
     }
 }
@@ -504,6 +576,16 @@ impl DemucsEngine {
                 message: format!("model `{name}` is not installed in {}", self.repo.root().display()),
             });
         }
+        guarded(job.device, || self.run_on_device(name, job, ctx, options))
+    }
+
+    fn run_on_device(
+        &self,
+        name: &str,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+        options: &RunOptions,
+    ) -> Result<Vec<StemFile>, EngineError> {
         match job.device {
             Device::Cpu => {
                 let bag = self.cpu_model(name).map_err(engine_error)?;

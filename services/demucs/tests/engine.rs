@@ -151,6 +151,50 @@ fn separates_a_file_into_stems() {
     }
 }
 
+/// A context whose progress callback panics with `message`: a panic raised inside the
+/// run, between chunks, as a backend's would be.
+struct Panics(&'static str);
+
+impl EngineContext for Panics {
+    fn progress(&self, _: f32, _: &str) {
+        panic!("{}", self.0);
+    }
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// Issue 14: a device allocation failure inside the run reaches the worker as
+/// `EngineError::OutOfMemory`, the step its ladder takes down (a smaller segment, then
+/// the CPU); injected as panics with the texts CubeCL 0.10 and the CUDA driver print.
+/// Any other panic is a transient failure. Either way no partial stem is left, and the
+/// engine runs the next job.
+#[test]
+fn an_allocation_failure_inside_the_run_is_an_out_of_memory_step() {
+    let s = setup();
+    let id = JobId::parse(&"ef".repeat(32)).unwrap();
+    let req = request(Model::Htdemucs, None);
+    for message in [
+        // cubecl_runtime::server::IoError::BufferTooBig, Display and Debug.
+        "can't allocate buffer of size: 1073741824\n",
+        "called `Result::unwrap()` on an `Err` value: BufferTooBig { size: 1073741824 }",
+        // cubecl_runtime::server::LaunchError::OutOfMemory.
+        "An out-of-memory error happened during launch\nCaused by:\n  cuMemAlloc\nBacktrace\n",
+        // The driver's own error.
+        "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+    ] {
+        let err = s.engine.separate(&job(&s, &req, &id), &Panics(message)).unwrap_err();
+        assert_eq!(err, EngineError::OutOfMemory { device: "cpu".into() }, "{message}");
+        assert!(stemq_demucs::engine::is_out_of_memory(message));
+    }
+    let err = s.engine.separate(&job(&s, &req, &id), &Panics("index out of bounds")).unwrap_err();
+    assert!(matches!(&err, EngineError::Transient(m) if m.contains("panicked: index out of bounds")), "{err:?}");
+    let left: Vec<_> = std::fs::read_dir(&s.out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "partial stems left: {left:?}");
+    let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
+    assert_eq!(files.len(), 4, "the engine still runs");
+}
+
 #[test]
 fn two_stems_and_cancellation_and_missing_model() {
     let s = setup();
