@@ -26,14 +26,56 @@ pub struct Release {
     pub yaml: &'static str,
     /// Checkpoint paths under [`ROOT_URL`].
     pub files: &'static [&'static str],
+    /// The architecture of its checkpoints.
+    pub family: Family,
+    /// Approximate download size, MB (fp16 weights: 2 bytes per parameter, each
+    /// distinct checkpoint once); `None` for the DiffQ-quantised ones, whose size depends
+    /// on the bits each group learned.
+    pub approx_mb: Option<u32>,
 }
 
-/// The released HTDemucs models (from `demucs/remote/*.yaml` and `files.txt`, 4.1.0).
+/// The architecture of a released model's checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Hybrid Transformer Demucs (v4, `demucs.htdemucs.HTDemucs`): runs here.
+    HtDemucs,
+    /// Hybrid Demucs (v3, `demucs.hdemucs.HDemucs`).
+    HDemucs,
+    /// Waveform Demucs (v2, `demucs.demucs.Demucs`).
+    Demucs,
+    /// Waveform Demucs and Hybrid Demucs in one bag.
+    Mixed,
+    /// As [`Family::HDemucs`] or [`Family::Mixed`], DiffQ-quantised (`_q`).
+    Quantised,
+}
+
+impl Family {
+    /// What the family is, in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Family::HtDemucs => "HTDemucs v4",
+            Family::HDemucs => "Hybrid Demucs v3",
+            Family::Demucs => "Demucs v2",
+            Family::Mixed => "Demucs v2 + Hybrid Demucs v3",
+            Family::Quantised => "DiffQ-quantised v2/v3",
+        }
+    }
+
+    /// Whether this build's engine runs it (only HTDemucs is ported to Burn so far).
+    pub fn runs_here(self) -> bool {
+        self == Family::HtDemucs
+    }
+}
+
+/// Every model the `demucs` 4.1.0 package names (`demucs/remote/*.yaml` and
+/// `files.txt`; the checksum is the 8 hex digits after the signature).
 pub const RELEASES: &[Release] = &[
     Release {
         name: "htdemucs",
         yaml: "models: ['955717e8']\n",
         files: &["hybrid_transformer/955717e8-8726e21a.th"],
+        family: Family::HtDemucs,
+        approx_mb: Some(84),
     },
     Release {
         name: "htdemucs_ft",
@@ -44,11 +86,96 @@ pub const RELEASES: &[Release] = &[
             "hybrid_transformer/92cfc3b6-ef3bcb9c.th",
             "hybrid_transformer/04573f0d-f3cf25b2.th",
         ],
+        family: Family::HtDemucs,
+        approx_mb: Some(336),
     },
     Release {
         name: "htdemucs_6s",
         yaml: "models: ['5c90dfd2']\n",
         files: &["hybrid_transformer/5c90dfd2-34c22ccb.th"],
+        family: Family::HtDemucs,
+        approx_mb: Some(55),
+    },
+    Release {
+        name: "hdemucs_mmi",
+        yaml: "models: ['75fc33f5']\nsegment: 44\n",
+        files: &["hybrid_transformer/75fc33f5-1941ce65.th"],
+        family: Family::HDemucs,
+        approx_mb: Some(167),
+    },
+    Release {
+        name: "mdx",
+        yaml: "models: ['0d19c1c6', '7ecf8ec1', 'c511e2ab', '7d865c68']\nweights: [\n  [1., 1., 0., 0.],\n  [0., 1., 0., 0.],\n  [1., 0., 1., 1.],\n  [1., 0., 1., 1.],\n]\nsegment: 44\n",
+        files: &[
+            "mdx_final/0d19c1c6-0f06f20e.th",
+            "mdx_final/7ecf8ec1-70f50cc9.th",
+            "mdx_final/c511e2ab-fe698775.th",
+            "mdx_final/7d865c68-3d5dd56b.th",
+        ],
+        family: Family::Mixed,
+        approx_mb: Some(691),
+    },
+    Release {
+        name: "mdx_extra",
+        yaml: "models: ['e51eebcc', 'a1d90b5c', '5d2d6c55', 'cfa93e08']\nsegment: 44\n",
+        files: &[
+            "mdx_final/e51eebcc-c1b80bdd.th",
+            "mdx_final/a1d90b5c-ae9d2452.th",
+            "mdx_final/5d2d6c55-db83574e.th",
+            "mdx_final/cfa93e08-61801ae1.th",
+        ],
+        family: Family::HDemucs,
+        approx_mb: Some(669),
+    },
+    Release {
+        name: "mdx_q",
+        yaml: "models: ['6b9c2ca1', 'b72baf4e', '42e558d4', '305bc58f']\nweights: [\n  [1., 1., 0., 0.],\n  [0., 1., 0., 0.],\n  [1., 0., 1., 1.],\n  [1., 0., 1., 1.],\n]\nsegment: 44\n",
+        files: &[
+            "mdx_final/6b9c2ca1-3fd82607.th",
+            "mdx_final/b72baf4e-8778635e.th",
+            "mdx_final/42e558d4-196e0e1b.th",
+            "mdx_final/305bc58f-18378783.th",
+        ],
+        family: Family::Quantised,
+        approx_mb: None,
+    },
+    Release {
+        name: "mdx_extra_q",
+        yaml: "models: ['83fc094f', '464b36d7', '14fc6a69', '7fd6ef75']\nsegment: 44\n",
+        files: &[
+            "mdx_final/83fc094f-4a16d450.th",
+            "mdx_final/464b36d7-e5a9386e.th",
+            "mdx_final/14fc6a69-a89dd0ee.th",
+            "mdx_final/7fd6ef75-a905dd85.th",
+        ],
+        family: Family::Quantised,
+        approx_mb: None,
+    },
+    Release {
+        name: "repro_mdx_a",
+        yaml: "models: ['9a6b4851', '1ef250f1', 'fa0cb7f9', '902315c2']\nsegment: 44\n",
+        files: &[
+            "mdx_final/9a6b4851-03af0aa6.th",
+            "mdx_final/1ef250f1-592467ce.th",
+            "mdx_final/fa0cb7f9-100d8bf4.th",
+            "mdx_final/902315c2-b39ce9c9.th",
+        ],
+        family: Family::Mixed,
+        approx_mb: Some(870),
+    },
+    Release {
+        name: "repro_mdx_a_hybrid_only",
+        yaml: "models: ['fa0cb7f9', '902315c2', 'fa0cb7f9', '902315c2']\nsegment: 44\n",
+        files: &["mdx_final/fa0cb7f9-100d8bf4.th", "mdx_final/902315c2-b39ce9c9.th"],
+        family: Family::HDemucs,
+        approx_mb: Some(335),
+    },
+    Release {
+        name: "repro_mdx_a_time_only",
+        yaml: "models: ['9a6b4851', '9a6b4851', '1ef250f1', '1ef250f1']\nsegment: 44\n",
+        files: &["mdx_final/9a6b4851-03af0aa6.th", "mdx_final/1ef250f1-592467ce.th"],
+        family: Family::Demucs,
+        approx_mb: Some(535),
     },
 ];
 
@@ -136,16 +263,33 @@ pub async fn pull(name: &str, dir: &Path, root: &str) -> Result<()> {
     pull_files(root, r.files, dir).await?;
     std::fs::write(dir.join(format!("{name}.yaml")), r.yaml)?;
     println!("{name} installed in {}", dir.display());
+    if !r.family.runs_here() {
+        eprintln!(
+            "note: {name} is {}; this stemq runs HTDemucs v4 models only so far (htdemucs, htdemucs_ft, \
+             htdemucs_6s), and refuses to load it",
+            r.family.describe()
+        );
+    }
     Ok(())
 }
 
 /// Prints the released models and whether each is installed in `dir`, plus any other
 /// bag in the folder.
 pub fn list(dir: &Path) -> Result<()> {
+    println!("{:<24} {:<30} {:>8}  {:<40} state", "name", "family", "size", "checkpoints (signature-sha256 prefix)");
     for r in RELEASES {
         let complete = dir.join(format!("{}.yaml", r.name)).is_file()
             && r.files.iter().all(|f| dir.join(f.rsplit('/').next().unwrap_or(f)).is_file());
-        println!("{:<14} {}", r.name, if complete { "installed" } else { "not installed (stemq models pull NAME)" });
+        let state = match (complete, r.family.runs_here()) {
+            (true, true) => "installed",
+            (true, false) => "installed, not runnable here yet",
+            (false, true) => "not installed (stemq models pull NAME)",
+            (false, false) => "not runnable here yet",
+        };
+        let size = r.approx_mb.map_or("?".to_string(), |mb| format!("~{mb} MB"));
+        let files: Vec<&str> =
+            r.files.iter().map(|f| f.rsplit('/').next().unwrap_or(f).trim_end_matches(".th")).collect();
+        println!("{:<24} {:<30} {:>8}  {:<40} {state}", r.name, r.family.describe(), size, files.join(" "));
     }
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
@@ -173,6 +317,39 @@ mod tests {
             for f in r.files {
                 assert!(checksum_of(f.rsplit('/').next().unwrap()).is_some(), "{f}");
             }
+        }
+    }
+
+    /// Issue 14: every pretrained name of demucs 4.1.0 is known, and each bag's files are
+    /// exactly the signatures its yaml names (once each).
+    #[test]
+    fn every_official_name_is_known_with_its_files() {
+        let names: Vec<&str> = RELEASES.iter().map(|r| r.name).collect();
+        for name in [
+            "htdemucs",
+            "htdemucs_ft",
+            "htdemucs_6s",
+            "hdemucs_mmi",
+            "mdx",
+            "mdx_extra",
+            "mdx_q",
+            "mdx_extra_q",
+            "repro_mdx_a",
+            "repro_mdx_a_hybrid_only",
+            "repro_mdx_a_time_only",
+        ] {
+            assert!(names.contains(&name), "{name} missing");
+        }
+        for r in RELEASES {
+            let bag: serde_yaml::Value = serde_yaml::from_str(r.yaml).unwrap_or_else(|e| panic!("{}: {e}", r.name));
+            let mut sigs: Vec<&str> =
+                bag["models"].as_sequence().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+            sigs.sort();
+            sigs.dedup();
+            let mut have: Vec<&str> =
+                r.files.iter().map(|f| f.rsplit('/').next().unwrap().split('-').next().unwrap()).collect();
+            have.sort();
+            assert_eq!(sigs, have, "{}", r.name);
         }
     }
 
