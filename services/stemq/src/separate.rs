@@ -182,7 +182,11 @@ fn list_models(g: &Global, a: &SeparateArgs) -> Result<()> {
         }
         return Ok(());
     }
-    println!("No model folder at {} (`stemq models pull NAME` makes it).", repo.display());
+    if cfg!(feature = "demucs") {
+        println!("No model folder at {} (`stemq models pull NAME` makes it).", repo.display());
+    } else {
+        println!("(this stemq was built without the demucs engine: only dsp)");
+    }
     Ok(())
 }
 
