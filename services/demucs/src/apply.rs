@@ -16,6 +16,7 @@ use burn::tensor::backend::Backend;
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::HostTensor;
+use crate::config::Arch;
 use crate::error::DemucsError;
 use crate::model::HTDemucs;
 
@@ -65,12 +66,15 @@ impl<B: Backend> BagOfModels<B> {
                 w
             }
         };
+        // demucs's BagOfModels(segment=…): an HTDemucs member takes it only when not
+        // above its own (it cannot run longer segments); any other member takes it.
         let segments = models
             .iter()
             .map(|m| {
                 let own = m.config().segment_seconds();
-                match segment {
-                    Some(s) if s <= own => s,
+                match (segment, m.config().arch) {
+                    (Some(s), Arch::HDemucs) => s,
+                    (Some(s), Arch::HTDemucs) if s <= own => s,
                     _ => own,
                 }
             })
@@ -113,9 +117,15 @@ impl<B: Backend> BagOfModels<B> {
             .collect()
     }
 
-    /// The largest `segment` a caller may ask for (the smallest model segment).
+    /// The largest `segment` a caller may ask for: the smallest segment of its HTDemucs
+    /// members (which pad every chunk to it); unlimited for Hybrid Demucs alone.
     pub fn max_allowed_segment(&self) -> f64 {
-        self.segments.iter().cloned().fold(f64::INFINITY, f64::min)
+        self.models
+            .iter()
+            .zip(&self.segments)
+            .filter(|(m, _)| m.config().arch == Arch::HTDemucs)
+            .map(|(_, s)| *s)
+            .fold(f64::INFINITY, f64::min)
     }
 }
 
@@ -398,7 +408,8 @@ impl<B: Backend> Single<'_, B> {
         let mut sum_weight = vec![0f32; length];
         let offsets: Vec<usize> = (0..length).step_by(stride.max(1)).collect();
         // Chunks of one batch must share their padded length.
-        let batch = if opts.segment.is_none() && !cfg.use_train_segment { 1 } else { opts.batch_size.max(1) };
+        let as_is = cfg.arch == Arch::HDemucs || (opts.segment.is_none() && !cfg.use_train_segment);
+        let batch = if as_is { 1 } else { opts.batch_size.max(1) };
         for group in offsets.chunks(batch * opts.jobs.max(1)) {
             let chunks: Vec<Chunk<'_>> = group.iter().map(|o| mix.sub(*o, seg_len)).collect();
             let results = self.apply_batch(&chunks, batch, opts, run)?;
@@ -439,13 +450,15 @@ impl<B: Backend> Single<'_, B> {
     ) -> Result<Vec<Vec<f32>>, DemucsError> {
         let cfg = self.model.config();
         let ch = chunks[0].channels;
-        let mut valid_length = 0;
         let mut inputs = Vec::new();
         for group in chunks.chunks(batch.max(1)) {
+            let mut valid_length = 0;
             let mut input = Vec::new();
             for mix in group {
                 let length = mix.length;
                 valid_length = match opts.segment {
+                    // Hybrid Demucs has no valid length: each chunk goes in as it is.
+                    _ if cfg.arch == Arch::HDemucs => length,
                     Some(s) => (s * cfg.samplerate as f64) as usize,
                     None if cfg.use_train_segment => {
                         if length > self.training_length {
@@ -469,6 +482,7 @@ impl<B: Backend> Single<'_, B> {
         let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
         for ((out, bi), mix) in per_chunk.zip(chunks) {
             let length = mix.length;
+            let valid_length = out.shape[3];
             let start = (valid_length - length) / 2;
             let mut trimmed = Vec::with_capacity(nrows * length);
             for row in bi * nrows..(bi + 1) * nrows {

@@ -1,7 +1,8 @@
-//! Hyperparameters of `demucs.htdemucs.HTDemucs.__init__` (demucs 4.1.0), read from a
-//! checkpoint's pickled `kwargs`, with the same defaults. Options this port does not
-//! implement are refused with [`DemucsError::Unsupported`] when their value differs
-//! from what the released models use.
+//! Hyperparameters of `demucs.htdemucs.HTDemucs.__init__` and of Hybrid Demucs
+//! (`demucs.hdemucs.HDemucs.__init__`, v3) in demucs 4.1.0, read from a checkpoint's
+//! pickled `args` and `kwargs`, with each class's own defaults ([`Arch`] says which).
+//! Options this port does not implement are refused with [`DemucsError::Unsupported`]
+//! when their value differs from what the released models use.
 
 use crate::error::DemucsError;
 use crate::pickle::Value;
@@ -81,6 +82,39 @@ pub struct HTDemucsConfig {
     pub segment: (i64, i64),
     /// Pad inputs to the training segment.
     pub use_train_segment: bool,
+    /// Which class the checkpoint builds.
+    pub arch: Arch,
+    /// Hybrid Demucs: the MDX models' zero-padded, shifted spectrogram.
+    pub hybrid_old: bool,
+    /// Hybrid Demucs: DConv layers at this index and deeper hold a BLSTM.
+    pub dconv_lstm: usize,
+    /// Hybrid Demucs: DConv layers at this index and deeper hold a LocalState.
+    pub dconv_attn: usize,
+}
+
+/// The model class of a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `demucs.htdemucs.HTDemucs` (v4): cross-transformer between the branches.
+    HTDemucs,
+    /// `demucs.hdemucs.HDemucs` (v3, Hybrid Demucs): the branches merge in the deepest
+    /// layers; no transformer.
+    HDemucs,
+}
+
+impl Arch {
+    /// The class's dotted path, as checkpoints name it.
+    pub fn class_path(self) -> &'static str {
+        match self {
+            Arch::HTDemucs => "demucs.htdemucs.HTDemucs",
+            Arch::HDemucs => "demucs.hdemucs.HDemucs",
+        }
+    }
+
+    /// The class named `path`, if this port has it.
+    pub fn from_class_path(path: &str) -> Option<Arch> {
+        [Arch::HTDemucs, Arch::HDemucs].into_iter().find(|a| a.class_path() == path)
+    }
 }
 
 impl Default for HTDemucsConfig {
@@ -122,9 +156,71 @@ impl Default for HTDemucsConfig {
             samplerate: 44100,
             segment: (10, 1),
             use_train_segment: true,
+            arch: Arch::HTDemucs,
+            hybrid_old: false,
+            dconv_lstm: usize::MAX,
+            dconv_attn: usize::MAX,
         }
     }
 }
+
+impl HTDemucsConfig {
+    /// `HDemucs.__init__`'s defaults (depth 6, DConv compression 4, BLSTM and LocalState
+    /// from layer 4, segment 40 s, no transformer, any input length).
+    pub fn hdemucs_defaults() -> Self {
+        HTDemucsConfig {
+            depth: 6,
+            dconv_comp: 4.0,
+            t_layers: 0,
+            bottom_channels: 0,
+            segment: (40, 1),
+            use_train_segment: false,
+            arch: Arch::HDemucs,
+            dconv_lstm: 4,
+            dconv_attn: 4,
+            ..HTDemucsConfig::default()
+        }
+    }
+}
+
+/// The parameters of `demucs.hdemucs.HDemucs.__init__` (4.1.0) in order.
+pub const HDEMUCS_PARAMS: &[&str] = &[
+    "sources",
+    "audio_channels",
+    "channels",
+    "channels_time",
+    "growth",
+    "nfft",
+    "wiener_iters",
+    "end_iters",
+    "wiener_residual",
+    "cac",
+    "depth",
+    "rewrite",
+    "hybrid",
+    "hybrid_old",
+    "multi_freqs",
+    "multi_freqs_depth",
+    "freq_emb",
+    "emb_scale",
+    "emb_smooth",
+    "kernel_size",
+    "time_stride",
+    "stride",
+    "context",
+    "context_enc",
+    "norm_starts",
+    "norm_groups",
+    "dconv_mode",
+    "dconv_depth",
+    "dconv_comp",
+    "dconv_attn",
+    "dconv_lstm",
+    "dconv_init",
+    "rescale",
+    "samplerate",
+    "segment",
+];
 
 fn bad(key: &str, v: &Value) -> DemucsError {
     DemucsError::Checkpoint(format!("kwarg `{key}` has an unexpected value {v:?}"))
@@ -303,11 +399,23 @@ impl HTDemucsConfig {
         Self::from_kwargs(&bind_args(HTDEMUCS_PARAMS, args, kwargs)?)
     }
 
+    /// The configuration of a checkpoint of class `arch` from its `args` and `kwargs`.
+    pub fn for_arch(arch: Arch, args: &Value, kwargs: &Value) -> Result<Self, DemucsError> {
+        match arch {
+            Arch::HTDemucs => Self::from_args_kwargs(args, kwargs),
+            Arch::HDemucs => Self::read_kwargs(Self::hdemucs_defaults(), &bind_args(HDEMUCS_PARAMS, args, kwargs)?),
+        }
+    }
+
     /// Reads the pickled `kwargs` of a checkpoint. Unknown keys are ignored (demucs
     /// drops them too); options with behaviour this port lacks are refused.
     pub fn from_kwargs(kwargs: &Value) -> Result<Self, DemucsError> {
+        Self::read_kwargs(HTDemucsConfig::default(), kwargs)
+    }
+
+    /// `kwargs` over the defaults `c`.
+    fn read_kwargs(mut c: HTDemucsConfig, kwargs: &Value) -> Result<Self, DemucsError> {
         let items = kwargs.dict_items().ok_or_else(|| DemucsError::Checkpoint("`kwargs` is not a dict".into()))?;
-        let mut c = HTDemucsConfig::default();
         let mut have_sources = false;
         for (k, v) in items {
             let Some(key) = k.as_str() else { continue };
@@ -362,6 +470,15 @@ impl HTDemucsConfig {
                 "samplerate" => c.samplerate = as_usize(key, v)? as u32,
                 "segment" => c.segment = as_fraction(key, v)?,
                 "use_train_segment" => c.use_train_segment = as_bool(key, v)?,
+                "hybrid_old" => c.hybrid_old = as_bool(key, v)?,
+                "dconv_lstm" => c.dconv_lstm = as_usize(key, v)?,
+                "dconv_attn" => c.dconv_attn = as_usize(key, v)?,
+                "hybrid" if !as_bool(key, v)? => {
+                    return Err(DemucsError::Unsupported("hybrid = false (no time branch)".into()))
+                }
+                "wiener_residual" if as_bool(key, v)? => {
+                    return Err(DemucsError::Unsupported("wiener_residual (Wiener filtering)".into()))
+                }
                 // Options whose non-default values change inference and are not ported.
                 "wiener_iters" | "end_iters" if as_f64(key, v)? != 0.0 => {
                     return Err(DemucsError::Unsupported(format!("{key} > 0 (Wiener filtering)")))
@@ -388,13 +505,13 @@ impl HTDemucsConfig {
         if !have_sources {
             return Err(DemucsError::Checkpoint("kwargs without `sources`".into()));
         }
-        if !c.cac {
-            return Err(DemucsError::Unsupported("cac = false (masking models)".into()));
+        if !c.cac && c.arch == Arch::HTDemucs {
+            return Err(DemucsError::Unsupported("cac = false in HTDemucs (masking models)".into()));
         }
         if !c.t_norm_first && c.t_layers > 0 {
             return Err(DemucsError::Unsupported("t_norm_first = false".into()));
         }
-        if c.nfft % 4 != 0 || !c.nfft.is_power_of_two() {
+        if !c.nfft.is_multiple_of(4) || !c.nfft.is_power_of_two() {
             return Err(DemucsError::Unsupported(format!("nfft {}", c.nfft)));
         }
         Ok(c)

@@ -5,6 +5,8 @@
 //! `.0 .1 .3 .4 .6` (2 = GELU and 5 = GLU have none):
 //! `Conv1d(C → C/comp, k3, dilation 2^d, pad 2^d)` → `GroupNorm(1)` → GELU →
 //! `Conv1d(C/comp → 2C, 1)` → `GroupNorm(1)` → GLU → `LayerScale(C)`; `x = x + layer(x)`.
+//! Hybrid Demucs (v3) inserts a [`BLstm`] and a [`LocalState`] after the GELU in its
+//! deepest layers, which shifts the later indices (`.0 .1 .3 .4 .5 .6 .8` with both).
 //! Input and output `[N, C, T]` (the frequency branch folds its frequencies into N).
 
 use burn::tensor::backend::Backend;
@@ -14,6 +16,7 @@ use crate::checkpoint::StateDict;
 use crate::cpu;
 use crate::error::DemucsError;
 use crate::nn::{Conv1d, Conv1dConfig, GroupNorm, GroupNormConfig, LayerScale};
+use crate::recurrent::{BLstm, LocalState};
 
 /// Shape of a [`DConv`].
 #[derive(Debug, Clone)]
@@ -24,6 +27,10 @@ pub struct DConvConfig {
     pub compress: f64,
     /// Layers; negative disables dilation.
     pub depth: i64,
+    /// A BLSTM after the GELU (v3's deepest layers).
+    pub lstm: bool,
+    /// A LocalState attention after the GELU (and the BLSTM).
+    pub attn: bool,
 }
 
 /// One residual layer of [`DConv`].
@@ -34,12 +41,19 @@ pub struct DConvLayer<B: Backend> {
     conv2: Conv1d<B>,
     norm2: GroupNorm<B>,
     scale: LayerScale<B>,
+    lstm: Option<BLstm<B>>,
+    attn: Option<LocalState<B>>,
 }
 
 /// `DConv`: `[N, C, T]` → `[N, C, T]`.
 #[derive(Debug, Clone)]
 pub struct DConv<B: Backend> {
     layers: Vec<DConvLayer<B>>,
+    /// Channels of the hidden layer, and whether the layers hold a BLSTM / LocalState
+    /// (built at load: their weights decide their shapes).
+    hidden: usize,
+    lstm: bool,
+    attn: bool,
 }
 
 impl DConvConfig {
@@ -57,33 +71,71 @@ impl DConvConfig {
                     conv2: Conv1dConfig::new(hidden, 2 * c, 1).init(device),
                     norm2: GroupNormConfig { groups: 1, channels: 2 * c }.init(device),
                     scale: LayerScale::init(c, device),
+                    lstm: None,
+                    attn: None,
                 }
             })
             .collect();
-        DConv { layers }
+        DConv { layers, hidden, lstm: self.lstm, attn: self.attn }
     }
 }
 
 impl<B: Backend> DConv<B> {
-    /// Takes `{prefix}.layers.{d}.{0,1,3,4,6}.*`.
+    /// Takes `{prefix}.layers.{d}.{0,1,3,4,6}.*` (with the BLSTM and LocalState in
+    /// between when the layers have them).
     pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
         let mut layers = Vec::new();
+        let (hidden, with_lstm, with_attn) = (self.hidden, self.lstm, self.attn);
         for (d, l) in self.layers.into_iter().enumerate() {
             let p = |i: usize| format!("{prefix}.layers.{d}.{i}");
+            let device = l.scale.scale.device();
+            // Sequential indices: conv 0, norm 1, GELU 2, [BLSTM], [LocalState], conv,
+            // norm, GLU, LayerScale.
+            let mut i = 3;
+            let lstm = if with_lstm {
+                i += 1;
+                Some(BLstm::load(state, &p(i - 1), hidden, 2, &device)?)
+            } else {
+                None
+            };
+            let attn = if with_attn {
+                i += 1;
+                Some(LocalState::load(state, &p(i - 1), hidden, &device)?)
+            } else {
+                None
+            };
             layers.push(DConvLayer {
                 conv1: l.conv1.load(state, &p(0))?,
                 norm1: l.norm1.load(state, &p(1))?,
-                conv2: l.conv2.load(state, &p(3))?,
-                norm2: l.norm2.load(state, &p(4))?,
-                scale: l.scale.load(state, &p(6))?,
+                conv2: l.conv2.load(state, &p(i))?,
+                norm2: l.norm2.load(state, &p(i + 1))?,
+                scale: l.scale.load(state, &p(i + 3))?,
+                lstm,
+                attn,
             });
         }
-        Ok(DConv { layers })
+        Ok(DConv { layers, hidden, lstm: with_lstm, attn: with_attn })
+    }
+
+    /// Layer `d`'s BLSTM, for block tests.
+    pub fn lstm(&self, d: usize) -> Option<&BLstm<B>> {
+        self.layers.get(d).and_then(|l| l.lstm.as_ref())
+    }
+
+    /// Layer `d`'s LocalState, for block tests.
+    pub fn attn(&self, d: usize) -> Option<&LocalState<B>> {
+        self.layers.get(d).and_then(|l| l.attn.as_ref())
     }
 
     /// The branch on every frequency row of `[B, C, F, T]` (PyTorch folds F into the
     /// batch: `[B·F, C, T]`); computed in place with `[1, k]` convolutions.
     pub fn forward_rows(&self, mut x: Tensor<B, 4>) -> Tensor<B, 4> {
+        if self.lstm || self.attn {
+            // Sequence blocks read whole rows: fold the rows into the batch.
+            let [b, c, f, t] = x.dims();
+            let rows = x.swap_dims(1, 2).reshape([b * f, c, t]);
+            return self.forward(rows).reshape([b, f, c, t]).swap_dims(1, 2);
+        }
         for l in &self.layers {
             let y = l.conv1.forward_rows(x.clone());
             let y = cpu::gelu(l.norm1.forward_rows(y));
@@ -97,7 +149,13 @@ impl<B: Backend> DConv<B> {
     pub fn forward(&self, mut x: Tensor<B, 3>) -> Tensor<B, 3> {
         for l in &self.layers {
             let y = l.conv1.forward(x.clone());
-            let y = cpu::gelu(l.norm1.forward3(y));
+            let mut y = cpu::gelu(l.norm1.forward3(y));
+            if let Some(lstm) = &l.lstm {
+                y = lstm.forward(y);
+            }
+            if let Some(attn) = &l.attn {
+                y = attn.forward(y);
+            }
             let y = l.conv2.forward(y);
             x = cpu::glu_scale_add(x, l.norm2.forward3(y), l.scale.scale.clone());
         }

@@ -1,5 +1,7 @@
-//! Port of `demucs.hdemucs.HDecLayer` (as HTDemucs builds it: `context_freq`, no
-//! `empty`, no `MultiWrap`).
+//! Port of `demucs.hdemucs.HDecLayer` (`context_freq`, no `MultiWrap`), as HTDemucs and
+//! Hybrid Demucs build it. Hybrid Demucs adds `empty` layers (no skip, no rewrite: the
+//! transposed convolution, its norm, the crop and the GELU, fed the `pre` of the last
+//! frequency layer) and a last frequency layer without padding (nothing cropped).
 //!
 //! Frequency layer: `x + skip` (`[B, chin, F, T]`) → `Conv2d(chin → 2·chin, 3×3, pad 1)`
 //! → (GroupNorm) → GLU → [`DConv`] over frequency rows → `ConvTranspose2d(chin → chout,
@@ -51,6 +53,8 @@ pub struct HDecLayerConfig {
     pub pad: bool,
     /// Rewrite convolution + GLU.
     pub rewrite: bool,
+    /// No skip, rewrite or DConv: the transposed convolution alone (with its norm).
+    pub empty: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -68,15 +72,17 @@ pub struct HDecLayer<B: Backend> {
     dconv: Option<DConv<B>>,
     pad: usize,
     last: bool,
+    empty: bool,
 }
 
 impl HDecLayerConfig {
     /// Zero-initialised layer.
     pub fn init<B: Backend>(&self, device: &B::Device) -> HDecLayer<B> {
         let (chin, chout, k, s, ctx) = (self.chin, self.chout, self.kernel_size, self.stride, self.context);
+        let rewrite = self.rewrite && !self.empty;
         let layers = if self.freq {
             Layers::Freq {
-                rewrite: self.rewrite.then(|| {
+                rewrite: rewrite.then(|| {
                     Conv2dConfig {
                         chin,
                         chout: 2 * chin,
@@ -90,20 +96,19 @@ impl HDecLayerConfig {
             }
         } else {
             Layers::Time {
-                rewrite: self
-                    .rewrite
-                    .then(|| Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx).with_padding(ctx).init(device)),
+                rewrite: rewrite.then(|| Conv1dConfig::new(chin, 2 * chin, 1 + 2 * ctx).with_padding(ctx).init(device)),
                 conv_tr: ConvTranspose1dConfig { chin, chout, kernel: k, stride: s }.init(device),
             }
         };
         let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
         HDecLayer {
             layers,
-            norm1: if self.rewrite { norm(2 * chin) } else { None },
+            norm1: if rewrite { norm(2 * chin) } else { None },
             norm2: norm(chout),
-            dconv: self.dconv.as_ref().map(|d| d.init(device)),
+            dconv: self.dconv.as_ref().filter(|_| !self.empty).map(|d| d.init(device)),
             pad: if self.pad { k / 4 } else { 0 },
             last: self.last,
+            empty: self.empty,
         }
     }
 }
@@ -129,13 +134,14 @@ impl<B: Backend> HDecLayer<B> {
             dconv: self.dconv.map(|d| d.load(state, &p("dconv"))).transpose()?,
             pad: self.pad,
             last: self.last,
+            empty: self.empty,
         })
     }
 
     /// Frequency layer: `x`, `skip` `[B, chin, F, T]` → (`[B, chout, F·s, T]`, pre).
     pub fn forward_freq(&self, x: Tensor<B, 4>, skip: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let Layers::Freq { rewrite, conv_tr } = &self.layers else { panic!("forward_freq on a time layer") };
-        let x = x + skip;
+        let x = if self.empty { x } else { x + skip };
         let y = match rewrite {
             Some(r) => {
                 let z = r.forward(x);
@@ -166,8 +172,32 @@ impl<B: Backend> HDecLayer<B> {
 
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
     pub fn forward_time(&self, x: Tensor<B, 3>, skip: Tensor<B, 3>, length: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        self.forward_time_skip(x, Some(skip), length)
+    }
+
+    /// Whether the layer runs along frequency (`ConvTranspose2d`) rather than time.
+    pub fn is_freq(&self) -> bool {
+        matches!(self.layers, Layers::Freq { .. })
+    }
+
+    /// Whether the layer takes no skip (`empty`).
+    pub fn is_empty(&self) -> bool {
+        self.empty
+    }
+
+    /// Time layer, `skip` `None` for an `empty` one: `[B, chin, T]` → (`[B, chout,
+    /// length]`, pre).
+    pub fn forward_time_skip(
+        &self,
+        x: Tensor<B, 3>,
+        skip: Option<Tensor<B, 3>>,
+        length: usize,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let Layers::Time { rewrite, conv_tr } = &self.layers else { panic!("forward_time on a frequency layer") };
-        let x = x + skip;
+        let x = match skip {
+            Some(s) if !self.empty => x + s,
+            _ => x,
+        };
         let y = match rewrite {
             Some(r) => {
                 let z = r.forward(x);

@@ -1,5 +1,7 @@
-//! Port of `demucs.hdemucs.HEncLayer` (as HTDemucs builds it: no `empty`/`inject`, no
-//! `MultiWrap`).
+//! Port of `demucs.hdemucs.HEncLayer` (no `MultiWrap`), as HTDemucs and Hybrid Demucs
+//! build it. Hybrid Demucs adds `empty` layers (the convolution alone: the last time
+//! layer before the branches merge) and `inject` (that layer's output added to the
+//! frequency layer's convolution, broadcast over its single frequency row).
 //!
 //! Frequency layer: `Conv2d(chin → chout, [k, 1], [s, 1], [k/4, 0])` on
 //! `[B, chin, F, T]` → `[B, chout, F/s, T]` → (GroupNorm) → GELU → [`DConv`] over
@@ -43,6 +45,8 @@ pub struct HEncLayerConfig {
     pub pad: bool,
     /// 1x1 rewrite + GLU.
     pub rewrite: bool,
+    /// The convolution alone (no norm, GELU, DConv or rewrite).
+    pub empty: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -60,6 +64,7 @@ pub struct HEncLayer<B: Backend> {
     norm2: Option<GroupNorm<B>>,
     dconv: Option<DConv<B>>,
     stride: usize,
+    empty: bool,
 }
 
 impl HEncLayerConfig {
@@ -77,13 +82,15 @@ impl HEncLayerConfig {
         };
         let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
         let ctx = self.context;
+        let full = !self.empty;
         HEncLayer {
             conv: conv(self.chin, self.chout, self.kernel_size, self.stride, pad, true),
-            norm1: norm(self.chout),
-            rewrite: self.rewrite.then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
-            norm2: if self.rewrite { norm(2 * self.chout) } else { None },
-            dconv: self.dconv.as_ref().map(|d| d.init(device)),
+            norm1: norm(self.chout).filter(|_| full),
+            rewrite: (full && self.rewrite).then(|| conv(self.chout, 2 * self.chout, 1 + 2 * ctx, 1, ctx, false)),
+            norm2: if full && self.rewrite { norm(2 * self.chout) } else { None },
+            dconv: self.dconv.as_ref().filter(|_| full).map(|d| d.init(device)),
             stride: self.stride,
+            empty: self.empty,
         }
     }
 }
@@ -127,13 +134,46 @@ impl<B: Backend> HEncLayer<B> {
             norm2: load_norm(self.norm2, state, "norm2")?,
             dconv: self.dconv.map(|d| d.load(state, &format!("{prefix}.dconv"))).transpose()?,
             stride: self.stride,
+            empty: self.empty,
         })
+    }
+
+    /// Whether the layer runs along frequency (`Conv2d`) rather than time.
+    pub fn is_freq(&self) -> bool {
+        matches!(self.conv, Conv::Freq(_))
+    }
+
+    /// The DConv branch, for block tests.
+    pub fn dconv(&self) -> Option<&DConv<B>> {
+        self.dconv.as_ref()
+    }
+
+    /// Whether the layer is the convolution alone.
+    pub fn is_empty(&self) -> bool {
+        self.empty
     }
 
     /// Frequency layer: `[B, chin, F, T]` → `[B, chout, F/s, T]`.
     pub fn forward_freq(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.forward_freq_inject(x, None)
+    }
+
+    /// [`HEncLayer::forward_freq`] with the time branch's `[B, chout, T]` added after the
+    /// convolution (over every frequency row).
+    pub fn forward_freq_inject(&self, x: Tensor<B, 4>, inject: Option<Tensor<B, 3>>) -> Tensor<B, 4> {
         let Conv::Freq(conv) = &self.conv else { panic!("forward_freq on a time layer") };
-        let y = cpu::gelu(norm4(&self.norm1, conv.forward(x)));
+        let y = conv.forward(x);
+        if self.empty {
+            return y;
+        }
+        let y = match inject {
+            Some(i) => {
+                let [b, c, t] = i.dims();
+                y + i.reshape([b, c, 1, t])
+            }
+            None => y,
+        };
+        let y = cpu::gelu(norm4(&self.norm1, y));
         let y = match &self.dconv {
             Some(d) => dconv_freq(d, y),
             None => y,
@@ -154,7 +194,11 @@ impl<B: Backend> HEncLayer<B> {
         } else {
             x
         };
-        let y = cpu::gelu(norm3(&self.norm1, conv.forward(x)));
+        let y = conv.forward(x);
+        if self.empty {
+            return y;
+        }
+        let y = cpu::gelu(norm3(&self.norm1, y));
         let y = match &self.dconv {
             Some(d) => d.forward(y),
             None => y,

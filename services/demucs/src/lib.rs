@@ -33,6 +33,7 @@ pub mod memory;
 pub mod model;
 pub mod nn;
 pub mod pickle;
+pub mod recurrent;
 pub mod repo;
 pub mod stft;
 pub mod stream;

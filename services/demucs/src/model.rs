@@ -1,6 +1,18 @@
-//! Port of `demucs.htdemucs.HTDemucs` (inference): construction from a
-//! [`HTDemucsConfig`] exactly as `HTDemucs.__init__` lays its layers out, loading from a
-//! [`StateDict`] under PyTorch's names, and `forward` on a batch of segments.
+//! Port of `demucs.htdemucs.HTDemucs` (inference), and of Hybrid Demucs
+//! (`demucs.hdemucs.HDemucs`, v3) whose layers HTDemucs reuses: construction from a
+//! [`HTDemucsConfig`] exactly as the class's `__init__` lays its layers out (its
+//! [`Arch`]), loading from a [`StateDict`] under PyTorch's names, and `forward` on a
+//! batch of segments.
+//!
+//! Hybrid Demucs differs in the middle and at the ends: its frequency layers run until
+//! one frequency row is left (the last with kernel = the remaining rows, no padding, and
+//! the time branch's output *injected*: the time layer there is `empty`, the convolution
+//! alone), then time layers (`k = 2·time_stride`) carry the merged branches; there is no
+//! transformer, and the decoders start from zeros, the deepest frequency decoder's
+//! `pre` feeding the time branch's first (`empty`) decoder. Any input length works (no
+//! training-length padding). `cac = false` models predict magnitudes, given the
+//! mixture's phase; `hybrid_old` ones pad the spectrogram with zeros and come out
+//! shifted by `3·hop/2` (the MDX models were trained so).
 //!
 //! `forward`: mix `[B, C, L]` (host) → sources `[B, S, C, L]` (host).
 //! 1. Pad to the training length when shorter (`use_train_segment`).
@@ -16,7 +28,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::{Checkpoint, HostTensor, StateDict};
-use crate::config::HTDemucsConfig;
+use crate::config::{Arch, HTDemucsConfig};
 use crate::dconv::DConvConfig;
 use crate::decoder::{HDecLayer, HDecLayerConfig};
 use crate::encoder::{HEncLayer, HEncLayerConfig};
@@ -58,9 +70,196 @@ fn mean_std(values: impl Iterator<Item = f64> + Clone, n: usize) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
+/// A layer's activations: frequency layers see `[B, C, F, T]`, time layers `[B, C, T]`
+/// (Hybrid Demucs passes from one to the other where the branches merge).
+#[derive(Debug, Clone)]
+enum Feature<B: Backend> {
+    Freq(Tensor<B, 4>),
+    Time(Tensor<B, 3>),
+}
+
+impl<B: Backend> Feature<B> {
+    /// As a frequency input of `channels` channels (`view(B, channels, -1, T)`).
+    fn freq(self, channels: usize) -> Tensor<B, 4> {
+        match self {
+            Feature::Freq(x) => x,
+            Feature::Time(x) => {
+                let [b, c, t] = x.dims();
+                x.reshape([b, channels, c / channels, t])
+            }
+        }
+    }
+    /// As a time input (`view(B, -1, T)`).
+    fn time(self) -> Tensor<B, 3> {
+        match self {
+            Feature::Time(x) => x,
+            Feature::Freq(x) => {
+                let [b, c, f, t] = x.dims();
+                x.reshape([b, c * f, t])
+            }
+        }
+    }
+    fn frames(&self) -> usize {
+        match self {
+            Feature::Freq(x) => x.dims()[3],
+            Feature::Time(x) => x.dims()[2],
+        }
+    }
+    fn zeros_like(&self) -> Self {
+        match self {
+            Feature::Freq(x) => Feature::Freq(x.zeros_like()),
+            Feature::Time(x) => Feature::Time(x.zeros_like()),
+        }
+    }
+}
+
 impl HTDemucsConfig {
-    /// A zero-initialised model with the layer layout of `HTDemucs.__init__`.
+    /// A zero-initialised model with the layer layout of `HDemucs.__init__`.
+    fn init_hdemucs<B: Backend>(&self, device: &B::Device) -> Result<HTDemucs<B>, DemucsError> {
+        let c = self;
+        let nsrc = c.sources.len();
+        let spec_mul = if c.cac { 2 } else { 1 };
+        let mut chin = c.audio_channels;
+        let mut chin_z = chin * spec_mul;
+        let mut chout = c.channels_time.unwrap_or(c.channels);
+        let mut chout_z = c.channels;
+        let mut freqs = c.nfft / 2;
+        let (mut encoder, mut tencoder, mut decoder, mut tdecoder) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut freq_emb_shape = None;
+        for index in 0..c.depth {
+            let (lstm, attn, norm) = (index >= c.dconv_lstm, index >= c.dconv_attn, index >= c.norm_starts);
+            let dconv = |on: bool, ch: usize| {
+                on.then_some(DConvConfig { channels: ch, compress: c.dconv_comp, depth: c.dconv_depth, lstm, attn })
+            };
+            let freq = freqs > 1;
+            let (mut ker, mut stri) = (c.kernel_size, c.stride);
+            if !freq {
+                if freqs != 1 {
+                    return Err(DemucsError::Unsupported(format!("{freqs} frequencies left at a time layer")));
+                }
+                ker = 2 * c.time_stride;
+                stri = c.time_stride;
+            }
+            let (mut pad, mut last_freq) = (true, false);
+            if freq && freqs <= c.kernel_size {
+                ker = freqs;
+                pad = false;
+                last_freq = true;
+            }
+            if last_freq {
+                chout_z = chout.max(chout_z);
+                chout = chout_z;
+            }
+            encoder.push(
+                HEncLayerConfig {
+                    chin: chin_z,
+                    chout: chout_z,
+                    kernel_size: ker,
+                    stride: stri,
+                    norm_groups: c.norm_groups,
+                    freq,
+                    dconv: dconv(c.dconv_mode & 1 != 0, chout_z),
+                    norm,
+                    context: c.context_enc,
+                    pad,
+                    rewrite: c.rewrite,
+                    empty: false,
+                }
+                .init(device),
+            );
+            if freq {
+                tencoder.push(
+                    HEncLayerConfig {
+                        chin,
+                        chout,
+                        kernel_size: c.kernel_size,
+                        stride: c.stride,
+                        norm_groups: c.norm_groups,
+                        freq: false,
+                        dconv: dconv(c.dconv_mode & 1 != 0, chout),
+                        norm,
+                        context: c.context_enc,
+                        pad: true,
+                        rewrite: c.rewrite,
+                        empty: last_freq,
+                    }
+                    .init(device),
+                );
+            }
+            if index == 0 {
+                chin = c.audio_channels * nsrc;
+                chin_z = chin * spec_mul;
+            }
+            decoder.insert(
+                0,
+                HDecLayerConfig {
+                    chin: chout_z,
+                    chout: chin_z,
+                    last: index == 0,
+                    kernel_size: ker,
+                    stride: stri,
+                    norm_groups: c.norm_groups,
+                    freq,
+                    dconv: dconv(c.dconv_mode & 2 != 0, chout_z),
+                    norm,
+                    context: c.context,
+                    pad,
+                    rewrite: c.rewrite,
+                    empty: false,
+                }
+                .init(device),
+            );
+            if freq {
+                tdecoder.insert(
+                    0,
+                    HDecLayerConfig {
+                        chin: chout,
+                        chout: chin,
+                        last: index == 0,
+                        kernel_size: c.kernel_size,
+                        stride: c.stride,
+                        norm_groups: c.norm_groups,
+                        freq: false,
+                        dconv: dconv(c.dconv_mode & 2 != 0, chout),
+                        norm,
+                        context: c.context,
+                        pad: true,
+                        rewrite: c.rewrite,
+                        empty: last_freq,
+                    }
+                    .init(device),
+                );
+            }
+            chin = chout;
+            chin_z = chout_z;
+            chout = (c.growth * chout as f64) as usize;
+            chout_z = (c.growth * chout_z as f64) as usize;
+            if freq {
+                freqs = if freqs <= c.kernel_size { 1 } else { freqs / c.stride };
+            }
+            if index == 0 && c.freq_emb != 0.0 {
+                freq_emb_shape = Some([freqs, chin_z]);
+            }
+        }
+        Ok(HTDemucs {
+            config: c.clone(),
+            encoder,
+            tencoder,
+            decoder,
+            tdecoder,
+            freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device)),
+            bottleneck: None,
+            crosstransformer: None,
+            stft: Stft::new(c.nfft),
+            device: device.clone(),
+        })
+    }
+
+    /// A zero-initialised model with the layer layout of its class's `__init__`.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<HTDemucs<B>, DemucsError> {
+        if self.arch == Arch::HDemucs {
+            return self.init_hdemucs(device);
+        }
         let c = self;
         let nsrc = c.sources.len();
         let mut chin = c.audio_channels;
@@ -69,7 +268,13 @@ impl HTDemucsConfig {
         let mut chout_z = c.channels;
         let mut freqs = c.nfft / 2;
         let dconv = |on: bool, ch: usize| {
-            on.then_some(DConvConfig { channels: ch, compress: c.dconv_comp, depth: c.dconv_depth })
+            on.then_some(DConvConfig {
+                channels: ch,
+                compress: c.dconv_comp,
+                depth: c.dconv_depth,
+                lstm: false,
+                attn: false,
+            })
         };
         let mut encoder = Vec::new();
         let mut tencoder = Vec::new();
@@ -96,6 +301,7 @@ impl HTDemucsConfig {
                     context: c.context_enc,
                     pad: true,
                     rewrite: c.rewrite,
+                    empty: false,
                 }
                 .init(device),
             );
@@ -112,6 +318,7 @@ impl HTDemucsConfig {
                     context: c.context_enc,
                     pad: true,
                     rewrite: c.rewrite,
+                    empty: false,
                 }
                 .init(device),
             );
@@ -133,6 +340,7 @@ impl HTDemucsConfig {
                     context: c.context,
                     pad: true,
                     rewrite: c.rewrite,
+                    empty: false,
                 }
                 .init(device)
             };
@@ -195,12 +403,13 @@ impl<B: Backend> HTDemucs<B> {
     /// Builds the model of a checkpoint and loads its weights (strict: every tensor of
     /// the state dict must be used).
     pub fn from_checkpoint(ckpt: Checkpoint, device: &B::Device) -> Result<Self, DemucsError> {
-        if let Some(name) = ckpt.class_name() {
-            if name != "demucs.htdemucs.HTDemucs" {
-                return Err(DemucsError::Unsupported(format!("model class {name} (only HTDemucs)")));
-            }
-        }
-        let config = HTDemucsConfig::from_args_kwargs(&ckpt.args, &ckpt.kwargs)?;
+        let arch = match ckpt.class_name() {
+            Some(name) => Arch::from_class_path(&name).ok_or_else(|| {
+                DemucsError::Unsupported(format!("model class {name} (this port has HTDemucs and HDemucs)"))
+            })?,
+            None => Arch::HTDemucs,
+        };
+        let config = HTDemucsConfig::for_arch(arch, &ckpt.args, &ckpt.kwargs)?;
         let model = config.init(device)?;
         let mut state = ckpt.state;
         let model = model.load(&mut state)?;
@@ -348,27 +557,35 @@ impl<B: Backend> HTDemucs<B> {
             (mix.clone(), length)
         };
 
-        // 2. spectrogram, complex as channels, normalisation.
+        // 2. spectrogram, complex as channels (or magnitudes), normalisation.
         let mut specs = Vec::with_capacity(b * ch);
         for row in 0..b * ch {
-            specs.push(self.stft.spec(&mix.data[row * le..(row + 1) * le])?);
+            specs.push(self.stft.spec_with(&mix.data[row * le..(row + 1) * le], c.hybrid_old)?);
         }
         let (fq, t) = (specs[0].freqs, specs[0].frames);
-        let per_b = ch * 2 * fq * t;
+        let parts = if c.cac { 2 } else { 1 };
+        let per_b = ch * parts * fq * t;
         let mut mag = vec![0f32; b * per_b];
         let mut stats = Vec::with_capacity(b);
         for bi in 0..b {
             let ss = &specs[bi * ch..(bi + 1) * ch];
-            let vals = ss.iter().flat_map(|s| s.data.iter().flat_map(|z| [z.re, z.im]));
-            let (m, s) = mean_std(vals, per_b);
+            let (m, s) = if c.cac {
+                mean_std(ss.iter().flat_map(|s| s.data.iter().flat_map(|z| [z.re, z.im])), per_b)
+            } else {
+                mean_std(ss.iter().flat_map(|s| s.data.iter().map(|z| z.norm())), per_b)
+            };
             stats.push((m, s));
             for (ci, s_) in ss.iter().enumerate() {
                 for k in 0..fq {
                     for ti in 0..t {
                         let z = s_.data[k * t + ti];
-                        let base = bi * per_b + (ci * 2) * fq * t + k * t + ti;
-                        mag[base] = ((z.re - m) / (1e-5 + s)) as f32;
-                        mag[base + fq * t] = ((z.im - m) / (1e-5 + s)) as f32;
+                        let base = bi * per_b + (ci * parts) * fq * t + k * t + ti;
+                        if c.cac {
+                            mag[base] = ((z.re - m) / (1e-5 + s)) as f32;
+                            mag[base + fq * t] = ((z.im - m) / (1e-5 + s)) as f32;
+                        } else {
+                            mag[base] = ((z.norm() - m) / (1e-5 + s)) as f32;
+                        }
                     }
                 }
             }
@@ -383,7 +600,7 @@ impl<B: Backend> HTDemucs<B> {
                 *o = ((*v as f64 - m) / (1e-5 + s)) as f32;
             }
         }
-        let x: Tensor<B, 4> = Tensor::from_data(TensorData::new(mag, [b, ch * 2, fq, t]), &self.device);
+        let x: Tensor<B, 4> = Tensor::from_data(TensorData::new(mag, [b, ch * parts, fq, t]), &self.device);
         let xt: Tensor<B, 3> = Tensor::from_data(TensorData::new(xt_host, [b, ch, le]), &self.device);
 
         // 3. the network.
@@ -401,15 +618,33 @@ impl<B: Backend> HTDemucs<B> {
             let (mt, st) = stats_t[bi];
             for si in 0..nsrc {
                 for ci in 0..ch {
-                    let base = ((bi * nsrc + si) * ch * 2 + ci * 2) * fq * t;
-                    let data = (0..fq * t)
-                        .map(|i| {
-                            let re = x.data[base + i] as f64 * s + m;
-                            let im = x.data[base + fq * t + i] as f64 * s + m;
-                            Complex::new(re, im)
-                        })
-                        .collect();
-                    let wav = self.stft.ispec(&Spectrogram { freqs: fq, frames: t, data }, out_len);
+                    let base = ((bi * nsrc + si) * ch * parts + ci * parts) * fq * t;
+                    let data = if c.cac {
+                        (0..fq * t)
+                            .map(|i| {
+                                let re = x.data[base + i] as f64 * s + m;
+                                let im = x.data[base + fq * t + i] as f64 * s + m;
+                                Complex::new(re, im)
+                            })
+                            .collect()
+                    } else {
+                        // The magnitude with the mixture's phase (`_wiener` with no
+                        // iteration); a silent bin has phase 0.
+                        let mixture = &specs[bi * ch + ci].data;
+                        (0..fq * t)
+                            .map(|i| {
+                                let magnitude = x.data[base + i] as f64 * s + m;
+                                let z = mixture[i];
+                                let r = z.norm();
+                                if r > 0.0 {
+                                    z * (magnitude / r)
+                                } else {
+                                    Complex::new(magnitude, 0.0)
+                                }
+                            })
+                            .collect()
+                    };
+                    let wav = self.stft.ispec_with(&Spectrogram { freqs: fq, frames: t, data }, out_len, c.hybrid_old);
                     let row = (bi * nsrc + si) * ch + ci;
                     let trow = &xt.data[row * out_len..(row + 1) * out_len];
                     for (i, o) in out[row * out_len..(row + 1) * out_len].iter_mut().enumerate() {
@@ -432,6 +667,9 @@ impl<B: Backend> HTDemucs<B> {
     /// Encoders, transformer and decoders on normalised inputs: `x` `[B, 2C, F, T]`,
     /// `xt` `[B, C, L]` → `[B, S·2C, F, T]`, `[B, S·C, L]`.
     pub fn forward_normalised(&self, x: Tensor<B, 4>, xt: Tensor<B, 3>) -> (Tensor<B, 4>, Tensor<B, 3>) {
+        if self.config.arch == Arch::HDemucs {
+            return self.forward_hybrid(x, xt);
+        }
         let mut x = x;
         let mut xt = xt;
         let mut saved = Vec::new();
@@ -479,5 +717,73 @@ impl<B: Backend> HTDemucs<B> {
             xt = xt2;
         }
         (x, xt)
+    }
+
+    /// `HDemucs.forward` between the normalised inputs and the outputs: the encoders
+    /// (time layer `i` beside frequency layer `i`, its output injected at the merge), the
+    /// decoders from zeros with the skips, the time decoders beside the frequency ones
+    /// (the first fed the `pre` of the deepest frequency decoder).
+    fn forward_hybrid(&self, x: Tensor<B, 4>, xt: Tensor<B, 3>) -> (Tensor<B, 4>, Tensor<B, 3>) {
+        let mut x = Feature::Freq(x);
+        let mut xt = xt;
+        let (mut saved, mut saved_t, mut lengths, mut lengths_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (idx, enc) in self.encoder.iter().enumerate() {
+            lengths.push(x.frames());
+            let mut inject = None;
+            if let Some(tenc) = self.tencoder.get(idx) {
+                lengths_t.push(xt.dims()[2]);
+                xt = tenc.forward_time(xt);
+                if tenc.is_empty() {
+                    inject = Some(xt.clone());
+                } else {
+                    saved_t.push(xt.clone());
+                }
+            }
+            x = if enc.is_freq() {
+                let chin = match &x {
+                    Feature::Freq(t) => t.dims()[1],
+                    Feature::Time(t) => t.dims()[1],
+                };
+                Feature::Freq(enc.forward_freq_inject(x.freq(chin), inject))
+            } else {
+                Feature::Time(enc.forward_time(x.time()))
+            };
+            if idx == 0 {
+                if let (Some(emb), Feature::Freq(t)) = (&self.freq_emb, &x) {
+                    let [fr, c] = emb.dims();
+                    x = Feature::Freq(t.clone() + emb.clone().transpose().reshape([1, c, fr, 1]));
+                }
+            }
+            saved.push(x.clone());
+        }
+        let mut x = x.zeros_like();
+        let offset = self.decoder.len() - self.tdecoder.len();
+        for (idx, dec) in self.decoder.iter().enumerate() {
+            let skip = saved.pop().expect("one skip per layer");
+            let length = lengths.pop().expect("one length per layer");
+            let pre = if dec.is_freq() {
+                let skip = skip.freq(1);
+                let chin = skip.dims()[1];
+                let (z, pre) = dec.forward_freq(x.freq(chin), skip);
+                x = Feature::Freq(z);
+                Feature::Freq(pre)
+            } else {
+                let (z, pre) = dec.forward_time(x.time(), skip.time(), length);
+                x = Feature::Time(z);
+                Feature::Time(pre)
+            };
+            if idx >= offset {
+                let tdec = &self.tdecoder[idx - offset];
+                let length_t = lengths_t.pop().expect("one time length per time layer");
+                xt = if tdec.is_empty() {
+                    tdec.forward_time_skip(pre.time(), None, length_t).0
+                } else {
+                    let skip_t = saved_t.pop().expect("one time skip per time layer");
+                    tdec.forward_time(xt, skip_t, length_t).0
+                };
+            }
+        }
+        let chout = self.config.audio_channels * self.config.sources.len() * if self.config.cac { 2 } else { 1 };
+        (x.freq(chout), xt)
     }
 }

@@ -71,17 +71,43 @@ impl Stft {
 
     /// `HTDemucs._spec` of one channel: `[L]` → `[nfft/2, ceil(L/hop)]`.
     pub fn spec(&self, x: &[f32]) -> Result<Spectrogram, DemucsError> {
+        self.spec_with(x, false)
+    }
+
+    /// `HDemucs._spec`: as [`Stft::spec`], and any length ≥ 1 (`pad1d` inserts zeros
+    /// before reflecting an input shorter than the padding); `hybrid_old` pads with zeros
+    /// instead of reflecting (the MDX models).
+    pub fn spec_with(&self, x: &[f32], hybrid_old: bool) -> Result<Spectrogram, DemucsError> {
         let hl = self.hop();
         let nfft = self.nfft;
         let len = x.len();
+        if len == 0 {
+            return Err(DemucsError::InvalidArgument("empty input for the STFT".into()));
+        }
         let le = len.div_ceil(hl);
         let pad = hl / 2 * 3;
-        if len <= pad + le * hl - len || len <= nfft / 2 {
-            return Err(DemucsError::InvalidArgument(format!("input of {len} samples is too short for the STFT")));
-        }
-        // First padding (Demucs's), reflect.
-        let total = len + 2 * pad + le * hl - len;
-        let xp: Vec<f64> = (0..total).map(|i| x[reflect_index(i as isize - pad as isize, len)] as f64).collect();
+        let (left, right) = (pad, pad + le * hl - len);
+        let total = len + left + right;
+        // First padding (Demucs's `pad1d`).
+        let xp: Vec<f64> = if hybrid_old {
+            (0..total).map(|i| if i < left || i >= left + len { 0.0 } else { x[i - left] as f64 }).collect()
+        } else {
+            // Reflection needs more samples than the padding: zeros go in first, right
+            // side before left, as `pad1d` does.
+            let max_pad = left.max(right);
+            let (extra_left, extra_right) = if len <= max_pad {
+                let extra = max_pad - len + 1;
+                let r = right.min(extra);
+                (extra - r, r)
+            } else {
+                (0, 0)
+            };
+            let mut inner = vec![0f32; extra_left];
+            inner.extend_from_slice(x);
+            inner.resize(extra_left + len + extra_right, 0.0);
+            let (l2, n) = (left - extra_left, inner.len());
+            (0..total).map(|i| inner[reflect_index(i as isize - l2 as isize, n)] as f64).collect()
+        };
         // torch.stft center=True: reflect-pad nfft/2 more; frame f starts at f·hl.
         let half = (nfft / 2) as isize;
         let n = xp.len();
@@ -108,9 +134,15 @@ impl Stft {
 
     /// `HTDemucs._ispec` of one channel: `[nfft/2, T]` → `[length]`.
     pub fn ispec(&self, z: &Spectrogram, length: usize) -> Vec<f32> {
+        self.ispec_with(z, length, false)
+    }
+
+    /// `HDemucs._ispec`: as [`Stft::ispec`]; `hybrid_old` inverts to `hop·⌈L/hop⌉`
+    /// samples and keeps the first `length` (the MDX models' delay of `3·hop/2`).
+    pub fn ispec_with(&self, z: &Spectrogram, length: usize, hybrid_old: bool) -> Vec<f32> {
         let hl = self.hop();
         let nfft = self.nfft;
-        let pad = hl / 2 * 3;
+        let pad = if hybrid_old { 0 } else { hl / 2 * 3 };
         let frames = z.frames + 4;
         let le = hl * length.div_ceil(hl) + 2 * pad;
         // istft: full OLA length nfft + hl·(frames − 1), center removes nfft/2.

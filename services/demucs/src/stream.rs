@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
 use crate::checkpoint::HostTensor;
+use crate::config::Arch;
 use crate::error::DemucsError;
 use crate::model::HTDemucs;
 
@@ -67,6 +68,8 @@ struct Pass<'m, B: Backend> {
     seg_len: usize,
     stride: usize,
     valid_length: usize,
+    /// Each chunk goes in as it is, at its own length (Hybrid Demucs: no valid length).
+    as_is: bool,
     weight: Vec<f32>,
     /// Per source: bag weight / (shifts · total weight of the source).
     scale: Vec<f32>,
@@ -97,9 +100,19 @@ impl<B: Backend> Pass<'_, B> {
     /// Mix range `[start, end)` read by the chunk at virtual offset `o`.
     fn read_at(&self, o: usize, len: usize) -> (isize, usize) {
         let clen = self.seg_len.min(self.lv - o);
-        let start = o as isize - ((self.valid_length - clen) / 2) as isize - self.k as isize;
-        let end = (start + self.valid_length as isize).clamp(0, len as isize) as usize;
+        let valid = self.valid_for(clen);
+        let start = o as isize - ((valid - clen) / 2) as isize - self.k as isize;
+        let end = (start + valid as isize).clamp(0, len as isize) as usize;
         (start, end)
+    }
+
+    /// The length a chunk of `clen` samples is fed to the model at.
+    fn valid_for(&self, clen: usize) -> usize {
+        if self.as_is {
+            clen
+        } else {
+            self.valid_length
+        }
     }
 }
 
@@ -152,10 +165,13 @@ pub fn separate_stream<B: Backend>(
         let segment = opts.segment.unwrap_or(*seg);
         let seg_len = (sr as f64 * segment) as usize;
         let stride = (((1.0 - opts.overlap) * seg_len as f64) as usize).max(1);
+        // apply_model's last branch: HTDemucs pads each chunk to the segment asked for,
+        // or its training length; Hybrid Demucs takes the chunk as it is.
+        let as_is = cfg.arch == Arch::HDemucs || (opts.segment.is_none() && !cfg.use_train_segment);
         let valid_length = match opts.segment {
+            _ if as_is => seg_len,
             Some(s) => (s * sr as f64) as usize,
-            None if cfg.use_train_segment => training_length,
-            None => return Err(DemucsError::Unsupported("streaming models without a training segment".into())),
+            None => training_length,
         };
         let half = seg_len / 2;
         let tri: Vec<f64> = (1..=half).chain((1..=seg_len - half).rev()).map(|v| v as f64).collect();
@@ -178,6 +194,7 @@ pub fn separate_stream<B: Backend>(
                 seg_len,
                 stride,
                 valid_length,
+                as_is,
                 weight: weight.clone(),
                 scale: scale.clone(),
                 k,
@@ -222,11 +239,25 @@ pub fn separate_stream<B: Backend>(
                     break;
                 }
                 let mut inputs = Vec::new();
-                for group in ready.chunks(opts.batch_size.max(1)) {
-                    let mut input = vec![0f32; group.len() * ch * p.valid_length];
+                // A batch shares one input length: chunks fed as they are (the last one
+                // may be shorter) batch only with chunks of their length.
+                let mut groups: Vec<&[(usize, isize, usize)]> = Vec::new();
+                let mut from = 0;
+                for i in 1..=ready.len() {
+                    let split = i == ready.len()
+                        || i - from == opts.batch_size.max(1)
+                        || p.valid_for(ready[i].2) != p.valid_for(ready[from].2);
+                    if split {
+                        groups.push(&ready[from..i]);
+                        from = i;
+                    }
+                }
+                for group in groups {
+                    let valid = p.valid_for(group[0].2);
+                    let mut input = vec![0f32; group.len() * ch * valid];
                     for (bi, (_, start, _)) in group.iter().enumerate() {
                         for c in 0..ch {
-                            let dst = &mut input[(bi * ch + c) * p.valid_length..(bi * ch + c + 1) * p.valid_length];
+                            let dst = &mut input[(bi * ch + c) * valid..(bi * ch + c + 1) * valid];
                             for (i, d) in dst.iter_mut().enumerate() {
                                 let m = start + i as isize;
                                 if m >= 0 && (m as usize) < len {
@@ -235,13 +266,14 @@ pub fn separate_stream<B: Backend>(
                             }
                         }
                     }
-                    inputs.push(HostTensor { shape: vec![group.len(), ch, p.valid_length], data: input });
+                    inputs.push(HostTensor { shape: vec![group.len(), ch, valid], data: input });
                 }
                 let outs = p.model.forward_parallel(inputs, p.training_length)?;
                 let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
                 for ((out, bi), (o, _, clen)) in per_chunk.zip(ready) {
                     debug_assert_eq!(o, p.next);
-                    let trim = (p.valid_length - clen) / 2;
+                    let valid = out.shape[3];
+                    let trim = (valid - clen) / 2;
                     let rel = p.next - p.fin;
                     while p.sum_weight.len() < rel + clen {
                         p.sum_weight.push_back(0.0);
@@ -250,7 +282,7 @@ pub fn separate_stream<B: Backend>(
                         }
                     }
                     for (r, a) in p.acc.iter_mut().enumerate() {
-                        let at = (bi * rows + r) * p.valid_length + trim;
+                        let at = (bi * rows + r) * valid + trim;
                         let row = &out.data[at..at + clen];
                         for i in 0..clen {
                             a[rel + i] += p.weight[i] * row[i];
