@@ -425,7 +425,8 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     // is marked as waiting for a worker.
     assert!(screen.contains("workers (1):"), "{screen}");
     let line = screen.lines().find(|l| l.trim_start().starts_with("metered")).unwrap_or_else(|| panic!("{screen}"));
-    assert!(line.contains("htdemucs,htdemucs_ft,htdemucs_6s,dsp") && line.contains("fake-gpu,cpu"), "{line}");
+    let every: Vec<&str> = stemq_core::request::Model::ALL.iter().map(|m| m.as_str()).collect();
+    assert!(line.contains(&every.join(",")) && line.contains("fake-gpu,cpu"), "{line}");
     let dsp = screen.lines().find(|l| l.trim_start().starts_with("dsp ")).unwrap_or_else(|| panic!("{screen}"));
     assert!(dsp.contains("0/0"), "{dsp}");
     assert!(!screen.contains("waiting for a worker"), "{screen}");

@@ -240,7 +240,10 @@ pub async fn queue_with(
         }
         tokio::time::sleep(PAUSE).await;
     };
-    let cached = once == Once::AlreadyThere;
+    // The job was there: submitted before, or by an attempt of this very submit whose
+    // answer was lost (an election cut it, or the publish retried): then the stored
+    // request is this event (same time), and the job is new to the caller.
+    let cached = once == Once::AlreadyThere && !stored_is(js, &subject, &event).await;
     let resp = SubmitResponse {
         status_url: format!("/v1/separations/{id}"),
         job_id: id,
@@ -249,4 +252,52 @@ pub async fn queue_with(
         urls: None,
     };
     Ok((resp, (!cached).then_some(event)))
+}
+
+/// Whether the request stored on `subject` is `event` itself (its time): `false` when it
+/// is another submit's, or cannot be read.
+async fn stored_is(js: &jetstream::Context, subject: &str, event: &Event) -> bool {
+    let Ok(log) = js.get_stream_no_info(stemq_core::nats::JOBS_STREAM).await else { return false };
+    match log.direct_get_last_for_subject(subject).await {
+        Ok(m) => Event::from_slice(&m.payload).is_ok_and(|stored| stored.id == event.id && stored.time == event.time),
+        Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stemq_core::nats_server::NatsServer;
+    use stemq_core::request::ANONYMOUS;
+
+    fn event(time: chrono::DateTime<chrono::Utc>) -> Event {
+        let req = JobRequest::from_value(serde_json::json!({"audio_uri": "file:///a.wav"})).unwrap();
+        let mut e = Event::requested(req.normalize(ANONYMOUS).unwrap(), None, None, "/test");
+        e.time = time;
+        e
+    }
+
+    /// A submit whose own first attempt was stored but unanswered (an election) finds
+    /// its job on the next attempt: that is still a new job to its caller (202, not
+    /// `cached`). A later submit of the same job is `cached`.
+    #[tokio::test]
+    async fn a_retried_attempt_that_finds_its_own_request_is_not_cached() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = NatsServer::start_with(
+            dir.path(),
+            stemq_core::nats_server::ServerOptions { auth: false, ..Default::default() },
+        )
+        .expect("nats-server >= 2.11 on PATH (scripts/install-nats.sh)");
+        let client = stemq_core::nats::connect(&server.url(), "test").await.unwrap();
+        let js = jetstream::new(client);
+        stemq_core::nats::apply(&js, &Default::default()).await.unwrap();
+        let first = event(chrono::Utc::now());
+        // The lost attempt: stored, its answer never seen.
+        assert!(matches!(publish_request(&js, &first.subject, &first).await.unwrap(), Once::Stored(_)));
+        let (resp, queued) = queue(&js, first.clone()).await.unwrap();
+        assert!(!resp.cached && queued.is_some(), "the caller's own job: {resp:?}");
+        // Another submit of the same job, later.
+        let (resp, queued) = queue(&js, event(chrono::Utc::now() + chrono::Duration::seconds(1))).await.unwrap();
+        assert!(resp.cached && queued.is_none(), "submitted before: {resp:?}");
+    }
 }

@@ -44,11 +44,25 @@ pub enum Model {
     /// HTDemucs with 6 sources (adds guitar and piano).
     #[serde(rename = "htdemucs_6s")]
     Htdemucs6s,
+    /// Hybrid Demucs v3, retrained on MusDB and 800 songs (one model).
+    HdemucsMmi,
+    /// A bag of 4 Hybrid Demucs v3 models (the MDX 2021 entry, extra data).
+    MdxExtra,
+    /// The reproduced MDX bag, its Hybrid Demucs v3 members only.
+    ReproMdxAHybridOnly,
     /// The built-in signal-processing baseline: needs no weights.
     Dsp,
 }
 
-wire_names!(Model { Htdemucs => "htdemucs", HtdemucsFt => "htdemucs_ft", Htdemucs6s => "htdemucs_6s", Dsp => "dsp" });
+wire_names!(Model {
+    Htdemucs => "htdemucs",
+    HtdemucsFt => "htdemucs_ft",
+    Htdemucs6s => "htdemucs_6s",
+    HdemucsMmi => "hdemucs_mmi",
+    MdxExtra => "mdx_extra",
+    ReproMdxAHybridOnly => "repro_mdx_a_hybrid_only",
+    Dsp => "dsp"
+});
 
 impl Model {
     /// Parses a wire name.
@@ -68,8 +82,9 @@ impl Model {
     /// works. Requests may ask for shorter segments, never longer ones.
     pub fn max_segment(self) -> Option<f64> {
         match self {
-            Model::Dsp => None,
-            _ => Some(7.8),
+            Model::Htdemucs | Model::HtdemucsFt | Model::Htdemucs6s => Some(7.8),
+            // Hybrid Demucs takes chunks of any length (no training-length padding).
+            Model::HdemucsMmi | Model::MdxExtra | Model::ReproMdxAHybridOnly | Model::Dsp => None,
         }
     }
 }
