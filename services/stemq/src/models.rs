@@ -39,7 +39,7 @@ pub struct Release {
 pub enum Family {
     /// Hybrid Transformer Demucs (v4, `demucs.htdemucs.HTDemucs`): runs here.
     HtDemucs,
-    /// Hybrid Demucs (v3, `demucs.hdemucs.HDemucs`).
+    /// Hybrid Demucs (v3, `demucs.hdemucs.HDemucs`): runs here.
     HDemucs,
     /// Waveform Demucs (v2, `demucs.demucs.Demucs`).
     Demucs,
@@ -61,9 +61,10 @@ impl Family {
         }
     }
 
-    /// Whether this build's engine runs it (only HTDemucs is ported to Burn so far).
+    /// Whether this build's engine runs it (HTDemucs and Hybrid Demucs are ported to
+    /// Burn; the waveform Demucs v2 and DiffQ decoding are not yet).
     pub fn runs_here(self) -> bool {
-        self == Family::HtDemucs
+        matches!(self, Family::HtDemucs | Family::HDemucs)
     }
 }
 
@@ -265,8 +266,8 @@ pub async fn pull(name: &str, dir: &Path, root: &str) -> Result<()> {
     println!("{name} installed in {}", dir.display());
     if !r.family.runs_here() {
         eprintln!(
-            "note: {name} is {}; this stemq runs HTDemucs v4 models only so far (htdemucs, htdemucs_ft, \
-             htdemucs_6s), and refuses to load it",
+            "note: {name} is {}; this stemq runs HTDemucs v4 and Hybrid Demucs v3 models so far (htdemucs, \
+             htdemucs_ft, htdemucs_6s, hdemucs_mmi, mdx_extra, repro_mdx_a_hybrid_only), and refuses to load it",
             r.family.describe()
         );
     }
