@@ -73,7 +73,7 @@ impl<B: Backend> BagOfModels<B> {
             .map(|m| {
                 let own = m.config().segment_seconds();
                 match (segment, m.config().arch) {
-                    (Some(s), Arch::HDemucs) => s,
+                    (Some(s), Arch::HDemucs | Arch::Demucs) => s,
                     (Some(s), Arch::HTDemucs) if s <= own => s,
                     _ => own,
                 }
@@ -408,7 +408,8 @@ impl<B: Backend> Single<'_, B> {
         let mut sum_weight = vec![0f32; length];
         let offsets: Vec<usize> = (0..length).step_by(stride.max(1)).collect();
         // Chunks of one batch must share their padded length.
-        let as_is = cfg.arch == Arch::HDemucs || (opts.segment.is_none() && !cfg.use_train_segment);
+        // Inputs of one batch share their length: a fixed one only with HTDemucs.
+        let as_is = cfg.arch != Arch::HTDemucs || (opts.segment.is_none() && !cfg.use_train_segment);
         let batch = if as_is { 1 } else { opts.batch_size.max(1) };
         for group in offsets.chunks(batch * opts.jobs.max(1)) {
             let chunks: Vec<Chunk<'_>> = group.iter().map(|o| mix.sub(*o, seg_len)).collect();
@@ -459,6 +460,8 @@ impl<B: Backend> Single<'_, B> {
                 valid_length = match opts.segment {
                     // Hybrid Demucs has no valid length: each chunk goes in as it is.
                     _ if cfg.arch == Arch::HDemucs => length,
+                    // The waveform Demucs: its `valid_length`, real audio around the chunk.
+                    _ if cfg.arch == Arch::Demucs => crate::wave::valid_length(cfg, length),
                     Some(s) => (s * cfg.samplerate as f64) as usize,
                     None if cfg.use_train_segment => {
                         if length > self.training_length {

@@ -90,6 +90,16 @@ pub struct HTDemucsConfig {
     pub dconv_lstm: usize,
     /// Hybrid Demucs: DConv layers at this index and deeper hold a LocalState.
     pub dconv_attn: usize,
+    /// Waveform Demucs: BLSTM layers at the bottom (0 in every released model).
+    pub lstm_layers: usize,
+    /// Waveform Demucs: GLU after the rewrite convolutions (else ReLU).
+    pub glu: bool,
+    /// Waveform Demucs: GELU after the main convolutions (else ReLU).
+    pub gelu: bool,
+    /// Waveform Demucs: normalise each input by its mono mix's mean and std.
+    pub normalize: bool,
+    /// Waveform Demucs: run the network at twice the sample rate.
+    pub resample: bool,
 }
 
 /// The model class of a checkpoint.
@@ -100,6 +110,8 @@ pub enum Arch {
     /// `demucs.hdemucs.HDemucs` (v3, Hybrid Demucs): the branches merge in the deepest
     /// layers; no transformer.
     HDemucs,
+    /// `demucs.demucs.Demucs`: the waveform model (time domain only).
+    Demucs,
 }
 
 impl Arch {
@@ -108,12 +120,13 @@ impl Arch {
         match self {
             Arch::HTDemucs => "demucs.htdemucs.HTDemucs",
             Arch::HDemucs => "demucs.hdemucs.HDemucs",
+            Arch::Demucs => "demucs.demucs.Demucs",
         }
     }
 
     /// The class named `path`, if this port has it.
     pub fn from_class_path(path: &str) -> Option<Arch> {
-        [Arch::HTDemucs, Arch::HDemucs].into_iter().find(|a| a.class_path() == path)
+        [Arch::HTDemucs, Arch::HDemucs, Arch::Demucs].into_iter().find(|a| a.class_path() == path)
     }
 }
 
@@ -160,6 +173,11 @@ impl Default for HTDemucsConfig {
             hybrid_old: false,
             dconv_lstm: usize::MAX,
             dconv_attn: usize::MAX,
+            lstm_layers: 0,
+            glu: true,
+            gelu: true,
+            normalize: true,
+            resample: true,
         }
     }
 }
@@ -182,6 +200,55 @@ impl HTDemucsConfig {
         }
     }
 }
+
+impl HTDemucsConfig {
+    /// `Demucs.__init__`'s defaults (the waveform model: 64 channels, depth 6, GroupNorm,
+    /// BLSTM and LocalState from layer 4, resampling, normalisation, segment 40 s).
+    pub fn demucs_defaults() -> Self {
+        HTDemucsConfig {
+            channels: 64,
+            depth: 6,
+            dconv_comp: 4.0,
+            t_layers: 0,
+            bottom_channels: 0,
+            segment: (40, 1),
+            use_train_segment: false,
+            arch: Arch::Demucs,
+            dconv_lstm: 4,
+            dconv_attn: 4,
+            ..HTDemucsConfig::default()
+        }
+    }
+}
+
+/// The parameters of `demucs.demucs.Demucs.__init__` (4.1.0) in order.
+pub const DEMUCS_PARAMS: &[&str] = &[
+    "sources",
+    "audio_channels",
+    "channels",
+    "growth",
+    "depth",
+    "rewrite",
+    "lstm_layers",
+    "kernel_size",
+    "stride",
+    "context",
+    "gelu",
+    "glu",
+    "norm_starts",
+    "norm_groups",
+    "dconv_mode",
+    "dconv_depth",
+    "dconv_comp",
+    "dconv_attn",
+    "dconv_lstm",
+    "dconv_init",
+    "normalize",
+    "resample",
+    "rescale",
+    "samplerate",
+    "segment",
+];
 
 /// The parameters of `demucs.hdemucs.HDemucs.__init__` (4.1.0) in order.
 pub const HDEMUCS_PARAMS: &[&str] = &[
@@ -404,6 +471,7 @@ impl HTDemucsConfig {
         match arch {
             Arch::HTDemucs => Self::from_args_kwargs(args, kwargs),
             Arch::HDemucs => Self::read_kwargs(Self::hdemucs_defaults(), &bind_args(HDEMUCS_PARAMS, args, kwargs)?),
+            Arch::Demucs => Self::read_kwargs(Self::demucs_defaults(), &bind_args(DEMUCS_PARAMS, args, kwargs)?),
         }
     }
 
@@ -471,6 +539,11 @@ impl HTDemucsConfig {
                 "segment" => c.segment = as_fraction(key, v)?,
                 "use_train_segment" => c.use_train_segment = as_bool(key, v)?,
                 "hybrid_old" => c.hybrid_old = as_bool(key, v)?,
+                "lstm_layers" => c.lstm_layers = as_usize(key, v)?,
+                "glu" => c.glu = as_bool(key, v)?,
+                "gelu" => c.gelu = as_bool(key, v)?,
+                "normalize" => c.normalize = as_bool(key, v)?,
+                "resample" => c.resample = as_bool(key, v)?,
                 "dconv_lstm" => c.dconv_lstm = as_usize(key, v)?,
                 "dconv_attn" => c.dconv_attn = as_usize(key, v)?,
                 "hybrid" if !as_bool(key, v)? => {

@@ -38,6 +38,7 @@ pub mod repo;
 pub mod stft;
 pub mod stream;
 pub mod transformer;
+pub mod wave;
 
 pub use burn;
 pub use error::DemucsError;

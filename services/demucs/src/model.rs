@@ -36,6 +36,7 @@ use crate::error::DemucsError;
 use crate::nn::{to_device, to_host, Conv1d, Conv1dConfig};
 use crate::stft::{Spectrogram, Stft};
 use crate::transformer::{CrossTransformerEncoder, CrossTransformerEncoderConfig};
+use crate::wave::WaveNet;
 
 use realfft::num_complex::Complex;
 
@@ -60,6 +61,8 @@ pub struct HTDemucs<B: Backend> {
     freq_emb: Option<Tensor<B, 2>>,
     bottleneck: Option<Bottleneck<B>>,
     crosstransformer: Option<CrossTransformerEncoder<B>>,
+    /// The layers of a waveform Demucs ([`Arch::Demucs`]); the lists above are empty.
+    wave: Option<WaveNet<B>>,
     stft: Stft,
     device: B::Device,
 }
@@ -250,6 +253,7 @@ impl HTDemucsConfig {
             freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device)),
             bottleneck: None,
             crosstransformer: None,
+            wave: None,
             stft: Stft::new(c.nfft),
             device: device.clone(),
         })
@@ -257,8 +261,24 @@ impl HTDemucsConfig {
 
     /// A zero-initialised model with the layer layout of its class's `__init__`.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<HTDemucs<B>, DemucsError> {
-        if self.arch == Arch::HDemucs {
-            return self.init_hdemucs(device);
+        match self.arch {
+            Arch::HDemucs => return self.init_hdemucs(device),
+            Arch::Demucs => {
+                return Ok(HTDemucs {
+                    config: self.clone(),
+                    encoder: Vec::new(),
+                    tencoder: Vec::new(),
+                    decoder: Vec::new(),
+                    tdecoder: Vec::new(),
+                    freq_emb: None,
+                    bottleneck: None,
+                    crosstransformer: None,
+                    wave: Some(self.init_wave(device)?),
+                    stft: Stft::new(self.nfft),
+                    device: device.clone(),
+                })
+            }
+            Arch::HTDemucs => {}
         }
         let c = self;
         let nsrc = c.sources.len();
@@ -393,6 +413,7 @@ impl HTDemucsConfig {
             freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device)),
             bottleneck,
             crosstransformer,
+            wave: None,
             stft: Stft::new(c.nfft),
             device: device.clone(),
         })
@@ -464,6 +485,7 @@ impl<B: Backend> HTDemucs<B> {
             freq_emb,
             bottleneck,
             crosstransformer: self.crosstransformer.map(|t| t.load(state, "crosstransformer")).transpose()?,
+            wave: self.wave.map(|w| w.load(state)).transpose()?,
             config: self.config,
             stft: self.stft,
             device: self.device,
@@ -537,6 +559,9 @@ impl<B: Backend> HTDemucs<B> {
         training_length: usize,
     ) -> Result<HostTensor, DemucsError> {
         let c = &self.config;
+        if let Some(wave) = &self.wave {
+            return crate::wave::forward(wave, c, mix, &self.device);
+        }
         let [b, ch, length] = <[usize; 3]>::try_from(mix.shape.as_slice())
             .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [B, C, L]", mix.shape)))?;
         if ch != c.audio_channels {

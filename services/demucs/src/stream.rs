@@ -108,7 +108,10 @@ impl<B: Backend> Pass<'_, B> {
 
     /// The length a chunk of `clen` samples is fed to the model at.
     fn valid_for(&self, clen: usize) -> usize {
-        if self.as_is {
+        let cfg = self.model.config();
+        if cfg.arch == Arch::Demucs {
+            crate::wave::valid_length(cfg, clen)
+        } else if self.as_is {
             clen
         } else {
             self.valid_length

@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{check, dev, fixtures, load_path, B};
+use common::{check, dev, fixtures, load_path, stream_separate, B};
 use stemq_demucs::apply::{separate, ApplyOptions, NoProgress};
 use stemq_demucs::checkpoint::{Checkpoint, HostTensor};
 use stemq_demucs::config::{Arch, HTDemucsConfig};
@@ -120,40 +120,13 @@ fn apply_model_and_a_bag_of_both() {
 /// chunk length (no padding to it), with several passes in flight.
 #[test]
 fn streaming_matches_apply_model() {
-    use stemq_demucs::stream::{separate_stream, StatsAccumulator};
     let f = v3("apply.safetensors");
     let repo = ModelRepo::open(fixtures().join("v3/repo")).unwrap();
     let bag = repo.load::<B>("hybrid", &Default::default()).unwrap();
     let track = &f["track"];
-    let len = track.shape[1];
-    let run = |opts: &ApplyOptions| {
-        let (l, r) = track.data.split_at(len);
-        let mut acc = StatsAccumulator::default();
-        acc.push(&[l, r]);
-        let mut pos = 0;
-        let mut next = || {
-            if pos >= len {
-                return Ok(None);
-            }
-            let end = (pos + 3000).min(len);
-            let b = vec![l[pos..end].to_vec(), r[pos..end].to_vec()];
-            pos = end;
-            Ok(Some(b))
-        };
-        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); 8];
-        let mut sink = |t: HostTensor| {
-            let n = t.shape[2];
-            for (i, row) in rows.iter_mut().enumerate() {
-                row.extend_from_slice(&t.data[i * n..(i + 1) * n]);
-            }
-            Ok(())
-        };
-        separate_stream(&bag, acc.finish(), &mut next, opts, &mut NoProgress, &mut sink).unwrap();
-        HostTensor { shape: vec![4, 2, len], data: rows.concat() }
-    };
     let opts = ApplyOptions { shifts: 0, ..ApplyOptions::default() };
-    check("v3 stream (bag)", &f["out.bag"], &run(&opts), E2E_DB);
+    check("v3 stream (bag)", &f["out.bag"], &stream_separate(&bag, track, &opts, 3000), E2E_DB);
     let opts = ApplyOptions { shifts: 0, segment: Some(1.1), jobs: 2, batch_size: 2, ..ApplyOptions::default() };
     let whole = separate(&bag, track, &opts, &mut NoProgress).unwrap();
-    check("v3 stream = apply at a 1.1 s segment", &whole, &run(&opts), 120.0);
+    check("v3 stream = apply at a 1.1 s segment", &whole, &stream_separate(&bag, track, &opts, 3000), 120.0);
 }

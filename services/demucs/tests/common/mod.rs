@@ -78,3 +78,41 @@ pub fn check(label: &str, reference: &HostTensor, est: &HostTensor, min_db: f64)
     assert!(snr >= min_db, "{label}: SNR {snr:.1} dB < {min_db} dB (max abs {max:.2e})");
     snr
 }
+
+/// `separate_stream` on a whole `[C, L]` track handed over in blocks of `block` samples:
+/// the engine's path, collected back into `[S, C, L]`.
+#[allow(dead_code)]
+pub fn stream_separate(
+    bag: &stemq_demucs::apply::BagOfModels<B>,
+    track: &HostTensor,
+    opts: &stemq_demucs::apply::ApplyOptions,
+    block: usize,
+) -> HostTensor {
+    use stemq_demucs::stream::{separate_stream, StatsAccumulator};
+    let (ch, len) = (track.shape[0], track.shape[1]);
+    let rows_in: Vec<&[f32]> = (0..ch).map(|c| &track.data[c * len..(c + 1) * len]).collect();
+    let mut acc = StatsAccumulator::default();
+    acc.push(&rows_in);
+    let mut pos = 0;
+    let mut next = || {
+        if pos >= len {
+            return Ok(None);
+        }
+        let end = (pos + block).min(len);
+        let b = rows_in.iter().map(|r| r[pos..end].to_vec()).collect();
+        pos = end;
+        Ok(Some(b))
+    };
+    let nsrc = bag.sources().len();
+    let mut rows: Vec<Vec<f32>> = vec![Vec::new(); nsrc * ch];
+    let mut sink = |t: HostTensor| {
+        let n = t.shape[2];
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.extend_from_slice(&t.data[i * n..(i + 1) * n]);
+        }
+        Ok(())
+    };
+    separate_stream(bag, acc.finish(), &mut next, opts, &mut stemq_demucs::apply::NoProgress, &mut sink)
+        .expect("separate_stream");
+    HostTensor { shape: vec![nsrc, ch, len], data: rows.concat() }
+}
