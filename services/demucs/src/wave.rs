@@ -341,8 +341,7 @@ pub(crate) fn forward<B: Backend>(
     let nsrc = c.sources.len();
     let out_n = y.shape[2];
     let mut out = Vec::with_capacity(b * nsrc * ch * length);
-    for bi in 0..b {
-        let (mean, std) = stats[bi];
+    for (bi, &(mean, std)) in stats.iter().enumerate() {
         for r in 0..nsrc * ch {
             let row: Vec<f64> = y.data[(bi * nsrc * ch + r) * out_n..(bi * nsrc * ch + r + 1) * out_n]
                 .iter()
