@@ -90,6 +90,10 @@ pub struct HTDemucsConfig {
     pub dconv_lstm: usize,
     /// Hybrid Demucs: DConv layers at this index and deeper hold a LocalState.
     pub dconv_attn: usize,
+    /// Hybrid Demucs: `MultiWrap` band split ratios (empty: none).
+    pub multi_freqs: Vec<f64>,
+    /// Hybrid Demucs: how many outer layers `MultiWrap` wraps.
+    pub multi_freqs_depth: usize,
     /// Waveform Demucs: BLSTM layers at the bottom (0 in every released model).
     pub lstm_layers: usize,
     /// Waveform Demucs: GLU after the rewrite convolutions (else ReLU).
@@ -173,6 +177,8 @@ impl Default for HTDemucsConfig {
             hybrid_old: false,
             dconv_lstm: usize::MAX,
             dconv_attn: usize::MAX,
+            multi_freqs: Vec::new(),
+            multi_freqs_depth: 2,
             lstm_layers: 0,
             glu: true,
             gelu: true,
@@ -556,11 +562,16 @@ impl HTDemucsConfig {
                 "wiener_iters" | "end_iters" if as_f64(key, v)? != 0.0 => {
                     return Err(DemucsError::Unsupported(format!("{key} > 0 (Wiener filtering)")))
                 }
-                "multi_freqs"
-                    if !matches!(v, Value::None | Value::List(_)) || matches!(v, Value::List(l) if !l.is_empty()) =>
-                {
-                    return Err(DemucsError::Unsupported("multi_freqs (MultiWrap)".into()))
+                "multi_freqs" => {
+                    c.multi_freqs = match v {
+                        Value::None => Vec::new(),
+                        Value::List(l) | Value::Tuple(l) => {
+                            l.iter().map(|r| as_f64(key, r)).collect::<Result<_, _>>()?
+                        }
+                        _ => return Err(bad(key, v)),
+                    }
                 }
+                "multi_freqs_depth" => c.multi_freqs_depth = as_usize(key, v)?,
                 "t_emb" if v.as_str() != Some("sin") => {
                     return Err(DemucsError::Unsupported(format!("t_emb {v:?} (only `sin`)")))
                 }
@@ -577,6 +588,9 @@ impl HTDemucsConfig {
         }
         if !have_sources {
             return Err(DemucsError::Checkpoint("kwargs without `sources`".into()));
+        }
+        if !c.multi_freqs.is_empty() && c.arch == Arch::HTDemucs {
+            return Err(DemucsError::Unsupported("multi_freqs (MultiWrap) in HTDemucs".into()));
         }
         if !c.cac && c.arch == Arch::HTDemucs {
             return Err(DemucsError::Unsupported("cac = false in HTDemucs (masking models)".into()));

@@ -1,7 +1,10 @@
-//! Port of `demucs.hdemucs.HDecLayer` (`context_freq`, no `MultiWrap`), as HTDemucs and
-//! Hybrid Demucs build it. Hybrid Demucs adds `empty` layers (no skip, no rewrite: the
-//! transposed convolution, its norm, the crop and the GELU, fed the `pre` of the last
-//! frequency layer) and a last frequency layer without padding (nothing cropped).
+//! Port of `demucs.hdemucs.HDecLayer`, as HTDemucs and Hybrid Demucs build it. Hybrid
+//! Demucs adds `empty` layers (no skip, no rewrite: the transposed convolution, its norm,
+//! the crop and the GELU, fed the `pre` of the last frequency layer), a last frequency
+//! layer without padding (nothing cropped), and `MultiWrap` (`bands`): one copy per
+//! frequency band (rewrite kernel `[1, 3]`, no crop, no GELU), their outputs
+//! overlap-added by `stride` rows (one bias taken out), the outer half-strides dropped,
+//! the GELU after.
 //!
 //! Frequency layer: `x + skip` (`[B, chin, F, T]`) → `Conv2d(chin → 2·chin, 3×3, pad 1)`
 //! → (GroupNorm) → GLU → [`DConv`] over frequency rows → `ConvTranspose2d(chin → chout,
@@ -55,6 +58,10 @@ pub struct HDecLayerConfig {
     pub rewrite: bool,
     /// No skip, rewrite or DConv: the transposed convolution alone (with its norm).
     pub empty: bool,
+    /// The rewrite convolution spans frequency too (`3×3`); else `[1, 3]`.
+    pub context_freq: bool,
+    /// `MultiWrap`: split the frequency axis at these ratios of the bins.
+    pub bands: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +80,10 @@ pub struct HDecLayer<B: Backend> {
     pad: usize,
     last: bool,
     empty: bool,
+    stride: usize,
+    /// `MultiWrap`: the split ratios and one layer per band (the fields above unused).
+    ratios: Vec<f64>,
+    bands: Vec<HDecLayer<B>>,
 }
 
 impl HDecLayerConfig {
@@ -83,12 +94,13 @@ impl HDecLayerConfig {
         let layers = if self.freq {
             Layers::Freq {
                 rewrite: rewrite.then(|| {
+                    let (kf, pf) = if self.context_freq { (1 + 2 * ctx, ctx) } else { (1, 0) };
                     Conv2dConfig {
                         chin,
                         chout: 2 * chin,
-                        kernel: [1 + 2 * ctx, 1 + 2 * ctx],
+                        kernel: [kf, 1 + 2 * ctx],
                         stride: [1, 1],
-                        padding: [ctx, ctx],
+                        padding: [pf, ctx],
                     }
                     .init(device)
                 }),
@@ -109,6 +121,14 @@ impl HDecLayerConfig {
             pad: if self.pad { k / 4 } else { 0 },
             last: self.last,
             empty: self.empty,
+            stride: s,
+            ratios: self.bands.clone().unwrap_or_default(),
+            bands: match &self.bands {
+                Some(r) => (0..=r.len())
+                    .map(|_| HDecLayerConfig { pad: false, last: true, bands: None, ..self.clone() }.init(device))
+                    .collect(),
+                None => Vec::new(),
+            },
         }
     }
 }
@@ -116,6 +136,16 @@ impl HDecLayerConfig {
 impl<B: Backend> HDecLayer<B> {
     /// Takes `{prefix}.rewrite`, `.norm1`, `.dconv`, `.conv_tr`, `.norm2`.
     pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        if !self.bands.is_empty() {
+            // MultiWrap: `{prefix}.layers.{k}` per band.
+            let bands = self
+                .bands
+                .into_iter()
+                .enumerate()
+                .map(|(k, l)| l.load(state, &format!("{prefix}.layers.{k}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(HDecLayer { bands, ..self });
+        }
         let p = |n: &str| format!("{prefix}.{n}");
         let layers = match self.layers {
             Layers::Freq { rewrite, conv_tr } => Layers::Freq {
@@ -135,11 +165,17 @@ impl<B: Backend> HDecLayer<B> {
             pad: self.pad,
             last: self.last,
             empty: self.empty,
+            stride: self.stride,
+            ratios: self.ratios,
+            bands: self.bands,
         })
     }
 
     /// Frequency layer: `x`, `skip` `[B, chin, F, T]` → (`[B, chout, F·s, T]`, pre).
     pub fn forward_freq(&self, x: Tensor<B, 4>, skip: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        if !self.bands.is_empty() {
+            return self.forward_bands(x, skip);
+        }
         let Layers::Freq { rewrite, conv_tr } = &self.layers else { panic!("forward_freq on a time layer") };
         let x = if self.empty { x } else { x + skip };
         let y = match rewrite {
@@ -173,6 +209,47 @@ impl<B: Backend> HDecLayer<B> {
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
     pub fn forward_time(&self, x: Tensor<B, 3>, skip: Tensor<B, 3>, length: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
         self.forward_time_skip(x, Some(skip), length)
+    }
+
+    /// `MultiWrap.forward` of a decoder: the bands at `round(F·ratio)`, each through its
+    /// copy (no crop, no GELU); the first `stride` rows of a band are added to the last
+    /// `stride` of the previous one (less one transposed-convolution bias) and dropped;
+    /// `stride/2` rows go at both outer edges; GELU unless the last layer. The `pre` is
+    /// the input (PyTorch returns none; nothing reads it for these layers).
+    fn forward_bands(&self, x: Tensor<B, 4>, skip: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let fr = x.dims()[2];
+        let s = self.stride;
+        let ratios = self.ratios.iter().copied().chain([1.0]);
+        let mut start = 0usize;
+        let mut outs: Vec<Tensor<B, 4>> = Vec::with_capacity(self.bands.len());
+        for (ratio, layer) in ratios.zip(&self.bands) {
+            let limit = if ratio == 1.0 { fr } else { crate::encoder::round_half_even(fr as f64 * ratio) as usize };
+            let y = x.clone().narrow(2, start, limit - start);
+            let sk = skip.clone().narrow(2, start, limit - start);
+            let (mut out, _) = layer.forward_freq(y, sk);
+            if let Some(prev) = outs.pop() {
+                let Layers::Freq { conv_tr, .. } = &layer.layers else { unreachable!("a frequency layer") };
+                let c = conv_tr.bias.dims()[0];
+                let n = prev.dims()[2];
+                let head = out.clone().narrow(2, 0, s) - conv_tr.bias.clone().reshape([1, c, 1, 1]);
+                let tail = prev.clone().narrow(2, n - s, s) + head;
+                outs.push(Tensor::cat(vec![prev.narrow(2, 0, n - s), tail], 2));
+                let len = out.dims()[2];
+                out = out.narrow(2, s, len - s);
+            }
+            if ratio == 1.0 {
+                let len = out.dims()[2];
+                out = out.narrow(2, 0, len - s / 2);
+            }
+            if start == 0 {
+                let len = out.dims()[2];
+                out = out.narrow(2, s / 2, len - s / 2);
+            }
+            outs.push(out);
+            start = limit;
+        }
+        let out = Tensor::cat(outs, 2);
+        (if self.last { out } else { cpu::gelu(out) }, x)
     }
 
     /// Whether the layer runs along frequency (`ConvTranspose2d`) rather than time.

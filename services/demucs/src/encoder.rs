@@ -1,7 +1,10 @@
 //! Port of `demucs.hdemucs.HEncLayer` (no `MultiWrap`), as HTDemucs and Hybrid Demucs
 //! build it. Hybrid Demucs adds `empty` layers (the convolution alone: the last time
 //! layer before the branches merge) and `inject` (that layer's output added to the
-//! frequency layer's convolution, broadcast over its single frequency row).
+//! frequency layer's convolution, broadcast over its single frequency row), and
+//! `MultiWrap` (`bands`): the layer copied once per frequency band (split at the given
+//! ratios of the bins, each copy unpadded, zero rows added at the outer edges), the
+//! copies' outputs concatenated.
 //!
 //! Frequency layer: `Conv2d(chin → chout, [k, 1], [s, 1], [k/4, 0])` on
 //! `[B, chin, F, T]` → `[B, chout, F/s, T]` → (GroupNorm) → GELU → [`DConv`] over
@@ -47,6 +50,9 @@ pub struct HEncLayerConfig {
     pub rewrite: bool,
     /// The convolution alone (no norm, GELU, DConv or rewrite).
     pub empty: bool,
+    /// `MultiWrap`: split the frequency axis at these ratios of the bins, one copy of the
+    /// layer per band.
+    pub bands: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,7 +70,11 @@ pub struct HEncLayer<B: Backend> {
     norm2: Option<GroupNorm<B>>,
     dconv: Option<DConv<B>>,
     stride: usize,
+    kernel: usize,
     empty: bool,
+    /// `MultiWrap`: the split ratios and one layer per band (the fields above unused).
+    ratios: Vec<f64>,
+    bands: Vec<HEncLayer<B>>,
 }
 
 impl HEncLayerConfig {
@@ -83,6 +93,13 @@ impl HEncLayerConfig {
         let norm = |c| self.norm.then(|| GroupNormConfig { groups: self.norm_groups, channels: c }.init(device));
         let ctx = self.context;
         let full = !self.empty;
+        let ratios = self.bands.clone().unwrap_or_default();
+        let bands = match &self.bands {
+            Some(r) => (0..=r.len())
+                .map(|_| HEncLayerConfig { pad: false, bands: None, ..self.clone() }.init(device))
+                .collect(),
+            None => Vec::new(),
+        };
         HEncLayer {
             conv: conv(self.chin, self.chout, self.kernel_size, self.stride, pad, true),
             norm1: norm(self.chout).filter(|_| full),
@@ -90,7 +107,10 @@ impl HEncLayerConfig {
             norm2: if full && self.rewrite { norm(2 * self.chout) } else { None },
             dconv: self.dconv.as_ref().filter(|_| full).map(|d| d.init(device)),
             stride: self.stride,
+            kernel: self.kernel_size,
             empty: self.empty,
+            ratios,
+            bands,
         }
     }
 }
@@ -124,6 +144,16 @@ pub(crate) fn dconv_freq<B: Backend>(d: &DConv<B>, y: Tensor<B, 4>) -> Tensor<B,
 impl<B: Backend> HEncLayer<B> {
     /// Takes `{prefix}.conv`, `.norm1`, `.rewrite`, `.norm2`, `.dconv`.
     pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
+        if !self.bands.is_empty() {
+            // MultiWrap: `{prefix}.layers.{k}` per band.
+            let bands = self
+                .bands
+                .into_iter()
+                .enumerate()
+                .map(|(k, l)| l.load(state, &format!("{prefix}.layers.{k}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(HEncLayer { bands, ..self });
+        }
         let load_norm = |n: Option<GroupNorm<B>>, state: &mut StateDict, name: &str| {
             n.map(|n| n.load(state, &format!("{prefix}.{name}"))).transpose()
         };
@@ -134,7 +164,10 @@ impl<B: Backend> HEncLayer<B> {
             norm2: load_norm(self.norm2, state, "norm2")?,
             dconv: self.dconv.map(|d| d.load(state, &format!("{prefix}.dconv"))).transpose()?,
             stride: self.stride,
+            kernel: self.kernel,
             empty: self.empty,
+            ratios: self.ratios,
+            bands: self.bands,
         })
     }
 
@@ -161,6 +194,9 @@ impl<B: Backend> HEncLayer<B> {
     /// [`HEncLayer::forward_freq`] with the time branch's `[B, chout, T]` added after the
     /// convolution (over every frequency row).
     pub fn forward_freq_inject(&self, x: Tensor<B, 4>, inject: Option<Tensor<B, 3>>) -> Tensor<B, 4> {
+        if !self.bands.is_empty() {
+            return self.forward_bands(x);
+        }
         let Conv::Freq(conv) = &self.conv else { panic!("forward_freq on a time layer") };
         let y = conv.forward(x);
         if self.empty {
@@ -182,6 +218,40 @@ impl<B: Backend> HEncLayer<B> {
             Some(Conv::Freq(r)) => cpu::glu(norm4(&self.norm2, r.forward(y))),
             _ => y,
         }
+    }
+
+    /// `MultiWrap.forward` of an encoder: each band cut so that it holds a whole number
+    /// of convolution windows (its limit snapped down from `round(F·ratio)`, the next
+    /// band starting where the next window would), `k/4` zero rows before the first and
+    /// after the last, each through its own copy, concatenated.
+    fn forward_bands(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, c, fr, t] = x.dims();
+        let (k, s) = (self.kernel as i64, self.stride as i64);
+        let pad = self.kernel / 4;
+        let device = x.device();
+        let ratios = self.ratios.iter().copied().chain([1.0]);
+        let mut start = 0i64;
+        let mut outs = Vec::with_capacity(self.bands.len());
+        for (ratio, layer) in ratios.zip(&self.bands) {
+            let limit = if ratio == 1.0 {
+                fr as i64
+            } else {
+                let rough = round_half_even(fr as f64 * ratio) as i64;
+                let le = rough - start + if start == 0 { pad as i64 } else { 0 };
+                let frames = round_half_even((le - k) as f64 / s as f64 + 1.0) as i64;
+                start + (frames - 1) * s + k - if start == 0 { pad as i64 } else { 0 }
+            };
+            let mut y = x.clone().narrow(2, start as usize, (limit - start) as usize);
+            if start == 0 {
+                y = Tensor::cat(vec![Tensor::zeros([b, c, pad, t], &device), y], 2);
+            }
+            if ratio == 1.0 {
+                y = Tensor::cat(vec![y, Tensor::zeros([b, c, pad, t], &device)], 2);
+            }
+            outs.push(layer.forward_freq_inject(y, None));
+            start = limit - k + s;
+        }
+        Tensor::cat(outs, 2)
     }
 
     /// Time layer: `[B, chin, L]` → `[B, chout, ceil(L/s)]`.
@@ -206,6 +276,28 @@ impl<B: Backend> HEncLayer<B> {
         match &self.rewrite {
             Some(Conv::Time(r)) => cpu::glu(norm3(&self.norm2, r.forward(y))),
             _ => y,
+        }
+    }
+}
+
+/// Python's `round`: halves go to the even neighbour.
+pub(crate) fn round_half_even(v: f64) -> f64 {
+    let r = v.round();
+    if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - v.signum()
+    } else {
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_half_even;
+
+    #[test]
+    fn rounds_like_python() {
+        for (v, want) in [(2.5, 2.0), (3.5, 4.0), (-2.5, -2.0), (51.2, 51.0), (153.6, 154.0), (0.5, 0.0), (1.5, 2.0)] {
+            assert_eq!(round_half_even(v), want, "{v}");
         }
     }
 }

@@ -131,6 +131,11 @@ impl HTDemucsConfig {
         let mut freq_emb_shape = None;
         for index in 0..c.depth {
             let (lstm, attn, norm) = (index >= c.dconv_lstm, index >= c.dconv_attn, index >= c.norm_starts);
+            // MultiWrap around the outer layers: one copy per frequency band.
+            let multi = (!c.multi_freqs.is_empty() && index < c.multi_freqs_depth).then(|| c.multi_freqs.clone());
+            if multi.is_some() && norm {
+                return Err(DemucsError::Unsupported("MultiWrap around a layer with GroupNorm".into()));
+            }
             let dconv = |on: bool, ch: usize| {
                 on.then_some(DConvConfig { channels: ch, compress: c.dconv_comp, depth: c.dconv_depth, lstm, attn })
             };
@@ -167,6 +172,7 @@ impl HTDemucsConfig {
                     pad,
                     rewrite: c.rewrite,
                     empty: false,
+                    bands: multi.clone(),
                 }
                 .init(device),
             );
@@ -185,6 +191,7 @@ impl HTDemucsConfig {
                         pad: true,
                         rewrite: c.rewrite,
                         empty: last_freq,
+                        bands: None,
                     }
                     .init(device),
                 );
@@ -209,6 +216,8 @@ impl HTDemucsConfig {
                     pad,
                     rewrite: c.rewrite,
                     empty: false,
+                    context_freq: multi.is_none(),
+                    bands: multi.clone(),
                 }
                 .init(device),
             );
@@ -229,6 +238,8 @@ impl HTDemucsConfig {
                         pad: true,
                         rewrite: c.rewrite,
                         empty: last_freq,
+                        context_freq: true,
+                        bands: None,
                     }
                     .init(device),
                 );
@@ -322,6 +333,7 @@ impl HTDemucsConfig {
                     pad: true,
                     rewrite: c.rewrite,
                     empty: false,
+                    bands: None,
                 }
                 .init(device),
             );
@@ -339,6 +351,7 @@ impl HTDemucsConfig {
                     pad: true,
                     rewrite: c.rewrite,
                     empty: false,
+                    bands: None,
                 }
                 .init(device),
             );
@@ -361,6 +374,8 @@ impl HTDemucsConfig {
                     pad: true,
                     rewrite: c.rewrite,
                     empty: false,
+                    context_freq: true,
+                    bands: None,
                 }
                 .init(device)
             };

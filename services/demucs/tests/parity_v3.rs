@@ -130,3 +130,21 @@ fn streaming_matches_apply_model() {
     let whole = separate(&bag, track, &opts, &mut NoProgress).unwrap();
     check("v3 stream = apply at a 1.1 s segment", &whole, &stream_separate(&bag, track, &opts, 3000), 120.0);
 }
+
+/// MultiWrap (`multi_freqs`, as in the `mdx` member 7d865c68): the two outer layers of
+/// `g7g7g7g7` each run as three band copies, encoders and decoders; whole model too.
+#[test]
+fn multiwrap_bands() {
+    let f = v3("multi.safetensors");
+    let m = model("g7g7g7g7");
+    for i in [0, 1] {
+        let y = to_host(m.encoder(i).forward_freq(dev(&f[&format!("enc{i}.in0")])));
+        check(&format!("v3 MultiWrap encoder[{i}]"), &f[&format!("enc{i}.out0")], &y, BLOCK_DB);
+    }
+    for i in [2, 3] {
+        let (z, _) = m.decoder(i).forward_freq(dev(&f[&format!("dec{i}.in0")]), dev(&f[&format!("dec{i}.in1")]));
+        let what = if i == 3 { "MultiWrap decoder[3]" } else { "decoder[2] (under it)" };
+        check(&format!("v3 {what}"), &f[&format!("dec{i}.out0")], &to_host(z), BLOCK_DB);
+    }
+    check("v3 forward (MultiWrap)", &f["forward.out"], &m.forward(&f["forward.in"]).unwrap(), E2E_DB);
+}
