@@ -24,6 +24,7 @@ use std::path::Path;
 
 use half::{bf16, f16};
 
+use crate::diffq::{Packed, Quantized, QuantizedParam};
 use crate::error::DemucsError;
 use crate::pickle::{unpickle, Value};
 
@@ -40,12 +41,25 @@ pub struct HostTensor {
 #[derive(Debug, Clone, Default)]
 pub struct StateDict {
     tensors: BTreeMap<String, HostTensor>,
+    /// A dry run: every `take` answers zeros and is recorded here (name, shape).
+    recorded: Option<Vec<(String, Vec<usize>)>>,
 }
 
 impl StateDict {
     /// Wraps a map of tensors.
     pub fn new(tensors: BTreeMap<String, HostTensor>) -> Self {
-        StateDict { tensors }
+        StateDict { tensors, recorded: None }
+    }
+
+    /// A dry run: loading from it records every parameter a model takes (its name and
+    /// shape) and gives zeros; [`StateDict::into_recorded`] returns them.
+    pub fn recording() -> Self {
+        StateDict { tensors: BTreeMap::new(), recorded: Some(Vec::new()) }
+    }
+
+    /// The parameters taken from a [`StateDict::recording`], in the order taken.
+    pub fn into_recorded(self) -> Vec<(String, Vec<usize>)> {
+        self.recorded.unwrap_or_default()
     }
 
     /// Names still present.
@@ -60,6 +74,10 @@ impl StateDict {
 
     /// Removes and returns a tensor, checking its shape.
     pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, DemucsError> {
+        if let Some(r) = self.recorded.as_mut() {
+            r.push((name.to_string(), expected.to_vec()));
+            return Ok(HostTensor { shape: expected.to_vec(), data: vec![0.0; expected.iter().product()] });
+        }
         let t = self.tensors.remove(name).ok_or_else(|| DemucsError::MissingTensor(name.to_string()))?;
         if t.shape != expected {
             return Err(DemucsError::Shape { name: name.to_string(), expected: expected.to_vec(), found: t.shape });
@@ -81,6 +99,7 @@ impl StateDict {
                 .iter()
                 .filter_map(|(k, v)| k.strip_prefix(&p).map(|s| (s.to_string(), v.clone())))
                 .collect(),
+            recorded: None,
         }
     }
 
@@ -103,8 +122,11 @@ pub struct Checkpoint {
     pub args: Value,
     /// Keyword constructor arguments.
     pub kwargs: Value,
-    /// The weights, cast to `f32`.
+    /// The weights, cast to `f32` (empty for a DiffQ package: see `quantized`).
     pub state: StateDict,
+    /// A DiffQ-quantised package's state, decoded against the model's parameters when
+    /// it is built ([`crate::diffq`]).
+    pub quantized: Option<Quantized>,
 }
 
 impl Checkpoint {
@@ -140,8 +162,9 @@ impl Checkpoint {
         let args = root.get("args").cloned().unwrap_or(Value::List(vec![]));
         let kwargs = field("kwargs")?;
         let state_v = field("state")?;
-        if state_v.get("__quantized").is_some() {
-            return Err(DemucsError::Unsupported("quantised (diffq) checkpoints are not supported".into()));
+        if state_v.get("__quantized").is_some_and(|q| !matches!(q, Value::Bool(false) | Value::None)) {
+            let quantized = read_quantized(&state_v, &prefix, &mut zip)?;
+            return Ok(Checkpoint { klass, args, kwargs, state: StateDict::default(), quantized: Some(quantized) });
         }
         let items = state_v.dict_items().ok_or_else(|| DemucsError::Checkpoint("`state` is not a dict".into()))?;
         let mut tensors = BTreeMap::new();
@@ -152,8 +175,88 @@ impl Checkpoint {
                 .map_err(|e| DemucsError::Checkpoint(format!("tensor `{name}`: {e}")))?;
             tensors.insert(name.to_string(), t);
         }
-        Ok(Checkpoint { klass, args, kwargs, state: StateDict::new(tensors) })
+        Ok(Checkpoint { klass, args, kwargs, state: StateDict::new(tensors), quantized: None })
     }
+}
+
+/// The `state` of a DiffQ package: `quantized`, `others`, `meta` (a `DiffQuantizer`
+/// with `min_size` and `group_size`, packed the int64 way).
+fn read_quantized<R: Read + std::io::Seek>(
+    state: &Value,
+    prefix: &str,
+    zip: &mut zip::ZipArchive<R>,
+) -> Result<Quantized, DemucsError> {
+    let bad = |m: &str| DemucsError::Checkpoint(format!("diffq state: {m}"));
+    let meta = state.get("meta").ok_or_else(|| bad("no `meta`"))?;
+    match meta.get("klass") {
+        Some(Value::Global(m, n)) if m == "diffq.diffq" && n == "DiffQuantizer" => {}
+        other => return Err(DemucsError::Unsupported(format!("quantizer {other:?} (only diffq's DiffQuantizer)"))),
+    }
+    if matches!(meta.get("packed"), Some(Value::Bool(false))) {
+        return Err(DemucsError::Unsupported("an unpacked diffq state".into()));
+    }
+    if matches!(meta.get("torch_pack"), Some(Value::Bool(true))) {
+        return Err(DemucsError::Unsupported("a diffq state packed with torch_pack".into()));
+    }
+    let init = meta.get("init_kwargs");
+    let num = |k: &str| match init.and_then(|i| i.get(k)) {
+        Some(Value::Float(f)) => Some(*f),
+        Some(Value::Int(i)) => Some(*i as f64),
+        _ => None,
+    };
+    // DiffQuantizer's defaults.
+    let min_size = num("min_size").unwrap_or(0.01);
+    let group_size = num("group_size").unwrap_or(1.0);
+    if group_size < 1.0 || group_size.fract() != 0.0 {
+        return Err(bad(&format!("group_size {group_size}")));
+    }
+    if let Some(Value::List(f16)) = state.get("float16") {
+        if !f16.is_empty() {
+            return Err(DemucsError::Unsupported("diffq float16 parameters".into()));
+        }
+    }
+    let mut storages = BTreeMap::new();
+    let mut packed = |v: &Value, what: &str| -> Result<Packed, DemucsError> {
+        let (shape, words) = rebuild_words(v, prefix, zip, &mut storages)
+            .map_err(|e| DemucsError::Checkpoint(format!("diffq {what}: {e}")))?;
+        Ok(Packed { shape, words })
+    };
+    let list = |k: &str| match state.get(k) {
+        Some(Value::List(l)) | Some(Value::Tuple(l)) => Ok(l.clone()),
+        _ => Err(bad(&format!("no `{k}` list"))),
+    };
+    let mut quantized = Vec::new();
+    for entry in list("quantized")? {
+        let (Value::Tuple(parts) | Value::List(parts)) = &entry else { return Err(bad("an entry is not a tuple")) };
+        let [levels, range, bits] = parts.as_slice() else { return Err(bad("an entry is not (levels, range, bits)")) };
+        let (Value::List(levels) | Value::Tuple(levels)) = levels else { return Err(bad("levels are not a list")) };
+        let levels = levels
+            .iter()
+            .map(|l| match l {
+                Value::None => Ok(None),
+                v => packed(v, "levels").map(Some),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let float = |v: &Value| match v {
+            Value::Float(f) => Ok(*f),
+            Value::Int(i) => Ok(*i as f64),
+            _ => Err(bad("a range bound is not a number")),
+        };
+        let range = match range {
+            Value::Tuple(r) | Value::List(r) if r.len() == 2 => (float(&r[0])?, float(&r[1])?),
+            _ => return Err(bad("the range is not (min, max)")),
+        };
+        quantized.push(QuantizedParam { levels, range, bits: packed(bits, "bits")? });
+    }
+    let mut storages = BTreeMap::new();
+    let others = list("others")?
+        .iter()
+        .map(|v| {
+            rebuild_tensor(v, prefix, zip, &mut storages)
+                .map_err(|e| DemucsError::Checkpoint(format!("diffq others: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Quantized { min_size, group_size: group_size as usize, quantized, others })
 }
 
 /// Largest archive entry read (the pickle or one tensor storage). The largest storage of
@@ -184,6 +287,8 @@ enum DType {
     BF16,
     F32,
     F64,
+    /// `LongStorage`: DiffQ's packed bit words.
+    I64,
 }
 
 impl DType {
@@ -193,6 +298,7 @@ impl DType {
             "BFloat16Storage" => DType::BF16,
             "FloatStorage" => DType::F32,
             "DoubleStorage" => DType::F64,
+            "LongStorage" => DType::I64,
             other => return Err(format!("unsupported storage type {other}")),
         })
     }
@@ -200,16 +306,25 @@ impl DType {
         match self {
             DType::F16 | DType::BF16 => 2,
             DType::F32 => 4,
-            DType::F64 => 8,
+            DType::F64 | DType::I64 => 8,
         }
     }
-    fn read(self, b: &[u8], i: usize) -> f32 {
+    /// Element `i` as `f32` (integers are refused where floats are expected).
+    fn read(self, b: &[u8], i: usize) -> Result<f32, String> {
         let s = &b[i * self.size()..(i + 1) * self.size()];
-        match self {
+        Ok(match self {
             DType::F16 => f16::from_le_bytes([s[0], s[1]]).to_f32(),
             DType::BF16 => bf16::from_le_bytes([s[0], s[1]]).to_f32(),
             DType::F32 => f32::from_le_bytes(s.try_into().unwrap()),
             DType::F64 => f64::from_le_bytes(s.try_into().unwrap()) as f32,
+            DType::I64 => return Err("an integer tensor where weights were expected".into()),
+        })
+    }
+    /// Element `i` as the raw 64 bits of an integer storage.
+    fn read_word(self, b: &[u8], i: usize) -> Result<u64, String> {
+        match self {
+            DType::I64 => Ok(u64::from_le_bytes(b[i * 8..(i + 1) * 8].try_into().unwrap())),
+            _ => Err("a float tensor where packed integers were expected".into()),
         }
     }
 }
@@ -227,13 +342,36 @@ fn ints(v: &Value) -> Result<Vec<usize>, String> {
     }
 }
 
-/// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`.
+/// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` of a float
+/// tensor, as `f32`.
 fn rebuild_tensor<R: Read + std::io::Seek>(
     v: &Value,
     prefix: &str,
     zip: &mut zip::ZipArchive<R>,
     storages: &mut BTreeMap<String, Vec<u8>>,
 ) -> Result<HostTensor, String> {
+    let (shape, data) = rebuild_with(v, prefix, zip, storages, DType::read)?;
+    Ok(HostTensor { shape, data })
+}
+
+/// An int64 tensor (DiffQ's packed words), as raw `u64`s.
+fn rebuild_words<R: Read + std::io::Seek>(
+    v: &Value,
+    prefix: &str,
+    zip: &mut zip::ZipArchive<R>,
+    storages: &mut BTreeMap<String, Vec<u8>>,
+) -> Result<(Vec<usize>, Vec<u64>), String> {
+    rebuild_with(v, prefix, zip, storages, DType::read_word)
+}
+
+/// A tensor's shape and elements, each read from its storage by `read`.
+fn rebuild_with<R: Read + std::io::Seek, T>(
+    v: &Value,
+    prefix: &str,
+    zip: &mut zip::ZipArchive<R>,
+    storages: &mut BTreeMap<String, Vec<u8>>,
+    read: fn(DType, &[u8], usize) -> Result<T, String>,
+) -> Result<(Vec<usize>, Vec<T>), String> {
     let (callable, args) = match v {
         Value::Object { callable, args, .. } => (callable, args),
         _ => return Err("not a tensor".into()),
@@ -289,7 +427,7 @@ fn rebuild_tensor<R: Read + std::io::Seek>(
     let mut idx = vec![0usize; shape.len()];
     for _ in 0..numel {
         let pos = offset + idx.iter().zip(&stride).map(|(i, s)| i * s).sum::<usize>();
-        data.push(dtype.read(bytes, pos));
+        data.push(read(dtype, bytes, pos)?);
         for d in (0..shape.len()).rev() {
             idx[d] += 1;
             if idx[d] < shape[d] {
@@ -298,7 +436,7 @@ fn rebuild_tensor<R: Read + std::io::Seek>(
             idx[d] = 0;
         }
     }
-    Ok(HostTensor { shape, data })
+    Ok((shape, data))
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ pub mod config;
 pub mod cpu;
 pub mod dconv;
 pub mod decoder;
+pub mod diffq;
 pub mod encoder;
 pub mod engine;
 pub mod error;

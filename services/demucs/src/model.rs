@@ -447,7 +447,15 @@ impl<B: Backend> HTDemucs<B> {
         };
         let config = HTDemucsConfig::for_arch(arch, &ckpt.args, &ckpt.kwargs)?;
         let model = config.init(device)?;
-        let mut state = ckpt.state;
+        let mut state = match ckpt.quantized {
+            // No names on disk: the parameters in PyTorch's order, from a dry run.
+            Some(q) => {
+                let mut dry = StateDict::recording();
+                config.init::<B>(device)?.load(&mut dry)?;
+                crate::diffq::dequantize(q, &crate::diffq::canonical_order(dry.into_recorded()))?
+            }
+            None => ckpt.state,
+        };
         let model = model.load(&mut state)?;
         state.finish()?;
         Ok(model)
