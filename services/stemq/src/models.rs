@@ -37,9 +37,9 @@ pub struct Release {
 /// The architecture of a released model's checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
-    /// Hybrid Transformer Demucs (v4, `demucs.htdemucs.HTDemucs`): runs here.
+    /// Hybrid Transformer Demucs (v4, `demucs.htdemucs.HTDemucs`).
     HtDemucs,
-    /// Hybrid Demucs (v3, `demucs.hdemucs.HDemucs`): runs here.
+    /// Hybrid Demucs (v3, `demucs.hdemucs.HDemucs`).
     HDemucs,
     /// Waveform Demucs (v2, `demucs.demucs.Demucs`).
     Demucs,
@@ -59,12 +59,6 @@ impl Family {
             Family::Mixed => "Demucs v2 + Hybrid Demucs v3",
             Family::Quantised => "DiffQ-quantised v2/v3",
         }
-    }
-
-    /// Whether this build's engine runs it (HTDemucs and Hybrid Demucs are ported to
-    /// Burn; the waveform Demucs v2 and DiffQ decoding are not yet).
-    pub fn runs_here(self) -> bool {
-        matches!(self, Family::HtDemucs | Family::HDemucs)
     }
 }
 
@@ -264,13 +258,6 @@ pub async fn pull(name: &str, dir: &Path, root: &str) -> Result<()> {
     pull_files(root, r.files, dir).await?;
     std::fs::write(dir.join(format!("{name}.yaml")), r.yaml)?;
     println!("{name} installed in {}", dir.display());
-    if !r.family.runs_here() {
-        eprintln!(
-            "note: {name} is {}; this stemq runs HTDemucs v4 and Hybrid Demucs v3 models so far (htdemucs, \
-             htdemucs_ft, htdemucs_6s, hdemucs_mmi, mdx_extra, repro_mdx_a_hybrid_only), and refuses to load it",
-            r.family.describe()
-        );
-    }
     Ok(())
 }
 
@@ -281,12 +268,7 @@ pub fn list(dir: &Path) -> Result<()> {
     for r in RELEASES {
         let complete = dir.join(format!("{}.yaml", r.name)).is_file()
             && r.files.iter().all(|f| dir.join(f.rsplit('/').next().unwrap_or(f)).is_file());
-        let state = match (complete, r.family.runs_here()) {
-            (true, true) => "installed",
-            (true, false) => "installed, not runnable here yet",
-            (false, true) => "not installed (stemq models pull NAME)",
-            (false, false) => "not runnable here yet",
-        };
+        let state = if complete { "installed" } else { "not installed (stemq models pull NAME)" };
         let size = r.approx_mb.map_or("?".to_string(), |mb| format!("~{mb} MB"));
         let files: Vec<&str> =
             r.files.iter().map(|f| f.rsplit('/').next().unwrap_or(f).trim_end_matches(".th")).collect();

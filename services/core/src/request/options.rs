@@ -50,6 +50,16 @@ pub enum Model {
     MdxExtra,
     /// The reproduced MDX bag, its Hybrid Demucs v3 members only.
     ReproMdxAHybridOnly,
+    /// The MDX 2021 entry: 2 waveform Demucs and 2 Hybrid Demucs v3, per-source weights.
+    Mdx,
+    /// `mdx` with DiffQ-quantised weights (smaller download).
+    MdxQ,
+    /// `mdx_extra` with DiffQ-quantised weights.
+    MdxExtraQ,
+    /// The reproduced MDX bag: 2 waveform Demucs and 2 Hybrid Demucs v3.
+    ReproMdxA,
+    /// The reproduced MDX bag, its waveform Demucs members only.
+    ReproMdxATimeOnly,
     /// The built-in signal-processing baseline: needs no weights.
     Dsp,
 }
@@ -61,6 +71,11 @@ wire_names!(Model {
     HdemucsMmi => "hdemucs_mmi",
     MdxExtra => "mdx_extra",
     ReproMdxAHybridOnly => "repro_mdx_a_hybrid_only",
+    Mdx => "mdx",
+    MdxQ => "mdx_q",
+    MdxExtraQ => "mdx_extra_q",
+    ReproMdxA => "repro_mdx_a",
+    ReproMdxATimeOnly => "repro_mdx_a_time_only",
     Dsp => "dsp"
 });
 
@@ -83,8 +98,9 @@ impl Model {
     pub fn max_segment(self) -> Option<f64> {
         match self {
             Model::Htdemucs | Model::HtdemucsFt | Model::Htdemucs6s => Some(7.8),
-            // Hybrid Demucs takes chunks of any length (no training-length padding).
-            Model::HdemucsMmi | Model::MdxExtra | Model::ReproMdxAHybridOnly | Model::Dsp => None,
+            // Hybrid and waveform Demucs take chunks of any length (no training-length
+            // padding).
+            _ => None,
         }
     }
 }
