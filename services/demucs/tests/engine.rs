@@ -299,3 +299,68 @@ fn a_memory_budget_refuses_the_default_segment_and_admits_a_smaller_one() {
     let err = tiny.engine.separate(&EngineJob { segment: Some(1.0), ..job(&tiny, &req, &id) }, &Ctx::new(None));
     assert_eq!(err.unwrap_err(), EngineError::OverBudget { device: "cpu".into(), needed: short, budget: short / 2 });
 }
+
+/// Issue 14: the engine serves the older official names from its folder like the
+/// HTDemucs ones: a folder whose `mdx.yaml` names a bag of waveform Demucs and Hybrid
+/// Demucs checkpoints (the reduced fixtures), and whose `mdx_q.yaml` names a DiffQ one,
+/// offers `mdx` and `mdx_q`; a job of `mdx` writes the bag's stems (float WAV, compared
+/// with demucs's own output on the same track).
+#[test]
+fn older_families_are_served_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    std::fs::create_dir(&repo).unwrap();
+    for (from, file) in [("v2", "e5e5e5e5.th"), ("v3", "c3c3c3c3.th"), ("v2", "f6f6f6f6.th"), ("diffq", "f6f6f6f6q.th")] {
+        let src = fixtures().join(if from == "diffq" { format!("diffq/{file}") } else { format!("{from}/repo/{file}") });
+        let dst = if from == "diffq" { "a1b2c3d4.th".to_string() } else { file.to_string() };
+        std::fs::copy(src, repo.join(dst)).unwrap();
+    }
+    std::fs::write(
+        repo.join("mdx.yaml"),
+        "models: ['e5e5e5e5', 'c3c3c3c3', 'f6f6f6f6']\nweights: [[1., 1., 0., 0.], [0., 1., 1., 1.], [1., 0., 1., 1.]]\nsegment: 1.5\n",
+    )
+    .unwrap();
+    std::fs::write(repo.join("mdx_q.yaml"), "models: ['a1b2c3d4']\n").unwrap();
+    let f = common::load_path(&fixtures().join("v2/apply.safetensors"));
+    let track = &f["track"];
+    let len = track.shape[1];
+    let input = dir.path().join("input.wav");
+    let mut enc = StemEncoder::create(&input, OutputFormat::WavF32, ClipMode::None, 8000).unwrap();
+    enc.write(&StereoChunk::from_planar(track.data[..len].to_vec(), track.data[len..].to_vec())).unwrap();
+    enc.finish().unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let engine = DemucsEngine::new(DemucsEngineConfig {
+        repo,
+        clip: ClipMode::None,
+        max_duration_secs: None,
+        gpu_batch: 4,
+        cpu_jobs: 2,
+        memory_budget: None,
+    })
+    .unwrap();
+    assert_eq!(engine.models(), vec![Model::Mdx, Model::MdxQ]);
+    let id = JobId::parse(&"9a".repeat(32)).unwrap();
+    let mut req = request(Model::Mdx, None);
+    req.encoding = Encoding::F32;
+    let job = EngineJob {
+        job_id: &id,
+        request: &req,
+        metadata: None,
+        attempt: 1,
+        input: &input,
+        out_dir: &out,
+        device: &stemq_core::device::Device::Cpu,
+        segment: None,
+    };
+    let files = engine.separate(&job, &Ctx::new(None)).unwrap();
+    let reference = &f["out.mixed"];
+    let n = reference.shape[1] * reference.shape[2];
+    for (i, file) in files.iter().enumerate() {
+        let (snr, _) = figures(&reference.data[i * n..(i + 1) * n], &read_wav(&file.path));
+        assert!(snr > 100.0, "{}: {snr:.1} dB", file.stem);
+    }
+    let q = request(Model::MdxQ, None);
+    let job = EngineJob { request: &q, ..job };
+    assert_eq!(engine.separate(&job, &Ctx::new(None)).unwrap().len(), 4, "the DiffQ model runs");
+}
