@@ -24,6 +24,10 @@ if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
+# The code path CUDA runs (Burn's generic tensor ops, none of the CPU host kernels), on
+# the CPU: every parity suite again (about 20 s).
+STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --locked -p stemq-demucs --test parity --test parity_v3 --test parity_v2 \
+  --test parity_diffq
 # Runs a test against a live `stemq dev` (the binary the tests just built) when what it
 # needs is installed: $1 says what it is, $2 what it needs, $3 is the script, the rest
 # the check that it can run. In CI a missing tool is a failure, elsewhere a SKIPPED line.
