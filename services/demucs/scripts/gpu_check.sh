@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# One short device check for a machine with an NVIDIA GPU (run from the repository
-# root, after `make_fixtures.py --full` has written target/demucs-full/ and with the
-# reference venv for the PyTorch timing). Prints parity and timing; nothing else.
-set -euo pipefail
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-# Block and end-to-end parity of the reduced model, on CUDA.
-cargo test -p stemq-demucs --release --features cuda --test parity -- --include-ignored --nocapture --test-threads 1 2>&1 | grep -E "PARITY|test result|panicked"
-# Full-size: parity on 10 s, then speed on 30 s (one segment per pass, then 4).
-cargo run -p stemq-demucs --release --features cuda --example bench -- --device cuda --seconds 30 --parity
-cargo run -p stemq-demucs --release --features cuda --example bench -- --device cuda --seconds 30 --batch 4
-if [ -x .stemq/venv-ref/bin/python ]; then
-  .stemq/venv-ref/bin/python - <<'PY'
+# The device check, on the GPU machine (no Rust toolchain, no network): run
+# services/demucs/scripts/gpu_prep.sh here first, then run this there with
+# `carry: [".gpu"]`. Prints one markdown table for docs/benchmarks.md:
+#   - parity of every family on CUDA (the reduced fixtures, blocks and end to end);
+#   - the engine on CUDA, the out-of-memory ladder's injected failures included;
+#   - speed of a full-size random htdemucs on CUDA (1, then 4 segments per pass)
+#     against PyTorch CUDA with the same weights, 30 s of audio.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+out="${OUT:-/tmp}/gpu_check.log"
+export STEMQ_DEMUCS_FIXTURES="$PWD/services/demucs/tests/fixtures"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site
+rows=()
+for t in parity parity_v3 parity_v2 parity_diffq engine; do
+  t0=$SECONDS
+  if .gpu/bin/$t --include-ignored --nocapture --test-threads 1 >>"$out" 2>&1; then r=pass; else r=FAIL; fi
+  rows+=("| cuda \`$t\` | $r | $(grep -c '^PARITY' "$out") PARITY lines so far, $((SECONDS - t0)) s |")
+done
+worst=$(grep '^PARITY' "$out" | awk '{for(i=1;i<=NF;i++) if($i=="SNR") print $(i+1)}' | sort -n | head -1)
+rows+=("| worst parity SNR on CUDA | ${worst:-none} dB | every PARITY line in $out |")
+# Full-size random htdemucs (made here by PyTorch demucs), then the timings.
+python3 services/demucs/scripts/make_fixtures.py --full --bench-seconds 0 >>"$out" 2>&1 &&
+  rows+=("| full-size fixture | made | target/demucs-full |") || rows+=("| full-size fixture | FAIL | see $out |")
+for b in 1 4; do
+  extra=(); [ "$b" = 1 ] && extra=(--parity)
+  line=$(.gpu/bin/bench --device cuda --seconds 30 --batch "$b" "${extra[@]}" 2>>"$out" |
+    grep -E '^burn/cuda|full-size parity' | tr '\n' ' ')
+  rows+=("| stemq cuda, 30 s, batch $b | $line | \`.gpu/bin/bench --device cuda --seconds 30 --batch $b\` |")
+done
+torch_line=$(python3 - <<'PY' 2>>"$out"
 import time, torch
 from demucs.states import load_model
 from demucs.apply import apply_model
@@ -22,6 +40,11 @@ with torch.no_grad():
     torch.cuda.synchronize(); t0 = time.perf_counter()
     apply_model(m, x, shifts=0, split=True, overlap=0.25, device='cuda')
     torch.cuda.synchronize()
-print(f"pytorch cuda: 30 s of audio in {time.perf_counter() - t0:.2f} s")
+print(f"{time.perf_counter() - t0:.2f} s (torch {torch.__version__})")
 PY
-fi
+)
+rows+=("| PyTorch demucs 4.1.0 cuda, 30 s | ${torch_line:-FAIL} | same weights, shifts 0, overlap 0.25 |")
+echo
+echo "| check | result | notes |"
+echo "|---|---|---|"
+printf '%s\n' "${rows[@]}"

@@ -17,8 +17,13 @@ pub type B = CpuBackend;
 #[cfg(feature = "cuda")]
 pub type B = stemq_demucs::CudaBackend;
 
+/// The fixtures folder: `STEMQ_DEMUCS_FIXTURES` when set (a test binary built on one
+/// machine and run on another, `scripts/gpu_check.sh`), else the crate's own.
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    match std::env::var_os("STEMQ_DEMUCS_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
+    }
 }
 
 /// Reads a committed fixture (f32 or i64 tensors) into host tensors.
