@@ -129,6 +129,19 @@ fn request(audio_uri: &str, extra: Value) -> Value {
     v
 }
 
+/// The job's `succeeded` event.
+async fn succeeded_event(stack: &Stack, id: &JobId) -> stemq_core::event::Succeeded {
+    stack
+        .events(id)
+        .await
+        .into_iter()
+        .find_map(|e| match e.body {
+            EventBody::Succeeded(s) => Some(s),
+            _ => None,
+        })
+        .expect("a succeeded event")
+}
+
 /// Submits and waits for a terminal state.
 async fn run_job(stack: &Stack, body: &Value) -> (JobId, JobView) {
     let (code, answer) = stack.submit(body).await;
@@ -264,15 +277,7 @@ async fn a_memory_budget_for_a_smaller_segment_degrades_the_job() {
     let (id, view) = run_job(&stack, &body).await;
     assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
     assert!(view.degraded, "finished on the ladder's smaller segment");
-    let succeeded = stack
-        .events(&id)
-        .await
-        .into_iter()
-        .find_map(|e| match e.body {
-            EventBody::Succeeded(s) => Some(s),
-            _ => None,
-        })
-        .expect("a succeeded event");
+    let succeeded = succeeded_event(&stack, &id).await;
     assert_eq!(
         (succeeded.degraded, succeeded.segment, succeeded.device.to_string().as_str()),
         (true, Some(1.0), "cpu")
@@ -370,15 +375,7 @@ async fn a_cuda_out_of_memory_steps_down_the_ladder_to_the_cpu() {
     assert!(view.degraded, "finished down the ladder");
     assert_eq!(view.device.as_deref(), Some("cpu"));
     assert_eq!(view.attempt, 1, "the ladder is within one delivery: no redelivery");
-    let succeeded = stack
-        .events(&id)
-        .await
-        .into_iter()
-        .find_map(|e| match e.body {
-            EventBody::Succeeded(s) => Some(s),
-            _ => None,
-        })
-        .expect("a succeeded event");
+    let succeeded = succeeded_event(&stack, &id).await;
     assert_eq!((succeeded.degraded, succeeded.device.to_string().as_str()), (true, "cpu"));
     let stems = download(&stack, &id, &view).await;
     let reference = direct(&engine(&repo, None), &stack, &id, &body, None);

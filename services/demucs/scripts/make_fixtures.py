@@ -116,11 +116,15 @@ def save_th(pkg: dict, path: Path, with_checksum: bool) -> Path:
     return path
 
 
-def make_model(cfg: dict, seed: int, repo: Path, sig: str, with_checksum: bool):
+def make_model(cfg: dict, seed: int, repo: Path, sig: str, with_checksum: bool, klass=HTDemucs):
+    """A `klass` model with `cfg`, randomised, saved as `<sig>.th` and reloaded as demucs
+    loads it."""
     torch.manual_seed(seed)
-    model = HTDemucs(**cfg)
+    model = klass(**cfg)
     randomise(model, seed)
-    path = save_th(package(model), repo / f"{sig}.th", with_checksum)
+    pkg = package(model)
+    pkg["training_args"]["model"] = klass.__name__.lower()
+    path = save_th(pkg, repo / f"{sig}.th", with_checksum)
     # Reload exactly as demucs does (fp16 state into fp32 params).
     loaded = load_model(path)
     loaded.eval()

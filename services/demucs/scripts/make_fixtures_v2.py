@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import SOURCES, f32, noise, package, randomise, save_th, separate, snr_db  # noqa: E402
+from make_fixtures import SOURCES, f32, make_model, noise, separate, snr_db  # noqa: E402
 
 from demucs.apply import BagOfModels  # noqa: E402
 from demucs.demucs import Demucs  # noqa: E402
@@ -46,15 +46,7 @@ V2_PLAIN = dict(V2, rewrite=False)
 
 
 def make(cfg: dict, seed: int, repo: Path, sig: str):
-    torch.manual_seed(seed)
-    model = Demucs(**cfg)
-    randomise(model, seed)
-    pkg = package(model)
-    pkg["training_args"]["model"] = "demucs"
-    path = save_th(pkg, repo / f"{sig}.th", with_checksum=False)
-    loaded = load_model(path)
-    loaded.eval()
-    return loaded, path
+    return make_model(cfg, seed, repo, sig, with_checksum=False, klass=Demucs)
 
 
 def main():

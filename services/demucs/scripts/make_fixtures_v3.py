@@ -29,8 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import (SOURCES, Recorder, f32, noise, package, randomise,  # noqa: E402
-                           save_th, separate, snr_db)
+from make_fixtures import SOURCES, Recorder, f32, make_model, noise, separate, snr_db  # noqa: E402
 
 from demucs.apply import BagOfModels  # noqa: E402
 from demucs.hdemucs import HDemucs  # noqa: E402
@@ -50,15 +49,7 @@ V3_MAG = dict(V3, cac=False, hybrid_old=True)
 
 
 def make(cfg: dict, seed: int, repo: Path, sig: str):
-    torch.manual_seed(seed)
-    model = HDemucs(**cfg)
-    randomise(model, seed)
-    pkg = package(model)
-    pkg["training_args"]["model"] = "hdemucs"
-    path = save_th(pkg, repo / f"{sig}.th", with_checksum=False)
-    loaded = load_model(path)
-    loaded.eval()
-    return loaded, path
+    return make_model(cfg, seed, repo, sig, with_checksum=False, klass=HDemucs)
 
 
 def blocks(m64, prefix: str, tensors: dict, hooks: bool) -> None:

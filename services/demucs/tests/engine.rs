@@ -81,16 +81,26 @@ fn setup_with_budget(memory_budget: Option<u64>) -> Setup {
     std::fs::copy(fixtures().join("repo/a0a0a0a0.th"), repo.join("a0a0a0a0.th")).unwrap();
     std::fs::write(repo.join("htdemucs.yaml"), "models: ['a0a0a0a0']\n").unwrap();
     // The fixture track as a float WAV at the model's 8 kHz.
-    let f = load("apply.safetensors");
-    let track = &f["track"];
+    let input = write_track(dir.path(), &load("apply.safetensors")["track"]);
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let engine = engine_at(repo, memory_budget);
+    Setup { _dir: dir, engine, input, out }
+}
+
+/// `dir/input.wav`: a `[2, L]` track as a float WAV at the fixtures' 8 kHz.
+fn write_track(dir: &std::path::Path, track: &stemq_demucs::checkpoint::HostTensor) -> std::path::PathBuf {
     let len = track.shape[1];
-    let input = dir.path().join("input.wav");
+    let input = dir.join("input.wav");
     let mut enc = StemEncoder::create(&input, OutputFormat::WavF32, ClipMode::None, 8000).unwrap();
     enc.write(&StereoChunk::from_planar(track.data[..len].to_vec(), track.data[len..].to_vec())).unwrap();
     enc.finish().unwrap();
-    let out = dir.path().join("out");
-    std::fs::create_dir(&out).unwrap();
-    let engine = DemucsEngine::new(DemucsEngineConfig {
+    input
+}
+
+/// The engine on model folder `repo`.
+fn engine_at(repo: std::path::PathBuf, memory_budget: Option<u64>) -> DemucsEngine {
+    DemucsEngine::new(DemucsEngineConfig {
         repo,
         clip: ClipMode::None,
         max_duration_secs: None,
@@ -98,8 +108,7 @@ fn setup_with_budget(memory_budget: Option<u64>) -> Setup {
         cpu_jobs: 2,
         memory_budget,
     })
-    .unwrap();
-    Setup { _dir: dir, engine, input, out }
+    .unwrap()
 }
 
 fn job<'a>(s: &'a Setup, req: &'a NormalizedRequest, id: &'a JobId) -> EngineJob<'a> {
@@ -310,8 +319,10 @@ fn older_families_are_served_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("models");
     std::fs::create_dir(&repo).unwrap();
-    for (from, file) in [("v2", "e5e5e5e5.th"), ("v3", "c3c3c3c3.th"), ("v2", "f6f6f6f6.th"), ("diffq", "f6f6f6f6q.th")] {
-        let src = fixtures().join(if from == "diffq" { format!("diffq/{file}") } else { format!("{from}/repo/{file}") });
+    for (from, file) in [("v2", "e5e5e5e5.th"), ("v3", "c3c3c3c3.th"), ("v2", "f6f6f6f6.th"), ("diffq", "f6f6f6f6q.th")]
+    {
+        let src =
+            fixtures().join(if from == "diffq" { format!("diffq/{file}") } else { format!("{from}/repo/{file}") });
         let dst = if from == "diffq" { "a1b2c3d4.th".to_string() } else { file.to_string() };
         std::fs::copy(src, repo.join(dst)).unwrap();
     }
@@ -322,23 +333,10 @@ fn older_families_are_served_by_name() {
     .unwrap();
     std::fs::write(repo.join("mdx_q.yaml"), "models: ['a1b2c3d4']\n").unwrap();
     let f = common::load_path(&fixtures().join("v2/apply.safetensors"));
-    let track = &f["track"];
-    let len = track.shape[1];
-    let input = dir.path().join("input.wav");
-    let mut enc = StemEncoder::create(&input, OutputFormat::WavF32, ClipMode::None, 8000).unwrap();
-    enc.write(&StereoChunk::from_planar(track.data[..len].to_vec(), track.data[len..].to_vec())).unwrap();
-    enc.finish().unwrap();
+    let input = write_track(dir.path(), &f["track"]);
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
-    let engine = DemucsEngine::new(DemucsEngineConfig {
-        repo,
-        clip: ClipMode::None,
-        max_duration_secs: None,
-        gpu_batch: 4,
-        cpu_jobs: 2,
-        memory_budget: None,
-    })
-    .unwrap();
+    let engine = engine_at(repo, None);
     assert_eq!(engine.models(), vec![Model::Mdx, Model::MdxQ]);
     let id = JobId::parse(&"9a".repeat(32)).unwrap();
     let mut req = request(Model::Mdx, None);
