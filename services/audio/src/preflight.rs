@@ -32,16 +32,23 @@ pub(crate) fn check<R: Read + Seek>(r: &mut R, len: u64) -> Result<(), AudioErro
     result
 }
 
+/// How far symphonia's probe looks for a container's marker (`Probe::PROBE_SEARCH_LIMIT`
+/// in symphonia-core 0.5, plus its 16-byte window): it skips anything before it.
+const PROBE_WINDOW: u64 = (1 << 20) + 16;
+
 fn check_from<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
-    let mut magic = [0u8; 4];
-    if read_exact_or_short(r, &mut magic)? < 4 {
-        return Ok(());
-    }
-    match &magic {
-        b"RIFF" => wav(r, start + 12, end),
-        b"fLaC" => flac(r, start + 4, end),
-        b"OggS" => ogg(r, start, end),
-        _ => Ok(()),
+    // The container whose marker comes first, wherever it is in the probe's window: the
+    // one symphonia opens (a file may start with junk or a tag before it).
+    let mut head = vec![0u8; PROBE_WINDOW.min(end - start) as usize];
+    let n = read_exact_or_short(r, &mut head)?;
+    head.truncate(n);
+    let found = head.windows(4).position(|w| matches!(w, b"RIFF" | b"fLaC" | b"OggS"));
+    let Some(at) = found else { return Ok(()) };
+    let at_pos = start + at as u64;
+    match &head[at..at + 4] {
+        b"RIFF" => wav(r, at_pos + 12, end),
+        b"fLaC" => flac(r, at_pos + 4, end),
+        _ => ogg(r, at_pos, end),
     }
 }
 

@@ -274,3 +274,33 @@ fn issue_11_a_panic_inside_symphonia_is_invalid_audio() {
     r.unwrap();
     assert!(written > 0);
 }
+
+/// Found by `tests/fuzz.rs` (CI, 2026-12-01): a FLAC stream after a few bytes of junk,
+/// whose PICTURE block claims 2 GB of picture data. symphonia's probe skips the junk to
+/// the `fLaC` marker and then allocated the claimed length (an abort, not a panic: the
+/// process died). The length check must look where symphonia looks.
+#[test]
+fn a_hostile_flac_picture_after_junk_is_refused_not_an_abort() {
+    let mut flac = constant_flac(1, true);
+    flac[4] = 0x00; // STREAMINFO no longer the last block
+    let mut picture = Vec::new();
+    picture.extend_from_slice(&3u32.to_be_bytes()); // front cover
+    picture.extend_from_slice(&9u32.to_be_bytes());
+    picture.extend_from_slice(b"image/png");
+    picture.extend_from_slice(&0u32.to_be_bytes()); // no description
+    picture.extend_from_slice(&[0; 16]); // width, height, depth, colours
+    picture.extend_from_slice(&0x7990_0000u32.to_be_bytes()); // 2 GB of data, none there
+    let mut block = vec![0x86]; // last block, PICTURE
+    block.extend_from_slice(&(picture.len() as u32).to_be_bytes()[1..]);
+    block.extend_from_slice(&picture);
+    let at = 4 + 4 + 34;
+    flac.splice(at..at, block);
+    for prefix in [&b""[..], b"junk", &[0u8; 3000]] {
+        let mut bytes = prefix.to_vec();
+        bytes.extend_from_slice(&flac);
+        let (r, _) = separate(&bytes, "flac");
+        let (code, message) = invalid(r);
+        assert_eq!(code, "invalid_audio", "{} bytes of junk: {message}", prefix.len());
+        assert!(message.contains("FLAC picture"), "{message}");
+    }
+}
