@@ -125,6 +125,10 @@ async function home() {
   startRecent();
 }
 
+// While no worker serves any model (a stack just starting, or all workers down), ask
+// again every 2 s, so the choice appears as soon as one does.
+let modelsRetry = null;
+
 function fillModels() {
   const sel = $("model");
   sel.replaceChildren();
@@ -133,8 +137,19 @@ function fillModels() {
   for (const m of usable) sel.append(el("option", { value: m.name }, m.name));
   const hidden = models.models.length - usable.length;
   $("model-note").textContent = usable.length === 0
-    ? "No worker is running right now, so no model can be picked. Start a worker, then reload."
+    ? "No worker is running right now, so no model can be picked yet. Models appear here as soon as a worker serves one."
     : hidden > 0 ? `${hidden} more model(s) exist but no worker serves them now.` : "";
+  if (usable.length === 0 && !modelsRetry) {
+    modelsRetry = setTimeout(async () => {
+      modelsRetry = null;
+      try {
+        models = await api("GET", "/v1/models");
+      } catch (e) {
+        $("form-error").textContent = sayRequest(e);
+      }
+      fillModels();
+    }, 2000);
+  }
   $("format").replaceChildren(...models.output_formats.map((f) => el("option", { value: f }, f.toUpperCase())));
   fillStems();
 }
