@@ -67,6 +67,19 @@ pub struct HTDemucs<B: Backend> {
     device: B::Device,
 }
 
+/// `[B, C, L]` of a mix, with `C` the model's audio channels, or why not.
+pub(crate) fn mix_dims(c: &HTDemucsConfig, mix: &HostTensor) -> Result<[usize; 3], DemucsError> {
+    let [b, ch, length] = <[usize; 3]>::try_from(mix.shape.as_slice())
+        .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [B, C, L]", mix.shape)))?;
+    if ch != c.audio_channels {
+        return Err(DemucsError::InvalidArgument(format!(
+            "mix has {ch} channels, the model takes {}",
+            c.audio_channels
+        )));
+    }
+    Ok([b, ch, length])
+}
+
 fn mean_std(values: impl Iterator<Item = f64> + Clone, n: usize) -> (f64, f64) {
     let mean = values.clone().sum::<f64>() / n as f64;
     let var = values.map(|v| (v - mean) * (v - mean)).sum::<f64>() / (n as f64 - 1.0);
@@ -582,16 +595,9 @@ impl<B: Backend> HTDemucs<B> {
         training_length: usize,
     ) -> Result<HostTensor, DemucsError> {
         let c = &self.config;
+        let [b, ch, length] = mix_dims(c, mix)?;
         if let Some(wave) = &self.wave {
             return crate::wave::forward(wave, c, mix, &self.device);
-        }
-        let [b, ch, length] = <[usize; 3]>::try_from(mix.shape.as_slice())
-            .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [B, C, L]", mix.shape)))?;
-        if ch != c.audio_channels {
-            return Err(DemucsError::InvalidArgument(format!(
-                "mix has {ch} channels, the model takes {}",
-                c.audio_channels
-            )));
         }
         // 1. pad to the training length.
         let (mix, le) = if c.use_train_segment && length < training_length {

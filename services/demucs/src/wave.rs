@@ -302,14 +302,7 @@ pub(crate) fn forward<B: Backend>(
     mix: &HostTensor,
     device: &B::Device,
 ) -> Result<HostTensor, DemucsError> {
-    let [b, ch, length] = <[usize; 3]>::try_from(mix.shape.as_slice())
-        .map_err(|_| DemucsError::InvalidArgument(format!("mix shape {:?}, expected [B, C, L]", mix.shape)))?;
-    if ch != c.audio_channels {
-        return Err(DemucsError::InvalidArgument(format!(
-            "mix has {ch} channels, the model takes {}",
-            c.audio_channels
-        )));
-    }
+    let [b, ch, length] = crate::model::mix_dims(c, mix)?;
     let valid = valid_length(c, length);
     let left = (valid - length) / 2;
     let mut stats = Vec::with_capacity(b);
