@@ -137,13 +137,7 @@ impl<B: Backend> HDecLayer<B> {
     /// Takes `{prefix}.rewrite`, `.norm1`, `.dconv`, `.conv_tr`, `.norm2`.
     pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
         if !self.bands.is_empty() {
-            // MultiWrap: `{prefix}.layers.{k}` per band.
-            let bands = self
-                .bands
-                .into_iter()
-                .enumerate()
-                .map(|(k, l)| l.load(state, &format!("{prefix}.layers.{k}")))
-                .collect::<Result<Vec<_>, _>>()?;
+            let bands = crate::encoder::load_bands(self.bands, state, prefix, Self::load)?;
             return Ok(HDecLayer { bands, ..self });
         }
         let p = |n: &str| format!("{prefix}.{n}");

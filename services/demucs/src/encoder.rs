@@ -145,13 +145,7 @@ impl<B: Backend> HEncLayer<B> {
     /// Takes `{prefix}.conv`, `.norm1`, `.rewrite`, `.norm2`, `.dconv`.
     pub fn load(self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
         if !self.bands.is_empty() {
-            // MultiWrap: `{prefix}.layers.{k}` per band.
-            let bands = self
-                .bands
-                .into_iter()
-                .enumerate()
-                .map(|(k, l)| l.load(state, &format!("{prefix}.layers.{k}")))
-                .collect::<Result<Vec<_>, _>>()?;
+            let bands = crate::encoder::load_bands(self.bands, state, prefix, Self::load)?;
             return Ok(HEncLayer { bands, ..self });
         }
         let load_norm = |n: Option<GroupNorm<B>>, state: &mut StateDict, name: &str| {
@@ -278,6 +272,17 @@ impl<B: Backend> HEncLayer<B> {
             _ => y,
         }
     }
+}
+
+/// MultiWrap's copies of a layer, each loaded from `{prefix}.layers.{k}` by `load`
+/// (encoder and decoder layers alike).
+pub(crate) fn load_bands<L>(
+    bands: Vec<L>,
+    state: &mut StateDict,
+    prefix: &str,
+    load: impl Fn(L, &mut StateDict, &str) -> Result<L, DemucsError>,
+) -> Result<Vec<L>, DemucsError> {
+    bands.into_iter().enumerate().map(|(k, l)| load(l, state, &format!("{prefix}.layers.{k}"))).collect()
 }
 
 /// Python's `round`: halves go to the even neighbour.
