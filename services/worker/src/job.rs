@@ -5,7 +5,8 @@
 //! 1. read the request event; an invalid one is `rejected`, a forged one (not hashing to
 //!    its job id, or for another owner than its subject's) dropped, never run;
 //! 2. if the job already has an outcome (a lost ack, a duplicate delivery), ack and skip
-//!    (`skip.already_done`);
+//!    (`skip.already_done`); if a cancel was requested or its start deadline passed, record
+//!    that instead of running it (one direct get tells both for a new job);
 //! 3. publish `started`; keep the ack deadline alive with progress acks;
 //! 4. run the engine on a blocking thread, under the hard time limit, stepping down the
 //!    out-of-memory ladder (smaller segment, then CPU) when it runs out of memory;
@@ -118,34 +119,28 @@ async fn run_delivery(
     };
     let model = requested.request.model.as_str();
 
-    // 2. Already done? The outcome subject is the source of truth (no projector lag).
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
-        Ok(_) => {
-            info!(event = "skip.already_done", "job already has an outcome; acking");
-            let _ = msg.double_ack().await;
-            return;
-        }
-        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
-        Err(e) => {
-            warn!(error = %e, "cannot check for an outcome; retrying later");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-            return;
-        }
-    }
-
-    // 2b. Cancelled or past its start deadline? Then it never starts. Listen for a
-    // cancel request first, so one that arrives from now on is not missed.
+    // 2. Already done (a lost ack, a duplicate delivery), or cancelled before it
+    // started? The log is the source of truth (no projector lag). Listen for a cancel
+    // request first, so one that arrives from now on is not missed.
     let cancel = Arc::new(AtomicBool::new(false));
     let user_cancel = Arc::new(AtomicBool::new(false));
     let _registered = shared.running.register(&job_id, cancel.clone(), user_cancel.clone());
-    let cancel_requested = match control::cancel_requested_in_log(shared, &job_id).await {
-        Ok(c) => c,
+    let recorded = match control::recorded(shared, &job_id).await {
+        Ok(r) => r,
         Err(e) => {
-            warn!(error = %e, "cannot check for a cancel request; retrying later");
+            warn!(error = %e, "cannot check for an outcome or a cancel request; retrying later");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }
     };
+    if recorded.outcome {
+        info!(event = "skip.already_done", "job already has an outcome; acking");
+        let _ = msg.double_ack().await;
+        return;
+    }
+
+    // 2b. Cancelled or past its start deadline? Then it never starts.
+    let cancel_requested = recorded.cancel_requested;
     if let Some(body) = decide_start(attempt, cancel_requested, requested.start_before, chrono::Utc::now()) {
         match &body {
             EventBody::Expired(e) => {
