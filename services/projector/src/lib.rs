@@ -7,6 +7,8 @@
 //! view records the last applied position) and acks only after the write. Events of
 //! different jobs are applied concurrently in lanes (one lane per hash of the job id), so
 //! within one process the events of a job are applied in order while throughput scales;
+//! a lane takes whatever has arrived for it as one batch, folds each job's events of the
+//! batch into one write, and has the writes of all the batch's jobs in flight together;
 //! across processes (several projectors on the same consumers), order is not kept, and
 //! need not be (next paragraph).
 //! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
@@ -323,9 +325,7 @@ impl Lane {
                 self.cache.clear();
             }
             let per_job = self.group(&mut batch).await;
-            for (id, events) in per_job {
-                self.job(id, events).await;
-            }
+            self.jobs(per_job).await;
             if self.cache.len() > self.cap {
                 // Terminal views rarely change again: drop them first, then anything.
                 self.cache.retain(|_, (v, _)| v.as_ref().map(|v| !v.status.is_terminal()).unwrap_or(false));
@@ -389,36 +389,68 @@ impl Lane {
         per_job
     }
 
-    /// Folds one job's events into its view and acks them, or hands them all back.
-    async fn job(&mut self, id: JobId, events: Vec<Pending>) {
-        let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
-        let span = tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
-        let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
-        stemq_core::telemetry::set_parent(&span, tp);
-        let job = Job { kv: &self.kv, log: &self.log, id: &id };
-        match tracing::Instrument::instrument(job.fold(&mut self.cache, &refs), span).await {
-            Ok(()) => {
-                for (_, _, msg) in &events {
-                    if let Err(e) = msg.ack().await {
-                        warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
+    /// Folds the batch's jobs into their views, all at once (their KV writes are in
+    /// flight together, one round trip for the batch rather than one per job), then
+    /// acks each job's events, or hands them all back when its fold failed. Each job
+    /// appears once per batch, so the folds touch different views.
+    async fn jobs(&mut self, per_job: Vec<(JobId, Vec<Pending>)>) {
+        let (kv, log, cache) = (&self.kv, &self.log, &self.cache);
+        let folds = per_job.iter().map(|(id, events)| {
+            let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
+            let span =
+                tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
+            let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
+            stemq_core::telemetry::set_parent(&span, tp);
+            let cached = cache.get(id).cloned();
+            let job = Job { kv, log, id };
+            tracing::Instrument::instrument(async move { job.fold(cached, &refs).await }, span)
+        });
+        let results = futures::future::join_all(folds).await;
+        for ((id, events), result) in per_job.into_iter().zip(results) {
+            match result {
+                Ok(cached) => {
+                    match cached {
+                        Cached::Keep => {}
+                        Cached::Set(view, revision) => {
+                            self.cache.insert(id.clone(), (Some(*view), revision));
+                        }
+                        Cached::Drop => {
+                            self.cache.remove(&id);
+                        }
+                    }
+                    for (_, _, msg) in &events {
+                        if let Err(e) = msg.ack().await {
+                            warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
+                        }
                     }
                 }
-            }
-            Err(e) => {
-                stemq_core::metrics::metrics().projector_error(e.kind());
-                let error = stemq_core::error::report(&e);
-                if matches!(e, ProjectorError::CorruptView { .. }) {
-                    error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
-                } else {
-                    warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
-                }
-                self.cache.remove(&id);
-                for (_, _, msg) in &events {
-                    let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                Err(e) => {
+                    stemq_core::metrics::metrics().projector_error(e.kind());
+                    let error = stemq_core::error::report(&e);
+                    if matches!(e, ProjectorError::CorruptView { .. }) {
+                        error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
+                    } else {
+                        warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
+                    }
+                    self.cache.remove(&id);
+                    for (_, _, msg) in &events {
+                        let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                    }
                 }
             }
         }
     }
+}
+
+/// What a lane's cache holds for a job after its fold.
+#[derive(Debug)]
+enum Cached {
+    /// What it held.
+    Keep,
+    /// This view as written, at this revision.
+    Set(Box<JobView>, u64),
+    /// Nothing (the view was re-read and not written: the next fold reads it again).
+    Drop,
 }
 
 fn log_seq(p: &Position) -> Option<u64> {
@@ -506,33 +538,37 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Applies the job's events in order and writes the result once, with
-    /// compare-and-set; on a concurrent writer it re-reads and plans again. An event
-    /// behind the view refolds the job from the log (module docs). A stored entry that is
-    /// not a view is an error ([`ProjectorError::CorruptView`]), never overwritten.
+    /// Applies the job's events in order to `cached` (the lane's cached view, if any)
+    /// and writes the result once, with compare-and-set; on a concurrent writer it
+    /// re-reads and plans again. An event behind the view refolds the job from the log
+    /// (module docs). A stored entry that is not a view is an error
+    /// ([`ProjectorError::CorruptView`]), never overwritten. Returns what the lane's
+    /// cache should hold for the job now.
     async fn fold(
         &self,
-        cache: &mut HashMap<JobId, (Option<JobView>, u64)>,
+        cached: Option<(Option<JobView>, u64)>,
         events: &[(Position, &Event)],
-    ) -> Result<(), ProjectorError> {
+    ) -> Result<Cached, ProjectorError> {
         let id = self.id;
         // An unknown job is most likely new: try creating it before paying for a read.
-        let mut current = cache.get(id).cloned().unwrap_or((None, 0));
+        let mut reread = false;
+        let mut current = cached.unwrap_or((None, 0));
+        let unchanged = |reread: bool| if reread { Cached::Drop } else { Cached::Keep };
         for _ in 0..10 {
             let next = match plan(current.0.as_ref(), events) {
                 Plan::Unchanged => {
                     debug!(job_id = %id, "events change nothing");
-                    return Ok(());
+                    return Ok(unchanged(reread));
                 }
                 Plan::Write(v) => *v,
                 Plan::Refold { upto } => {
                     stemq_core::metrics::metrics().projector_refold();
                     let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
-                        return Ok(());
+                        return Ok(unchanged(reread));
                     };
                     if current.0.as_ref() == Some(&v) {
                         debug!(job_id = %id, upto, "refolded: the view was right");
-                        return Ok(());
+                        return Ok(unchanged(reread));
                     }
                     info!(job_id = %id, upto, "refolded from the log: an event had been overtaken");
                     v
@@ -540,13 +576,10 @@ impl Job<'_> {
             };
             let body = serde_json::to_vec(&next).expect("views serialise");
             match self.kv.update(id.as_str(), body.into(), current.1).await {
-                Ok(rev) => {
-                    cache.insert(id.clone(), (Some(next), rev));
-                    return Ok(());
-                }
+                Ok(rev) => return Ok(Cached::Set(Box::new(next), rev)),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     // It exists (or another writer moved it): read the real revision, retry.
-                    cache.remove(id);
+                    reread = true;
                     current = read::stored_view(self.kv, id).await?;
                 }
                 Err(source) => return Err(ProjectorError::KvWrite { id: id.clone(), source }),
