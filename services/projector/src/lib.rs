@@ -9,6 +9,9 @@
 //! within one process the events of a job are applied in order while throughput scales;
 //! a lane takes whatever has arrived for it as one batch, folds each job's events of the
 //! batch into one write, and has the writes of all the batch's jobs in flight together;
+//! the write of a job whose events so far leave it unfinished waits up to [`LINGER`]
+//! for its next event (a job that ends within it is written once), a terminal event
+//! never waits;
 //! across processes (several projectors on the same consumers), order is not kept, and
 //! need not be (next paragraph).
 //! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
@@ -75,6 +78,7 @@ use stemq_core::pull::{self, PullOptions};
 use stemq_core::read::{self, ViewError};
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -82,6 +86,13 @@ use tracing::{debug, error, info, warn};
 /// One delivered event waiting to be folded: where it sits in the log, the event, and
 /// the message to ack once its job's view is written.
 type Pending = (Position, Event, jetstream::Message);
+
+/// How long the write of an unfinished job (queued, running) may wait for the job's
+/// next event: a job that ends within it costs one KV write for its whole life instead
+/// of one per event (requested, started, outcome). Terminal events are written at once,
+/// so the time to a terminal view does not grow; a queued or running status shows up
+/// at most this much later.
+pub const LINGER: Duration = Duration::from_millis(2);
 
 /// The longest delay before a handed-back event comes again.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -308,12 +319,25 @@ impl Lane {
 
     async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
         let mut batch = Vec::new();
-        while let Some(first) = rx.recv().await {
+        // Unfinished jobs whose write waits for their next event ([`LINGER`]): until
+        // when, and their events so far (not acked yet).
+        let mut held: HashMap<JobId, (Instant, Vec<Pending>)> = HashMap::new();
+        loop {
+            // The next message, or `None` when a held job is due first; the lane ends
+            // when the channel does (on shutdown), writing what it holds.
+            let next = match held.values().map(|(until, _)| *until).min() {
+                None => rx.recv().await.map(Some),
+                Some(due) => match tokio::time::timeout_at(due, rx.recv()).await {
+                    Ok(m) => m.map(Some),
+                    Err(_) => Some(None),
+                },
+            };
+            let closed = next.is_none();
             // Take whatever else is already waiting: events of one job that arrive together
             // (requested, started, outcome under load) become one KV write.
             batch.clear();
-            batch.push(first);
-            while batch.len() < 256 {
+            batch.extend(next.flatten());
+            while !closed && batch.len() < 256 {
                 match rx.try_recv() {
                     Ok(m) => batch.push(m),
                     Err(_) => break,
@@ -324,7 +348,36 @@ impl Lane {
                 self.seen_resubscriptions = resubscriptions;
                 self.cache.clear();
             }
-            let per_job = self.group(&mut batch).await;
+            let mut per_job = self.group(&mut batch).await;
+            // A held job's earlier events go before its new ones; held jobs that are due
+            // (or all of them, when the lane is closing) are written now.
+            let now = Instant::now();
+            let mut holds: Vec<(JobId, Instant)> = Vec::new();
+            for (id, events) in &mut per_job {
+                let until = match held.remove(id) {
+                    Some((until, mut before)) => {
+                        before.append(events);
+                        *events = before;
+                        in_log_order(events);
+                        until
+                    }
+                    None => now + LINGER,
+                };
+                if !closed && until > now && waits_for_more(events) {
+                    holds.push((id.clone(), until));
+                }
+            }
+            for (id, until) in holds {
+                let at = per_job.iter().position(|(j, _)| *j == id).expect("the job is in the batch");
+                let (_, events) = per_job.swap_remove(at);
+                held.insert(id, (until, events));
+            }
+            let due: Vec<JobId> =
+                held.iter().filter(|(_, (until, _))| closed || *until <= now).map(|(id, _)| id.clone()).collect();
+            for id in due {
+                let (_, events) = held.remove(&id).expect("listed");
+                per_job.push((id, events));
+            }
             self.jobs(per_job).await;
             if self.cache.len() > self.cap {
                 // Terminal views rarely change again: drop them first, then anything.
@@ -332,6 +385,9 @@ impl Lane {
                 if self.cache.len() > self.cap {
                     self.cache.clear();
                 }
+            }
+            if closed {
+                return;
             }
         }
     }
@@ -371,20 +427,7 @@ impl Lane {
             }
         }
         for (_, events) in &mut per_job {
-            // Redeliveries can overtake: put the log events back in log order, in the
-            // slots log events held (progress events keep their places).
-            let slots: Vec<usize> =
-                events.iter().enumerate().filter(|(_, e)| matches!(e.0, Position::Log(_))).map(|(i, _)| i).collect();
-            let mut order = slots.clone();
-            order.sort_by_key(|&i| log_seq(&events[i].0));
-            let mut taken: Vec<Option<Pending>> = events.drain(..).map(Some).collect();
-            let mut out = Vec::with_capacity(taken.len());
-            let mut next_log = order.into_iter();
-            for i in 0..taken.len() {
-                let from = if slots.binary_search(&i).is_ok() { next_log.next().expect("one per slot") } else { i };
-                out.push(taken[from].take().expect("each taken once"));
-            }
-            *events = out;
+            in_log_order(events);
         }
         per_job
     }
@@ -451,6 +494,29 @@ enum Cached {
     Set(Box<JobView>, u64),
     /// Nothing (the view was re-read and not written: the next fold reads it again).
     Drop,
+}
+
+/// Redeliveries can overtake: puts one job's log events back in log order, in the slots
+/// log events held (progress events keep their places).
+fn in_log_order(events: &mut Vec<Pending>) {
+    let slots: Vec<usize> =
+        events.iter().enumerate().filter(|(_, e)| matches!(e.0, Position::Log(_))).map(|(i, _)| i).collect();
+    let mut order = slots.clone();
+    order.sort_by_key(|&i| log_seq(&events[i].0));
+    let mut taken: Vec<Option<Pending>> = events.drain(..).map(Some).collect();
+    let mut out = Vec::with_capacity(taken.len());
+    let mut next_log = order.into_iter();
+    for i in 0..taken.len() {
+        let from = if slots.binary_search(&i).is_ok() { next_log.next().expect("one per slot") } else { i };
+        out.push(taken[from].take().expect("each taken once"));
+    }
+    *events = out;
+}
+
+/// True when a job's write may wait for its next event ([`LINGER`]): none of its
+/// events so far ends it. A terminal event is written at once.
+fn waits_for_more<T>(events: &[(Position, Event, T)]) -> bool {
+    !events.iter().any(|(_, e, _)| e.body.is_terminal())
 }
 
 fn log_seq(p: &Position) -> Option<u64> {
@@ -739,6 +805,23 @@ mod tests {
         );
         // A plain redelivery looks the same, and is refolded too (to no change).
         assert_eq!(plan(Some(&view), &[(Position::Log(12), &second)]), Plan::Refold { upto: 12 });
+    }
+
+    #[test]
+    fn only_unfinished_jobs_wait_for_their_next_event() {
+        let (requested, first, _) = events();
+        let ended = Event::new(
+            &requested.subject,
+            "/test",
+            EventBody::Cancelled(stemq_core::event::Cancelled { attempt: 1, interrupted: false }),
+        );
+        let batch = |events: &[&Event]| -> Vec<(Position, Event, ())> {
+            events.iter().zip(10..).map(|(e, s)| (Position::Log(s), (*e).clone(), ())).collect()
+        };
+        assert!(waits_for_more(&batch(&[&requested])), "queued");
+        assert!(waits_for_more(&batch(&[&requested, &first])), "running");
+        assert!(!waits_for_more(&batch(&[&requested, &first, &ended])), "ended: written at once");
+        assert!(!waits_for_more(&batch(&[&ended])));
     }
 
     #[test]
