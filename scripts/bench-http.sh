@@ -2,16 +2,21 @@
 # HTTP submit benchmark: wrk (2 threads, 32 connections, distinct bodies) against the
 # ingress of a `stemq dev` stack with the fake engine, everything on this machine.
 # Usage: scripts/bench-http.sh [seconds]   (needs wrk: apt-get install wrk)
+# STEMQ_BIN=path: measure that binary instead of building target/release/stemq.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-15}"
 scripts/install-nats.sh >/dev/null
 export PATH="$PWD/.stemq/venv/bin:$PATH"
 command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
-cargo build --release --locked -p stemq >/dev/null
+bin="${STEMQ_BIN:-}"
+if [[ -z "$bin" ]]; then
+  cargo build --release --locked -p stemq >/dev/null
+  bin=target/release/stemq
+fi
 data="$(mktemp -d)"
 http=127.0.0.1:18181
-RUST_LOG=warn target/release/stemq dev --engine fake --concurrency 8 --data-dir "$data" --http "$http" \
+RUST_LOG=warn "$bin" dev --engine fake --concurrency 8 --data-dir "$data" --http "$http" \
   --log-format json >"$data/dev.log" 2>&1 &
 dev=$!
 trap 'kill -TERM $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$data"' EXIT
@@ -22,7 +27,8 @@ done
 for _ in $(seq 1 300); do [[ -s "$data/nats.url" ]] && break; sleep 0.1; done
 export STEMQ_STORE_BASE="file://$(cd "$data" && pwd)/store"
 # An operator key whose limits never bind: this measures the ingress, not the limits.
-export STEMQ_API_KEY="$(NATS_URL="$(cat "$data/nats.url")" target/release/stemq keys create --owner local \
+# (as the operator `stemq dev` wrote credentials for in its data dir)
+export STEMQ_API_KEY="$(NATS_URL="$(cat "$data/nats.url")" STEMQ_DATA_DIR="$data" "$bin" keys create --owner local \
   --role operator --rate 0 --max-in-flight 0 --name bench-http 2>/dev/null)"
 wrk -t2 -c32 -d"${secs}s" --latency -s scripts/wrk-submit.lua "http://$http/v1/separations"
 curl -fs -H "Authorization: Bearer $STEMQ_API_KEY" "http://$http/metrics" | grep -E '^stemq_submits_total' || true

@@ -216,3 +216,64 @@ async fn openapi_describes_the_issue_5_routes() {
     assert!(!text.contains("#/$defs/"), "dangling $defs reference");
     stack.shutdown().await;
 }
+
+/// Issue 18: before a start, the worker reads the log with one direct get on the job's
+/// one-token events (`stemq.jobs.<id>.*`). Whatever came last there, it still tells an
+/// outcome from a cancel request: a cancel request with no outcome yet (the ingress
+/// recorded only the first of its two events) ends the job `cancelled` without running
+/// it, and an outcome followed by another event (a retry link) is skipped, not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_look_up_before_a_start_reads_past_whatever_came_last() {
+    use stemq_core::event::{CancelRequested, Cancelled, Retried};
+    use stemq_core::nats::{job_subject, pool_consumer, SubjectKind};
+    use stemq_core::publish::{publish, publish_request};
+    use stemq_core::request::{Model, Priority};
+    use stemq_core::{Event, JobRequest};
+
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let request = |name: &str| {
+        let req = JobRequest::from_value(job_body(&stack, name, None)).unwrap();
+        Event::requested(req.normalize("anonymous").unwrap(), None, None, "/test")
+    };
+    let record = |id: &stemq_core::JobId, kind, body| {
+        let (js, subject) = (stack.js.clone(), job_subject(id, kind));
+        let ev = Event::new(id, "/test", body);
+        async move { publish(&js, &subject, &ev, None).await.unwrap() }
+    };
+    // A cancel request, and nothing after it.
+    let asked = request("cancel-only");
+    let asked_id = asked.subject.clone();
+    publish_request(&stack.js, &asked_id, &asked).await.unwrap();
+    record(&asked_id, SubjectKind::CancelRequested, EventBody::CancelRequested(CancelRequested { by: None })).await;
+    // An outcome, then a retry link after it.
+    let ended = request("ended-then-linked");
+    let ended_id = ended.subject.clone();
+    publish_request(&stack.js, &ended_id, &ended).await.unwrap();
+    let done = EventBody::Cancelled(Cancelled { attempt: 1, interrupted: false });
+    record(&ended_id, SubjectKind::Outcome, done).await;
+    let link = EventBody::Retried(Retried { retried_by: asked_id.clone() });
+    record(&ended_id, SubjectKind::Retried, link).await;
+
+    stack.add_worker(std::sync::Arc::new(stemq_core::engine::FakeEngine::default())).await;
+    let v = stack.wait_terminal(&asked_id, T).await;
+    assert_eq!((v.status, v.attempt), (JobStatus::Cancelled, 1), "{v:?}");
+    // Both deliveries answered: nothing pending in the pool.
+    let deadline = Instant::now() + T;
+    loop {
+        let name = pool_consumer(Model::Dsp, Priority::Interactive);
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            stack.js.get_consumer_from_stream(&name, stemq_core::nats::JOBS_STREAM).await.unwrap();
+        let info = c.info().await.unwrap();
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the pool still holds {info:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in [&asked_id, &ended_id] {
+        let kinds: Vec<_> = stack.events(id).await.iter().map(|e| e.body.kind()).collect();
+        assert!(!kinds.contains(&"started"), "{id}: {kinds:?}");
+        assert_eq!(kinds.iter().filter(|k| **k == "cancelled").count(), 1, "{id}: one outcome: {kinds:?}");
+    }
+    stack.shutdown().await;
+}

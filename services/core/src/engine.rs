@@ -7,6 +7,11 @@
 //! into a folder the worker gives it, reports progress, and checks for cancellation
 //! between chunks. It says *how* it failed through [`EngineError`]; the worker decides
 //! what that means (retry, degrade, give up).
+//!
+//! An engine whose stems are small may keep them in memory instead
+//! ([`Engine::separate_in_memory`], the fake engine's way): the worker then stores the
+//! bytes as they are and makes no output folder, so an attempt costs no file system work
+//! at all when the engine does not read its input either.
 
 use std::path::{Path, PathBuf};
 #[cfg(feature = "fake")]
@@ -57,6 +62,17 @@ pub struct StemFile {
     pub path: PathBuf,
     /// What the engine knows about the audio in the file (for the manifest); `None`
     /// when it wrote no real audio (the fake engine).
+    pub audio: Option<StemAudio>,
+}
+
+/// One stem an engine kept in memory ([`Engine::separate_in_memory`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StemBytes {
+    /// Stem name.
+    pub stem: String,
+    /// The file's content, exactly as a written stem file would hold it.
+    pub bytes: Vec<u8>,
+    /// What the engine knows about the audio (as [`StemFile::audio`]).
     pub audio: Option<StemAudio>,
 }
 
@@ -154,6 +170,17 @@ pub trait Engine: Send + Sync + 'static {
     }
     /// Runs one attempt.
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError>;
+    /// Runs one attempt keeping the stems in memory, when this engine does so for this
+    /// job (small stems only: the worker holds them whole). `None` (the default): it
+    /// writes files, and the worker calls [`Engine::separate`] with an output folder.
+    /// When this answers, `job.out_dir` does not exist and nothing may be written there.
+    fn separate_in_memory(
+        &self,
+        _job: &EngineJob<'_>,
+        _ctx: &dyn EngineContext,
+    ) -> Option<Result<Vec<StemBytes>, EngineError>> {
+        None
+    }
 }
 
 /// The client metadata `engine` may see: all of it when it asks
@@ -223,16 +250,48 @@ impl Engine for Engines {
     /// engine has it, else on that engine's first device.
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
         let Some(engine) = self.for_model(job.request.model) else {
-            return Err(EngineError::Unsupported {
-                code: FailureCode::ModelUnavailable,
-                message: format!("no engine here runs {}", job.request.model),
-            });
+            return Err(Engines::unavailable(job));
         };
+        let device = Engines::device_on(engine, job);
+        engine.separate(&Engines::job_for(engine, job, &device), ctx)
+    }
+
+    /// As [`Engines::separate`], when the model's engine keeps its stems in memory.
+    fn separate_in_memory(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Option<Result<Vec<StemBytes>, EngineError>> {
+        let Some(engine) = self.for_model(job.request.model) else {
+            return Some(Err(Engines::unavailable(job)));
+        };
+        let device = Engines::device_on(engine, job);
+        engine.separate_in_memory(&Engines::job_for(engine, job, &device), ctx)
+    }
+}
+
+impl Engines {
+    fn unavailable(job: &EngineJob<'_>) -> EngineError {
+        EngineError::Unsupported {
+            code: FailureCode::ModelUnavailable,
+            message: format!("no engine here runs {}", job.request.model),
+        }
+    }
+
+    /// The device asked for when `engine` has it, else its first.
+    fn device_on(engine: &std::sync::Arc<dyn Engine>, job: &EngineJob<'_>) -> Device {
         let devices = engine.devices();
-        let device = if devices.contains(job.device) { job.device.clone() } else { devices[0].clone() };
+        if devices.contains(job.device) {
+            job.device.clone()
+        } else {
+            devices[0].clone()
+        }
+    }
+
+    /// `job` as `engine` gets it: on `device`, with the metadata only if it asks.
+    fn job_for<'a>(engine: &std::sync::Arc<dyn Engine>, job: &EngineJob<'a>, device: &'a Device) -> EngineJob<'a> {
         let metadata = if engine.wants_metadata() { job.metadata } else { None };
-        let job = EngineJob { device: &device, metadata, ..*job };
-        engine.separate(&job, ctx)
+        EngineJob { device, metadata, ..*job }
     }
 }
 
@@ -322,7 +381,34 @@ impl Engine for FakeEngine {
         Some(script.audio_ms.unwrap_or(FAKE_AUDIO_MS))
     }
 
+    /// Writes the scripted stems as files (what an isolated fake engine does: its host
+    /// process hands files back).
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
+        self.run_script(job, ctx)?
+            .into_iter()
+            .map(|stem| {
+                let path = job.out_dir.join(format!("{}.{}", stem.stem, job.request.output_format.extension()));
+                std::fs::write(&path, &stem.bytes)
+                    .map_err(|e| EngineError::Transient(format!("writing {}: {e}", stem.stem)))?;
+                Ok(StemFile { stem: stem.stem, path, audio: stem.audio })
+            })
+            .collect()
+    }
+
+    /// Its stems are a line each: kept in memory.
+    fn separate_in_memory(
+        &self,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Option<Result<Vec<StemBytes>, EngineError>> {
+        Some(self.run_script(job, ctx))
+    }
+}
+
+#[cfg(feature = "fake")]
+impl FakeEngine {
+    /// Follows the job's script; the stems' content on success.
+    fn run_script(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemBytes>, EngineError> {
         let script: FakeScript = match job.metadata.and_then(|m| m.get("fake")) {
             Some(v) => serde_json::from_value(v.clone())
                 .map_err(|e| EngineError::Unsupported { code: FailureCode::BadFakeScript, message: e.to_string() })?,
@@ -360,17 +446,15 @@ impl Engine for FakeEngine {
         if job.attempt <= script.fail_transient {
             return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
         }
-        let ext = job.request.output_format.extension();
-        job.request
+        Ok(job
+            .request
             .stems()
             .into_iter()
             .map(|stem| {
-                let path = job.out_dir.join(format!("{stem}.{ext}"));
-                let body = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
-                std::fs::write(&path, body).map_err(|e| EngineError::Transient(format!("writing {stem}: {e}")))?;
-                Ok(StemFile { stem, path, audio: None })
+                let bytes = format!("fake stem {stem} of job {} from {}\n", job.job_id, job.request.audio_uri);
+                StemBytes { stem, bytes: bytes.into_bytes(), audio: None }
             })
-            .collect()
+            .collect())
     }
 }
 

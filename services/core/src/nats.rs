@@ -135,6 +135,20 @@ pub fn request_filter(id: &JobId) -> String {
     format!("{JOBS_PREFIX}.{id}.requested.>")
 }
 
+/// The filter of every event of one job in the log, its requests in any form
+/// included (`stemq.jobs.<id>.>`).
+pub fn job_filter(id: &JobId) -> String {
+    format!("{JOBS_PREFIX}.{id}.>")
+}
+
+/// The filter of one job's events whose kind is one token (`stemq.jobs.<id>.*`:
+/// started, failed, outcome, cancel requests, ...), which leaves its requests out. A
+/// direct get of the last message on it answers "nothing recorded yet" or "ended" in
+/// one round trip.
+pub fn job_events_filter(id: &JobId) -> String {
+    format!("{JOBS_PREFIX}.{id}.*")
+}
+
 /// The durable consumer of one pool's lane: `workers-<model>-<lane>`.
 pub fn pool_consumer(model: Model, lane: Priority) -> String {
     format!("{WORKERS_CONSUMER}-{model}-{lane}")

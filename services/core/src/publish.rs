@@ -27,17 +27,18 @@
 //! - [`publish_request`]: a new request goes to its routed subject
 //!   (`stemq.jobs.<id>.requested.<owner token>.<model>.<lane>`), only if no request of
 //!   the job is recorded for its owner in any form (the earlier forms are looked up, the
-//!   routed ones are one wildcard expectation of the publish).
+//!   routed ones are one wildcard expectation of the publish). The look-ups cost one
+//!   direct get for a new job (nothing of it is in the log).
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage, stream::DirectGetErrorKind};
 use async_nats::HeaderMap;
 use tokio::time::Instant;
 use tracing::warn;
 
 use crate::event::Event;
-use crate::nats::{job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
+use crate::nats::{job_filter, job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
 use crate::request::JobId;
 
 /// Result of [`publish_once`].
@@ -218,14 +219,21 @@ async fn squatted(js: &jetstream::Context, stream: &str, seq: u64, subject: &str
 pub async fn publish_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
     let owner = owner_of(event);
     if let Ok(log) = js.get_stream_no_info(JOBS_STREAM).await {
-        // A request from before routing: the job exists. Any other answer than "found"
-        // (not found, or the log unreadable now) leaves it to the publish below.
-        let (oldest, unrouted) = tokio::join!(
-            log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)),
-            log.direct_get_last_for_subject(unrouted_request_subject(id, owner)),
-        );
-        if oldest.is_ok() || unrouted.is_ok() {
-            return Ok(Once::AlreadyThere);
+        // A new job has nothing at all in the log: one direct get on all of its
+        // subjects says so, and the two look-ups below are needed only when it finds
+        // something.
+        let anything = log.direct_get_last_for_subject(job_filter(id)).await;
+        if !anything.is_err_and(|e| e.kind() == DirectGetErrorKind::NotFound) {
+            // A request from before routing: the job exists. Any other answer than
+            // "found" (not found, or the log unreadable now) leaves it to the publish
+            // below.
+            let (oldest, unrouted) = tokio::join!(
+                log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)),
+                log.direct_get_last_for_subject(unrouted_request_subject(id, owner)),
+            );
+            if oldest.is_ok() || unrouted.is_ok() {
+                return Ok(Once::AlreadyThere);
+            }
         }
     }
     publish_routed(js, id, event, id.as_str()).await

@@ -7,6 +7,11 @@
 //! view records the last applied position) and acks only after the write. Events of
 //! different jobs are applied concurrently in lanes (one lane per hash of the job id), so
 //! within one process the events of a job are applied in order while throughput scales;
+//! a lane takes whatever has arrived for it as one batch, folds each job's events of the
+//! batch into one write, and has the writes of all the batch's jobs in flight together;
+//! the write of a job whose events so far leave it unfinished waits up to [`LINGER`]
+//! for its next event (a job that ends within it is written once), a terminal event
+//! never waits;
 //! across processes (several projectors on the same consumers), order is not kept, and
 //! need not be (next paragraph).
 //! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
@@ -73,6 +78,7 @@ use stemq_core::pull::{self, PullOptions};
 use stemq_core::read::{self, ViewError};
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -80,6 +86,13 @@ use tracing::{debug, error, info, warn};
 /// One delivered event waiting to be folded: where it sits in the log, the event, and
 /// the message to ack once its job's view is written.
 type Pending = (Position, Event, jetstream::Message);
+
+/// How long the write of an unfinished job (queued, running) may wait for the job's
+/// next event: a job that ends within it costs one KV write for its whole life instead
+/// of one per event (requested, started, outcome). Terminal events are written at once,
+/// so the time to a terminal view does not grow; a queued or running status shows up
+/// at most this much later.
+pub const LINGER: Duration = Duration::from_millis(2);
 
 /// The longest delay before a handed-back event comes again.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -306,12 +319,25 @@ impl Lane {
 
     async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
         let mut batch = Vec::new();
-        while let Some(first) = rx.recv().await {
+        // Unfinished jobs whose write waits for their next event ([`LINGER`]): until
+        // when, and their events so far (not acked yet).
+        let mut held: HashMap<JobId, (Instant, Vec<Pending>)> = HashMap::new();
+        loop {
+            // The next message, or `None` when a held job is due first; the lane ends
+            // when the channel does (on shutdown), writing what it holds.
+            let next = match held.values().map(|(until, _)| *until).min() {
+                None => rx.recv().await.map(Some),
+                Some(due) => match tokio::time::timeout_at(due, rx.recv()).await {
+                    Ok(m) => m.map(Some),
+                    Err(_) => Some(None),
+                },
+            };
+            let closed = next.is_none();
             // Take whatever else is already waiting: events of one job that arrive together
             // (requested, started, outcome under load) become one KV write.
             batch.clear();
-            batch.push(first);
-            while batch.len() < 256 {
+            batch.extend(next.flatten());
+            while !closed && batch.len() < 256 {
                 match rx.try_recv() {
                     Ok(m) => batch.push(m),
                     Err(_) => break,
@@ -322,16 +348,46 @@ impl Lane {
                 self.seen_resubscriptions = resubscriptions;
                 self.cache.clear();
             }
-            let per_job = self.group(&mut batch).await;
-            for (id, events) in per_job {
-                self.job(id, events).await;
+            let mut per_job = self.group(&mut batch).await;
+            // A held job's earlier events go before its new ones; held jobs that are due
+            // (or all of them, when the lane is closing) are written now.
+            let now = Instant::now();
+            let mut holds: Vec<(JobId, Instant)> = Vec::new();
+            for (id, events) in &mut per_job {
+                let until = match held.remove(id) {
+                    Some((until, mut before)) => {
+                        before.append(events);
+                        *events = before;
+                        in_log_order(events);
+                        until
+                    }
+                    None => now + LINGER,
+                };
+                if !closed && until > now && waits_for_more(events) {
+                    holds.push((id.clone(), until));
+                }
             }
+            for (id, until) in holds {
+                let at = per_job.iter().position(|(j, _)| *j == id).expect("the job is in the batch");
+                let (_, events) = per_job.swap_remove(at);
+                held.insert(id, (until, events));
+            }
+            let due: Vec<JobId> =
+                held.iter().filter(|(_, (until, _))| closed || *until <= now).map(|(id, _)| id.clone()).collect();
+            for id in due {
+                let (_, events) = held.remove(&id).expect("listed");
+                per_job.push((id, events));
+            }
+            self.jobs(per_job).await;
             if self.cache.len() > self.cap {
                 // Terminal views rarely change again: drop them first, then anything.
                 self.cache.retain(|_, (v, _)| v.as_ref().map(|v| !v.status.is_terminal()).unwrap_or(false));
                 if self.cache.len() > self.cap {
                     self.cache.clear();
                 }
+            }
+            if closed {
+                return;
             }
         }
     }
@@ -371,54 +427,96 @@ impl Lane {
             }
         }
         for (_, events) in &mut per_job {
-            // Redeliveries can overtake: put the log events back in log order, in the
-            // slots log events held (progress events keep their places).
-            let slots: Vec<usize> =
-                events.iter().enumerate().filter(|(_, e)| matches!(e.0, Position::Log(_))).map(|(i, _)| i).collect();
-            let mut order = slots.clone();
-            order.sort_by_key(|&i| log_seq(&events[i].0));
-            let mut taken: Vec<Option<Pending>> = events.drain(..).map(Some).collect();
-            let mut out = Vec::with_capacity(taken.len());
-            let mut next_log = order.into_iter();
-            for i in 0..taken.len() {
-                let from = if slots.binary_search(&i).is_ok() { next_log.next().expect("one per slot") } else { i };
-                out.push(taken[from].take().expect("each taken once"));
-            }
-            *events = out;
+            in_log_order(events);
         }
         per_job
     }
 
-    /// Folds one job's events into its view and acks them, or hands them all back.
-    async fn job(&mut self, id: JobId, events: Vec<Pending>) {
-        let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
-        let span = tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
-        let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
-        stemq_core::telemetry::set_parent(&span, tp);
-        let job = Job { kv: &self.kv, log: &self.log, id: &id };
-        match tracing::Instrument::instrument(job.fold(&mut self.cache, &refs), span).await {
-            Ok(()) => {
-                for (_, _, msg) in &events {
-                    if let Err(e) = msg.ack().await {
-                        warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
+    /// Folds the batch's jobs into their views, all at once (their KV writes are in
+    /// flight together, one round trip for the batch rather than one per job), then
+    /// acks each job's events, or hands them all back when its fold failed. Each job
+    /// appears once per batch, so the folds touch different views.
+    async fn jobs(&mut self, per_job: Vec<(JobId, Vec<Pending>)>) {
+        let (kv, log, cache) = (&self.kv, &self.log, &self.cache);
+        let folds = per_job.iter().map(|(id, events)| {
+            let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
+            let span =
+                tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
+            let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
+            stemq_core::telemetry::set_parent(&span, tp);
+            let cached = cache.get(id).cloned();
+            let job = Job { kv, log, id };
+            tracing::Instrument::instrument(async move { job.fold(cached, &refs).await }, span)
+        });
+        let results = futures::future::join_all(folds).await;
+        for ((id, events), result) in per_job.into_iter().zip(results) {
+            match result {
+                Ok(cached) => {
+                    match cached {
+                        Cached::Keep => {}
+                        Cached::Set(view, revision) => {
+                            self.cache.insert(id.clone(), (Some(*view), revision));
+                        }
+                        Cached::Drop => {
+                            self.cache.remove(&id);
+                        }
+                    }
+                    for (_, _, msg) in &events {
+                        if let Err(e) = msg.ack().await {
+                            warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
+                        }
                     }
                 }
-            }
-            Err(e) => {
-                stemq_core::metrics::metrics().projector_error(e.kind());
-                let error = stemq_core::error::report(&e);
-                if matches!(e, ProjectorError::CorruptView { .. }) {
-                    error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
-                } else {
-                    warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
-                }
-                self.cache.remove(&id);
-                for (_, _, msg) in &events {
-                    let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                Err(e) => {
+                    stemq_core::metrics::metrics().projector_error(e.kind());
+                    let error = stemq_core::error::report(&e);
+                    if matches!(e, ProjectorError::CorruptView { .. }) {
+                        error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
+                    } else {
+                        warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
+                    }
+                    self.cache.remove(&id);
+                    for (_, _, msg) in &events {
+                        let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                    }
                 }
             }
         }
     }
+}
+
+/// What a lane's cache holds for a job after its fold.
+#[derive(Debug)]
+enum Cached {
+    /// What it held.
+    Keep,
+    /// This view as written, at this revision.
+    Set(Box<JobView>, u64),
+    /// Nothing (the view was re-read and not written: the next fold reads it again).
+    Drop,
+}
+
+/// Redeliveries can overtake: puts one job's log events back in log order, in the slots
+/// log events held (progress events keep their places).
+fn in_log_order(events: &mut Vec<Pending>) {
+    let slots: Vec<usize> =
+        events.iter().enumerate().filter(|(_, e)| matches!(e.0, Position::Log(_))).map(|(i, _)| i).collect();
+    let mut order = slots.clone();
+    order.sort_by_key(|&i| log_seq(&events[i].0));
+    let mut taken: Vec<Option<Pending>> = events.drain(..).map(Some).collect();
+    let mut out = Vec::with_capacity(taken.len());
+    let mut next_log = order.into_iter();
+    for i in 0..taken.len() {
+        let from = if slots.binary_search(&i).is_ok() { next_log.next().expect("one per slot") } else { i };
+        out.push(taken[from].take().expect("each taken once"));
+    }
+    *events = out;
+}
+
+/// True when a job's write may wait for its next event ([`LINGER`]): none of its
+/// events so far ends it. A terminal event is written at once.
+fn waits_for_more<T>(events: &[(Position, Event, T)]) -> bool {
+    !events.iter().any(|(_, e, _)| e.body.is_terminal())
 }
 
 fn log_seq(p: &Position) -> Option<u64> {
@@ -506,33 +604,37 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Applies the job's events in order and writes the result once, with
-    /// compare-and-set; on a concurrent writer it re-reads and plans again. An event
-    /// behind the view refolds the job from the log (module docs). A stored entry that is
-    /// not a view is an error ([`ProjectorError::CorruptView`]), never overwritten.
+    /// Applies the job's events in order to `cached` (the lane's cached view, if any)
+    /// and writes the result once, with compare-and-set; on a concurrent writer it
+    /// re-reads and plans again. An event behind the view refolds the job from the log
+    /// (module docs). A stored entry that is not a view is an error
+    /// ([`ProjectorError::CorruptView`]), never overwritten. Returns what the lane's
+    /// cache should hold for the job now.
     async fn fold(
         &self,
-        cache: &mut HashMap<JobId, (Option<JobView>, u64)>,
+        cached: Option<(Option<JobView>, u64)>,
         events: &[(Position, &Event)],
-    ) -> Result<(), ProjectorError> {
+    ) -> Result<Cached, ProjectorError> {
         let id = self.id;
         // An unknown job is most likely new: try creating it before paying for a read.
-        let mut current = cache.get(id).cloned().unwrap_or((None, 0));
+        let mut reread = false;
+        let mut current = cached.unwrap_or((None, 0));
+        let unchanged = |reread: bool| if reread { Cached::Drop } else { Cached::Keep };
         for _ in 0..10 {
             let next = match plan(current.0.as_ref(), events) {
                 Plan::Unchanged => {
                     debug!(job_id = %id, "events change nothing");
-                    return Ok(());
+                    return Ok(unchanged(reread));
                 }
                 Plan::Write(v) => *v,
                 Plan::Refold { upto } => {
                     stemq_core::metrics::metrics().projector_refold();
                     let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
-                        return Ok(());
+                        return Ok(unchanged(reread));
                     };
                     if current.0.as_ref() == Some(&v) {
                         debug!(job_id = %id, upto, "refolded: the view was right");
-                        return Ok(());
+                        return Ok(unchanged(reread));
                     }
                     info!(job_id = %id, upto, "refolded from the log: an event had been overtaken");
                     v
@@ -540,13 +642,10 @@ impl Job<'_> {
             };
             let body = serde_json::to_vec(&next).expect("views serialise");
             match self.kv.update(id.as_str(), body.into(), current.1).await {
-                Ok(rev) => {
-                    cache.insert(id.clone(), (Some(next), rev));
-                    return Ok(());
-                }
+                Ok(rev) => return Ok(Cached::Set(Box::new(next), rev)),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     // It exists (or another writer moved it): read the real revision, retry.
-                    cache.remove(id);
+                    reread = true;
                     current = read::stored_view(self.kv, id).await?;
                 }
                 Err(source) => return Err(ProjectorError::KvWrite { id: id.clone(), source }),
@@ -706,6 +805,23 @@ mod tests {
         );
         // A plain redelivery looks the same, and is refolded too (to no change).
         assert_eq!(plan(Some(&view), &[(Position::Log(12), &second)]), Plan::Refold { upto: 12 });
+    }
+
+    #[test]
+    fn only_unfinished_jobs_wait_for_their_next_event() {
+        let (requested, first, _) = events();
+        let ended = Event::new(
+            &requested.subject,
+            "/test",
+            EventBody::Cancelled(stemq_core::event::Cancelled { attempt: 1, interrupted: false }),
+        );
+        let batch = |events: &[&Event]| -> Vec<(Position, Event, ())> {
+            events.iter().zip(10..).map(|(e, s)| (Position::Log(s), (*e).clone(), ())).collect()
+        };
+        assert!(waits_for_more(&batch(&[&requested])), "queued");
+        assert!(waits_for_more(&batch(&[&requested, &first])), "running");
+        assert!(!waits_for_more(&batch(&[&requested, &first, &ended])), "ended: written at once");
+        assert!(!waits_for_more(&batch(&[&ended])));
     }
 
     #[test]

@@ -525,6 +525,20 @@ async fn pipeline(
     println!("  latency p50     {:.2} ms", f.p50);
     println!("  latency p99     {:.2} ms", f.p99);
     println!("  latency max     {:.2} ms", f.max);
+    // What each job cost the server in stored messages: events in the log, and
+    // revisions of the status view (how well the projector coalesced a job's events).
+    let stored = |name: String| {
+        let js = js.clone();
+        async move { js.get_stream(name).await.ok().map(|s| s.cached_info().state.last_sequence) }
+    };
+    let (events, writes) = (
+        stored(stemq_core::nats::JOBS_STREAM.to_string()).await,
+        stored(format!("KV_{}", stemq_core::nats::JOBS_BUCKET)).await,
+    );
+    if let (Some(events), Some(writes)) = (events, writes) {
+        let per_job = |n: u64| n as f64 / f.done.max(1) as f64;
+        println!("  per job         {:.2} log events, {:.2} view writes", per_job(events), per_job(writes));
+    }
     let _ = total;
     stop.cancel();
     watcher.abort();

@@ -1,8 +1,9 @@
 //! Cancel requests and start deadlines, as seen from a worker.
 //!
 //! This module owns how a worker learns that a job must not run (on) any more:
-//! - before starting, [`cancel_requested_in_log`] looks for a `cancel_requested` event
-//!   and the start deadline is compared with the clock (`expired`);
+//! - before starting, [`recorded`] looks in the log for the job's outcome (a duplicate
+//!   delivery, a lost ack) and for a `cancel_requested` event, and the start deadline
+//!   is compared with the clock (`expired`);
 //! - while running, the process-wide [`listen`]er on `stemq.jobs.*.cancel_requested`
 //!   raises the cancel flag of the job (registered in [`Running`]), which the engine
 //!   checks between chunks;
@@ -16,9 +17,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use async_nats::jetstream;
+use async_nats::jetstream::stream::{DirectGetError, DirectGetErrorKind};
 use futures::StreamExt;
-use stemq_core::nats::{job_subject, SubjectKind};
+use stemq_core::nats::{job_events_filter, job_subject, SubjectKind};
 use stemq_core::JobId;
 use tracing::{info, warn};
 
@@ -78,13 +79,39 @@ pub(crate) async fn listen(
     }))
 }
 
-/// True when the log holds a cancel request for the job.
-pub(crate) async fn cancel_requested_in_log(shared: &Shared, job_id: &JobId) -> Result<bool, String> {
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::CancelRequested)).await {
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e.to_string()),
+/// What the log holds for a job about to start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Recorded {
+    /// The job has its outcome (it must not run again).
+    pub outcome: bool,
+    /// A cancel was requested.
+    pub cancel_requested: bool,
+}
+
+/// Whether the log holds the job's outcome and a cancel request. One direct get in the
+/// common case: the newest of the job's one-token events ([`job_events_filter`]) is
+/// either absent (a new job: neither) or its outcome; anything else (a redelivery after
+/// `started`, a cancel request) is settled by the two exact look-ups.
+pub(crate) async fn recorded(shared: &Shared, job_id: &JobId) -> Result<Recorded, DirectGetError> {
+    let outcome = job_subject(job_id, SubjectKind::Outcome);
+    match shared.jobs_stream.direct_get_last_for_subject(job_events_filter(job_id)).await {
+        Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
+            return Ok(Recorded { outcome: false, cancel_requested: false })
+        }
+        Err(e) => return Err(e),
+        Ok(m) if m.subject.as_str() == outcome => return Ok(Recorded { outcome: true, cancel_requested: false }),
+        Ok(_) => {}
     }
+    let found = |r: Result<_, DirectGetError>| match r {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    };
+    let (outcome, cancel) = tokio::join!(
+        shared.jobs_stream.direct_get_last_for_subject(outcome),
+        shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::CancelRequested)),
+    );
+    Ok(Recorded { outcome: found(outcome)?, cancel_requested: found(cancel)? })
 }
 
 /// Deletes every stored output of the job (`jobs/<id>/`).

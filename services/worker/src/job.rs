@@ -5,7 +5,8 @@
 //! 1. read the request event; an invalid one is `rejected`, a forged one (not hashing to
 //!    its job id, or for another owner than its subject's) dropped, never run;
 //! 2. if the job already has an outcome (a lost ack, a duplicate delivery), ack and skip
-//!    (`skip.already_done`);
+//!    (`skip.already_done`); if a cancel was requested or its start deadline passed, record
+//!    that instead of running it (one direct get tells both for a new job);
 //! 3. publish `started`; keep the ack deadline alive with progress acks;
 //! 4. run the engine on a blocking thread, under the hard time limit, stepping down the
 //!    out-of-memory ladder (smaller segment, then CPU) when it runs out of memory;
@@ -43,7 +44,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::fetch::FetchError;
 use crate::keepalive::spawn_keepalive;
-use crate::outputs::store_outputs;
+use crate::outputs::{store_outputs, Stems};
 use crate::{control, Shared};
 use stemq_core::metrics::{metrics, JobLabels};
 
@@ -118,34 +119,28 @@ async fn run_delivery(
     };
     let model = requested.request.model.as_str();
 
-    // 2. Already done? The outcome subject is the source of truth (no projector lag).
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(&job_id, SubjectKind::Outcome)).await {
-        Ok(_) => {
-            info!(event = "skip.already_done", "job already has an outcome; acking");
-            let _ = msg.double_ack().await;
-            return;
-        }
-        Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
-        Err(e) => {
-            warn!(error = %e, "cannot check for an outcome; retrying later");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-            return;
-        }
-    }
-
-    // 2b. Cancelled or past its start deadline? Then it never starts. Listen for a
-    // cancel request first, so one that arrives from now on is not missed.
+    // 2. Already done (a lost ack, a duplicate delivery), or cancelled before it
+    // started? The log is the source of truth (no projector lag). Listen for a cancel
+    // request first, so one that arrives from now on is not missed.
     let cancel = Arc::new(AtomicBool::new(false));
     let user_cancel = Arc::new(AtomicBool::new(false));
     let _registered = shared.running.register(&job_id, cancel.clone(), user_cancel.clone());
-    let cancel_requested = match control::cancel_requested_in_log(shared, &job_id).await {
-        Ok(c) => c,
+    let recorded = match control::recorded(shared, &job_id).await {
+        Ok(r) => r,
         Err(e) => {
-            warn!(error = %e, "cannot check for a cancel request; retrying later");
+            warn!(error = %e, "cannot check for an outcome or a cancel request; retrying later");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }
     };
+    if recorded.outcome {
+        info!(event = "skip.already_done", "job already has an outcome; acking");
+        let _ = msg.double_ack().await;
+        return;
+    }
+
+    // 2b. Cancelled or past its start deadline? Then it never starts.
+    let cancel_requested = recorded.cancel_requested;
     if let Some(body) = decide_start(attempt, cancel_requested, requested.start_before, chrono::Utc::now()) {
         match &body {
             EventBody::Expired(e) => {
@@ -619,12 +614,20 @@ async fn run_engine(
         let _ = tokio::task::spawn_blocking(move || shared.scratch.sweep()).await;
     }
     let dir = shared.scratch.attempt_dir(job_id.as_str(), attempt);
-    let _cleanup = ScratchDir(dir.clone());
+    // Removed when the attempt ends, if it was made: an engine that neither reads its
+    // input nor writes files (stems in memory) never makes one.
+    let mut cleanup = ScratchDir { path: dir.clone(), made: false };
     let out_dir = dir.join("out");
-    tokio::fs::create_dir_all(&out_dir)
-        .await
-        .map_err(|e| Failure::transient(FailureCode::Scratch, format!("cannot create {}: {e}", out_dir.display())))?;
+    let make_out_dir = |out_dir: &Path| {
+        std::fs::create_dir_all(out_dir)
+            .map_err(|e| Failure::transient(FailureCode::Scratch, format!("cannot create {}: {e}", out_dir.display())))
+    };
     let input = if shared.engine.reads_input() {
+        cleanup.made = true;
+        let out = out_dir.clone();
+        tokio::task::spawn_blocking(move || make_out_dir(&out)).await.map_err(|e| {
+            Failure::transient(FailureCode::Scratch, format!("cannot create the scratch folder: {e}"))
+        })??;
         fetch_input(shared, &requested.request.audio_uri, &requested.request.owner, &dir)
             .instrument(info_span!("fetch_input"))
             .await?
@@ -645,7 +648,9 @@ async fn run_engine(
             (job_id.clone(), requested.clone(), input.clone(), out_dir.clone(), device.clone(), ctx.clone());
         let segment = *segment;
         let engine_span = info_span!("engine.separate", %device, segment = ?segment);
-        let res = tokio::task::spawn_blocking(move || {
+        // One hand-off to a blocking thread per rung: the engine keeps its stems in
+        // memory, or the output folder is made there and the engine writes files.
+        let (wrote_files, res) = tokio::task::spawn_blocking(move || {
             let _entered = engine_span.entered();
             let job = EngineJob {
                 job_id: &job_id2,
@@ -657,11 +662,18 @@ async fn run_engine(
                 device: &dev,
                 segment,
             };
-            engine.separate(&job, ctx2.as_ref())
+            if let Some(res) = engine.separate_in_memory(&job, ctx2.as_ref()) {
+                return (false, Ok(res.map(Stems::Memory)));
+            }
+            if let Err(f) = make_out_dir(&out2) {
+                return (true, Err(f));
+            }
+            (true, Ok(engine.separate(&job, ctx2.as_ref()).map(Stems::Files)))
         })
         .await
         .map_err(|e| Failure::transient(FailureCode::EnginePanic, format!("the engine crashed: {e}")))?;
-        match res {
+        cleanup.made |= wrote_files;
+        match res? {
             Ok(_) if ctx.cancel.load(Ordering::SeqCst) => {
                 // Stopped from outside (time limit, cancel) just as it finished: store nothing.
                 return Err(Failure::permanent(FailureCode::Cancelled, "the attempt was stopped".into()));
@@ -671,19 +683,19 @@ async fn run_engine(
                 if degraded {
                     warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
                 }
-                let (outputs, manifest_uri) = store_outputs(shared, job_id, requested, &stems, device, degraded)
-                    .instrument(info_span!("store_outputs", stems = stems.len()))
-                    .await?;
-                let audio_secs =
-                    stems.first().and_then(|s| s.audio).map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
+                let audio_secs = stems.first_audio().map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
+                let span = info_span!("store_outputs", stems = stems.len());
+                let (outputs, manifest_uri) =
+                    store_outputs(shared, job_id, requested, stems, device, degraded).instrument(span).await?;
                 return Ok(Done { audio_secs, outputs, manifest_uri, degraded, device: device.clone(), segment });
             }
             Err(e @ (EngineError::OutOfMemory { .. } | EngineError::OverBudget { .. })) => {
                 warn!(event = "job.oom", %device, ?segment, error = %e, "out of memory; stepping down");
                 last_oom = e;
                 // Nothing partial may survive into the next rung.
-                let _ = tokio::fs::remove_dir_all(&out_dir).await;
-                let _ = tokio::fs::create_dir_all(&out_dir).await;
+                if wrote_files {
+                    let _ = tokio::fs::remove_dir_all(&out_dir).await;
+                }
             }
             Err(e) => return Err(classify(e)),
         }
@@ -769,11 +781,17 @@ impl From<FetchError> for Failure {
 }
 
 /// Removes a job's scratch directory when the attempt ends, however it ends.
-struct ScratchDir(PathBuf);
+/// An attempt's scratch folder, removed on drop once `made`.
+struct ScratchDir {
+    path: PathBuf,
+    made: bool,
+}
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if self.made {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 
