@@ -14,7 +14,14 @@ if [[ -z "$bin" ]]; then
   cargo build --release --locked -p stemq >/dev/null
   bin=target/release/stemq
 fi
-data="$(mktemp -d)"
+# The stack's data (nats-server's store, the object store) on tmpfs where there is one
+# (STEMQ_BENCH_DIR overrides): a deployment's store is S3 on other machines, and on a
+# churned ext4 the worker's file creations cost more CPU than the ingress
+# (docs/benchmarks.md, issue 18).
+parent="${STEMQ_BENCH_DIR:-}"
+if [[ -z "$parent" && -d /dev/shm && -w /dev/shm ]]; then parent=/dev/shm; fi
+data="$(mktemp -d -p "${parent:-${TMPDIR:-/tmp}}")"
+echo "stack data in $data" >&2
 http=127.0.0.1:18181
 RUST_LOG=warn "$bin" dev --engine fake --concurrency 8 --data-dir "$data" --http "$http" \
   --log-format json >"$data/dev.log" 2>&1 &

@@ -169,9 +169,22 @@ pub struct Config {
     pub cors_origins: Vec<cors::Origin>,
 }
 
-/// Shared handler state.
+/// Shared handler state: one `Arc`, so the clone that every request's extractors and
+/// middleware take is a reference count, not a copy of the NATS handles inside (that
+/// copy was a fifth of the ingress's CPU under load; issue 18).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppShared>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppShared;
+    fn deref(&self) -> &AppShared {
+        &self.0
+    }
+}
+
+/// What [`AppState`] shares (read through it).
+#[derive(Clone)]
+pub struct AppShared {
     js: jetstream::Context,
     views: Views,
     index: Arc<ListIndex>,
@@ -224,7 +237,7 @@ impl AppState {
             js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok(),
         ));
         let batches = stemq_core::batch_log::BatchLog::open(&js).await?;
-        Ok(AppState {
+        Ok(AppState(Arc::new(AppShared {
             js,
             views,
             index,
@@ -245,12 +258,17 @@ impl AppState {
             cors_origins: Arc::default(),
             stopping: shutdown,
             batches,
-        })
+        })))
+    }
+
+    /// The state to set up (a builder's; copied only if already shared).
+    fn edit(&mut self) -> &mut AppShared {
+        Arc::make_mut(&mut self.0)
     }
 
     /// Accepts `link`'s token once on `POST /v1/signin`.
     pub fn with_signin(mut self, link: Option<Arc<session::SigninLink>>) -> AppState {
-        self.signin = link;
+        self.edit().signin = link;
         self
     }
 
@@ -261,19 +279,19 @@ impl AppState {
 
     /// Links answers under `base` ([`links`]).
     pub fn with_links(mut self, base: links::LinkBase) -> AppState {
-        self.links = Arc::new(base);
+        self.edit().links = Arc::new(base);
         self
     }
 
     /// Lets browser pages of `origins` call the API ([`cors`]).
     pub fn with_cors_origins(mut self, origins: Vec<cors::Origin>) -> AppState {
-        self.cors_origins = Arc::new(origins);
+        self.edit().cors_origins = Arc::new(origins);
         self
     }
 
     /// Refuses submits for models no live worker serves (see [`Config::refuse_unserved`]).
     pub fn with_refuse_unserved(mut self, on: bool) -> AppState {
-        self.refuse_unserved = on;
+        self.edit().refuse_unserved = on;
         self
     }
 
@@ -284,7 +302,7 @@ impl AppState {
 
     /// Serves every request as the operator of the owner `local`, without keys.
     pub fn without_auth(mut self) -> AppState {
-        self.keys = None;
+        self.edit().keys = None;
         self
     }
 
@@ -324,20 +342,20 @@ impl AppState {
 
     /// Serves uploads and stems from this store.
     pub fn with_storage(mut self, storage: uploads::StorageConfig) -> AppState {
-        self.stores = Arc::new(vec![storage.store.base_url().to_string()]);
-        self.storage = Some(Arc::new(storage));
+        self.edit().stores = Arc::new(vec![storage.store.base_url().to_string()]);
+        self.edit().storage = Some(Arc::new(storage));
         self
     }
 
     /// Accepts external `audio_uri` URLs whose host `policy` admits.
     pub fn with_audio_urls(mut self, policy: HostPolicy) -> AppState {
-        self.audio_urls = Some(Arc::new(policy));
+        self.edit().audio_urls = Some(Arc::new(policy));
         self
     }
 
     /// Exports the queue figures on `/metrics` (this ingress is the queue exporter).
     pub fn with_queue_metrics(mut self, on: bool) -> AppState {
-        self.queue_metrics = on;
+        self.edit().queue_metrics = on;
         self
     }
 

@@ -198,6 +198,58 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
     Ok(())
 }
 
+/// One job's times, wall clock (one machine, one clock): for where its latency went.
+#[derive(Default)]
+struct Stamps {
+    /// The submit began.
+    submitted: Option<chrono::DateTime<chrono::Utc>>,
+    /// The submit was answered (the `requested` event stored).
+    answered: Option<chrono::DateTime<chrono::Utc>>,
+    /// The view's `started_at` (the worker's `started` event).
+    started: Option<chrono::DateTime<chrono::Utc>>,
+    /// The view's `finished_at` (the worker's outcome event, made after the stems were stored).
+    finished: Option<chrono::DateTime<chrono::Utc>>,
+    /// The terminal view reached the benchmark's watch.
+    seen: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Where the latency went, by stage: p50 and p99 of each over all jobs, and the median
+/// of each over the slowest 1 % of jobs (what makes the p99).
+fn print_stages(stamps: &HashMap<JobId, Stamps>) {
+    const STAGES: [&str; 4] = [
+        "submit answered (requested stored)",
+        "queued until started (dispatch, checks, started event)",
+        "started until outcome (engine, stems stored)",
+        "outcome until view seen (publish, projector, KV, watch)",
+    ];
+    let ms = |a: chrono::DateTime<chrono::Utc>, b: chrono::DateTime<chrono::Utc>| {
+        (b - a).num_microseconds().unwrap_or(0) as f64 / 1000.0
+    };
+    let rows: Vec<[f64; 5]> = stamps
+        .values()
+        .filter_map(|s| {
+            let (sub, ans, st, fin, seen) = (s.submitted?, s.answered?, s.started?, s.finished?, s.seen?);
+            Some([ms(sub, ans), ms(sub, st), ms(st, fin), ms(fin, seen), ms(sub, seen)])
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let pct = |mut v: Vec<f64>, p: f64| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
+    };
+    let mut slow: Vec<&[f64; 5]> = rows.iter().collect();
+    slow.sort_by(|a, b| b[4].total_cmp(&a[4]));
+    slow.truncate((rows.len() / 100).max(1));
+    println!("  stages (ms)     p50 / p99 over all jobs; median of the slowest 1 %");
+    for (i, name) in STAGES.iter().enumerate() {
+        let all: Vec<f64> = rows.iter().map(|r| r[i]).collect();
+        let tail: Vec<f64> = slow.iter().map(|r| r[i]).collect();
+        println!("    {:<56} {:>7.2} / {:>7.2}; {:>7.2}", name, pct(all.clone(), 0.5), pct(all, 0.99), pct(tail, 0.5));
+    }
+}
+
 /// The NATS the pipeline benchmark runs on, when it is its own.
 enum Own {
     /// `NATS_URL`'s.
@@ -436,10 +488,13 @@ async fn pipeline(
     let w = tokio::spawn(stemq_worker::run(worker_client, engine, wc, stop.clone()));
     let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
 
-    // Terminal times, from a watch on the whole bucket.
+    // Terminal times, from a watch on the whole bucket; with the view's own times, where
+    // each job's latency went (stages).
     let done: Arc<Mutex<HashMap<JobId, Instant>>> = Default::default();
+    let stamps: Arc<Mutex<HashMap<JobId, Stamps>>> = Default::default();
     let watcher = {
         let done = done.clone();
+        let stamps = stamps.clone();
         let mut watch = kv.watch_all().await?;
         tokio::spawn(async move {
             while let Some(Ok(e)) = watch.next().await {
@@ -451,10 +506,20 @@ async fn pipeline(
                 struct Slim {
                     job_id: JobId,
                     status: stemq_core::JobStatus,
+                    started_at: Option<chrono::DateTime<chrono::Utc>>,
+                    finished_at: Option<chrono::DateTime<chrono::Utc>>,
                 }
                 if let Ok(v) = serde_json::from_slice::<Slim>(&e.value) {
                     if v.status.is_terminal() {
-                        done.lock().await.entry(v.job_id).or_insert_with(Instant::now);
+                        let seen = chrono::Utc::now();
+                        if let std::collections::hash_map::Entry::Vacant(slot) =
+                            done.lock().await.entry(v.job_id.clone())
+                        {
+                            slot.insert(Instant::now());
+                            let mut st = stamps.lock().await;
+                            let s = st.entry(v.job_id).or_default();
+                            (s.started, s.finished, s.seen) = (v.started_at, v.finished_at, Some(seen));
+                        }
                     }
                 }
             }
@@ -477,13 +542,20 @@ async fn pipeline(
         let js = js.clone();
         let submitted = submitted.clone();
         let (store, stores) = (store.clone(), stores.clone());
+        let stamps = stamps.clone();
         handles.push(tokio::spawn(async move {
             let uri = store.uri(&format!("{}{run_id}/{i}.wav", stemq_core::uri::uploads_prefix(BENCH_OWNER)));
             let body = format!(r#"{{"audio_uri":"{uri}","model":"dsp"}}"#);
             let start = Instant::now();
+            let wall = chrono::Utc::now();
             let r = stemq_ingress::submit::submit(&js, body.as_bytes(), BENCH_OWNER, None, &stores, None).await;
+            let answered = chrono::Utc::now();
             drop(permit);
             if let Ok((resp, _)) = r {
+                let mut st = stamps.lock().await;
+                let s = st.entry(resp.job_id.clone()).or_default();
+                (s.submitted, s.answered) = (Some(wall), Some(answered));
+                drop(st);
                 submitted.lock().await.insert(resp.job_id, start);
                 true
             } else {
@@ -539,6 +611,7 @@ async fn pipeline(
         let per_job = |n: u64| n as f64 / f.done.max(1) as f64;
         println!("  per job         {:.2} log events, {:.2} view writes", per_job(events), per_job(writes));
     }
+    print_stages(&*stamps.lock().await);
     let _ = total;
     stop.cancel();
     watcher.abort();

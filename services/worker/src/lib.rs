@@ -272,6 +272,11 @@ const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// consumer.
 const RECHECK: [Duration; 3] = [Duration::from_millis(1), Duration::from_millis(10), Duration::from_millis(50)];
 
+/// Longest a look waits for an announced request that is not in its consumer yet (a
+/// pull that returns the moment it is stored). Short: another worker may have taken it,
+/// and the other lanes wait meanwhile; past it, the rechecks of [`RECHECK`] go on.
+const ANNOUNCED_WAIT: Duration = Duration::from_millis(5);
+
 /// How long an announced request may take to reach its consumer: a lane is looked at
 /// after an announcement until a look that began this long after it finds the lane
 /// empty (the request was taken, by this worker or another).
@@ -498,7 +503,7 @@ async fn dispatch(
         while let Ok(p) = slots.clone().try_acquire_owned() {
             permits.push(p);
         }
-        let mut taken = 0;
+        let mut taken = 0usize;
         // Every lane on the looks after an idle wait; otherwise (the looks again after a
         // wake included: the lane announced is among them) the lanes that may have work,
         // and one more in turn.
@@ -517,55 +522,38 @@ async fn dispatch(
             }
             let asked = permits.len();
             let began = heard.now_ms();
-            // A look never hangs: a pull request or answer lost in a server restart
-            // would otherwise leave the stream waiting for ever (a no-wait fetch has no
-            // timer of its own).
-            let deadline = tokio::time::Instant::now() + FETCH_TIMEOUT;
-            let fetch = lane.consumer.fetch().max_messages(permits.len()).messages();
-            let batch = match tokio::time::timeout_at(deadline, fetch).await {
-                Ok(Ok(b)) => b,
-                Ok(Err(e)) => {
-                    warn!(consumer = %lane.name, error = %e, "pull failed; retrying");
-                    full[i] = true;
-                    continue;
-                }
-                Err(_) => {
-                    warn!(consumer = %lane.name, "pull request unanswered; retrying");
-                    full[i] = true;
-                    continue;
-                }
-            };
-            tokio::pin!(batch);
-            let mut got = 0;
+            // First what the lane holds now; when that is nothing although a request of
+            // the lane was announced under SETTLE ago (the announcement can beat the
+            // request into the stream), a pull that waits for it for the rest of SETTLE:
+            // the job starts the moment it is stored, not at the next look.
+            let (mut wait, mut got, mut again) = (None, 0, false);
             loop {
-                let msg = match tokio::time::timeout_at(deadline, batch.next()).await {
-                    Ok(Some(Ok(msg))) => msg,
-                    Ok(None) => break,
-                    Ok(Some(Err(e))) => {
-                        warn!(consumer = %lane.name, error = %e, "pull error");
-                        got = asked;
-                        break;
+                let pulled = tokio::time::timeout(FETCH_TIMEOUT, look(lane, permits.len(), wait)).await;
+                match pulled {
+                    Ok(Ok(batch)) => {
+                        let t = take(lane, batch, &mut permits, &shared, &hard, &jobs).await;
+                        got += t.started;
+                        again |= t.again;
+                    }
+                    Ok(Err(e)) => {
+                        warn!(consumer = %lane.name, error = %e, "pull failed; retrying");
+                        again = true;
                     }
                     Err(_) => {
-                        warn!(consumer = %lane.name, "pull answer incomplete; looking again");
-                        got = asked;
-                        break;
+                        warn!(consumer = %lane.name, "pull request unanswered; retrying");
+                        again = true;
                     }
-                };
-                let Some(permit) = permits.pop() else {
-                    // More than asked for cannot come; hand it back untouched if it does.
-                    let _ = msg.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
-                    continue;
-                };
-                taken += 1;
-                got += 1;
-                let (shared, queue, hard) = (shared.clone(), lane.queue.clone(), hard.clone());
-                jobs.spawn(async move {
-                    job::handle(&shared, msg, queue, &hard).await;
-                    drop(permit);
-                });
+                }
+                let announced = heard.at(i);
+                let age = began.saturating_sub(announced);
+                if got > 0 || again || wait.is_some() || announced <= settled[i] || age >= SETTLE.as_millis() as u64 {
+                    break;
+                }
+                wait = Some(ANNOUNCED_WAIT.min(SETTLE - Duration::from_millis(age)));
             }
-            full[i] = got >= asked;
+            taken += got;
+            // A lane whose pull came back full (or failed) may hold more.
+            full[i] = again || got >= asked;
             if !full[i] {
                 settled[i] = settled[i].max(began.saturating_sub(SETTLE.as_millis() as u64));
             }
@@ -584,5 +572,68 @@ async fn dispatch(
             _ = wake.notified() => rechecks = 0,
             _ = tokio::time::sleep(pause) => rechecks += 1,
         }
+    }
+}
+
+/// Pulls up to `n` jobs of `lane`: what it holds now (`wait` None), or, with `wait`, the
+/// first one to come within it. Never hangs: a pull request or answer lost in a server
+/// restart would otherwise leave the stream waiting for ever.
+async fn look(
+    lane: &PoolLane,
+    n: usize,
+    wait: Option<Duration>,
+) -> Result<async_nats::jetstream::consumer::pull::Batch, String> {
+    let request = match wait {
+        None => lane.consumer.fetch().max_messages(n).messages().await,
+        // One job: a waiting pull returns when it is full, and the next look takes more.
+        Some(w) => lane.consumer.batch().max_messages(1).expires(w).messages().await,
+    };
+    request.map_err(|e| e.to_string())
+}
+
+/// What one pull gave.
+struct Taken {
+    /// Jobs started.
+    started: usize,
+    /// The pull failed or its answer was cut short: the lane may hold more.
+    again: bool,
+}
+
+/// Starts a job for each message of `batch` while `permits` last (a message beyond them
+/// cannot come, and is handed back untouched if it does).
+async fn take(
+    lane: &PoolLane,
+    batch: async_nats::jetstream::consumer::pull::Batch,
+    permits: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
+    shared: &Arc<Shared>,
+    hard: &CancellationToken,
+    jobs: &TaskTracker,
+) -> Taken {
+    let deadline = tokio::time::Instant::now() + FETCH_TIMEOUT;
+    tokio::pin!(batch);
+    let mut got = 0;
+    loop {
+        let msg = match tokio::time::timeout_at(deadline, batch.next()).await {
+            Ok(Some(Ok(msg))) => msg,
+            Ok(None) => return Taken { started: got, again: false },
+            Ok(Some(Err(e))) => {
+                warn!(consumer = %lane.name, error = %e, "pull error");
+                return Taken { started: got, again: true };
+            }
+            Err(_) => {
+                warn!(consumer = %lane.name, "pull answer incomplete; looking again");
+                return Taken { started: got, again: true };
+            }
+        };
+        let Some(permit) = permits.pop() else {
+            let _ = msg.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+            continue;
+        };
+        got += 1;
+        let (shared, queue, hard) = (shared.clone(), lane.queue.clone(), hard.clone());
+        jobs.spawn(async move {
+            job::handle(&shared, msg, queue, &hard).await;
+            drop(permit);
+        });
     }
 }
