@@ -490,6 +490,9 @@ async fn dispatch(
     // Per lane, announcements up to this time (`Heard`'s clock) are settled: a later
     // look found the lane empty.
     let mut settled: Vec<u64> = vec![0; lanes.len()];
+    // Per lane, when the last look that took a job from it began: an announcement up to
+    // then may be that job's, so only a later one is waited for.
+    let mut took: Vec<u64> = vec![0; lanes.len()];
     // One lane more per look, in turn, at most every `sweep_every`: a busy worker looks
     // at each lane about every IDLE_POLL.
     let sweep_every = IDLE_POLL / lanes.len().max(1) as u32;
@@ -546,12 +549,16 @@ async fn dispatch(
                 }
                 let announced = heard.at(i);
                 let age = began.saturating_sub(announced);
-                if got > 0 || again || wait.is_some() || announced <= settled[i] || age >= SETTLE.as_millis() as u64 {
+                let waited_for = announced > settled[i] && announced > took[i];
+                if got > 0 || again || wait.is_some() || !waited_for || age >= SETTLE.as_millis() as u64 {
                     break;
                 }
                 wait = Some(ANNOUNCED_WAIT.min(SETTLE - Duration::from_millis(age)));
             }
             taken += got;
+            if got > 0 {
+                took[i] = began;
+            }
             // A lane whose pull came back full (or failed) may hold more.
             full[i] = again || got >= asked;
             if !full[i] {
