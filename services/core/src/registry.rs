@@ -214,6 +214,19 @@ impl Registry {
         self.ready.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Waits until the watch has read the bucket, or `within` has passed (it is ready
+    /// at most 2 s after [`Registry::watch`] anyway); says whether it is ready.
+    pub async fn wait_ready(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        while !self.is_ready() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
+    }
+
     /// Live workers that serve `model`.
     pub fn serving(&self, model: Model) -> usize {
         serving(&self.live(), model)

@@ -422,6 +422,11 @@ pub async fn run(
         .with_signin(config.signin)
         .with_links(links::LinkBase::new(config.public_url, tls.is_some(), addr))
         .with_cors_origins(config.cors_origins);
+    if config.refuse_unserved {
+        // Before the registry is read nothing is refused: serve once it is, so that the
+        // first submit after a start is answered as every later one.
+        state.registry().wait_ready(std::time::Duration::from_secs(3)).await;
+    }
     let router_task = {
         let (js, s) = (state.js.clone(), shutdown.clone());
         tokio::spawn(async move {

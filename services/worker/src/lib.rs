@@ -547,13 +547,13 @@ async fn dispatch(
                         again = true;
                     }
                 }
-                let announced = heard.at(i);
-                let age = began.saturating_sub(announced);
-                let waited_for = announced > settled[i] && announced > took[i];
-                if got > 0 || again || wait.is_some() || !waited_for || age >= SETTLE.as_millis() as u64 {
+                if got > 0 || again || wait.is_some() {
                     break;
                 }
-                wait = Some(ANNOUNCED_WAIT.min(SETTLE - Duration::from_millis(age)));
+                match wait_for_announced(heard.at(i), settled[i], took[i], began) {
+                    Some(w) => wait = Some(w),
+                    None => break,
+                }
             }
             taken += got;
             if got > 0 {
@@ -580,6 +580,19 @@ async fn dispatch(
             _ = tokio::time::sleep(pause) => rechecks += 1,
         }
     }
+}
+
+/// After a look at a lane that began at `began` found it empty: how long one more pull
+/// should wait for the request announced at `announced` (times on [`Heard`]'s clock), or
+/// `None`. Only for an announcement that is not settled, newer than the lane's last
+/// taken job (`took`: it may have been that job's) and younger than [`SETTLE`]; at most
+/// [`ANNOUNCED_WAIT`], and never past `SETTLE` after the announcement.
+fn wait_for_announced(announced: u64, settled: u64, took: u64, began: u64) -> Option<Duration> {
+    if announced <= settled || announced <= took {
+        return None;
+    }
+    let age = Duration::from_millis(began.saturating_sub(announced));
+    (age < SETTLE).then(|| ANNOUNCED_WAIT.min(SETTLE - age))
 }
 
 /// Pulls up to `n` jobs of `lane`: what it holds now (`wait` None), or, with `wait`, the
@@ -642,5 +655,36 @@ async fn take(
             job::handle(&shared, msg, queue, &hard).await;
             drop(permit);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_announcement_that_a_look_missed_is_waited_for() {
+        // Announced at 100 ms, the look began 1 ms later and found nothing.
+        assert_eq!(wait_for_announced(100, 0, 0, 101), Some(ANNOUNCED_WAIT));
+        // Announced after the look began (it came in while the look ran): the full wait.
+        assert_eq!(wait_for_announced(105, 0, 0, 101), Some(ANNOUNCED_WAIT));
+    }
+
+    #[test]
+    fn an_announcement_that_may_be_the_last_taken_job_or_is_settled_is_not_waited_for() {
+        // The last look that took a job began at 100: an announcement up to then may be its.
+        assert_eq!(wait_for_announced(100, 0, 100, 102), None);
+        assert_eq!(wait_for_announced(99, 0, 100, 102), None);
+        assert_eq!(wait_for_announced(101, 0, 100, 102), Some(ANNOUNCED_WAIT));
+        // Settled: a later look already found the lane empty.
+        assert_eq!(wait_for_announced(100, 100, 0, 102), None);
+    }
+
+    #[test]
+    fn the_wait_never_runs_past_settle_after_the_announcement() {
+        let settle = SETTLE.as_millis() as u64;
+        assert_eq!(wait_for_announced(100, 0, 0, 100 + settle), None);
+        assert_eq!(wait_for_announced(100, 0, 0, 100 + settle + 30), None);
+        assert_eq!(wait_for_announced(100, 0, 0, 100 + settle - 2), Some(Duration::from_millis(2)));
     }
 }
