@@ -525,10 +525,12 @@ async fn dispatch(
             }
             let asked = permits.len();
             let began = heard.now_ms();
-            // First what the lane holds now; when that is nothing although a request of
-            // the lane was announced under SETTLE ago (the announcement can beat the
-            // request into the stream), a pull that waits for it for the rest of SETTLE:
-            // the job starts the moment it is stored, not at the next look.
+            // First what the lane holds now; when that is nothing although a new request
+            // of the lane was announced (the announcement can beat the request into the
+            // stream), one pull that waits for it ([`wait_for_announced`]): the job
+            // starts the moment it is stored, not at the next look. A look never hangs:
+            // a pull request or answer lost in a server restart would otherwise leave it
+            // waiting for ever (a no-wait fetch has no timer of its own).
             let (mut wait, mut got, mut again) = (None, 0, false);
             loop {
                 let pulled = tokio::time::timeout(FETCH_TIMEOUT, look(lane, permits.len(), wait)).await;
@@ -596,8 +598,8 @@ fn wait_for_announced(announced: u64, settled: u64, took: u64, began: u64) -> Op
 }
 
 /// Pulls up to `n` jobs of `lane`: what it holds now (`wait` None), or, with `wait`, the
-/// first one to come within it. Never hangs: a pull request or answer lost in a server
-/// restart would otherwise leave the stream waiting for ever.
+/// first one to come within it. The caller bounds the pull with [`FETCH_TIMEOUT`] and
+/// [`take`] the answer.
 async fn look(
     lane: &PoolLane,
     n: usize,
