@@ -342,8 +342,9 @@ impl AppState {
 
     /// Serves uploads and stems from this store.
     pub fn with_storage(mut self, storage: uploads::StorageConfig) -> AppState {
-        self.edit().stores = Arc::new(vec![storage.store.base_url().to_string()]);
-        self.edit().storage = Some(Arc::new(storage));
+        let shared = self.edit();
+        shared.stores = Arc::new(vec![storage.store.base_url().to_string()]);
+        shared.storage = Some(Arc::new(storage));
         self
     }
 

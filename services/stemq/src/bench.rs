@@ -198,6 +198,11 @@ async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<(
     Ok(())
 }
 
+/// The `p` quantile of `sorted` (nearest rank); NaN when it is empty.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN)
+}
+
 /// One job's times, wall clock (one machine, one clock): for where its latency went.
 #[derive(Default)]
 struct Stamps {
@@ -237,7 +242,7 @@ fn print_stages(stamps: &HashMap<JobId, Stamps>) {
     }
     let pct = |mut v: Vec<f64>, p: f64| {
         v.sort_by(|a, b| a.total_cmp(b));
-        v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
+        percentile(&v, p)
     };
     let mut slow: Vec<&[f64; 5]> = rows.iter().collect();
     slow.sort_by(|a, b| b[4].total_cmp(&a[4]));
@@ -288,8 +293,7 @@ impl Figures {
             .filter_map(|(id, s)| done.get(id).map(|d| d.duration_since(*s).as_secs_f64() * 1000.0))
             .collect();
         lat.sort_by(|a, b| a.total_cmp(b));
-        let pct =
-            |p: f64| lat.get(((lat.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+        let pct = |p: f64| percentile(&lat, p);
         let last = done.values().max().copied().unwrap_or(t0);
         let e2e = last.duration_since(t0).as_secs_f64();
         Figures {

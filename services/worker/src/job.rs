@@ -780,8 +780,8 @@ impl From<FetchError> for Failure {
     }
 }
 
-/// Removes a job's scratch directory when the attempt ends, however it ends.
-/// An attempt's scratch folder, removed on drop once `made`.
+/// An attempt's scratch folder: removed when the attempt ends, however it ends, once
+/// it was `made`.
 struct ScratchDir {
     path: PathBuf,
     made: bool,
