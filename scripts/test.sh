@@ -26,8 +26,10 @@ if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
 # The code path CUDA runs (Burn's generic tensor ops, none of the CPU host kernels), on
 # the CPU: every parity suite again (about 20 s).
-STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --locked -p stemq-demucs --test parity --test parity_v3 --test parity_v2 \
-  --test parity_diffq
+# Same package selection and features as above, so cargo reuses those binaries instead of
+# building Burn and the suites a second time with other features.
+STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --workspace --locked --features stemq-tests/demucs \
+  --test parity --test parity_v3 --test parity_v2 --test parity_diffq
 # Runs a test against a live `stemq dev` (the binary the tests just built) when what it
 # needs is installed: $1 says what it is, $2 what it needs, $3 is the script, the rest
 # the check that it can run. In CI a missing tool is a failure, elsewhere a SKIPPED line.
