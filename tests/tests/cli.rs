@@ -47,6 +47,30 @@ fn an_unknown_log_format_is_an_error_that_names_the_choices() {
     assert!(text(&out.stderr).contains("'yaml'"), "{}", text(&out.stderr));
 }
 
+/// Issue 14: cross-job batching runs inside one process; asking for it with process
+/// isolation (the default), or with a batch of 1, is refused before anything starts.
+#[test]
+fn batching_across_jobs_is_refused_where_it_cannot_share() {
+    let dir = tempfile::tempdir().unwrap();
+    for sub in ["worker", "dev"] {
+        let help = ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
+        assert!(help.contains("--batch-across-jobs") && help.contains("--batch-linger-ms"), "{sub}:\n{help}");
+        for (args, says) in [
+            (vec!["--batch-across-jobs", "4"], "needs --isolation none"),
+            (vec!["--batch-across-jobs", "4", "--isolation", "process"], "needs --isolation none"),
+            (vec!["--batch-across-jobs", "1", "--isolation", "none"], "shares nothing"),
+        ] {
+            let mut all = vec![sub];
+            all.extend(&args);
+            let out = stemq(&all, dir.path()).env("NATS_URL", "nats://127.0.0.1:1").output().unwrap();
+            assert!(!out.status.success(), "stemq {all:?} was accepted");
+            let err = text(&out.stderr);
+            assert!(err.contains(says) && !err.contains("127.0.0.1:1"), "stemq {all:?}: {err}");
+        }
+    }
+    assert!(!dir.path().join(".stemq/nats").exists(), "stemq dev started its server first");
+}
+
 #[test]
 fn public_url_and_cors_origins_are_checked_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();

@@ -55,6 +55,7 @@ fn engine(repo: &Path, memory_budget: Option<u64>) -> DemucsEngine {
         gpu_batch: 1,
         cpu_jobs: 2,
         memory_budget,
+        cross_job: None,
     })
     .expect("model folder")
 }

@@ -9,7 +9,10 @@
 //! (`target/demucs-full/meta.json`) when present. `--parity` also compares the 10 s
 //! end-to-end reference of the script; `--stream` uses the bounded-memory path;
 //! `--batch N` runs N segments per forward pass; `--jobs N` runs N passes on
-//! parallel threads; `--device cuda` (with
+//! parallel threads; `--together N` runs N streamed jobs at once on one loaded model,
+//! first each on its own passes, then sharing forward passes across jobs
+//! (`stemq_demucs::batch`, up to N × batch segments per pass), and prints both and
+//! their ratio; `--device cuda` (with
 //! `--features cuda`) runs on the GPU, `--device ndarray` (with `--features
 //! bench-ndarray`) on Burn's ndarray backend; `STEMQ_DEMUCS_GENERIC_OPS=1` turns the
 //! host kernels off.
@@ -17,7 +20,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use stemq_demucs::apply::{separate, ApplyOptions, NoProgress};
+use stemq_demucs::apply::{separate, ApplyOptions, BagOfModels, NoProgress};
+use stemq_demucs::batch::CrossJobBatching;
 use stemq_demucs::checkpoint::HostTensor;
 use stemq_demucs::repo::ModelRepo;
 use stemq_demucs::stream::{separate_stream, StatsAccumulator};
@@ -70,6 +74,28 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     let batch = flag(args, "--batch").map(|s| s.parse().expect("--batch N")).unwrap_or(1);
     let jobs = flag(args, "--jobs").map(|s| s.parse().expect("--jobs N")).unwrap_or(1);
     let opts = ApplyOptions { shifts: 0, batch_size: batch, jobs, ..ApplyOptions::default() };
+    if let Some(n) = flag(args, "--together") {
+        let n: usize = n.parse().expect("--together N");
+        let alone = together(&bag, n, len, &opts, &sample);
+        let mut shared_bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
+        let linger = std::time::Duration::from_millis(20);
+        shared_bag.batch_across_jobs(CrossJobBatching { max_rows: n * batch, linger });
+        let shared = together(&shared_bag, n, len, &opts, &sample);
+        let stats = shared_bag.hub().expect("a hub").stats();
+        let audio = n as f64 * seconds;
+        println!(
+            "{label}: {n} jobs × {seconds:.1} s at once (jobs {jobs}, batch {batch}): own passes {alone:.2} s \
+             ({:.2} audio s/s), shared passes {shared:.2} s ({:.2} audio s/s), {:.2}× ({} forward passes, {} shared, \
+             {:.2} segments each)",
+            audio / alone,
+            audio / shared,
+            alone / shared,
+            stats.forwards,
+            stats.shared,
+            stats.rows as f64 / stats.forwards.max(1) as f64
+        );
+        return;
+    }
     let block = |pos: usize| -> Vec<Vec<f32>> {
         let end = (pos + sr).min(len);
         (0..2).map(|c| (pos..end).map(|i| sample(c, i)).collect()).collect()
@@ -127,6 +153,49 @@ fn parity<B: stemq_demucs::burn::tensor::backend::Backend>(
         "full-size parity (10 s, split/overlap 0.25, shifts 0): SNR {snr:.1} dB, max abs {max:.2e} ({:.1} s)",
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// Seconds taken by `n` streamed jobs of `len` samples at once on `bag`; job `j` reads
+/// the test signal from sample `j · 7919` on, so no two inputs are the same.
+fn together<B: stemq_demucs::burn::tensor::backend::Backend>(
+    bag: &BagOfModels<B>,
+    n: usize,
+    len: usize,
+    opts: &ApplyOptions,
+    sample: &(dyn Fn(usize, usize) -> f32 + Sync),
+) -> f64 {
+    let sr = bag.samplerate() as usize;
+    let barrier = std::sync::Barrier::new(n);
+    let t0 = Instant::now();
+    std::thread::scope(|scope| {
+        for j in 0..n {
+            let barrier = &barrier;
+            scope.spawn(move || {
+                let block = |pos: usize| -> Vec<Vec<f32>> {
+                    let end = (pos + sr).min(len);
+                    (0..2).map(|c| (pos..end).map(|i| sample(c, i + j * 7919)).collect()).collect()
+                };
+                let mut acc = StatsAccumulator::default();
+                for pos in (0..len).step_by(sr) {
+                    let b = block(pos);
+                    acc.push(&[&b[0], &b[1]]);
+                }
+                barrier.wait();
+                let _slot = bag.join();
+                let mut pos = 0;
+                let mut next = || {
+                    if pos >= len {
+                        return Ok(None);
+                    }
+                    let b = block(pos);
+                    pos += sr;
+                    Ok(Some(b))
+                };
+                separate_stream(bag, acc.finish(), &mut next, opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
+            });
+        }
+    });
+    t0.elapsed().as_secs_f64()
 }
 
 /// The value after `name` on the command line.

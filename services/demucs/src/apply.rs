@@ -15,6 +15,7 @@
 use burn::tensor::backend::Backend;
 use rand::{Rng, SeedableRng};
 
+use crate::batch::{CrossJobBatching, Hub, JobSlot, Key};
 use crate::checkpoint::HostTensor;
 use crate::config::Arch;
 use crate::error::DemucsError;
@@ -29,6 +30,8 @@ pub struct BagOfModels<B: Backend> {
     /// Each model's effective segment in seconds (the bag's `segment` when it is not
     /// above the model's own).
     pub(crate) segments: Vec<f64>,
+    /// Where forward passes of several jobs meet ([`BagOfModels::batch_across_jobs`]).
+    hub: Option<Hub>,
 }
 
 impl<B: Backend> BagOfModels<B> {
@@ -79,14 +82,60 @@ impl<B: Backend> BagOfModels<B> {
                 }
             })
             .collect();
-        Ok(BagOfModels { models, weights, segments })
+        Ok(BagOfModels { models, weights, segments, hub: None })
     }
 
     /// A single model.
     pub fn single(model: HTDemucs<B>) -> Self {
         let n = model.config().sources.len();
         let seg = model.config().segment_seconds();
-        BagOfModels { models: vec![model], weights: vec![vec![1.0; n]], segments: vec![seg] }
+        BagOfModels { models: vec![model], weights: vec![vec![1.0; n]], segments: vec![seg], hub: None }
+    }
+
+    /// Lets the chunks of jobs running at the same time share forward passes
+    /// ([`crate::batch`]); each job holds [`BagOfModels::join`] while it runs.
+    pub fn batch_across_jobs(&mut self, config: CrossJobBatching) {
+        self.hub = Some(Hub::new(config));
+    }
+
+    /// The cross-job batching hub, if any.
+    pub fn hub(&self) -> Option<&Hub> {
+        self.hub.as_ref()
+    }
+
+    /// Registers a job on the bag for as long as the slot lives: with cross-job
+    /// batching, passes wait (up to the linger) for the passes of registered jobs.
+    pub fn join(&self) -> JobSlot<'_> {
+        self.hub.as_ref().map_or_else(JobSlot::none, Hub::join)
+    }
+
+    /// Forward passes of model `index` over `inputs` (`[B, C, L]` each, run at once on
+    /// their own threads), through the hub when there is one.
+    pub(crate) fn forward(
+        &self,
+        index: usize,
+        mut inputs: Vec<HostTensor>,
+        training_length: usize,
+    ) -> Result<Vec<HostTensor>, DemucsError> {
+        let model = &self.models[index];
+        let Some(hub) = &self.hub else {
+            return model.forward_parallel(inputs, training_length);
+        };
+        let one = |input: HostTensor| {
+            if input.shape.len() != 3 {
+                // Not `[B, C, L]`: the model's own check says why.
+                return model.forward_with_training_length(&input, training_length);
+            }
+            let key = Key { model: index, channels: input.shape[1], length: input.shape[2], training_length };
+            hub.forward(key, input, |x| model.forward_with_training_length(x, training_length))
+        };
+        if inputs.len() == 1 {
+            return Ok(vec![one(inputs.remove(0))?]);
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = inputs.into_iter().map(|input| scope.spawn(move || one(input))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+        })
     }
 
     /// Source names.
@@ -335,9 +384,9 @@ pub fn apply_model<B: Backend>(
 
     let mut estimates = vec![0f32; nsrc * ch * len];
     let mut totals = vec![0f32; nsrc];
-    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&segments) {
+    for (index, ((model, weights), seg)) in bag.models.iter().zip(&bag.weights).zip(&segments).enumerate() {
         let training_length = (*seg * sr as f64) as usize;
-        let single = Single { model, training_length, model_segment: *seg };
+        let single = Single { bag, index, model, training_length, model_segment: *seg };
         let whole = Chunk::whole(&mix.data, ch, len);
         let out = if opts.shifts > 0 {
             let max_shift = (0.5 * sr as f64) as usize;
@@ -381,6 +430,9 @@ pub fn apply_model<B: Backend>(
 }
 
 struct Single<'m, B: Backend> {
+    bag: &'m BagOfModels<B>,
+    /// The model's place in the bag.
+    index: usize,
     model: &'m HTDemucs<B>,
     /// `int(model.segment * samplerate)` with the bag's override.
     training_length: usize,
@@ -478,7 +530,7 @@ impl<B: Backend> Single<'_, B> {
             }
             inputs.push(HostTensor { shape: vec![group.len(), ch, valid_length], data: input });
         }
-        let outs = self.model.forward_parallel(inputs, self.training_length)?;
+        let outs = self.bag.forward(self.index, inputs, self.training_length)?;
         // center_trim each to its length.
         let nrows = cfg.sources.len() * ch;
         let mut results = Vec::with_capacity(chunks.len());

@@ -29,6 +29,7 @@ use stemq_core::failure::FailureCode;
 use stemq_core::request::{Model, OtherMethod};
 
 use crate::apply::{ApplyOptions, BagOfModels, Progress};
+use crate::batch::CrossJobBatching;
 use crate::checkpoint::HostTensor;
 use crate::error::DemucsError;
 use crate::memory::forward_peak_bytes;
@@ -55,6 +56,9 @@ pub struct DemucsEngineConfig {
     /// the engine first runs fewer passes at once, then shortens the forward pass to a
     /// smaller requested segment, then refuses with [`EngineError::OverBudget`].
     pub memory_budget: Option<u64>,
+    /// Jobs running at the same time in this engine share forward passes of the same
+    /// model ([`crate::batch`]); `None`: every job runs its own.
+    pub cross_job: Option<CrossJobBatching>,
 }
 
 /// How one attempt runs within the memory budget.
@@ -153,7 +157,7 @@ pub fn engine_error(e: DemucsError) -> EngineError {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
         DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: FailureCode::InvalidArgument, message: m },
-        DemucsError::Io { .. } => EngineError::Transient(e.to_string()),
+        DemucsError::Io { .. } | DemucsError::SharedPass(_) => EngineError::Transient(e.to_string()),
         other => EngineError::Unsupported { code: FailureCode::ModelUnavailable, message: other.to_string() },
     }
 }
@@ -191,7 +195,16 @@ impl DemucsEngine {
 
     /// Loads (once) and returns the CPU copy of a model.
     pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
-        self.cpu.get_or_load(name, || self.repo.load::<CpuBackend>(name, &Default::default()))
+        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name))
+    }
+
+    /// Loads a model onto a backend, with cross-job batching when configured.
+    fn load<B: burn::tensor::backend::Backend>(&self, name: &str) -> Result<BagOfModels<B>, DemucsError> {
+        let mut bag = self.repo.load::<B>(name, &Default::default())?;
+        if let Some(c) = self.config.cross_job {
+            bag.batch_across_jobs(c);
+        }
+        Ok(bag)
     }
 
     fn open_input(&self, job: &EngineJob<'_>, samplerate: u32) -> Result<Decoder, DemucsError> {
@@ -361,6 +374,8 @@ impl DemucsEngine {
                 }
                 Ok(())
             };
+            // From here on the job's passes may share forward passes with other jobs.
+            let _slot = bag.join();
             if no_split {
                 // The whole track in memory, one pass (the stats are the same).
                 let (mut left, mut right) = (Vec::new(), Vec::new());
@@ -401,10 +416,7 @@ impl DemucsEngine {
         ctx: &dyn EngineContext,
         options: &RunOptions,
     ) -> Result<Vec<StemFile>, EngineError> {
-        let bag = self
-            .cuda
-            .get_or_load(name, || self.repo.load::<crate::CudaBackend>(name, &Default::default()))
-            .map_err(engine_error)?;
+        let bag = self.cuda.get_or_load(name, || self.load::<crate::CudaBackend>(name)).map_err(engine_error)?;
         let budget = self.cuda_budget();
         let plan = self.plan_within(&bag, job, "cuda", self.config.gpu_batch.max(1), budget)?;
         let passes = Passes {

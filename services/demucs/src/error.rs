@@ -62,6 +62,10 @@ pub enum DemucsError {
     /// Decoding or encoding audio failed.
     #[error(transparent)]
     Audio(#[from] stemq_audio::AudioError),
+    /// A forward pass shared with other jobs ([`crate::batch`]) failed; the message is
+    /// the error of the job that ran it.
+    #[error("a forward pass shared with other jobs failed: {0}")]
+    SharedPass(String),
     /// Stopped at a chunk boundary because the caller asked.
     #[error("cancelled")]
     Cancelled,

@@ -12,6 +12,7 @@
 //! | [`transformer`] | `CrossTransformerEncoder` and its layers |
 //! | [`model`] | `HTDemucs` |
 //! | [`apply`] | `apply_model`, `BagOfModels`, the whole-track normalisation of `Separator` |
+//! | [`batch`] | (stemq's own) forward passes shared by the chunks of several jobs |
 //! | [`stream`] | the same with bounded memory, fed block by block |
 //! | [`memory`] | the peak memory of a forward pass, from the architecture |
 //! | [`repo`] | a local model folder laid out like demucs `--repo` |
@@ -21,6 +22,7 @@
 //! adds [`CudaBackend`].
 
 pub mod apply;
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;

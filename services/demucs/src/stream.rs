@@ -64,6 +64,8 @@ impl StatsAccumulator {
 
 struct Pass<'m, B: Backend> {
     model: &'m HTDemucs<B>,
+    /// The model's place in the bag.
+    index: usize,
     training_length: usize,
     seg_len: usize,
     stride: usize,
@@ -162,7 +164,7 @@ pub fn separate_stream<B: Backend>(
 
     let mut passes = Vec::new();
     let segments = bag.training_segments(opts);
-    for ((model, weights), seg) in bag.models.iter().zip(&bag.weights).zip(&segments) {
+    for (index, ((model, weights), seg)) in bag.models.iter().zip(&bag.weights).zip(&segments).enumerate() {
         let cfg = model.config();
         let training_length = (*seg * sr as f64) as usize;
         let segment = opts.segment.unwrap_or(*seg);
@@ -193,6 +195,7 @@ pub fn separate_stream<B: Backend>(
             };
             passes.push(Pass {
                 model,
+                index,
                 training_length,
                 seg_len,
                 stride,
@@ -271,7 +274,7 @@ pub fn separate_stream<B: Backend>(
                     }
                     inputs.push(HostTensor { shape: vec![group.len(), ch, valid], data: input });
                 }
-                let outs = p.model.forward_parallel(inputs, p.training_length)?;
+                let outs = bag.forward(p.index, inputs, p.training_length)?;
                 let per_chunk = outs.iter().flat_map(|o| (0..o.shape[0]).map(move |bi| (o, bi)));
                 for ((out, bi), (o, _, clen)) in per_chunk.zip(ready) {
                     debug_assert_eq!(o, p.next);

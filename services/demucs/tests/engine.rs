@@ -107,6 +107,7 @@ fn engine_at(repo: std::path::PathBuf, memory_budget: Option<u64>) -> DemucsEngi
         gpu_batch: 4,
         cpu_jobs: 2,
         memory_budget,
+        cross_job: None,
     })
     .unwrap()
 }
@@ -361,4 +362,77 @@ fn older_families_are_served_by_name() {
     let q = request(Model::MdxQ, None);
     let job = EngineJob { request: &q, ..job };
     assert_eq!(engine.separate(&job, &Ctx::new(None)).unwrap().len(), 4, "the DiffQ model runs");
+}
+
+/// Issue 14: with cross-job batching, the chunks of two jobs running at the same time
+/// share forward passes, and each job's stems are bit for bit those it gets alone.
+#[test]
+fn jobs_that_share_forward_passes_get_the_stems_they_get_alone() {
+    use stemq_demucs::batch::CrossJobBatching;
+    let s = setup();
+    let dir = s._dir.path();
+    // A second, different input: the fixture track reversed and scaled.
+    let track = &load("apply.safetensors")["track"];
+    let mut other = track.clone();
+    other.data.reverse();
+    other.data.iter_mut().for_each(|v| *v *= 0.7);
+    let other_dir = dir.join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let inputs = [s.input.clone(), write_track(&other_dir, &other)];
+    let ids = [JobId::parse(&"a1".repeat(32)).unwrap(), JobId::parse(&"b2".repeat(32)).unwrap()];
+    let mut req = request(Model::Htdemucs, None);
+    req.encoding = Encoding::F32;
+    // One random shift each (seeded by the job id): the jobs' chunks sit at other offsets.
+    req.shifts = 1;
+    let run = |engine: &DemucsEngine, i: usize, out: &std::path::Path| {
+        std::fs::create_dir_all(out).unwrap();
+        let job = EngineJob {
+            job_id: &ids[i],
+            request: &req,
+            metadata: None,
+            attempt: 1,
+            input: &inputs[i],
+            out_dir: out,
+            device: &stemq_core::device::Device::Cpu,
+            segment: None,
+        };
+        let files = engine.separate(&job, &Ctx::new(None)).unwrap();
+        files.iter().map(|f| std::fs::read(&f.path).unwrap()).collect::<Vec<_>>()
+    };
+    let alone: Vec<_> = (0..2).map(|i| run(&s.engine, i, &dir.join(format!("alone{i}")))).collect();
+
+    let batching = DemucsEngine::new(DemucsEngineConfig {
+        repo: dir.join("models"),
+        clip: ClipMode::None,
+        max_duration_secs: None,
+        gpu_batch: 4,
+        cpu_jobs: 2,
+        memory_budget: None,
+        cross_job: Some(CrossJobBatching { max_rows: 4, linger: std::time::Duration::from_secs(2) }),
+    })
+    .unwrap();
+    let barrier = std::sync::Barrier::new(2);
+    let together: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|i| {
+                let (batching, barrier, run) = (&batching, &barrier, &run);
+                scope.spawn(move || {
+                    barrier.wait();
+                    run(batching, i, &dir.join(format!("together{i}")))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = batching.cpu_model("htdemucs").unwrap().hub().unwrap().stats();
+    assert!(stats.shared > 0, "no forward pass was shared: {stats:?}");
+    assert!(stats.rows > stats.forwards, "{stats:?}");
+    for i in 0..2 {
+        assert_eq!(alone[i].len(), 4);
+        for (stem, (a, t)) in alone[i].iter().zip(&together[i]).enumerate() {
+            assert!(a == t, "job {i}, stem {stem}: the shared passes changed the stem");
+        }
+    }
+    assert!(alone[0] != alone[1], "the two jobs separate different inputs");
+    eprintln!("cross-job batching: {stats:?}");
 }

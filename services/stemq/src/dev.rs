@@ -58,6 +58,7 @@ pub struct DevArgs {
 
 /// Runs the stack until Ctrl-C or SIGTERM.
 pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
+    a.worker.check()?;
     let mut g = g.clone();
     let mut server = None;
     if g.nats_url.is_none() {

@@ -119,7 +119,7 @@ impl Separator {
                 a.model()
             );
         }
-        let engine = crate::services::demucs_engine_here(g, Some(repo), None)?;
+        let engine = crate::services::demucs_engine_here(g, Some(repo), None, None)?;
         if !engine.repo().has(a.model()) {
             let names = engine.repo().names();
             bail!(

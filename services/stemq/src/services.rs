@@ -187,6 +187,17 @@ pub struct EngineArgs {
     /// limit.
     #[arg(long, env = "STEMQ_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
+    /// Segments per forward pass that the jobs running at the same time in this process
+    /// may share (the `demucs` engine; needs `--isolation none`, and `--concurrency` 2
+    /// or more to have jobs to share with): the chunks of several jobs then run as one
+    /// batch, which is what a GPU is fast at. Each job's stems stay bit for bit what
+    /// it gets alone. 0 (the default): each job runs its own passes.
+    #[arg(long, env = "STEMQ_BATCH_ACROSS_JOBS", default_value_t = 0)]
+    pub batch_across_jobs: usize,
+    /// How long a forward pass waits for other jobs' passes to share it, in ms (with
+    /// `--batch-across-jobs`; a job alone never waits).
+    #[arg(long, env = "STEMQ_BATCH_LINGER_MS", default_value_t = 20)]
+    pub batch_linger_ms: u64,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
@@ -256,6 +267,22 @@ pub struct WorkerOpts {
     /// the worker process; a crash takes every running job down with it).
     #[arg(long, env = "STEMQ_ISOLATION", value_enum, default_value_t = Isolation::Process)]
     pub isolation: Isolation,
+}
+
+impl WorkerOpts {
+    /// Refuses combinations that cannot work, before anything starts.
+    pub fn check(&self) -> Result<()> {
+        if self.engine.batch_across_jobs == 1 {
+            bail!("--batch-across-jobs 1 shares nothing: give 0 (off) or the segments per shared pass (2 or more)");
+        }
+        if self.engine.batch_across_jobs > 1 && self.isolation == Isolation::Process {
+            bail!(
+                "--batch-across-jobs needs --isolation none: jobs share forward passes inside one process, and \
+                 `--isolation process` gives each job loop an engine host of its own"
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Where a worker runs its attempts.
@@ -375,6 +402,7 @@ fn may_provision(auth: &stemq_core::nats::ConnectAuth) -> bool {
 /// Loads the engine named in the options, isolated in engine host processes unless
 /// `--isolation none`.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    opts.check()?;
     if opts.isolation == Isolation::None {
         return engine_in_process(g, &opts.engine);
     }
@@ -417,24 +445,19 @@ pub fn engine_in_process(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine
             FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms), models: opts.fake_models.clone() };
         return Ok(Arc::new(fake));
     }
-    engine_named(g, opts.engine, opts.models.clone(), opts.memory_budget, Duration::from_millis(opts.fake_delay_ms))
+    engine_named(g, opts)
 }
 
-/// Loads engine `kind`: `models` is the demucs model folder (default
-/// `<data-dir>/models`), `memory_budget` the demucs engine's budget in bytes,
-/// `fake_delay` the fake engine's extra delay.
-pub fn engine_named(
-    g: &Global,
-    kind: EngineKind,
-    models: Option<PathBuf>,
-    memory_budget: Option<u64>,
-    fake_delay: Duration,
-) -> Result<Arc<dyn Engine>> {
-    match kind {
-        EngineKind::Fake => Ok(Arc::new(FakeEngine { base_delay: fake_delay, ..FakeEngine::default() })),
+/// Loads the engine `opts` name (`opts.models` is the demucs model folder, default
+/// `<data-dir>/models`).
+fn engine_named(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
+    match opts.engine {
+        EngineKind::Fake => {
+            Ok(Arc::new(FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms), ..FakeEngine::default() }))
+        }
         EngineKind::Auto => {
             let dsp: Arc<dyn Engine> = Arc::new(stemq_audio::DspEngine::default());
-            match auto_demucs(g, models, memory_budget)? {
+            match auto_demucs(g, opts)? {
                 Some(demucs) => Ok(Arc::new(stemq_core::engine::Engines::new(vec![dsp, demucs]))),
                 None => Ok(dsp),
             }
@@ -442,22 +465,28 @@ pub fn engine_named(
         // The weight-free baseline: runs model `dsp` only; htdemucs* fail with
         // `model_unavailable` on a dsp worker.
         EngineKind::Dsp => Ok(Arc::new(stemq_audio::DspEngine::default())),
-        EngineKind::Demucs => demucs_engine(g, models, memory_budget),
+        EngineKind::Demucs => demucs_engine(g, opts),
     }
 }
 
 #[cfg(feature = "demucs")]
-fn demucs_engine(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Arc<dyn Engine>> {
-    Ok(Arc::new(demucs_engine_here(g, models, memory_budget)?))
+fn demucs_engine(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
+    let cross_job = (opts.batch_across_jobs > 1).then(|| stemq_demucs::batch::CrossJobBatching {
+        max_rows: opts.batch_across_jobs,
+        linger: Duration::from_millis(opts.batch_linger_ms),
+    });
+    Ok(Arc::new(demucs_engine_here(g, opts.models.clone(), opts.memory_budget, cross_job)?))
 }
 
 /// The demucs engine itself (not behind the [`Engine`] trait), for `stemq separate`'s
-/// choices beyond a request: `models` is the model folder (default `<data-dir>/models`).
+/// choices beyond a request: `models` is the model folder (default `<data-dir>/models`);
+/// `memory_budget` and `cross_job` as in [`stemq_demucs::engine::DemucsEngineConfig`].
 #[cfg(feature = "demucs")]
 pub fn demucs_engine_here(
     g: &Global,
     models: Option<PathBuf>,
     memory_budget: Option<u64>,
+    cross_job: Option<stemq_demucs::batch::CrossJobBatching>,
 ) -> Result<stemq_demucs::engine::DemucsEngine> {
     let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -471,6 +500,7 @@ pub fn demucs_engine_here(
         gpu_batch: 4,
         cpu_jobs: cores.min(2),
         memory_budget,
+        cross_job,
     })
     .with_context(|| format!("loading the model folder {}", repo.display()))
 }
@@ -478,22 +508,22 @@ pub fn demucs_engine_here(
 /// The demucs engine for `--engine auto`: `None` when this build has no demucs engine or
 /// the model folder holds no model's weights.
 #[cfg(feature = "demucs")]
-fn auto_demucs(g: &Global, models: Option<PathBuf>, memory_budget: Option<u64>) -> Result<Option<Arc<dyn Engine>>> {
-    let repo = models.clone().unwrap_or_else(|| g.data_dir.join("models"));
+fn auto_demucs(g: &Global, opts: &EngineArgs) -> Result<Option<Arc<dyn Engine>>> {
+    let repo = opts.models.clone().unwrap_or_else(|| g.data_dir.join("models"));
     if !repo.is_dir() {
         return Ok(None);
     }
-    let engine = demucs_engine(g, models, memory_budget)?;
+    let engine = demucs_engine(g, opts)?;
     Ok((!engine.models().is_empty()).then_some(engine))
 }
 
 #[cfg(not(feature = "demucs"))]
-fn auto_demucs(_: &Global, _: Option<PathBuf>, _: Option<u64>) -> Result<Option<Arc<dyn Engine>>> {
+fn auto_demucs(_: &Global, _: &EngineArgs) -> Result<Option<Arc<dyn Engine>>> {
     Ok(None)
 }
 
 #[cfg(not(feature = "demucs"))]
-fn demucs_engine(_: &Global, _: Option<PathBuf>, _: Option<u64>) -> Result<Arc<dyn Engine>> {
+fn demucs_engine(_: &Global, _: &EngineArgs) -> Result<Arc<dyn Engine>> {
     bail!("this stemq was built without the demucs engine; build it with `cargo build --release -p stemq --features demucs`")
 }
 
@@ -573,6 +603,7 @@ pub async fn serve_metrics(
 }
 
 pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
+    a.opts.check()?;
     let client = connect(g, &a.server, "stemq-worker").await?;
     serve_metrics(&a.metrics, &client, shutdown_on_signals()).await?;
     let engine = engine(g, &a.opts)?;

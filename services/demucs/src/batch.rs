@@ -1,0 +1,420 @@
+//! Cross-job batching: chunks of different jobs that run the same model share one
+//! forward pass.
+//!
+//! This module owns the meeting point, [`Hub`], one per loaded bag. A bag with a hub
+//! sends every forward pass through it ([`crate::apply::BagOfModels::forward`]); each
+//! job that runs on the bag holds a [`JobSlot`] for as long as it runs. A pass waits in
+//! the hub until one of these holds, then runs, taking along every waiting pass of the
+//! same model and input shape that fits, up to `max_rows` segments in all:
+//!
+//! - the waiting passes already fill `max_rows`;
+//! - every job on the bag has a pass waiting or running (none can add one soon);
+//! - `linger` has passed since it arrived (a job between chunks, reading or encoding,
+//!   is not waited for longer than that).
+//!
+//! A job alone on the bag therefore never waits. The caller whose pass leads the
+//! shared forward runs it on its own thread; the others sleep until their rows are cut
+//! out of the result. Each segment of a forward pass is computed on its own (per-item
+//! normalisation, attention within the item), so a job's stems do not depend on who it
+//! shared its passes with: `tests/engine.rs` checks they are bit for bit the same.
+//!
+//! Failures reach every job of the shared pass: an error as
+//! [`DemucsError::SharedPass`] (with the leader's message), a panic (a device out of
+//! memory) as a panic with the same message, so each job's out-of-memory ladder sees
+//! it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::checkpoint::HostTensor;
+use crate::error::DemucsError;
+
+/// How jobs share forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrossJobBatching {
+    /// Segments per shared forward pass, at most (2 or more; a job's own batch counts).
+    pub max_rows: usize,
+    /// How long a pass waits for the passes of other jobs.
+    pub linger: Duration,
+}
+
+/// Which passes can share a forward: same model of the bag, same input shape, same
+/// training length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    pub(crate) model: usize,
+    pub(crate) channels: usize,
+    pub(crate) length: usize,
+    pub(crate) training_length: usize,
+}
+
+/// Counters of a hub (for tests, benchmarks and logs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Forward passes run.
+    pub forwards: u64,
+    /// Forward passes that carried the passes of more than one caller.
+    pub shared: u64,
+    /// Segments (rows) run, over all forward passes.
+    pub rows: u64,
+}
+
+/// The meeting point of one bag's forward passes.
+#[derive(Debug)]
+pub struct Hub {
+    config: CrossJobBatching,
+    state: Mutex<State>,
+    changed: Condvar,
+    forwards: AtomicU64,
+    shared: AtomicU64,
+    rows: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Jobs holding a [`JobSlot`].
+    jobs: usize,
+    /// Passes taken into a forward that has not finished.
+    running: usize,
+    next_id: u64,
+    waiting: Vec<Waiting>,
+    /// Results of passes run by another caller, by pass id.
+    done: HashMap<u64, Outcome>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    id: u64,
+    key: Key,
+    input: HostTensor,
+}
+
+#[derive(Debug)]
+enum Outcome {
+    Ok(HostTensor),
+    Failed(String),
+    Panicked(String),
+}
+
+/// A job's presence on a bag with a hub; dropping it leaves.
+#[derive(Debug)]
+pub struct JobSlot<'h>(Option<&'h Hub>);
+
+impl Drop for JobSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(hub) = self.0 {
+            hub.lock().jobs -= 1;
+            hub.changed.notify_all();
+        }
+    }
+}
+
+impl JobSlot<'_> {
+    /// A slot of a bag without a hub.
+    pub(crate) fn none() -> Self {
+        JobSlot(None)
+    }
+}
+
+impl Hub {
+    /// A hub; `max_rows` below 2 is taken as 2.
+    pub fn new(config: CrossJobBatching) -> Self {
+        Hub {
+            config: CrossJobBatching { max_rows: config.max_rows.max(2), linger: config.linger },
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            forwards: AtomicU64::new(0),
+            shared: AtomicU64::new(0),
+            rows: AtomicU64::new(0),
+        }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> CrossJobBatching {
+        self.config
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> BatchStats {
+        BatchStats {
+            forwards: self.forwards.load(Ordering::Relaxed),
+            shared: self.shared.load(Ordering::Relaxed),
+            rows: self.rows.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Registers a job for as long as the slot lives.
+    pub fn join(&self) -> JobSlot<'_> {
+        self.lock().jobs += 1;
+        JobSlot(Some(self))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `input` (`[B, C, L]`) through `forward`, possibly together with the waiting
+    /// inputs of other callers with the same key; returns this input's rows of the
+    /// output (`[B, …]`).
+    pub(crate) fn forward(
+        &self,
+        key: Key,
+        input: HostTensor,
+        forward: impl FnOnce(&HostTensor) -> Result<HostTensor, DemucsError>,
+    ) -> Result<HostTensor, DemucsError> {
+        let max_rows = self.config.max_rows;
+        let mut state = self.lock();
+        let id = state.next_id;
+        state.next_id += 1;
+        state.waiting.push(Waiting { id, key, input });
+        self.changed.notify_all();
+        let deadline = Instant::now() + self.config.linger;
+        let group = loop {
+            if let Some(outcome) = state.done.remove(&id) {
+                return match outcome {
+                    Outcome::Ok(t) => Ok(t),
+                    Outcome::Failed(m) => Err(DemucsError::SharedPass(m)),
+                    Outcome::Panicked(m) => panic!("{m}"),
+                };
+            }
+            let Some(mine) = state.waiting.iter().position(|w| w.id == id) else {
+                // Taken into another caller's forward: wait for its result.
+                state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+                continue;
+            };
+            let rows: usize = state.waiting.iter().filter(|w| w.key == key).map(|w| w.input.shape[0]).sum();
+            let now = Instant::now();
+            let everyone_in = state.waiting.len() + state.running >= state.jobs;
+            if rows >= max_rows || everyone_in || now >= deadline {
+                // Lead: this pass first, then the others of its key in arrival order.
+                let mut group = vec![state.waiting.remove(mine)];
+                let mut taken = group[0].input.shape[0];
+                let mut i = 0;
+                while i < state.waiting.len() {
+                    let w = &state.waiting[i];
+                    if w.key == key && taken + w.input.shape[0] <= max_rows {
+                        taken += w.input.shape[0];
+                        group.push(state.waiting.remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
+                state.running += group.len();
+                break group;
+            }
+            state = self.changed.wait_timeout(state, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
+        };
+        drop(state);
+        let n = group.len();
+        let rows: usize = group.iter().map(|w| w.input.shape[0]).sum();
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        if n == 1 {
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| forward(&group[0].input)));
+            self.finish(Vec::new(), 1);
+            return out.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        }
+        self.shared.fetch_add(1, Ordering::Relaxed);
+        let merged = merge(&group);
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| forward(&merged)));
+        drop(merged);
+        let others = group[1..].iter().map(|w| w.id);
+        match out {
+            Ok(Ok(out)) => {
+                let mut parts = split(out, group.iter().map(|w| w.input.shape[0])).into_iter();
+                let mine = parts.next().expect("one part per pass");
+                self.finish(others.zip(parts.map(Outcome::Ok)).collect(), n);
+                Ok(mine)
+            }
+            Ok(Err(e)) => {
+                let message = e.to_string();
+                self.finish(others.map(|id| (id, Outcome::Failed(message.clone()))).collect(), n);
+                Err(e)
+            }
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a shared forward pass panicked".into());
+                self.finish(others.map(|id| (id, Outcome::Panicked(message.clone()))).collect(), n);
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// Hands the other callers their outcomes and counts `n` passes as no longer running.
+    fn finish(&self, outcomes: Vec<(u64, Outcome)>, n: usize) {
+        let mut state = self.lock();
+        state.running -= n;
+        state.done.extend(outcomes);
+        drop(state);
+        self.changed.notify_all();
+    }
+}
+
+/// The inputs of `group` stacked on the batch axis.
+fn merge(group: &[Waiting]) -> HostTensor {
+    let mut shape = group[0].input.shape.clone();
+    shape[0] = group.iter().map(|w| w.input.shape[0]).sum();
+    let mut data = Vec::with_capacity(shape.iter().product());
+    for w in group {
+        data.extend_from_slice(&w.input.data);
+    }
+    HostTensor { shape, data }
+}
+
+/// `out` (`[ΣB, …]`) cut back into parts of `rows` items each.
+fn split(out: HostTensor, rows: impl Iterator<Item = usize>) -> Vec<HostTensor> {
+    let per_row: usize = out.shape[1..].iter().product();
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for b in rows {
+        let mut shape = out.shape.clone();
+        shape[0] = b;
+        parts.push(HostTensor { shape, data: out.data[at * per_row..(at + b) * per_row].to_vec() });
+        at += b;
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn key() -> Key {
+        Key { model: 0, channels: 1, length: 3, training_length: 3 }
+    }
+
+    fn input(b: usize, v: f32) -> HostTensor {
+        HostTensor { shape: vec![b, 1, 3], data: (0..b * 3).map(|i| v + i as f32).collect() }
+    }
+
+    /// A forward that doubles every value and records the batch it saw.
+    fn double(seen: &Mutex<Vec<usize>>) -> impl FnOnce(&HostTensor) -> Result<HostTensor, DemucsError> + '_ {
+        move |x| {
+            seen.lock().unwrap().push(x.shape[0]);
+            std::thread::sleep(Duration::from_millis(20));
+            Ok(HostTensor { shape: x.shape.clone(), data: x.data.iter().map(|v| v * 2.0).collect() })
+        }
+    }
+
+    #[test]
+    fn a_job_alone_runs_at_once() {
+        let hub = Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(30) });
+        let _job = hub.join();
+        let seen = Mutex::new(Vec::new());
+        let t0 = Instant::now();
+        let out = hub.forward(key(), input(1, 1.0), double(&seen)).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(5), "waited for nobody: {:?}", t0.elapsed());
+        assert_eq!(out.data, vec![2.0, 4.0, 6.0]);
+        assert_eq!(hub.stats(), BatchStats { forwards: 1, shared: 0, rows: 1 });
+    }
+
+    #[test]
+    fn passes_of_two_jobs_share_one_forward_and_get_their_own_rows() {
+        let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(30) }));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = [(1usize, 10.0f32), (2, 100.0)]
+            .into_iter()
+            .map(|(b, v)| {
+                let (hub, seen, barrier) = (hub.clone(), seen.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let _job = hub.join();
+                    barrier.wait();
+                    hub.forward(key(), input(b, v), double(&seen)).unwrap()
+                })
+            })
+            .collect();
+        let outs: Vec<HostTensor> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(outs[0], HostTensor { shape: vec![1, 1, 3], data: vec![20.0, 22.0, 24.0] });
+        assert_eq!(outs[1].shape, vec![2, 1, 3]);
+        assert_eq!(outs[1].data, (0..6).map(|i| 2.0 * (100.0 + i as f32)).collect::<Vec<_>>());
+        // Both jobs were in: one forward of 3 rows, no linger (30 s) waited out.
+        assert_eq!(*seen.lock().unwrap(), vec![3]);
+        assert_eq!(hub.stats(), BatchStats { forwards: 1, shared: 1, rows: 3 });
+    }
+
+    #[test]
+    fn a_full_batch_leaves_the_rest_for_the_next_forward_and_other_keys_never_mix() {
+        let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 2, linger: Duration::from_secs(30) }));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let other = Key { length: 4, ..key() };
+        let threads: Vec<_> = [(key(), 1.0f32), (key(), 2.0), (key(), 3.0), (other, 4.0)]
+            .into_iter()
+            .map(|(k, v)| {
+                let (hub, seen, barrier) = (hub.clone(), seen.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let _job = hub.join();
+                    barrier.wait();
+                    let x = HostTensor { shape: vec![1, 1, k.length], data: vec![v; k.length] };
+                    hub.forward(k, x, double(&seen)).unwrap()
+                })
+            })
+            .collect();
+        for (t, v) in threads.into_iter().zip([1.0f32, 2.0, 3.0, 4.0]) {
+            let out = t.join().unwrap();
+            assert!(out.data.iter().all(|x| *x == 2.0 * v), "{v}: {out:?}");
+        }
+        let mut seen = seen.lock().unwrap().clone();
+        seen.sort();
+        assert_eq!(seen, vec![1, 1, 2], "never more than 2 rows, never two keys in one forward");
+    }
+
+    #[test]
+    fn a_job_between_chunks_is_waited_for_at_most_the_linger() {
+        let hub = Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_millis(50) });
+        let (_a, _b) = (hub.join(), hub.join());
+        let seen = Mutex::new(Vec::new());
+        let t0 = Instant::now();
+        hub.forward(key(), input(1, 0.0), double(&seen)).unwrap();
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(50), "the other job was given its linger: {waited:?}");
+        assert_eq!(*seen.lock().unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn a_failed_or_panicking_shared_forward_reaches_every_job() {
+        for panics in [false, true] {
+            let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(30) }));
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let (hub, barrier) = (hub.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let _job = hub.join();
+                        barrier.wait();
+                        hub.forward(key(), input(1, 0.0), |_| {
+                            std::thread::sleep(Duration::from_millis(20));
+                            if panics {
+                                panic!("CUDA_ERROR_OUT_OF_MEMORY: out of memory");
+                            }
+                            Err(DemucsError::InvalidArgument("bad input".into()))
+                        })
+                    })
+                })
+                .collect();
+            for t in threads {
+                match t.join() {
+                    Ok(Err(e)) if !panics => assert!(e.to_string().contains("bad input"), "{e}"),
+                    Err(panic) if panics => {
+                        let m = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap();
+                        assert!(crate::engine::is_out_of_memory(&m), "{m}");
+                    }
+                    other => panic!("panics={panics}: {:?}", other.map(|r| r.map(|t| t.shape))),
+                }
+            }
+            assert_eq!(hub.lock().running, 0);
+            assert!(hub.lock().done.is_empty());
+        }
+    }
+}
