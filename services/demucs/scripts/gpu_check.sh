@@ -5,7 +5,9 @@
 #   - parity of every family on CUDA (the reduced fixtures, blocks and end to end);
 #   - the engine on CUDA, the out-of-memory ladder's injected failures included;
 #   - speed of a full-size random htdemucs on CUDA (1, then 4 segments per pass)
-#     against PyTorch CUDA with the same weights, 30 s of audio.
+#     against PyTorch CUDA with the same weights, 30 s of audio;
+#   - cross-job batching on CUDA: 4 jobs at once, each on its own passes, then sharing
+#     forward passes (the engine suite also checks their stems are unchanged on CUDA).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out="${OUT:-/tmp}/gpu_check.log"
@@ -29,6 +31,8 @@ for b in 1 4; do
     grep -E '^burn/cuda|full-size parity' | tr '\n' ' ')
   rows+=("| stemq cuda, 30 s, batch $b | $line | \`.gpu/bin/bench --device cuda --seconds 30 --batch $b\` |")
 done
+line=$(.gpu/bin/bench --device cuda --seconds 30 --together 4 2>>"$out" | grep -E '^burn/cuda' | tr '\n' ' ')
+rows+=("| stemq cuda, 4 jobs × 30 s at once | ${line:-FAIL} | \`.gpu/bin/bench --device cuda --seconds 30 --together 4\` |")
 torch_line=$(python3 - <<'PY' 2>>"$out"
 import time, torch
 from demucs.states import load_model
