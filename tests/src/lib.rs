@@ -184,8 +184,14 @@ impl Stack {
 
     /// Starts one more in-process worker with `engine`; returns its index.
     pub async fn add_worker(&mut self, engine: Arc<dyn Engine>) -> usize {
+        self.add_worker_with(engine, 1).await
+    }
+
+    /// Starts an in-process worker with `concurrency` job loops on `engine`.
+    pub async fn add_worker_with(&mut self, engine: Arc<dyn Engine>, concurrency: usize) -> usize {
         let c = self.connect_as(WORKER).await;
         let mut config = stemq_worker::Config::new(self.store.clone(), self.dir.path().join("scratch"));
+        config.concurrency = concurrency;
         config.name = format!("inproc-{}", self.workers.len());
         config.backoff.base = self.options.backoff_base;
         config.time_limit = self.options.time_limit;

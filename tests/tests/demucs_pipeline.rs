@@ -10,6 +10,9 @@
 //! demucs's `--other-method add`). Stems are float WAV without clipping, so the only
 //! difference allowed is float summation order (1e-6).
 //!
+//! Also cross-job batching: two jobs at once on one worker share forward passes and
+//! still get exactly their own samples.
+//!
 //! Also the memory guard with the worker's out-of-memory ladder: a budget that fits only
 //! the ladder's smaller segment (the job succeeds, degraded, with that segment), and one
 //! that fits nothing (the job fails at once with `over_memory_budget`).
@@ -25,6 +28,7 @@ use stemq_audio::{ClipMode, DecodeOptions, Decoder, OutputFormat, StemEncoder, S
 use stemq_core::engine::{Engine, EngineContext, EngineJob};
 use stemq_core::event::EventBody;
 use stemq_core::{JobId, JobStatus, JobView};
+use stemq_demucs::batch::CrossJobBatching;
 use stemq_demucs::engine::{DemucsEngine, DemucsEngineConfig};
 use stemq_demucs::memory::forward_peak_bytes;
 use stemq_tests::{job_id, Stack, StackOptions};
@@ -48,7 +52,12 @@ fn model_folder(dir: &Path) -> PathBuf {
 }
 
 fn engine(repo: &Path, memory_budget: Option<u64>) -> DemucsEngine {
-    DemucsEngine::new(DemucsEngineConfig {
+    DemucsEngine::new(config(repo, memory_budget)).expect("model folder")
+}
+
+/// The engine's settings for model folder `repo`.
+fn config(repo: &Path, memory_budget: Option<u64>) -> DemucsEngineConfig {
+    DemucsEngineConfig {
         repo: repo.to_path_buf(),
         clip: ClipMode::None,
         max_duration_secs: None,
@@ -56,8 +65,7 @@ fn engine(repo: &Path, memory_budget: Option<u64>) -> DemucsEngine {
         cpu_jobs: 2,
         memory_budget,
         cross_job: None,
-    })
-    .expect("model folder")
+    }
 }
 
 /// A stereo mix with some structure (two tones, a decaying click train, noise).
@@ -259,6 +267,51 @@ async fn htdemucs_four_and_two_stems_through_the_pipeline() {
         assert!(max_diff(&two[1].1[c], &others) <= 1e-6, "no_vocals = drums + bass + other");
     }
     assert_ne!(two[0].1[0], mix_l, "the model did something");
+    stack.shutdown().await;
+}
+
+/// Issue 14: a worker with two job loops and cross-job batching takes two jobs at once;
+/// their chunks share forward passes, and each job's stems are the samples the engine
+/// gives that job alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_jobs_on_one_worker_share_forward_passes_and_keep_their_stems() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let batching = Arc::new(
+        DemucsEngine::new(DemucsEngineConfig {
+            // A long linger: the two jobs start within it, whatever the machine's load.
+            cross_job: Some(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(2) }),
+            ..config(&repo, None)
+        })
+        .unwrap(),
+    );
+    let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let uri = upload(&stack).await;
+    // Two different jobs (the shifted one reads its chunks at other offsets), queued
+    // before the worker starts so that it takes both at once.
+    let bodies = [request(&uri, json!({})), request(&uri, json!({"shifts": 1}))];
+    let mut ids = Vec::new();
+    for body in &bodies {
+        let (code, answer) = stack.submit(body).await;
+        assert_eq!(code, 202, "{answer}");
+        ids.push(job_id(&answer));
+    }
+    stack.add_worker_with(batching.clone(), 2).await;
+    let alone = engine(&repo, None);
+    for (id, body) in ids.iter().zip(&bodies) {
+        let view = stack.wait_terminal(id, WAIT).await;
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
+        let stems = download(&stack, id, &view).await;
+        let reference = direct(&alone, &stack, id, body, None);
+        assert_eq!(stems.len(), 4);
+        for ((name, got), want) in stems.iter().zip(&reference) {
+            for c in 0..2 {
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{id} {name}: the job's samples as alone");
+            }
+        }
+    }
+    let stats = batching.cpu_model("htdemucs").unwrap().hub().expect("a hub").stats();
+    assert!(stats.shared > 0 && stats.rows > stats.forwards, "the jobs shared no forward pass: {stats:?}");
     stack.shutdown().await;
 }
 
