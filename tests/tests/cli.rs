@@ -56,8 +56,8 @@ fn batching_across_jobs_is_refused_where_it_cannot_share() {
         let help = ok(&stemq(&[sub, "--help"], dir.path()).output().unwrap(), sub);
         assert!(help.contains("--batch-across-jobs") && help.contains("--batch-linger-ms"), "{sub}:\n{help}");
         for (args, says) in [
-            (vec!["--batch-across-jobs", "4"], "needs --isolation none"),
-            (vec!["--batch-across-jobs", "4", "--isolation", "process"], "needs --isolation none"),
+            (vec!["--batch-across-jobs", "4"], "needs --isolation shared"),
+            (vec!["--batch-across-jobs", "4", "--isolation", "process"], "needs --isolation shared"),
             (vec!["--batch-across-jobs", "1", "--isolation", "none"], "shares nothing"),
         ] {
             let mut all = vec![sub];

@@ -315,6 +315,57 @@ async fn two_jobs_on_one_worker_share_forward_passes_and_keep_their_stems() {
     stack.shutdown().await;
 }
 
+/// The same through the `stemq worker` command line: `--isolation shared
+/// --concurrency 2 --batch-across-jobs 4` runs both jobs in one engine host, where they
+/// share forward passes (its log says how many), with each job's samples as alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_with_a_shared_engine_host_batches_across_jobs() {
+    let models = tempfile::tempdir().unwrap();
+    let repo = model_folder(models.path());
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let uri = upload(&stack).await;
+    let bodies = [request(&uri, json!({})), request(&uri, json!({"shifts": 1}))];
+    let mut ids = Vec::new();
+    for body in &bodies {
+        let (code, answer) = stack.submit(body).await;
+        assert_eq!(code, 202, "{answer}");
+        ids.push(job_id(&answer));
+    }
+    let repo_arg = repo.to_str().unwrap();
+    let extra = [
+        ("STEMQ_ENGINE", "demucs"),
+        ("STEMQ_MODELS", repo_arg),
+        ("STEMQ_ISOLATION", "shared"),
+        ("STEMQ_CONCURRENCY", "2"),
+        ("STEMQ_BATCH_ACROSS_JOBS", "4"),
+        ("STEMQ_BATCH_LINGER_MS", "2000"),
+    ];
+    let mut w = stack.spawn_worker("batching", &extra);
+    let alone = engine(&repo, None);
+    for (id, body) in ids.iter().zip(&bodies) {
+        let view = stack.wait_terminal(id, WAIT).await;
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{}", stack.worker_log("batching"));
+        let stems = download(&stack, id, &view).await;
+        let reference = direct(&alone, &stack, id, body, None);
+        for ((name, got), want) in stems.iter().zip(&reference) {
+            for c in 0..2 {
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{id} {name}: the job's samples as alone");
+            }
+        }
+    }
+    let log = stack.worker_log("batching");
+    let shared = log
+        .lines()
+        .filter(|l| l.contains("cross-job batching"))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["fields"]["shared"].as_u64().or_else(|| v["shared"].as_u64()))
+        .max();
+    assert!(shared.is_some_and(|n| n > 0), "no shared forward pass in the host's log:\n{log}");
+    stemq_tests::signal(&w, stemq_tests::SIGTERM);
+    assert!(stemq_tests::wait_exit(&mut w, WAIT).expect("exits").success());
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_budget_for_a_smaller_segment_degrades_the_job() {
     let models = tempfile::tempdir().unwrap();

@@ -91,6 +91,56 @@ async fn without_isolation_a_crash_costs_the_neighbours_a_delivery() {
     stack.shutdown().await;
 }
 
+/// Issue 14: `--isolation shared` runs every job loop's attempts in one engine host, at
+/// the same time (what cross-job batching needs). A crash there costs the jobs running
+/// beside it one delivery, never the worker process; the next attempt starts a new host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_engine_host_runs_jobs_at_once_and_a_crash_costs_a_retry_not_the_worker() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let extra = [("STEMQ_CONCURRENCY", "2"), ("STEMQ_ISOLATION", "shared")];
+    let mut w = stack.spawn_worker("one-host", &extra);
+    // Two 3 s jobs run side by side in the one host.
+    let mut both = Vec::new();
+    for i in 0..2 {
+        let (_, b) = stack.submit(&job_body(&stack, &format!("side-{i}"), Some(json!({"sleep_ms": 3000})))).await;
+        both.push(job_id(&b));
+    }
+    for id in &both {
+        stack.wait_status(id, JobStatus::Running, T).await;
+    }
+    for id in &both {
+        let v = stack.view(id).await.expect("a view");
+        assert_eq!(v.status, JobStatus::Running, "both run at once in the shared host: {v:#?}");
+    }
+    for id in &both {
+        let v = stack.wait_terminal(id, T).await;
+        assert_eq!((v.status, v.attempt), (JobStatus::Succeeded, 1), "{v:#?}");
+    }
+    let log = stack.worker_log("one-host");
+    assert_eq!(log.matches("shared engine host ready").count(), 1, "{log}");
+    assert_eq!(log.matches("engine host ready").count(), 1, "one host for both loops: {log}");
+
+    // A job that aborts the host while a neighbour runs: the neighbour is retried and
+    // succeeds, the worker lives on and starts a new host.
+    let (_, b) = stack.submit(&job_body(&stack, "neighbour", Some(json!({"sleep_ms": 3000})))).await;
+    let neighbour = job_id(&b);
+    stack.wait_status(&neighbour, JobStatus::Running, T).await;
+    let (_, b) = stack.submit(&job_body(&stack, "poison-once", Some(json!({"abort": 1})))).await;
+    let poison = job_id(&b);
+    let v = stack.wait_terminal(&neighbour, T).await;
+    assert_eq!((v.status, v.attempt), (JobStatus::Succeeded, 2), "the neighbour lost one delivery: {v:#?}");
+    let v = stack.wait_terminal(&poison, T).await;
+    assert_eq!((v.status, v.attempt), (JobStatus::Succeeded, 2), "{v:#?}");
+    assert!(w.try_wait().unwrap().is_none(), "the worker process survived\n{}", stack.worker_log("one-host"));
+    let log = stack.worker_log("one-host");
+    assert!(log.contains("the shared engine host died while running this job"), "{log}");
+    assert!(log.contains("SIGABRT"), "how it died is named: {log}");
+    assert!(log.contains("shared engine host started"), "a new host: {log}");
+    signal(&w, SIGTERM);
+    assert!(wait_exit(&mut w, T).expect("exits").success());
+    stack.shutdown().await;
+}
+
 /// Issue 11, item 2: `stemq --ack-wait-ms 3000 nats apply` while workers ran with the
 /// default made one 20 s job start five times at once. The consumer is the single
 /// source of truth: a running worker follows a changed ack wait at once, so the job runs

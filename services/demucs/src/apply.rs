@@ -121,13 +121,15 @@ impl<B: Backend> BagOfModels<B> {
         let Some(hub) = &self.hub else {
             return model.forward_parallel(inputs, training_length);
         };
+        // The job of this thread: the threads below run its passes.
+        let job = crate::batch::current_job();
         let one = |input: HostTensor| {
             if input.shape.len() != 3 {
                 // Not `[B, C, L]`: the model's own check says why.
                 return model.forward_with_training_length(&input, training_length);
             }
             let key = Key { model: index, channels: input.shape[1], length: input.shape[2], training_length };
-            hub.forward(key, input, |x| model.forward_with_training_length(x, training_length))
+            hub.forward(key, job, input, |x| model.forward_with_training_length(x, training_length))
         };
         if inputs.len() == 1 {
             return Ok(vec![one(inputs.remove(0))?]);

@@ -3,16 +3,23 @@
 //!
 //! This module owns the meeting point, [`Hub`], one per loaded bag. A bag with a hub
 //! sends every forward pass through it ([`crate::apply::BagOfModels::forward`]); each
-//! job that runs on the bag holds a [`JobSlot`] for as long as it runs. A pass waits in
-//! the hub until one of these holds, then runs, taking along every waiting pass of the
-//! same model and input shape that fits, up to `max_rows` segments in all:
+//! job that runs on the bag holds a [`JobSlot`] for as long as it runs. The hub runs one
+//! forward at a time, as a device does: passes that arrive while one runs wait, and
+//! make the next one. When the engine is idle, a waiting pass runs, taking along every
+//! waiting pass of the same model and input shape that fits, up to `max_rows` segments
+//! in all, as soon as one of these holds:
 //!
 //! - the waiting passes already fill `max_rows`;
-//! - every job on the bag has a pass waiting or running (none can add one soon);
-//! - `linger` has passed since it arrived (a job between chunks, reading or encoding,
-//!   is not waited for longer than that).
+//! - every job on the bag has a pass waiting (a job is known by the slot its thread
+//!   holds, so the passes a job runs on several threads count once);
+//! - the engine has been idle for `linger` since the pass arrived (a job between
+//!   chunks, reading or encoding, is not waited for longer than that).
 //!
-//! A job alone on the bag therefore never waits. The caller whose pass leads the
+//! Jobs that start apart fall into step: the linger only counts while the engine is
+//! idle, so a job whose pass waited through another job's forward still waits for that
+//! job's next pass. A job alone on the bag never waits for the linger.
+//!
+//! The caller whose pass leads the
 //! shared forward runs it on its own thread; the others sleep until their rows are cut
 //! out of the result. Each segment of a forward pass is computed on its own (per-item
 //! normalisation, attention within the item), so a job's stems do not depend on who it
@@ -23,7 +30,9 @@
 //! memory) as a panic with the same message, so each job's out-of-memory ladder sees
 //! it.
 
+use std::cell::Cell;
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -65,6 +74,7 @@ pub struct BatchStats {
 #[derive(Debug)]
 pub struct Hub {
     config: CrossJobBatching,
+    next_job: AtomicU64,
     state: Mutex<State>,
     changed: Condvar,
     forwards: AtomicU64,
@@ -76,8 +86,10 @@ pub struct Hub {
 struct State {
     /// Jobs holding a [`JobSlot`].
     jobs: usize,
-    /// Passes taken into a forward that has not finished.
-    running: usize,
+    /// A shared forward is running.
+    running: bool,
+    /// When the last forward ended.
+    idle_since: Option<Instant>,
     next_id: u64,
     waiting: Vec<Waiting>,
     /// Results of passes run by another caller, by pass id.
@@ -87,6 +99,8 @@ struct State {
 #[derive(Debug)]
 struct Waiting {
     id: u64,
+    /// The job (its [`State::busy`] key).
+    job: u64,
     key: Key,
     input: HostTensor,
 }
@@ -98,13 +112,31 @@ enum Outcome {
     Panicked(String),
 }
 
-/// A job's presence on a bag with a hub; dropping it leaves.
+thread_local! {
+    /// The job whose slot this thread holds ([`Hub::join`]).
+    static CURRENT_JOB: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// The job whose slot the calling thread holds, if any: the forward passes it starts
+/// (on this thread or on threads it spawns for them) are that job's.
+pub(crate) fn current_job() -> Option<u64> {
+    CURRENT_JOB.with(Cell::get)
+}
+
+/// A job's presence on a bag with a hub, held by the thread that runs the job (it is not
+/// `Send`); dropping it leaves.
 #[derive(Debug)]
-pub struct JobSlot<'h>(Option<&'h Hub>);
+pub struct JobSlot<'h> {
+    hub: Option<&'h Hub>,
+    /// What the thread held before, restored on drop.
+    previous: Option<u64>,
+    _thread: PhantomData<*const ()>,
+}
 
 impl Drop for JobSlot<'_> {
     fn drop(&mut self) {
-        if let Some(hub) = self.0 {
+        if let Some(hub) = self.hub {
+            CURRENT_JOB.with(|c| c.set(self.previous));
             hub.lock().jobs -= 1;
             hub.changed.notify_all();
         }
@@ -114,7 +146,7 @@ impl Drop for JobSlot<'_> {
 impl JobSlot<'_> {
     /// A slot of a bag without a hub.
     pub(crate) fn none() -> Self {
-        JobSlot(None)
+        JobSlot { hub: None, previous: None, _thread: PhantomData }
     }
 }
 
@@ -123,6 +155,7 @@ impl Hub {
     pub fn new(config: CrossJobBatching) -> Self {
         Hub {
             config: CrossJobBatching { max_rows: config.max_rows.max(2), linger: config.linger },
+            next_job: AtomicU64::new(0),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             forwards: AtomicU64::new(0),
@@ -145,10 +178,12 @@ impl Hub {
         }
     }
 
-    /// Registers a job for as long as the slot lives.
+    /// Registers a job, run by the calling thread, for as long as the slot lives.
     pub fn join(&self) -> JobSlot<'_> {
+        let id = self.next_job.fetch_add(1, Ordering::Relaxed);
+        let previous = CURRENT_JOB.with(|c| c.replace(Some(id)));
         self.lock().jobs += 1;
-        JobSlot(Some(self))
+        JobSlot { hub: Some(self), previous, _thread: PhantomData }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -161,6 +196,7 @@ impl Hub {
     pub(crate) fn forward(
         &self,
         key: Key,
+        job: Option<u64>,
         input: HostTensor,
         forward: impl FnOnce(&HostTensor) -> Result<HostTensor, DemucsError>,
     ) -> Result<HostTensor, DemucsError> {
@@ -168,9 +204,11 @@ impl Hub {
         let mut state = self.lock();
         let id = state.next_id;
         state.next_id += 1;
-        state.waiting.push(Waiting { id, key, input });
+        // A pass of no job counts as a job of its own.
+        let job = job.unwrap_or(u64::MAX - id);
+        let arrived = Instant::now();
+        state.waiting.push(Waiting { id, job, key, input });
         self.changed.notify_all();
-        let deadline = Instant::now() + self.config.linger;
         let group = loop {
             if let Some(outcome) = state.done.remove(&id) {
                 return match outcome {
@@ -184,9 +222,20 @@ impl Hub {
                 state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
                 continue;
             };
+            if state.running {
+                // One shared forward at a time: the passes that arrive meanwhile make
+                // the next one.
+                state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
             let rows: usize = state.waiting.iter().filter(|w| w.key == key).map(|w| w.input.shape[0]).sum();
+            let mut waiting_jobs: Vec<u64> = state.waiting.iter().map(|w| w.job).collect();
+            waiting_jobs.sort_unstable();
+            waiting_jobs.dedup();
+            let everyone_in = waiting_jobs.len() >= state.jobs;
+            // The linger counts while the engine is idle, not while it runs a forward.
+            let deadline = arrived.max(state.idle_since.unwrap_or(arrived)) + self.config.linger;
             let now = Instant::now();
-            let everyone_in = state.waiting.len() + state.running >= state.jobs;
             if rows >= max_rows || everyone_in || now >= deadline {
                 // Lead: this pass first, then the others of its key in arrival order.
                 let mut group = vec![state.waiting.remove(mine)];
@@ -201,7 +250,7 @@ impl Hub {
                         i += 1;
                     }
                 }
-                state.running += group.len();
+                state.running = true;
                 break group;
             }
             state = self.changed.wait_timeout(state, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
@@ -213,7 +262,7 @@ impl Hub {
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
         if n == 1 {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| forward(&group[0].input)));
-            self.finish(Vec::new(), 1);
+            self.finish(Vec::new());
             return out.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         }
         self.shared.fetch_add(1, Ordering::Relaxed);
@@ -225,12 +274,12 @@ impl Hub {
             Ok(Ok(out)) => {
                 let mut parts = split(out, group.iter().map(|w| w.input.shape[0])).into_iter();
                 let mine = parts.next().expect("one part per pass");
-                self.finish(others.zip(parts.map(Outcome::Ok)).collect(), n);
+                self.finish(others.zip(parts.map(Outcome::Ok)).collect());
                 Ok(mine)
             }
             Ok(Err(e)) => {
                 let message = e.to_string();
-                self.finish(others.map(|id| (id, Outcome::Failed(message.clone()))).collect(), n);
+                self.finish(others.map(|id| (id, Outcome::Failed(message.clone()))).collect());
                 Err(e)
             }
             Err(panic) => {
@@ -239,16 +288,17 @@ impl Hub {
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "a shared forward pass panicked".into());
-                self.finish(others.map(|id| (id, Outcome::Panicked(message.clone()))).collect(), n);
+                self.finish(others.map(|id| (id, Outcome::Panicked(message.clone()))).collect());
                 std::panic::resume_unwind(panic)
             }
         }
     }
 
-    /// Hands the other callers their outcomes and counts `n` passes as no longer running.
-    fn finish(&self, outcomes: Vec<(u64, Outcome)>, n: usize) {
+    /// Hands the other callers their outcomes; the forward is over.
+    fn finish(&self, outcomes: Vec<(u64, Outcome)>) {
         let mut state = self.lock();
-        state.running -= n;
+        state.running = false;
+        state.idle_since = Some(Instant::now());
         state.done.extend(outcomes);
         drop(state);
         self.changed.notify_all();
@@ -308,7 +358,7 @@ mod tests {
         let _job = hub.join();
         let seen = Mutex::new(Vec::new());
         let t0 = Instant::now();
-        let out = hub.forward(key(), input(1, 1.0), double(&seen)).unwrap();
+        let out = hub.forward(key(), current_job(), input(1, 1.0), double(&seen)).unwrap();
         assert!(t0.elapsed() < Duration::from_secs(5), "waited for nobody: {:?}", t0.elapsed());
         assert_eq!(out.data, vec![2.0, 4.0, 6.0]);
         assert_eq!(hub.stats(), BatchStats { forwards: 1, shared: 0, rows: 1 });
@@ -326,7 +376,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let _job = hub.join();
                     barrier.wait();
-                    hub.forward(key(), input(b, v), double(&seen)).unwrap()
+                    hub.forward(key(), current_job(), input(b, v), double(&seen)).unwrap()
                 })
             })
             .collect();
@@ -353,7 +403,7 @@ mod tests {
                     let _job = hub.join();
                     barrier.wait();
                     let x = HostTensor { shape: vec![1, 1, k.length], data: vec![v; k.length] };
-                    hub.forward(k, x, double(&seen)).unwrap()
+                    hub.forward(k, current_job(), x, double(&seen)).unwrap()
                 })
             })
             .collect();
@@ -366,13 +416,46 @@ mod tests {
         assert_eq!(seen, vec![1, 1, 2], "never more than 2 rows, never two keys in one forward");
     }
 
+    /// A job whose passes run on two threads is one job: its two passes wait for the
+    /// other job's, and the three run as one forward.
+    #[test]
+    fn passes_of_one_job_on_two_threads_wait_for_the_other_job() {
+        let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(30) }));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let two = {
+            let (hub, seen, barrier) = (hub.clone(), seen.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let _job = hub.join();
+                let job = current_job();
+                barrier.wait();
+                std::thread::scope(|scope| {
+                    for v in [1.0, 2.0] {
+                        let (hub, seen) = (&hub, &seen);
+                        scope.spawn(move || hub.forward(key(), job, input(1, v), double(seen)).unwrap());
+                    }
+                });
+            })
+        };
+        let _job = hub.join();
+        barrier.wait();
+        // The other job's passes are waiting (or about to): this one joins them.
+        std::thread::sleep(Duration::from_millis(100));
+        hub.forward(key(), current_job(), input(1, 3.0), double(&seen)).unwrap();
+        two.join().unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![3], "one forward of the three passes");
+    }
+
     #[test]
     fn a_job_between_chunks_is_waited_for_at_most_the_linger() {
         let hub = Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_millis(50) });
-        let (_a, _b) = (hub.join(), hub.join());
+        // Another job, run by another thread, that sends no pass.
+        let other = std::thread::scope(|scope| scope.spawn(|| std::mem::forget(hub.join())).join());
+        other.unwrap();
+        let _job = hub.join();
         let seen = Mutex::new(Vec::new());
         let t0 = Instant::now();
-        hub.forward(key(), input(1, 0.0), double(&seen)).unwrap();
+        hub.forward(key(), current_job(), input(1, 0.0), double(&seen)).unwrap();
         let waited = t0.elapsed();
         assert!(waited >= Duration::from_millis(50), "the other job was given its linger: {waited:?}");
         assert_eq!(*seen.lock().unwrap(), vec![1]);
@@ -389,7 +472,7 @@ mod tests {
                     std::thread::spawn(move || {
                         let _job = hub.join();
                         barrier.wait();
-                        hub.forward(key(), input(1, 0.0), |_| {
+                        hub.forward(key(), current_job(), input(1, 0.0), |_| {
                             std::thread::sleep(Duration::from_millis(20));
                             if panics {
                                 panic!("CUDA_ERROR_OUT_OF_MEMORY: out of memory");
@@ -413,7 +496,7 @@ mod tests {
                     other => panic!("panics={panics}: {:?}", other.map(|r| r.map(|t| t.shape))),
                 }
             }
-            assert_eq!(hub.lock().running, 0);
+            assert!(!hub.lock().running);
             assert!(hub.lock().done.is_empty());
         }
     }

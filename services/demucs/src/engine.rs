@@ -397,6 +397,11 @@ impl DemucsEngine {
         })();
         result?;
         std::mem::forget(partial);
+        if let Some(hub) = bag.hub() {
+            let s = hub.stats();
+            tracing::info!(job_id = %job.job_id, forwards = s.forwards, shared = s.shared, rows = s.rows,
+                "cross-job batching: this model's forward passes so far");
+        }
         Ok(names
             .into_iter()
             .zip(paths)

@@ -480,13 +480,14 @@ async fn pipeline(
     let projector_client = stemq_core::nats::connect_with(&url, "stemq-bench-projector", &auth(PROJECTOR)?).await?;
     let engine: Arc<dyn stemq_core::engine::Engine> = match isolation {
         Isolation::None => Arc::new(FakeEngine::default()),
-        Isolation::Process => {
+        Isolation::Process | Isolation::Shared => {
             let args = ["engine-host", "--engine", "fake"].map(std::ffi::OsString::from).to_vec();
-            Arc::new(stemq_worker::isolate::IsolatedEngine::start(
-                std::env::current_exe()?,
-                args,
-                Duration::from_secs(60),
-            )?)
+            let (program, startup) = (std::env::current_exe()?, Duration::from_secs(60));
+            Arc::new(if isolation == Isolation::Shared {
+                stemq_worker::isolate::IsolatedEngine::start_shared(program, args, startup)?
+            } else {
+                stemq_worker::isolate::IsolatedEngine::start(program, args, startup)?
+            })
         }
     };
     let w = tokio::spawn(stemq_worker::run(worker_client, engine, wc, stop.clone()));

@@ -574,14 +574,33 @@ mod tests {
     /// The engine host command line the worker writes is one this parser reads.
     #[test]
     fn the_engine_host_command_line_parses() {
-        let cli = Cli::try_parse_from(["stemq", "--log-format", "text", "worker", "--engine", "fake"]).unwrap();
+        let cli = Cli::try_parse_from([
+            "stemq",
+            "--log-format",
+            "text",
+            "worker",
+            "--engine",
+            "fake",
+            "--isolation",
+            "shared",
+            "--batch-across-jobs",
+            "8",
+            "--batch-linger-ms",
+            "7",
+        ])
+        .unwrap();
         let Command::Worker(w) = cli.command else { unreachable!() };
+        assert_eq!(w.opts.isolation, crate::services::Isolation::Shared);
         let mut args = vec![std::ffi::OsString::from("stemq")];
         args.extend(crate::services::engine_host_args(&cli.global, &w.opts.engine));
         let host = Cli::try_parse_from(args).unwrap();
         assert_eq!(host.global.log_format, cli.global.log_format);
         match host.command {
-            Command::EngineHost(e) => assert_eq!(e.engine, crate::services::EngineKind::Fake),
+            // The host runs the engine, so it gets the engine's batching.
+            Command::EngineHost(e) => {
+                assert_eq!(e.engine, crate::services::EngineKind::Fake);
+                assert_eq!((e.batch_across_jobs, e.batch_linger_ms), (8, 7));
+            }
             _ => unreachable!(),
         }
     }

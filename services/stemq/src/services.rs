@@ -263,8 +263,11 @@ pub struct WorkerOpts {
     #[arg(long, env = "STEMQ_WORKER_NAME")]
     pub name: Option<String>,
     /// Where attempts run: `process` (each job loop's attempts in an engine host
-    /// process of its own, so a job that crashes its process fails alone) or `none` (in
-    /// the worker process; a crash takes every running job down with it).
+    /// process of its own, so a job that crashes its process fails alone), `shared` (one
+    /// engine host for every job loop: jobs can share forward passes with
+    /// `--batch-across-jobs`, and a crash fails the jobs running in it, not the worker)
+    /// or `none` (in the worker process; a crash takes the worker and every running job
+    /// down with it).
     #[arg(long, env = "STEMQ_ISOLATION", value_enum, default_value_t = Isolation::Process)]
     pub isolation: Isolation,
 }
@@ -277,8 +280,8 @@ impl WorkerOpts {
         }
         if self.engine.batch_across_jobs > 1 && self.isolation == Isolation::Process {
             bail!(
-                "--batch-across-jobs needs --isolation none: jobs share forward passes inside one process, and \
-                 `--isolation process` gives each job loop an engine host of its own"
+                "--batch-across-jobs needs --isolation shared (or none): jobs share forward passes inside one \
+                 process, and `--isolation process` gives each job loop an engine host of its own"
             );
         }
         Ok(())
@@ -290,6 +293,8 @@ impl WorkerOpts {
 pub enum Isolation {
     /// In engine host processes (one per job loop in use).
     Process,
+    /// In one engine host process for every job loop.
+    Shared,
     /// In the worker process.
     None,
 }
@@ -408,7 +413,12 @@ pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     }
     let program = std::env::current_exe().context("finding the stemq executable for the engine host")?;
     let args = engine_host_args(g, &opts.engine);
-    let mut engine = stemq_worker::isolate::IsolatedEngine::start(program, args, Duration::from_secs(600))?;
+    let startup = Duration::from_secs(600);
+    let mut engine = if opts.isolation == Isolation::Shared {
+        stemq_worker::isolate::IsolatedEngine::start_shared(program, args, startup)?
+    } else {
+        stemq_worker::isolate::IsolatedEngine::start(program, args, startup)?
+    };
     if opts.engine.engine == EngineKind::Fake {
         // The fake engine says how long its pretend input lasts (credits); it reads none.
         engine = engine.with_lengths(Arc::new(FakeEngine::default()));
@@ -429,6 +439,10 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
     }
     if let Some(b) = engine.memory_budget {
         args.extend(["--memory-budget".into(), b.to_string().into()]);
+    }
+    if engine.batch_across_jobs > 0 {
+        args.extend(["--batch-across-jobs".into(), engine.batch_across_jobs.to_string().into()]);
+        args.extend(["--batch-linger-ms".into(), engine.batch_linger_ms.to_string().into()]);
     }
     args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
     if !engine.fake_models.is_empty() {

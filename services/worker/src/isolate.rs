@@ -24,12 +24,13 @@
 //! Cost: one process start and engine load per job loop (once, not per job), about 1 ms
 //! and three small pipe messages per job (see `docs/reliability.md`).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,13 +65,24 @@ pub enum IsolateError {
 enum ToHost {
     /// Run one attempt.
     Job(Box<WireJob>),
-    /// Stop the running attempt at its next chunk boundary.
-    Cancel,
+    /// Stop the attempt in `slot` at its next chunk boundary.
+    Cancel {
+        /// The attempt's slot (0 for a host of one job loop).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        slot: u32,
+    },
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// [`EngineJob`] with owned fields.
 #[derive(Debug, Serialize, Deserialize)]
 struct WireJob {
+    /// Names the attempt in the messages about it: a shared host runs several at once.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    slot: u32,
     job_id: JobId,
     request: NormalizedRequest,
     metadata: Option<Value>,
@@ -87,10 +99,19 @@ struct WireJob {
 enum FromHost {
     /// Once, when the engine is loaded.
     Hello(Hello),
-    /// Progress of the running attempt.
-    Progress { fraction: f32, stage: String },
-    /// The attempt's result.
-    Done { result: Result<Vec<StemFile>, EngineError> },
+    /// Progress of the attempt in `slot`.
+    Progress {
+        #[serde(default, skip_serializing_if = "is_zero")]
+        slot: u32,
+        fraction: f32,
+        stage: String,
+    },
+    /// The result of the attempt in `slot`.
+    Done {
+        #[serde(default, skip_serializing_if = "is_zero")]
+        slot: u32,
+        result: Result<Vec<StemFile>, EngineError>,
+    },
 }
 
 /// What a host says of its engine once it is loaded.
@@ -116,13 +137,15 @@ enum Line {
 
 /// One running engine host.
 struct Host {
-    child: Child,
+    child: Mutex<Child>,
     stdin: ChildStdin,
     lines: mpsc::Receiver<Line>,
 }
 
-impl Host {
-    fn spawn(program: &Path, args: &[OsString]) -> std::io::Result<Host> {
+/// Starts `program args…` with the protocol's pipes, and a thread that turns its
+/// output into [`Line`]s.
+fn spawn_parts(program: &Path, args: &[OsString]) -> std::io::Result<(Child, ChildStdin, mpsc::Receiver<Line>)> {
+    {
         let mut child = Command::new(program)
             .args(args)
             .stdin(Stdio::piped())
@@ -146,48 +169,175 @@ impl Host {
             }
             let _ = tx.send(Line::Eof);
         })?;
-        Ok(Host { child, stdin, lines })
+        Ok((child, stdin, lines))
     }
+}
 
-    /// Waits up to `timeout` for the host's hello (its engine loaded); says why not.
-    fn hello(self, timeout: Duration) -> Result<(Host, Hello), String> {
-        match self.lines.recv_timeout(timeout) {
-            Ok(Line::Msg(FromHost::Hello(hello))) => Ok((self, hello)),
-            Ok(Line::Msg(other)) => Err(format!("it said {other:?} first")),
-            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => Err(self.death()),
-            Err(RecvTimeoutError::Timeout) => Err(format!("no hello within {} s", timeout.as_secs())),
-        }
+/// Waits up to `timeout` for a host's hello (its engine loaded): `Err(None)` when its
+/// output ended first (its death says why), `Err(Some(why))` otherwise.
+fn await_hello(lines: &mpsc::Receiver<Line>, timeout: Duration) -> Result<Hello, Option<String>> {
+    match lines.recv_timeout(timeout) {
+        Ok(Line::Msg(FromHost::Hello(hello))) => Ok(hello),
+        Ok(Line::Msg(other)) => Err(Some(format!("it said {other:?} first"))),
+        Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => Err(None),
+        Err(RecvTimeoutError::Timeout) => Err(Some(format!("no hello within {} s", timeout.as_secs()))),
     }
+}
 
-    fn send(&mut self, m: &ToHost) -> std::io::Result<()> {
-        let mut line = serde_json::to_vec(m).expect("protocol messages serialise");
-        line.push(b'\n');
-        self.stdin.write_all(&line)?;
-        self.stdin.flush()
-    }
+fn write_message(to: &mut ChildStdin, m: &ToHost) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(m).expect("protocol messages serialise");
+    line.push(b'\n');
+    to.write_all(&line)?;
+    to.flush()
+}
 
-    /// Waits for the host to end (after its output ended) and says how it ended.
-    fn death(mut self) -> String {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(status)) => return describe(status),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                _ => {
-                    let _ = self.child.kill();
-                    return "closed its output and was killed".into();
-                }
+/// Waits for a host to end (after its output ended) and says how it ended. The lock is
+/// taken per look, so the host can be killed meanwhile.
+fn wait_death(child: &Mutex<Child>) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut child = lock(child);
+        match child.try_wait() {
+            Ok(Some(status)) => return describe(status),
+            Ok(None) if Instant::now() < deadline => {
+                drop(child);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return "closed its output and was killed".into();
             }
         }
     }
 }
 
+impl Host {
+    fn spawn(program: &Path, args: &[OsString]) -> std::io::Result<Host> {
+        let (child, stdin, lines) = spawn_parts(program, args)?;
+        Ok(Host { child: Mutex::new(child), stdin, lines })
+    }
+
+    /// Waits up to `timeout` for the host's hello (its engine loaded); says why not.
+    fn hello(self, timeout: Duration) -> Result<(Host, Hello), String> {
+        match await_hello(&self.lines, timeout) {
+            Ok(hello) => Ok((self, hello)),
+            Err(None) => Err(self.death()),
+            Err(Some(why)) => Err(why),
+        }
+    }
+
+    fn send(&mut self, m: &ToHost) -> std::io::Result<()> {
+        write_message(&mut self.stdin, m)
+    }
+
+    /// Waits for the host to end (after its output ended) and says how it ended.
+    fn death(self) -> String {
+        wait_death(&self.child)
+    }
+}
+
+/// One engine host running the attempts of every job loop at once
+/// ([`IsolatedEngine::start_shared`]), so that an engine can share work between jobs
+/// (the demucs engine's cross-job batching). A thread routes its messages to the
+/// attempts by slot; when the host dies, every attempt in it learns how.
+struct SharedHost {
+    stdin: Mutex<ChildStdin>,
+    /// Shared with the router, which reaps it once its output ends.
+    child: Arc<Mutex<Child>>,
+    routing: Arc<Routing>,
+}
+
+/// Where a shared host's messages go.
+#[derive(Default)]
+struct Routing {
+    /// The running attempts' inboxes by slot.
+    routes: Mutex<HashMap<u32, mpsc::Sender<Line>>>,
+    /// How the host ended, once its output has.
+    death: Mutex<Option<String>>,
+    next_slot: AtomicU32,
+}
+
+impl SharedHost {
+    /// Starts a host and waits up to `timeout` for its hello.
+    fn start(program: &Path, args: &[OsString], timeout: Duration) -> Result<(Arc<SharedHost>, Hello), String> {
+        let (child, stdin, lines) = spawn_parts(program, args).map_err(|e| format!("cannot start it: {e}"))?;
+        let child = Arc::new(Mutex::new(child));
+        let hello = match await_hello(&lines, timeout) {
+            Ok(hello) => hello,
+            Err(why) => {
+                let _ = lock(&child).kill();
+                let how = wait_death(&child);
+                return Err(why.unwrap_or(how));
+            }
+        };
+        let routing = Arc::new(Routing { next_slot: AtomicU32::new(1), ..Routing::default() });
+        let host = Arc::new(SharedHost { stdin: Mutex::new(stdin), child: child.clone(), routing: routing.clone() });
+        std::thread::Builder::new()
+            .name("engine-host-router".into())
+            .spawn(move || {
+                while let Ok(Line::Msg(m)) = lines.recv() {
+                    let slot = match &m {
+                        FromHost::Progress { slot, .. } | FromHost::Done { slot, .. } => *slot,
+                        FromHost::Hello(_) => continue,
+                    };
+                    if let Some(tx) = lock(&routing.routes).get(&slot) {
+                        let _ = tx.send(Line::Msg(m));
+                    }
+                }
+                let how = wait_death(&child);
+                *lock(&routing.death) = Some(how);
+                for (_, tx) in lock(&routing.routes).drain() {
+                    let _ = tx.send(Line::Eof);
+                }
+            })
+            .map_err(|e| format!("cannot start its router: {e}"))?;
+        Ok((host, hello))
+    }
+
+    /// How it ended, if it has.
+    fn death(&self) -> Option<String> {
+        lock(&self.routing.death).clone()
+    }
+
+    /// A new slot and its inbox; `None` when the host has died.
+    fn open(&self) -> Option<(u32, mpsc::Receiver<Line>)> {
+        let mut routes = lock(&self.routing.routes);
+        if self.death().is_some() {
+            return None;
+        }
+        let slot = self.routing.next_slot.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        routes.insert(slot, tx);
+        Some((slot, rx))
+    }
+
+    fn close(&self, slot: u32) {
+        lock(&self.routing.routes).remove(&slot);
+    }
+
+    fn send(&self, m: &ToHost) -> std::io::Result<()> {
+        write_message(&mut lock(&self.stdin), m)
+    }
+
+    /// Kills the host (every attempt in it ends as crashed, this one as cancelled); a
+    /// host already reaped is left alone.
+    fn kill(&self) {
+        let _ = lock(&self.child).kill();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Drop for Host {
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
+        let child = self.child.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Ok(None) = child.try_wait() {
+            let _ = child.kill();
         }
-        let _ = self.child.wait();
+        let _ = child.wait();
     }
 }
 
@@ -225,6 +375,9 @@ pub struct IsolatedEngine {
     models: Vec<Model>,
     /// Hosts waiting for a job.
     idle: Mutex<Vec<Host>>,
+    /// With [`IsolatedEngine::start_shared`]: the one host of every job loop (`None`
+    /// inside once it died, until the next attempt starts another).
+    shared: Option<Mutex<Option<Arc<SharedHost>>>>,
     /// An in-process engine that tells how long inputs last without reading them
     /// ([`Engine::audio_ms`]; the fake engine), when the hosted one needs that.
     lengths: Option<std::sync::Arc<dyn Engine>>,
@@ -244,7 +397,7 @@ impl IsolatedEngine {
             Host::spawn(&program, &args).map_err(|source| IsolateError::Spawn { program: program.clone(), source })?;
         let (host, Hello { name, devices, reads_input, wants_metadata, models }) =
             host.hello(startup).map_err(IsolateError::NoHello)?;
-        info!(engine = %name, pid = host.child.id(), ?models, "engine host ready");
+        info!(engine = %name, pid = lock(&host.child).id(), ?models, "engine host ready");
         Ok(IsolatedEngine {
             program,
             args,
@@ -254,8 +407,110 @@ impl IsolatedEngine {
             wants_metadata,
             models,
             idle: Mutex::new(vec![host]),
+            shared: None,
             lengths: None,
         })
+    }
+
+    /// Like [`IsolatedEngine::start`], but every job loop's attempts run in one host,
+    /// at the same time: the engine can share work between them (the demucs engine's
+    /// cross-job batching). The price: when that host dies, every attempt running in it
+    /// fails as crashed (each is retried), not only the culprit's.
+    pub fn start_shared(
+        program: PathBuf,
+        args: Vec<OsString>,
+        startup: Duration,
+    ) -> Result<IsolatedEngine, IsolateError> {
+        let (host, Hello { name, devices, reads_input, wants_metadata, models }) =
+            SharedHost::start(&program, &args, startup).map_err(IsolateError::NoHello)?;
+        info!(engine = %name, pid = lock(&host.child).id(), ?models, "shared engine host ready");
+        Ok(IsolatedEngine {
+            program,
+            args,
+            name,
+            devices,
+            reads_input,
+            wants_metadata,
+            models,
+            idle: Mutex::new(Vec::new()),
+            shared: Some(Mutex::new(Some(host))),
+            lengths: None,
+        })
+    }
+
+    /// The shared host, or a new one when it died.
+    fn shared_host(&self, slot: &Mutex<Option<Arc<SharedHost>>>) -> Result<Arc<SharedHost>, EngineError> {
+        let mut current = lock(slot);
+        if let Some(h) = current.as_ref().filter(|h| h.death().is_none()) {
+            return Ok(h.clone());
+        }
+        *current = None;
+        let (host, _) = SharedHost::start(&self.program, &self.args, LOAD_TIMEOUT)
+            .map_err(|why| EngineError::Transient(format!("a new shared engine host: {why}")))?;
+        info!(pid = lock(&host.child).id(), "shared engine host started");
+        *current = Some(host.clone());
+        Ok(host)
+    }
+
+    /// One attempt in the shared host (see [`IsolatedEngine::start_shared`]).
+    fn separate_shared(
+        &self,
+        slot: &Mutex<Option<Arc<SharedHost>>>,
+        mut wire: WireJob,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+    ) -> Result<Vec<StemFile>, EngineError> {
+        let mut host = self.shared_host(slot)?;
+        let (n, inbox) = match host.open() {
+            Some(opened) => opened,
+            None => {
+                // It died since the look above: once more, with a new one.
+                host = self.shared_host(slot)?;
+                host.open().ok_or_else(|| EngineError::Transient("the shared engine host died at once".into()))?
+            }
+        };
+        struct Close<'a>(&'a SharedHost, u32);
+        impl Drop for Close<'_> {
+            fn drop(&mut self) {
+                self.0.close(self.1);
+            }
+        }
+        let _close = Close(&host, n);
+        wire.slot = n;
+        // A failed write means the host is dying: its end reaches the inbox.
+        let _ = host.send(&ToHost::Job(Box::new(wire)));
+        let mut cancel_sent: Option<Instant> = None;
+        loop {
+            match inbox.recv_timeout(Duration::from_millis(50)) {
+                Ok(Line::Msg(FromHost::Progress { fraction, stage, .. })) => ctx.progress(fraction, &stage),
+                Ok(Line::Msg(FromHost::Done { result, .. })) => return result,
+                Ok(Line::Msg(FromHost::Hello(_))) => {}
+                Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                    if cancel_sent.is_some() {
+                        return Err(EngineError::Cancelled);
+                    }
+                    let how = host.death().unwrap_or_else(|| "ended".into());
+                    warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the shared engine host died while running this job");
+                    return Err(EngineError::Crashed(how));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if ctx.cancelled() {
+                match cancel_sent {
+                    None => {
+                        let _ = host.send(&ToHost::Cancel { slot: n });
+                        cancel_sent = Some(Instant::now());
+                    }
+                    Some(t) if t.elapsed() > KILL_GRACE => {
+                        warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
+                            "the engine did not stop when asked; killing the shared host (its other jobs are retried)");
+                        host.kill();
+                        return Err(EngineError::Cancelled);
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
     }
 
     /// Asks `engine` (in this process) how long inputs last ([`Engine::audio_ms`]): for
@@ -304,7 +559,8 @@ impl Engine for IsolatedEngine {
     }
 
     fn separate(&self, job: &EngineJob<'_>, ctx: &dyn EngineContext) -> Result<Vec<StemFile>, EngineError> {
-        let wire = ToHost::Job(Box::new(WireJob {
+        let wire = WireJob {
+            slot: 0,
             job_id: job.job_id.clone(),
             request: job.request.clone(),
             metadata: job.metadata.cloned(),
@@ -313,7 +569,11 @@ impl Engine for IsolatedEngine {
             out_dir: job.out_dir.to_path_buf(),
             device: job.device.clone(),
             segment: job.segment,
-        }));
+        };
+        if let Some(slot) = &self.shared {
+            return self.separate_shared(slot, wire, job, ctx);
+        }
+        let wire = ToHost::Job(Box::new(wire));
         let mut host = self.checkout()?;
         if host.send(&wire).is_err() {
             // The idle host died since its last job (nothing of this job ran): use a new one.
@@ -324,8 +584,8 @@ impl Engine for IsolatedEngine {
         let mut cancel_sent: Option<Instant> = None;
         loop {
             match host.lines.recv_timeout(Duration::from_millis(50)) {
-                Ok(Line::Msg(FromHost::Progress { fraction, stage })) => ctx.progress(fraction, &stage),
-                Ok(Line::Msg(FromHost::Done { result })) => {
+                Ok(Line::Msg(FromHost::Progress { fraction, stage, .. })) => ctx.progress(fraction, &stage),
+                Ok(Line::Msg(FromHost::Done { result, .. })) => {
                     if !matches!(result, Err(EngineError::Crashed(_))) {
                         self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(host);
                     }
@@ -345,7 +605,7 @@ impl Engine for IsolatedEngine {
             if ctx.cancelled() {
                 match cancel_sent {
                     None => {
-                        let _ = host.send(&ToHost::Cancel);
+                        let _ = host.send(&ToHost::Cancel { slot: 0 });
                         cancel_sent = Some(Instant::now());
                     }
                     Some(t) if t.elapsed() > KILL_GRACE => {
@@ -383,19 +643,25 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
         wants_metadata: engine.wants_metadata(),
         models: engine.models(),
     }))?;
-    let cancel = Arc::new(AtomicBool::new(false));
-    let (jobs_tx, jobs) = mpsc::channel::<WireJob>();
+    // Each attempt's cancel flag, by slot.
+    let cancels: Arc<Mutex<HashMap<u32, Arc<AtomicBool>>>> = Arc::default();
+    let (jobs_tx, jobs) = mpsc::channel::<(WireJob, Arc<AtomicBool>)>();
     {
-        let cancel = cancel.clone();
+        let cancels = cancels.clone();
         std::thread::Builder::new().name("engine-host-stdin".into()).spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str::<ToHost>(&line) {
                     Ok(ToHost::Job(j)) => {
-                        cancel.store(false, Ordering::SeqCst);
-                        let _ = jobs_tx.send(*j);
+                        let flag = Arc::new(AtomicBool::new(false));
+                        lock(&cancels).insert(j.slot, flag.clone());
+                        let _ = jobs_tx.send((*j, flag));
                     }
-                    Ok(ToHost::Cancel) => cancel.store(true, Ordering::SeqCst),
+                    Ok(ToHost::Cancel { slot }) => {
+                        if let Some(flag) = lock(&cancels).get(&slot) {
+                            flag.store(true, Ordering::SeqCst);
+                        }
+                    }
                     Err(e) => eprintln!("engine host: unreadable message from the worker: {e}"),
                 }
             }
@@ -405,6 +671,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
     }
     struct HostCtx<'a, F: Fn(&FromHost) -> std::io::Result<()>> {
         send: &'a F,
+        slot: u32,
         cancel: &'a AtomicBool,
         last: Mutex<(f32, String, Option<Instant>)>,
     }
@@ -417,41 +684,60 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
                 return;
             }
             *last = (fraction, stage.to_string(), Some(Instant::now()));
-            let _ = (self.send)(&FromHost::Progress { fraction, stage: stage.to_string() });
+            let _ = (self.send)(&FromHost::Progress { slot: self.slot, fraction, stage: stage.to_string() });
         }
         fn cancelled(&self) -> bool {
             self.cancel.load(Ordering::Relaxed)
         }
     }
-    while let Ok(j) = jobs.recv() {
-        let ctx = HostCtx { send: &send, cancel: &cancel, last: Mutex::new((-1.0, String::new(), None)) };
-        let job = EngineJob {
-            job_id: &j.job_id,
-            request: &j.request,
-            metadata: stemq_core::engine::metadata_for(engine.as_ref(), j.metadata.as_ref()),
-            attempt: j.attempt,
-            input: &j.input,
-            out_dir: &j.out_dir,
-            device: &j.device,
-            segment: j.segment,
-        };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.separate(&job, &ctx)));
-        match result {
-            Ok(result) => send(&FromHost::Done { result })?,
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic".into());
-                // State inside the engine may be poisoned: report, then make way for a
-                // fresh host.
-                let _ =
-                    send(&FromHost::Done { result: Err(EngineError::Crashed(format!("the engine panicked: {what}"))) });
-                std::process::exit(101);
-            }
+    // Each attempt on a thread of its own: a host of one job loop gets one at a time, a
+    // shared host one per job loop, at once.
+    std::thread::scope(|scope| {
+        while let Ok((j, cancel)) = jobs.recv() {
+            let (send, engine, cancels) = (&send, &engine, &cancels);
+            scope.spawn(move || {
+                let ctx =
+                    HostCtx { send, slot: j.slot, cancel: &cancel, last: Mutex::new((-1.0, String::new(), None)) };
+                let job = EngineJob {
+                    job_id: &j.job_id,
+                    request: &j.request,
+                    metadata: stemq_core::engine::metadata_for(engine.as_ref(), j.metadata.as_ref()),
+                    attempt: j.attempt,
+                    input: &j.input,
+                    out_dir: &j.out_dir,
+                    device: &j.device,
+                    segment: j.segment,
+                };
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.separate(&job, &ctx)));
+                {
+                    let mut cancels = lock(cancels);
+                    if cancels.get(&j.slot).is_some_and(|f| Arc::ptr_eq(f, &cancel)) {
+                        cancels.remove(&j.slot);
+                    }
+                }
+                match result {
+                    Ok(result) => {
+                        if send(&FromHost::Done { slot: j.slot, result }).is_err() {
+                            // The worker is gone.
+                            std::process::exit(0);
+                        }
+                    }
+                    Err(panic) => {
+                        let what = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "a panic".into());
+                        // State inside the engine may be poisoned: report, then make way
+                        // for a fresh host.
+                        let crashed = EngineError::Crashed(format!("the engine panicked: {what}"));
+                        let _ = send(&FromHost::Done { slot: j.slot, result: Err(crashed) });
+                        std::process::exit(101);
+                    }
+                }
+            });
         }
-    }
+    });
     Ok(())
 }
 
@@ -480,16 +766,25 @@ mod tests {
 
     #[test]
     fn protocol_round_trips() {
-        let done = FromHost::Done { result: Err(EngineError::Crashed("killed by signal 6 (SIGABRT)".into())) };
+        let done = FromHost::Done { slot: 0, result: Err(EngineError::Crashed("killed by signal 6 (SIGABRT)".into())) };
         let text = serde_json::to_string(&done).unwrap();
         match serde_json::from_str::<FromHost>(&text).unwrap() {
-            FromHost::Done { result: Err(EngineError::Crashed(m)) } => assert!(m.contains("SIGABRT")),
+            FromHost::Done { result: Err(EngineError::Crashed(m)), .. } => assert!(m.contains("SIGABRT")),
             other => panic!("{other:?}"),
         }
-        let oom = FromHost::Done { result: Err(EngineError::OutOfMemory { device: "cuda:0".into() }) };
+        let oom = FromHost::Done { slot: 2, result: Err(EngineError::OutOfMemory { device: "cuda:0".into() }) };
         let back: FromHost = serde_json::from_str(&serde_json::to_string(&oom).unwrap()).unwrap();
-        assert!(matches!(back, FromHost::Done { result: Err(EngineError::OutOfMemory { .. }) }));
-        assert_eq!(serde_json::to_string(&ToHost::Cancel).unwrap(), r#"{"type":"cancel"}"#);
+        assert!(matches!(back, FromHost::Done { slot: 2, result: Err(EngineError::OutOfMemory { .. }) }));
+        // Slot 0 (a host of one job loop) is left out, as hosts and workers from
+        // before shared hosts wrote it; other slots are named.
+        assert_eq!(serde_json::to_string(&ToHost::Cancel { slot: 0 }).unwrap(), r#"{"type":"cancel"}"#);
+        assert!(matches!(serde_json::from_str(r#"{"type":"cancel"}"#).unwrap(), ToHost::Cancel { slot: 0 }));
+        assert_eq!(serde_json::to_string(&ToHost::Cancel { slot: 7 }).unwrap(), r#"{"type":"cancel","slot":7}"#);
+        let progress = r#"{"type":"progress","slot":3,"fraction":0.5,"stage":"separating"}"#;
+        let back: FromHost = serde_json::from_str(progress).unwrap();
+        assert!(matches!(back, FromHost::Progress { slot: 3, .. }), "{back:?}");
+        let old_done = r#"{"type":"done","result":{"Ok":[]}}"#;
+        assert!(matches!(serde_json::from_str(old_done).unwrap(), FromHost::Done { slot: 0, result: Ok(_) }));
     }
 
     #[test]
