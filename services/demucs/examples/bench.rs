@@ -11,7 +11,7 @@
 //! `--batch N` runs N segments per forward pass; `--jobs N` runs N passes on
 //! parallel threads; `--together N` runs N streamed jobs at once on one loaded model,
 //! first each on its own passes, then sharing forward passes across jobs
-//! (`stemq_demucs::batch`, up to N × batch segments per pass), and prints both and
+//! (`stemq_demucs::batch`, up to N × batch × jobs segments per pass), and prints both and
 //! their ratio; `--device cuda` (with
 //! `--features cuda`) runs on the GPU, `--device ndarray` (with `--features
 //! bench-ndarray`) on Burn's ndarray backend; `STEMQ_DEMUCS_GENERIC_OPS=1` turns the
@@ -79,7 +79,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
         let alone = together(&bag, n, len, &opts, &sample);
         let mut shared_bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
         let linger = std::time::Duration::from_millis(20);
-        shared_bag.batch_across_jobs(CrossJobBatching { max_rows: n * batch, linger });
+        shared_bag.batch_across_jobs(CrossJobBatching { max_rows: n * batch * jobs, linger });
         let shared = together(&shared_bag, n, len, &opts, &sample);
         let stats = shared_bag.hub().expect("a hub").stats();
         let audio = n as f64 * seconds;

@@ -23,6 +23,15 @@
 //!
 //! Cost: one process start and engine load per job loop (once, not per job), about 1 ms
 //! and three small pipe messages per job (see `docs/reliability.md`).
+//!
+//! [`IsolatedEngine::start_shared`] (`--isolation shared`) runs every job loop's
+//! attempts in one host instead, at the same time, so that the engine can share work
+//! between jobs (the demucs engine's cross-job batching). Messages then carry the
+//! attempt's `slot`; the host runs each attempt on a thread of its own, and a router
+//! thread on the worker's side hands each attempt its messages. The price is the
+//! blast radius: when the shared host dies, every attempt running in it fails as
+//! crashed (each retried), and a cancelled attempt that does not stop in time takes
+//! the host down with it. The worker process itself is never at stake.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
