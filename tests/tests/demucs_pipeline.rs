@@ -270,6 +270,37 @@ async fn htdemucs_four_and_two_stems_through_the_pipeline() {
     stack.shutdown().await;
 }
 
+/// Two different jobs (the shifted one reads its chunks at other offsets), submitted
+/// before any worker runs so that one with two job loops takes both at once.
+async fn two_jobs(stack: &Stack, uri: &str) -> Vec<(JobId, Value)> {
+    let mut jobs = Vec::new();
+    for body in [request(uri, json!({})), request(uri, json!({"shifts": 1}))] {
+        let (code, answer) = stack.submit(&body).await;
+        assert_eq!(code, 202, "{answer}");
+        jobs.push((job_id(&answer), body));
+    }
+    jobs
+}
+
+/// Each job succeeded with the very samples the engine gives it alone (`worker`: the
+/// worker process whose log explains a failure, if any).
+async fn assert_as_alone(stack: &Stack, jobs: &[(JobId, Value)], repo: &Path, worker: &str) {
+    let alone = engine(repo, None);
+    for (id, body) in jobs {
+        let view = stack.wait_terminal(id, WAIT).await;
+        let log = if worker.is_empty() { String::new() } else { stack.worker_log(worker) };
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{log}");
+        let stems = download(stack, id, &view).await;
+        let reference = direct(&alone, stack, id, body, None);
+        assert_eq!(stems.len(), 4);
+        for ((name, got), want) in stems.iter().zip(&reference) {
+            for c in 0..2 {
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{id} {name}: the job's samples as alone");
+            }
+        }
+    }
+}
+
 /// Issue 14: a worker with two job loops and cross-job batching takes two jobs at once;
 /// their chunks share forward passes, and each job's stems are the samples the engine
 /// gives that job alone.
@@ -287,29 +318,9 @@ async fn two_jobs_on_one_worker_share_forward_passes_and_keep_their_stems() {
     );
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let uri = upload(&stack).await;
-    // Two different jobs (the shifted one reads its chunks at other offsets), queued
-    // before the worker starts so that it takes both at once.
-    let bodies = [request(&uri, json!({})), request(&uri, json!({"shifts": 1}))];
-    let mut ids = Vec::new();
-    for body in &bodies {
-        let (code, answer) = stack.submit(body).await;
-        assert_eq!(code, 202, "{answer}");
-        ids.push(job_id(&answer));
-    }
+    let jobs = two_jobs(&stack, &uri).await;
     stack.add_worker_with(batching.clone(), 2).await;
-    let alone = engine(&repo, None);
-    for (id, body) in ids.iter().zip(&bodies) {
-        let view = stack.wait_terminal(id, WAIT).await;
-        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
-        let stems = download(&stack, id, &view).await;
-        let reference = direct(&alone, &stack, id, body, None);
-        assert_eq!(stems.len(), 4);
-        for ((name, got), want) in stems.iter().zip(&reference) {
-            for c in 0..2 {
-                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{id} {name}: the job's samples as alone");
-            }
-        }
-    }
+    assert_as_alone(&stack, &jobs, &repo, "").await;
     let stats = batching.cpu_model("htdemucs").unwrap().hub().expect("a hub").stats();
     assert!(stats.shared > 0 && stats.rows > stats.forwards, "the jobs shared no forward pass: {stats:?}");
     stack.shutdown().await;
@@ -324,13 +335,7 @@ async fn a_worker_process_with_a_shared_engine_host_batches_across_jobs() {
     let repo = model_folder(models.path());
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let uri = upload(&stack).await;
-    let bodies = [request(&uri, json!({})), request(&uri, json!({"shifts": 1}))];
-    let mut ids = Vec::new();
-    for body in &bodies {
-        let (code, answer) = stack.submit(body).await;
-        assert_eq!(code, 202, "{answer}");
-        ids.push(job_id(&answer));
-    }
+    let jobs = two_jobs(&stack, &uri).await;
     let repo_arg = repo.to_str().unwrap();
     let extra = [
         ("STEMQ_ENGINE", "demucs"),
@@ -341,18 +346,7 @@ async fn a_worker_process_with_a_shared_engine_host_batches_across_jobs() {
         ("STEMQ_BATCH_LINGER_MS", "2000"),
     ];
     let mut w = stack.spawn_worker("batching", &extra);
-    let alone = engine(&repo, None);
-    for (id, body) in ids.iter().zip(&bodies) {
-        let view = stack.wait_terminal(id, WAIT).await;
-        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{}", stack.worker_log("batching"));
-        let stems = download(&stack, id, &view).await;
-        let reference = direct(&alone, &stack, id, body, None);
-        for ((name, got), want) in stems.iter().zip(&reference) {
-            for c in 0..2 {
-                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{id} {name}: the job's samples as alone");
-            }
-        }
-    }
+    assert_as_alone(&stack, &jobs, &repo, "batching").await;
     let log = stack.worker_log("batching");
     let shared = log
         .lines()

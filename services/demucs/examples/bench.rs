@@ -104,21 +104,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     if args.iter().any(|a| a == "--stream") {
         // Bounded memory: blocks of 1 s in (generated on the fly, twice: statistics,
         // then separation), finished samples out and dropped.
-        let mut acc = StatsAccumulator::default();
-        for pos in (0..len).step_by(sr) {
-            let b = block(pos);
-            acc.push(&[&b[0], &b[1]]);
-        }
-        let mut pos = 0;
-        let mut next = || {
-            if pos >= len {
-                return Ok(None);
-            }
-            let b = block(pos);
-            pos += sr;
-            Ok(Some(b))
-        };
-        separate_stream(&bag, acc.finish(), &mut next, &opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
+        stream_job(&bag, len, &opts, &block, || ());
     } else {
         let data = (0..2).flat_map(|c| (0..len).map(move |i| (c, i))).map(|(c, i)| sample(c, i)).collect();
         let mix = HostTensor { shape: vec![2, len], data };
@@ -175,27 +161,41 @@ fn together<B: stemq_demucs::burn::tensor::backend::Backend>(
                     let end = (pos + sr).min(len);
                     (0..2).map(|c| (pos..end).map(|i| sample(c, i + j * 7919)).collect()).collect()
                 };
-                let mut acc = StatsAccumulator::default();
-                for pos in (0..len).step_by(sr) {
-                    let b = block(pos);
-                    acc.push(&[&b[0], &b[1]]);
-                }
-                barrier.wait();
-                let _slot = bag.join();
-                let mut pos = 0;
-                let mut next = || {
-                    if pos >= len {
-                        return Ok(None);
-                    }
-                    let b = block(pos);
-                    pos += sr;
-                    Ok(Some(b))
-                };
-                separate_stream(bag, acc.finish(), &mut next, opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
+                stream_job(bag, len, opts, &block, || barrier.wait());
             });
         }
     });
     t0.elapsed().as_secs_f64()
+}
+
+/// One streamed job over `len` samples read by `block(pos)` (1 s blocks): the
+/// statistics pass, then `ready()`, then the separation as a job on the bag (output
+/// dropped).
+fn stream_job<B: stemq_demucs::burn::tensor::backend::Backend, R>(
+    bag: &BagOfModels<B>,
+    len: usize,
+    opts: &ApplyOptions,
+    block: &dyn Fn(usize) -> Vec<Vec<f32>>,
+    ready: impl FnOnce() -> R,
+) {
+    let sr = bag.samplerate() as usize;
+    let mut acc = StatsAccumulator::default();
+    for pos in (0..len).step_by(sr) {
+        let b = block(pos);
+        acc.push(&[&b[0], &b[1]]);
+    }
+    ready();
+    let _slot = bag.join();
+    let mut pos = 0;
+    let mut next = || {
+        if pos >= len {
+            return Ok(None);
+        }
+        let b = block(pos);
+        pos += sr;
+        Ok(Some(b))
+    };
+    separate_stream(bag, acc.finish(), &mut next, opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
 }
 
 /// The value after `name` on the command line.

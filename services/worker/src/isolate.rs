@@ -407,7 +407,19 @@ impl IsolatedEngine {
         let (host, Hello { name, devices, reads_input, wants_metadata, models }) =
             host.hello(startup).map_err(IsolateError::NoHello)?;
         info!(engine = %name, pid = lock(&host.child).id(), ?models, "engine host ready");
-        Ok(IsolatedEngine {
+        let hello = Hello { name, devices, reads_input, wants_metadata, models };
+        Ok(IsolatedEngine::with_hosts(program, args, hello, vec![host], None))
+    }
+
+    fn with_hosts(
+        program: PathBuf,
+        args: Vec<OsString>,
+        hello: Hello,
+        idle: Vec<Host>,
+        shared: Option<Arc<SharedHost>>,
+    ) -> IsolatedEngine {
+        let Hello { name, devices, reads_input, wants_metadata, models } = hello;
+        IsolatedEngine {
             program,
             args,
             name,
@@ -415,10 +427,10 @@ impl IsolatedEngine {
             reads_input,
             wants_metadata,
             models,
-            idle: Mutex::new(vec![host]),
-            shared: None,
+            idle: Mutex::new(idle),
+            shared: shared.map(|h| Mutex::new(Some(h))),
             lengths: None,
-        })
+        }
     }
 
     /// Like [`IsolatedEngine::start`], but every job loop's attempts run in one host,
@@ -430,21 +442,9 @@ impl IsolatedEngine {
         args: Vec<OsString>,
         startup: Duration,
     ) -> Result<IsolatedEngine, IsolateError> {
-        let (host, Hello { name, devices, reads_input, wants_metadata, models }) =
-            SharedHost::start(&program, &args, startup).map_err(IsolateError::NoHello)?;
-        info!(engine = %name, pid = lock(&host.child).id(), ?models, "shared engine host ready");
-        Ok(IsolatedEngine {
-            program,
-            args,
-            name,
-            devices,
-            reads_input,
-            wants_metadata,
-            models,
-            idle: Mutex::new(Vec::new()),
-            shared: Some(Mutex::new(Some(host))),
-            lengths: None,
-        })
+        let (host, hello) = SharedHost::start(&program, &args, startup).map_err(IsolateError::NoHello)?;
+        info!(engine = %hello.name, pid = lock(&host.child).id(), models = ?hello.models, "shared engine host ready");
+        Ok(IsolatedEngine::with_hosts(program, args, hello, Vec::new(), Some(host)))
     }
 
     /// The shared host, or a new one when it died.
