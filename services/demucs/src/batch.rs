@@ -33,7 +33,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,8 @@ pub struct BatchStats {
 #[derive(Debug)]
 pub struct Hub {
     config: CrossJobBatching,
+    /// Segments that fit the memory budget in one forward ([`Hub::limit_rows`]).
+    row_limit: AtomicUsize,
     next_job: AtomicU64,
     state: Mutex<State>,
     changed: Condvar,
@@ -155,6 +157,7 @@ impl Hub {
     pub fn new(config: CrossJobBatching) -> Self {
         Hub {
             config: CrossJobBatching { max_rows: config.max_rows.max(2), linger: config.linger },
+            row_limit: AtomicUsize::new(usize::MAX),
             next_job: AtomicU64::new(0),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -167,6 +170,17 @@ impl Hub {
     /// Its settings.
     pub fn config(&self) -> CrossJobBatching {
         self.config
+    }
+
+    /// Caps the segments of one shared forward at `rows` (at least 1: no sharing), for
+    /// a memory budget that does not fit `max_rows` of them.
+    pub fn limit_rows(&self, rows: usize) {
+        self.row_limit.fetch_min(rows.max(1), Ordering::Relaxed);
+    }
+
+    /// Segments one shared forward may take now.
+    pub fn max_rows(&self) -> usize {
+        self.config.max_rows.min(self.row_limit.load(Ordering::Relaxed))
     }
 
     /// The counters so far.
@@ -200,7 +214,7 @@ impl Hub {
         input: HostTensor,
         forward: impl FnOnce(&HostTensor) -> Result<HostTensor, DemucsError>,
     ) -> Result<HostTensor, DemucsError> {
-        let max_rows = self.config.max_rows;
+        let max_rows = self.max_rows();
         let mut state = self.lock();
         let id = state.next_id;
         state.next_id += 1;
@@ -444,6 +458,32 @@ mod tests {
         hub.forward(key(), current_job(), input(1, 3.0), double(&seen)).unwrap();
         two.join().unwrap();
         assert_eq!(*seen.lock().unwrap(), vec![3], "one forward of the three passes");
+    }
+
+    /// A memory budget that fits one segment per forward: jobs no longer share.
+    #[test]
+    fn a_row_limit_below_two_stops_the_sharing() {
+        let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_millis(10) }));
+        hub.limit_rows(8);
+        assert_eq!(hub.max_rows(), 4, "a limit above the setting changes nothing");
+        hub.limit_rows(0);
+        assert_eq!(hub.max_rows(), 1);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2)
+            .map(|v| {
+                let (hub, seen, barrier) = (hub.clone(), seen.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let _job = hub.join();
+                    barrier.wait();
+                    hub.forward(key(), current_job(), input(1, v as f32), double(&seen)).unwrap()
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*seen.lock().unwrap(), vec![1, 1]);
     }
 
     #[test]

@@ -248,6 +248,11 @@ impl DemucsEngine {
                 .max()
                 .unwrap_or(0)
         };
+        // A forward shared by several jobs holds all their segments at once: no more of
+        // them than the budget fits.
+        if let (Some(hub), Some(budget)) = (bag.hub(), budget) {
+            hub.limit_rows((budget / per_pass(None).max(1)) as usize);
+        }
         let full = per_pass(None);
         let Some(budget) = budget else {
             return Ok(MemoryPlan { parallel, training_segment: None, estimate: full * parallel as u64 });

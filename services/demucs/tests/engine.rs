@@ -436,3 +436,28 @@ fn jobs_that_share_forward_passes_get_the_stems_they_get_alone() {
     assert!(alone[0] != alone[1], "the two jobs separate different inputs");
     eprintln!("cross-job batching: {stats:?}");
 }
+
+/// A forward shared across jobs holds all their segments at once: the memory budget
+/// caps how many it takes.
+#[test]
+fn the_memory_budget_caps_the_segments_of_a_shared_forward() {
+    use stemq_demucs::batch::CrossJobBatching;
+    let full = pass_bytes(1.5);
+    let s = setup();
+    let engine = DemucsEngine::new(DemucsEngineConfig {
+        repo: s._dir.path().join("models"),
+        clip: ClipMode::None,
+        max_duration_secs: None,
+        gpu_batch: 4,
+        cpu_jobs: 1,
+        memory_budget: Some(3 * full + full / 2),
+        cross_job: Some(CrossJobBatching { max_rows: 8, linger: std::time::Duration::from_millis(20) }),
+    })
+    .unwrap();
+    let id = JobId::parse(&"c3".repeat(32)).unwrap();
+    let req = request(Model::Htdemucs, None);
+    let files = engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();
+    assert_eq!(files.len(), 4);
+    let bag = engine.cpu_model("htdemucs").unwrap();
+    assert_eq!(bag.hub().unwrap().max_rows(), 3, "room for 3 segments of {full} bytes");
+}
