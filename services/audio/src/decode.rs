@@ -210,11 +210,7 @@ fn check_rate(rate: u32) -> Result<(), AudioError> {
 
 /// The message of a caught panic, first line only and bounded, for an error detail.
 fn panic_detail(payload: &(dyn std::any::Any + Send)) -> String {
-    let msg = payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "no message".into());
+    let msg = stemq_core::engine::panic_message(payload).unwrap_or_else(|| "no message".into());
     let line = msg.lines().next().unwrap_or("").trim();
     line.chars().take(200).collect()
 }

@@ -183,6 +183,12 @@ pub trait Engine: Send + Sync + 'static {
     }
 }
 
+/// The message a caught panic carries (`panic!` with a literal or a formatted string),
+/// if any.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
+    payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned())
+}
+
 /// The client metadata `engine` may see: all of it when it asks
 /// ([`Engine::wants_metadata`]), nothing otherwise. The worker builds every
 /// [`EngineJob::metadata`] through this.

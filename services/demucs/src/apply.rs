@@ -114,7 +114,7 @@ impl<B: Backend> BagOfModels<B> {
     pub(crate) fn forward(
         &self,
         index: usize,
-        mut inputs: Vec<HostTensor>,
+        inputs: Vec<HostTensor>,
         training_length: usize,
     ) -> Result<Vec<HostTensor>, DemucsError> {
         let model = &self.models[index];
@@ -131,13 +131,7 @@ impl<B: Backend> BagOfModels<B> {
             let key = Key { model: index, channels: input.shape[1], length: input.shape[2], training_length };
             hub.forward(key, job, input, |x| model.forward_with_training_length(x, training_length))
         };
-        if inputs.len() == 1 {
-            return Ok(vec![one(inputs.remove(0))?]);
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = inputs.into_iter().map(|input| scope.spawn(move || one(input))).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
-        })
+        crate::model::on_threads(inputs, one)
     }
 
     /// Source names.
@@ -386,9 +380,9 @@ pub fn apply_model<B: Backend>(
 
     let mut estimates = vec![0f32; nsrc * ch * len];
     let mut totals = vec![0f32; nsrc];
-    for (index, ((model, weights), seg)) in bag.models.iter().zip(&bag.weights).zip(&segments).enumerate() {
+    for (index, (weights, seg)) in bag.weights.iter().zip(&segments).enumerate() {
         let training_length = (*seg * sr as f64) as usize;
-        let single = Single { bag, index, model, training_length, model_segment: *seg };
+        let single = Single { bag, index, training_length, model_segment: *seg };
         let whole = Chunk::whole(&mix.data, ch, len);
         let out = if opts.shifts > 0 {
             let max_shift = (0.5 * sr as f64) as usize;
@@ -435,7 +429,6 @@ struct Single<'m, B: Backend> {
     bag: &'m BagOfModels<B>,
     /// The model's place in the bag.
     index: usize,
-    model: &'m HTDemucs<B>,
     /// `int(model.segment * samplerate)` with the bag's override.
     training_length: usize,
     model_segment: f64,
@@ -447,7 +440,7 @@ impl<B: Backend> Single<'_, B> {
         if !opts.split {
             return self.apply_one(mix, opts, run);
         }
-        let cfg = self.model.config();
+        let cfg = self.bag.models[self.index].config();
         let nsrc = cfg.sources.len();
         let ch = mix.channels;
         let length = mix.length;
@@ -503,7 +496,7 @@ impl<B: Backend> Single<'_, B> {
         opts: &ApplyOptions,
         run: &mut Run<'_>,
     ) -> Result<Vec<Vec<f32>>, DemucsError> {
-        let cfg = self.model.config();
+        let cfg = self.bag.models[self.index].config();
         let ch = chunks[0].channels;
         let mut inputs = Vec::new();
         for group in chunks.chunks(batch.max(1)) {

@@ -101,7 +101,7 @@ struct State {
 #[derive(Debug)]
 struct Waiting {
     id: u64,
-    /// The job (its [`State::busy`] key).
+    /// The job it is of ([`current_job`], or a number of its own).
     job: u64,
     key: Key,
     input: HostTensor,
@@ -231,17 +231,15 @@ impl Hub {
                     Outcome::Panicked(m) => panic!("{m}"),
                 };
             }
-            let Some(mine) = state.waiting.iter().position(|w| w.id == id) else {
-                // Taken into another caller's forward: wait for its result.
-                state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
-                continue;
+            // Taken into another caller's forward: wait for its result. Or, one shared
+            // forward at a time: the passes that arrive meanwhile make the next one.
+            let mine = match state.waiting.iter().position(|w| w.id == id) {
+                Some(mine) if !state.running => mine,
+                _ => {
+                    state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+                    continue;
+                }
             };
-            if state.running {
-                // One shared forward at a time: the passes that arrive meanwhile make
-                // the next one.
-                state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
-                continue;
-            }
             let rows: usize = state.waiting.iter().filter(|w| w.key == key).map(|w| w.input.shape[0]).sum();
             let mut waiting_jobs: Vec<u64> = state.waiting.iter().map(|w| w.job).collect();
             waiting_jobs.sort_unstable();
@@ -297,10 +295,7 @@ impl Hub {
                 Err(e)
             }
             Err(panic) => {
-                let message = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                let message = stemq_core::engine::panic_message(panic.as_ref())
                     .unwrap_or_else(|| "a shared forward pass panicked".into());
                 self.finish(others.map(|id| (id, Outcome::Panicked(message.clone()))).collect());
                 std::panic::resume_unwind(panic)
@@ -526,11 +521,7 @@ mod tests {
                 match t.join() {
                     Ok(Err(e)) if !panics => assert!(e.to_string().contains("bad input"), "{e}"),
                     Err(panic) if panics => {
-                        let m = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap();
+                        let m = stemq_core::engine::panic_message(panic.as_ref()).unwrap();
                         assert!(crate::engine::is_out_of_memory(&m), "{m}");
                     }
                     other => panic!("panics={panics}: {:?}", other.map(|r| r.map(|t| t.shape))),

@@ -248,12 +248,12 @@ impl DemucsEngine {
                 .max()
                 .unwrap_or(0)
         };
+        let full = per_pass(None);
         // A forward shared by several jobs holds all their segments at once: no more of
         // them than the budget fits.
         if let (Some(hub), Some(budget)) = (bag.hub(), budget) {
-            hub.limit_rows((budget / per_pass(None).max(1)) as usize);
+            hub.limit_rows((budget / full.max(1)) as usize);
         }
-        let full = per_pass(None);
         let Some(budget) = budget else {
             return Ok(MemoryPlan { parallel, training_segment: None, estimate: full * parallel as u64 });
         };
@@ -494,11 +494,7 @@ fn guarded<T>(device: &Device, f: impl FnOnce() -> Result<T, EngineError>) -> Re
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(result) => result,
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let msg = stemq_core::engine::panic_message(panic.as_ref()).unwrap_or_default();
             if is_out_of_memory(&msg) {
                 Err(EngineError::OutOfMemory { device: device.to_string() })
             } else {

@@ -67,6 +67,22 @@ pub struct HTDemucs<B: Backend> {
     device: B::Device,
 }
 
+/// `f` over every input at once, each on a thread of its own (a single input on this
+/// thread); a panic on one of them is raised again here.
+pub(crate) fn on_threads<T: Send, R: Send>(
+    mut inputs: Vec<T>,
+    f: impl Fn(T) -> Result<R, DemucsError> + Sync,
+) -> Result<Vec<R>, DemucsError> {
+    if inputs.len() == 1 {
+        return Ok(vec![f(inputs.remove(0))?]);
+    }
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = inputs.into_iter().map(|input| scope.spawn(move || f(input))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+    })
+}
+
 /// `[B, C, L]` of a mix, with `C` the model's audio channels, or why not.
 pub(crate) fn mix_dims(c: &HTDemucsConfig, mix: &HostTensor) -> Result<[usize; 3], DemucsError> {
     let [b, ch, length] = <[usize; 3]>::try_from(mix.shape.as_slice())
@@ -575,16 +591,7 @@ impl<B: Backend> HTDemucs<B> {
         inputs: Vec<HostTensor>,
         training_length: usize,
     ) -> Result<Vec<HostTensor>, DemucsError> {
-        if inputs.len() == 1 {
-            return Ok(vec![self.forward_with_training_length(&inputs[0], training_length)?]);
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = inputs
-                .iter()
-                .map(|input| scope.spawn(move || self.forward_with_training_length(input, training_length)))
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
-        })
+        on_threads(inputs, |input| self.forward_with_training_length(&input, training_length))
     }
 
     /// `HTDemucs.forward` where `int(self.segment * samplerate)` is `training_length`

@@ -482,12 +482,12 @@ async fn pipeline(
         Isolation::None => Arc::new(FakeEngine::default()),
         Isolation::Process | Isolation::Shared => {
             let args = ["engine-host", "--engine", "fake"].map(std::ffi::OsString::from).to_vec();
-            let (program, startup) = (std::env::current_exe()?, Duration::from_secs(60));
-            Arc::new(if isolation == Isolation::Shared {
-                stemq_worker::isolate::IsolatedEngine::start_shared(program, args, startup)?
-            } else {
-                stemq_worker::isolate::IsolatedEngine::start(program, args, startup)?
-            })
+            Arc::new(crate::services::start_isolated(
+                isolation,
+                std::env::current_exe()?,
+                args,
+                Duration::from_secs(60),
+            )?)
         }
     };
     let w = tokio::spawn(stemq_worker::run(worker_client, engine, wc, stop.clone()));

@@ -188,14 +188,14 @@ pub struct EngineArgs {
     #[arg(long, env = "STEMQ_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
     /// Segments per forward pass that the jobs running at the same time in this process
-    /// may share (the `demucs` engine; needs `--isolation none`, and `--concurrency` 2
-    /// or more to have jobs to share with): the chunks of several jobs then run as one
-    /// batch, which is what a GPU is fast at. Each job's stems stay bit for bit what
-    /// it gets alone. 0 (the default): each job runs its own passes.
+    /// may share (the `demucs` engine; needs `--isolation shared` or `none`, and
+    /// `--concurrency` 2 or more to have jobs to share with): the chunks of several jobs
+    /// then run as one batch, which is what a GPU is fast at. Each job's stems stay bit
+    /// for bit what it gets alone. 0 (the default): each job runs its own passes.
     #[arg(long, env = "STEMQ_BATCH_ACROSS_JOBS", default_value_t = 0)]
     pub batch_across_jobs: usize,
-    /// How long a forward pass waits for other jobs' passes to share it, in ms (with
-    /// `--batch-across-jobs`; a job alone never waits).
+    /// How long an idle engine waits for other jobs' passes to share a forward pass, in
+    /// ms (with `--batch-across-jobs`; a job alone never waits for it).
     #[arg(long, env = "STEMQ_BATCH_LINGER_MS", default_value_t = 20)]
     pub batch_linger_ms: u64,
     /// Extra delay of every fake job, in ms.
@@ -413,17 +413,27 @@ pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
     }
     let program = std::env::current_exe().context("finding the stemq executable for the engine host")?;
     let args = engine_host_args(g, &opts.engine);
-    let startup = Duration::from_secs(600);
-    let mut engine = if opts.isolation == Isolation::Shared {
-        stemq_worker::isolate::IsolatedEngine::start_shared(program, args, startup)?
-    } else {
-        stemq_worker::isolate::IsolatedEngine::start(program, args, startup)?
-    };
+    let mut engine = start_isolated(opts.isolation, program, args, Duration::from_secs(600))?;
     if opts.engine.engine == EngineKind::Fake {
         // The fake engine says how long its pretend input lasts (credits); it reads none.
         engine = engine.with_lengths(Arc::new(FakeEngine::default()));
     }
     Ok(Arc::new(engine))
+}
+
+/// Starts the engine hosts of `isolation` (`shared`: one for every job loop, else one
+/// per job loop) running `program args…`.
+pub fn start_isolated(
+    isolation: Isolation,
+    program: PathBuf,
+    args: Vec<std::ffi::OsString>,
+    startup: Duration,
+) -> Result<stemq_worker::isolate::IsolatedEngine, stemq_worker::isolate::IsolateError> {
+    if isolation == Isolation::Shared {
+        stemq_worker::isolate::IsolatedEngine::start_shared(program, args, startup)
+    } else {
+        stemq_worker::isolate::IsolatedEngine::start(program, args, startup)
+    }
 }
 
 /// The command line of an engine host process for `engine`: `stemq --data-dir DIR

@@ -488,36 +488,21 @@ impl IsolatedEngine {
         wire.slot = n;
         // A failed write means the host is dying: its end reaches the inbox.
         let _ = host.send(&ToHost::Job(Box::new(wire)));
-        let mut cancel_sent: Option<Instant> = None;
-        loop {
-            match inbox.recv_timeout(Duration::from_millis(50)) {
-                Ok(Line::Msg(FromHost::Progress { fraction, stage, .. })) => ctx.progress(fraction, &stage),
-                Ok(Line::Msg(FromHost::Done { result, .. })) => return result,
-                Ok(Line::Msg(FromHost::Hello(_))) => {}
-                Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
-                    if cancel_sent.is_some() {
-                        return Err(EngineError::Cancelled);
-                    }
-                    let how = host.death().unwrap_or_else(|| "ended".into());
-                    warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the shared engine host died while running this job");
-                    return Err(EngineError::Crashed(how));
-                }
-                Err(RecvTimeoutError::Timeout) => {}
+        match follow(&inbox, ctx, || {
+            let _ = host.send(&ToHost::Cancel { slot: n });
+        }) {
+            Ended::Done(result) => result,
+            Ended::Died { cancelled: true } => Err(EngineError::Cancelled),
+            Ended::Died { cancelled: false } => {
+                let how = host.death().unwrap_or_else(|| "ended".into());
+                warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the shared engine host died while running this job");
+                Err(EngineError::Crashed(how))
             }
-            if ctx.cancelled() {
-                match cancel_sent {
-                    None => {
-                        let _ = host.send(&ToHost::Cancel { slot: n });
-                        cancel_sent = Some(Instant::now());
-                    }
-                    Some(t) if t.elapsed() > KILL_GRACE => {
-                        warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
-                            "the engine did not stop when asked; killing the shared host (its other jobs are retried)");
-                        host.kill();
-                        return Err(EngineError::Cancelled);
-                    }
-                    Some(_) => {}
-                }
+            Ended::Overdue => {
+                warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
+                    "the engine did not stop when asked; killing the shared host (its other jobs are retried)");
+                host.kill();
+                Err(EngineError::Cancelled)
             }
         }
     }
@@ -590,41 +575,63 @@ impl Engine for IsolatedEngine {
             host = self.checkout()?;
             host.send(&wire).map_err(|e| EngineError::Transient(format!("cannot reach the engine host: {e}")))?;
         }
-        let mut cancel_sent: Option<Instant> = None;
-        loop {
-            match host.lines.recv_timeout(Duration::from_millis(50)) {
-                Ok(Line::Msg(FromHost::Progress { fraction, stage, .. })) => ctx.progress(fraction, &stage),
-                Ok(Line::Msg(FromHost::Done { result, .. })) => {
-                    if !matches!(result, Err(EngineError::Crashed(_))) {
-                        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(host);
-                    }
-                    return result;
+        let ended = follow(&host.lines, ctx, || {
+            let _ = write_message(&mut host.stdin, &ToHost::Cancel { slot: 0 });
+        });
+        match ended {
+            Ended::Done(result) => {
+                if !matches!(result, Err(EngineError::Crashed(_))) {
+                    self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(host);
                 }
-                Ok(Line::Msg(FromHost::Hello(_))) => {}
-                Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
-                    if cancel_sent.is_some() {
-                        return Err(EngineError::Cancelled);
-                    }
-                    let how = host.death();
-                    warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the engine host died while running this job");
-                    return Err(EngineError::Crashed(how));
-                }
-                Err(RecvTimeoutError::Timeout) => {}
+                result
             }
-            if ctx.cancelled() {
-                match cancel_sent {
-                    None => {
-                        let _ = host.send(&ToHost::Cancel { slot: 0 });
-                        cancel_sent = Some(Instant::now());
-                    }
-                    Some(t) if t.elapsed() > KILL_GRACE => {
-                        warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
-                            "the engine did not stop when asked; killing its host");
-                        drop(host);
-                        return Err(EngineError::Cancelled);
-                    }
-                    Some(_) => {}
+            Ended::Died { cancelled: true } => Err(EngineError::Cancelled),
+            Ended::Died { cancelled: false } => {
+                let how = host.death();
+                warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the engine host died while running this job");
+                Err(EngineError::Crashed(how))
+            }
+            Ended::Overdue => {
+                warn!(job_id = %job.job_id, grace_s = KILL_GRACE.as_secs_f64(),
+                    "the engine did not stop when asked; killing its host");
+                drop(host);
+                Err(EngineError::Cancelled)
+            }
+        }
+    }
+}
+
+/// How an attempt's messages ended ([`follow`]).
+enum Ended {
+    /// The host's result.
+    Done(Result<Vec<StemFile>, EngineError>),
+    /// The host's output ended first; `cancelled` when the attempt had been cancelled.
+    Died { cancelled: bool },
+    /// Cancelled, and not stopped `KILL_GRACE` later: its host is to be killed.
+    Overdue,
+}
+
+/// Follows one attempt's messages from `inbox` until it ends: progress goes to `ctx`;
+/// when `ctx` is cancelled, `cancel` tells the host, once.
+fn follow(inbox: &mpsc::Receiver<Line>, ctx: &dyn EngineContext, mut cancel: impl FnMut()) -> Ended {
+    let mut cancel_sent: Option<Instant> = None;
+    loop {
+        match inbox.recv_timeout(Duration::from_millis(50)) {
+            Ok(Line::Msg(FromHost::Progress { fraction, stage, .. })) => ctx.progress(fraction, &stage),
+            Ok(Line::Msg(FromHost::Done { result, .. })) => return Ended::Done(result),
+            Ok(Line::Msg(FromHost::Hello(_))) | Err(RecvTimeoutError::Timeout) => {}
+            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                return Ended::Died { cancelled: cancel_sent.is_some() };
+            }
+        }
+        if ctx.cancelled() {
+            match cancel_sent {
+                None => {
+                    cancel();
+                    cancel_sent = Some(Instant::now());
                 }
+                Some(t) if t.elapsed() > KILL_GRACE => return Ended::Overdue,
+                Some(_) => {}
             }
         }
     }
@@ -732,11 +739,8 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
                         }
                     }
                     Err(panic) => {
-                        let what = panic
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| panic.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "a panic".into());
+                        let what =
+                            stemq_core::engine::panic_message(panic.as_ref()).unwrap_or_else(|| "a panic".into());
                         // State inside the engine may be poisoned: report, then make way
                         // for a fresh host.
                         let crashed = EngineError::Crashed(format!("the engine panicked: {what}"));
