@@ -65,6 +65,7 @@ fn config(repo: &Path, memory_budget: Option<u64>) -> DemucsEngineConfig {
         cpu_jobs: 2,
         memory_budget,
         cross_job: None,
+        gpu_weights: Default::default(),
     }
 }
 
@@ -312,6 +313,7 @@ async fn two_jobs_on_one_worker_share_forward_passes_and_keep_their_stems() {
         DemucsEngine::new(DemucsEngineConfig {
             // A long linger: the two jobs start within it, whatever the machine's load.
             cross_job: Some(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(2) }),
+            gpu_weights: Default::default(),
             ..config(&repo, None)
         })
         .unwrap(),

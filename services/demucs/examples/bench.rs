@@ -14,8 +14,9 @@
 //! (`stemq_demucs::batch`, up to N × batch × jobs segments per pass), and prints both and
 //! their ratio; `--device cuda` (with
 //! `--features cuda`) runs on the GPU, `--device ndarray` (with `--features
-//! bench-ndarray`) on Burn's ndarray backend; `STEMQ_DEMUCS_GENERIC_OPS=1` turns the
-//! host kernels off.
+//! bench-ndarray`) on Burn's ndarray backend; `--weights f16` keeps the weights in f16
+//! on the device (`--gpu-weights f16`); `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host
+//! kernels off.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,6 +24,7 @@ use std::time::Instant;
 use stemq_demucs::apply::{separate, ApplyOptions, BagOfModels, NoProgress};
 use stemq_demucs::batch::CrossJobBatching;
 use stemq_demucs::checkpoint::HostTensor;
+use stemq_demucs::nn::WeightPrecision;
 use stemq_demucs::repo::ModelRepo;
 use stemq_demucs::stream::{separate_stream, StatsAccumulator};
 use stemq_demucs::CpuBackend;
@@ -56,9 +58,18 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     label: &str,
 ) {
     stemq_demucs::cpu::tune_allocator(); // as the stemq worker does
+    let precision: WeightPrecision =
+        flag(args, "--weights").map(|s| s.parse().expect("--weights f32|f16")).unwrap_or_default();
+    let load = || repo.load_with::<B>("f0f0f0f0", &Default::default(), precision).expect("load");
     let t0 = Instant::now();
-    let bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
-    eprintln!("loaded in {:.2} s", t0.elapsed().as_secs_f64());
+    let bag = load();
+    let weight_bytes: u64 = bag.models().iter().map(|m| m.weight_bytes()).sum();
+    eprintln!(
+        "loaded in {:.2} s, weights {} ({:.1} MiB on the device)",
+        t0.elapsed().as_secs_f64(),
+        precision.as_str(),
+        weight_bytes as f64 / (1u64 << 20) as f64
+    );
     let sr = bag.samplerate() as usize;
     let len = (seconds * sr as f64) as usize;
     // Deterministic test signal: a tone plus hashed noise, computed per sample so the
@@ -77,7 +88,7 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     if let Some(n) = flag(args, "--together") {
         let n: usize = n.parse().expect("--together N");
         let alone = together(&bag, n, len, &opts, &sample);
-        let mut shared_bag = repo.load::<B>("f0f0f0f0", &Default::default()).expect("load");
+        let mut shared_bag = load();
         let linger = std::time::Duration::from_millis(20);
         shared_bag.batch_across_jobs(CrossJobBatching { max_rows: n * batch * jobs, linger });
         let shared = together(&shared_bag, n, len, &opts, &sample);
@@ -112,11 +123,12 @@ fn run<B: stemq_demucs::burn::tensor::backend::Backend>(
     }
     let dt = t0.elapsed().as_secs_f64();
     println!(
-        "{label}: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (jobs {}, batch {}, cores {})",
+        "{label}: {seconds:.1} s of audio in {dt:.2} s, real-time factor {:.3} (jobs {}, batch {}, cores {}, weights {})",
         dt / seconds,
         opts.jobs,
         opts.batch_size,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        precision.as_str()
     );
     if let Ok(meta) = std::fs::read_to_string(dir.join("meta.json")) {
         println!("pytorch (from make_fixtures.py --full): {}", meta.trim().replace('\n', " "));

@@ -22,10 +22,13 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
 
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 use half::{bf16, f16};
 
 use crate::diffq::{Packed, Quantized, QuantizedParam};
 use crate::error::DemucsError;
+use crate::nn::{Param, WeightPrecision};
 use crate::pickle::{unpickle, Value};
 
 /// A tensor on the host: row-major `f32` values and a shape.
@@ -43,18 +46,49 @@ pub struct StateDict {
     tensors: BTreeMap<String, HostTensor>,
     /// A dry run: every `take` answers zeros and is recorded here (name, shape).
     recorded: Option<Vec<(String, Vec<usize>)>>,
+    /// The type loaded weights are kept in on the device ([`StateDict::param`]).
+    precision: WeightPrecision,
+    /// Device bytes of the weights made from here so far.
+    kept_bytes: u64,
 }
 
 impl StateDict {
     /// Wraps a map of tensors.
     pub fn new(tensors: BTreeMap<String, HostTensor>) -> Self {
-        StateDict { tensors, recorded: None }
+        StateDict { tensors, ..StateDict::default() }
+    }
+
+    /// Keeps the weights loaded from here in `precision` on the device.
+    pub fn with_precision(mut self, precision: WeightPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// A loaded weight, kept on its device in this state dict's precision.
+    pub fn param<B: Backend, const D: usize>(&mut self, t: Tensor<B, D>) -> Param<B, D> {
+        let p = Param::with_precision(t, self.precision);
+        self.kept_bytes += p.bytes();
+        p
+    }
+
+    /// A weight derived from loaded ones (a sum, a scaled copy), kept in `f32`: rounding
+    /// it to `f16` would change the model.
+    pub fn param_f32<B: Backend, const D: usize>(&mut self, t: Tensor<B, D>) -> Param<B, D> {
+        let p = Param::new(t);
+        self.kept_bytes += p.bytes();
+        p
+    }
+
+    /// Device bytes of the weights made by [`StateDict::param`] and
+    /// [`StateDict::param_f32`] so far.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_bytes
     }
 
     /// A dry run: loading from it records every parameter a model takes (its name and
     /// shape) and gives zeros; [`StateDict::into_recorded`] returns them.
     pub fn recording() -> Self {
-        StateDict { tensors: BTreeMap::new(), recorded: Some(Vec::new()) }
+        StateDict { recorded: Some(Vec::new()), ..StateDict::default() }
     }
 
     /// The parameters taken from a [`StateDict::recording`], in the order taken.
@@ -99,7 +133,8 @@ impl StateDict {
                 .iter()
                 .filter_map(|(k, v)| k.strip_prefix(&p).map(|s| (s.to_string(), v.clone())))
                 .collect(),
-            recorded: None,
+            precision: self.precision,
+            ..StateDict::default()
         }
     }
 

@@ -140,7 +140,7 @@ impl<B: Backend> DConv<B> {
             let y = l.conv1.forward_rows(x.clone());
             let y = cpu::gelu(l.norm1.forward_rows(y));
             let y = l.conv2.forward_rows(y);
-            x = cpu::glu_scale_add(x, l.norm2.forward_rows(y), l.scale.scale.clone());
+            x = cpu::glu_scale_add(x, l.norm2.forward_rows(y), l.scale.scale.val());
         }
         x
     }
@@ -157,7 +157,7 @@ impl<B: Backend> DConv<B> {
                 y = attn.forward(y);
             }
             let y = l.conv2.forward(y);
-            x = cpu::glu_scale_add(x, l.norm2.forward3(y), l.scale.scale.clone());
+            x = cpu::glu_scale_add(x, l.norm2.forward3(y), l.scale.scale.val());
         }
         x
     }

@@ -225,7 +225,7 @@ impl<B: Backend> HDecLayer<B> {
                 let Layers::Freq { conv_tr, .. } = &layer.layers else { unreachable!("a frequency layer") };
                 let c = conv_tr.bias.dims()[0];
                 let n = prev.dims()[2];
-                let head = out.clone().narrow(2, 0, s) - conv_tr.bias.clone().reshape([1, c, 1, 1]);
+                let head = out.clone().narrow(2, 0, s) - conv_tr.bias.val().reshape([1, c, 1, 1]);
                 let tail = prev.clone().narrow(2, n - s, s) + head;
                 outs.push(Tensor::cat(vec![prev.narrow(2, 0, n - s), tail], 2));
                 let len = out.dims()[2];

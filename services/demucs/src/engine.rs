@@ -33,6 +33,7 @@ use crate::batch::CrossJobBatching;
 use crate::checkpoint::HostTensor;
 use crate::error::DemucsError;
 use crate::memory::forward_peak_bytes;
+use crate::nn::WeightPrecision;
 use crate::repo::ModelRepo;
 use crate::stream::{separate_stream, StatsAccumulator};
 use crate::CpuBackend;
@@ -59,6 +60,9 @@ pub struct DemucsEngineConfig {
     /// Jobs running at the same time in this engine share forward passes of the same
     /// model ([`crate::batch`]); `None`: every job runs its own.
     pub cross_job: Option<CrossJobBatching>,
+    /// The type the weights stay in on a GPU ([`WeightPrecision::Half`]: half the device
+    /// memory, lossless for checkpoints stored in f16); the CPU keeps `f32`.
+    pub gpu_weights: WeightPrecision,
 }
 
 /// How one attempt runs within the memory budget.
@@ -195,12 +199,16 @@ impl DemucsEngine {
 
     /// Loads (once) and returns the CPU copy of a model.
     pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
-        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name))
+        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name, WeightPrecision::Full))
     }
 
     /// Loads a model onto a backend, with cross-job batching when configured.
-    fn load<B: burn::tensor::backend::Backend>(&self, name: &str) -> Result<BagOfModels<B>, DemucsError> {
-        let mut bag = self.repo.load::<B>(name, &Default::default())?;
+    fn load<B: burn::tensor::backend::Backend>(
+        &self,
+        name: &str,
+        precision: WeightPrecision,
+    ) -> Result<BagOfModels<B>, DemucsError> {
+        let mut bag = self.repo.load_with::<B>(name, &Default::default(), precision)?;
         if let Some(c) = self.config.cross_job {
             bag.batch_across_jobs(c);
         }
@@ -426,7 +434,10 @@ impl DemucsEngine {
         ctx: &dyn EngineContext,
         options: &RunOptions,
     ) -> Result<Vec<StemFile>, EngineError> {
-        let bag = self.cuda.get_or_load(name, || self.load::<crate::CudaBackend>(name)).map_err(engine_error)?;
+        let bag = self
+            .cuda
+            .get_or_load(name, || self.load::<crate::CudaBackend>(name, self.config.gpu_weights))
+            .map_err(engine_error)?;
         let budget = self.cuda_budget();
         let plan = self.plan_within(&bag, job, "cuda", self.config.gpu_batch.max(1), budget)?;
         let passes = Passes {

@@ -33,7 +33,7 @@ use crate::dconv::DConvConfig;
 use crate::decoder::{HDecLayer, HDecLayerConfig};
 use crate::encoder::{HEncLayer, HEncLayerConfig};
 use crate::error::DemucsError;
-use crate::nn::{to_device, to_host, Conv1d, Conv1dConfig};
+use crate::nn::{to_device, to_host, Conv1d, Conv1dConfig, Param, WeightPrecision};
 use crate::stft::{Spectrogram, Stft};
 use crate::transformer::{CrossTransformerEncoder, CrossTransformerEncoderConfig};
 use crate::wave::WaveNet;
@@ -58,13 +58,15 @@ pub struct HTDemucs<B: Backend> {
     decoder: Vec<HDecLayer<B>>,
     tdecoder: Vec<HDecLayer<B>>,
     /// `freq_emb.embedding.weight` `[F0, C0]`, pre-multiplied by `emb_scale · freq_emb`.
-    freq_emb: Option<Tensor<B, 2>>,
+    freq_emb: Option<Param<B, 2>>,
     bottleneck: Option<Bottleneck<B>>,
     crosstransformer: Option<CrossTransformerEncoder<B>>,
     /// The layers of a waveform Demucs ([`Arch::Demucs`]); the lists above are empty.
     wave: Option<WaveNet<B>>,
     stft: Stft,
     device: B::Device,
+    /// Device bytes of the loaded weights (0 before [`HTDemucs::load`]).
+    weight_bytes: u64,
 }
 
 /// `f` over every input at once, each on a thread of its own (a single input on this
@@ -290,12 +292,13 @@ impl HTDemucsConfig {
             tencoder,
             decoder,
             tdecoder,
-            freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device)),
+            freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device).into()),
             bottleneck: None,
             crosstransformer: None,
             wave: None,
             stft: Stft::new(c.nfft),
             device: device.clone(),
+            weight_bytes: 0,
         })
     }
 
@@ -316,6 +319,7 @@ impl HTDemucsConfig {
                     wave: Some(self.init_wave(device)?),
                     stft: Stft::new(self.nfft),
                     device: device.clone(),
+                    weight_bytes: 0,
                 })
             }
             Arch::HTDemucs => {}
@@ -454,20 +458,30 @@ impl HTDemucsConfig {
             tencoder,
             decoder,
             tdecoder,
-            freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device)),
+            freq_emb: freq_emb_shape.map(|s| Tensor::zeros(s, device).into()),
             bottleneck,
             crosstransformer,
             wave: None,
             stft: Stft::new(c.nfft),
             device: device.clone(),
+            weight_bytes: 0,
         })
     }
 }
 
 impl<B: Backend> HTDemucs<B> {
     /// Builds the model of a checkpoint and loads its weights (strict: every tensor of
-    /// the state dict must be used).
+    /// the state dict must be used), kept in `f32`.
     pub fn from_checkpoint(ckpt: Checkpoint, device: &B::Device) -> Result<Self, DemucsError> {
+        Self::from_checkpoint_with(ckpt, device, WeightPrecision::Full)
+    }
+
+    /// [`HTDemucs::from_checkpoint`], with the weights kept in `precision` on the device.
+    pub fn from_checkpoint_with(
+        ckpt: Checkpoint,
+        device: &B::Device,
+        precision: WeightPrecision,
+    ) -> Result<Self, DemucsError> {
         let arch = match ckpt.class_name() {
             Some(name) => Arch::from_class_path(&name).ok_or_else(|| {
                 DemucsError::Unsupported(format!("model class {name} (this port has HTDemucs and HDemucs)"))
@@ -476,7 +490,7 @@ impl<B: Backend> HTDemucs<B> {
         };
         let config = HTDemucsConfig::for_arch(arch, &ckpt.args, &ckpt.kwargs)?;
         let model = config.init(device)?;
-        let mut state = match ckpt.quantized {
+        let state = match ckpt.quantized {
             // No names on disk: the parameters in PyTorch's order, from a dry run.
             Some(q) => {
                 let mut dry = StateDict::recording();
@@ -485,6 +499,7 @@ impl<B: Backend> HTDemucs<B> {
             }
             None => ckpt.state,
         };
+        let mut state = state.with_precision(precision);
         let model = model.load(&mut state)?;
         state.finish()?;
         Ok(model)
@@ -492,11 +507,27 @@ impl<B: Backend> HTDemucs<B> {
 
     /// Reads a `.th` file and builds the model.
     pub fn load_file(path: &std::path::Path, device: &B::Device) -> Result<Self, DemucsError> {
-        Self::from_checkpoint(Checkpoint::load(path)?, device)
+        Self::load_file_with(path, device, WeightPrecision::Full)
+    }
+
+    /// [`HTDemucs::load_file`], with the weights kept in `precision` on the device.
+    pub fn load_file_with(
+        path: &std::path::Path,
+        device: &B::Device,
+        precision: WeightPrecision,
+    ) -> Result<Self, DemucsError> {
+        Self::from_checkpoint_with(Checkpoint::load(path)?, device, precision)
+    }
+
+    /// Device bytes of the loaded weights: about 4 per parameter, or 2 with
+    /// [`WeightPrecision::Half`].
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
     }
 
     /// Moves the checkpoint's weights in.
     pub fn load(self, state: &mut StateDict) -> Result<Self, DemucsError> {
+        let kept_before = state.kept_bytes();
         let load_list = |ls: Vec<HEncLayer<B>>, name: &str, state: &mut StateDict| {
             ls.into_iter()
                 .enumerate()
@@ -516,7 +547,7 @@ impl<B: Backend> HTDemucs<B> {
                 // PyTorch: x + freq_emb_scale * (weight * scale); the product is formed
                 // in that order below (weight · emb_scale, then · freq_emb).
                 let t: Tensor<B, 2> = to_device(w, &self.device);
-                Some(t.mul_scalar(c.emb_scale as f32).mul_scalar(c.freq_emb as f32))
+                Some(state.param_f32(t.mul_scalar(c.emb_scale as f32).mul_scalar(c.freq_emb as f32)))
             }
             None => None,
         };
@@ -529,7 +560,7 @@ impl<B: Backend> HTDemucs<B> {
             }),
             None => None,
         };
-        Ok(HTDemucs {
+        let mut model = HTDemucs {
             encoder: load_list(self.encoder, "encoder", state)?,
             tencoder: load_list(self.tencoder, "tencoder", state)?,
             decoder: load_dec(self.decoder, "decoder", state)?,
@@ -541,7 +572,10 @@ impl<B: Backend> HTDemucs<B> {
             config: self.config,
             stft: self.stft,
             device: self.device,
-        })
+            weight_bytes: 0,
+        };
+        model.weight_bytes = state.kept_bytes() - kept_before;
+        Ok(model)
     }
 
     /// The hyperparameters.
@@ -744,7 +778,7 @@ impl<B: Backend> HTDemucs<B> {
             if idx == 0 {
                 if let Some(emb) = &self.freq_emb {
                     let [fr, c] = emb.dims();
-                    x = x + emb.clone().transpose().reshape([1, c, fr, 1]);
+                    x = x + emb.val().transpose().reshape([1, c, fr, 1]);
                 }
             }
             saved.push(x.clone());
@@ -812,7 +846,7 @@ impl<B: Backend> HTDemucs<B> {
             if idx == 0 {
                 if let (Some(emb), Feature::Freq(t)) = (&self.freq_emb, &x) {
                     let [fr, c] = emb.dims();
-                    x = Feature::Freq(t.clone() + emb.clone().transpose().reshape([1, c, fr, 1]));
+                    x = Feature::Freq(t.clone() + emb.val().transpose().reshape([1, c, fr, 1]));
                 }
             }
             saved.push(x.clone());

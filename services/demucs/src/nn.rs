@@ -7,11 +7,16 @@
 //! `load(self, &mut StateDict)` that moves the checkpoint's weights in, checking shapes.
 //! Reductions (norm statistics) are two-pass (mean, then mean of squared deviations) as
 //! PyTorch does, with the biased variance of `GroupNorm`/`LayerNorm` and eps 1e-5.
+//!
+//! Weights are [`Param`]s: kept on the device in `f32`, or in `f16` when the model was
+//! loaded with [`WeightPrecision::Half`] (half the memory; the official checkpoints are
+//! stored in `f16`, so nothing is lost for them). Every use widens a weight back to
+//! `f32`, so the arithmetic is the same either way.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{conv1d, conv2d, conv_transpose1d, conv_transpose2d};
 use burn::tensor::ops::{ConvOptions, ConvTransposeOptions};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 
 use crate::checkpoint::{HostTensor, StateDict};
 use crate::error::DemucsError;
@@ -29,13 +34,99 @@ pub fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
     HostTensor { shape, data }
 }
 
+/// The type a model keeps its weights in on its device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightPrecision {
+    /// `f32`, as the arithmetic runs.
+    #[default]
+    Full,
+    /// `f16`: half the device memory, widened to `f32` at each use. Lossless for
+    /// checkpoints stored in `f16` (the official ones); others are rounded once, at load.
+    Half,
+}
+
+impl WeightPrecision {
+    /// `"f32"` or `"f16"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightPrecision::Full => "f32",
+            WeightPrecision::Half => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for WeightPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" | "full" => Ok(WeightPrecision::Full),
+            "f16" | "half" => Ok(WeightPrecision::Half),
+            _ => Err(format!("`{s}` is not a weight precision (f32 or f16)")),
+        }
+    }
+}
+
+/// A weight as the device keeps it ([`WeightPrecision`]); [`Param::val`] gives it in
+/// `f32` for the arithmetic.
+#[derive(Debug, Clone)]
+pub struct Param<B: Backend, const D: usize> {
+    tensor: Tensor<B, D>,
+}
+
+impl<B: Backend, const D: usize> Param<B, D> {
+    /// Keeps a tensor as it is (`f32`).
+    pub fn new(tensor: Tensor<B, D>) -> Self {
+        Param { tensor }
+    }
+    /// Keeps a tensor in `precision`.
+    pub fn with_precision(tensor: Tensor<B, D>, precision: WeightPrecision) -> Self {
+        match precision {
+            WeightPrecision::Full => Param { tensor },
+            WeightPrecision::Half => Param { tensor: tensor.cast(FloatDType::F16) },
+        }
+    }
+    /// The weight in `f32` (a no-op for a weight kept in `f32`).
+    pub fn val(&self) -> Tensor<B, D> {
+        self.tensor.clone().cast(FloatDType::F32)
+    }
+    /// Its shape.
+    pub fn dims(&self) -> [usize; D] {
+        self.tensor.dims()
+    }
+    /// Its device.
+    pub fn device(&self) -> B::Device {
+        self.tensor.device()
+    }
+    /// Bytes it takes on the device.
+    pub fn bytes(&self) -> u64 {
+        (self.tensor.shape().num_elements() * self.tensor.dtype().size()) as u64
+    }
+    /// Its values on the host, in `f32` (for the CPU's host kernels).
+    pub fn host(&self) -> Vec<f32> {
+        crate::cpu::host_vec(self.val())
+    }
+}
+
+impl<B: Backend, const D: usize> From<Tensor<B, D>> for Param<B, D> {
+    fn from(tensor: Tensor<B, D>) -> Self {
+        Param::new(tensor)
+    }
+}
+
+/// `t` transposed, laid out row-major: a weight kept in f32 then has the layout of one
+/// widened from f16 at each use, so both give the same sums bit for bit.
+pub fn transposed<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 2> {
+    let device = t.device();
+    Tensor::from_data(t.transpose().into_data(), &device)
+}
+
 fn load_param<B: Backend, const D: usize>(
     state: &mut StateDict,
     name: &str,
-    target: &Tensor<B, D>,
-) -> Result<Tensor<B, D>, DemucsError> {
+    target: &Param<B, D>,
+) -> Result<Param<B, D>, DemucsError> {
     let t = state.take(name, &target.dims())?;
-    Ok(to_device(t, &target.device()))
+    Ok(state.param(to_device(t, &target.device())))
 }
 
 /// `nn.Conv1d`: weight `[out, in, k]`, bias `[out]`; input `[B, in, L]` →
@@ -43,9 +134,9 @@ fn load_param<B: Backend, const D: usize>(
 #[derive(Debug, Clone)]
 pub struct Conv1d<B: Backend> {
     /// `[out, in, k]`.
-    pub weight: Tensor<B, 3>,
+    pub weight: Param<B, 3>,
     /// `[out]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
     options: ConvOptions<1>,
 }
 
@@ -89,8 +180,8 @@ impl Conv1dConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Conv1d<B> {
         Conv1d {
-            weight: Tensor::zeros([self.chout, self.chin, self.kernel], device),
-            bias: Tensor::zeros([self.chout], device),
+            weight: Tensor::zeros([self.chout, self.chin, self.kernel], device).into(),
+            bias: Tensor::zeros([self.chout], device).into(),
             options: ConvOptions::new([self.stride], [self.padding], [self.dilation], 1),
         }
     }
@@ -107,9 +198,9 @@ impl<B: Backend> Conv1d<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [n, cin, len] = x.dims();
         if let Some(c) = self.host_conv(n, cin, 1, len, 1) {
-            return host_conv(x, &self.weight, &self.bias, c, [n, c.cout, c.out_len()]);
+            return host_conv(x, &self.weight.val(), &self.bias.val(), c, [n, c.cout, c.out_len()]);
         }
-        conv1d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
+        conv1d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
 
     /// The host kernel's shape, on the CPU backend and for kernels wider than 1 (Flex
@@ -144,14 +235,14 @@ impl<B: Backend> Conv1d<B> {
     pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [n, cin, f, len] = x.dims();
         if let Some(c) = self.host_conv(n, cin, f, len, 1) {
-            return host_conv(x, &self.weight, &self.bias, c, [n, c.cout, f, c.out_len()]);
+            return host_conv(x, &self.weight.val(), &self.bias.val(), c, [n, c.cout, f, c.out_len()]);
         }
         let o = &self.options;
-        let w: Tensor<B, 4> = self.weight.clone().unsqueeze_dim(2);
+        let w: Tensor<B, 4> = self.weight.val().unsqueeze_dim(2);
         conv2d(
             x,
             w,
-            Some(self.bias.clone()),
+            Some(self.bias.val()),
             ConvOptions::new([1, o.stride[0]], [0, o.padding[0]], [1, o.dilation[0]], 1),
         )
     }
@@ -175,9 +266,9 @@ fn host_conv<B: Backend, const D: usize>(
 #[derive(Debug, Clone)]
 pub struct Conv2d<B: Backend> {
     /// `[out, in, kh, kw]`.
-    pub weight: Tensor<B, 4>,
+    pub weight: Param<B, 4>,
     /// `[out]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
     options: ConvOptions<2>,
 }
 
@@ -200,8 +291,8 @@ impl Conv2dConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Conv2d<B> {
         Conv2d {
-            weight: Tensor::zeros([self.chout, self.chin, self.kernel[0], self.kernel[1]], device),
-            bias: Tensor::zeros([self.chout], device),
+            weight: Tensor::zeros([self.chout, self.chin, self.kernel[0], self.kernel[1]], device).into(),
+            bias: Tensor::zeros([self.chout], device).into(),
             options: ConvOptions::new(self.stride, self.padding, [1, 1], 1),
         }
     }
@@ -233,10 +324,10 @@ impl<B: Backend> Conv2d<B> {
                 pad: o.padding[0],
                 dilation: 1,
             };
-            let weight = self.weight.clone().reshape([cout, cin, kh]);
-            return host_conv(x, &weight, &self.bias, c, [n, cout, c.out_len(), w]);
+            let weight = self.weight.val().reshape([cout, cin, kh]);
+            return host_conv(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), w]);
         }
-        conv2d(x, self.weight.clone(), Some(self.bias.clone()), self.options.clone())
+        conv2d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
 }
 
@@ -245,9 +336,9 @@ impl<B: Backend> Conv2d<B> {
 #[derive(Debug, Clone)]
 pub struct ConvTranspose1d<B: Backend> {
     /// `[in, out, k]`.
-    pub weight: Tensor<B, 3>,
+    pub weight: Param<B, 3>,
     /// `[out]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
     stride: usize,
 }
 
@@ -268,8 +359,8 @@ impl ConvTranspose1dConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> ConvTranspose1d<B> {
         ConvTranspose1d {
-            weight: Tensor::zeros([self.chin, self.chout, self.kernel], device),
-            bias: Tensor::zeros([self.chout], device),
+            weight: Tensor::zeros([self.chin, self.chout, self.kernel], device).into(),
+            bias: Tensor::zeros([self.chout], device).into(),
             stride: self.stride,
         }
     }
@@ -286,8 +377,8 @@ impl<B: Backend> ConvTranspose1d<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         conv_transpose1d(
             x,
-            self.weight.clone(),
-            Some(self.bias.clone()),
+            self.weight.val(),
+            Some(self.bias.val()),
             ConvTransposeOptions::new([self.stride], [0], [0], [1], 1),
         )
     }
@@ -297,9 +388,9 @@ impl<B: Backend> ConvTranspose1d<B> {
 #[derive(Debug, Clone)]
 pub struct ConvTranspose2d<B: Backend> {
     /// `[in, out, kh, kw]`.
-    pub weight: Tensor<B, 4>,
+    pub weight: Param<B, 4>,
     /// `[out]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
     stride: [usize; 2],
 }
 
@@ -320,8 +411,8 @@ impl ConvTranspose2dConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> ConvTranspose2d<B> {
         ConvTranspose2d {
-            weight: Tensor::zeros([self.chin, self.chout, self.kernel[0], self.kernel[1]], device),
-            bias: Tensor::zeros([self.chout], device),
+            weight: Tensor::zeros([self.chin, self.chout, self.kernel[0], self.kernel[1]], device).into(),
+            bias: Tensor::zeros([self.chout], device).into(),
             stride: self.stride,
         }
     }
@@ -338,8 +429,8 @@ impl<B: Backend> ConvTranspose2d<B> {
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         conv_transpose2d(
             x,
-            self.weight.clone(),
-            Some(self.bias.clone()),
+            self.weight.val(),
+            Some(self.bias.val()),
             ConvTransposeOptions::new(self.stride, [0, 0], [0, 0], [1, 1], 1),
         )
     }
@@ -370,9 +461,9 @@ pub const BLOCK: usize = 1024;
 #[derive(Debug, Clone)]
 pub struct GroupNorm<B: Backend> {
     /// `[C]`.
-    pub weight: Tensor<B, 1>,
+    pub weight: Param<B, 1>,
     /// `[C]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
     groups: usize,
 }
 
@@ -389,8 +480,8 @@ impl GroupNormConfig {
     /// Identity affine parameters.
     pub fn init<B: Backend>(&self, device: &B::Device) -> GroupNorm<B> {
         GroupNorm {
-            weight: Tensor::ones([self.channels], device),
-            bias: Tensor::zeros([self.channels], device),
+            weight: Tensor::ones([self.channels], device).into(),
+            bias: Tensor::zeros([self.channels], device).into(),
             groups: self.groups,
         }
     }
@@ -415,7 +506,7 @@ impl<B: Backend> GroupNorm<B> {
         let xc = xg - mean;
         let var = mean_last(xc.clone().powi_scalar(2));
         let y = (xc / (var + 1e-5).sqrt()).reshape([b, c, n]);
-        y * self.weight.clone().reshape([1, c, 1]) + self.bias.clone().reshape([1, c, 1])
+        y * self.weight.val().reshape([1, c, 1]) + self.bias.val().reshape([1, c, 1])
     }
     /// One-group norm of each row `f` of `[B, C, F, T]` over its `(C, T)` values (what
     /// `GroupNorm(1, C)` does on `[B·F, C, T]`).
@@ -431,9 +522,9 @@ impl<B: Backend> GroupNorm<B> {
         let xc = x - mean;
         let var = xc.clone().powi_scalar(2).mean_dim(3).mean_dim(1);
         let inv = (var + 1e-5).sqrt().recip(); // [B, 1, F, 1]
-        let w = self.weight.clone().reshape([1, c, 1, 1]);
+        let w = self.weight.val().reshape([1, c, 1, 1]);
         let a = (inv * w).reshape([b, c, f, 1]); // w[c] / std[b, f]
-        let bias = self.bias.clone().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
+        let bias = self.bias.val().reshape([1, c, 1, 1]).repeat_dim(0, b).repeat_dim(2, f);
         xc * a + bias
     }
 
@@ -441,7 +532,7 @@ impl<B: Backend> GroupNorm<B> {
     fn host<const D: usize>(&self, x: Tensor<B, D>, shape: [usize; 4]) -> Tensor<B, D> {
         let (dims, device) = (x.dims(), x.device());
         let mut data = crate::cpu::host_vec(x);
-        let (w, b) = (crate::cpu::host_vec(self.weight.clone()), crate::cpu::host_vec(self.bias.clone()));
+        let (w, b) = (self.weight.host(), self.bias.host());
         crate::cpu::group_norm_in_place(&mut data, &w, &b, shape, self.groups);
         Tensor::from_data(TensorData::new(data, dims), &device)
     }
@@ -457,9 +548,9 @@ impl<B: Backend> GroupNorm<B> {
 #[derive(Debug, Clone)]
 pub struct LayerNorm<B: Backend> {
     /// `[C]`.
-    pub weight: Tensor<B, 1>,
+    pub weight: Param<B, 1>,
     /// `[C]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
 }
 
 /// Shape of a [`LayerNorm`].
@@ -472,7 +563,10 @@ pub struct LayerNormConfig {
 impl LayerNormConfig {
     /// Identity affine parameters.
     pub fn init<B: Backend>(&self, device: &B::Device) -> LayerNorm<B> {
-        LayerNorm { weight: Tensor::ones([self.channels], device), bias: Tensor::zeros([self.channels], device) }
+        LayerNorm {
+            weight: Tensor::ones([self.channels], device).into(),
+            bias: Tensor::zeros([self.channels], device).into(),
+        }
     }
 }
 
@@ -490,7 +584,7 @@ impl<B: Backend> LayerNorm<B> {
         let xc = x - mean;
         let var = xc.clone().powi_scalar(2).mean_dim(2);
         let y = xc / (var + 1e-5).sqrt();
-        y * self.weight.clone().reshape([1, 1, c]) + self.bias.clone().reshape([1, 1, c])
+        y * self.weight.val().reshape([1, 1, c]) + self.bias.val().reshape([1, 1, c])
     }
 }
 
@@ -498,9 +592,9 @@ impl<B: Backend> LayerNorm<B> {
 #[derive(Debug, Clone)]
 pub struct Linear<B: Backend> {
     /// `[in, out]` (transposed once at load).
-    pub weight_t: Tensor<B, 2>,
+    pub weight_t: Param<B, 2>,
     /// `[out]`.
-    pub bias: Tensor<B, 1>,
+    pub bias: Param<B, 1>,
 }
 
 /// Shape of a [`Linear`].
@@ -515,7 +609,10 @@ pub struct LinearConfig {
 impl LinearConfig {
     /// Zero weights.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Linear<B> {
-        Linear { weight_t: Tensor::zeros([self.din, self.dout], device), bias: Tensor::zeros([self.dout], device) }
+        Linear {
+            weight_t: Tensor::zeros([self.din, self.dout], device).into(),
+            bias: Tensor::zeros([self.dout], device).into(),
+        }
     }
 }
 
@@ -526,19 +623,19 @@ impl<B: Backend> Linear<B> {
         let device = self.weight_t.device();
         let w = state.take(&format!("{prefix}.weight"), &[dout, din])?;
         let b = state.take(&format!("{prefix}.bias"), &[dout])?;
-        Ok(Self::from_host(w, b, &device))
+        Ok(Self::from_host(w, b, state, &device))
     }
-    /// From a PyTorch `[out, in]` weight and `[out]` bias.
-    pub fn from_host(w: HostTensor, b: HostTensor, device: &B::Device) -> Self {
+    /// From a PyTorch `[out, in]` weight and `[out]` bias, kept in `state`'s precision.
+    pub fn from_host(w: HostTensor, b: HostTensor, state: &mut StateDict, device: &B::Device) -> Self {
         let w: Tensor<B, 2> = to_device(w, device);
-        Linear { weight_t: w.transpose(), bias: to_device(b, device) }
+        Linear { weight_t: state.param(transposed(w)), bias: state.param(to_device(b, device)) }
     }
     /// `[B, T, in]` → `[B, T, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, din] = x.dims();
         let dout = self.weight_t.dims()[1];
-        let y = x.reshape([b * t, din]).matmul(self.weight_t.clone());
-        (y + self.bias.clone().reshape([1, dout])).reshape([b, t, dout])
+        let y = x.reshape([b * t, din]).matmul(self.weight_t.val());
+        (y + self.bias.val().reshape([1, dout])).reshape([b, t, dout])
     }
 }
 
@@ -546,13 +643,13 @@ impl<B: Backend> Linear<B> {
 #[derive(Debug, Clone)]
 pub struct LayerScale<B: Backend> {
     /// `[C]`.
-    pub scale: Tensor<B, 1>,
+    pub scale: Param<B, 1>,
 }
 
 impl<B: Backend> LayerScale<B> {
     /// Zero scale.
     pub fn init(channels: usize, device: &B::Device) -> Self {
-        LayerScale { scale: Tensor::zeros([channels], device) }
+        LayerScale { scale: Tensor::zeros([channels], device).into() }
     }
     /// Takes `scale`.
     pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
@@ -562,11 +659,11 @@ impl<B: Backend> LayerScale<B> {
     /// Channels first: `[B, C, T]`.
     pub fn forward_cf(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let c = self.scale.dims()[0];
-        x * self.scale.clone().reshape([1, c, 1])
+        x * self.scale.val().reshape([1, c, 1])
     }
     /// Channels last: `[B, T, C]`.
     pub fn forward_cl(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let c = self.scale.dims()[0];
-        x * self.scale.clone().reshape([1, 1, c])
+        x * self.scale.val().reshape([1, 1, c])
     }
 }

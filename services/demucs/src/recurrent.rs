@@ -24,7 +24,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::StateDict;
 use crate::error::DemucsError;
-use crate::nn::{to_device, Conv1d, Conv1dConfig, Linear, LinearConfig};
+use crate::nn::{to_device, transposed, Conv1d, Conv1dConfig, Linear, LinearConfig, Param};
 
 /// Longest sequence the BLSTM reads in one piece (demucs's `max_steps`).
 pub const MAX_STEPS: usize = 200;
@@ -33,11 +33,11 @@ pub const MAX_STEPS: usize = 200;
 #[derive(Debug, Clone)]
 struct Direction<B: Backend> {
     /// `W_ih` transposed: `[in, 4H]`.
-    w_ih: Tensor<B, 2>,
+    w_ih: Param<B, 2>,
     /// `W_hh` transposed: `[H, 4H]`.
-    w_hh: Tensor<B, 2>,
+    w_hh: Param<B, 2>,
     /// `b_ih + b_hh`: `[4H]`.
-    bias: Tensor<B, 1>,
+    bias: Param<B, 1>,
 }
 
 impl<B: Backend> Direction<B> {
@@ -55,14 +55,18 @@ impl<B: Backend> Direction<B> {
         let w_hh: Tensor<B, 2> = to_device(take(state, "weight_hh", &[4 * h, h])?, device);
         let b_ih: Tensor<B, 1> = to_device(take(state, "bias_ih", &[4 * h])?, device);
         let b_hh: Tensor<B, 1> = to_device(take(state, "bias_hh", &[4 * h])?, device);
-        Ok(Direction { w_ih: w_ih.transpose(), w_hh: w_hh.transpose(), bias: b_ih + b_hh })
+        Ok(Direction {
+            w_ih: state.param(transposed(w_ih)),
+            w_hh: state.param(transposed(w_hh)),
+            bias: state.param_f32(b_ih + b_hh),
+        })
     }
 
     /// `[T, N, in]` → `[T, N, H]`, over the sequence forwards or backwards.
     fn run(&self, xs: Tensor<B, 3>, reverse: bool) -> Tensor<B, 3> {
         let [t_len, n, din] = xs.dims();
         let h = self.w_hh.dims()[0];
-        let gx = xs.reshape([t_len * n, din]).matmul(self.w_ih.clone()) + self.bias.clone().reshape([1, 4 * h]);
+        let gx = xs.reshape([t_len * n, din]).matmul(self.w_ih.val()) + self.bias.val().reshape([1, 4 * h]);
         let gx = gx.reshape([t_len, n, 4 * h]);
         let device = gx.device();
         let mut hidden: Tensor<B, 2> = Tensor::zeros([n, h], &device);
@@ -70,7 +74,7 @@ impl<B: Backend> Direction<B> {
         let mut out: Vec<Tensor<B, 2>> = Vec::with_capacity(t_len);
         for step in 0..t_len {
             let t = if reverse { t_len - 1 - step } else { step };
-            let g = gx.clone().narrow(0, t, 1).reshape([n, 4 * h]) + hidden.matmul(self.w_hh.clone());
+            let g = gx.clone().narrow(0, t, 1).reshape([n, 4 * h]) + hidden.matmul(self.w_hh.val());
             let i = sigmoid(g.clone().narrow(1, 0, h));
             let f = sigmoid(g.clone().narrow(1, h, h));
             let gg = g.clone().narrow(1, 2 * h, h).tanh();

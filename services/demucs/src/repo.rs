@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 use crate::apply::BagOfModels;
 use crate::error::DemucsError;
 use crate::model::HTDemucs;
+use crate::nn::WeightPrecision;
 
 /// The contents of a `<name>.yaml` bag file.
 #[derive(Debug, Clone, Deserialize)]
@@ -139,20 +140,25 @@ impl ModelRepo {
         Ok(f.path.clone())
     }
 
-    /// Loads a bag or a single model onto `device`.
+    /// Loads a bag or a single model onto `device`, weights in `f32`.
     pub fn load<B: Backend>(&self, name: &str, device: &B::Device) -> Result<BagOfModels<B>, DemucsError> {
+        self.load_with(name, device, WeightPrecision::Full)
+    }
+
+    /// Loads a bag or a single model onto `device`, its weights kept in `precision`.
+    pub fn load_with<B: Backend>(
+        &self,
+        name: &str,
+        device: &B::Device,
+        precision: WeightPrecision,
+    ) -> Result<BagOfModels<B>, DemucsError> {
+        let load = |sig: &str| HTDemucs::load_file_with(&self.checkpoint_path(sig)?, device, precision);
         match self.bag_file(name)? {
             Some(bag) => {
-                let models = bag
-                    .models
-                    .iter()
-                    .map(|sig| HTDemucs::load_file(&self.checkpoint_path(sig)?, device))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let models = bag.models.iter().map(|sig| load(sig)).collect::<Result<Vec<_>, _>>()?;
                 BagOfModels::new(models, bag.weights, bag.segment)
             }
-            None if self.checkpoints.contains_key(name) => {
-                Ok(BagOfModels::single(HTDemucs::load_file(&self.checkpoint_path(name)?, device)?))
-            }
+            None if self.checkpoints.contains_key(name) => Ok(BagOfModels::single(load(name)?)),
             None => Err(DemucsError::Repo(format!(
                 "no model `{name}` in {} (have: {})",
                 self.root.display(),

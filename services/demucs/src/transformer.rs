@@ -84,9 +84,9 @@ impl<B: Backend> MultiheadAttention<B> {
         let (kw, kb) = part(1);
         let (vw, vb) = part(2);
         Ok(MultiheadAttention {
-            q: Linear::from_host(qw, qb, &device),
-            k: Linear::from_host(kw, kb, &device),
-            v: Linear::from_host(vw, vb, &device),
+            q: Linear::from_host(qw, qb, state, &device),
+            k: Linear::from_host(kw, kb, state, &device),
+            v: Linear::from_host(vw, vb, state, &device),
             out: self.out.load(state, &format!("{prefix}.out_proj"))?,
             heads: self.heads,
         })

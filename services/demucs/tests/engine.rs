@@ -108,6 +108,7 @@ fn engine_at(repo: std::path::PathBuf, memory_budget: Option<u64>) -> DemucsEngi
         cpu_jobs: 2,
         memory_budget,
         cross_job: None,
+        gpu_weights: Default::default(),
     })
     .unwrap()
 }
@@ -409,6 +410,7 @@ fn jobs_that_share_forward_passes_get_the_stems_they_get_alone() {
         cpu_jobs: 2,
         memory_budget: None,
         cross_job: Some(CrossJobBatching { max_rows: 4, linger: std::time::Duration::from_secs(2) }),
+        gpu_weights: Default::default(),
     })
     .unwrap();
     let barrier = std::sync::Barrier::new(2);
@@ -452,6 +454,7 @@ fn the_memory_budget_caps_the_segments_of_a_shared_forward() {
         cpu_jobs: 1,
         memory_budget: Some(3 * full + full / 2),
         cross_job: Some(CrossJobBatching { max_rows: 8, linger: std::time::Duration::from_millis(20) }),
+        gpu_weights: Default::default(),
     })
     .unwrap();
     let id = JobId::parse(&"c3".repeat(32)).unwrap();

@@ -9,7 +9,7 @@ use stemq_demucs::apply::{apply_model, separate, two_stems, ApplyOptions, BagOfM
 use stemq_demucs::checkpoint::{Checkpoint, HostTensor};
 use stemq_demucs::config::HTDemucsConfig;
 use stemq_demucs::model::HTDemucs;
-use stemq_demucs::nn::to_host;
+use stemq_demucs::nn::{to_host, WeightPrecision};
 use stemq_demucs::repo::ModelRepo;
 use stemq_demucs::stft::Spectrogram;
 use stemq_demucs::DemucsError;
@@ -201,6 +201,32 @@ fn apply_bag_from_repo() {
     assert!((bag.max_allowed_segment() - 1.2).abs() < 1e-12);
     let y = separate(&bag, &f["track"], &opts(0), &mut NoProgress).unwrap();
     check("apply bag (2 models)", &f["out.bag"], &y, E2E_DB);
+}
+
+/// Weights kept in f16 on the device (`--gpu-weights f16`) take half the memory and, for
+/// checkpoints stored in f16 as the official ones are, give the same stems bit for bit
+/// (every use widens them back to f32).
+#[test]
+fn half_weights_take_half_the_memory_and_give_the_same_stems() {
+    let f = load("apply.safetensors");
+    let repo = ModelRepo::open(fixtures().join("repo")).unwrap();
+    let full = repo.load_with::<B>("tinybag", &Default::default(), WeightPrecision::Full).unwrap();
+    let half = repo.load_with::<B>("tinybag", &Default::default(), WeightPrecision::Half).unwrap();
+    for (f, h) in full.models().iter().zip(half.models()) {
+        // Not exactly half: the summed LSTM biases and the scaled frequency embedding
+        // are derived, and stay f32.
+        let ratio = h.weight_bytes() as f64 / f.weight_bytes() as f64;
+        assert!(
+            f.weight_bytes() > 0 && (0.49..0.52).contains(&ratio),
+            "{} / {} bytes",
+            h.weight_bytes(),
+            f.weight_bytes()
+        );
+    }
+    let a = separate(&full, &f["track"], &opts(0), &mut NoProgress).unwrap();
+    let b = separate(&half, &f["track"], &opts(0), &mut NoProgress).unwrap();
+    assert!(a == b, "f16 weights changed the stems");
+    check("apply bag, f16 weights", &f["out.bag"], &b, E2E_DB);
 }
 
 #[test]

@@ -13,6 +13,7 @@ use stemq_demucs::apply::{separate, ApplyOptions, NoProgress};
 use stemq_demucs::checkpoint::{Checkpoint, HostTensor};
 use stemq_demucs::config::{Arch, HTDemucsConfig};
 use stemq_demucs::model::HTDemucs;
+use stemq_demucs::nn::WeightPrecision;
 use stemq_demucs::repo::ModelRepo;
 use stemq_demucs::wave::{resample_down2, resample_up2, valid_length};
 
@@ -95,6 +96,11 @@ fn apply_model_and_a_bag_of_both_families() {
     let bag = ModelRepo::open(dir.path()).unwrap().load::<B>("mixed", &Default::default()).unwrap();
     let y = separate(&bag, &f["track"], &opts, &mut NoProgress).unwrap();
     check("v2 apply (bag: waveform + hybrid)", &f["out.mixed"], &y, E2E_DB);
+    // Weights kept in f16 on the device (`--gpu-weights f16`; these checkpoints are
+    // stored in f16, like the official ones): the same stems bit for bit, LSTMs included.
+    let half = ModelRepo::open(dir.path()).unwrap();
+    let half = half.load_with::<B>("mixed", &Default::default(), WeightPrecision::Half).unwrap();
+    assert!(separate(&half, &f["track"], &opts, &mut NoProgress).unwrap() == y, "f16 weights changed the stems");
     // The engine's streamed path: the same stems (each chunk padded with real audio
     // around it to its valid length, the shorter last one too), with passes in flight.
     check("v2 stream (bag)", &f["out.mixed"], &stream_separate(&bag, &f["track"], &opts, 2500), E2E_DB);

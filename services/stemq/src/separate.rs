@@ -65,6 +65,10 @@ pub struct SeparateArgs {
     /// Device: `cpu`, `cuda` or `cuda:N` (default: CUDA when present, else the CPU).
     #[arg(short = 'd', long, value_parser = parse_device)]
     pub device: Option<DeviceArg>,
+    /// The type a GPU keeps the weights in: `f16` halves their memory (lossless for the
+    /// official checkpoints, stored in f16); the arithmetic stays f32 (not in demucs).
+    #[arg(long, value_enum, default_value_t = crate::services::GpuWeights::F32)]
+    pub gpu_weights: crate::services::GpuWeights,
     #[command(flatten)]
     pub output: OutputOpts,
     /// Forward passes run at once on the CPU: faster with several cores, more memory
@@ -119,7 +123,9 @@ impl Separator {
                 a.model()
             );
         }
-        let engine = crate::services::demucs_engine_here(g, Some(repo), None, None)?;
+        let place =
+            crate::services::DemucsPlacement { memory_budget: None, cross_job: None, gpu_weights: a.gpu_weights };
+        let engine = crate::services::demucs_engine_here(g, Some(repo), place)?;
         if !engine.repo().has(a.model()) {
             let names = engine.repo().names();
             bail!(

@@ -198,6 +198,11 @@ pub struct EngineArgs {
     /// ms (with `--batch-across-jobs`; a job alone never waits for it).
     #[arg(long, env = "STEMQ_BATCH_LINGER_MS", default_value_t = 20)]
     pub batch_linger_ms: u64,
+    /// How the `demucs` engine keeps a model's weights on a GPU: `f16` takes half the
+    /// device memory and is lossless for the official checkpoints (they are stored in
+    /// f16); the arithmetic runs in f32 either way. The CPU keeps f32.
+    #[arg(long, env = "STEMQ_GPU_WEIGHTS", value_enum, default_value_t = GpuWeights::F32)]
+    pub gpu_weights: GpuWeights,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
@@ -235,6 +240,35 @@ impl EngineKind {
             EngineKind::Dsp => "dsp",
             EngineKind::Demucs => "demucs",
             EngineKind::Fake => "fake",
+        }
+    }
+}
+
+/// The type a GPU keeps a model's weights in (`--gpu-weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuWeights {
+    /// 4 bytes a weight.
+    F32,
+    /// 2 bytes a weight, widened to f32 at each use.
+    F16,
+}
+
+impl GpuWeights {
+    /// The spelling on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuWeights::F32 => "f32",
+            GpuWeights::F16 => "f16",
+        }
+    }
+}
+
+#[cfg(feature = "demucs")]
+impl From<GpuWeights> for stemq_demucs::nn::WeightPrecision {
+    fn from(w: GpuWeights) -> Self {
+        match w {
+            GpuWeights::F32 => stemq_demucs::nn::WeightPrecision::Full,
+            GpuWeights::F16 => stemq_demucs::nn::WeightPrecision::Half,
         }
     }
 }
@@ -454,6 +488,7 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
         args.extend(["--batch-across-jobs".into(), engine.batch_across_jobs.to_string().into()]);
         args.extend(["--batch-linger-ms".into(), engine.batch_linger_ms.to_string().into()]);
     }
+    args.extend(["--gpu-weights".into(), engine.gpu_weights.as_str().into()]);
     args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
     if !engine.fake_models.is_empty() {
         let models: Vec<&str> = engine.fake_models.iter().map(|m| m.as_str()).collect();
@@ -499,18 +534,30 @@ fn demucs_engine(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
         max_rows: opts.batch_across_jobs,
         linger: Duration::from_millis(opts.batch_linger_ms),
     });
-    Ok(Arc::new(demucs_engine_here(g, opts.models.clone(), opts.memory_budget, cross_job)?))
+    let place = DemucsPlacement { memory_budget: opts.memory_budget, cross_job, gpu_weights: opts.gpu_weights };
+    Ok(Arc::new(demucs_engine_here(g, opts.models.clone(), place)?))
+}
+
+/// How the demucs engine uses its devices: the fields of the same names in
+/// [`stemq_demucs::engine::DemucsEngineConfig`].
+#[cfg(feature = "demucs")]
+#[derive(Debug, Clone)]
+pub struct DemucsPlacement {
+    /// Bytes an attempt's forward passes may use.
+    pub memory_budget: Option<u64>,
+    /// Forward passes shared across jobs.
+    pub cross_job: Option<stemq_demucs::batch::CrossJobBatching>,
+    /// The type a GPU keeps the weights in.
+    pub gpu_weights: GpuWeights,
 }
 
 /// The demucs engine itself (not behind the [`Engine`] trait), for `stemq separate`'s
-/// choices beyond a request: `models` is the model folder (default `<data-dir>/models`);
-/// `memory_budget` and `cross_job` as in [`stemq_demucs::engine::DemucsEngineConfig`].
+/// choices beyond a request: `models` is the model folder (default `<data-dir>/models`).
 #[cfg(feature = "demucs")]
 pub fn demucs_engine_here(
     g: &Global,
     models: Option<PathBuf>,
-    memory_budget: Option<u64>,
-    cross_job: Option<stemq_demucs::batch::CrossJobBatching>,
+    place: DemucsPlacement,
 ) -> Result<stemq_demucs::engine::DemucsEngine> {
     let repo = models.unwrap_or_else(|| g.data_dir.join("models"));
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -523,8 +570,9 @@ pub fn demucs_engine_here(
         max_duration_secs: Some(stemq_audio::engine::DEFAULT_MAX_DURATION_SECS),
         gpu_batch: 4,
         cpu_jobs: cores.min(2),
-        memory_budget,
-        cross_job,
+        memory_budget: place.memory_budget,
+        cross_job: place.cross_job,
+        gpu_weights: place.gpu_weights.into(),
     })
     .with_context(|| format!("loading the model folder {}", repo.display()))
 }
