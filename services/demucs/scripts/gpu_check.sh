@@ -4,8 +4,9 @@
 # `carry: [".gpu"]`. Prints one markdown table for docs/benchmarks.md:
 #   - parity of every family on CUDA (the reduced fixtures, blocks and end to end);
 #   - the engine on CUDA, the out-of-memory ladder's injected failures included;
-#   - speed of a full-size random htdemucs on CUDA (1, then 4 segments per pass)
-#     against PyTorch CUDA with the same weights, 30 s of audio;
+#   - speed of a full-size random htdemucs on CUDA (1, then 4 segments per pass, then
+#     4 with the weights kept in f16, parity included) against PyTorch CUDA with the
+#     same weights, 30 s of audio;
 #   - cross-job batching on CUDA: 4 jobs at once, each on its own passes, then sharing
 #     forward passes (the engine suite also checks their stems are unchanged on CUDA).
 set -uo pipefail
@@ -25,11 +26,12 @@ rows+=("| worst parity SNR on CUDA | ${worst:-none} dB | every PARITY line in $o
 # Full-size random htdemucs (made here by PyTorch demucs), then the timings.
 python3 services/demucs/scripts/make_fixtures.py --full --bench-seconds 0 >>"$out" 2>&1 &&
   rows+=("| full-size fixture | made | target/demucs-full |") || rows+=("| full-size fixture | FAIL | see $out |")
-for b in 1 4; do
-  extra=(); [ "$b" = 1 ] && extra=(--parity)
-  line=$(.gpu/bin/bench --device cuda --seconds 30 --batch "$b" "${extra[@]}" 2>>"$out" |
-    grep -E '^burn/cuda|full-size parity' | tr '\n' ' ')
-  rows+=("| stemq cuda, 30 s, batch $b | $line | \`.gpu/bin/bench --device cuda --seconds 30 --batch $b\` |")
+for run in "1 f32" "4 f32" "4 f16"; do
+  set -- $run
+  extra=(); { [ "$1" = 1 ] || [ "$2" = f16 ]; } && extra=(--parity)
+  line=$(.gpu/bin/bench --device cuda --seconds 30 --batch "$1" --weights "$2" "${extra[@]}" 2>&1 | tee -a "$out" |
+    grep -E '^burn/cuda|full-size parity|on the device' | tr '\n' ' ')
+  rows+=("| stemq cuda, 30 s, batch $1, weights $2 | ${line:-FAIL} | \`.gpu/bin/bench --device cuda --seconds 30 --batch $1 --weights $2\` |")
 done
 line=$(.gpu/bin/bench --device cuda --seconds 30 --together 4 2>>"$out" | grep -E '^burn/cuda' | tr '\n' ' ')
 rows+=("| stemq cuda, 4 jobs × 30 s at once | ${line:-FAIL} | \`.gpu/bin/bench --device cuda --seconds 30 --together 4\` |")

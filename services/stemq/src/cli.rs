@@ -587,6 +587,8 @@ mod tests {
             "8",
             "--batch-linger-ms",
             "7",
+            "--gpu-weights",
+            "f16",
         ])
         .unwrap();
         let Command::Worker(w) = cli.command else { unreachable!() };
@@ -600,6 +602,7 @@ mod tests {
             Command::EngineHost(e) => {
                 assert_eq!(e.engine, crate::services::EngineKind::Fake);
                 assert_eq!((e.batch_across_jobs, e.batch_linger_ms), (8, 7));
+                assert_eq!(e.gpu_weights, crate::services::GpuWeights::F16);
             }
             _ => unreachable!(),
         }
