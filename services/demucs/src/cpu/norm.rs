@@ -35,8 +35,32 @@ pub fn group_norm_in_place(x: &mut [f32], weight: &[f32], bias: &[f32], shape: [
     });
 }
 
-/// `Σ (x - center)`, or `Σ (x - center)²` with `square`, in f64 lanes.
+/// `Σ (x - center)`, or `Σ (x - center)²` with `square`, in f64 lanes (compiled for
+/// the widest vector unit the CPU has).
 fn sum_f64(x: &[f32], center: f64, square: bool) -> f64 {
+    if square {
+        dispatch!(sum_sq_f64_impl(x, center))
+    } else {
+        dispatch!(sum_centered_f64_impl(x, center))
+    }
+}
+
+/// `Σ (x − center)²`, the portable build.
+#[inline(always)]
+pub(super) fn sum_sq_f64_impl(x: &[f32], center: f64) -> f64 {
+    sum_f64_lanes::<true>(x, center)
+}
+
+/// `Σ (x − center)`, the portable build.
+#[inline(always)]
+pub(super) fn sum_centered_f64_impl(x: &[f32], center: f64) -> f64 {
+    sum_f64_lanes::<false>(x, center)
+}
+
+/// The loop of [`sum_f64`], inlined into each build of it.
+#[inline(always)]
+fn sum_f64_lanes<const SQUARE: bool>(x: &[f32], center: f64) -> f64 {
+    let square = SQUARE;
     let mut acc = [0f64; 8];
     let mut chunks = x.chunks_exact(8);
     for ch in &mut chunks {

@@ -40,7 +40,7 @@ macro_rules! dispatch {
 pub(super) mod x86 {
     /// Built with AVX-512F.
     pub mod avx512 {
-        use crate::cpu::{activation, attention};
+        use crate::cpu::{activation, attention, norm};
 
         /// [`attention::softmax_numerators_impl`] with AVX-512F.
         ///
@@ -68,11 +68,29 @@ pub(super) mod x86 {
         pub unsafe fn glu_scale_add_impl(x: &mut [f32], y: &[f32], scale: &[f32], r: usize) {
             activation::glu_scale_add_impl(x, y, scale, r)
         }
+
+        /// `Σ (x − center)²` in f64 lanes with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn sum_sq_f64_impl(x: &[f32], center: f64) -> f64 {
+            norm::sum_sq_f64_impl(x, center)
+        }
+
+        /// `Σ (x − center)` in f64 lanes with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn sum_centered_f64_impl(x: &[f32], center: f64) -> f64 {
+            norm::sum_centered_f64_impl(x, center)
+        }
     }
 
     /// Built with AVX2 and FMA.
     pub mod avx2 {
-        use crate::cpu::{activation, attention};
+        use crate::cpu::{activation, attention, norm};
 
         /// [`attention::softmax_numerators_impl`] with AVX2 and FMA.
         ///
@@ -99,6 +117,24 @@ pub(super) mod x86 {
         #[target_feature(enable = "avx2,fma")]
         pub unsafe fn glu_scale_add_impl(x: &mut [f32], y: &[f32], scale: &[f32], r: usize) {
             activation::glu_scale_add_impl(x, y, scale, r)
+        }
+
+        /// `Σ (x − center)²` in f64 lanes with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn sum_sq_f64_impl(x: &[f32], center: f64) -> f64 {
+            norm::sum_sq_f64_impl(x, center)
+        }
+
+        /// `Σ (x − center)` in f64 lanes with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn sum_centered_f64_impl(x: &[f32], center: f64) -> f64 {
+            norm::sum_centered_f64_impl(x, center)
         }
     }
 }
