@@ -248,7 +248,7 @@ impl<B: Backend> Conv1d<B> {
     }
 }
 
-/// Runs [`crate::cpu::conv_axis`] on CPU tensors.
+/// Runs [`crate::cpu::conv_axis`] on CPU tensors (the weights read in place).
 fn host_conv<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: &Tensor<B, 3>,
@@ -256,9 +256,10 @@ fn host_conv<B: Backend, const D: usize>(
     c: crate::cpu::ConvAxis,
     out: [usize; D],
 ) -> Tensor<B, D> {
-    use crate::cpu::host_vec;
+    use crate::cpu::{host_vec, with_host};
     let device = x.device();
-    let y = crate::cpu::conv_axis(&host_vec(x), &host_vec(weight.clone()), &host_vec(bias.clone()), c);
+    let x = host_vec(x);
+    let y = with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_axis(&x, w, b, c)));
     Tensor::from_data(TensorData::new(y, out), &device)
 }
 

@@ -62,6 +62,18 @@ pub fn host_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().into_vec::<f32>().expect("the model runs in f32")
 }
 
+/// `f` on a tensor's values, row-major: borrowed in place where it is a contiguous
+/// `f32` CPU tensor (a weight shared with the model, which [`host_vec`] would copy on
+/// every forward pass), else copied.
+pub fn with_host<B: Backend, const D: usize, R>(t: &Tensor<B, D>, f: impl FnOnce(&[f32]) -> R) -> R {
+    let primitive = t.clone().into_primitive().tensor();
+    let any: &dyn std::any::Any = &primitive;
+    if let Some(values) = any.downcast_ref::<burn_flex::FlexTensor>().and_then(|t| t.as_slice::<f32>()) {
+        return f(values);
+    }
+    f(&host_vec(t.clone()))
+}
+
 /// Shapes a pointer-based kernel ([`attention`], [`conv_axis`]) refuses, found before
 /// any memory is touched.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
