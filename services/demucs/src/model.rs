@@ -895,3 +895,30 @@ impl<B: Backend> HTDemucs<B> {
         (x.freq(chout), xt)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::on_threads;
+
+    /// Concurrent passes split the cores between them instead of all sharing one pool.
+    #[test]
+    fn each_concurrent_pass_gets_its_share_of_the_threads() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        let threads = |inputs: usize| {
+            pool.install(|| on_threads(vec![(); inputs], |()| Ok(rayon::current_num_threads()))).unwrap()
+        };
+        assert_eq!(threads(1), vec![4], "a pass alone has every thread");
+        assert_eq!(threads(2), vec![2, 2]);
+        assert_eq!(threads(3), vec![1, 1, 1]);
+        assert_eq!(threads(8), vec![1; 8], "never fewer than one");
+    }
+
+    #[test]
+    fn a_panic_in_one_pass_is_raised_again() {
+        let caught = std::panic::catch_unwind(|| {
+            on_threads(vec![1, 2], |i| if i == 2 { panic!("pass {i} failed") } else { Ok(i) })
+        });
+        let message = stemq_core::engine::panic_message(&*caught.unwrap_err());
+        assert_eq!(message.as_deref(), Some("pass 2 failed"));
+    }
+}

@@ -227,6 +227,8 @@ impl<B: Backend> Conv1d<B> {
             stride: o.stride[0],
             pad: o.padding[0],
             dilation: o.dilation[0],
+            inner_kernel: 1,
+            inner_pad: 0,
         })
     }
 
@@ -310,8 +312,10 @@ impl<B: Backend> Conv2d<B> {
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [cout, _, kh, kw] = self.weight.dims();
         let o = &self.options;
-        // The encoders' [k, 1] kernels over frequency: the host kernel on the CPU.
-        if crate::cpu::is_cpu::<B>() && kh > 1 && kw == 1 && o.stride[1] == 1 && o.padding[1] == 0 {
+        // On the CPU, the host kernel: the encoders' [k, 1] kernels over frequency, the
+        // decoders' [3, 3] rewrite (stride 1 along time, no dilation).
+        let plain = o.dilation == [1, 1] && o.groups == 1;
+        if crate::cpu::is_cpu::<B>() && plain && (kh > 1 || kw > 1) && o.stride[1] == 1 {
             let [n, cin, h, w] = x.dims();
             let c = crate::cpu::ConvAxis {
                 batch: n,
@@ -324,9 +328,11 @@ impl<B: Backend> Conv2d<B> {
                 stride: o.stride[0],
                 pad: o.padding[0],
                 dilation: 1,
+                inner_kernel: kw,
+                inner_pad: o.padding[1],
             };
-            let weight = self.weight.val().reshape([cout, cin, kh]);
-            return host_conv(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), w]);
+            let weight = self.weight.val().reshape([cout, cin, kh * kw]);
+            return host_conv(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), c.out_inner()]);
         }
         conv2d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }

@@ -1,6 +1,7 @@
 //! Convolution along one axis on host memory, without im2col: the padded input is laid
 //! out once in polyphase order, then each kernel tap is one large `gemm`. Serves
-//! `nn.Conv1d`, DConv's per-row Conv1d, and the encoders' `[k, 1]` `nn.Conv2d`.
+//! `nn.Conv1d`, DConv's per-row Conv1d, the encoders' `[k, 1]` `nn.Conv2d`, and (with a
+//! kernel along the inner columns too) the decoders' `[3, 3]` rewrite `nn.Conv2d`.
 
 use rayon::prelude::*;
 
@@ -9,7 +10,9 @@ use super::{elements, expect_len, nonzero, ShapeError};
 /// One convolution along one axis of `x` laid out `[N, Cin, R, L, I]`: the kernel
 /// runs over `L`, every one of the `R` rows and `I` inner columns shares it (so
 /// `Conv1d` is `R = I = 1`, DConv on frequency rows is `R = F`, and the encoders'
-/// `[k, 1]` Conv2d over frequency is `L = F, I = T`). Every size is at least 1, the
+/// `[k, 1]` Conv2d over frequency is `L = F, I = T`). A kernel of `inner_kernel` taps
+/// may also run over `I` (stride 1, no dilation, `inner_pad` zeros on both ends): a
+/// `[kh, kw]` Conv2d over `[N, C, H, W]` is `L = H, I = W`. Every size is at least 1, the
 /// stride or the dilation is 1, and the kernel's span fits the padded length
 /// ([`ConvAxis::check`]).
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +37,10 @@ pub struct ConvAxis {
     pub pad: usize,
     /// Dilation (with stride 1).
     pub dilation: usize,
+    /// Kernel size along the inner columns `I` (1: the kernel runs along `L` only).
+    pub inner_kernel: usize,
+    /// Zero padding on both ends of `I`.
+    pub inner_pad: usize,
 }
 
 /// The sizes [`conv_axis`] works with, derived from a [`ConvAxis`] in checked
@@ -49,9 +56,13 @@ struct Plan {
     step: usize,
     /// Polyphase row length, `lout + (taps - 1) · step`.
     lq: usize,
+    /// Padded inner width, `inner + 2 · inner_pad`.
+    ip: usize,
+    /// Output inner width, `ip − inner_kernel + 1`.
+    iout: usize,
     /// Polyphase channels, `cin · stride`.
     cq: usize,
-    /// Gemm columns, `rows · lq · inner`.
+    /// Gemm columns, `rows · lq · ip`.
     ncols: usize,
     /// Length of the input.
     x: usize,
@@ -59,11 +70,15 @@ struct Plan {
     w: usize,
     /// Length of the output.
     out: usize,
+    /// Length allocated for it: one row (`R = 1`) is computed straight into the output,
+    /// `ip` columns wide, then compacted to `iout` in place, which needs
+    /// `cout · lout · (ip − iout)` values past the end for the last batch item.
+    out_alloc: usize,
     /// Length of the per-tap weights.
     wt: usize,
     /// Length of the polyphase input, with its zero tail.
     xq: usize,
-    /// Length of the gemm result.
+    /// Length of the separate gemm result (0 for one row, computed in place).
     y: usize,
 }
 
@@ -80,6 +95,18 @@ impl ConvAxis {
         }
     }
 
+    /// Output width along `I`.
+    ///
+    /// # Panics
+    ///
+    /// When [`ConvAxis::check`] refuses the shape.
+    pub fn out_inner(&self) -> usize {
+        match self.plan() {
+            Ok(p) => p.iout,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     /// Checks the shape alone (every size at least 1, stride or dilation 1, the kernel
     /// within the padded input, no buffer too large) and returns the output length.
     pub fn check(&self) -> Result<usize, ShapeError> {
@@ -88,7 +115,8 @@ impl ConvAxis {
 
     fn plan(&self) -> Result<Plan, ShapeError> {
         const K: &str = "conv_axis";
-        let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride, pad, dilation } = *self;
+        let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride, pad, dilation, inner_kernel, inner_pad } =
+            *self;
         nonzero(
             K,
             &[
@@ -101,6 +129,7 @@ impl ConvAxis {
                 ("kernel", kernel),
                 ("stride", stride),
                 ("dilation", dilation),
+                ("inner_kernel", inner_kernel),
             ],
         )?;
         if stride != 1 && dilation != 1 {
@@ -114,15 +143,21 @@ impl ConvAxis {
             return Err(ShapeError::KernelTooLong { kernel: K, span, padded });
         }
         let lout = (padded - span) / stride + 1;
+        let ip = inner_pad.checked_mul(2).and_then(|p| p.checked_add(inner)).ok_or(overflow("the padded columns"))?;
+        if inner_kernel > ip {
+            return Err(ShapeError::KernelTooLong { kernel: K, span: inner_kernel, padded: ip });
+        }
+        let iout = ip - inner_kernel + 1;
         let taps = kernel.div_ceil(stride);
         let step = if stride == 1 { dilation } else { 1 };
         let tail = (taps - 1).checked_mul(step).ok_or(overflow("the polyphase row"))?;
         let lq = lout.checked_add(tail).ok_or(overflow("the polyphase row"))?;
         let cq = cin.checked_mul(stride).ok_or(overflow("the polyphase input"))?;
-        let ncols = elements(K, "the polyphase input", &[rows, lq, inner])?;
+        let ncols = elements(K, "the polyphase input", &[rows, lq, ip])?;
         let body = elements(K, "the polyphase input", &[cq, ncols])?;
-        let xq = elements(K, "the polyphase input", &[tail, inner])?
-            .checked_add(body)
+        let xq = elements(K, "the polyphase input", &[tail, ip])?
+            .checked_add(inner_kernel - 1)
+            .and_then(|t| t.checked_add(body))
             .ok_or(overflow("the polyphase input"))?;
         elements(K, "the polyphase input", &[xq])?;
         // Reading the polyphase input sample j·stride + phase for j < lq.
@@ -132,14 +167,19 @@ impl ConvAxis {
             taps,
             step,
             lq,
+            ip,
+            iout,
             cq,
             ncols,
             x: elements(K, "the input", &[batch, cin, rows, len, inner])?,
-            w: elements(K, "the weights", &[cout, cin, kernel])?,
-            out: elements(K, "the output", &[batch, cout, rows, lout, inner])?,
-            wt: elements(K, "the per-tap weights", &[taps, cout, cq])?,
+            w: elements(K, "the weights", &[cout, cin, kernel, inner_kernel])?,
+            out: elements(K, "the output", &[batch, cout, rows, lout, iout])?,
+            out_alloc: elements(K, "the output", &[batch, cout, rows, lout, iout])?
+                .checked_add(elements(K, "the output", &[cout, lout, ip - iout])?)
+                .ok_or(overflow("the output"))?,
+            wt: elements(K, "the per-tap weights", &[taps, inner_kernel, cout, cq])?,
             xq,
-            y: elements(K, "the gemm result", &[cout, ncols])?,
+            y: if rows == 1 { 0 } else { elements(K, "the gemm result", &[cout, ncols])? },
         })
     }
 }
@@ -148,8 +188,10 @@ impl ConvAxis {
 /// polyphase order (`[Cin·s, R, Lq, I]`, phase `p` of channel `c` holding samples
 /// `j·s + p`), which turns a stride-`s` kernel of `k` taps into a stride-1 kernel of
 /// `⌈k/s⌉` taps over `Cin·s` channels; each tap is then one large gemm over every row
-/// and column at once, accumulated in place. `w` `[Cout, Cin, K]`, `bias` `[Cout]` →
-/// `[N, Cout, R, Lout, I]`.
+/// and column at once, accumulated in place. With a kernel along `I`, the columns are
+/// padded in the layout too and each (tap, inner tap) pair is one gemm reading the
+/// layout shifted by that many columns; the columns past the output width are computed
+/// and dropped. `w` `[Cout, Cin, K, Ki]`, `bias` `[Cout]` → `[N, Cout, R, Lout, Iout]`.
 ///
 /// # Panics
 ///
@@ -167,23 +209,26 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
         Ok(p) => p,
         Err(e) => panic!("{e}"),
     };
-    let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride: s, pad, .. } = c;
-    let Plan { lout, taps, step, lq, cq, ncols, .. } = p;
-    // Per-tap weights [Cout, Cin·s].
+    let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride: s, pad, inner_kernel: ki, inner_pad, .. } = c;
+    let Plan { lout, taps, step, lq, ip, iout, cq, ncols, .. } = p;
+    // Per-(tap, inner tap) weights [Cout, Cin·s].
     let mut wt = vec![0f32; p.wt];
     for tap in 0..taps {
-        for co in 0..cout {
-            for ci in 0..cin {
-                for ph in 0..s {
-                    let k = tap * s + ph;
-                    if k < kernel {
-                        wt[(tap * cout + co) * cq + ci * s + ph] = w[(co * cin + ci) * kernel + k];
+        for ti in 0..ki {
+            for co in 0..cout {
+                for ci in 0..cin {
+                    for ph in 0..s {
+                        let k = tap * s + ph;
+                        if k < kernel {
+                            wt[((tap * ki + ti) * cout + co) * cq + ci * s + ph] =
+                                w[((co * cin + ci) * kernel + k) * ki + ti];
+                        }
                     }
                 }
             }
         }
     }
-    let mut out = vec![0f32; p.out];
+    let mut out = vec![0f32; if rows == 1 { p.out_alloc } else { p.out }];
     // The last taps read up to (taps-1)·step columns past a row: zeros at the very end.
     let mut xq = vec![0f32; p.xq];
     let mut y = vec![0f32; p.y];
@@ -192,38 +237,50 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
             let (ci, ph) = (q / s, q % s);
             for r in 0..rows {
                 let src = &x[((n * cin + ci) * rows + r) * len * inner..][..len * inner];
-                let dst = &mut dst[r * lq * inner..][..lq * inner];
+                let dst = &mut dst[r * lq * ip..][..lq * ip];
                 for j in 0..lq {
                     let at = j * s + ph;
-                    let d = &mut dst[j * inner..][..inner];
+                    let d = &mut dst[j * ip..][..ip];
                     match at.checked_sub(pad).filter(|l| *l < len) {
-                        Some(l) => d.copy_from_slice(&src[l * inner..][..inner]),
+                        Some(l) => {
+                            d[..inner_pad].fill(0.0);
+                            d[inner_pad..][..inner].copy_from_slice(&src[l * inner..][..inner]);
+                            d[inner_pad + inner..].fill(0.0);
+                        }
                         None => d.fill(0.0),
                     }
                 }
             }
         });
-        for tap in 0..taps {
+        // One row: the gemm writes this item's output itself, `lout · ip` columns per
+        // channel (the rows past `lout` are not computed); several rows: all of `y`.
+        let (dst, cols) = if rows == 1 {
+            (&mut out[n * cout * lout * iout..][..cout * lout * ip], lout * ip)
+        } else {
+            (&mut y[..], ncols)
+        };
+        for (tap, ti) in (0..taps).flat_map(|tap| (0..ki).map(move |ti| (tap, ti))) {
             // Safe slicing first: these panic rather than hand gemm a pointer outside.
-            let lhs = &wt[tap * cout * cq..][..cout * cq];
-            let rhs = &xq[tap * step * inner..];
-            // SAFETY: gemm writes dst `y` as cout x ncols, row stride ncols: exactly
-            // y.len() = cout·ncols values, borrowed mutably here and nowhere else. It
+            let lhs = &wt[(tap * ki + ti) * cout * cq..][..cout * cq];
+            let rhs = &xq[tap * step * ip + ti..];
+            // SAFETY: gemm writes `dst` as cout x cols, row stride cols: exactly
+            // dst.len() = cout·cols values, borrowed mutably here and nowhere else. It
             // reads lhs as cout x cq, row stride cq: exactly `lhs`. It reads rhs as
-            // cq x ncols, row stride ncols, from tap·step·inner: the last element is
-            // tap·step·inner + cq·ncols - 1 <= (taps-1)·step·inner + cq·ncols - 1
-            // < xq.len() (the zero tail), so within `rhs`. `plan` checked that every
-            // one of these sizes fits in memory, so none of the products wrapped, and
-            // the strides fit in isize. Neither input overlaps `y`.
+            // cq x cols, row stride ncols (cols <= ncols), from tap·step·ip + ti: the last
+            // element is at most tap·step·ip + ti + (cq-1)·ncols + ncols - 1
+            // <= (taps-1)·step·ip + (ki-1) + cq·ncols - 1 < xq.len() (the zero tail), so
+            // within `rhs`. `plan` checked that every one of these sizes fits in memory,
+            // so none of the products wrapped, and the strides fit in isize. Neither
+            // input overlaps `dst`.
             unsafe {
                 gemm::gemm(
                     cout,
-                    ncols,
+                    cols,
                     cq,
-                    y.as_mut_ptr(),
+                    dst.as_mut_ptr(),
                     1,
-                    ncols as isize,
-                    tap > 0,
+                    cols as isize,
+                    tap > 0 || ti > 0,
                     lhs.as_ptr(),
                     1,
                     cq as isize,
@@ -239,19 +296,48 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
                 );
             }
         }
-        out[n * cout * rows * lout * inner..][..cout * rows * lout * inner]
-            .par_chunks_mut(rows * lout * inner)
+        if rows == 1 {
+            add_bias_compacting(&mut out[n * cout * lout * iout..][..cout * lout * ip], bias, lout, ip, iout);
+            continue;
+        }
+        out[n * cout * rows * lout * iout..][..cout * rows * lout * iout]
+            .par_chunks_mut(rows * lout * iout)
             .enumerate()
             .for_each(|(co, dst)| {
                 let b = bias[co];
                 for r in 0..rows {
-                    let src = &y[co * ncols + r * lq * inner..][..lout * inner];
-                    let d = &mut dst[r * lout * inner..][..lout * inner];
-                    d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                    let d = &mut dst[r * lout * iout..][..lout * iout];
+                    if iout == ip {
+                        let src = &y[co * ncols + r * lq * ip..][..lout * ip];
+                        d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                    } else {
+                        for (j, d) in d.chunks_exact_mut(iout).enumerate() {
+                            let src = &y[co * ncols + (r * lq + j) * ip..][..iout];
+                            d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                        }
+                    }
                 }
             });
     }
+    out.truncate(p.out);
     out
+}
+
+/// `buf` holds `[Cout, lout, ip]` gemm results; adds the bias and leaves `[Cout, lout,
+/// iout]` (the first `iout` columns of each row) at its start, moving values only
+/// towards the front, so it runs in place.
+fn add_bias_compacting(buf: &mut [f32], bias: &[f32], lout: usize, ip: usize, iout: usize) {
+    if iout == ip {
+        buf.par_chunks_mut(lout * ip).zip(bias).for_each(|(row, &b)| row.iter_mut().for_each(|v| *v += b));
+        return;
+    }
+    for (co, &b) in bias.iter().enumerate() {
+        for j in 0..lout {
+            let (from, to) = ((co * lout + j) * ip, (co * lout + j) * iout);
+            buf.copy_within(from..from + iout, to);
+            buf[to..to + iout].iter_mut().for_each(|v| *v += b);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -260,36 +346,65 @@ mod tests {
 
     #[test]
     fn conv_axis_matches_the_definition() {
-        // (kernel, stride, pad, dilation, rows, inner)
-        for (kernel, stride, pad, dil, rows, inner) in
-            [(3, 1, 1, 1, 3, 1), (3, 1, 2, 2, 2, 1), (8, 4, 2, 1, 1, 1), (8, 4, 2, 1, 1, 5), (3, 1, 1, 1, 1, 1)]
-        {
-            let c = ConvAxis { batch: 2, cin: 3, cout: 4, rows, len: 37, inner, kernel, stride, pad, dilation: dil };
+        // (kernel, stride, pad, dilation, rows, inner, inner kernel, inner pad)
+        for (kernel, stride, pad, dil, rows, inner, ki, ipad) in [
+            (3, 1, 1, 1, 3, 1, 1, 0),
+            (3, 1, 2, 2, 2, 1, 1, 0),
+            (8, 4, 2, 1, 1, 1, 1, 0),
+            (8, 4, 2, 1, 1, 5, 1, 0),
+            (3, 1, 1, 1, 1, 1, 1, 0),
+            // The decoders' [3, 3] rewrite, a [1, 3] one, and uneven padding of I.
+            (3, 1, 1, 1, 1, 6, 3, 1),
+            (1, 1, 0, 1, 2, 5, 3, 1),
+            (3, 1, 1, 1, 1, 7, 2, 0),
+            (4, 2, 1, 1, 1, 4, 3, 2),
+        ] {
+            let c = ConvAxis {
+                batch: 2,
+                cin: 3,
+                cout: 4,
+                rows,
+                len: 37,
+                inner,
+                kernel,
+                stride,
+                pad,
+                dilation: dil,
+                inner_kernel: ki,
+                inner_pad: ipad,
+            };
             let x: Vec<f32> =
                 (0..c.batch * c.cin * rows * c.len * inner).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
-            let w: Vec<f32> = (0..c.cout * c.cin * kernel).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
+            let w: Vec<f32> =
+                (0..c.cout * c.cin * kernel * ki).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
             let b: Vec<f32> = (0..c.cout).map(|i| i as f32 * 0.25).collect();
             let got = conv_axis(&x, &w, &b, c);
-            let lout = c.out_len();
-            assert_eq!(got.len(), c.batch * c.cout * rows * lout * inner);
+            let (lout, iout) = (c.out_len(), c.out_inner());
+            assert_eq!(iout, inner + 2 * ipad + 1 - ki);
+            assert_eq!(got.len(), c.batch * c.cout * rows * lout * iout);
             let mut worst = 0f64;
             for n in 0..c.batch {
                 for co in 0..c.cout {
                     for r in 0..rows {
                         for t in 0..lout {
-                            for i in 0..inner {
+                            for i in 0..iout {
                                 let mut want = b[co] as f64;
                                 for ci in 0..c.cin {
                                     for k in 0..kernel {
-                                        let at = (t * stride + k * dil) as isize - pad as isize;
-                                        if at >= 0 && (at as usize) < c.len {
-                                            let xv =
-                                                x[(((n * c.cin + ci) * rows + r) * c.len + at as usize) * inner + i];
-                                            want += w[(co * c.cin + ci) * kernel + k] as f64 * xv as f64;
+                                        for ti in 0..ki {
+                                            let at = (t * stride + k * dil) as isize - pad as isize;
+                                            let col = (i + ti) as isize - ipad as isize;
+                                            if at >= 0 && (at as usize) < c.len && col >= 0 && (col as usize) < inner {
+                                                let xv = x[(((n * c.cin + ci) * rows + r) * c.len + at as usize)
+                                                    * inner
+                                                    + col as usize];
+                                                let wv = w[((co * c.cin + ci) * kernel + k) * ki + ti];
+                                                want += wv as f64 * xv as f64;
+                                            }
                                         }
                                     }
                                 }
-                                let have = got[(((n * c.cout + co) * rows + r) * lout + t) * inner + i] as f64;
+                                let have = got[(((n * c.cout + co) * rows + r) * lout + t) * iout + i] as f64;
                                 worst = worst.max((have - want).abs());
                             }
                         }
@@ -301,7 +416,20 @@ mod tests {
     }
 
     fn shape() -> ConvAxis {
-        ConvAxis { batch: 1, cin: 2, cout: 3, rows: 1, len: 10, inner: 1, kernel: 3, stride: 1, pad: 1, dilation: 1 }
+        ConvAxis {
+            batch: 1,
+            cin: 2,
+            cout: 3,
+            rows: 1,
+            len: 10,
+            inner: 1,
+            kernel: 3,
+            stride: 1,
+            pad: 1,
+            dilation: 1,
+            inner_kernel: 1,
+            inner_pad: 0,
+        }
     }
 
     #[test]
@@ -314,6 +442,7 @@ mod tests {
             ("dilation", ConvAxis { dilation: 0, ..shape() }),
             ("batch", ConvAxis { batch: 0, ..shape() }),
             ("inner", ConvAxis { inner: 0, ..shape() }),
+            ("inner_kernel", ConvAxis { inner_kernel: 0, ..shape() }),
         ] {
             assert_eq!(c.check(), Err(ShapeError::Zero { kernel: "conv_axis", field }), "{c:?}");
         }
@@ -327,6 +456,15 @@ mod tests {
             Err(ShapeError::KernelTooLong { kernel: "conv_axis", span: 5, padded: 4 })
         );
         assert!(matches!(ConvAxis { pad: usize::MAX / 2 + 1, ..shape() }.check(), Err(ShapeError::Overflow { .. })));
+        // An inner kernel wider than the padded columns.
+        assert_eq!(
+            ConvAxis { inner: 2, inner_kernel: 5, inner_pad: 1, ..shape() }.check(),
+            Err(ShapeError::KernelTooLong { kernel: "conv_axis", span: 5, padded: 4 })
+        );
+        assert!(matches!(
+            ConvAxis { inner_pad: usize::MAX / 2 + 1, ..shape() }.check(),
+            Err(ShapeError::Overflow { what: "the padded columns", .. })
+        ));
         assert!(matches!(
             ConvAxis { dilation: usize::MAX / 2 + 1, ..shape() }.check(),
             Err(ShapeError::Overflow { what: "the kernel span", .. })
