@@ -238,6 +238,23 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
             for r in 0..rows {
                 let src = &x[((n * cin + ci) * rows + r) * len * inner..][..len * inner];
                 let dst = &mut dst[r * lq * ip..][..lq * ip];
+                if s == 1 && ip == inner {
+                    // Unstrided, no column padding: the row shifted by `pad`, one copy.
+                    let (lo, hi) = (pad.min(lq), (pad + len).min(lq));
+                    dst[..lo * ip].fill(0.0);
+                    dst[hi * ip..].fill(0.0);
+                    if hi > lo {
+                        dst[lo * ip..hi * ip].copy_from_slice(&src[(lo - pad) * inner..(hi - pad) * inner]);
+                    }
+                    continue;
+                }
+                if inner == 1 && ip == 1 {
+                    // Strided single samples: a gather, not a copy call per sample.
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = (j * s + ph).checked_sub(pad).filter(|l| *l < len).map_or(0.0, |l| src[l]);
+                    }
+                    continue;
+                }
                 for j in 0..lq {
                     let at = j * s + ph;
                     let d = &mut dst[j * ip..][..ip];
