@@ -250,7 +250,7 @@ impl<B: Backend> Conv1d<B> {
     }
 }
 
-/// Runs [`crate::cpu::conv_axis`] on CPU tensors (the weights read in place).
+/// Runs [`crate::cpu::conv_axis`] on CPU tensors (input and weights read in place).
 fn host_conv<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: &Tensor<B, 3>,
@@ -258,10 +258,9 @@ fn host_conv<B: Backend, const D: usize>(
     c: crate::cpu::ConvAxis,
     out: [usize; D],
 ) -> Tensor<B, D> {
-    use crate::cpu::{host_vec, with_host};
+    use crate::cpu::with_host;
     let device = x.device();
-    let x = host_vec(x);
-    let y = with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_axis(&x, w, b, c)));
+    let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_axis(x, w, b, c))));
     Tensor::from_data(TensorData::new(y, out), &device)
 }
 

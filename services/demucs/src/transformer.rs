@@ -102,7 +102,8 @@ impl<B: Backend> MultiheadAttention<B> {
             // Host kernel: all heads in parallel, vectorised softmax, no head transposes.
             let device = q.device();
             let shape = cpu::AttentionShape { batch: b, tq, tk, heads: h, head_dim: c / h };
-            let y = cpu::attention(&cpu::host_vec(q), &cpu::host_vec(k), &cpu::host_vec(v), shape);
+            let y =
+                cpu::with_host(&q, |q| cpu::with_host(&k, |k| cpu::with_host(&v, |v| cpu::attention(q, k, v, shape))));
             return self.out.forward(Tensor::from_data(TensorData::new(y, [b, tq, c]), &device));
         }
         let split = |x: Tensor<B, 3>, t: usize| x.reshape([b, t, h, c / h]).swap_dims(1, 2);
