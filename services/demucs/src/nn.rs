@@ -264,6 +264,21 @@ fn host_conv<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(y, out), &device)
 }
 
+/// Runs [`crate::cpu::conv_transpose_axis`] on CPU tensors (input and weights read in
+/// place).
+fn host_conv_transpose<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: &Tensor<B, 3>,
+    bias: &Tensor<B, 1>,
+    c: crate::cpu::ConvTransposeAxis,
+    out: [usize; D],
+) -> Tensor<B, D> {
+    use crate::cpu::with_host;
+    let device = x.device();
+    let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_transpose_axis(x, w, b, c))));
+    Tensor::from_data(TensorData::new(y, out), &device)
+}
+
 /// `nn.Conv2d`: weight `[out, in, kh, kw]`; input `[B, in, H, W]`.
 #[derive(Debug, Clone)]
 pub struct Conv2d<B: Backend> {
@@ -381,6 +396,12 @@ impl<B: Backend> ConvTranspose1d<B> {
     }
     /// `[B, in, L]` → `[B, out, (L − 1)s + k]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        if crate::cpu::is_cpu::<B>() {
+            let [n, cin, len] = x.dims();
+            let [_, cout, kernel] = self.weight.dims();
+            let c = crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len, inner: 1, kernel, stride: self.stride };
+            return host_conv_transpose(x, &self.weight.val(), &self.bias.val(), c, [n, cout, c.out_len()]);
+        }
         conv_transpose1d(
             x,
             self.weight.val(),
@@ -433,6 +454,22 @@ impl<B: Backend> ConvTranspose2d<B> {
     }
     /// `[B, in, H, W]` → `[B, out, (H − 1)s + kh, (W − 1)s + kw]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [_, cout, kh, kw] = self.weight.dims();
+        // The decoders' [k, 1] kernels over frequency: the host kernel on the CPU.
+        if crate::cpu::is_cpu::<B>() && kw == 1 && self.stride[1] == 1 {
+            let [n, cin, h, w] = x.dims();
+            let c = crate::cpu::ConvTransposeAxis {
+                batch: n,
+                cin,
+                cout,
+                len: h,
+                inner: w,
+                kernel: kh,
+                stride: self.stride[0],
+            };
+            let weight = self.weight.val().reshape([cin, cout, kh]);
+            return host_conv_transpose(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), w]);
+        }
         conv_transpose2d(
             x,
             self.weight.val(),
@@ -586,6 +623,12 @@ impl<B: Backend> LayerNorm<B> {
     /// `[B, T, C]` → `[B, T, C]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let c = x.dims()[2];
+        if crate::cpu::is_cpu::<B>() {
+            let (dims, device) = (x.dims(), x.device());
+            let mut data = crate::cpu::host_vec(x);
+            crate::cpu::layer_norm_in_place(&mut data, &self.weight.host(), &self.bias.host(), c);
+            return Tensor::from_data(TensorData::new(data, dims), &device);
+        }
         let mean = x.clone().mean_dim(2);
         let xc = x - mean;
         let var = xc.clone().powi_scalar(2).mean_dim(2);

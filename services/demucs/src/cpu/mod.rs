@@ -11,7 +11,8 @@
 //! |---|---|
 //! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
-//! | [`norm`] | GroupNorm with f64 statistics |
+//! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
+//! | [`norm`] | GroupNorm and LayerNorm with f64 statistics |
 //! | [`activation`] | GELU, GLU and DConv's fused GLU · LayerScale + residual |
 //! | [`math`] | the vectorisable `exp` and `erf` the kernels share |
 //! | `simd` | run-time dispatch to AVX-512 / AVX2 builds of the hot loops (x86-64) |
@@ -38,6 +39,7 @@ pub mod activation;
 pub mod alloc;
 pub mod attention;
 pub mod conv;
+pub mod conv_transpose;
 pub mod math;
 pub mod norm;
 
@@ -45,8 +47,9 @@ pub use activation::{gelu, gelu_in_place, glu, glu_scale_add, glu_scale_add_in_p
 pub use alloc::tune_allocator;
 pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
+pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
 pub use math::{erf, exp};
-pub use norm::group_norm_in_place;
+pub use norm::{group_norm_in_place, layer_norm_in_place};
 
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
 /// `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host kernels off (Burn's own ops everywhere),

@@ -1,0 +1,264 @@
+//! Transposed convolution along one axis on host memory, without col2im: the output is
+//! split by phase (`p mod stride`), and each phase is a plain stride-1 correlation of
+//! the input with its `⌈k / s⌉` taps, one gemm per tap into that phase's rows. Serves
+//! the decoders' `nn.ConvTranspose1d` and their `[k, 1]` `nn.ConvTranspose2d`.
+
+use rayon::prelude::*;
+
+use super::{elements, expect_len, nonzero, ShapeError};
+
+/// A transposed convolution (no padding, no dilation) along `L` of `x` laid out
+/// `[N, Cin, L, I]`: `ConvTranspose1d` is `I = 1`, a `[k, 1]` `ConvTranspose2d` over
+/// `[N, C, H, W]` is `L = H, I = W`. The output is `[N, Cout, (L − 1)·stride + kernel, I]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ConvTransposeAxis {
+    /// Batch N.
+    pub batch: usize,
+    /// Input channels.
+    pub cin: usize,
+    /// Output channels.
+    pub cout: usize,
+    /// Length L of the axis.
+    pub len: usize,
+    /// Inner columns I.
+    pub inner: usize,
+    /// Kernel size.
+    pub kernel: usize,
+    /// Stride.
+    pub stride: usize,
+}
+
+/// The sizes [`conv_transpose_axis`] works with, in checked arithmetic.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    /// Output length, `(len − 1)·stride + kernel`.
+    lout: usize,
+    /// Taps of the phase with the most, `⌈kernel / stride⌉`.
+    taps: usize,
+    /// Rows of the zero-padded input, `len + 2·(taps − 1)`.
+    lp: usize,
+    /// Lengths of the input, the weights and the output.
+    x: usize,
+    w: usize,
+    out: usize,
+    /// Length of the padded input and of one phase's gemm result.
+    xp: usize,
+    y: usize,
+}
+
+impl ConvTransposeAxis {
+    /// Checks the shape and returns the output length.
+    pub fn check(&self) -> Result<usize, ShapeError> {
+        self.plan().map(|p| p.lout)
+    }
+
+    /// Output length along `L`.
+    ///
+    /// # Panics
+    ///
+    /// When [`ConvTransposeAxis::check`] refuses the shape.
+    pub fn out_len(&self) -> usize {
+        match self.check() {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn plan(&self) -> Result<Plan, ShapeError> {
+        const K: &str = "conv_transpose_axis";
+        let ConvTransposeAxis { batch, cin, cout, len, inner, kernel, stride } = *self;
+        nonzero(
+            K,
+            &[
+                ("batch", batch),
+                ("cin", cin),
+                ("cout", cout),
+                ("len", len),
+                ("inner", inner),
+                ("kernel", kernel),
+                ("stride", stride),
+            ],
+        )?;
+        let overflow = |what| ShapeError::Overflow { kernel: K, what };
+        let lout = (len - 1).checked_mul(stride).and_then(|l| l.checked_add(kernel)).ok_or(overflow("the output"))?;
+        let taps = kernel.div_ceil(stride);
+        let lp = (taps - 1).checked_mul(2).and_then(|p| p.checked_add(len)).ok_or(overflow("the padded input"))?;
+        // One phase has at most ⌈lout / stride⌉ rows.
+        let rows = lout.div_ceil(stride);
+        Ok(Plan {
+            lout,
+            taps,
+            lp,
+            x: elements(K, "the input", &[batch, cin, len, inner])?,
+            w: elements(K, "the weights", &[cin, cout, kernel])?,
+            out: elements(K, "the output", &[batch, cout, lout, inner])?,
+            xp: elements(K, "the padded input", &[cin, lp, inner])?,
+            y: elements(K, "the phase result", &[cout, rows, inner])?,
+        })
+    }
+}
+
+/// The transposed convolution of [`ConvTransposeAxis`]: output row `p = q·s + ph` gets
+/// `Σ_m W[·, ·, ph + m·s]ᵀ · x[q − m]`, so each phase `ph` is a correlation of the
+/// input (padded with `taps − 1` zero rows at both ends) with its taps, one gemm per tap
+/// accumulated into the phase's rows, which are then written into every `s`-th output
+/// row with the bias. `w` `[Cin, Cout, K]` (PyTorch's layout), `bias` `[Cout]`.
+///
+/// # Panics
+///
+/// When [`ConvTransposeAxis::check`] refuses the shape or a slice's length does not
+/// match it, with a [`ShapeError`] message, before any memory is read.
+pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeAxis) -> Vec<f32> {
+    const K: &str = "conv_transpose_axis";
+    let checked = c.plan().and_then(|p| {
+        expect_len(K, "the input", x.len(), p.x)?;
+        expect_len(K, "the weights", w.len(), p.w)?;
+        expect_len(K, "the bias", bias.len(), c.cout)?;
+        Ok(p)
+    });
+    let p = match checked {
+        Ok(p) => p,
+        Err(e) => panic!("{e}"),
+    };
+    let ConvTransposeAxis { batch, cin, cout, len, inner, kernel, stride: s } = c;
+    let Plan { lout, taps, lp, .. } = p;
+    let pad = taps - 1;
+    // Per-tap weights [Cout, Cin], tap index kk = ph + m·s.
+    let mut wt = vec![0f32; cout * cin * kernel];
+    for kk in 0..kernel {
+        for ci in 0..cin {
+            for co in 0..cout {
+                wt[(kk * cout + co) * cin + ci] = w[(ci * cout + co) * kernel + kk];
+            }
+        }
+    }
+    let mut out = vec![0f32; p.out];
+    let mut xp = vec![0f32; p.xp];
+    let mut y = vec![0f32; p.y];
+    let row = lp * inner;
+    for n in 0..batch {
+        xp.par_chunks_mut(row).enumerate().for_each(|(ci, dst)| {
+            dst[pad * inner..][..len * inner].copy_from_slice(&x[(n * cin + ci) * len * inner..][..len * inner]);
+        });
+        let out_n = &mut out[n * cout * lout * inner..][..cout * lout * inner];
+        for ph in 0..s {
+            // Output rows of this phase, and its taps.
+            let rows = (lout - ph).div_ceil(s);
+            let phase_taps = (kernel - ph.min(kernel)).div_ceil(s);
+            if phase_taps == 0 {
+                out_n.par_chunks_mut(lout * inner).zip(bias).for_each(|(o, &b)| {
+                    (0..rows).for_each(|q| o[(q * s + ph) * inner..][..inner].fill(b));
+                });
+                continue;
+            }
+            let cols = rows * inner;
+            let dst = &mut y[..cout * cols];
+            for m in 0..phase_taps {
+                let kk = ph + m * s;
+                // Safe slicing first: these panic rather than hand gemm a pointer outside.
+                let lhs = &wt[kk * cout * cin..][..cout * cin];
+                // Row q of the result reads padded row q + pad − m = input row q − m.
+                let rhs = &xp[(pad - m) * inner..];
+                // SAFETY: gemm writes `dst` as cout x cols, row stride cols: exactly
+                // dst.len() values, borrowed mutably here only. It reads lhs as cout x
+                // cin, row stride cin: exactly `lhs`. It reads rhs as cin x cols, row
+                // stride lp·inner, from (pad − m)·inner: the last element is
+                // (pad − m)·inner + (cin − 1)·lp·inner + cols − 1, and cols = rows·inner
+                // with rows <= ⌈lout / s⌉ <= len + taps − 1 = lp − pad, so it is below
+                // cin·lp·inner = xp.len(), within `rhs`. `plan` checked that every size
+                // fits in memory, so no product wrapped and the strides fit in isize.
+                // No input overlaps `dst`.
+                unsafe {
+                    gemm::gemm(
+                        cout,
+                        cols,
+                        cin,
+                        dst.as_mut_ptr(),
+                        1,
+                        cols as isize,
+                        m > 0,
+                        lhs.as_ptr(),
+                        1,
+                        cin as isize,
+                        rhs.as_ptr(),
+                        1,
+                        row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::Rayon(0),
+                    );
+                }
+            }
+            let y = &y[..cout * cols];
+            out_n.par_chunks_mut(lout * inner).zip(y.par_chunks(cols)).zip(bias).for_each(|((o, src), &b)| {
+                for q in 0..rows {
+                    let d = &mut o[(q * s + ph) * inner..][..inner];
+                    d.iter_mut().zip(&src[q * inner..][..inner]).for_each(|(o, v)| *o = v + b);
+                }
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conv_transpose_axis_matches_the_definition() {
+        // (kernel, stride, len, inner): HTDemucs's 8/4, kernels shorter than the
+        // stride (phases with no tap), stride 1, and columns.
+        for (kernel, stride, len, inner) in
+            [(8, 4, 9, 1), (8, 4, 5, 3), (3, 4, 6, 2), (5, 2, 7, 1), (3, 1, 4, 2), (1, 1, 3, 1)]
+        {
+            let c = ConvTransposeAxis { batch: 2, cin: 3, cout: 4, len, inner, kernel, stride };
+            let x: Vec<f32> = (0..2 * 3 * len * inner).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
+            let w: Vec<f32> = (0..3 * 4 * kernel).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
+            let b = [0.5f32, -0.25, 1.0, 0.0];
+            let got = conv_transpose_axis(&x, &w, &b, c);
+            let lout = c.out_len();
+            assert_eq!(lout, (len - 1) * stride + kernel);
+            let mut want = vec![0f64; 2 * 4 * lout * inner];
+            for n in 0..2 {
+                for co in 0..4 {
+                    for p in 0..lout {
+                        for i in 0..inner {
+                            want[((n * 4 + co) * lout + p) * inner + i] = b[co] as f64;
+                        }
+                    }
+                    for ci in 0..3 {
+                        for l in 0..len {
+                            for kk in 0..kernel {
+                                for i in 0..inner {
+                                    let xv = x[((n * 3 + ci) * len + l) * inner + i] as f64;
+                                    want[((n * 4 + co) * lout + l * stride + kk) * inner + i] +=
+                                        w[(ci * 4 + co) * kernel + kk] as f64 * xv;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0f64, f64::max);
+            assert!(worst < 1e-5, "{c:?}: worst error {worst:e}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_before_any_memory_is_read() {
+        let c = ConvTransposeAxis { batch: 1, cin: 2, cout: 3, len: 4, inner: 1, kernel: 8, stride: 4 };
+        assert_eq!(c.check(), Ok(20));
+        assert_eq!(
+            ConvTransposeAxis { stride: 0, ..c }.check(),
+            Err(ShapeError::Zero { kernel: "conv_transpose_axis", field: "stride" })
+        );
+        assert!(matches!(ConvTransposeAxis { len: usize::MAX, ..c }.check(), Err(ShapeError::Overflow { .. })));
+        let short = std::panic::catch_unwind(|| conv_transpose_axis(&[0.0; 8], &[0.0; 5], &[0.0; 3], c));
+        let message = stemq_core::engine::panic_message(&*short.unwrap_err()).unwrap();
+        assert_eq!(message, "conv_transpose_axis: the weights: 5 values where the shape says 48");
+    }
+}
