@@ -66,15 +66,16 @@ impl StateDict {
 
     /// A loaded weight, kept on its device in this state dict's precision.
     pub fn param<B: Backend, const D: usize>(&mut self, t: Tensor<B, D>) -> Param<B, D> {
-        let p = Param::with_precision(t, self.precision);
-        self.kept_bytes += p.bytes();
-        p
+        self.count(Param::with_precision(t, self.precision))
     }
 
     /// A weight derived from loaded ones (a sum, a scaled copy), kept in `f32`: rounding
     /// it to `f16` would change the model.
     pub fn param_f32<B: Backend, const D: usize>(&mut self, t: Tensor<B, D>) -> Param<B, D> {
-        let p = Param::new(t);
+        self.count(Param::new(t))
+    }
+
+    fn count<B: Backend, const D: usize>(&mut self, p: Param<B, D>) -> Param<B, D> {
         self.kept_bytes += p.bytes();
         p
     }

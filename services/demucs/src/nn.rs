@@ -198,7 +198,9 @@ impl<B: Backend> Conv1d<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [n, cin, len] = x.dims();
         if let Some(c) = self.host_conv(n, cin, 1, len, 1) {
-            return host_conv(x, &self.weight.val(), &self.bias.val(), c, [n, c.cout, c.out_len()]);
+            return host_conv(x, &self.weight.val(), &self.bias.val(), [n, c.cout, c.out_len()], |x, w, b| {
+                crate::cpu::conv_axis(x, w, b, c)
+            });
         }
         conv1d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
@@ -237,7 +239,9 @@ impl<B: Backend> Conv1d<B> {
     pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [n, cin, f, len] = x.dims();
         if let Some(c) = self.host_conv(n, cin, f, len, 1) {
-            return host_conv(x, &self.weight.val(), &self.bias.val(), c, [n, c.cout, f, c.out_len()]);
+            return host_conv(x, &self.weight.val(), &self.bias.val(), [n, c.cout, f, c.out_len()], |x, w, b| {
+                crate::cpu::conv_axis(x, w, b, c)
+            });
         }
         let o = &self.options;
         let w: Tensor<B, 4> = self.weight.val().unsqueeze_dim(2);
@@ -250,32 +254,18 @@ impl<B: Backend> Conv1d<B> {
     }
 }
 
-/// Runs [`crate::cpu::conv_axis`] on CPU tensors (input and weights read in place).
+/// Runs one of the host convolution kernels (`conv_axis`, `conv_transpose_axis`) on CPU
+/// tensors: input, weights and bias read in place, the result shaped `out`.
 fn host_conv<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: &Tensor<B, 3>,
     bias: &Tensor<B, 1>,
-    c: crate::cpu::ConvAxis,
     out: [usize; D],
+    kernel: impl FnOnce(&[f32], &[f32], &[f32]) -> Vec<f32>,
 ) -> Tensor<B, D> {
     use crate::cpu::with_host;
     let device = x.device();
-    let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_axis(x, w, b, c))));
-    Tensor::from_data(TensorData::new(y, out), &device)
-}
-
-/// Runs [`crate::cpu::conv_transpose_axis`] on CPU tensors (input and weights read in
-/// place).
-fn host_conv_transpose<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    weight: &Tensor<B, 3>,
-    bias: &Tensor<B, 1>,
-    c: crate::cpu::ConvTransposeAxis,
-    out: [usize; D],
-) -> Tensor<B, D> {
-    use crate::cpu::with_host;
-    let device = x.device();
-    let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| crate::cpu::conv_transpose_axis(x, w, b, c))));
+    let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| kernel(x, w, b))));
     Tensor::from_data(TensorData::new(y, out), &device)
 }
 
@@ -346,7 +336,9 @@ impl<B: Backend> Conv2d<B> {
                 inner_pad: o.padding[1],
             };
             let weight = self.weight.val().reshape([cout, cin, kh * kw]);
-            return host_conv(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), c.out_inner()]);
+            return host_conv(x, &weight, &self.bias.val(), [n, cout, c.out_len(), c.out_inner()], |x, w, b| {
+                crate::cpu::conv_axis(x, w, b, c)
+            });
         }
         conv2d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
@@ -400,7 +392,9 @@ impl<B: Backend> ConvTranspose1d<B> {
             let [n, cin, len] = x.dims();
             let [_, cout, kernel] = self.weight.dims();
             let c = crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len, inner: 1, kernel, stride: self.stride };
-            return host_conv_transpose(x, &self.weight.val(), &self.bias.val(), c, [n, cout, c.out_len()]);
+            return host_conv(x, &self.weight.val(), &self.bias.val(), [n, cout, c.out_len()], |x, w, b| {
+                crate::cpu::conv_transpose_axis(x, w, b, c)
+            });
         }
         conv_transpose1d(
             x,
@@ -468,7 +462,9 @@ impl<B: Backend> ConvTranspose2d<B> {
                 stride: self.stride[0],
             };
             let weight = self.weight.val().reshape([cin, cout, kh]);
-            return host_conv_transpose(x, &weight, &self.bias.val(), c, [n, cout, c.out_len(), w]);
+            return host_conv(x, &weight, &self.bias.val(), [n, cout, c.out_len(), w], |x, w, b| {
+                crate::cpu::conv_transpose_axis(x, w, b, c)
+            });
         }
         conv_transpose2d(
             x,

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::{elements, expect_len, nonzero, ShapeError};
+use super::{elements, expect_conv_lens, nonzero, or_panic, ShapeError};
 
 /// One convolution along one axis of `x` laid out `[N, Cin, R, L, I]`: the kernel
 /// runs over `L`, every one of the `R` rows and `I` inner columns shares it (so
@@ -89,10 +89,7 @@ impl ConvAxis {
     ///
     /// When [`ConvAxis::check`] refuses the shape.
     pub fn out_len(&self) -> usize {
-        match self.plan() {
-            Ok(p) => p.lout,
-            Err(e) => panic!("{e}"),
-        }
+        or_panic(self.plan()).lout
     }
 
     /// Output width along `I`.
@@ -101,10 +98,7 @@ impl ConvAxis {
     ///
     /// When [`ConvAxis::check`] refuses the shape.
     pub fn out_inner(&self) -> usize {
-        match self.plan() {
-            Ok(p) => p.iout,
-            Err(e) => panic!("{e}"),
-        }
+        or_panic(self.plan()).iout
     }
 
     /// Checks the shape alone (every size at least 1, stride or dilation 1, the kernel
@@ -198,17 +192,8 @@ impl ConvAxis {
 /// When [`ConvAxis::check`] refuses the shape or a slice's length does not match it,
 /// with a [`ShapeError`] message, before any memory is read.
 pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
-    const K: &str = "conv_axis";
-    let checked = c.plan().and_then(|p| {
-        expect_len(K, "the input", x.len(), p.x)?;
-        expect_len(K, "the weights", w.len(), p.w)?;
-        expect_len(K, "the bias", bias.len(), c.cout)?;
-        Ok(p)
-    });
-    let p = match checked {
-        Ok(p) => p,
-        Err(e) => panic!("{e}"),
-    };
+    let lens = |p: &Plan| expect_conv_lens("conv_axis", (x, w, bias), [p.x, p.w, c.cout]);
+    let p = or_panic(c.plan().and_then(|p| lens(&p).map(|()| p)));
     let ConvAxis { batch, cin, cout, rows, len, inner, kernel, stride: s, pad, inner_kernel: ki, inner_pad, .. } = c;
     let Plan { lout, taps, step, lq, ip, iout, cq, ncols, .. } = p;
     // Per-(tap, inner tap) weights [Cout, Cin·s].

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::{elements, expect_len, nonzero, ShapeError};
+use super::{elements, expect_conv_lens, nonzero, or_panic, ShapeError};
 
 /// A transposed convolution (no padding, no dilation) along `L` of `x` laid out
 /// `[N, Cin, L, I]`: `ConvTranspose1d` is `I = 1`, a `[k, 1]` `ConvTranspose2d` over
@@ -58,10 +58,7 @@ impl ConvTransposeAxis {
     ///
     /// When [`ConvTransposeAxis::check`] refuses the shape.
     pub fn out_len(&self) -> usize {
-        match self.check() {
-            Ok(l) => l,
-            Err(e) => panic!("{e}"),
-        }
+        or_panic(self.check())
     }
 
     fn plan(&self) -> Result<Plan, ShapeError> {
@@ -109,17 +106,8 @@ impl ConvTransposeAxis {
 /// When [`ConvTransposeAxis::check`] refuses the shape or a slice's length does not
 /// match it, with a [`ShapeError`] message, before any memory is read.
 pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeAxis) -> Vec<f32> {
-    const K: &str = "conv_transpose_axis";
-    let checked = c.plan().and_then(|p| {
-        expect_len(K, "the input", x.len(), p.x)?;
-        expect_len(K, "the weights", w.len(), p.w)?;
-        expect_len(K, "the bias", bias.len(), c.cout)?;
-        Ok(p)
-    });
-    let p = match checked {
-        Ok(p) => p,
-        Err(e) => panic!("{e}"),
-    };
+    let lens = |p: &Plan| expect_conv_lens("conv_transpose_axis", (x, w, bias), [p.x, p.w, c.cout]);
+    let p = or_panic(c.plan().and_then(|p| lens(&p).map(|()| p)));
     let ConvTransposeAxis { batch, cin, cout, len, inner, kernel, stride: s } = c;
     let Plan { lout, taps, lp, .. } = p;
     let pad = taps - 1;

@@ -148,6 +148,26 @@ fn expect_len(kernel: &'static str, what: &'static str, got: usize, want: usize)
     }
 }
 
+/// The value, or a panic with the [`ShapeError`]'s message: how the pointer-based
+/// kernels refuse a shape before touching memory (their `check` returns the same error
+/// to callers that would rather handle it).
+#[track_caller]
+fn or_panic<T>(r: Result<T, ShapeError>) -> T {
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `Ok` when the input, weights and bias handed to a convolution kernel hold the
+/// numbers of values its shape says (`want`: input, weights, output channels).
+fn expect_conv_lens(
+    kernel: &'static str,
+    (x, w, bias): (&[f32], &[f32], &[f32]),
+    want: [usize; 3],
+) -> Result<(), ShapeError> {
+    expect_len(kernel, "the input", x.len(), want[0])?;
+    expect_len(kernel, "the weights", w.len(), want[1])?;
+    expect_len(kernel, "the bias", bias.len(), want[2])
+}
+
 /// `Ok` when every named size is at least 1.
 fn nonzero(kernel: &'static str, fields: &[(&'static str, usize)]) -> Result<(), ShapeError> {
     match fields.iter().find(|(_, v)| *v == 0) {
