@@ -399,6 +399,14 @@ fn check_expansion(out_frames: u128, input_bytes: u64) -> Result<(), AudioError>
     }
 }
 
+/// Whether an I/O error symphonia returned came from the operating system (a read that
+/// may work next time) rather than from parsing the bytes it had read: its bit readers
+/// report running off the end of a frame as an `io::Error` ("unexpected end of
+/// bitstream") with no OS error code, and that is damaged data, not a transient fault.
+fn from_the_os(e: &std::io::Error) -> bool {
+    e.raw_os_error().is_some()
+}
+
 fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
     let wav_tag = sniffed.wav_tag;
     match e {
@@ -410,7 +418,8 @@ fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
         SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
             AudioError::NotAudio { detail: "the file ends before its header is complete".into() }
         }
-        SymError::IoError(io) => AudioError::Io(io),
+        SymError::IoError(io) if from_the_os(&io) => AudioError::Io(io),
+        SymError::IoError(io) => AudioError::NotAudio { detail: format!("the header does not parse: {io}") },
         SymError::Unsupported(msg) if msg.contains("no suitable format reader") => {
             AudioError::NotAudio { detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into() }
         }
@@ -638,7 +647,7 @@ impl Decoder {
                     return self.finish_stream();
                 }
                 Err(SymError::ResetRequired) => return self.finish_stream(),
-                Err(SymError::IoError(e)) => {
+                Err(SymError::IoError(e)) if from_the_os(&e) => {
                     self.done = true;
                     return Err(AudioError::Io(e));
                 }
@@ -675,7 +684,7 @@ impl Decoder {
                     self.done = true;
                     return Err(AudioError::UnsupportedCodec { codec: format!("{} ({msg})", self.info.codec) });
                 }
-                Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof => {
+                Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof && from_the_os(&e) => {
                     self.done = true;
                     return Err(AudioError::Io(e));
                 }
@@ -724,5 +733,19 @@ pub fn probe_duration_ms(path: &Path) -> Option<u64> {
         (Some(f), _) if info.sample_rate > 0 => Some(f * 1000 / info.sample_rate as u64),
         (_, Some(s)) if s.is_finite() && s >= 0.0 => Some((s * 1000.0).round() as u64),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::from_the_os;
+
+    /// A failed read of the disk stays transient (retried); symphonia running off the end
+    /// of a frame's bits is damaged data (the fuzz regression
+    /// `mp3_xing_end_of_bitstream.bin`).
+    #[test]
+    fn only_errors_from_the_os_count_as_io() {
+        assert!(from_the_os(&std::io::Error::from_raw_os_error(5)));
+        assert!(!from_the_os(&std::io::Error::other("unexpected end of bitstream")));
     }
 }
