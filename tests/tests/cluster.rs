@@ -745,3 +745,34 @@ async fn issue_12_three_nodes_keep_every_promise_while_nodes_die() {
     println!("measured: whole test {}", secs(t_test.elapsed()));
     stack.shutdown().await;
 }
+
+/// A node that loses one of its ports at start fails the start at once with
+/// `NotReady(0)`, the answer [`NatsCluster::start`] meets by starting over on other
+/// ports. Here n2's client port is held by a listener of the test's own, as another
+/// test's server may hold it: connecting to the port succeeds, but n2 has exited. The
+/// start used to take that connection for n2 and wait a minute for a `/healthz` that
+/// could never come (a CI run failed so).
+#[test]
+fn issue_12_a_node_that_loses_a_port_at_start_fails_the_start_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let free = stemq_core::nats_server::free_ports(8).unwrap();
+    let ports = [
+        (free[0], free[1], free[2]),
+        (taken.local_addr().unwrap().port(), free[3], free[4]),
+        (free[5], free[6], free[7]),
+    ];
+    let t0 = Instant::now();
+    let started = NatsCluster::start_on(&dir.path().join("nats"), &ports, ServerOptions::default());
+    let took = t0.elapsed();
+    match started {
+        Err(stemq_core::nats_server::ServerError::NotReady(wait, log)) => {
+            assert_eq!(wait, Duration::ZERO, "a lost port is told apart from a slow start");
+            assert!(log.ends_with("n2/nats-server.log"), "the log of the node that lost it: {}", log.display());
+        }
+        Err(e) => panic!("expected NotReady(0) for n2, got {e}"),
+        Ok(_) => panic!("n2 cannot have started on a taken monitoring port"),
+    }
+    assert!(took < stemq_core::nats_cluster::MONITOR_WITHIN, "failed after {took:?}, not at once");
+    drop(taken);
+}

@@ -29,6 +29,10 @@ pub const CLUSTER_NAME: &str = "stemq";
 /// How long a node may take to answer `/healthz` 200 after a start.
 pub const HEALTHY_WITHIN: Duration = Duration::from_secs(60);
 
+/// How long a freshly started node's monitoring port may refuse connections before the
+/// start is taken as a lost port and begun again elsewhere.
+pub const MONITOR_WITHIN: Duration = Duration::from_secs(15);
+
 /// A running cluster. Every node is killed on drop.
 pub struct NatsCluster {
     nodes: Vec<NatsServer>,
@@ -41,9 +45,10 @@ impl NatsCluster {
     /// and `cluster` are chosen here) and waits until every node's `/healthz` answers 200
     /// (a meta leader is elected).
     ///
-    /// A node that exits at once (one of its ports was taken between choosing it and
-    /// binding it: another process's outgoing connection, say) makes the whole start
-    /// begin again with other ports, up to three times.
+    /// A node that exits during the start, or whose monitoring port never opens (one of
+    /// its ports was taken between choosing it and binding it: another process's
+    /// outgoing connection, or another test's server, say), makes the whole start begin
+    /// again with other ports, up to three times.
     pub fn start(dir: &Path, size: usize, options: ServerOptions) -> Result<NatsCluster, ServerError> {
         let mut tries = 0;
         loop {
@@ -62,6 +67,15 @@ impl NatsCluster {
     fn start_once(dir: &Path, size: usize, options: ServerOptions) -> Result<NatsCluster, ServerError> {
         let free = free_ports(3 * size)?;
         let ports: Vec<(u16, u16, u16)> = free.chunks(3).map(|p| (p[0], p[1], p[2])).collect();
+        NatsCluster::start_on(dir, &ports, options)
+    }
+
+    /// One start on the given `(client, route, monitoring)` ports, one triple per node,
+    /// without starting over: a node that exits, or whose monitoring port never opens,
+    /// fails it at once with `NotReady(ZERO, log)`. [`NatsCluster::start`] is what to
+    /// call; this is for tests of a start that loses a port.
+    pub fn start_on(dir: &Path, ports: &[(u16, u16, u16)], options: ServerOptions) -> Result<NatsCluster, ServerError> {
+        let size = ports.len();
         let routes: Vec<u16> = ports.iter().map(|p| p.1).collect();
         let creds = dir.join("creds");
         let mut nodes = Vec::with_capacity(size);
@@ -77,11 +91,45 @@ impl NatsCluster {
             let o = ServerOptions { port: client, creds: Some(creds.clone()), cluster: Some(node), ..options.clone() };
             nodes.push(NatsServer::start_with(&dir.join(&name), o)?);
         }
-        let cluster = NatsCluster { nodes, dir: dir.to_path_buf() };
-        for i in 0..size {
-            cluster.nodes[i].wait_healthy(HEALTHY_WITHIN)?;
-        }
+        let mut cluster = NatsCluster { nodes, dir: dir.to_path_buf() };
+        cluster.wait_first_healthy()?;
         Ok(cluster)
+    }
+
+    /// Waits for every node of a fresh start to answer `/healthz` 200.
+    ///
+    /// Fails fast with `NotReady(ZERO, log)`, which [`NatsCluster::start`] answers by
+    /// starting over on other ports, when a node has exited (it lost one of its ports
+    /// after it opened its client port), or when its monitoring port still refuses
+    /// connections [`MONITOR_WITHIN`] after the start (the port is someone else's, or
+    /// nobody's). Otherwise it waits up to [`HEALTHY_WITHIN`] for the election.
+    fn wait_first_healthy(&mut self) -> Result<(), ServerError> {
+        let t0 = Instant::now();
+        let mut healthy = vec![false; self.nodes.len()];
+        while healthy.iter().any(|h| !h) {
+            for (i, node) in self.nodes.iter_mut().enumerate() {
+                if healthy[i] {
+                    continue;
+                }
+                if !node.is_running() {
+                    return Err(ServerError::NotReady(Duration::ZERO, node.log_file()));
+                }
+                match node.healthz("/healthz") {
+                    Ok((200, _)) => healthy[i] = true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && t0.elapsed() > MONITOR_WITHIN => {
+                        return Err(ServerError::NotReady(Duration::ZERO, node.log_file()));
+                    }
+                    Err(_) => {}
+                }
+            }
+            if t0.elapsed() > HEALTHY_WITHIN {
+                let i = healthy.iter().position(|h| !h).unwrap_or(0);
+                return self.nodes[i].wait_healthy(Duration::from_millis(1)).map(|_| ());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     /// The client URLs of every node, comma-separated: what `--nats-url` takes.
