@@ -61,28 +61,38 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32>
     let mut out = vec![0f32; batch * tq * c];
     let scale = 1.0 / (head_dim as f32).sqrt();
     let blocks = tq.div_ceil(QUERY_BLOCK);
+    // Each head's keys transposed once, `[B, H, d, Tk]`: gemm then reads Kᵀ with unit
+    // stride along the keys and packs it as a plain copy, instead of gathering every
+    // key's `d` values a row apart once per query block.
+    let kt = transpose_heads(k, batch, tk, heads, head_dim);
     // Tasks: (batch, head, query block). Each writes its own rows x columns of `out`,
     // disjoint from every other task's.
     let out_ptr = SendPtr(out.as_mut_ptr());
-    (0..batch * heads * blocks).into_par_iter().for_each_init(
-        || vec![0f32; QUERY_BLOCK * tk],
-        |scores, task| {
+    (0..batch * heads * blocks).into_par_iter().for_each(|task| {
+        SCORES.with_borrow_mut(|scores| {
+            // Every value read below is first written by the score gemm: the block is
+            // scratch, kept per thread across calls rather than allocated (and its pages
+            // cleared by the kernel) per task.
+            if scores.len() < QUERY_BLOCK * tk {
+                scores.resize(QUERY_BLOCK * tk, 0.0);
+            }
             let (bh, blk) = (task / blocks, task % blocks);
             let (b, h) = (bh / heads, bh % heads);
             let q0 = blk * QUERY_BLOCK;
             let m = QUERY_BLOCK.min(tq - q0);
             // Safe slicing: these panic rather than leave the slices.
             let qp = q[(b * tq + q0) * c + h * head_dim..].as_ptr();
-            let kp = k[b * tk * c + h * head_dim..].as_ptr();
+            let kp = kt[(b * heads + h) * head_dim * tk..].as_ptr();
             let vp = v[b * tk * c + h * head_dim..].as_ptr();
             let scores = &mut scores[..m * tk];
             // SAFETY: gemm reads lhs Q as m x head_dim with row stride c from `qp`: the
             // last element is (b·tq + q0 + m-1)·c + h·d + d-1 < batch·tq·c = q.len(),
             // as q0 + m <= tq and (h+1)·d <= c. It reads rhs Kᵀ as head_dim x tk with
-            // column stride c from `kp`: the last element is (b·tk + tk-1)·c + h·d + d-1
-            // < k.len() likewise. It writes dst m x tk with row stride tk into `scores`,
-            // which holds exactly m·tk values and is borrowed mutably by this task only.
-            // No argument aliases another (q, k are shared reads; scores is ours).
+            // row stride tk and unit column stride from `kp` in `kt`: the last element
+            // is (b·H + h)·d·tk + (d-1)·tk + tk-1 < batch·H·d·tk = kt.len(). It writes
+            // dst m x tk with row stride tk into `scores`, which holds at least m·tk
+            // values and is this thread's alone (its thread-local, borrowed mutably for
+            // this task). No argument aliases another (q, kt are shared reads).
             unsafe {
                 // scores[m, tk] = scale * Q[m, d] Kᵀ[d, tk]
                 gemm::gemm(
@@ -97,8 +107,8 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32>
                     1,
                     c as isize,
                     kp,
-                    c as isize,
                     1,
+                    tk as isize,
                     0.0,
                     scale,
                     false,
@@ -153,9 +163,37 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32>
                 let row = unsafe { std::slice::from_raw_parts_mut(op.add(i * c), head_dim) };
                 row.iter_mut().for_each(|x| *x *= inv);
             }
-        },
-    );
+        })
+    });
     out
+}
+
+thread_local! {
+    /// Each thread's score block, `[QUERY_BLOCK, tk]` for the largest `tk` it has seen.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `k` `[B, Tk, H·d]` → `[B, H, d, Tk]`.
+fn transpose_heads(k: &[f32], batch: usize, tk: usize, heads: usize, head_dim: usize) -> Vec<f32> {
+    let c = heads * head_dim;
+    let mut kt = vec![0f32; k.len()];
+    // Tiles of 16 keys keep both the reads (16 rows of c) and the writes (c rows of 16)
+    // in cache lines.
+    const TILE: usize = 16;
+    for b in 0..batch {
+        let src = &k[b * tk * c..(b + 1) * tk * c];
+        let dst = &mut kt[b * tk * c..(b + 1) * tk * c];
+        for t0 in (0..tk).step_by(TILE) {
+            let t1 = (t0 + TILE).min(tk);
+            for j in 0..c {
+                let row = &mut dst[j * tk + t0..j * tk + t1];
+                for (t, x) in (t0..t1).zip(row.iter_mut()) {
+                    *x = src[t * c + j];
+                }
+            }
+        }
+    }
+    kt
 }
 
 /// The output pointer, shared by the attention tasks.
@@ -188,7 +226,10 @@ pub(super) fn softmax_numerators_impl(row: &mut [f32]) -> f32 {
     let mut chunks = row.chunks_exact(LANES);
     for ch in &mut chunks {
         for (m, &x) in mx.iter_mut().zip(ch) {
-            *m = m.max(x);
+            // A plain compare (one `vmaxps`), not `f32::max`'s NaN rule, which costs
+            // three more instructions a vector: a NaN score makes the row NaN either
+            // way, through its own `exp`.
+            *m = if x > *m { x } else { *m };
         }
     }
     let mut max = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));

@@ -1,0 +1,92 @@
+//! Speed of the host kernels alone, on the shapes of the full-size htdemucs, as the
+//! engine runs them on two cores: `--passes N` (2 by default) concurrent calls, each on
+//! a one-thread pool of its own. Prints the GFLOPS of all passes together.
+//!
+//! ```text
+//! cargo run -p stemq-demucs --release --example kernels [-- --passes 1]
+//! ```
+
+use std::time::Instant;
+
+use stemq_demucs::cpu::{attention, AttentionShape};
+
+fn main() {
+    stemq_demucs::cpu::tune_allocator(); // as the worker does
+    let args: Vec<String> = std::env::args().collect();
+    let passes: usize = args
+        .iter()
+        .position(|a| a == "--passes")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.parse().expect("--passes N"))
+        .unwrap_or(2);
+    for (m, n, k) in [(1024, 1024, 1024), (2688, 2048, 512), (2688, 512, 2048)] {
+        let a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n];
+        let flop = 2.0 * (m * n * k) as f64 * passes as f64;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..passes {
+                    s.spawn(|| {
+                        let mut c = vec![0f32; m * n];
+                        // SAFETY: row-major m×k, k×n and m×n buffers of exactly those
+                        // lengths, owned here; no aliasing.
+                        unsafe {
+                            gemm::gemm(
+                                m,
+                                n,
+                                k,
+                                c.as_mut_ptr(),
+                                1,
+                                n as isize,
+                                false,
+                                a.as_ptr(),
+                                1,
+                                k as isize,
+                                b.as_ptr(),
+                                1,
+                                n as isize,
+                                0.0,
+                                1.0,
+                                false,
+                                false,
+                                false,
+                                gemm::Parallelism::None,
+                            );
+                        }
+                        std::hint::black_box(c);
+                    });
+                }
+            });
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        println!("gemm {m}×{n}×{k} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
+    }
+    for (name, tq, tk) in [("freq self", 2688, 2688), ("time self", 1344, 1344), ("freq→time cross", 2688, 1344)] {
+        let (heads, head_dim) = (8, 64);
+        let c = heads * head_dim;
+        let fill = |n: usize, seed: u32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32 / 16_777_216.0 - 0.5)
+                .collect()
+        };
+        let (q, k, v) = (fill(tq * c, 1), fill(tk * c, 2), fill(tk * c, 3));
+        let shape = AttentionShape { batch: 1, tq, tk, heads, head_dim };
+        let flop = 4.0 * (tq * tk * c) as f64 * passes as f64;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..passes {
+                    s.spawn(|| {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+                        pool.install(|| std::hint::black_box(attention(&q, &k, &v, shape)));
+                    });
+                }
+            });
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        println!("attention {name:>16} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
+    }
+}
