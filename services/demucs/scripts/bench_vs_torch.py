@@ -12,6 +12,14 @@ process's peak RSS (from wait4, so the figure is the child's own).
     .stemq/venv-ref/bin/python services/demucs/scripts/make_fixtures.py --full --bench-seconds 0
     cargo build -p stemq-demucs --release --example bench
     .stemq/venv-ref/bin/python services/demucs/scripts/bench_vs_torch.py --seconds 30 300 --threads 2 1
+
+`--ceiling` (needs `cargo build -p stemq-demucs --release --example kernels`) also measures,
+in the same run, what each side's matrix product reaches on this machine: PyTorch's
+`a @ b` with 1 and N threads, and the `gemm` crate with 1 call and N concurrent calls
+(the `kernels` example), and prints each forward pass's GFLOPS (254 GFLOP per 7.8 s
+segment, counted by `torch.utils.flop_counter` on the full-size htdemucs) as a fraction
+of its own gemm ceiling. On a shared VM that ceiling moves from minute to minute, and
+with it both sides' times.
 """
 
 import argparse
@@ -42,6 +50,45 @@ print(json.dumps({"seconds": dt, "torch": torch.__version__}))
 """
 
 
+TORCH_GEMM = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+out = []
+for m, n, k in [(1024, 1024, 1024), (2688, 2048, 512), (2688, 512, 2048)]:
+    a, b = torch.rand(m, k), torch.rand(k, n)
+    for _ in range(3):
+        a @ b
+    best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(7))
+    out.append(2 * m * n * k / best / 1e9)
+print(json.dumps(out))
+"""
+
+# torch.utils.flop_counter on the full-size htdemucs: GFLOP per 7.8 s segment.
+GFLOP_PER_SEGMENT = 254.0
+SEGMENT = 343980  # samples, 7.8 s at 44.1 kHz
+STRIDE = int(0.75 * SEGMENT)  # overlap 0.25
+
+
+def segments(seconds):
+    return -(-int(seconds * 44100) // STRIDE)
+
+
+def ceilings(threads, root):
+    """Median GFLOPS of the three product shapes: PyTorch at `threads`, ours with
+    `threads` concurrent calls."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-c", TORCH_GEMM, str(threads)], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    torch_g = sorted(json.loads(out.strip().splitlines()[-1]))[1]
+    kernels = root / "target" / "release" / "examples" / "kernels"
+    if not kernels.exists():
+        sys.exit(f"{kernels} is missing: cargo build -p stemq-demucs --release --example kernels")
+    out = subprocess.run([str(kernels), "--passes", str(threads), "--gemm-only"], capture_output=True, text=True,
+                         check=True).stdout
+    ours_g = sorted(float(x) for x in re.findall(r"([0-9.]+) GFLOPS", out))[1]
+    return torch_g, ours_g
+
+
 def peak_rss_run(cmd, env):
     """Runs cmd with os.wait4 to read the child's own peak RSS (MiB)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -59,6 +106,7 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--dir", type=Path, default=ROOT / "target" / "demucs-full")
     ap.add_argument("--bench", type=Path, default=ROOT / "target" / "release" / "examples" / "bench")
+    ap.add_argument("--ceiling", action="store_true", help="also measure each side's gemm ceiling")
     args = ap.parse_args()
     model = args.dir / "repo" / "f0f0f0f0.th"
     if not model.exists():
@@ -90,6 +138,19 @@ def main():
             print(f"| {seconds:g} s | {threads} | {torch_s:.1f} ({torch_s / seconds:.2f}) | "
                   f"{ours_s:.1f} ({ours_s / seconds:.2f}) | **{torch_s / ours_s:.2f}×** | "
                   f"{torch_rss:.0f} MiB | {ours_rss:.0f} MiB |", flush=True)
+    if args.ceiling:
+        print()
+        print("| threads | PyTorch gemm GFLOPS | ours gemm GFLOPS (concurrent calls) | audio | PyTorch forward GFLOPS (of its ceiling) | ours forward GFLOPS (of its ceiling) |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for threads in sorted(set([1] + args.threads)):
+            torch_g, ours_g = ceilings(threads, ROOT)
+            for row in (r for r in rows if r["threads"] == threads):
+                work = segments(row["audio"]) * GFLOP_PER_SEGMENT
+                tf, of = work / row["torch_s"], work / row["ours_s"]
+                print(f"| {threads} | {torch_g:.0f} | {ours_g:.0f} | {row['audio']:g} s | {tf:.0f} ({tf / torch_g:.0%}) | "
+                      f"{of:.0f} ({of / ours_g:.0%}) |", flush=True)
+            if not any(r["threads"] == threads for r in rows):
+                print(f"| {threads} | {torch_g:.0f} | {ours_g:.0f} | | | |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print(json.dumps(rows))
 

@@ -547,6 +547,20 @@ impl<B: Backend> GroupNorm<B> {
         let y = (xc / (var + 1e-5).sqrt()).reshape([b, c, n]);
         y * self.weight.val().reshape([1, c, 1]) + self.bias.val().reshape([1, c, 1])
     }
+    /// `GroupNorm(1, C)` of `[B, T, C]` as if it were `[B, C, T]` (the transformer's
+    /// `norm_out`, `MyGroupNorm`): the host kernel normalises it in place, channels
+    /// last, without the two transposes.
+    pub fn forward_channels_last(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        assert_eq!(self.groups, 1, "channels-last norm is for GroupNorm(1, C)");
+        if !crate::cpu::is_cpu::<B>() {
+            return self.forward3(x.swap_dims(1, 2)).swap_dims(1, 2);
+        }
+        let (dims, device) = (x.dims(), x.device());
+        let mut data = crate::cpu::host_vec(x);
+        let (w, b) = (self.weight.host(), self.bias.host());
+        crate::cpu::group_norm_channels_last_in_place(&mut data, &w, &b, dims[0], dims[2]);
+        Tensor::from_data(TensorData::new(data, dims), &device)
+    }
     /// One-group norm of each row `f` of `[B, C, F, T]` over its `(C, T)` values (what
     /// `GroupNorm(1, C)` does on `[B·F, C, T]`).
     pub fn forward_rows(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
@@ -710,5 +724,25 @@ impl<B: Backend> LayerScale<B> {
     pub fn forward_cl(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let c = self.scale.dims()[0];
         x * self.scale.val().reshape([1, 1, c])
+    }
+    /// The residual step `x + scale · y`, channels last (`[B, T, C]`): on the CPU one
+    /// pass over the values, written into `y`'s buffer, instead of a broadcast multiply
+    /// and an add.
+    pub fn residual_cl(&self, x: Tensor<B, 3>, y: Tensor<B, 3>) -> Tensor<B, 3> {
+        if !crate::cpu::is_cpu::<B>() {
+            return x + self.forward_cl(y);
+        }
+        assert_eq!(x.dims(), y.dims(), "residual: shapes");
+        let (dims, device) = (y.dims(), y.device());
+        let mut out = crate::cpu::host_vec(y);
+        let scale = self.scale.host();
+        crate::cpu::with_host(&x, |x| {
+            for (o, xs) in out.chunks_exact_mut(dims[2]).zip(x.chunks_exact(dims[2])) {
+                for ((o, &xv), &s) in o.iter_mut().zip(xs).zip(scale.iter()) {
+                    *o = xv + s * *o;
+                }
+            }
+        });
+        Tensor::from_data(TensorData::new(out, dims), &device)
     }
 }

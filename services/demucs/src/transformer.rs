@@ -169,10 +169,11 @@ impl<B: Backend> TransformerLayer<B> {
         })
     }
 
-    fn scale(g: &Option<LayerScale<B>>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// `x + gamma · y` (LayerScale), or `x + y` without it.
+    fn residual(g: &Option<LayerScale<B>>, x: Tensor<B, 3>, y: Tensor<B, 3>) -> Tensor<B, 3> {
         match g {
-            Some(g) => g.forward_cl(x),
-            None => x,
+            Some(g) => g.residual_cl(x, y),
+            None => x + y,
         }
     }
 
@@ -188,22 +189,22 @@ impl<B: Backend> TransformerLayer<B> {
         let x = match (&self.norm3, other) {
             (Some(norm3), Some(k)) => {
                 let a = self.attn.forward(self.norm1.forward(x.clone()), self.norm2.forward(k));
-                let x = x + Self::scale(&self.gamma_1, a);
+                let x = Self::residual(&self.gamma_1, x, a);
                 let f = self.ff(norm3.forward(x.clone()));
-                x + Self::scale(&self.gamma_2, f)
+                Self::residual(&self.gamma_2, x, f)
             }
             (None, None) => {
                 let n = self.norm1.forward(x.clone());
                 let a = self.attn.forward(n.clone(), n);
-                let x = x + Self::scale(&self.gamma_1, a);
+                let x = Self::residual(&self.gamma_1, x, a);
                 let f = self.ff(self.norm2.forward(x.clone()));
-                x + Self::scale(&self.gamma_2, f)
+                Self::residual(&self.gamma_2, x, f)
             }
             _ => panic!("cross layers need the other branch, self layers must not get one"),
         };
         match &self.norm_out {
-            // MyGroupNorm: GroupNorm over [B, C, T].
-            Some(n) => n.forward3(x.swap_dims(1, 2)).swap_dims(1, 2),
+            // MyGroupNorm: GroupNorm over [B, C, T], computed channels last.
+            Some(n) => n.forward_channels_last(x),
             None => x,
         }
     }

@@ -49,7 +49,7 @@ pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
 pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
 pub use math::{erf, exp};
-pub use norm::{group_norm_in_place, layer_norm_in_place};
+pub use norm::{group_norm_channels_last_in_place, group_norm_in_place, layer_norm_in_place};
 
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
 /// `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host kernels off (Burn's own ops everywhere),

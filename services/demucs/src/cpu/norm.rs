@@ -35,6 +35,32 @@ pub fn group_norm_in_place(x: &mut [f32], weight: &[f32], bias: &[f32], shape: [
     });
 }
 
+/// `GroupNorm(1, C, eps=1e-5)` in place on `x` laid out channels last, `[N, T, C]`: what
+/// the transformer's `norm_out` computes on `[N, C, T]`, without the two transposes.
+/// One normalisation set per item over its `T · C` values (f64 sums, two passes), then
+/// each channel's `weight` and `bias`.
+pub fn group_norm_channels_last_in_place(x: &mut [f32], weight: &[f32], bias: &[f32], n: usize, c: usize) {
+    assert!(n > 0 && c > 0 && weight.len() == c && bias.len() == c, "group norm: channels");
+    assert_eq!(x.len() % (n * c), 0, "group norm: shape");
+    let per_item = x.len() / n;
+    // Statistics per item in blocks of rows, summed in f64.
+    let block = (65_536 / c).max(1) * c;
+    for item in x.chunks_exact_mut(per_item) {
+        let count = per_item as f64;
+        let xs: &[f32] = item;
+        let mean = xs.par_chunks(block).map(|b| sum_f64(b, 0.0, false)).sum::<f64>() / count;
+        let var = xs.par_chunks(block).map(|b| sum_f64(b, mean, true)).sum::<f64>() / count;
+        let (mean, inv) = (mean as f32, (1.0 / (var + 1e-5).sqrt()) as f32);
+        item.par_chunks_mut(block).for_each(|rows| {
+            for row in rows.chunks_exact_mut(c) {
+                for ((v, &w), &b) in row.iter_mut().zip(weight).zip(bias) {
+                    *v = (*v - mean) * (inv * w) + b;
+                }
+            }
+        });
+    }
+}
+
 /// `LayerNorm(C, eps=1e-5)` in place on `x` laid out `[rows, C]`: each row normalised
 /// over its `C` values (two passes, f64 sums), then scaled by `weight` and shifted by
 /// `bias`, in one pass over the row instead of the eight tensor ops it takes in Burn.
@@ -116,6 +142,43 @@ mod tests {
             }
         }
         assert!(worst < 1e-5, "worst error {worst:e}");
+    }
+
+    #[test]
+    fn channels_last_group_norm_is_the_transposed_channels_first_one() {
+        // [N, T, C] against group_norm_in_place on the transpose [N, C, 1, T]; T spans
+        // several of the kernel's row blocks (65 536 / C rows each).
+        let (n, t, c) = (2, 3000, 48);
+        let x0: Vec<f32> = (0..n * t * c).map(|i| ((i * 7919 % 1013) as f32) / 100.0 + 3.0).collect();
+        let w: Vec<f32> = (0..c).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..c).map(|i| i as f32 * 0.05 - 1.0).collect();
+        let mut last = x0.clone();
+        group_norm_channels_last_in_place(&mut last, &w, &b, n, c);
+        let mut first: Vec<f32> = vec![0.0; x0.len()];
+        for ni in 0..n {
+            for ti in 0..t {
+                for ch in 0..c {
+                    first[(ni * c + ch) * t + ti] = x0[(ni * t + ti) * c + ch];
+                }
+            }
+        }
+        group_norm_in_place(&mut first, &w, &b, [n, c, 1, t], 1);
+        let mut worst = 0f32;
+        for ni in 0..n {
+            for ti in 0..t {
+                for ch in 0..c {
+                    worst = worst.max((last[(ni * t + ti) * c + ch] - first[(ni * c + ch) * t + ti]).abs());
+                }
+            }
+        }
+        assert!(worst < 1e-6, "worst difference {worst:e}");
+        // And the items are normalised separately: the second one's values moved by a
+        // constant give the same output.
+        let mut shifted = x0.clone();
+        shifted[t * c..].iter_mut().for_each(|v| *v += 100.0);
+        group_norm_channels_last_in_place(&mut shifted, &w, &b, n, c);
+        let moved = shifted.iter().zip(&last).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(moved < 1e-4, "a per-item shift changed the output by {moved:e}");
     }
 
     #[test]
