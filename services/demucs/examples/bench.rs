@@ -16,7 +16,7 @@
 //! `--features cuda`) runs on the GPU, `--device ndarray` (with `--features
 //! bench-ndarray`) on Burn's ndarray backend; `--weights f16` keeps the weights in f16
 //! on the device (`--gpu-weights f16`); `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host
-//! kernels off.
+//! kernels off; `STEMQ_BENCH_PACE=1` prints the time at each tenth of a streamed job.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -207,7 +207,29 @@ fn stream_job<B: stemq_demucs::burn::tensor::backend::Backend, R>(
         pos += sr;
         Ok(Some(b))
     };
+    if std::env::var_os("STEMQ_BENCH_PACE").is_some() {
+        let mut pace = Pace { t0: std::time::Instant::now(), last: 0.0, every: 0.1 };
+        separate_stream(bag, acc.finish(), &mut next, opts, &mut pace, &mut |_| Ok(())).expect("stream");
+        return;
+    }
     separate_stream(bag, acc.finish(), &mut next, opts, &mut NoProgress, &mut |_| Ok(())).expect("stream");
+}
+
+/// `STEMQ_BENCH_PACE=1`: prints the elapsed time at each tenth of the job, to see whether
+/// a long run slows down as it goes (the machine's, not the work's, pace).
+struct Pace {
+    t0: std::time::Instant,
+    last: f32,
+    every: f32,
+}
+
+impl stemq_demucs::apply::Progress for Pace {
+    fn chunk_done(&mut self, fraction: f32) {
+        if fraction >= self.last + self.every || fraction >= 1.0 {
+            self.last = fraction;
+            eprintln!("pace: {:.0} % at {:.1} s", fraction * 100.0, self.t0.elapsed().as_secs_f64());
+        }
+    }
 }
 
 /// The value after `name` on the command line.
