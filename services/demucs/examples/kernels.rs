@@ -27,44 +27,35 @@ fn main() {
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n];
         let flop = 2.0 * (m * n * k) as f64 * passes as f64;
-        let mut best = f64::MAX;
-        for _ in 0..5 {
-            let t0 = Instant::now();
-            std::thread::scope(|s| {
-                for _ in 0..passes {
-                    s.spawn(|| {
-                        let mut c = vec![0f32; m * n];
-                        // SAFETY: row-major m×k, k×n and m×n buffers of exactly those
-                        // lengths, owned here; no aliasing.
-                        unsafe {
-                            gemm::gemm(
-                                m,
-                                n,
-                                k,
-                                c.as_mut_ptr(),
-                                1,
-                                n as isize,
-                                false,
-                                a.as_ptr(),
-                                1,
-                                k as isize,
-                                b.as_ptr(),
-                                1,
-                                n as isize,
-                                0.0,
-                                1.0,
-                                false,
-                                false,
-                                false,
-                                gemm::Parallelism::None,
-                            );
-                        }
-                        std::hint::black_box(c);
-                    });
-                }
-            });
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
+        let best = best_of(passes, || {
+            let mut c = vec![0f32; m * n];
+            // SAFETY: row-major m×k, k×n and m×n buffers of exactly those lengths,
+            // owned here; no aliasing.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    c.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    a.as_ptr(),
+                    1,
+                    k as isize,
+                    b.as_ptr(),
+                    1,
+                    n as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            std::hint::black_box(c);
+        });
         println!("gemm {m}×{n}×{k} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
     }
     if args.iter().any(|a| a == "--gemm-only") {
@@ -81,19 +72,28 @@ fn main() {
         let (q, k, v) = (fill(tq * c, 1), fill(tk * c, 2), fill(tk * c, 3));
         let shape = AttentionShape { batch: 1, tq, tk, heads, head_dim };
         let flop = 4.0 * (tq * tk * c) as f64 * passes as f64;
-        let mut best = f64::MAX;
-        for _ in 0..5 {
-            let t0 = Instant::now();
-            std::thread::scope(|s| {
-                for _ in 0..passes {
-                    s.spawn(|| {
-                        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
-                        pool.install(|| std::hint::black_box(attention(&q, &k, &v, shape)));
-                    });
-                }
-            });
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
+        let best = best_of(passes, || {
+            std::hint::black_box(attention(&q, &k, &v, shape));
+        });
         println!("attention {name:>16} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
     }
+}
+
+/// The best of five rounds, in seconds, of `passes` concurrent calls of `f`, each on a
+/// one-thread rayon pool of its own (as the engine runs its passes).
+fn best_of(passes: usize, f: impl Fn() + Sync) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..passes {
+                s.spawn(|| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+                    pool.install(&f);
+                });
+            }
+        });
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    best
 }
