@@ -13,6 +13,9 @@ process's peak RSS (from wait4, so the figure is the child's own).
     cargo build -p stemq-demucs --release --example bench
     .stemq/venv-ref/bin/python services/demucs/scripts/bench_vs_torch.py --seconds 30 300 --threads 2 1
 
+`--repeat N` runs each pair N times, alternating PyTorch and ours, and reports the
+medians with the range of the pairs' ratios: on a shared VM one pair moves by ±10 %.
+
 `--ceiling` (needs `cargo build -p stemq-demucs --release --example kernels`) also measures,
 in the same run, what each side's matrix product reaches on this machine: PyTorch's
 `a @ b` with 1 and N threads, and the `gemm` crate with 1 call and N concurrent calls
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -89,6 +93,22 @@ def ceilings(threads, root):
     return torch_g, ours_g
 
 
+def pair(args, model, seconds, threads):
+    """One PyTorch run, then one of ours: (torch s, ours s, torch MiB, ours MiB)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    out, torch_rss = peak_rss_run([sys.executable, "-c", TORCH, str(seconds), str(threads), str(model)], env)
+    torch_s = json.loads(out.strip().splitlines()[-1])["seconds"]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    out, ours_rss = peak_rss_run(
+        [str(args.bench), "--dir", str(args.dir), "--seconds", str(seconds), "--stream", "--jobs", str(threads)],
+        env,
+    )
+    m = re.search(r"in ([0-9.]+) s, real-time factor", out)
+    if not m:
+        sys.exit(f"unexpected bench output:\n{out}")
+    return torch_s, float(m.group(1)), torch_rss, ours_rss
+
+
 def peak_rss_run(cmd, env):
     """Runs cmd with os.wait4 to read the child's own peak RSS (MiB)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -107,6 +127,8 @@ def main():
     ap.add_argument("--dir", type=Path, default=ROOT / "target" / "demucs-full")
     ap.add_argument("--bench", type=Path, default=ROOT / "target" / "release" / "examples" / "bench")
     ap.add_argument("--ceiling", action="store_true", help="also measure each side's gemm ceiling")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each pair N times, alternating, and report medians (the box is noisy)")
     args = ap.parse_args()
     model = args.dir / "repo" / "f0f0f0f0.th"
     if not model.exists():
@@ -120,23 +142,21 @@ def main():
     rows = []
     for seconds in args.seconds:
         for threads in args.threads:
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-            out, torch_rss = peak_rss_run([sys.executable, "-c", TORCH, str(seconds), str(threads), str(model)], env)
-            torch_s = json.loads(out.strip().splitlines()[-1])["seconds"]
-            env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
-            out, ours_rss = peak_rss_run(
-                [str(args.bench), "--dir", str(args.dir), "--seconds", str(seconds), "--stream", "--jobs", str(threads)],
-                env,
-            )
-            m = re.search(r"in ([0-9.]+) s, real-time factor", out)
-            if not m:
-                sys.exit(f"unexpected bench output:\n{out}")
-            ours_s = float(m.group(1))
+            pairs = [pair(args, model, seconds, threads) for _ in range(args.repeat)]
+            torch_s = statistics.median(p[0] for p in pairs)
+            ours_s = statistics.median(p[1] for p in pairs)
+            torch_rss = max(p[2] for p in pairs)
+            ours_rss = max(p[3] for p in pairs)
             row = dict(audio=seconds, threads=threads, torch_s=torch_s, ours_s=ours_s,
-                       ratio=torch_s / ours_s, torch_rss_mib=torch_rss, ours_rss_mib=ours_rss)
+                       ratio=torch_s / ours_s, torch_rss_mib=torch_rss, ours_rss_mib=ours_rss,
+                       pairs=[dict(torch_s=p[0], ours_s=p[1]) for p in pairs])
             rows.append(row)
+            spread = ""
+            if len(pairs) > 1:
+                ratios = sorted(p[0] / p[1] for p in pairs)
+                spread = f" (pairs {ratios[0]:.2f}–{ratios[-1]:.2f}×, median of {len(pairs)})"
             print(f"| {seconds:g} s | {threads} | {torch_s:.1f} ({torch_s / seconds:.2f}) | "
-                  f"{ours_s:.1f} ({ours_s / seconds:.2f}) | **{torch_s / ours_s:.2f}×** | "
+                  f"{ours_s:.1f} ({ours_s / seconds:.2f}) | **{torch_s / ours_s:.2f}×**{spread} | "
                   f"{torch_rss:.0f} MiB | {ours_rss:.0f} MiB |", flush=True)
     if args.ceiling:
         print()
