@@ -105,27 +105,30 @@ impl NatsCluster {
     /// nobody's). Otherwise it waits up to [`HEALTHY_WITHIN`] for the election.
     fn wait_first_healthy(&mut self) -> Result<(), ServerError> {
         let t0 = Instant::now();
-        let mut healthy = vec![false; self.nodes.len()];
-        while healthy.iter().any(|h| !h) {
-            for (i, node) in self.nodes.iter_mut().enumerate() {
-                if healthy[i] {
+        // Each node's last answer; `None` once it has answered 200.
+        let mut last: Vec<Option<String>> = vec![Some(String::new()); self.nodes.len()];
+        while last.iter().any(Option::is_some) {
+            for (node, last) in self.nodes.iter_mut().zip(&mut last) {
+                if last.is_none() {
                     continue;
                 }
                 if !node.is_running() {
                     return Err(ServerError::NotReady(Duration::ZERO, node.log_file()));
                 }
                 match node.healthz("/healthz") {
-                    Ok((200, _)) => healthy[i] = true,
-                    Ok(_) => {}
+                    Ok((200, _)) => *last = None,
+                    Ok((code, body)) => *last = Some(format!("{code} {}", body.trim())),
                     Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && t0.elapsed() > MONITOR_WITHIN => {
                         return Err(ServerError::NotReady(Duration::ZERO, node.log_file()));
                     }
-                    Err(_) => {}
+                    Err(e) => *last = Some(e.to_string()),
                 }
             }
             if t0.elapsed() > HEALTHY_WITHIN {
-                let i = healthy.iter().position(|h| !h).unwrap_or(0);
-                return self.nodes[i].wait_healthy(Duration::from_millis(1)).map(|_| ());
+                if let Some((node, Some(answer))) = self.nodes.iter().zip(last).find(|(_, l)| l.is_some()) {
+                    return Err(node.unhealthy(HEALTHY_WITHIN, answer));
+                }
+                break;
             }
             std::thread::sleep(Duration::from_millis(20));
         }

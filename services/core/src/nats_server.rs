@@ -319,13 +319,19 @@ impl NatsServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Err(ServerError::Unhealthy {
+        Err(self.unhealthy(wait, last))
+    }
+
+    /// The error for a node whose `/healthz` did not answer 200 within `wait`; `last` is
+    /// its last answer (status and body, or the connection error).
+    pub(crate) fn unhealthy(&self, wait: Duration, last: String) -> ServerError {
+        ServerError::Unhealthy {
             name: self.name().unwrap_or("nats-server").to_string(),
             port: self.http_port().unwrap_or(0),
             wait,
             last,
             log: self.log_file(),
-        })
+        }
     }
 
     /// The folder of the credential files, when the server runs with users.
