@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::math::exp;
 use super::simd::LANES;
-use super::{elements, expect_len, nonzero, ShapeError};
+use super::{elements, expect_len, nonzero, or_panic, ShapeError};
 
 /// Queries per task: the score block `[QUERY_BLOCK, tk]` stays in L2 (1.4 MB at tk =
 /// 2688, the freq branch of htdemucs), and there are enough tasks to keep cores busy.
@@ -51,9 +51,7 @@ impl AttentionShape {
 /// When [`AttentionShape::check`] refuses the shape, with its message, before any
 /// memory is read.
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f32> {
-    if let Err(e) = s.check(q.len(), k.len(), v.len()) {
-        panic!("{e}");
-    }
+    or_panic(s.check(q.len(), k.len(), v.len()));
     let AttentionShape { batch, tq, tk, heads, head_dim } = s;
     // No product below overflows: `check` bounded each full product, and every factor
     // of those is at least 1 or the product is 0 (no tasks at all).
