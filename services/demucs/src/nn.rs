@@ -17,6 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::module::{conv1d, conv2d, conv_transpose1d, conv_transpose2d};
 use burn::tensor::ops::{ConvOptions, ConvTransposeOptions};
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use std::sync::{Arc, OnceLock};
 
 use crate::checkpoint::{HostTensor, StateDict};
 use crate::error::DemucsError;
@@ -277,6 +278,9 @@ pub struct Conv2d<B: Backend> {
     /// `[out]`.
     pub bias: Param<B, 1>,
     options: ConvOptions<2>,
+    /// The Winograd transform of `weight` (3×3 kernels on the CPU), made by the first
+    /// forward pass after [`Conv2d::load`] and shared by clones made after it.
+    winograd: OnceLock<Arc<[f32]>>,
 }
 
 /// Shape of a [`Conv2d`].
@@ -301,6 +305,7 @@ impl Conv2dConfig {
             weight: Tensor::zeros([self.chout, self.chin, self.kernel[0], self.kernel[1]], device).into(),
             bias: Tensor::zeros([self.chout], device).into(),
             options: ConvOptions::new(self.stride, self.padding, [1, 1], 1),
+            winograd: OnceLock::new(),
         }
     }
 }
@@ -310,15 +315,38 @@ impl<B: Backend> Conv2d<B> {
     pub fn load(mut self, state: &mut StateDict, prefix: &str) -> Result<Self, DemucsError> {
         self.weight = load_param(state, &format!("{prefix}.weight"), &self.weight)?;
         self.bias = load_param(state, &format!("{prefix}.bias"), &self.bias)?;
+        self.winograd = OnceLock::new();
         Ok(self)
     }
     /// `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [cout, _, kh, kw] = self.weight.dims();
+        let [cout, wcin, kh, kw] = self.weight.dims();
         let o = &self.options;
-        // On the CPU, the host kernel: the encoders' [k, 1] kernels over frequency, the
-        // decoders' [3, 3] rewrite (stride 1 along time, no dilation).
+        // On the CPU, the host kernels: Winograd for the decoders' [3, 3] rewrite, the
+        // axis kernel for the encoders' [k, 1] kernels over frequency and other shapes
+        // (stride 1 along time, no dilation).
         let plain = o.dilation == [1, 1] && o.groups == 1;
+        if crate::cpu::is_cpu::<B>() && plain && [kh, kw] == [3, 3] && o.stride == [1, 1] {
+            let [n, cin, h, w] = x.dims();
+            let c = crate::cpu::Conv3x3 {
+                batch: n,
+                cin,
+                cout,
+                height: h,
+                width: w,
+                pad_h: o.padding[0],
+                pad_w: o.padding[1],
+            };
+            let u = self.winograd.get_or_init(|| {
+                crate::cpu::with_host(&self.weight.val(), |w| crate::cpu::conv3x3_weights(w, cout, wcin).into())
+            });
+            let [ho, wo] = c.out_dims();
+            let device = x.device();
+            let y = crate::cpu::with_host(&x, |x| {
+                crate::cpu::with_host(&self.bias.val(), |b| crate::cpu::conv3x3(x, u, b, c))
+            });
+            return Tensor::from_data(TensorData::new(y, [n, cout, ho, wo]), &device);
+        }
         if crate::cpu::is_cpu::<B>() && plain && (kh > 1 || kw > 1) && o.stride[1] == 1 {
             let [n, cin, h, w] = x.dims();
             let c = crate::cpu::ConvAxis {

@@ -12,6 +12,7 @@
 //! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
 //! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
+//! | [`winograd`] | the 3×3 convolution by Winograd's F(2×2, 3×3): 16 gemms of 2.25× fewer FLOPs |
 //! | [`norm`] | GroupNorm and LayerNorm with f64 statistics |
 //! | [`activation`] | GELU, GLU and DConv's fused GLU · LayerScale + residual |
 //! | [`math`] | the vectorisable `exp` and `erf` the kernels share |
@@ -42,6 +43,7 @@ pub mod conv;
 pub mod conv_transpose;
 pub mod math;
 pub mod norm;
+pub mod winograd;
 
 pub use activation::{gelu, gelu_in_place, glu, glu_scale_add, glu_scale_add_in_place};
 pub use alloc::tune_allocator;
@@ -50,6 +52,7 @@ pub use conv::{conv_axis, ConvAxis};
 pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
 pub use math::{erf, exp};
 pub use norm::{group_norm_channels_last_in_place, group_norm_in_place, layer_norm_in_place};
+pub use winograd::{conv3x3, conv3x3_weights, Conv3x3};
 
 /// Whether `B` is the CPU backend whose tensors are host memory ([`crate::CpuBackend`]).
 /// `STEMQ_DEMUCS_GENERIC_OPS=1` turns the host kernels off (Burn's own ops everywhere),
