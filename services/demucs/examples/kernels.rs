@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use stemq_demucs::cpu::{attention, AttentionShape};
+use stemq_demucs::cpu::{attention, conv3x3, conv3x3_weights, conv_axis, AttentionShape, Conv3x3, ConvAxis};
 
 fn main() {
     stemq_demucs::cpu::tune_allocator(); // as the worker does
@@ -76,6 +76,45 @@ fn main() {
             std::hint::black_box(attention(&q, &k, &v, shape));
         });
         println!("attention {name:>16} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
+    }
+    // The decoders' 3×3 rewrite, [cin, F, 336] → [2·cin, F, 336]: per tap (conv_axis)
+    // and by Winograd (conv3x3), in the FLOPs of the direct convolution.
+    for (cin, f) in [(384, 8), (192, 32), (96, 128), (48, 512)] {
+        let (cout, t) = (2 * cin, 336);
+        let x: Vec<f32> = (0..cin * f * t).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
+        let w: Vec<f32> = (0..cout * cin * 9).map(|i| (i % 89) as f32 / 890.0 - 0.05).collect();
+        let b = vec![0.1f32; cout];
+        let flop = 2.0 * (cout * cin * 9 * f * t) as f64 * passes as f64;
+        let axis = ConvAxis {
+            batch: 1,
+            cin,
+            cout,
+            rows: 1,
+            len: f,
+            inner: t,
+            kernel: 3,
+            stride: 1,
+            pad: 1,
+            dilation: 1,
+            inner_kernel: 3,
+            inner_pad: 1,
+        };
+        let per_tap = best_of(passes, || {
+            std::hint::black_box(conv_axis(&x, &w, &b, axis));
+        });
+        let u = conv3x3_weights(&w, cout, cin);
+        let c = Conv3x3 { batch: 1, cin, cout, height: f, width: t, pad_h: 1, pad_w: 1 };
+        let wino = best_of(passes, || {
+            std::hint::black_box(conv3x3(&x, &u, &b, c));
+        });
+        println!(
+            "conv 3×3 {cin:>3}→{cout:<3} F {f:<3} ×{passes}: per tap {:7.2} ms ({:5.1} GFLOPS), Winograd {:7.2} ms ({:5.1}), {:.2}×",
+            per_tap * 1e3,
+            flop / per_tap / 1e9,
+            wino * 1e3,
+            flop / wino / 1e9,
+            per_tap / wino
+        );
     }
 }
 

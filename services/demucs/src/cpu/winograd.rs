@@ -54,10 +54,11 @@ struct Plan {
 
 /// Tiles per chunk for a tile of `per_tile` scratch floats (transformed input and gemm
 /// results): about 2 Mi floats in all, so a chunk's working set stays near the L2/L3
-/// boundary, but never fewer than 256 tiles (gemm columns), which the gemm needs to run
-/// at speed. Whole tile rows, at least one.
+/// boundary, but never fewer than 1024 tiles (gemm columns), which the gemm needs to run
+/// at speed (256 made the deepest decoder's convolution 1.2× slower; 4 Mi floats the
+/// shallowest one 1.4× slower; `examples/kernels.rs`). Whole tile rows, at least one.
 fn chunk_tiles(per_tile: usize) -> usize {
-    ((2 << 20) / per_tile).max(256)
+    ((2 << 20) / per_tile).max(1024)
 }
 
 impl Conv3x3 {
@@ -246,24 +247,25 @@ fn input_transform(
     tw: usize,
 ) {
     let nt = ra * tw;
-    // One input row split into even and odd padded columns (tw + 1 each), then its
-    // four row-transformed vectors t[j] (tw each), for the tile row's four input rows.
-    let mut even = vec![0f32; tw + 1];
-    let mut odd = vec![0f32; tw + 1];
+    // One input row with its zero padding (2·tw + 2 columns: the margins stay zero),
+    // split into even and odd columns (tw + 1 each); then its four row-transformed
+    // vectors t[j] (tw each), kept in one of four slots: the two lower input rows of a
+    // tile row are the two upper ones of the next.
+    let mut padded = vec![0f32; 2 * tw + 2];
+    let (mut even, mut odd) = (vec![0f32; tw + 1], vec![0f32; tw + 1]);
     let mut t = vec![0f32; 16 * tw];
+    let slot = |a: usize, i: usize| (2 * a + i) % 4;
     for a in 0..ra {
-        for i in 0..4 {
+        for i in if a == 0 { 0 } else { 2 }..4 {
             let r = (2 * (a0 + a) + i).checked_sub(pad_h).filter(|r| *r < h);
-            let ti = &mut t[i * 4 * tw..][..4 * tw];
+            let ti = &mut t[slot(a, i) * 4 * tw..][..4 * tw];
             let Some(r) = r else {
                 ti.fill(0.0);
                 continue;
             };
-            let row = &x[r * w..][..w];
-            let at = |col: usize| col.checked_sub(pad_w).and_then(|c| row.get(c)).copied().unwrap_or(0.0);
-            for b in 0..=tw {
-                even[b] = at(2 * b);
-                odd[b] = at(2 * b + 1);
+            padded[pad_w..pad_w + w].copy_from_slice(&x[r * w..][..w]);
+            for ((e, o), pair) in even.iter_mut().zip(odd.iter_mut()).zip(padded.chunks_exact(2)) {
+                (*e, *o) = (pair[0], pair[1]);
             }
             let (t0, rest) = ti.split_at_mut(tw);
             let (t1, rest) = rest.split_at_mut(tw);
@@ -278,7 +280,7 @@ fn input_transform(
         }
         // Along H: v[i][j] = (Bᵀ t[·][j])[i], rows [t0 − t2, t1 + t2, t2 − t1, t1 − t3].
         for j in 0..4 {
-            let row = |i: usize| &t[(i * 4 + j) * tw..][..tw];
+            let row = |i: usize| &t[(slot(a, i) * 4 + j) * tw..][..tw];
             let (s0, s1, s2, s3) = (row(0), row(1), row(2), row(3));
             for (i, (p, q, sign)) in
                 [(s0, s2, -1.0f32), (s1, s2, 1.0), (s2, s1, -1.0), (s1, s3, -1.0)].into_iter().enumerate()
