@@ -103,9 +103,9 @@ fn main() {
             std::hint::black_box(conv_axis(&x, &w, &b, axis));
         });
         let u = conv3x3_weights(&w, cout, cin);
-        let c = Conv3x3 { batch: 1, cin, cout, height: f, width: t, pad_h: 1, pad_w: 1 };
+        let c = Conv3x3 { batch: 1, cin, cout, height: f, width: t, pad_h: 1, pad_w: 1, glu: false };
         let wino = best_of(passes, || {
-            std::hint::black_box(conv3x3(&x, &u, &b, c));
+            std::hint::black_box(conv3x3(&x, None, &u, &b, c));
         });
         println!(
             "conv 3×3 {cin:>3}→{cout:<3} F {f:<3} ×{passes}: per tap {:7.2} ms ({:5.1} GFLOPS), Winograd {:7.2} ms ({:5.1}), {:.2}×",

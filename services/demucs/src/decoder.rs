@@ -171,16 +171,12 @@ impl<B: Backend> HDecLayer<B> {
             return self.forward_bands(x, skip);
         }
         let Layers::Freq { rewrite, conv_tr } = &self.layers else { panic!("forward_freq on a time layer") };
-        let x = if self.empty { x } else { x + skip };
-        let y = match rewrite {
-            Some(r) => {
-                let z = r.forward(x);
-                cpu::glu(match &self.norm1 {
-                    Some(n) => n.forward4(z),
-                    None => z,
-                })
-            }
-            None => x,
+        let skip = (!self.empty).then_some(skip);
+        let y = match (rewrite, &self.norm1) {
+            // No norm between them: the sum, the convolution and the GLU in one kernel.
+            (Some(r), None) => r.forward_sum_glu(x, skip),
+            (Some(r), Some(n)) => cpu::glu(n.forward4(r.forward(add(x, skip)))),
+            (None, _) => add(x, skip),
         };
         let y = match &self.dconv {
             Some(d) => dconv_freq(d, y),
@@ -290,5 +286,13 @@ impl<B: Backend> HDecLayer<B> {
         };
         let z = z.narrow(2, self.pad, length);
         (if self.last { z } else { cpu::gelu(z) }, y)
+    }
+}
+
+/// `x + skip`, or `x` alone (an `empty` layer has no skip).
+fn add<B: Backend, const D: usize>(x: Tensor<B, D>, skip: Option<Tensor<B, D>>) -> Tensor<B, D> {
+    match skip {
+        Some(s) => x + s,
+        None => x,
     }
 }

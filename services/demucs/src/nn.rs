@@ -320,32 +320,14 @@ impl<B: Backend> Conv2d<B> {
     }
     /// `[B, in, H, W]` → `[B, out, H', W']`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [cout, wcin, kh, kw] = self.weight.dims();
+        let [cout, _, kh, kw] = self.weight.dims();
         let o = &self.options;
         // On the CPU, the host kernels: Winograd for the decoders' [3, 3] rewrite, the
         // axis kernel for the encoders' [k, 1] kernels over frequency and other shapes
         // (stride 1 along time, no dilation).
         let plain = o.dilation == [1, 1] && o.groups == 1;
-        if crate::cpu::is_cpu::<B>() && plain && [kh, kw] == [3, 3] && o.stride == [1, 1] {
-            let [n, cin, h, w] = x.dims();
-            let c = crate::cpu::Conv3x3 {
-                batch: n,
-                cin,
-                cout,
-                height: h,
-                width: w,
-                pad_h: o.padding[0],
-                pad_w: o.padding[1],
-            };
-            let u = self.winograd.get_or_init(|| {
-                crate::cpu::with_host(&self.weight.val(), |w| crate::cpu::conv3x3_weights(w, cout, wcin).into())
-            });
-            let [ho, wo] = c.out_dims();
-            let device = x.device();
-            let y = crate::cpu::with_host(&x, |x| {
-                crate::cpu::with_host(&self.bias.val(), |b| crate::cpu::conv3x3(x, u, b, c))
-            });
-            return Tensor::from_data(TensorData::new(y, [n, cout, ho, wo]), &device);
+        if let Some(y) = self.winograd(&x, None, false) {
+            return y;
         }
         if crate::cpu::is_cpu::<B>() && plain && (kh > 1 || kw > 1) && o.stride[1] == 1 {
             let [n, cin, h, w] = x.dims();
@@ -369,6 +351,53 @@ impl<B: Backend> Conv2d<B> {
             });
         }
         conv2d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
+    }
+
+    /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the decoders' rewrite, in one pass of the
+    /// Winograd kernel on the CPU for a 3×3 kernel, as three steps elsewhere.
+    pub fn forward_sum_glu(&self, x: Tensor<B, 4>, skip: Option<Tensor<B, 4>>) -> Tensor<B, 4> {
+        if let Some(y) = self.winograd(&x, skip.as_ref(), true) {
+            return y;
+        }
+        crate::cpu::glu(self.forward(match skip {
+            Some(s) => x + s,
+            None => x,
+        }))
+    }
+
+    /// The Winograd kernel's result, on the CPU backend for a plain 3×3 kernel of stride
+    /// 1; `None` for any other convolution or backend.
+    fn winograd(&self, x: &Tensor<B, 4>, skip: Option<&Tensor<B, 4>>, glu: bool) -> Option<Tensor<B, 4>> {
+        let [cout, wcin, kh, kw] = self.weight.dims();
+        let o = &self.options;
+        let plain = o.dilation == [1, 1] && o.groups == 1 && o.stride == [1, 1] && [kh, kw] == [3, 3];
+        if !(crate::cpu::is_cpu::<B>() && plain) || skip.is_some_and(|s| s.dims() != x.dims()) {
+            return None;
+        }
+        let [n, cin, h, w] = x.dims();
+        let c = crate::cpu::Conv3x3 {
+            batch: n,
+            cin,
+            cout,
+            height: h,
+            width: w,
+            pad_h: o.padding[0],
+            pad_w: o.padding[1],
+            glu,
+        };
+        let u = self.winograd.get_or_init(|| {
+            crate::cpu::with_host(&self.weight.val(), |w| crate::cpu::conv3x3_weights(w, cout, wcin).into())
+        });
+        let [ho, wo] = c.out_dims();
+        use crate::cpu::with_host;
+        let y = with_host(x, |x| {
+            with_host(&self.bias.val(), |b| match skip {
+                Some(s) => with_host(s, |s| crate::cpu::conv3x3(x, Some(s), u, b, c)),
+                None => crate::cpu::conv3x3(x, None, u, b, c),
+            })
+        });
+        let planes = if glu { cout / 2 } else { cout };
+        Some(Tensor::from_data(TensorData::new(y, [n, planes, ho, wo]), &x.device()))
     }
 }
 

@@ -120,6 +120,14 @@ pub enum ShapeError {
         /// The buffer.
         what: &'static str,
     },
+    /// A GLU over an odd number of channels.
+    #[error("{kernel}: a GLU needs an even number of channels, not {channels}")]
+    OddGlu {
+        /// The kernel.
+        kernel: &'static str,
+        /// The channels it would split in two.
+        channels: usize,
+    },
     /// A slice does not hold the number of values its shape says.
     #[error("{kernel}: {what}: {got} values where the shape says {want}")]
     Len {

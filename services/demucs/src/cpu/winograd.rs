@@ -34,6 +34,9 @@ pub struct Conv3x3 {
     pub pad_h: usize,
     /// Zero padding on both ends of `W`.
     pub pad_w: usize,
+    /// `nn.GLU(dim=1)` on the result: `Cout / 2` channels out, `a · σ(b)` of the first
+    /// and second halves (`Cout` even).
+    pub glu: bool,
 }
 
 /// The sizes [`conv3x3`] works with, from a [`Conv3x3`] in checked arithmetic.
@@ -79,8 +82,11 @@ impl Conv3x3 {
 
     /// The plan, with chunks of about `chunk` tiles (see [`chunk_tiles`]).
     fn plan(&self, chunk: fn(usize) -> usize) -> Result<Plan, ShapeError> {
-        let Conv3x3 { batch, cin, cout, height, width, pad_h, pad_w } = *self;
+        let Conv3x3 { batch, cin, cout, height, width, pad_h, pad_w, glu } = *self;
         nonzero(K, &[("batch", batch), ("cin", cin), ("cout", cout), ("height", height), ("width", width)])?;
+        if glu && cout % 2 != 0 {
+            return Err(ShapeError::OddGlu { kernel: K, channels: cout });
+        }
         let overflow = |what| ShapeError::Overflow { kernel: K, what };
         let padded = |len: usize, pad: usize| pad.checked_mul(2).and_then(|p| p.checked_add(len));
         let hp = padded(height, pad_h).ok_or(overflow("the padded input"))?;
@@ -105,7 +111,7 @@ impl Conv3x3 {
             rows,
             x: elements(K, "the input", &[batch, cin, height, width])?,
             u: elements(K, "the transformed weights", &[16, cout, cin])?,
-            out: elements(K, "the output", &[batch, cout, ho, wo])?,
+            out: elements(K, "the output", &[batch, if glu { cout / 2 } else { cout }, ho, wo])?,
         })
     }
 }
@@ -144,30 +150,42 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The 3×3 convolution of [`Conv3x3`] on `x` `[N, Cin, H, W]`, with the weights
+/// The 3×3 convolution of [`Conv3x3`] on `x` `[N, Cin, H, W]` (plus `skip`, the same
+/// shape, added as the input is read: the decoders' `x + skip`), with the weights
 /// transformed by [`conv3x3_weights`] (`u`, `[16, Cout, Cin]`) and `bias` `[Cout]` →
-/// `[N, Cout, H', W']`. Per chunk of tile rows: the input transform `Bᵀ d B` of every
-/// tile into `[Cin, 16, tiles]`, 16 gemms (`U[ξ] · V[ξ]`) into `[Cout, 16, tiles]`, and
-/// the output transform `Aᵀ m A` plus the bias into the output rows.
+/// `[N, Cout, H', W']` (`Cout / 2` channels with [`Conv3x3::glu`]). Per chunk of tile
+/// rows: the input transform `Bᵀ d B` of every tile into `[Cin, 16, tiles]`, 16 gemms
+/// (`U[ξ] · V[ξ]`) into `[Cout, 16, tiles]`, and the output transform `Aᵀ m A` plus the
+/// bias (then the GLU) into the output rows.
 ///
 /// # Panics
 ///
 /// When [`Conv3x3::check`] refuses the shape or a slice's length does not match it,
 /// with a [`ShapeError`] message, before any memory is read.
-pub fn conv3x3(x: &[f32], u: &[f32], bias: &[f32], c: Conv3x3) -> Vec<f32> {
-    conv3x3_chunked(x, u, bias, c, chunk_tiles)
+pub fn conv3x3(x: &[f32], skip: Option<&[f32]>, u: &[f32], bias: &[f32], c: Conv3x3) -> Vec<f32> {
+    conv3x3_chunked((x, skip), u, bias, c, chunk_tiles)
 }
 
 /// [`conv3x3`] with chunks of `chunk(per_tile)` tiles.
-fn conv3x3_chunked(x: &[f32], u: &[f32], bias: &[f32], c: Conv3x3, chunk: fn(usize) -> usize) -> Vec<f32> {
+fn conv3x3_chunked(
+    (x, skip): (&[f32], Option<&[f32]>),
+    u: &[f32],
+    bias: &[f32],
+    c: Conv3x3,
+    chunk: fn(usize) -> usize,
+) -> Vec<f32> {
     let p = or_panic(c.plan(chunk).and_then(|p| {
         expect_len(K, "the input", x.len(), p.x)?;
+        if let Some(skip) = skip {
+            expect_len(K, "the skip input", skip.len(), p.x)?;
+        }
         expect_len(K, "the transformed weights", u.len(), p.u)?;
         expect_len(K, "the bias", bias.len(), c.cout)?;
         Ok(p)
     }));
-    let Conv3x3 { batch, cin, cout, height: h, width: w, pad_h, pad_w } = c;
+    let Conv3x3 { batch, cin, cout, height: h, width: w, pad_h, pad_w, glu } = c;
     let Plan { ho, wo, th, tw, rows, .. } = p;
+    let planes = if glu { cout / 2 } else { cout };
     let mut out = vec![0f32; p.out];
     // Taken out of the thread's slot rather than borrowed: a thread waiting in a rayon
     // call below may run another pass's convolution, which then makes its own.
@@ -180,13 +198,15 @@ fn conv3x3_chunked(x: &[f32], u: &[f32], bias: &[f32], c: Conv3x3, chunk: fn(usi
     let m = &mut m[..m_len];
     for n in 0..batch {
         let x = &x[n * cin * h * w..][..cin * h * w];
-        let out = &mut out[n * cout * ho * wo..][..cout * ho * wo];
+        let skip = skip.map(|s| &s[n * cin * h * w..][..cin * h * w]);
+        let out = &mut out[n * planes * ho * wo..][..planes * ho * wo];
         for a0 in (0..th).step_by(rows) {
             let ra = rows.min(th - a0);
             let nt = ra * tw;
             // Input transform: channel ci's tiles into v[ci] = [16, nt].
             v[..cin * 16 * nt].par_chunks_mut(16 * nt).enumerate().for_each(|(ci, dst)| {
-                input_transform(&x[ci * h * w..][..h * w], dst, (h, w, pad_h, pad_w), a0, ra, tw);
+                let at = ci * h * w..(ci + 1) * h * w;
+                input_transform((&x[at.clone()], skip.map(|s| &s[at])), dst, (h, w, pad_h, pad_w), a0, ra, tw);
             });
             for xi in 0..16 {
                 let lhs = &u[xi * cout * cin..][..cout * cin];
@@ -224,11 +244,22 @@ fn conv3x3_chunked(x: &[f32], u: &[f32], bias: &[f32], c: Conv3x3, chunk: fn(usi
                     );
                 }
             }
-            // Output transform: channel co's rows 2·a0 .. of the output.
+            // Output transform: channel co's rows 2·a0 .. of the output; with the GLU,
+            // channels co and co + Cout/2 into scratch rows, then a · σ(b) into the output.
             let (r0, r1) = (2 * a0, (2 * (a0 + ra)).min(ho));
             let m = &m[..];
-            out.par_chunks_mut(ho * wo).zip(bias).enumerate().for_each(|(co, (plane, &b))| {
-                output_transform(&m[co * 16 * nt..][..16 * nt], &mut plane[r0 * wo..r1 * wo], (wo, b), ra, tw);
+            let tile = |co: usize| &m[co * 16 * nt..][..16 * nt];
+            out.par_chunks_mut(ho * wo).enumerate().for_each(|(co, plane)| {
+                let dst = &mut plane[r0 * wo..r1 * wo];
+                if !glu {
+                    output_transform(tile(co), dst, (wo, bias[co]), ra, tw);
+                    return;
+                }
+                let mut ab = vec![0f32; 2 * dst.len()];
+                let (a, b) = ab.split_at_mut(dst.len());
+                output_transform(tile(co), a, (wo, bias[co]), ra, tw);
+                output_transform(tile(co + planes), b, (wo, bias[co + planes]), ra, tw);
+                super::glu_scale_add_in_place(dst, &ab, &[1.0], 1, dst.len());
             });
         }
     }
@@ -236,10 +267,10 @@ fn conv3x3_chunked(x: &[f32], u: &[f32], bias: &[f32], c: Conv3x3, chunk: fn(usi
     out
 }
 
-/// `Bᵀ d B` of the tiles of tile rows `a0 .. a0 + ra` of one channel `x` `[H, W]` into
-/// `dst` `[16, ra · tw]`.
+/// `Bᵀ d B` of the tiles of tile rows `a0 .. a0 + ra` of one channel `x` `[H, W]` (plus
+/// `skip`'s) into `dst` `[16, ra · tw]`.
 fn input_transform(
-    x: &[f32],
+    (x, skip): (&[f32], Option<&[f32]>),
     dst: &mut [f32],
     (h, w, pad_h, pad_w): (usize, usize, usize, usize),
     a0: usize,
@@ -263,7 +294,13 @@ fn input_transform(
                 ti.fill(0.0);
                 continue;
             };
-            padded[pad_w..pad_w + w].copy_from_slice(&x[r * w..][..w]);
+            let (row, inner) = (&x[r * w..][..w], &mut padded[pad_w..pad_w + w]);
+            match skip {
+                Some(skip) => {
+                    inner.iter_mut().zip(row.iter().zip(&skip[r * w..][..w])).for_each(|(p, (a, b))| *p = a + b)
+                }
+                None => inner.copy_from_slice(row),
+            }
             for ((e, o), pair) in even.iter_mut().zip(odd.iter_mut()).zip(padded.chunks_exact(2)) {
                 (*e, *o) = (pair[0], pair[1]);
             }
@@ -374,7 +411,7 @@ mod tests {
             (5, 3, 1, 12, 1, 1),
             (2, 3, 40, 3, 1, 1),
         ] {
-            let c = Conv3x3 { batch: 2, cin, cout, height, width, pad_h, pad_w };
+            let c = Conv3x3 { batch: 2, cin, cout, height, width, pad_h, pad_w, glu: false };
             let x: Vec<f32> = (0..2 * cin * height * width).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
             let w: Vec<f32> = (0..cout * cin * 9).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
             let b: Vec<f32> = (0..cout).map(|i| i as f32 * 0.25 - 0.5).collect();
@@ -383,17 +420,39 @@ mod tests {
             // One chunk, then chunks of one tile row (the last one cut short when the
             // output's height is odd).
             for chunk in [chunk_tiles, |_| 1] {
-                let got = conv3x3_chunked(&x, &u, &b, c, chunk);
+                let got = conv3x3_chunked((&x, None), &u, &b, c, chunk);
                 assert_eq!(got.len(), want.len(), "{c:?}");
                 let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(worst < 1e-5, "{c:?}: worst error {worst:e}");
+            }
+            // The decoders' form: glu(conv(x + skip)), over 2·cout channels.
+            let c = Conv3x3 { cout: 2 * cout, glu: true, ..c };
+            let skip: Vec<f32> = x.iter().map(|v| 0.5 - v * v).collect();
+            let sum: Vec<f32> = x.iter().zip(&skip).map(|(a, b)| a + b).collect();
+            let w: Vec<f32> = (0..2 * cout * cin * 9).map(|i| ((i * 7727 % 613) as f32) / 300.0 - 1.0).collect();
+            let b: Vec<f32> = (0..2 * cout).map(|i| 0.5 - i as f32 * 0.125).collect();
+            let full = direct(&sum, &w, &b, Conv3x3 { glu: false, ..c });
+            let [ho, wo] = c.out_dims();
+            let plane = ho * wo;
+            let want: Vec<f64> = (0..2 * cout * plane)
+                .map(|i| {
+                    let (n, rest) = (i / (cout * plane), i % (cout * plane));
+                    let at = n * 2 * cout * plane + rest;
+                    full[at] / (1.0 + (-full[at + cout * plane]).exp())
+                })
+                .collect();
+            for chunk in [chunk_tiles, |_| 1] {
+                let got = conv3x3_chunked((&x, Some(&skip)), &conv3x3_weights(&w, 2 * cout, cin), &b, c, chunk);
+                assert_eq!(got.len(), want.len(), "{c:?}");
+                let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(worst < 1e-5, "{c:?} with skip and GLU: worst error {worst:e}");
             }
         }
     }
 
     #[test]
     fn check_refuses_bad_shapes() {
-        let c = Conv3x3 { batch: 1, cin: 2, cout: 3, height: 4, width: 5, pad_h: 1, pad_w: 1 };
+        let c = Conv3x3 { batch: 1, cin: 2, cout: 3, height: 4, width: 5, pad_h: 1, pad_w: 1, glu: false };
         assert_eq!(c.check(), Ok([4, 5]));
         assert_eq!(Conv3x3 { pad_h: 0, pad_w: 0, ..c }.check(), Ok([2, 3]));
         assert_eq!(Conv3x3 { cin: 0, ..c }.check(), Err(ShapeError::Zero { kernel: K, field: "cin" }));
@@ -403,12 +462,21 @@ mod tests {
         );
         assert!(matches!(Conv3x3 { pad_w: usize::MAX / 2 + 1, ..c }.check(), Err(ShapeError::Overflow { .. })));
         assert!(matches!(Conv3x3 { batch: 1 << 40, cin: 1 << 40, ..c }.check(), Err(ShapeError::Overflow { .. })));
+        assert_eq!(Conv3x3 { glu: true, ..c }.check(), Err(ShapeError::OddGlu { kernel: K, channels: 3 }));
+        assert_eq!(Conv3x3 { glu: true, cout: 4, ..c }.check(), Ok([4, 5]));
+    }
+
+    #[test]
+    #[should_panic(expected = "conv3x3: the skip input: 39 values where the shape says 40")]
+    fn conv3x3_panics_before_reading_a_short_skip() {
+        let c = Conv3x3 { batch: 1, cin: 2, cout: 3, height: 4, width: 5, pad_h: 1, pad_w: 1, glu: false };
+        conv3x3(&[0.0; 40], Some(&[0.0; 39]), &[0.0; 96], &[0.0; 3], c);
     }
 
     #[test]
     #[should_panic(expected = "conv3x3: the transformed weights: 9 values where the shape says 96")]
     fn conv3x3_panics_before_reading_short_weights() {
-        let c = Conv3x3 { batch: 1, cin: 2, cout: 3, height: 4, width: 5, pad_h: 1, pad_w: 1 };
-        conv3x3(&[0.0; 40], &[0.0; 9], &[0.0; 3], c);
+        let c = Conv3x3 { batch: 1, cin: 2, cout: 3, height: 4, width: 5, pad_h: 1, pad_w: 1, glu: false };
+        conv3x3(&[0.0; 40], None, &[0.0; 9], &[0.0; 3], c);
     }
 }
