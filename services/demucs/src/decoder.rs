@@ -187,13 +187,8 @@ impl<B: Backend> HDecLayer<B> {
             Some(n) => n.forward4(z),
             None => z,
         };
-        let z = if self.pad > 0 {
-            let f = z.dims()[2];
-            z.narrow(2, self.pad, f - 2 * self.pad)
-        } else {
-            z
-        };
-        (if self.last { z } else { cpu::gelu(z) }, y)
+        let f = z.dims()[2] - 2 * self.pad;
+        (if self.last { z.narrow(2, self.pad, f) } else { cpu::gelu_narrow(z, 2, self.pad, f) }, y)
     }
 
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
@@ -284,8 +279,7 @@ impl<B: Backend> HDecLayer<B> {
             Some(n) => n.forward3(z),
             None => z,
         };
-        let z = z.narrow(2, self.pad, length);
-        (if self.last { z } else { cpu::gelu(z) }, y)
+        (if self.last { z.narrow(2, self.pad, length) } else { cpu::gelu_narrow(z, 2, self.pad, length) }, y)
     }
 }
 

@@ -35,6 +35,29 @@ pub fn gelu<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(data, dims), &device)
 }
 
+/// `gelu(t.narrow(dim, start, len))`: the decoders' crop and GELU. On the CPU backend one
+/// pass reads the kept rows of each block in place and writes them activated (no
+/// strided copy of the view first); elsewhere Burn's ops.
+pub fn gelu_narrow<B: Backend, const D: usize>(t: Tensor<B, D>, dim: usize, start: usize, len: usize) -> Tensor<B, D> {
+    let mut dims = t.dims();
+    if !is_cpu::<B>() || (start, len) == (0, dims[dim]) || start.checked_add(len).is_none_or(|end| end > dims[dim]) {
+        return gelu(t.narrow(dim, start, len));
+    }
+    let (outer, inner) = (dims[..dim].iter().product::<usize>(), dims[dim + 1..].iter().product::<usize>());
+    let axis = dims[dim];
+    dims[dim] = len;
+    let device = t.device();
+    let out = super::with_host(&t, |x| {
+        let mut out = vec![0f32; outer * len * inner];
+        for (o, dst) in out.chunks_exact_mut(len * inner).enumerate() {
+            dst.copy_from_slice(&x[(o * axis + start) * inner..][..len * inner]);
+            gelu_in_place(dst);
+        }
+        out
+    });
+    Tensor::from_data(TensorData::new(out, dims), &device)
+}
+
 /// `nn.GLU(dim=1)`: `[N, 2C, …]` → `[N, C, …]`; host kernel on the CPU backend.
 pub fn glu<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     if !is_cpu::<B>() {
@@ -111,6 +134,19 @@ mod tests {
         gelu_in_place(&mut x);
         let worst = x.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
         assert!(worst < 1e-6, "worst absolute error {worst:e}");
+    }
+
+    #[test]
+    fn gelu_narrow_is_gelu_of_the_narrowed_view() {
+        let device = Default::default();
+        let x: Vec<f32> = (0..2 * 3 * 7 * 5).map(|i| (i as f32 - 100.0) / 25.0).collect();
+        let t = Tensor::<crate::CpuBackend, 4>::from_data(TensorData::new(x, [2, 3, 7, 5]), &device);
+        for (dim, start, len) in [(2, 2, 3), (1, 1, 2), (3, 0, 5), (0, 1, 1)] {
+            let want = host_vec(gelu(t.clone().narrow(dim, start, len)));
+            let got = gelu_narrow(t.clone(), dim, start, len);
+            assert_eq!(got.dims()[dim], len);
+            assert_eq!(host_vec(got), want, "dim {dim}, start {start}, len {len}");
+        }
     }
 
     #[test]

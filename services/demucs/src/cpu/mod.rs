@@ -45,7 +45,7 @@ pub mod math;
 pub mod norm;
 pub mod winograd;
 
-pub use activation::{gelu, gelu_in_place, glu, glu_scale_add, glu_scale_add_in_place};
+pub use activation::{gelu, gelu_in_place, gelu_narrow, glu, glu_scale_add, glu_scale_add_in_place};
 pub use alloc::tune_allocator;
 pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
