@@ -750,6 +750,16 @@ impl<B: Backend> Linear<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, din] = x.dims();
         let dout = self.weight_t.dims()[1];
+        if crate::cpu::is_cpu::<B>() {
+            use crate::cpu::with_host;
+            let device = x.device();
+            let y = with_host(&x, |x| {
+                with_host(&self.weight_t.val(), |w| {
+                    with_host(&self.bias.val(), |bias| crate::cpu::linear(x, w, bias, b * t, din, dout))
+                })
+            });
+            return Tensor::from_data(TensorData::new(y, [b, t, dout]), &device);
+        }
         let y = x.reshape([b * t, din]).matmul(self.weight_t.val());
         (y + self.bias.val().reshape([1, dout])).reshape([b, t, dout])
     }

@@ -80,6 +80,57 @@ pub fn with_host<B: Backend, const D: usize, R>(t: &Tensor<B, D>, f: impl FnOnce
     f(&host_vec(t.clone()))
 }
 
+/// `x · w + bias` for `x` `[rows, din]`, `w` `[din, dout]`, `bias` `[dout]` (a Linear
+/// layer with its weight stored transposed): the output starts as the bias rows and the
+/// gemm accumulates onto them, so the bias costs no pass of its own.
+///
+/// # Panics
+///
+/// When a slice's length does not match the shape (checked before any memory is read).
+pub fn linear(x: &[f32], w: &[f32], bias: &[f32], rows: usize, din: usize, dout: usize) -> Vec<f32> {
+    const K: &str = "linear";
+    or_panic(
+        nonzero(K, &[("rows", rows), ("din", din), ("dout", dout)])
+            .and_then(|()| expect_len(K, "the input", x.len(), elements(K, "the input", &[rows, din])?))
+            .and_then(|()| expect_len(K, "the weights", w.len(), elements(K, "the weights", &[din, dout])?))
+            .and_then(|()| expect_len(K, "the bias", bias.len(), dout))
+            .and_then(|()| elements(K, "the output", &[rows, dout])),
+    );
+    let mut out = Vec::with_capacity(rows * dout);
+    for _ in 0..rows {
+        out.extend_from_slice(bias);
+    }
+    // SAFETY: gemm reads x as rows × din (row stride din: exactly `x`), w as din × dout
+    // (row stride dout: exactly `w`), and reads then writes out as rows × dout (row
+    // stride dout: exactly `out`, every value initialised above). The lengths were
+    // checked above, and their element counts fit in isize bytes; `out` is a distinct
+    // buffer.
+    unsafe {
+        gemm::gemm(
+            rows,
+            dout,
+            din,
+            out.as_mut_ptr(),
+            1,
+            dout as isize,
+            true,
+            x.as_ptr(),
+            1,
+            din as isize,
+            w.as_ptr(),
+            1,
+            dout as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+    }
+    out
+}
+
 /// Shapes a pointer-based kernel ([`attention`], [`conv_axis`]) refuses, found before
 /// any memory is touched.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -190,6 +241,27 @@ fn nonzero(kernel: &'static str, fields: &[(&'static str, usize)]) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn linear_adds_the_bias_to_the_product() {
+        let (rows, din, dout) = (5, 7, 3);
+        let x: Vec<f32> = (0..rows * din).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..din * dout).map(|i| (i as f32 * 0.11).cos()).collect();
+        let b = [0.5, -1.0, 2.0];
+        let y = linear(&x, &w, &b, rows, din, dout);
+        for r in 0..rows {
+            for o in 0..dout {
+                let want = b[o] as f64 + (0..din).map(|k| x[r * din + k] as f64 * w[k * dout + o] as f64).sum::<f64>();
+                assert!((y[r * dout + o] as f64 - want).abs() < 1e-5, "({r}, {o}): {} vs {want}", y[r * dout + o]);
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "linear: the bias: 2 values where the shape says 3")]
+    fn linear_refuses_a_short_bias() {
+        linear(&[0.0; 6], &[0.0; 6], &[0.0; 2], 3, 2, 3);
+    }
 
     #[test]
     fn elements_refuses_overflow_and_oversized_buffers() {
