@@ -275,26 +275,17 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
             // so none of the products wrapped, and the strides fit in isize. Neither
             // input overlaps `dst`.
             unsafe {
-                gemm::gemm(
+                super::gemm_rows(
                     cout,
                     cols,
                     cq,
                     dst.as_mut_ptr(),
-                    1,
-                    cols as isize,
+                    cols,
                     tap > 0 || ti > 0,
                     lhs.as_ptr(),
-                    1,
-                    cq as isize,
+                    cq,
                     rhs.as_ptr(),
-                    1,
-                    ncols as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::Rayon(0),
+                    ncols,
                 );
             }
         }

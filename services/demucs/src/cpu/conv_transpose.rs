@@ -157,26 +157,17 @@ pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeA
                 // fits in memory, so no product wrapped and the strides fit in isize.
                 // No input overlaps `dst`.
                 unsafe {
-                    gemm::gemm(
+                    super::gemm_rows(
                         cout,
                         cols,
                         cin,
                         dst.as_mut_ptr(),
-                        1,
-                        cols as isize,
+                        cols,
                         m > 0,
                         lhs.as_ptr(),
-                        1,
-                        cin as isize,
+                        cin,
                         rhs.as_ptr(),
-                        1,
-                        row as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::Rayon(0),
+                        row,
                     );
                 }
             }

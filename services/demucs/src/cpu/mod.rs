@@ -106,29 +106,59 @@ pub fn linear(x: &[f32], w: &[f32], bias: &[f32], rows: usize, din: usize, dout:
     // checked above, and their element counts fit in isize bytes; `out` is a distinct
     // buffer.
     unsafe {
+        gemm_rows(rows, dout, din, out.as_mut_ptr(), dout, true, x.as_ptr(), din, w.as_ptr(), dout);
+    }
+    out
+}
+
+/// Row-major `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)` on the rayon pool: the
+/// one form of `gemm::gemm` the convolution and Linear kernels use (unit column
+/// strides; `dst_rs`, `lhs_rs`, `rhs_rs` are the row strides; `accumulate` adds to what
+/// `dst` holds instead of overwriting it).
+///
+/// # Safety
+///
+/// For each operand, every element `r · rs + c` (`r`, `c` within its rows and columns)
+/// must lie within one allocation the pointer may access (`dst` for writing, and for
+/// reading when `accumulate`), each of those offsets must fit in `isize` bytes, and
+/// `dst` must not overlap `lhs` or `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_rs: usize,
+    rhs: *const f32,
+    rhs_rs: usize,
+) {
+    // SAFETY: the caller's contract is gemm's, for these strides.
+    unsafe {
         gemm::gemm(
-            rows,
-            dout,
-            din,
-            out.as_mut_ptr(),
+            m,
+            n,
+            k,
+            dst,
             1,
-            dout as isize,
-            true,
-            x.as_ptr(),
+            dst_rs as isize,
+            accumulate,
+            lhs,
             1,
-            din as isize,
-            w.as_ptr(),
+            lhs_rs as isize,
+            rhs,
             1,
-            dout as isize,
+            rhs_rs as isize,
             1.0,
             1.0,
             false,
             false,
             false,
             gemm::Parallelism::Rayon(0),
-        );
+        )
     }
-    out
 }
 
 /// Shapes a pointer-based kernel ([`attention`], [`conv_axis`]) refuses, found before

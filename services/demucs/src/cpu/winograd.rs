@@ -221,26 +221,17 @@ fn conv3x3_chunked(
                 // none of these products wrapped and the strides fit in isize; v, m and u
                 // are distinct buffers.
                 unsafe {
-                    gemm::gemm(
+                    super::gemm_rows(
                         cout,
                         nt,
                         cin,
                         dst.as_mut_ptr(),
-                        1,
-                        (16 * nt) as isize,
+                        16 * nt,
                         false,
                         lhs.as_ptr(),
-                        1,
-                        cin as isize,
+                        cin,
                         rhs.as_ptr(),
-                        1,
-                        (16 * nt) as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::Rayon(0),
+                        16 * nt,
                     );
                 }
             }
