@@ -25,7 +25,7 @@ use crate::dconv::{DConv, DConvConfig};
 use crate::encoder::dconv_freq;
 use crate::error::DemucsError;
 use crate::nn::{
-    Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d,
+    add_skip, Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d,
     ConvTranspose2dConfig, GroupNorm, GroupNormConfig,
 };
 
@@ -175,8 +175,8 @@ impl<B: Backend> HDecLayer<B> {
         let y = match (rewrite, &self.norm1) {
             // No norm between them: the sum, the convolution and the GLU in one kernel.
             (Some(r), None) => r.forward_sum_glu(x, skip),
-            (Some(r), Some(n)) => cpu::glu(n.forward4(r.forward(add(x, skip)))),
-            (None, _) => add(x, skip),
+            (Some(r), Some(n)) => cpu::glu(n.forward4(r.forward(add_skip(x, skip)))),
+            (None, _) => add_skip(x, skip),
         };
         let y = match &self.dconv {
             Some(d) => dconv_freq(d, y),
@@ -280,13 +280,5 @@ impl<B: Backend> HDecLayer<B> {
             None => z,
         };
         (if self.last { z.narrow(2, self.pad, length) } else { cpu::gelu_narrow(z, 2, self.pad, length) }, y)
-    }
-}
-
-/// `x + skip`, or `x` alone (an `empty` layer has no skip).
-fn add<B: Backend, const D: usize>(x: Tensor<B, D>, skip: Option<Tensor<B, D>>) -> Tensor<B, D> {
-    match skip {
-        Some(s) => x + s,
-        None => x,
     }
 }

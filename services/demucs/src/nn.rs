@@ -130,6 +130,14 @@ fn load_param<B: Backend, const D: usize>(
     Ok(state.param(to_device(t, &target.device())))
 }
 
+/// `x + skip`, or `x` alone (a decoder layer without a skip).
+pub fn add_skip<B: Backend, const D: usize>(x: Tensor<B, D>, skip: Option<Tensor<B, D>>) -> Tensor<B, D> {
+    match skip {
+        Some(s) => x + s,
+        None => x,
+    }
+}
+
 /// `nn.Conv1d`: weight `[out, in, k]`, bias `[out]`; input `[B, in, L]` →
 /// `[B, out, (L + 2p − d(k − 1) − 1) / s + 1]`.
 #[derive(Debug, Clone)]
@@ -359,10 +367,7 @@ impl<B: Backend> Conv2d<B> {
         if let Some(y) = self.winograd(&x, skip.as_ref(), true) {
             return y;
         }
-        crate::cpu::glu(self.forward(match skip {
-            Some(s) => x + s,
-            None => x,
-        }))
+        crate::cpu::glu(self.forward(add_skip(x, skip)))
     }
 
     /// The Winograd kernel's result, on the CPU backend for a plain 3×3 kernel of stride
