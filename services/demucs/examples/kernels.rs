@@ -77,6 +77,36 @@ fn main() {
         });
         println!("attention {name:>16} ×{passes}: {:7.2} ms, {:6.1} GFLOPS", best * 1e3, flop / best / 1e9);
     }
+    // The frequency encoders' [8, 1] stride-4 convolution, [cin, F, 336] → [cout, F/4, 336].
+    for (cin, cout, f) in [(4, 48, 2048), (48, 96, 512), (96, 192, 128), (192, 384, 32)] {
+        let t = 336;
+        let x: Vec<f32> = (0..cin * f * t).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
+        let w: Vec<f32> = (0..cout * cin * 8).map(|i| (i % 89) as f32 / 890.0 - 0.05).collect();
+        let b = vec![0.1f32; cout];
+        let flop = 2.0 * (cout * cin * 8 * (f / 4) * t) as f64 * passes as f64;
+        let axis = ConvAxis {
+            batch: 1,
+            cin,
+            cout,
+            rows: 1,
+            len: f,
+            inner: t,
+            kernel: 8,
+            stride: 4,
+            pad: 2,
+            dilation: 1,
+            inner_kernel: 1,
+            inner_pad: 0,
+        };
+        let best = best_of(passes, || {
+            std::hint::black_box(conv_axis(&x, &w, &b, axis));
+        });
+        println!(
+            "conv [8,1]/4 {cin:>3}→{cout:<3} F {f:<4} ×{passes}: {:7.2} ms ({:5.1} GFLOPS)",
+            best * 1e3,
+            flop / best / 1e9
+        );
+    }
     // The decoders' 3×3 rewrite, [cin, F, 336] → [2·cin, F, 336]: per tap (conv_axis)
     // and by Winograd (conv3x3), in the FLOPs of the direct convolution.
     for (cin, f) in [(384, 8), (192, 32), (96, 128), (48, 512)] {

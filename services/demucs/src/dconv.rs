@@ -43,6 +43,8 @@ pub struct DConvLayer<B: Backend> {
     scale: LayerScale<B>,
     lstm: Option<BLstm<B>>,
     attn: Option<LocalState<B>>,
+    /// The first convolution's dilation (and padding).
+    dilation: usize,
 }
 
 /// `DConv`: `[N, C, T]` → `[N, C, T]`.
@@ -73,6 +75,7 @@ impl DConvConfig {
                     scale: LayerScale::init(c, device),
                     lstm: None,
                     attn: None,
+                    dilation,
                 }
             })
             .collect();
@@ -112,6 +115,7 @@ impl<B: Backend> DConv<B> {
                 scale: l.scale.load(state, &p(i + 3))?,
                 lstm,
                 attn,
+                dilation: l.dilation,
             });
         }
         Ok(DConv { layers, hidden, lstm: with_lstm, attn: with_attn })
@@ -130,9 +134,12 @@ impl<B: Backend> DConv<B> {
     /// The branch on every frequency row of `[B, C, F, T]` (PyTorch folds F into the
     /// batch: `[B·F, C, T]`); computed in place with `[1, k]` convolutions.
     pub fn forward_rows(&self, mut x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, c, f, t] = x.dims();
+        if let Some(shape) = self.host_shape(b, c, f, t) {
+            return self.host(x, shape);
+        }
         if self.lstm || self.attn {
             // Sequence blocks read whole rows: fold the rows into the batch.
-            let [b, c, f, t] = x.dims();
             let rows = x.swap_dims(1, 2).reshape([b * f, c, t]);
             return self.forward(rows).reshape([b, f, c, t]).swap_dims(1, 2);
         }
@@ -147,6 +154,10 @@ impl<B: Backend> DConv<B> {
 
     /// `[N, C, T]` → `[N, C, T]`.
     pub fn forward(&self, mut x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [n, c, t] = x.dims();
+        if let Some(shape) = self.host_shape(n, c, 1, t) {
+            return self.host(x, shape);
+        }
         for l in &self.layers {
             let y = l.conv1.forward(x.clone());
             let mut y = cpu::gelu(l.norm1.forward3(y));
@@ -160,5 +171,40 @@ impl<B: Backend> DConv<B> {
             x = cpu::glu_scale_add(x, l.norm2.forward3(y), l.scale.scale.val());
         }
         x
+    }
+
+    /// The host kernel's shape for `[N, C, R, T]`: on the CPU backend, for layers
+    /// without a BLSTM or LocalState.
+    fn host_shape(&self, batch: usize, channels: usize, rows: usize, len: usize) -> Option<cpu::DConvShape> {
+        let shape = |dilation| cpu::DConvShape { batch, channels, hidden: self.hidden, rows, len, dilation };
+        let ok = cpu::is_cpu::<B>()
+            && !self.lstm
+            && !self.attn
+            && self.layers.iter().all(|l| shape(l.dilation).check().is_ok());
+        ok.then(|| shape(1))
+    }
+
+    /// Every layer by [`cpu::dconv_layer_in_place`], on the values of `x` `[N, C, R, T]`.
+    fn host<const D: usize>(&self, x: Tensor<B, D>, shape: cpu::DConvShape) -> Tensor<B, D> {
+        let (dims, device) = (x.dims(), x.device());
+        let mut data = cpu::host_vec(x);
+        for l in &self.layers {
+            let (w1, b1) = (l.conv1.weight.host(), l.conv1.bias.host());
+            let (g1, n1) = (l.norm1.weight.host(), l.norm1.bias.host());
+            let (w2, b2) = (l.conv2.weight.host(), l.conv2.bias.host());
+            let (g2, n2) = (l.norm2.weight.host(), l.norm2.bias.host());
+            let scale = l.scale.scale.host();
+            let w = cpu::DConvWeights {
+                conv1: &w1,
+                conv1_bias: &b1,
+                norm1: (&g1, &n1),
+                conv2: &w2,
+                conv2_bias: &b2,
+                norm2: (&g2, &n2),
+                scale: &scale,
+            };
+            cpu::dconv_layer_in_place(&mut data, &w, cpu::DConvShape { dilation: l.dilation, ..shape });
+        }
+        Tensor::from_data(burn::tensor::TensorData::new(data, dims), &device)
     }
 }

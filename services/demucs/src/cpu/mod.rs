@@ -12,6 +12,7 @@
 //! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
 //! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
+//! | [`dconv`] | one DConv layer in cache-sized chunks: convolutions, both GroupNorms, GELU, GLU, LayerScale and the residual |
 //! | [`winograd`] | the 3×3 convolution by Winograd's F(2×2, 3×3): 16 gemms of 2.25× fewer FLOPs |
 //! | [`norm`] | GroupNorm and LayerNorm with f64 statistics |
 //! | [`activation`] | GELU, GLU and DConv's fused GLU · LayerScale + residual |
@@ -41,6 +42,7 @@ pub mod alloc;
 pub mod attention;
 pub mod conv;
 pub mod conv_transpose;
+pub mod dconv;
 pub mod math;
 pub mod norm;
 pub mod winograd;
@@ -50,6 +52,7 @@ pub use alloc::tune_allocator;
 pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
 pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
+pub use dconv::{dconv_layer_in_place, DConvShape, DConvWeights};
 pub use math::{erf, exp};
 pub use norm::{group_norm_channels_last_in_place, group_norm_in_place, layer_norm_in_place};
 pub use winograd::{conv3x3, conv3x3_weights, Conv3x3};
@@ -135,6 +138,52 @@ unsafe fn gemm_rows(
     rhs: *const f32,
     rhs_rs: usize,
 ) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_rows_on(gemm::Parallelism::Rayon(0), m, n, k, dst, dst_rs, accumulate, lhs, lhs_rs, rhs, rhs_rs) }
+}
+
+/// [`gemm_rows`] on the calling thread alone: for the small products of a kernel that
+/// already runs its chunks on the rayon pool.
+///
+/// # Safety
+///
+/// As for [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows_here(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_rs: usize,
+    rhs: *const f32,
+    rhs_rs: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_rows_on(gemm::Parallelism::None, m, n, k, dst, dst_rs, accumulate, lhs, lhs_rs, rhs, rhs_rs) }
+}
+
+/// [`gemm_rows`] with the given parallelism.
+///
+/// # Safety
+///
+/// As for [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows_on(
+    parallelism: gemm::Parallelism,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_rs: usize,
+    rhs: *const f32,
+    rhs_rs: usize,
+) {
     // SAFETY: the caller's contract is gemm's, for these strides.
     unsafe {
         gemm::gemm(
@@ -156,7 +205,7 @@ unsafe fn gemm_rows(
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            parallelism,
         )
     }
 }

@@ -40,7 +40,43 @@ macro_rules! dispatch {
 pub(super) mod x86 {
     /// Built with AVX-512F.
     pub mod avx512 {
-        use crate::cpu::{activation, attention, norm};
+        use crate::cpu::{activation, attention, dconv, norm};
+
+        /// [`dconv::sum_lanes_impl`] with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn sum_lanes_impl(x: &[f32]) -> f32 {
+            dconv::sum_lanes_impl(x)
+        }
+
+        /// [`dconv::sum_sq_dev_lanes_impl`] with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn sum_sq_dev_lanes_impl(x: &[f32], center: f32) -> f32 {
+            dconv::sum_sq_dev_lanes_impl(x, center)
+        }
+
+        /// [`dconv::affine_gelu_impl`] with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn affine_gelu_impl(x: &mut [f32], a: f32, b: f32) {
+            dconv::affine_gelu_impl(x, a, b)
+        }
+
+        /// [`dconv::glu_affine_add_impl`] with AVX-512F.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn glu_affine_add_impl(out: &mut [f32], a: &[f32], b: &[f32], k: [f32; 5]) {
+            dconv::glu_affine_add_impl(out, a, b, k)
+        }
 
         /// [`attention::softmax_numerators_impl`] with AVX-512F.
         ///
@@ -90,7 +126,43 @@ pub(super) mod x86 {
 
     /// Built with AVX2 and FMA.
     pub mod avx2 {
-        use crate::cpu::{activation, attention, norm};
+        use crate::cpu::{activation, attention, dconv, norm};
+
+        /// [`dconv::sum_lanes_impl`] with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn sum_lanes_impl(x: &[f32]) -> f32 {
+            dconv::sum_lanes_impl(x)
+        }
+
+        /// [`dconv::sum_sq_dev_lanes_impl`] with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn sum_sq_dev_lanes_impl(x: &[f32], center: f32) -> f32 {
+            dconv::sum_sq_dev_lanes_impl(x, center)
+        }
+
+        /// [`dconv::affine_gelu_impl`] with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn affine_gelu_impl(x: &mut [f32], a: f32, b: f32) {
+            dconv::affine_gelu_impl(x, a, b)
+        }
+
+        /// [`dconv::glu_affine_add_impl`] with AVX2 and FMA.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn glu_affine_add_impl(out: &mut [f32], a: &[f32], b: &[f32], k: [f32; 5]) {
+            dconv::glu_affine_add_impl(out, a, b, k)
+        }
 
         /// [`attention::softmax_numerators_impl`] with AVX2 and FMA.
         ///
