@@ -256,19 +256,12 @@ impl<B: Backend> HDecLayer<B> {
         length: usize,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let Layers::Time { rewrite, conv_tr } = &self.layers else { panic!("forward_time on a frequency layer") };
-        let x = match skip {
-            Some(s) if !self.empty => x + s,
-            _ => x,
-        };
-        let y = match rewrite {
-            Some(r) => {
-                let z = r.forward(x);
-                cpu::glu(match &self.norm1 {
-                    Some(n) => n.forward3(z),
-                    None => z,
-                })
-            }
-            None => x,
+        let skip = skip.filter(|_| !self.empty);
+        let y = match (rewrite, &self.norm1) {
+            // No norm between them: the sum, the convolution and the GLU in one kernel.
+            (Some(r), None) => r.forward_sum_glu(x, skip),
+            (Some(r), Some(n)) => cpu::glu(n.forward3(r.forward(add_skip(x, skip)))),
+            (None, _) => add_skip(x, skip),
         };
         let y = match &self.dconv {
             Some(d) => d.forward(y),

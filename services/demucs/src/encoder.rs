@@ -208,8 +208,9 @@ impl<B: Backend> HEncLayer<B> {
             Some(d) => dconv_freq(d, y),
             None => y,
         };
-        match &self.rewrite {
-            Some(Conv::Freq(r)) => cpu::glu(norm4(&self.norm2, r.forward(y))),
+        match (&self.rewrite, &self.norm2) {
+            (Some(Conv::Freq(r)), None) => r.forward_sum_glu(y, None),
+            (Some(Conv::Freq(r)), n) => cpu::glu(norm4(n, r.forward(y))),
             _ => y,
         }
     }
@@ -267,8 +268,9 @@ impl<B: Backend> HEncLayer<B> {
             Some(d) => d.forward(y),
             None => y,
         };
-        match &self.rewrite {
-            Some(Conv::Time(r)) => cpu::glu(norm3(&self.norm2, r.forward(y))),
+        match (&self.rewrite, &self.norm2) {
+            (Some(Conv::Time(r)), None) => r.forward_sum_glu(y, None),
+            (Some(Conv::Time(r)), n) => cpu::glu(norm3(n, r.forward(y))),
             _ => y,
         }
     }

@@ -214,6 +214,21 @@ impl<B: Backend> Conv1d<B> {
         conv1d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
 
+    /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the rewrites of the time layers. On the
+    /// CPU, for a stride-1 kernel of odd size that keeps the length, one chunked pass
+    /// ([`crate::cpu::conv_glu`]); three steps elsewhere.
+    pub fn forward_sum_glu(&self, x: Tensor<B, 3>, skip: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
+        let [cout, _, kernel] = self.weight.dims();
+        let o = &self.options;
+        let plain = o.stride[0] == 1 && o.dilation[0] == 1 && kernel % 2 == 1 && o.padding[0] == kernel / 2;
+        if crate::cpu::is_cpu::<B>() && plain {
+            if let Some(y) = host_conv_glu(&x, skip.as_ref(), &self.weight.val(), &self.bias.val(), cout) {
+                return y;
+            }
+        }
+        crate::cpu::glu(self.forward(add_skip(x, skip)))
+    }
+
     /// The host kernel's shape, on the CPU backend and for kernels wider than 1 (Flex
     /// already runs 1×1 convolutions as one gemm).
     fn host_conv(
@@ -276,6 +291,34 @@ fn host_conv<B: Backend, const D: usize>(
     let device = x.device();
     let y = with_host(&x, |x| with_host(weight, |w| with_host(bias, |b| kernel(x, w, b))));
     Tensor::from_data(TensorData::new(y, out), &device)
+}
+
+/// [`crate::cpu::conv_glu`] on CPU tensors `x` (and `skip`, the same shape) `[B, in, L]`
+/// with `weight` `[cout, in, k]`: `[B, cout / 2, L]`, or `None` where the kernel refuses
+/// the shapes (an odd `cout`, a skip of another shape).
+fn host_conv_glu<B: Backend>(
+    x: &Tensor<B, 3>,
+    skip: Option<&Tensor<B, 3>>,
+    weight: &Tensor<B, 3>,
+    bias: &Tensor<B, 1>,
+    cout: usize,
+) -> Option<Tensor<B, 3>> {
+    use crate::cpu::with_host;
+    let [n, cin, len] = x.dims();
+    let [_, wcin, kernel] = weight.dims();
+    let c = crate::cpu::ConvGlu { batch: n, cin, cout, len, kernel };
+    if wcin != cin || c.check().is_err() || skip.is_some_and(|s| s.dims() != x.dims()) {
+        return None;
+    }
+    let y = with_host(x, |x| {
+        with_host(weight, |w| {
+            with_host(bias, |b| match skip {
+                Some(s) => with_host(s, |s| crate::cpu::conv_glu(x, Some(s), w, b, c)),
+                None => crate::cpu::conv_glu(x, None, w, b, c),
+            })
+        })
+    });
+    Some(Tensor::from_data(TensorData::new(y, [n, cout / 2, len]), &x.device()))
 }
 
 /// `nn.Conv2d`: weight `[out, in, kh, kw]`; input `[B, in, H, W]`.
@@ -361,11 +404,25 @@ impl<B: Backend> Conv2d<B> {
         conv2d(x, self.weight.val(), Some(self.bias.val()), self.options.clone())
     }
 
-    /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the decoders' rewrite, in one pass of the
-    /// Winograd kernel on the CPU for a 3×3 kernel, as three steps elsewhere.
+    /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the rewrites of the frequency layers. On
+    /// the CPU, one pass of the Winograd kernel for a 3×3 kernel (the decoders), of
+    /// [`crate::cpu::conv_glu`] for a 1×1 one (the encoders); three steps elsewhere.
     pub fn forward_sum_glu(&self, x: Tensor<B, 4>, skip: Option<Tensor<B, 4>>) -> Tensor<B, 4> {
         if let Some(y) = self.winograd(&x, skip.as_ref(), true) {
             return y;
+        }
+        // A plain 1×1 kernel (the encoders' rewrite) is a length-1 kernel over H·W.
+        let [cout, cin, kh, kw] = self.weight.dims();
+        let o = &self.options;
+        let plain = o.stride == [1, 1] && o.padding == [0, 0] && o.groups == 1 && [kh, kw] == [1, 1];
+        if crate::cpu::is_cpu::<B>() && plain {
+            let [n, c, h, w] = x.dims();
+            let flat = |t: Tensor<B, 4>| t.reshape([n, c, h * w]);
+            let weight = self.weight.val().reshape([cout, cin, 1]);
+            let skip3 = skip.clone().map(flat);
+            if let Some(y) = host_conv_glu(&flat(x.clone()), skip3.as_ref(), &weight, &self.bias.val(), cout) {
+                return y.reshape([n, cout / 2, h, w]);
+            }
         }
         crate::cpu::glu(self.forward(add_skip(x, skip)))
     }

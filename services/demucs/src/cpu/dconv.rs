@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use super::math::{erf, exp};
 use super::simd::LANES;
-use super::{elements, expect_len, nonzero, or_panic, ShapeError};
+use super::{elements, expect_len, nonzero, or_panic, with_scratch, Rows, ShapeError};
 
 const K: &str = "dconv";
 
@@ -323,41 +323,6 @@ pub fn dconv_layer_in_place(x: &mut [f32], w: &DConvWeights<'_>, s: DConvShape) 
     });
 }
 
-/// The values of `x`, handed to the tasks as slices of one row each: every task reads
-/// and writes only its own chunk's rows.
-#[derive(Clone, Copy)]
-struct Rows(*mut f32);
-
-// SAFETY: the pointer is only turned into row slices that no task writes while another
-// holds them (see the SAFETY notes where they are made), and only while the `&mut` it
-// came from is held by `dconv_layer_in_place`.
-unsafe impl Send for Rows {}
-// SAFETY: as above.
-unsafe impl Sync for Rows {}
-
-impl Rows {
-    /// `len` values from `offset`, to read.
-    ///
-    /// # Safety
-    ///
-    /// They must lie within the buffer, and no live `&mut` may overlap them.
-    unsafe fn get(&self, offset: usize, len: usize) -> &[f32] {
-        // SAFETY: the caller's contract.
-        unsafe { std::slice::from_raw_parts(self.0.add(offset), len) }
-    }
-
-    /// `len` values from `offset`, to write.
-    ///
-    /// # Safety
-    ///
-    /// They must lie within the buffer, and no other live reference may overlap them.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn row(&self, offset: usize, len: usize) -> &mut [f32] {
-        // SAFETY: the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
-    }
-}
-
 /// `z` `[2C, width]` = `conv2 · y[.., ..width] + bias` for the hidden chunk `y`
 /// `[hidden, tc]`.
 fn conv1x1(z: &mut [f32], y: &[f32], w: &DConvWeights<'_>, (c, h, tc, width): (usize, usize, usize, usize)) {
@@ -372,22 +337,6 @@ fn conv1x1(z: &mut [f32], y: &[f32], w: &DConvWeights<'_>, (c, h, tc, width): (u
     unsafe {
         super::gemm_rows_here(2 * c, width, h, z.as_mut_ptr(), width, true, w.conv2.as_ptr(), h, y.as_ptr(), tc);
     }
-}
-
-thread_local! {
-    /// Each thread's `[2C, tc]` chunk of the 1×1 convolution.
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `f` on `len` values of this thread's scratch (taken out of its slot for the call).
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut z = SCRATCH.take();
-    if z.len() < len {
-        z.resize(len, 0.0);
-    }
-    let r = f(&mut z[..len]);
-    SCRATCH.set(z);
-    r
 }
 
 /// `Σ x` in `f32` lanes.
@@ -406,7 +355,7 @@ fn affine_gelu(x: &mut [f32], a: f32, b: f32) {
 }
 
 /// `out += s · (a · αa + δa) · σ(b · αb + δb)` with `k = [αa, δa, αb, δb, s]`.
-fn glu_affine_add(out: &mut [f32], a: &[f32], b: &[f32], k: [f32; 5]) {
+pub(super) fn glu_affine_add(out: &mut [f32], a: &[f32], b: &[f32], k: [f32; 5]) {
     dispatch!(glu_affine_add_impl(out, a, b, k))
 }
 

@@ -11,6 +11,7 @@
 //! |---|---|
 //! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
+//! | [`conv_glu`] | `glu(conv(x + skip))` for the rewrites (`1×1`, time `k = 3`) in chunks: the `2C` result stays in cache |
 //! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
 //! | [`dconv`] | one DConv layer in cache-sized chunks: convolutions, both GroupNorms, GELU, GLU, LayerScale and the residual |
 //! | [`winograd`] | the 3×3 convolution by Winograd's F(2×2, 3×3): 16 gemms of 2.25× fewer FLOPs |
@@ -41,6 +42,7 @@ pub mod activation;
 pub mod alloc;
 pub mod attention;
 pub mod conv;
+pub mod conv_glu;
 pub mod conv_transpose;
 pub mod dconv;
 pub mod math;
@@ -51,6 +53,7 @@ pub use activation::{gelu, gelu_in_place, gelu_narrow, glu, glu_scale_add, glu_s
 pub use alloc::tune_allocator;
 pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
+pub use conv_glu::{conv_glu, ConvGlu};
 pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
 pub use dconv::{dconv_layer_in_place, DConvShape, DConvWeights};
 pub use math::{erf, exp};
@@ -210,6 +213,59 @@ unsafe fn gemm_rows_on(
     }
 }
 
+/// A buffer handed to the tasks of a parallel sweep as slices of one row each, where
+/// the rows a task owns are not contiguous (every channel's columns of one chunk). Each
+/// use says why no two tasks' slices overlap.
+#[derive(Clone, Copy)]
+pub(super) struct Rows(*mut f32);
+
+// SAFETY: the pointer is only turned into row slices that no task writes while another
+// holds them (see the SAFETY notes where they are made), and only while the `&mut` it
+// came from is held by the kernel that made it.
+unsafe impl Send for Rows {}
+// SAFETY: as above.
+unsafe impl Sync for Rows {}
+
+impl Rows {
+    /// `len` values from `offset`, to read.
+    ///
+    /// # Safety
+    ///
+    /// They must lie within the buffer, and no live `&mut` may overlap them.
+    pub(super) unsafe fn get(&self, offset: usize, len: usize) -> &[f32] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.0.add(offset), len) }
+    }
+
+    /// `len` values from `offset`, to write.
+    ///
+    /// # Safety
+    ///
+    /// They must lie within the buffer, and no other live reference may overlap them.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn row(&self, offset: usize, len: usize) -> &mut [f32] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+    }
+}
+
+thread_local! {
+    /// Each thread's scratch for the chunked kernels ([`dconv`], [`conv_glu`]).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `f` on `len` values of this thread's scratch (taken out of its slot for the call, so
+/// a nested use makes its own; what it held before is overwritten or ignored).
+pub(super) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut z = SCRATCH.take();
+    if z.len() < len {
+        z.resize(len, 0.0);
+    }
+    let r = f(&mut z[..len]);
+    SCRATCH.set(z);
+    r
+}
+
 /// Shapes a pointer-based kernel ([`attention`], [`conv_axis`]) refuses, found before
 /// any memory is touched.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -257,6 +313,14 @@ pub enum ShapeError {
         kernel: &'static str,
         /// The channels it would split in two.
         channels: usize,
+    },
+    /// An even kernel where the padding must keep the length (`kernel / 2` each side).
+    #[error("{kernel}: a kernel of {size} taps has no centre (it must be odd)")]
+    EvenKernel {
+        /// The kernel.
+        kernel: &'static str,
+        /// Its taps.
+        size: usize,
     },
     /// A slice does not hold the number of values its shape says.
     #[error("{kernel}: {what}: {got} values where the shape says {want}")]
