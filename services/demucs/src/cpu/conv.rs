@@ -276,6 +276,7 @@ pub fn conv_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvAxis) -> Vec<f32> {
             // input overlaps `dst`.
             unsafe {
                 super::gemm_rows(
+                    gemm::Parallelism::Rayon(0),
                     cout,
                     cols,
                     cq,

@@ -155,7 +155,8 @@ pub fn conv_glu(x: &[f32], skip: Option<&[f32]>, w: &[f32], bias: &[f32], c: Con
                 // length of `&xn[t0..]`) in place (t0 + width ≤ len). `plan` checked
                 // these sizes fit in memory; z, wt and the input are distinct buffers.
                 unsafe {
-                    super::gemm_rows_here(
+                    super::gemm_rows(
+                        gemm::Parallelism::None,
                         cout,
                         width,
                         cin,

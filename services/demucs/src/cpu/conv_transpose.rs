@@ -158,6 +158,7 @@ pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeA
                 // No input overlaps `dst`.
                 unsafe {
                     super::gemm_rows(
+                        gemm::Parallelism::Rayon(0),
                         cout,
                         cols,
                         cin,

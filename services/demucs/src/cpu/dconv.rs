@@ -245,7 +245,19 @@ pub fn dconv_layer_in_place(x: &mut [f32], w: &DConvWeights<'_>, s: DConvShape) 
                 // `rhs` (which starts at k·d). `plan` checked these sizes fit in memory;
                 // y, w1 and xp are distinct buffers.
                 unsafe {
-                    super::gemm_rows_here(h, width, c, y.as_mut_ptr(), tc, true, lhs.as_ptr(), c, rhs.as_ptr(), wp);
+                    super::gemm_rows(
+                        gemm::Parallelism::None,
+                        h,
+                        width,
+                        c,
+                        y.as_mut_ptr(),
+                        tc,
+                        true,
+                        lhs.as_ptr(),
+                        c,
+                        rhs.as_ptr(),
+                        wp,
+                    );
                 }
             }
         });
@@ -335,7 +347,19 @@ fn conv1x1(z: &mut [f32], y: &[f32], w: &DConvWeights<'_>, (c, h, tc, width): (u
     // by the caller); y as h × width, row stride tc: the last element is at
     // (h − 1)·tc + width − 1 < h·tc ≤ y.len(). The three are distinct buffers.
     unsafe {
-        super::gemm_rows_here(2 * c, width, h, z.as_mut_ptr(), width, true, w.conv2.as_ptr(), h, y.as_ptr(), tc);
+        super::gemm_rows(
+            gemm::Parallelism::None,
+            2 * c,
+            width,
+            h,
+            z.as_mut_ptr(),
+            width,
+            true,
+            w.conv2.as_ptr(),
+            h,
+            y.as_ptr(),
+            tc,
+        );
     }
 }
 

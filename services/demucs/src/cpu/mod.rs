@@ -112,15 +112,28 @@ pub fn linear(x: &[f32], w: &[f32], bias: &[f32], rows: usize, din: usize, dout:
     // checked above, and their element counts fit in isize bytes; `out` is a distinct
     // buffer.
     unsafe {
-        gemm_rows(rows, dout, din, out.as_mut_ptr(), dout, true, x.as_ptr(), din, w.as_ptr(), dout);
+        gemm_rows(
+            gemm::Parallelism::Rayon(0),
+            rows,
+            dout,
+            din,
+            out.as_mut_ptr(),
+            dout,
+            true,
+            x.as_ptr(),
+            din,
+            w.as_ptr(),
+            dout,
+        );
     }
     out
 }
 
-/// Row-major `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)` on the rayon pool: the
-/// one form of `gemm::gemm` the convolution and Linear kernels use (unit column
-/// strides; `dst_rs`, `lhs_rs`, `rhs_rs` are the row strides; `accumulate` adds to what
-/// `dst` holds instead of overwriting it).
+/// Row-major `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)`: the one form of
+/// `gemm::gemm` the convolution and Linear kernels use (unit column strides; `dst_rs`,
+/// `lhs_rs`, `rhs_rs` are the row strides; `accumulate` adds to what `dst` holds instead
+/// of overwriting it). `parallelism` is `Rayon(0)` for one large product on the pool,
+/// `None` for the small products of a kernel that already runs its chunks on it.
 ///
 /// # Safety
 ///
@@ -130,51 +143,6 @@ pub fn linear(x: &[f32], w: &[f32], bias: &[f32], rows: usize, din: usize, dout:
 /// `dst` must not overlap `lhs` or `rhs`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_rows(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: *const f32,
-    lhs_rs: usize,
-    rhs: *const f32,
-    rhs_rs: usize,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { gemm_rows_on(gemm::Parallelism::Rayon(0), m, n, k, dst, dst_rs, accumulate, lhs, lhs_rs, rhs, rhs_rs) }
-}
-
-/// [`gemm_rows`] on the calling thread alone: for the small products of a kernel that
-/// already runs its chunks on the rayon pool.
-///
-/// # Safety
-///
-/// As for [`gemm_rows`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_rows_here(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: *const f32,
-    lhs_rs: usize,
-    rhs: *const f32,
-    rhs_rs: usize,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { gemm_rows_on(gemm::Parallelism::None, m, n, k, dst, dst_rs, accumulate, lhs, lhs_rs, rhs, rhs_rs) }
-}
-
-/// [`gemm_rows`] with the given parallelism.
-///
-/// # Safety
-///
-/// As for [`gemm_rows`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_rows_on(
     parallelism: gemm::Parallelism,
     m: usize,
     n: usize,

@@ -222,6 +222,7 @@ fn conv3x3_chunked(
                 // are distinct buffers.
                 unsafe {
                     super::gemm_rows(
+                        gemm::Parallelism::Rayon(0),
                         cout,
                         nt,
                         cin,
