@@ -182,10 +182,13 @@ impl<B: Backend> HDecLayer<B> {
             Some(d) => dconv_freq(d, y),
             None => y,
         };
-        let z = conv_tr.forward(y.clone());
         let z = match &self.norm2 {
-            Some(n) => n.forward4(z),
-            None => z,
+            Some(n) => n.forward4(conv_tr.forward(y.clone())),
+            // No norm: the crop and the GELU run inside the transposed convolution.
+            None => {
+                let f = conv_tr.out_rows(y.dims()[2]) - 2 * self.pad;
+                return (conv_tr.forward_crop(y.clone(), (self.pad, f), !self.last), y);
+            }
         };
         let f = z.dims()[2] - 2 * self.pad;
         (if self.last { z.narrow(2, self.pad, f) } else { cpu::gelu_narrow(z, 2, self.pad, f) }, y)
@@ -267,10 +270,10 @@ impl<B: Backend> HDecLayer<B> {
             Some(d) => d.forward(y),
             None => y,
         };
-        let z = conv_tr.forward(y.clone());
         let z = match &self.norm2 {
-            Some(n) => n.forward3(z),
-            None => z,
+            Some(n) => n.forward3(conv_tr.forward(y.clone())),
+            // No norm: the crop and the GELU run inside the transposed convolution.
+            None => return (conv_tr.forward_crop(y.clone(), (self.pad, length), !self.last), y),
         };
         (if self.last { z.narrow(2, self.pad, length) } else { cpu::gelu_narrow(z, 2, self.pad, length) }, y)
     }

@@ -515,12 +515,47 @@ impl<B: Backend> ConvTranspose1d<B> {
                 crate::cpu::conv_transpose_axis(x, w, b, c)
             });
         }
+        self.generic(x)
+    }
+
+    /// `forward(x)` cropped to `keep` = (start, len) samples, through GELU with `gelu`:
+    /// the time decoders' last steps, fused into the kernel on the CPU
+    /// ([`crate::cpu::conv_transpose_axis_crop`]).
+    pub fn forward_crop(&self, x: Tensor<B, 3>, keep: (usize, usize), gelu: bool) -> Tensor<B, 3> {
+        if !crate::cpu::is_cpu::<B>() {
+            return crop_gelu(self.generic(x), 2, keep, gelu);
+        }
+        let [n, cin, len] = x.dims();
+        let [_, cout, kernel] = self.weight.dims();
+        let c = crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len, inner: 1, kernel, stride: self.stride };
+        host_conv(x, &self.weight.val(), &self.bias.val(), [n, cout, keep.1], |x, w, b| {
+            crate::cpu::conv_transpose_axis_crop(x, w, b, c, keep, gelu)
+        })
+    }
+
+    /// Burn's own op.
+    fn generic(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         conv_transpose1d(
             x,
             self.weight.val(),
             Some(self.bias.val()),
             ConvTransposeOptions::new([self.stride], [0], [0], [1], 1),
         )
+    }
+}
+
+/// `gelu(z.narrow(dim, start, len))`, or the narrowed view alone, for a transposed
+/// convolution's output `z` on a backend without the fused host kernel.
+fn crop_gelu<B: Backend, const D: usize>(
+    z: Tensor<B, D>,
+    dim: usize,
+    (start, len): (usize, usize),
+    gelu: bool,
+) -> Tensor<B, D> {
+    if gelu {
+        crate::cpu::gelu_narrow(z, dim, start, len)
+    } else {
+        z.narrow(dim, start, len)
     }
 }
 
@@ -585,6 +620,33 @@ impl<B: Backend> ConvTranspose2d<B> {
                 crate::cpu::conv_transpose_axis(x, w, b, c)
             });
         }
+        self.generic(x)
+    }
+
+    /// Output rows along H for `h` input rows: `(h − 1)·s + kh`.
+    pub fn out_rows(&self, h: usize) -> usize {
+        (h - 1) * self.stride[0] + self.weight.dims()[2]
+    }
+
+    /// `forward(x)` cropped to `keep` = (start, len) rows along H, through GELU with
+    /// `gelu`: the frequency decoders' last steps, fused into the kernel on the CPU for
+    /// their `[k, 1]` kernels ([`crate::cpu::conv_transpose_axis_crop`]).
+    pub fn forward_crop(&self, x: Tensor<B, 4>, keep: (usize, usize), gelu: bool) -> Tensor<B, 4> {
+        let [_, cout, kh, kw] = self.weight.dims();
+        if !(crate::cpu::is_cpu::<B>() && kw == 1 && self.stride[1] == 1) {
+            return crop_gelu(self.forward(x), 2, keep, gelu);
+        }
+        let [n, cin, h, w] = x.dims();
+        let c =
+            crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len: h, inner: w, kernel: kh, stride: self.stride[0] };
+        let weight = self.weight.val().reshape([cin, cout, kh]);
+        host_conv(x, &weight, &self.bias.val(), [n, cout, keep.1, w], |x, w, b| {
+            crate::cpu::conv_transpose_axis_crop(x, w, b, c, keep, gelu)
+        })
+    }
+
+    /// Burn's own op.
+    fn generic(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         conv_transpose2d(
             x,
             self.weight.val(),

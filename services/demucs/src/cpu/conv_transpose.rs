@@ -37,11 +37,10 @@ struct Plan {
     taps: usize,
     /// Rows of the zero-padded input, `len + 2·(taps − 1)`.
     lp: usize,
-    /// Lengths of the input, the weights and the output.
+    /// Lengths of the input and the weights.
     x: usize,
     w: usize,
-    out: usize,
-    /// Length of the padded input and of one phase's gemm result.
+    /// Length of the padded input and of the phases' gemm results.
     xp: usize,
     y: usize,
 }
@@ -80,17 +79,16 @@ impl ConvTransposeAxis {
         let lout = (len - 1).checked_mul(stride).and_then(|l| l.checked_add(kernel)).ok_or(overflow("the output"))?;
         let taps = kernel.div_ceil(stride);
         let lp = (taps - 1).checked_mul(2).and_then(|p| p.checked_add(len)).ok_or(overflow("the padded input"))?;
-        // One phase has at most ⌈lout / stride⌉ rows.
-        let rows = lout.div_ceil(stride);
+        // The whole output fits in memory, so any crop of it does.
+        elements(K, "the output", &[batch, cout, lout, inner])?;
         Ok(Plan {
             lout,
             taps,
             lp,
             x: elements(K, "the input", &[batch, cin, len, inner])?,
             w: elements(K, "the weights", &[cin, cout, kernel])?,
-            out: elements(K, "the output", &[batch, cout, lout, inner])?,
             xp: elements(K, "the padded input", &[cin, lp, inner])?,
-            y: elements(K, "the phase result", &[cout, rows, inner])?,
+            y: elements(K, "the phase results", &[cout, lout, inner])?,
         })
     }
 }
@@ -106,8 +104,36 @@ impl ConvTransposeAxis {
 /// When [`ConvTransposeAxis::check`] refuses the shape or a slice's length does not
 /// match it, with a [`ShapeError`] message, before any memory is read.
 pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeAxis) -> Vec<f32> {
-    let lens = |p: &Plan| expect_conv_lens("conv_transpose_axis", (x, w, bias), [p.x, p.w, c.cout]);
-    let p = or_panic(c.plan().and_then(|p| lens(&p).map(|()| p)));
+    let lout = or_panic(c.check());
+    conv_transpose_axis_crop(x, w, bias, c, (0, lout), false)
+}
+
+/// [`conv_transpose_axis`] keeping only output rows `keep.0 .. keep.0 + keep.1` along
+/// `L`, through the exact GELU with `gelu`: the decoders' crop and activation, written
+/// as each channel's rows are assembled (no full-size output, no pass of their own).
+/// → `[N, Cout, keep.1, I]`.
+///
+/// # Panics
+///
+/// When [`ConvTransposeAxis::check`] refuses the shape, the rows kept run past the
+/// output, or a slice's length does not match the shape, with a [`ShapeError`] message,
+/// before any memory is read.
+pub fn conv_transpose_axis_crop(
+    x: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    c: ConvTransposeAxis,
+    keep: (usize, usize),
+    gelu: bool,
+) -> Vec<f32> {
+    const K: &str = "conv_transpose_axis";
+    let p = or_panic(c.plan().and_then(|p| {
+        expect_conv_lens(K, (x, w, bias), [p.x, p.w, c.cout])?;
+        if keep.0.checked_add(keep.1).is_none_or(|end| end > p.lout) {
+            return Err(ShapeError::Crop { kernel: K, start: keep.0, len: keep.1, out: p.lout });
+        }
+        Ok(p)
+    }));
     let ConvTransposeAxis { batch, cin, cout, len, inner, kernel, stride: s } = c;
     let Plan { lout, taps, lp, .. } = p;
     let pad = taps - 1;
@@ -120,7 +146,20 @@ pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeA
             }
         }
     }
-    let mut out = vec![0f32; p.out];
+    // Each phase's rows and taps, and where its gemm result starts in `y`.
+    let phases: Vec<(usize, usize, usize)> = (0..s)
+        .scan(0, |at, ph| {
+            let rows = (lout - ph).div_ceil(s);
+            let start = *at;
+            *at += cout * rows * inner;
+            Some((rows, (kernel - ph.min(kernel)).div_ceil(s), start))
+        })
+        .collect();
+    let kept = cout * keep.1 * inner;
+    let mut out = vec![0f32; batch * kept];
+    if kept == 0 {
+        return out;
+    }
     let mut xp = vec![0f32; p.xp];
     let mut y = vec![0f32; p.y];
     let row = lp * inner;
@@ -128,19 +167,9 @@ pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeA
         xp.par_chunks_mut(row).enumerate().for_each(|(ci, dst)| {
             dst[pad * inner..][..len * inner].copy_from_slice(&x[(n * cin + ci) * len * inner..][..len * inner]);
         });
-        let out_n = &mut out[n * cout * lout * inner..][..cout * lout * inner];
-        for ph in 0..s {
-            // Output rows of this phase, and its taps.
-            let rows = (lout - ph).div_ceil(s);
-            let phase_taps = (kernel - ph.min(kernel)).div_ceil(s);
-            if phase_taps == 0 {
-                out_n.par_chunks_mut(lout * inner).zip(bias).for_each(|(o, &b)| {
-                    (0..rows).for_each(|q| o[(q * s + ph) * inner..][..inner].fill(b));
-                });
-                continue;
-            }
+        for (ph, &(rows, phase_taps, start)) in phases.iter().enumerate() {
             let cols = rows * inner;
-            let dst = &mut y[..cout * cols];
+            let dst = &mut y[start..][..cout * cols];
             for m in 0..phase_taps {
                 let kk = ph + m * s;
                 // Safe slicing first: these panic rather than hand gemm a pointer outside.
@@ -172,14 +201,26 @@ pub fn conv_transpose_axis(x: &[f32], w: &[f32], bias: &[f32], c: ConvTransposeA
                     );
                 }
             }
-            let y = &y[..cout * cols];
-            out_n.par_chunks_mut(lout * inner).zip(y.par_chunks(cols)).zip(bias).for_each(|((o, src), &b)| {
-                for q in 0..rows {
-                    let d = &mut o[(q * s + ph) * inner..][..inner];
-                    d.iter_mut().zip(&src[q * inner..][..inner]).for_each(|(o, v)| *o = v + b);
-                }
-            });
         }
+        // Each channel's kept rows from its phases, plus the bias (a phase with no tap
+        // is the bias alone), then the GELU while they are in cache.
+        let y = &y[..];
+        out[n * kept..][..kept].par_chunks_mut(keep.1 * inner).zip(bias).enumerate().for_each(|(co, (o, &b))| {
+            for (r, d) in o.chunks_exact_mut(inner).enumerate() {
+                let at = keep.0 + r;
+                let (q, ph) = (at / s, at % s);
+                let (rows, phase_taps, start) = phases[ph];
+                if phase_taps == 0 {
+                    d.fill(b);
+                } else {
+                    let src = &y[start + (co * rows + q) * inner..][..inner];
+                    d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                }
+            }
+            if gelu {
+                super::gelu_in_place(o);
+            }
+        });
     }
     out
 }
@@ -226,6 +267,35 @@ mod tests {
             let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0f64, f64::max);
             assert!(worst < 1e-5, "{c:?}: worst error {worst:e}");
         }
+    }
+
+    #[test]
+    fn the_crop_and_gelu_are_those_of_the_whole_output() {
+        // Crops at both ends and none, with and without GELU, rows and columns.
+        for (len, inner, keep) in [(9, 1, (2, 30)), (5, 3, (0, 24)), (6, 2, (3, 4)), (4, 1, (0, 0))] {
+            let c = ConvTransposeAxis { batch: 2, cin: 3, cout: 4, len, inner, kernel: 8, stride: 4 };
+            let x: Vec<f32> = (0..2 * 3 * len * inner).map(|i| ((i * 7919 % 997) as f32) / 500.0 - 1.0).collect();
+            let w: Vec<f32> = (0..3 * 4 * 8).map(|i| ((i * 104729 % 611) as f32) / 300.0 - 1.0).collect();
+            let b = [0.5f32, -0.25, 1.0, 0.0];
+            let full = conv_transpose_axis(&x, &w, &b, c);
+            let lout = c.out_len();
+            for gelu in [false, true] {
+                let got = conv_transpose_axis_crop(&x, &w, &b, c, keep, gelu);
+                let mut want: Vec<f32> = full
+                    .chunks_exact(lout * inner)
+                    .flat_map(|ch| ch[keep.0 * inner..(keep.0 + keep.1) * inner].to_vec())
+                    .collect();
+                if gelu {
+                    crate::cpu::gelu_in_place(&mut want);
+                }
+                assert_eq!(got, want, "len {len}, inner {inner}, keep {keep:?}, gelu {gelu}");
+            }
+        }
+        let c = ConvTransposeAxis { batch: 1, cin: 2, cout: 3, len: 4, inner: 1, kernel: 8, stride: 4 };
+        let past =
+            std::panic::catch_unwind(|| conv_transpose_axis_crop(&[0.0; 8], &[0.0; 48], &[0.0; 3], c, (5, 16), true));
+        let message = stemq_core::engine::panic_message(&*past.unwrap_err()).unwrap();
+        assert_eq!(message, "conv_transpose_axis: rows 5 .. 5 + 16 run past the output's 20");
     }
 
     #[test]

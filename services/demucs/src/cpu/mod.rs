@@ -54,7 +54,7 @@ pub use alloc::tune_allocator;
 pub use attention::{attention, AttentionShape};
 pub use conv::{conv_axis, ConvAxis};
 pub use conv_glu::{conv_glu, ConvGlu};
-pub use conv_transpose::{conv_transpose_axis, ConvTransposeAxis};
+pub use conv_transpose::{conv_transpose_axis, conv_transpose_axis_crop, ConvTransposeAxis};
 pub use dconv::{dconv_layer_in_place, DConvShape, DConvWeights};
 pub use math::{erf, exp};
 pub use norm::{group_norm_channels_last_in_place, group_norm_in_place, layer_norm_in_place};
@@ -281,6 +281,18 @@ pub enum ShapeError {
         kernel: &'static str,
         /// The channels it would split in two.
         channels: usize,
+    },
+    /// Output rows kept past the end of the output.
+    #[error("{kernel}: rows {start} .. {start} + {len} run past the output's {out}")]
+    Crop {
+        /// The kernel.
+        kernel: &'static str,
+        /// The first row kept.
+        start: usize,
+        /// Rows kept.
+        len: usize,
+        /// Output rows.
+        out: usize,
     },
     /// An even kernel where the padding must keep the length (`kernel / 2` each side).
     #[error("{kernel}: a kernel of {size} taps has no centre (it must be odd)")]
