@@ -206,15 +206,19 @@ pub fn conv_transpose_axis_crop(
         // is the bias alone), then the GELU while they are in cache.
         let y = &y[..];
         out[n * kept..][..kept].par_chunks_mut(keep.1 * inner).zip(bias).enumerate().for_each(|(co, (o, &b))| {
-            for (r, d) in o.chunks_exact_mut(inner).enumerate() {
-                let at = keep.0 + r;
-                let (q, ph) = (at / s, at % s);
-                let (rows, phase_taps, start) = phases[ph];
-                if phase_taps == 0 {
-                    d.fill(b);
-                } else {
-                    let src = &y[start + (co * rows + q) * inner..][..inner];
-                    d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+            // Phase by phase: kept row r is output row keep.0 + r, phase (keep.0 + r) mod s,
+            // row (keep.0 + r) div s of that phase; every s-th kept row from r0.
+            for (ph, &(rows, phase_taps, start)) in phases.iter().enumerate() {
+                let r0 = (ph + s - keep.0 % s) % s;
+                let q0 = (keep.0 + r0) / s;
+                for (i, r) in (r0..keep.1).step_by(s).enumerate() {
+                    let d = &mut o[r * inner..][..inner];
+                    if phase_taps == 0 {
+                        d.fill(b);
+                    } else {
+                        let src = &y[start + (co * rows + q0 + i) * inner..][..inner];
+                        d.iter_mut().zip(src).for_each(|(o, v)| *o = v + b);
+                    }
                 }
             }
             if gelu {
