@@ -80,24 +80,9 @@ fn main() {
     // The frequency encoders' [8, 1] stride-4 convolution, [cin, F, 336] → [cout, F/4, 336].
     for (cin, cout, f) in [(4, 48, 2048), (48, 96, 512), (96, 192, 128), (192, 384, 32)] {
         let t = 336;
-        let x: Vec<f32> = (0..cin * f * t).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
-        let w: Vec<f32> = (0..cout * cin * 8).map(|i| (i % 89) as f32 / 890.0 - 0.05).collect();
-        let b = vec![0.1f32; cout];
+        let (x, w, b) = conv_inputs(cin, cout, f * t, 8);
         let flop = 2.0 * (cout * cin * 8 * (f / 4) * t) as f64 * passes as f64;
-        let axis = ConvAxis {
-            batch: 1,
-            cin,
-            cout,
-            rows: 1,
-            len: f,
-            inner: t,
-            kernel: 8,
-            stride: 4,
-            pad: 2,
-            dilation: 1,
-            inner_kernel: 1,
-            inner_pad: 0,
-        };
+        let axis = freq_axis(cin, cout, f, t, (8, 4, 2), (1, 0));
         let best = best_of(passes, || {
             std::hint::black_box(conv_axis(&x, &w, &b, axis));
         });
@@ -111,24 +96,9 @@ fn main() {
     // and by Winograd (conv3x3), in the FLOPs of the direct convolution.
     for (cin, f) in [(384, 8), (192, 32), (96, 128), (48, 512)] {
         let (cout, t) = (2 * cin, 336);
-        let x: Vec<f32> = (0..cin * f * t).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
-        let w: Vec<f32> = (0..cout * cin * 9).map(|i| (i % 89) as f32 / 890.0 - 0.05).collect();
-        let b = vec![0.1f32; cout];
+        let (x, w, b) = conv_inputs(cin, cout, f * t, 9);
         let flop = 2.0 * (cout * cin * 9 * f * t) as f64 * passes as f64;
-        let axis = ConvAxis {
-            batch: 1,
-            cin,
-            cout,
-            rows: 1,
-            len: f,
-            inner: t,
-            kernel: 3,
-            stride: 1,
-            pad: 1,
-            dilation: 1,
-            inner_kernel: 3,
-            inner_pad: 1,
-        };
+        let axis = freq_axis(cin, cout, f, t, (3, 1, 1), (3, 1));
         let per_tap = best_of(passes, || {
             std::hint::black_box(conv_axis(&x, &w, &b, axis));
         });
@@ -145,6 +115,39 @@ fn main() {
             flop / wino / 1e9,
             per_tap / wino
         );
+    }
+}
+
+/// Input `[cin, values]`, weights `[cout, cin, taps]` and bias of a convolution.
+fn conv_inputs(cin: usize, cout: usize, values: usize, taps: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let x = (0..cin * values).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
+    let w = (0..cout * cin * taps).map(|i| (i % 89) as f32 / 890.0 - 0.05).collect();
+    (x, w, vec![0.1f32; cout])
+}
+
+/// A convolution over frequency of `[cin, F, T]`: (kernel, stride, pad) along F,
+/// (kernel, pad) along T.
+fn freq_axis(
+    cin: usize,
+    cout: usize,
+    f: usize,
+    t: usize,
+    (kernel, stride, pad): (usize, usize, usize),
+    (inner_kernel, inner_pad): (usize, usize),
+) -> ConvAxis {
+    ConvAxis {
+        batch: 1,
+        cin,
+        cout,
+        rows: 1,
+        len: f,
+        inner: t,
+        kernel,
+        stride,
+        pad,
+        dilation: 1,
+        inner_kernel,
+        inner_pad,
     }
 }
 
