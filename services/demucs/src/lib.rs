@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`checkpoint`] | `.th` packages (torch zip + pickle, fp16 state) without Python |
 //! | [`config`] | `HTDemucs.__init__` keyword arguments |
-//! | [`cpu`] | host kernels for the CPU backend (attention, conv, GroupNorm, GELU/GLU), allocator tuning |
+//! | [`cpu`] | host kernels for the CPU backend (attention, convolutions, Winograd, a whole DConv layer, conv + GLU, GroupNorm, GELU/GLU), allocator tuning |
 //! | [`stft`] | `HTDemucs._spec` / `_ispec` (`spectro` / `ispectro`) |
 //! | [`nn`] | Conv1d/2d, ConvTranspose1d/2d, GroupNorm, LayerNorm, Linear, LayerScale |
 //! | [`dconv`] | `DConv` |
