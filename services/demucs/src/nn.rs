@@ -216,7 +216,7 @@ impl<B: Backend> Conv1d<B> {
 
     /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the rewrites of the time layers. On the
     /// CPU, for a stride-1 kernel of odd size that keeps the length, one chunked pass
-    /// ([`crate::cpu::conv_glu`]); three steps elsewhere.
+    /// ([`crate::cpu::conv_glu()`]); three steps elsewhere.
     pub fn forward_sum_glu(&self, x: Tensor<B, 3>, skip: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
         let [cout, _, kernel] = self.weight.dims();
         let o = &self.options;
@@ -293,7 +293,7 @@ fn host_conv<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(y, out), &device)
 }
 
-/// [`crate::cpu::conv_glu`] on CPU tensors `x` (and `skip`, the same shape) `[B, in, L]`
+/// [`crate::cpu::conv_glu()`] on CPU tensors `x` (and `skip`, the same shape) `[B, in, L]`
 /// with `weight` `[cout, in, k]`: `[B, cout / 2, L]`, or `None` where the kernel refuses
 /// the shapes (an odd `cout`, a skip of another shape).
 fn host_conv_glu<B: Backend>(
@@ -406,7 +406,7 @@ impl<B: Backend> Conv2d<B> {
 
     /// `glu(conv(x + skip))` (`nn.GLU(dim=1)`): the rewrites of the frequency layers. On
     /// the CPU, one pass of the Winograd kernel for a 3×3 kernel (the decoders), of
-    /// [`crate::cpu::conv_glu`] for a 1×1 one (the encoders); three steps elsewhere.
+    /// [`crate::cpu::conv_glu()`] for a 1×1 one (the encoders); three steps elsewhere.
     pub fn forward_sum_glu(&self, x: Tensor<B, 4>, skip: Option<Tensor<B, 4>>) -> Tensor<B, 4> {
         if let Some(y) = self.winograd(&x, skip.as_ref(), true) {
             return y;

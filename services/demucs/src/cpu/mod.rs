@@ -11,7 +11,7 @@
 //! |---|---|
 //! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
-//! | [`conv_glu`] | `glu(conv(x + skip))` for the rewrites (`1×1`, time `k = 3`) in chunks: the `2C` result stays in cache |
+//! | [`conv_glu`](mod@conv_glu) | `glu(conv(x + skip))` for the rewrites (`1×1`, time `k = 3`) in chunks: the `2C` result stays in cache |
 //! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
 //! | [`dconv`] | one DConv layer in cache-sized chunks: convolutions, both GroupNorms, GELU, GLU, LayerScale and the residual |
 //! | [`winograd`] | the 3×3 convolution by Winograd's F(2×2, 3×3): 16 gemms of 2.25× fewer FLOPs |
@@ -218,7 +218,7 @@ impl Rows {
 }
 
 thread_local! {
-    /// Each thread's scratch for the chunked kernels ([`dconv`], [`conv_glu`]).
+    /// Each thread's scratch for the chunked kernels ([`dconv`], [`conv_glu`](mod@conv_glu)).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
