@@ -2,7 +2,7 @@
 //! forward pass.
 //!
 //! This module owns the meeting point, [`Hub`], one per loaded bag. A bag with a hub
-//! sends every forward pass through it ([`crate::apply::BagOfModels::forward`]); each
+//! sends every forward pass through it (`BagOfModels::forward`); each
 //! job that runs on the bag holds a [`JobSlot`] for as long as it runs. The hub runs one
 //! forward at a time, as a device does: passes that arrive while one runs wait, and
 //! make the next one. When the engine is idle, a waiting pass runs, taking along every

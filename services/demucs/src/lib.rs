@@ -19,7 +19,7 @@
 //! | [`engine`] | the stemq [`stemq_core::engine::Engine`] |
 //!
 //! The default backend is Burn's `Flex` CPU backend ([`CpuBackend`]); the `cuda` feature
-//! adds [`CudaBackend`].
+//! adds `CudaBackend`.
 
 pub mod apply;
 pub mod batch;

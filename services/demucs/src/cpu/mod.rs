@@ -9,7 +9,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`attention`] | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
+//! | [`attention`](mod@attention) | `softmax(q kᵀ / √d) v` per head, on two gemm calls per query block |
 //! | [`conv`] | the convolution along one axis ([`ConvAxis`]), polyphase + one gemm per tap |
 //! | [`conv_glu`](mod@conv_glu) | `glu(conv(x + skip))` for the rewrites (`1×1`, time `k = 3`) in chunks: the `2C` result stays in cache |
 //! | [`conv_transpose`] | the transposed convolution along one axis, one gemm per tap and output phase |
@@ -26,7 +26,7 @@
 //! within 2e-7 absolute, and the attention sums run in the same order as the gemm calls
 //! they replace (the parity tests pin all of it, block by block).
 //!
-//! The kernels that hand raw pointers to `gemm` ([`attention`], [`conv_axis`]) check
+//! The kernels that hand raw pointers to `gemm` ([`attention()`], [`conv_axis`]) check
 //! their shapes with checked arithmetic first and panic with a [`ShapeError`] message
 //! before touching memory; `*::check` returns the same error to callers that would
 //! rather handle it.
@@ -234,7 +234,7 @@ pub(super) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R 
     r
 }
 
-/// Shapes a pointer-based kernel ([`attention`], [`conv_axis`]) refuses, found before
+/// Shapes a pointer-based kernel ([`attention()`], [`conv_axis`]) refuses, found before
 /// any memory is touched.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
