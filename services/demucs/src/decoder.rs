@@ -25,8 +25,8 @@ use crate::dconv::{DConv, DConvConfig};
 use crate::encoder::dconv_freq;
 use crate::error::DemucsError;
 use crate::nn::{
-    add_skip, Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d,
-    ConvTranspose2dConfig, GroupNorm, GroupNormConfig,
+    add_skip, crop_gelu, Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose1d, ConvTranspose1dConfig,
+    ConvTranspose2d, ConvTranspose2dConfig, GroupNorm, GroupNormConfig,
 };
 
 /// Shape of an [`HDecLayer`].
@@ -191,7 +191,7 @@ impl<B: Backend> HDecLayer<B> {
             }
         };
         let f = z.dims()[2] - 2 * self.pad;
-        (if self.last { z.narrow(2, self.pad, f) } else { cpu::gelu_narrow(z, 2, self.pad, f) }, y)
+        (crop_gelu(z, 2, (self.pad, f), !self.last), y)
     }
 
     /// Time layer: `x`, `skip` `[B, chin, T]` → (`[B, chout, length]`, pre).
@@ -275,6 +275,6 @@ impl<B: Backend> HDecLayer<B> {
             // No norm: the crop and the GELU run inside the transposed convolution.
             None => return (conv_tr.forward_crop(y.clone(), (self.pad, length), !self.last), y),
         };
-        (if self.last { z.narrow(2, self.pad, length) } else { cpu::gelu_narrow(z, 2, self.pad, length) }, y)
+        (crop_gelu(z, 2, (self.pad, length), !self.last), y)
     }
 }

@@ -507,29 +507,34 @@ impl<B: Backend> ConvTranspose1d<B> {
     }
     /// `[B, in, L]` → `[B, out, (L − 1)s + k]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        if crate::cpu::is_cpu::<B>() {
-            let [n, cin, len] = x.dims();
-            let [_, cout, kernel] = self.weight.dims();
-            let c = crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len, inner: 1, kernel, stride: self.stride };
-            return host_conv(x, &self.weight.val(), &self.bias.val(), [n, cout, c.out_len()], |x, w, b| {
-                crate::cpu::conv_transpose_axis(x, w, b, c)
-            });
-        }
-        self.generic(x)
+        let Some(c) = self.host_axis(&x) else { return self.generic(x) };
+        host_conv(x, &self.weight.val(), &self.bias.val(), [c.batch, c.cout, c.out_len()], |x, w, b| {
+            crate::cpu::conv_transpose_axis(x, w, b, c)
+        })
     }
 
     /// `forward(x)` cropped to `keep` = (start, len) samples, through GELU with `gelu`:
     /// the time decoders' last steps, fused into the kernel on the CPU
     /// ([`crate::cpu::conv_transpose_axis_crop`]).
     pub fn forward_crop(&self, x: Tensor<B, 3>, keep: (usize, usize), gelu: bool) -> Tensor<B, 3> {
-        if !crate::cpu::is_cpu::<B>() {
-            return crop_gelu(self.generic(x), 2, keep, gelu);
-        }
+        let Some(c) = self.host_axis(&x) else { return crop_gelu(self.generic(x), 2, keep, gelu) };
+        host_conv(x, &self.weight.val(), &self.bias.val(), [c.batch, c.cout, keep.1], |x, w, b| {
+            crate::cpu::conv_transpose_axis_crop(x, w, b, c, keep, gelu)
+        })
+    }
+
+    /// The host kernel's shape for `x`, on the CPU backend.
+    fn host_axis(&self, x: &Tensor<B, 3>) -> Option<crate::cpu::ConvTransposeAxis> {
         let [n, cin, len] = x.dims();
         let [_, cout, kernel] = self.weight.dims();
-        let c = crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len, inner: 1, kernel, stride: self.stride };
-        host_conv(x, &self.weight.val(), &self.bias.val(), [n, cout, keep.1], |x, w, b| {
-            crate::cpu::conv_transpose_axis_crop(x, w, b, c, keep, gelu)
+        crate::cpu::is_cpu::<B>().then_some(crate::cpu::ConvTransposeAxis {
+            batch: n,
+            cin,
+            cout,
+            len,
+            inner: 1,
+            kernel,
+            stride: self.stride,
         })
     }
 
@@ -544,9 +549,10 @@ impl<B: Backend> ConvTranspose1d<B> {
     }
 }
 
-/// `gelu(z.narrow(dim, start, len))`, or the narrowed view alone, for a transposed
-/// convolution's output `z` on a backend without the fused host kernel.
-fn crop_gelu<B: Backend, const D: usize>(
+/// `gelu(z.narrow(dim, start, len))`, or the narrowed view alone: a decoder's crop and
+/// activation of its transposed convolution's output, where the fused host kernel does
+/// not run (another backend, or a GroupNorm in between).
+pub fn crop_gelu<B: Backend, const D: usize>(
     z: Tensor<B, D>,
     dim: usize,
     (start, len): (usize, usize),
@@ -602,25 +608,10 @@ impl<B: Backend> ConvTranspose2d<B> {
     }
     /// `[B, in, H, W]` → `[B, out, (H − 1)s + kh, (W − 1)s + kw]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [_, cout, kh, kw] = self.weight.dims();
-        // The decoders' [k, 1] kernels over frequency: the host kernel on the CPU.
-        if crate::cpu::is_cpu::<B>() && kw == 1 && self.stride[1] == 1 {
-            let [n, cin, h, w] = x.dims();
-            let c = crate::cpu::ConvTransposeAxis {
-                batch: n,
-                cin,
-                cout,
-                len: h,
-                inner: w,
-                kernel: kh,
-                stride: self.stride[0],
-            };
-            let weight = self.weight.val().reshape([cin, cout, kh]);
-            return host_conv(x, &weight, &self.bias.val(), [n, cout, c.out_len(), w], |x, w, b| {
-                crate::cpu::conv_transpose_axis(x, w, b, c)
-            });
-        }
-        self.generic(x)
+        let Some(c) = self.host_axis(&x) else { return self.generic(x) };
+        host_conv(x, &self.host_weight(), &self.bias.val(), [c.batch, c.cout, c.out_len(), c.inner], |x, w, b| {
+            crate::cpu::conv_transpose_axis(x, w, b, c)
+        })
     }
 
     /// Output rows along H for `h` input rows: `(h − 1)·s + kh`.
@@ -632,17 +623,32 @@ impl<B: Backend> ConvTranspose2d<B> {
     /// `gelu`: the frequency decoders' last steps, fused into the kernel on the CPU for
     /// their `[k, 1]` kernels ([`crate::cpu::conv_transpose_axis_crop`]).
     pub fn forward_crop(&self, x: Tensor<B, 4>, keep: (usize, usize), gelu: bool) -> Tensor<B, 4> {
-        let [_, cout, kh, kw] = self.weight.dims();
-        if !(crate::cpu::is_cpu::<B>() && kw == 1 && self.stride[1] == 1) {
-            return crop_gelu(self.forward(x), 2, keep, gelu);
-        }
-        let [n, cin, h, w] = x.dims();
-        let c =
-            crate::cpu::ConvTransposeAxis { batch: n, cin, cout, len: h, inner: w, kernel: kh, stride: self.stride[0] };
-        let weight = self.weight.val().reshape([cin, cout, kh]);
-        host_conv(x, &weight, &self.bias.val(), [n, cout, keep.1, w], |x, w, b| {
+        let Some(c) = self.host_axis(&x) else { return crop_gelu(self.generic(x), 2, keep, gelu) };
+        host_conv(x, &self.host_weight(), &self.bias.val(), [c.batch, c.cout, keep.1, c.inner], |x, w, b| {
             crate::cpu::conv_transpose_axis_crop(x, w, b, c, keep, gelu)
         })
+    }
+
+    /// The host kernel's shape for `x`: on the CPU backend, for the decoders' `[k, 1]`
+    /// kernels over frequency (stride 1 along time).
+    fn host_axis(&self, x: &Tensor<B, 4>) -> Option<crate::cpu::ConvTransposeAxis> {
+        let [_, cout, kh, kw] = self.weight.dims();
+        let [n, cin, h, w] = x.dims();
+        (crate::cpu::is_cpu::<B>() && kw == 1 && self.stride[1] == 1).then_some(crate::cpu::ConvTransposeAxis {
+            batch: n,
+            cin,
+            cout,
+            len: h,
+            inner: w,
+            kernel: kh,
+            stride: self.stride[0],
+        })
+    }
+
+    /// The `[in, out, kh, 1]` weight as the axis kernel reads it, `[in, out, kh]`.
+    fn host_weight(&self) -> Tensor<B, 3> {
+        let [cin, cout, kh, _] = self.weight.dims();
+        self.weight.val().reshape([cin, cout, kh])
     }
 
     /// Burn's own op.

@@ -103,12 +103,17 @@ pub fn conv_glu(x: &[f32], skip: Option<&[f32]>, w: &[f32], bias: &[f32], c: Con
     let ConvGlu { cin, cout, len, kernel: k, .. } = c;
     let Plan { chunk: tc, chunks, .. } = p;
     let (half, planes) = (k / 2, cout / 2);
-    // Per-tap weights [k, cout, cin].
-    let mut wt = vec![0f32; p.w];
-    for (i, v) in w.iter().enumerate() {
-        let (oc, tap) = (i / k, i % k);
-        wt[tap * cout * cin + oc] = *v;
-    }
+    // Per-tap weights [k, cout, cin] (a 1×1 kernel's are `w` as it is).
+    let wt: std::borrow::Cow<'_, [f32]> = if k == 1 {
+        w.into()
+    } else {
+        let mut wt = vec![0f32; p.w];
+        for (i, v) in w.iter().enumerate() {
+            let (oc, tap) = (i / k, i % k);
+            wt[tap * cout * cin + oc] = *v;
+        }
+        wt.into()
+    };
     let mut out = vec![0f32; p.out];
     let dst = Rows(out.as_mut_ptr());
     (0..c.batch * chunks).into_par_iter().for_each(|i| {
