@@ -557,3 +557,78 @@ async fn turning_keys_off_is_for_loopback_only() {
     stop.cancel();
     stack.shutdown().await;
 }
+
+/// A node restarting under the ingress must not turn away callers it has just served:
+/// while the keys bucket cannot be read, a key read in the last
+/// `KeyRing::STALE_IF_ERROR` authenticates from the cache, a key never read is refused
+/// as unavailable (not unknown), and once the bucket answers again a revocation takes
+/// effect within `KeyRing::TTL`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_read_recently_still_authenticate_while_the_bucket_is_down() {
+    use async_nats::jetstream;
+    use stemq_core::auth::{KeyError, KeyRing};
+    use stemq_core::nats_server::NatsServer;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("nats");
+    let mut server =
+        tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
+    let js = jetstream::new(server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap());
+    names::apply(&js, &names::Settings::default()).await.unwrap();
+    let bucket = js.get_key_value(names::KEYS_BUCKET).await.unwrap();
+    let (seen, _) = auth::create(&bucket, "acme", Role::Submit, Limits::NONE, "seen").await.unwrap();
+    let (unseen, _) = auth::create(&bucket, "acme", Role::Submit, Limits::NONE, "unseen").await.unwrap();
+    let ring = KeyRing::new(bucket.clone());
+    assert_eq!(ring.authenticate(&seen.expose()).await.unwrap().owner, "acme");
+
+    server.kill();
+    tokio::time::sleep(KeyRing::TTL + Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let caller = ring.authenticate(&seen.expose()).await.expect("a recently read key, from the cache");
+    assert_eq!((caller.owner.as_str(), caller.role), ("acme", Role::Submit));
+    let bound = 2 * KeyRing::READ_TIMEOUT + Duration::from_secs(1);
+    assert!(t.elapsed() < bound, "the stale answer took {:?}", t.elapsed());
+    let t = Instant::now();
+    match ring.authenticate(&unseen.expose()).await {
+        Err(KeyError::Store(_)) => {}
+        other => panic!("a key never read, with the bucket down: {other:?}"),
+    }
+    assert!(t.elapsed() < bound, "the refusal took {:?}", t.elapsed());
+    // Malformed keys are still refused as such, without a read.
+    assert!(matches!(ring.authenticate("sk_nope").await, Err(KeyError::Malformed)));
+
+    // Back up: a revocation is seen within the TTL (polled; the client reconnects).
+    let mut server = tokio::task::spawn_blocking(move || {
+        server.restart().expect("restart");
+        server
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        match auth::revoke(&bucket, seen.id()).await {
+            Ok(_) => break,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("revoke while reconnecting: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("revoke: {e}"),
+        }
+    }
+    let deadline = Instant::now() + T;
+    loop {
+        match ring.authenticate(&seen.expose()).await {
+            Err(KeyError::Revoked(id)) => {
+                assert_eq!(id, seen.id());
+                break;
+            }
+            other if Instant::now() < deadline => {
+                let _ = other;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => panic!("a revoked key after the bucket came back: {other:?}"),
+        }
+    }
+    assert_eq!(ring.authenticate(&unseen.expose()).await.unwrap().owner, "acme");
+    server.kill();
+}

@@ -12,7 +12,10 @@
 //! The key is shown once, by `stemq keys create`; it never appears in the log, the view,
 //! metrics or traces ([`ApiKey`]'s `Debug` hides the secret). Revocation marks the record;
 //! [`KeyRing`] re-reads a record at most [`KeyRing::TTL`] after it last read it, so a
-//! revocation takes effect on every ingress replica within seconds.
+//! revocation takes effect on every ingress replica within seconds. While the bucket
+//! cannot be read (a node restarting, a lost quorum), a key read in the last
+//! [`KeyRing::STALE_IF_ERROR`] still authenticates from the cache: callers that were
+//! just served keep being served, and a revocation waits for the bucket to answer again.
 //!
 //! Roles, from least to most: `read` (see the owner's jobs), `submit` (also submit,
 //! upload, cancel, retry, replay), `admin` (also the owner's webhook secret), `operator`
@@ -362,6 +365,10 @@ impl Caller {
 
 /// Authenticates keys against the bucket, re-reading each record at most every
 /// [`KeyRing::TTL`]. Shared by the HTTP and NATS submit paths.
+///
+/// A read is bounded by [`KeyRing::READ_TIMEOUT`] and tried twice. When both fail, a
+/// record read in the last [`KeyRing::STALE_IF_ERROR`] is used (stale-if-error); only a
+/// key not read that recently gets [`KeyError::Store`] (the ingress answers 503).
 pub struct KeyRing {
     bucket: kv::Store,
     cache: Mutex<HashMap<String, (Instant, KeyRecord)>>,
@@ -370,6 +377,10 @@ pub struct KeyRing {
 impl KeyRing {
     /// How stale a cached record may be (a revocation takes at most this long).
     pub const TTL: Duration = Duration::from_secs(2);
+    /// How stale a cached record may be while the bucket cannot be read.
+    pub const STALE_IF_ERROR: Duration = Duration::from_secs(60);
+    /// How long one read of a record may take; a read is tried twice.
+    pub const READ_TIMEOUT: Duration = Duration::from_millis(1500);
     const MAX_CACHED: usize = 10_000;
 
     /// A ring over `bucket`.
@@ -380,21 +391,28 @@ impl KeyRing {
     /// The caller a presented key stands for.
     pub async fn authenticate(&self, presented: &str) -> Result<Caller, KeyError> {
         let key = ApiKey::parse(presented.trim()).ok_or(KeyError::Malformed)?;
-        let cached = {
-            let c = self.cache.lock().expect("key cache");
-            c.get(&key.id).filter(|(at, _)| at.elapsed() < Self::TTL).map(|(_, r)| r.clone())
-        };
+        let cached = self.cache.lock().expect("key cache").get(&key.id).cloned();
         let record = match cached {
-            Some(r) => r,
-            None => {
-                let r = get(&self.bucket, &key.id).await?.ok_or(KeyError::Unknown)?;
-                let mut c = self.cache.lock().expect("key cache");
-                if c.len() >= Self::MAX_CACHED {
-                    c.retain(|_, (at, _)| at.elapsed() < Self::TTL);
+            Some((at, r)) if at.elapsed() < Self::TTL => r,
+            cached => match self.read(&key.id).await {
+                Ok(r) => {
+                    let r = r.ok_or(KeyError::Unknown)?;
+                    let mut c = self.cache.lock().expect("key cache");
+                    if c.len() >= Self::MAX_CACHED {
+                        c.retain(|_, (at, _)| at.elapsed() < Self::STALE_IF_ERROR);
+                    }
+                    c.insert(key.id.clone(), (Instant::now(), r.clone()));
+                    r
                 }
-                c.insert(key.id.clone(), (Instant::now(), r.clone()));
-                r
-            }
+                Err(e) => match cached {
+                    Some((at, r)) if at.elapsed() < Self::STALE_IF_ERROR => {
+                        tracing::warn!(key_id = %key.id, age_ms = at.elapsed().as_millis() as u64, error = %e,
+                            "keys bucket unreadable: using the key's cached record");
+                        r
+                    }
+                    _ => return Err(e),
+                },
+            },
         };
         if !record.matches(&key) {
             return Err(KeyError::Unknown);
@@ -409,6 +427,20 @@ impl KeyRing {
             limits: record.limits,
             priority: record.priority.unwrap_or_default(),
         })
+    }
+
+    /// One record, read with [`KeyRing::READ_TIMEOUT`] and one retry.
+    async fn read(&self, id: &str) -> Result<Option<KeyRecord>, KeyError> {
+        let once = || async {
+            match tokio::time::timeout(Self::READ_TIMEOUT, get(&self.bucket, id)).await {
+                Ok(r) => r,
+                Err(_) => Err(KeyError::Store(format!("no answer in {:?}", Self::READ_TIMEOUT))),
+            }
+        };
+        match once().await {
+            Err(KeyError::Store(_)) => once().await,
+            r => r,
+        }
     }
 }
 
