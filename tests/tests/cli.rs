@@ -334,3 +334,26 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     }
     stack.shutdown().await;
 }
+
+/// `stemq bench pipeline --raw --repeat 2` runs raw JetStream and the pipeline on fresh
+/// servers of its own in each round, and ends with the medians and the median ratio
+/// (issue 18: the ratio to raw JetStream is one command). Figures are not checked: a
+/// benchmark is not a timed test.
+#[test]
+fn the_pipeline_bench_repeats_rounds_and_reports_medians_and_ratios() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = stemq(&["bench", "pipeline", "--raw", "--repeat", "2", "--jobs", "40", "--workers", "8"], dir.path())
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = ok(&out, "stemq bench pipeline --raw --repeat 2");
+    assert_eq!(stdout.matches("completed       40").count(), 2, "raw JetStream in each round:\n{stdout}");
+    assert_eq!(stdout.matches("(40 completed, 0 failed submits)").count(), 2, "the pipeline in each round:\n{stdout}");
+    let summary = stdout.split("over 2 rounds (median)").nth(1).unwrap_or_else(|| panic!("no summary:\n{stdout}"));
+    for label in ["end to end", "latency p99", "raw end to end", "ratio e2e", "ratio p99"] {
+        let line = summary.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("{label}"));
+        assert!(line.contains("(rounds: ") && line.matches(", ").count() == 1, "{line}");
+    }
+    let refused = stemq(&["bench", "pipeline", "--repeat", "0"], dir.path()).output().unwrap();
+    assert!(!refused.status.success(), "--repeat 0 was accepted");
+}

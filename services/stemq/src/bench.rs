@@ -72,6 +72,11 @@ pub enum BenchCommand {
         /// its own, and print the pipeline's figures as ratios of it.
         #[arg(long)]
         raw: bool,
+        /// Rounds to run (each on fresh servers; with `--raw`, raw JetStream then the
+        /// pipeline in every round), then the median of each figure and of each round's
+        /// ratio: on a shared machine, one round's ratio is one sample of the noise.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+        repeat: u32,
         #[command(flatten)]
         server: ServerSettings,
     },
@@ -94,18 +99,29 @@ pub enum BenchCommand {
 
 pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline { load, store, isolation, cluster, raw, server } => {
+        BenchCommand::Pipeline { load, store, isolation, cluster, raw, repeat, server } => {
             let Load { jobs, rate, workers, in_flight } = load;
-            let baseline = if raw { Some(raw_cycles(load).await?) } else { None };
-            if let Some(b) = &baseline {
-                b.print();
+            let mut rounds = Vec::new();
+            for round in 1..=repeat {
+                if repeat > 1 {
+                    println!("round {round} of {repeat}");
+                }
+                let baseline = if raw { Some(raw_cycles(load).await?) } else { None };
+                if let Some(b) = &baseline {
+                    b.print();
+                }
+                let figures =
+                    pipeline(g, &server, jobs, rate, workers, in_flight, store.clone(), isolation, cluster).await?;
+                if let Some(b) = &baseline {
+                    println!("pipeline / raw JetStream (same run, same load)");
+                    println!("  end to end      {:.3}×", figures.per_sec / b.per_sec);
+                    println!("  latency p50     {:.2}× ({:.2} vs {:.2} ms)", figures.p50 / b.p50, figures.p50, b.p50);
+                    println!("  latency p99     {:.2}× ({:.2} vs {:.2} ms)", figures.p99 / b.p99, figures.p99, b.p99);
+                }
+                rounds.push((figures, baseline));
             }
-            let figures = pipeline(g, &server, jobs, rate, workers, in_flight, store, isolation, cluster).await?;
-            if let Some(b) = baseline {
-                println!("pipeline / raw JetStream (same run, same load)");
-                println!("  end to end      {:.3}×", figures.per_sec / b.per_sec);
-                println!("  latency p50     {:.2}× ({:.2} vs {:.2} ms)", figures.p50 / b.p50, figures.p50, b.p50);
-                println!("  latency p99     {:.2}× ({:.2} vs {:.2} ms)", figures.p99 / b.p99, figures.p99, b.p99);
+            if repeat > 1 {
+                print_rounds(&rounds);
             }
             Ok(())
         }
@@ -314,6 +330,38 @@ impl Figures {
         println!("  latency p99     {:.2} ms", self.p99);
         println!("  latency max     {:.2} ms", self.max);
     }
+}
+
+/// The median of each figure over the rounds, and of each round's ratio to raw
+/// JetStream (the ratio of medians would pair figures from different moments).
+fn print_rounds(rounds: &[(Figures, Option<Figures>)]) {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    };
+    let list = |v: &[f64], digits: usize| v.iter().map(|x| format!("{x:.digits$}")).collect::<Vec<_>>().join(", ");
+    let line = |label: &str, v: Vec<f64>, digits: usize, unit: &str| {
+        println!("  {label:<15} {:.digits$}{unit} (rounds: {})", median(v.clone()), list(&v, digits));
+    };
+    println!("over {} rounds (median)", rounds.len());
+    let pick = |f: fn(&Figures) -> f64| rounds.iter().map(|(p, _)| f(p)).collect::<Vec<_>>();
+    line("end to end", pick(|f| f.per_sec), 0, " jobs/s");
+    line("latency p50", pick(|f| f.p50), 2, " ms");
+    line("latency p99", pick(|f| f.p99), 2, " ms");
+    let raws: Vec<(&Figures, &Figures)> = rounds.iter().filter_map(|(p, b)| b.as_ref().map(|b| (p, b))).collect();
+    if raws.is_empty() {
+        return;
+    }
+    let ratio = |f: fn(&Figures) -> f64| raws.iter().map(|(p, b)| f(p) / f(b)).collect::<Vec<_>>();
+    line("raw end to end", raws.iter().map(|(_, b)| b.per_sec).collect(), 0, " per s");
+    line("raw p99", raws.iter().map(|(_, b)| b.p99).collect(), 2, " ms");
+    line("ratio e2e", ratio(|f| f.per_sec), 3, "×");
+    line("ratio p99", ratio(|f| f.p99), 2, "×");
 }
 
 /// Raw JetStream cycles on a server of its own (see the module doc).
