@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # HTTP submit benchmark: wrk (2 threads, 32 connections, distinct bodies) against the
 # ingress of a `stemq dev` stack with the fake engine, everything on this machine.
-# Usage: scripts/bench-http.sh [seconds]   (needs wrk: apt-get install wrk)
+# Usage: scripts/bench-http.sh [seconds] [rate]   (needs wrk: apt-get install wrk)
+# With a rate, `stemq bench http` offers that many submits a second instead (open loop,
+# 32 connections, latency from each request's due time), against the same stack.
 # STEMQ_BIN=path: measure that binary instead of building target/release/stemq.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-15}"
+rate="${2:-}"
 scripts/install-nats.sh >/dev/null
 export PATH="$PWD/.stemq/venv/bin:$PATH"
-command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
+[[ -n "$rate" ]] || command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
 bin="${STEMQ_BIN:-}"
 if [[ -z "$bin" ]]; then
   cargo build --release --locked -p stemq >/dev/null
@@ -37,5 +40,10 @@ export STEMQ_STORE_BASE="file://$(cd "$data" && pwd)/store"
 # (as the operator `stemq dev` wrote credentials for in its data dir)
 export STEMQ_API_KEY="$(NATS_URL="$(cat "$data/nats.url")" STEMQ_DATA_DIR="$data" "$bin" keys create --owner local \
   --role operator --rate 0 --max-in-flight 0 --name bench-http 2>/dev/null)"
-wrk -t2 -c32 -d"${secs}s" --latency -s scripts/wrk-submit.lua "http://$http/v1/separations"
+if [[ -n "$rate" ]]; then
+  "$bin" bench http --api "http://$http" --rate "$rate" --seconds "$secs" --connections 32 \
+    --store-base "$STEMQ_STORE_BASE" --owner local
+else
+  wrk -t2 -c32 -d"${secs}s" --latency -s scripts/wrk-submit.lua "http://$http/v1/separations"
+fi
 curl -fs -H "Authorization: Bearer $STEMQ_API_KEY" "http://$http/metrics" | grep -E '^stemq_submits_total' || true
