@@ -264,14 +264,14 @@ async fn http(g: &Global, load: HttpLoad) -> Result<()> {
     let interval = Duration::from_secs_f64(1.0 / rate);
     let sem = Arc::new(Semaphore::new(connections));
     let run = uuid::Uuid::new_v4().simple().to_string();
-    let base = store_base.trim_end_matches('/').to_string();
+    let prefix = format!("{}/{}", store_base.trim_end_matches('/'), stemq_core::uri::uploads_prefix(&owner));
     let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut handles = Vec::with_capacity(total);
     for i in 0..total {
         let due = t0 + interval.mul_f64(i as f64);
         tokio::time::sleep_until(due).await;
         let (client, url, key, sem) = (client.clone(), url.clone(), key.clone(), sem.clone());
-        let body = format!(r#"{{"audio_uri":"{base}/uploads/{owner}/bench-{run}-{i}.wav","model":"dsp"}}"#);
+        let body = format!(r#"{{"audio_uri":"{prefix}bench-{run}-{i}.wav","model":"dsp"}}"#);
         handles.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore");
             let sent = tokio::time::Instant::now();
@@ -291,12 +291,13 @@ async fn http(g: &Global, load: HttpLoad) -> Result<()> {
             (status, done.duration_since(due), done.duration_since(sent), done)
         }));
     }
-    let mut statuses: std::collections::BTreeMap<String, usize> = Default::default();
+    // Per HTTP status; `None`: no answer (a connection error or the timeout).
+    let mut statuses: std::collections::BTreeMap<Option<u16>, usize> = Default::default();
     let (mut latency, mut service) = (Vec::with_capacity(total), Vec::with_capacity(total));
     let mut last = t0;
     for h in handles {
         let (status, lat, svc, done) = h.await?;
-        *statuses.entry(status.map_or("error".to_string(), |c| c.to_string())).or_default() += 1;
+        *statuses.entry(status).or_default() += 1;
         latency.push(lat.as_secs_f64() * 1000.0);
         service.push(svc.as_secs_f64() * 1000.0);
         last = last.max(done);
@@ -304,11 +305,12 @@ async fn http(g: &Global, load: HttpLoad) -> Result<()> {
     for v in [&mut latency, &mut service] {
         v.sort_by(|a, b| a.total_cmp(b));
     }
-    let ok = statuses.get("202").copied().unwrap_or(0);
+    let ok = statuses.get(&Some(202)).copied().unwrap_or(0);
     println!("stemq bench http");
     println!("  offered         {total} requests at {rate:.0}/s over {seconds} s, {connections} connections");
     println!("  answered        {:.0} requests/s", total as f64 / last.duration_since(t0).as_secs_f64());
-    let counts: Vec<String> = statuses.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    let counts: Vec<String> =
+        statuses.iter().map(|(k, v)| format!("{}: {v}", k.map_or("error".to_string(), |c| c.to_string()))).collect();
     println!("  statuses        {}", counts.join(", "));
     for (label, v) in [("latency", &latency), ("service time", &service)] {
         println!(
