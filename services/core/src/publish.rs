@@ -27,12 +27,13 @@
 //! - [`publish_request`]: a new request goes to its routed subject
 //!   (`stemq.jobs.<id>.requested.<owner token>.<model>.<lane>`), only if no request of
 //!   the job is recorded for its owner in any form (the earlier forms are looked up, the
-//!   routed ones are one wildcard expectation of the publish). The look-ups cost one
-//!   direct get for a new job (nothing of it is in the log).
+//!   routed ones are one wildcard expectation of the publish). A new job costs no
+//!   look-up: its publish first expects nothing at all on the job's subjects, and only
+//!   when that fails are the forms looked up.
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage, stream::DirectGetErrorKind};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use async_nats::HeaderMap;
 use tokio::time::Instant;
 use tracing::warn;
@@ -163,6 +164,32 @@ async fn publish_first(
     msg_id: &str,
     patience: Duration,
 ) -> Result<Once, PublishError> {
+    Ok(match publish_expecting(js, subject, first_of, payload, traceparent, msg_id, patience).await? {
+        First::Stored(seq) => Once::Stored(seq),
+        First::Duplicate | First::Occupied => Once::AlreadyThere,
+    })
+}
+
+/// How a publish expecting "nothing yet" ended.
+enum First {
+    /// Stored now, at this stream sequence.
+    Stored(u64),
+    /// Our message id was stored before, on our subject (a retry, a duplicate submit).
+    Duplicate,
+    /// A subject matching the expectation holds a message: nothing was stored.
+    Occupied,
+}
+
+/// [`publish_first`], telling a duplicate of our message id from an occupied subject.
+async fn publish_expecting(
+    js: &jetstream::Context,
+    subject: &str,
+    first_of: Option<&str>,
+    payload: bytes::Bytes,
+    traceparent: Option<&str>,
+    msg_id: &str,
+    patience: Duration,
+) -> Result<First, PublishError> {
     let t0 = Instant::now();
     let mut attempt = 0;
     let mut msg_id = Some(msg_id);
@@ -187,10 +214,10 @@ async fn publish_first(
                     attempt = 0;
                     continue;
                 }
-                return Ok(Once::AlreadyThere);
+                return Ok(First::Duplicate);
             }
-            Ok(ack) => return Ok(Once::Stored(ack.sequence)),
-            Err(e) if already_there(&e) => return Ok(Once::AlreadyThere),
+            Ok(ack) => return Ok(First::Stored(ack.sequence)),
+            Err(e) if already_there(&e) => return Ok(First::Occupied),
             Err(e) if retryable(&e) && again(t0, attempt, patience).await => {}
             Err(source) => return Err(PublishError { subject: subject.to_string(), source }),
         }
@@ -210,30 +237,37 @@ async fn squatted(js: &jetstream::Context, stream: &str, seq: u64, subject: &str
 
 /// Publishes a new job's request on its routed subject (`stemq.jobs.<id>.requested.<owner
 /// token>.<model>.<lane>`, [`request_subject_of`]), once: [`Once::AlreadyThere`] when
-/// the job's request is recorded for its owner in any form and any lane. The earlier
-/// forms are looked up first (the oldest `stemq.jobs.<id>.requested` and the unrouted
-/// `stemq.jobs.<id>.requested.<owner token>`); the routed ones of the owner, in either
+/// the job's request is recorded for its owner in any form and any lane. When anything
+/// of the job is in the log, the earlier forms are looked up (the oldest
+/// `stemq.jobs.<id>.requested` and the unrouted `stemq.jobs.<id>.requested.<owner
+/// token>`); the routed ones of the owner, in either
 /// lane, are one wildcard expectation of the publish (`stemq.jobs.<id>.requested.<owner
 /// token>.>`). Only the owner's own subjects count: a request of this id on another
 /// owner's subject is forged (the id hashes the owner) and must not block the real one.
 pub async fn publish_request(js: &jetstream::Context, id: &JobId, event: &Event) -> Result<Once, PublishError> {
+    // A new job has nothing at all in the log: its publish expects exactly that, over
+    // every subject of the job, and is stored in one round trip. Only when something is
+    // there (the request in an earlier form, another event, a forged request on another
+    // owner's subject) are the forms looked up, and the publish made with the narrower
+    // expectation.
+    let subject = request_subject_of(id, event);
+    let (payload, traceparent) = (event.to_bytes(), event.traceparent.as_deref());
+    let everything = job_filter(id);
+    match publish_expecting(js, &subject, Some(&everything), payload, traceparent, id.as_str(), PATIENCE).await? {
+        First::Stored(seq) => return Ok(Once::Stored(seq)),
+        First::Duplicate => return Ok(Once::AlreadyThere),
+        First::Occupied => {}
+    }
     let owner = owner_of(event);
     if let Ok(log) = js.get_stream_no_info(JOBS_STREAM).await {
-        // A new job has nothing at all in the log: one direct get on all of its
-        // subjects says so, and the two look-ups below are needed only when it finds
-        // something.
-        let anything = log.direct_get_last_for_subject(job_filter(id)).await;
-        if !anything.is_err_and(|e| e.kind() == DirectGetErrorKind::NotFound) {
-            // A request from before routing: the job exists. Any other answer than
-            // "found" (not found, or the log unreadable now) leaves it to the publish
-            // below.
-            let (oldest, unrouted) = tokio::join!(
-                log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)),
-                log.direct_get_last_for_subject(unrouted_request_subject(id, owner)),
-            );
-            if oldest.is_ok() || unrouted.is_ok() {
-                return Ok(Once::AlreadyThere);
-            }
+        // A request from before routing: the job exists. Any other answer than "found"
+        // (not found, or the log unreadable now) leaves it to the publish below.
+        let (oldest, unrouted) = tokio::join!(
+            log.direct_get_last_for_subject(job_subject(id, SubjectKind::Requested)),
+            log.direct_get_last_for_subject(unrouted_request_subject(id, owner)),
+        );
+        if oldest.is_ok() || unrouted.is_ok() {
+            return Ok(Once::AlreadyThere);
         }
     }
     publish_routed(js, id, event, id.as_str()).await
