@@ -246,58 +246,6 @@ async fn a_squatted_message_id_does_not_swallow_a_submit() {
     stack.shutdown().await;
 }
 
-/// A new job's submit is one publish: its expectation (nothing of the job in the log)
-/// replaces the look-ups, which run only when the job has something recorded. The
-/// direct gets the ingress sends carry the subject they read, so the operator sees
-/// which of them name the job.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_job_is_queued_without_a_look_up_and_a_repeat_is_looked_up() {
-    use futures::{FutureExt, StreamExt};
-    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
-    let body = job_body(&stack, "one-round-trip", None);
-    let id = JobRequest::from_value(body.clone()).unwrap().normalize(TEST_OWNER).unwrap().job_id();
-    let mut gets = stack.client.subscribe(format!("$JS.API.DIRECT.GET.{}.>", names::JOBS_STREAM)).await.unwrap();
-    stack.client.flush().await.unwrap();
-    let looked_up = |gets: &mut async_nats::Subscriber| {
-        let mut n = 0;
-        while let Some(Some(m)) = gets.next().now_or_never() {
-            n += usize::from(m.subject.as_str().contains(id.as_str()));
-        }
-        n
-    };
-    let (code, b) = stack.submit(&body).await;
-    assert_eq!((code, job_id(&b)), (202, id.clone()), "{b}");
-    stack.client.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(looked_up(&mut gets), 0, "the submit of a new job read the log");
-    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.>")).await, 1);
-    // The same request again: already there, found by its message id or the look-ups,
-    // and nothing more is stored.
-    let (code, b) = stack.submit(&body).await;
-    assert_eq!((code, job_id(&b), b["cached"].as_bool()), (200, id.clone(), Some(true)), "{b}");
-    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.>")).await, 1);
-    // With another event of the job recorded first but no request (a publisher may
-    // cancel a job it is about to submit), the request is still stored, once.
-    let later = job_body(&stack, "cancelled-first", None);
-    let later_id = JobRequest::from_value(later.clone()).unwrap().normalize(TEST_OWNER).unwrap().job_id();
-    let cancel =
-        Event::new(&later_id, "urn:test", EventBody::CancelRequested(stemq_core::event::CancelRequested { by: None }));
-    stack
-        .js
-        .publish(job_subject(&later_id, SubjectKind::CancelRequested), cancel.to_bytes())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    let (code, b) = stack.submit(&later).await;
-    assert_eq!((code, job_id(&b)), (202, later_id.clone()), "{b}");
-    assert_eq!(stack.count_on(&routed(&later_id, TEST_OWNER)).await, 1);
-    let (code, _) = stack.submit(&later).await;
-    assert_eq!(code, 200);
-    assert_eq!(stack.count_on(&routed(&later_id, TEST_OWNER)).await, 1);
-    stack.shutdown().await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_cannot_change_definitions() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;

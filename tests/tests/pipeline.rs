@@ -402,3 +402,70 @@ async fn nats_server_restart_loses_nothing() {
     }
     stack.shutdown().await;
 }
+
+/// A new job goes from submit to its terminal view without anyone reading the log: the
+/// submit's publish expects nothing of the job in it, and the worker's `started`
+/// expects none of its one-token events. The look-ups run only when something is
+/// there: a repeated submit, or a job whose cancel came before its request (which the
+/// worker then finds, and the job is cancelled, never run). Direct gets carry the
+/// subject they read, so the operator sees which of them name the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_job_runs_without_a_look_up_and_what_is_recorded_is_looked_up() {
+    use futures::{FutureExt, StreamExt};
+    let stack = Stack::start(StackOptions::default()).await;
+    let id_of = |body: &serde_json::Value| {
+        stemq_core::JobRequest::from_value(body.clone()).unwrap().normalize(stemq_tests::TEST_OWNER).unwrap().job_id()
+    };
+    let mut gets =
+        stack.client.subscribe(format!("$JS.API.DIRECT.GET.{}.>", stemq_core::nats::JOBS_STREAM)).await.unwrap();
+    stack.client.flush().await.unwrap();
+    let looked_up = |gets: &mut async_nats::Subscriber, id: &stemq_core::JobId| {
+        let mut n = 0;
+        while let Some(Some(m)) = gets.next().now_or_never() {
+            n += usize::from(m.subject.as_str().contains(id.as_str()));
+        }
+        n
+    };
+    let body = job_body(&stack, "one-round-trip", None);
+    let id = id_of(&body);
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!((code, job_id(&b)), (202, id.clone()), "{b}");
+    assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
+    stack.client.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(looked_up(&mut gets, &id), 0, "the log was read for a new job");
+    // The same request again: found (by its message id or the look-ups), nothing stored.
+    let events = stack.count_on(&format!("stemq.jobs.{id}.>")).await;
+    let (code, b) = stack.submit(&body).await;
+    assert_eq!((code, job_id(&b), b["cached"].as_bool()), (200, id.clone(), Some(true)), "{b}");
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.>")).await, events);
+
+    // A cancel recorded before the request: the request is still stored, once, and the
+    // worker's `started` is refused, so it looks the job up and cancels it unrun.
+    let later = job_body(&stack, "cancelled-first", None);
+    let later_id = id_of(&later);
+    let cancel = stemq_core::Event::new(
+        &later_id,
+        "urn:test",
+        EventBody::CancelRequested(stemq_core::event::CancelRequested { by: None }),
+    );
+    stack
+        .js
+        .publish(job_subject(&later_id, SubjectKind::CancelRequested), cancel.to_bytes())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let (code, b) = stack.submit(&later).await;
+    assert_eq!((code, job_id(&b)), (202, later_id.clone()), "{b}");
+    assert_eq!(stack.wait_terminal(&later_id, T).await.status, JobStatus::Cancelled);
+    assert_eq!(stack.count_on(&job_subject(&later_id, SubjectKind::Started)).await, 0, "a cancelled job started");
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{later_id}.requested.>")).await, 1);
+    stack.client.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(looked_up(&mut gets, &later_id) > 0, "a recorded cancel was not looked up");
+    let (code, _) = stack.submit(&later).await;
+    assert_eq!(code, 200);
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{later_id}.requested.>")).await, 1);
+    stack.shutdown().await;
+}

@@ -170,14 +170,31 @@ async fn publish_first(
     })
 }
 
-/// How a publish expecting "nothing yet" ended.
-enum First {
+/// How a publish expecting "nothing yet" ended ([`publish_first_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum First {
     /// Stored now, at this stream sequence.
     Stored(u64),
     /// Our message id was stored before, on our subject (a retry, a duplicate submit).
     Duplicate,
     /// A subject matching the expectation holds a message: nothing was stored.
     Occupied,
+}
+
+/// Publishes `event` to `subject` only if no subject matching `first_of` holds a
+/// message yet, retrying transient failures for up to `patience`; tells a duplicate of
+/// our own message id ([`First::Duplicate`]: stored before, by us) from a subject
+/// already taken ([`First::Occupied`]).
+pub async fn publish_first_of(
+    js: &jetstream::Context,
+    subject: &str,
+    first_of: &str,
+    event: &Event,
+    msg_id: &str,
+    patience: Duration,
+) -> Result<First, PublishError> {
+    publish_expecting(js, subject, Some(first_of), event.to_bytes(), event.traceparent.as_deref(), msg_id, patience)
+        .await
 }
 
 /// [`publish_first`], telling a duplicate of our message id from an occupied subject.

@@ -6,8 +6,12 @@
 //!    its job id, or for another owner than its subject's) dropped, never run;
 //! 2. if the job already has an outcome (a lost ack, a duplicate delivery), ack and skip
 //!    (`skip.already_done`); if a cancel was requested or its start deadline passed, record
-//!    that instead of running it (one direct get tells both for a new job);
-//! 3. publish `started`; keep the ack deadline alive with progress acks;
+//!    that instead of running it. A first delivery asks by publishing `started` with the
+//!    expectation that none of the job's one-token events is stored yet: a new job
+//!    starts in that one round trip, and only when it is refused is the log looked up
+//!    (one direct get tells both for a job with an earlier attempt);
+//! 3. publish `started` (unless step 2 stored it); keep the ack deadline alive with
+//!    progress acks;
 //! 4. run the engine on a blocking thread, under the hard time limit, stepping down the
 //!    out-of-memory ladder (smaller segment, then CPU) when it runs out of memory;
 //! 5. store the stems and the manifest, then publish the outcome to the job's terminal
@@ -35,18 +39,23 @@ use stemq_core::event::{
     Cancelled, DeadLettered, EventBody, Expired, Failed, FailureClass, FailureCode, Output, Rejected, Requested,
     Started, Succeeded,
 };
-use stemq_core::nats::{job_id_of_subject, job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_once, Once};
+use stemq_core::nats::{job_events_filter, job_id_of_subject, job_subject, SubjectKind};
+use stemq_core::publish::{publish, publish_first_of, publish_once, First, Once};
 use stemq_core::{Event, JobId};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::fetch::FetchError;
 use crate::keepalive::spawn_keepalive;
 use crate::outputs::{store_outputs, Stems};
 use crate::{control, Shared};
 use stemq_core::metrics::{metrics, JobLabels};
+
+/// How long a first delivery's `started`, stored only while the job has no one-token
+/// event, keeps retrying a transient failure (a leader election) before the worker
+/// looks the job up instead and publishes `started` with the usual patience.
+const STARTED_FIRST_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Handles one delivery; never panics, never leaves the message without an answer
 /// unless the process dies (then `ack_wait` redelivers it).
@@ -125,40 +134,6 @@ async fn run_delivery(
     let cancel = Arc::new(AtomicBool::new(false));
     let user_cancel = Arc::new(AtomicBool::new(false));
     let _registered = shared.running.register(&job_id, cancel.clone(), user_cancel.clone());
-    let recorded = match control::recorded(shared, &job_id).await {
-        Ok(r) => r,
-        Err(e) => {
-            warn!(error = %e, "cannot check for an outcome or a cancel request; retrying later");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-            return;
-        }
-    };
-    if recorded.outcome {
-        info!(event = "skip.already_done", "job already has an outcome; acking");
-        let _ = msg.double_ack().await;
-        return;
-    }
-
-    // 2b. Cancelled or past its start deadline? Then it never starts.
-    let cancel_requested = recorded.cancel_requested;
-    if let Some(body) = decide_start(attempt, cancel_requested, requested.start_before, chrono::Utc::now()) {
-        match &body {
-            EventBody::Expired(e) => {
-                info!(event = "job.expired", start_before = %e.start_before, "start deadline passed; not running it")
-            }
-            _ => info!(event = "job.cancelled", "cancel requested before start; not running it"),
-        }
-        metrics().outcome(model, body.kind());
-        finish(shared, &msg, &job_id, Event::new(&job_id, &source(shared), body)).await;
-        return;
-    }
-    // The per-job limit, never above the worker's own.
-    let time_limit = match requested.max_runtime {
-        Some(s) => shared.config.time_limit.min(Duration::from_secs(s)),
-        None => shared.config.time_limit,
-    };
-
-    // 3. Started, and keep the delivery alive while we work.
     let engine = shared.engine.clone();
     let devices: Vec<Device> = engine.devices();
     let first_device = devices.first().cloned().unwrap_or(Device::Cpu);
@@ -168,17 +143,80 @@ async fn run_delivery(
         EventBody::Started(Started { attempt, worker: shared.config.name.clone(), device: first_device.clone() }),
     );
     started.traceparent = traceparent.clone();
+    let started_subject = job_subject(&job_id, SubjectKind::Started);
+    // With a message id of its own attempt, so a publish retried through a leader
+    // election is stored once, and one lost with a dying node is retried, not dropped.
+    let started_id = format!("{job_id}.started.{attempt}");
+    // A first delivery within its deadline asks the log with `started` itself: stored
+    // only while none of the job's one-token events (an earlier attempt, a cancel
+    // request, an outcome) is, so a new job starts in one round trip, with no look-up.
+    let new_job = attempt == 1 && decide_start(attempt, false, requested.start_before, chrono::Utc::now()).is_none();
+    let started_first = new_job
+        && match publish_first_of(
+            &shared.js,
+            &started_subject,
+            &job_events_filter(&job_id),
+            &started,
+            &started_id,
+            STARTED_FIRST_PATIENCE,
+        )
+        .await
+        {
+            Ok(First::Stored(_) | First::Duplicate) => true,
+            Ok(First::Occupied) => false,
+            Err(e) => {
+                debug!(error = %e, "started not stored first; looking the job up");
+                false
+            }
+        };
+    if !started_first {
+        let recorded = match control::recorded(shared, &job_id).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "cannot check for an outcome or a cancel request; retrying later");
+                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                return;
+            }
+        };
+        if recorded.outcome {
+            info!(event = "skip.already_done", "job already has an outcome; acking");
+            let _ = msg.double_ack().await;
+            return;
+        }
+
+        // 2b. Cancelled or past its start deadline? Then it never starts.
+        let cancel_requested = recorded.cancel_requested;
+        if let Some(body) = decide_start(attempt, cancel_requested, requested.start_before, chrono::Utc::now()) {
+            match &body {
+                EventBody::Expired(e) => {
+                    info!(event = "job.expired", start_before = %e.start_before, "start deadline passed; not running it")
+                }
+                _ => info!(event = "job.cancelled", "cancel requested before start; not running it"),
+            }
+            metrics().outcome(model, body.kind());
+            finish(shared, &msg, &job_id, Event::new(&job_id, &source(shared), body)).await;
+            return;
+        }
+    }
+    // The per-job limit, never above the worker's own.
+    let time_limit = match requested.max_runtime {
+        Some(s) => shared.config.time_limit.min(Duration::from_secs(s)),
+        None => shared.config.time_limit,
+    };
+
+    // 3. Started (unless stored above), and keep the delivery alive while we work.
     if attempt == 1 {
         let waited = (started.time - requested_at).to_std().unwrap_or_default();
         let labels = JobLabels { model: model.into(), device: first_device.to_string() };
         metrics().queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
     }
     let js = shared.js.clone();
-    let started_subject = job_subject(&job_id, SubjectKind::Started);
-    // With a message id of its own attempt, so a publish retried through a leader
-    // election is stored once, and one lost with a dying node is retried, not dropped.
-    let started_id = format!("{job_id}.started.{attempt}");
-    let started_pub = tokio::spawn(async move { publish(&js, &started_subject, &started, Some(&started_id)).await });
+    let started_pub = tokio::spawn(async move {
+        if started_first {
+            return Ok(());
+        }
+        publish(&js, &started_subject, &started, Some(&started_id)).await.map(drop)
+    });
     let t0 = Instant::now();
 
     let msg = Arc::new(msg);
