@@ -28,6 +28,20 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Each thread of process `pid`: its name and nice value (`/proc/<pid>/task/*/stat`).
+fn threads_by_nice(pid: u32) -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let name = stat[open + 1..close].to_string();
+        // After the name: state is field 3, nice field 19.
+        let nice = stat[close + 1..].split_whitespace().nth(16).and_then(|n| n.parse().ok()).unwrap_or(i64::MIN);
+        out.push((name, nice));
+    }
+    out
+}
+
 /// Sends `request` with the key; its JSON answer.
 async fn json_of(request: reqwest::RequestBuilder, key: &str) -> Value {
     request.bearer_auth(key).send().await.unwrap().json().await.unwrap()
@@ -110,6 +124,12 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
             .unwrap();
         assert_eq!(r.headers().get("access-control-allow-origin").and_then(|v| v.to_str().ok()), Some(origin));
     }
+    // Its worker runs below the API on the CPU (`--worker-nice`, 10 by default): every
+    // thread of the worker's runtime is niced, the API's are not.
+    let nices = threads_by_nice(dev_ref.id());
+    let worker: Vec<_> = nices.iter().filter(|(name, _)| name.starts_with("stemq-dev-work")).collect();
+    assert!(!worker.is_empty() && worker.iter().all(|(_, n)| *n == 10), "{nices:?}");
+    assert!(nices.iter().any(|(name, n)| !name.starts_with("stemq-dev-work") && *n == 0), "{nices:?}");
     // The fleet is for operators; the local admin key is not one.
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 403);

@@ -4,7 +4,9 @@
 //! is given, applies the definitions, and runs the ingress, one worker, the projector and
 //! the webhook relay (printing the webhook signing secret and where the admin API key of
 //! the owner `local` is: `<data-dir>/admin.key`, created on first start)
-//! until Ctrl-C or SIGTERM; then drains them and stops the server.
+//! until Ctrl-C or SIGTERM; then drains them and stops the server. The worker runs on a
+//! runtime of its own whose threads sit below the API on the CPU (`--worker-nice`, 10
+//! by default): on one machine a backlog of jobs takes what the API leaves.
 //!
 //! The ingress serves the page (`/`); `stemq dev` prints a one-time link to it that signs
 //! the browser in with the operator key of `local` (`<data-dir>/operator.key`), so the
@@ -54,7 +56,74 @@ pub struct DevArgs {
     pub store: StoreArg,
     #[command(flatten)]
     pub server: ServerSettings,
+    /// How far below the API the stack's worker runs on the CPU (a nice increment,
+    /// 0–19; 0: the same priority). On one machine the jobs then take the CPU the API
+    /// leaves, and a backlog does not slow the answers to callers.
+    #[arg(long, env = "STEMQ_DEV_WORKER_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub worker_nice: i32,
 }
+
+/// The worker's own tokio runtime: its threads, blocking ones included (and so the
+/// engine hosts they start), run `nice` steps below the rest of the stack, and its NATS
+/// connection is made on it, so its connection task is niced too. Shut down in the
+/// background when dropped (a runtime cannot be dropped inside another's task).
+struct WorkerRuntime(Option<tokio::runtime::Runtime>);
+
+impl WorkerRuntime {
+    fn new(nice: i32) -> std::io::Result<WorkerRuntime> {
+        // Relative to the caller's (the API's) priority, set absolutely on each thread:
+        // a thread started by an already lowered one (a blocking thread) gets the same.
+        let target = priority().map(|p| (p + nice).min(19));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .thread_name("stemq-dev-worker")
+            .enable_all()
+            .on_thread_start(move || {
+                if let Some(p) = target.filter(|_| nice > 0) {
+                    set_priority(p)
+                }
+            })
+            .build()?;
+        Ok(WorkerRuntime(Some(rt)))
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.0.as_ref().expect("held until dropped").handle()
+    }
+}
+
+impl Drop for WorkerRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The calling thread's nice value (Linux keeps one per thread).
+#[cfg(target_os = "linux")]
+fn priority() -> Option<i32> {
+    // SAFETY: a plain system call about the calling thread (`who` 0).
+    Some(unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) })
+}
+
+/// Sets the calling thread's nice value. Best effort: where it cannot, the thread keeps
+/// its priority.
+#[cfg(target_os = "linux")]
+fn set_priority(nice: i32) {
+    // SAFETY: a plain system call on the calling thread (`who` 0), no memory passed.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, 0, nice);
+    }
+}
+
+/// Elsewhere the worker keeps the stack's priority.
+#[cfg(not(target_os = "linux"))]
+fn priority() -> Option<i32> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_priority(_: i32) {}
 
 /// Runs the stack until Ctrl-C or SIGTERM.
 pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
@@ -92,7 +161,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     };
     let ingress_client = connect("stemq-ingress", INGRESS).await?;
     let projector_client = connect("stemq-projector", PROJECTOR).await?;
-    let worker_client = connect("stemq-worker", WORKER).await?;
+    // The worker on its own runtime, below the API (`--worker-nice`).
+    let worker_rt = WorkerRuntime::new(a.worker_nice)?;
+    let worker_client = worker_rt.handle().spawn(connect("stemq-worker", WORKER)).await??;
     let relay_client = connect("stemq-relay", RELAY).await?;
     std::fs::create_dir_all(&g.data_dir)?;
     let _ = std::fs::remove_file(g.data_dir.join("nats.url"));
@@ -142,7 +213,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         children.clone(),
     ));
     let projector = tokio::spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
-    let worker = tokio::spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
+    let worker = worker_rt.handle().spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
     let relay = tokio::spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
     // Up means its worker serves: wait (briefly) for its entry in the worker registry,
     // so the first submit is not refused for a model it is about to serve.
