@@ -124,12 +124,12 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
             .unwrap();
         assert_eq!(r.headers().get("access-control-allow-origin").and_then(|v| v.to_str().ok()), Some(origin));
     }
-    // Its worker runs below the API on the CPU (`--worker-nice`, 10 by default): every
-    // thread of the worker's runtime is niced, the API's are not.
+    // Its worker, projector and relay run below the API on the CPU (`--background-nice`,
+    // 10 by default): every thread of their runtime is niced, the API's are not.
     let nices = threads_by_nice(dev_ref.id());
-    let worker: Vec<_> = nices.iter().filter(|(name, _)| name.starts_with("stemq-dev-work")).collect();
-    assert!(!worker.is_empty() && worker.iter().all(|(_, n)| *n == 10), "{nices:?}");
-    assert!(nices.iter().any(|(name, n)| !name.starts_with("stemq-dev-work") && *n == 0), "{nices:?}");
+    let background: Vec<_> = nices.iter().filter(|(name, _)| name == "stemq-dev-bg").collect();
+    assert!(!background.is_empty() && background.iter().all(|(_, n)| *n == 10), "{nices:?}");
+    assert!(nices.iter().any(|(name, n)| name != "stemq-dev-bg" && *n == 0), "{nices:?}");
     // The fleet is for operators; the local admin key is not one.
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 403);

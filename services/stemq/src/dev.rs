@@ -4,9 +4,10 @@
 //! is given, applies the definitions, and runs the ingress, one worker, the projector and
 //! the webhook relay (printing the webhook signing secret and where the admin API key of
 //! the owner `local` is: `<data-dir>/admin.key`, created on first start)
-//! until Ctrl-C or SIGTERM; then drains them and stops the server. The worker runs on a
-//! runtime of its own whose threads sit below the API on the CPU (`--worker-nice`, 10
-//! by default): on one machine a backlog of jobs takes what the API leaves.
+//! until Ctrl-C or SIGTERM; then drains them and stops the server. The worker, the
+//! projector and the relay run on a runtime of their own whose threads sit below the
+//! API on the CPU (`--background-nice`, 10 by default): on one machine a backlog of
+//! jobs takes what the API leaves.
 //!
 //! The ingress serves the page (`/`); `stemq dev` prints a one-time link to it that signs
 //! the browser in with the operator key of `local` (`<data-dir>/operator.key`), so the
@@ -56,26 +57,28 @@ pub struct DevArgs {
     pub store: StoreArg,
     #[command(flatten)]
     pub server: ServerSettings,
-    /// How far below the API the stack's worker runs on the CPU (a nice increment,
-    /// 0–19; 0: the same priority). On one machine the jobs then take the CPU the API
-    /// leaves, and a backlog does not slow the answers to callers.
-    #[arg(long, env = "STEMQ_DEV_WORKER_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
-    pub worker_nice: i32,
+    /// How far below the API the stack's worker, projector and webhook relay run on the
+    /// CPU (a nice increment, 0–19; 0: one priority for all). On one machine the jobs
+    /// then take the CPU the API leaves, and a backlog does not slow the answers to
+    /// callers (a status read that finds the view behind reads the job's log).
+    #[arg(long, env = "STEMQ_DEV_BACKGROUND_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub background_nice: i32,
 }
 
-/// The worker's own tokio runtime: its threads, blocking ones included (and so the
-/// engine hosts they start), run `nice` steps below the rest of the stack, and its NATS
-/// connection is made on it, so its connection task is niced too. Shut down in the
-/// background when dropped (a runtime cannot be dropped inside another's task).
-struct WorkerRuntime(Option<tokio::runtime::Runtime>);
+/// The tokio runtime of the stack's background parts (worker, projector, relay): its
+/// threads, blocking ones included (and so the engine hosts they start), run `nice`
+/// steps below the API's, and the parts' NATS connections are made on it, so their
+/// connection tasks are niced too. Shut down in the background when dropped (a runtime
+/// cannot be dropped inside another's task).
+struct Background(Option<tokio::runtime::Runtime>);
 
-impl WorkerRuntime {
-    fn new(nice: i32) -> std::io::Result<WorkerRuntime> {
+impl Background {
+    fn new(nice: i32) -> std::io::Result<Background> {
         // Relative to the caller's (the API's) priority, set absolutely on each thread:
         // a thread started by an already lowered one (a blocking thread) gets the same.
         let target = priority().map(|p| (p + nice).min(19));
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .thread_name("stemq-dev-worker")
+            .thread_name("stemq-dev-bg")
             .enable_all()
             .on_thread_start(move || {
                 if let Some(p) = target.filter(|_| nice > 0) {
@@ -83,7 +86,7 @@ impl WorkerRuntime {
                 }
             })
             .build()?;
-        Ok(WorkerRuntime(Some(rt)))
+        Ok(Background(Some(rt)))
     }
 
     fn handle(&self) -> &tokio::runtime::Handle {
@@ -91,7 +94,7 @@ impl WorkerRuntime {
     }
 }
 
-impl Drop for WorkerRuntime {
+impl Drop for Background {
     fn drop(&mut self) {
         if let Some(rt) = self.0.take() {
             rt.shutdown_background();
@@ -160,11 +163,12 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         async move { anyhow::Ok(stemq_core::nats::connect_with(&url, name, &auth?).await?) }
     };
     let ingress_client = connect("stemq-ingress", INGRESS).await?;
-    let projector_client = connect("stemq-projector", PROJECTOR).await?;
-    // The worker on its own runtime, below the API (`--worker-nice`).
-    let worker_rt = WorkerRuntime::new(a.worker_nice)?;
-    let worker_client = worker_rt.handle().spawn(connect("stemq-worker", WORKER)).await??;
-    let relay_client = connect("stemq-relay", RELAY).await?;
+    // The worker, the projector and the relay on a runtime of their own, below the API
+    // (`--background-nice`).
+    let bg = Background::new(a.background_nice)?;
+    let projector_client = bg.handle().spawn(connect("stemq-projector", PROJECTOR)).await??;
+    let worker_client = bg.handle().spawn(connect("stemq-worker", WORKER)).await??;
+    let relay_client = bg.handle().spawn(connect("stemq-relay", RELAY)).await??;
     std::fs::create_dir_all(&g.data_dir)?;
     let _ = std::fs::remove_file(g.data_dir.join("nats.url"));
     let shutdown = shutdown_on_signals();
@@ -212,9 +216,10 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         },
         children.clone(),
     ));
-    let projector = tokio::spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
-    let worker = worker_rt.handle().spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
-    let relay = tokio::spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
+    let projector =
+        bg.handle().spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
+    let worker = bg.handle().spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
+    let relay = bg.handle().spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
     // Up means its worker serves: wait (briefly) for its entry in the worker registry,
     // so the first submit is not refused for a model it is about to serve.
     let registry = async_nats::jetstream::new(client.clone()).get_key_value(stemq_core::nats::WORKERS_BUCKET).await?;
