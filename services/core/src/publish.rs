@@ -128,7 +128,9 @@ pub async fn publish_once(
     event: &Event,
     msg_id: &str,
 ) -> Result<Once, PublishError> {
-    publish_first(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, PATIENCE).await
+    publish_expecting(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, PATIENCE)
+        .await
+        .map(Once::from)
 }
 
 /// [`publish_once`] of a payload that is not a job event (a batch's end, see
@@ -139,7 +141,7 @@ pub async fn publish_payload_once(
     payload: bytes::Bytes,
     msg_id: &str,
 ) -> Result<Once, PublishError> {
-    publish_first(js, subject, None, payload, None, msg_id, PATIENCE).await
+    publish_expecting(js, subject, None, payload, None, msg_id, PATIENCE).await.map(Once::from)
 }
 
 /// [`publish_once`], retrying transient failures for up to `patience`.
@@ -150,24 +152,9 @@ pub async fn publish_once_within(
     msg_id: &str,
     patience: Duration,
 ) -> Result<Once, PublishError> {
-    publish_first(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, patience).await
-}
-
-/// [`publish_once`], where "nothing yet" holds for every subject matching `first_of`
-/// (or only `subject` itself when `None`).
-async fn publish_first(
-    js: &jetstream::Context,
-    subject: &str,
-    first_of: Option<&str>,
-    payload: bytes::Bytes,
-    traceparent: Option<&str>,
-    msg_id: &str,
-    patience: Duration,
-) -> Result<Once, PublishError> {
-    Ok(match publish_expecting(js, subject, first_of, payload, traceparent, msg_id, patience).await? {
-        First::Stored(seq) => Once::Stored(seq),
-        First::Duplicate | First::Occupied => Once::AlreadyThere,
-    })
+    publish_expecting(js, subject, None, event.to_bytes(), event.traceparent.as_deref(), msg_id, patience)
+        .await
+        .map(Once::from)
 }
 
 /// How a publish expecting "nothing yet" ended ([`publish_first_of`]).
@@ -179,6 +166,15 @@ pub enum First {
     Duplicate,
     /// A subject matching the expectation holds a message: nothing was stored.
     Occupied,
+}
+
+impl From<First> for Once {
+    fn from(f: First) -> Once {
+        match f {
+            First::Stored(seq) => Once::Stored(seq),
+            First::Duplicate | First::Occupied => Once::AlreadyThere,
+        }
+    }
 }
 
 /// Publishes `event` to `subject` only if no subject matching `first_of` holds a
@@ -197,7 +193,8 @@ pub async fn publish_first_of(
         .await
 }
 
-/// [`publish_first`], telling a duplicate of our message id from an occupied subject.
+/// [`publish_first_of`] of a payload, where "nothing yet" holds for every subject
+/// matching `first_of` (or only `subject` itself when `None`).
 async fn publish_expecting(
     js: &jetstream::Context,
     subject: &str,
@@ -316,8 +313,17 @@ async fn publish_routed(
 ) -> Result<Once, PublishError> {
     let routed_of_owner = format!("{}.>", unrouted_request_subject(id, owner_of(event)));
     let (payload, traceparent) = (event.to_bytes(), event.traceparent.as_deref());
-    publish_first(js, &request_subject_of(id, event), Some(&routed_of_owner), payload, traceparent, msg_id, PATIENCE)
-        .await
+    publish_expecting(
+        js,
+        &request_subject_of(id, event),
+        Some(&routed_of_owner),
+        payload,
+        traceparent,
+        msg_id,
+        PATIENCE,
+    )
+    .await
+    .map(Once::from)
 }
 
 /// The routed subject of a `requested` event: its owner, model and lane (a
