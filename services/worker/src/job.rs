@@ -162,8 +162,10 @@ async fn run_delivery(
         )
         .await
         {
-            Ok(First::Stored(_) | First::Duplicate) => true,
-            Ok(First::Occupied) => false,
+            Ok(First::Stored(_)) => true,
+            // This attempt's message id already taken: an earlier delivery numbered 1
+            // (a recreated consumer) may have ended the job, so the look-up decides.
+            Ok(First::Duplicate | First::Occupied) => false,
             Err(e) => {
                 debug!(error = %e, "started not stored first; looking the job up");
                 false
