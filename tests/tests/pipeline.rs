@@ -469,3 +469,58 @@ async fn a_new_job_runs_without_a_look_up_and_what_is_recorded_is_looked_up() {
     assert_eq!(stack.count_on(&format!("stemq.jobs.{later_id}.requested.>")).await, 1);
     stack.shutdown().await;
 }
+
+/// A recreated pool consumer delivers a finished job again as its first delivery, with
+/// the same `started` message id inside the dedupe window. The `started` that expects
+/// nothing of the job is refused (as a duplicate or as an occupied subject, whichever
+/// the server checks first), so the worker looks the job up, finds the outcome and
+/// skips it: the stems are not written again, and nothing more is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_job_delivered_again_as_new_is_skipped_not_run() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let (code, b) = stack.submit(&job_body(&stack, "delivered-twice", None)).await;
+    assert_eq!(code, 202, "{b}");
+    let id = job_id(&b);
+    assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
+    let written = |dir: &std::path::Path| {
+        let mut out = Vec::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let m = e.metadata().unwrap();
+                if m.is_dir() {
+                    todo.push(e.path());
+                } else {
+                    out.push((e.path(), m.modified().unwrap()));
+                }
+            }
+        }
+        out.sort();
+        out
+    };
+    let outputs = stack.dir.path().join("store").join("jobs").join(id.as_str());
+    let before = written(&outputs);
+    assert!(!before.is_empty(), "no stems under {}", outputs.display());
+    let events = stack.count_on(&format!("stemq.jobs.{id}.>")).await;
+
+    let pool = stemq_core::nats::pool_consumer(Model::Dsp, Priority::Interactive);
+    stack.js.delete_consumer_from_stream(&pool, stemq_core::nats::JOBS_STREAM).await.unwrap();
+    stemq_core::nats::ensure(&stack.js, &stack.options.settings).await.unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            stack.js.get_consumer_from_stream(&pool, stemq_core::nats::JOBS_STREAM).await.unwrap();
+        let info = c.info().await.unwrap().clone();
+        if info.delivered.stream_sequence > 0 && info.num_pending == 0 && info.num_ack_pending == 0 {
+            assert_eq!(info.num_redelivered, 0, "{info:?}");
+            break;
+        }
+        assert!(t0.elapsed() < T, "the request was not delivered and acked again: {info:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(written(&outputs), before, "the finished job ran again");
+    assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.>")).await, events);
+    assert_eq!(stack.count_on(&job_subject(&id, SubjectKind::Started)).await, 1);
+    stack.shutdown().await;
+}
