@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
+use futures::future::OptionFuture;
 use stemq_core::device::Device;
 use stemq_core::engine::{EngineContext, EngineError, EngineJob};
 use stemq_core::event::{
@@ -213,12 +214,8 @@ async fn run_delivery(
         metrics().queue_wait.get_or_create(&labels).observe(waited.as_secs_f64());
     }
     let js = shared.js.clone();
-    let started_pub = tokio::spawn(async move {
-        if started_first {
-            return Ok(());
-        }
-        publish(&js, &started_subject, &started, Some(&started_id)).await.map(drop)
-    });
+    let started_pub = (!started_first)
+        .then(|| tokio::spawn(async move { publish(&js, &started_subject, &started, Some(&started_id)).await }));
     let t0 = Instant::now();
 
     let msg = Arc::new(msg);
@@ -272,7 +269,7 @@ async fn run_delivery(
         }
     };
     keepalive.abort();
-    if let Ok(Err(e)) = started_pub.await {
+    if let Some(Ok(Err(e))) = OptionFuture::from(started_pub).await {
         warn!(error = %e, "started event not stored");
     }
 
