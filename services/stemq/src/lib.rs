@@ -17,6 +17,7 @@
 //! - [`keys`]: API keys (create, list, revoke) and `stemq dev`'s admin key;
 //! - [`users`]: NATS users and their credentials (`stemq nats users`).
 
+pub mod alloc;
 pub mod api;
 pub mod batch;
 pub mod bench;
