@@ -202,6 +202,48 @@ async fn an_ingress_that_refuses_unserved_models_says_what_to_do() {
     stack.shutdown().await;
 }
 
+/// A worker that announced itself a moment ago serves at once: before an ingress refuses
+/// a model nobody serves, its copy of the registry (a watch on the bucket) catches up
+/// with the bucket, so the entry the watch has not delivered yet counts. Each model in
+/// turn is announced by one connection (the worker's) and read at once on another (the
+/// ingress's), as `stemq dev`'s first submit does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_catches_up_with_a_worker_that_just_announced_itself() {
+    use stemq_core::nats_users::{INGRESS, WORKER};
+    use stemq_core::registry::{announce, Registry, WorkerInfo};
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let bucket_as = async |user: &str| {
+        async_nats::jetstream::new(stack.connect_as(user).await)
+            .get_key_value(stemq_core::nats::WORKERS_BUCKET)
+            .await
+            .expect("the registry bucket")
+    };
+    let copy = Registry::watch(bucket_as(INGRESS).await);
+    assert!(copy.wait_ready(T).await, "the copy reads the bucket");
+    assert!(copy.catch_up(T).await, "an empty bucket: nothing to catch up with");
+    let worker = bucket_as(WORKER).await;
+    let now = chrono::Utc::now();
+    for (i, model) in Model::ALL.iter().copied().enumerate() {
+        let info = WorkerInfo {
+            name: format!("new-{i}"),
+            models: vec![model],
+            devices: vec!["cpu".into()],
+            engine: "fake".into(),
+            version: "test".into(),
+            concurrency: 1,
+            running: 0,
+            free_memory_bytes: None,
+            gpu_free_memory_bytes: Default::default(),
+            started_at: now,
+            heartbeat_at: now,
+        };
+        announce(&worker, &info).await.unwrap();
+        assert!(copy.catch_up(T).await, "{model}");
+        assert_eq!(copy.serving(model), 1, "{model}: announced, and not in the copy that caught up");
+    }
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_of_an_earlier_release_is_routed_into_its_pool() {
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;

@@ -134,13 +134,17 @@ pub struct Registry {
     entries: Arc<RwLock<HashMap<String, WorkerInfo>>>,
     /// False until the watch has delivered the bucket's current entries.
     ready: Arc<std::sync::atomic::AtomicBool>,
+    /// The newest revision the watch has applied.
+    applied: Arc<std::sync::atomic::AtomicU64>,
+    /// The bucket watched ([`Registry::catch_up`] reads how far it is).
+    bucket: Option<kv::Store>,
 }
 
 impl Registry {
     /// Starts watching `bucket` (in a task that lives as long as the connection); the
     /// copy fills in as the watch delivers. The watch restarts when it ends.
     pub fn watch(bucket: kv::Store) -> Registry {
-        let registry = Registry::default();
+        let registry = Registry { bucket: Some(bucket.clone()), ..Registry::default() };
         let r = registry.clone();
         {
             // Entries that expired between the count and the watch never come: ready
@@ -179,6 +183,8 @@ impl Registry {
                                     map.remove(&entry.key);
                                 }
                             }
+                            // Applied: counted once the copy holds it ([`Registry::catch_up`]).
+                            r.applied.fetch_max(entry.revision, std::sync::atomic::Ordering::AcqRel);
                             if caught_up {
                                 r.ready.store(true, std::sync::atomic::Ordering::Release);
                             }
@@ -223,6 +229,32 @@ impl Registry {
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
+    }
+
+    /// Waits, at most `within`, until this copy holds what the bucket holds now (a
+    /// worker that announced itself a moment ago reaches the copy only when the watch
+    /// delivers its entry); says whether it does. A copy that watches nothing is
+    /// caught up; one whose bucket does not answer is not.
+    pub async fn catch_up(&self, within: Duration) -> bool {
+        let Some(bucket) = &self.bucket else { return true };
+        let deadline = tokio::time::Instant::now() + within;
+        // The stream's state now (`kv::Store::status` answers what it was when opened).
+        let state = match tokio::time::timeout_at(deadline, bucket.stream.get_info()).await {
+            Ok(Ok(info)) => info.state,
+            _ => return false,
+        };
+        // The newest message is the newest entry's, and the watch delivers it (an
+        // empty bucket has nothing to deliver).
+        if state.messages == 0 {
+            return true;
+        }
+        while self.applied.load(std::sync::atomic::Ordering::Acquire) < state.last_sequence {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         true
     }

@@ -686,7 +686,7 @@ pub(crate) async fn prepare_as(
         submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls(), uploads).await?;
     if let stemq_core::EventBody::Requested(r) = &event.body {
         if state.refuse_unserved {
-            workers::check_served(&state.registry, r.request.model)?;
+            workers::check_served(&state.registry, r.request.model).await?;
         }
         // A job whose cost is known now and cannot be paid is refused before it is queued.
         if state.index.status(&event.subject).is_none() {

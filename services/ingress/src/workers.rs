@@ -84,20 +84,25 @@ pub async fn list(State(state): State<AppState>) -> Result<Json<Fleet>, ApiError
 }
 
 /// Refuses `model` when no live worker serves it (for an ingress that refuses rather
-/// than queues). Before the registry has been read, nothing is refused.
-pub fn check_served(registry: &Registry, model: Model) -> Result<(), SubmitError> {
-    if !registry.is_ready() {
+/// than queues). Before the registry has been read, nothing is refused. Before refusing,
+/// the registry's copy catches up with the bucket (at most [`CATCH_UP`]): a worker that
+/// has just announced itself serves, even when the watch has not delivered its entry.
+pub async fn check_served(registry: &Registry, model: Model) -> Result<(), SubmitError> {
+    if !registry.is_ready() || registry.serving(model) > 0 {
+        return Ok(());
+    }
+    if registry.catch_up(CATCH_UP).await && registry.serving(model) > 0 {
         return Ok(());
     }
     let live = registry.live();
-    if registry::serving(&live, model) > 0 {
-        return Ok(());
-    }
     let mut served: Vec<Model> = live.iter().flat_map(|w| w.models.iter().copied()).collect();
     served.sort_by_key(|m| Model::ALL.iter().position(|x| x == m));
     served.dedup();
     Err(SubmitError::Unserved { model, served })
 }
+
+/// How long a refusal of an unserved model waits for the registry's copy to catch up.
+pub const CATCH_UP: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// One model as a submitter sees it (`GET /v1/models`).
 #[derive(Debug, Serialize, schemars::JsonSchema)]
