@@ -63,8 +63,9 @@ fn glibc() -> bool {
 /// mimalloc asks for huge pages on its arenas, and the services' small, short-lived
 /// blocks then cost the kernel a cleared 2 MiB page each time a freed range is touched
 /// again: 15–17 % of the whole box's CPU in `clear_page_erms` under the pipeline
-/// benchmark, and 1.2–1.35× its throughput without them (`docs/benchmarks.md`, issue 18,
-/// fifth pass). `MIMALLOC_ALLOW_THP` in the environment leaves the process as it is.
+/// benchmark, whose throughput without them was 1.07–1.32× (median 1.18×) in six pairs
+/// (`docs/benchmarks.md`, issue 18, fifth pass). `MIMALLOC_ALLOW_THP` in the
+/// environment leaves the process as it is.
 /// The setting is inherited by child processes, so one that runs the model (an engine
 /// host started by a worker) turns it back on: its tensors are large and long-lived.
 fn huge_pages(model: bool) {
