@@ -902,6 +902,22 @@ pub async fn ensure(js: &jetstream::Context, settings: &Settings) -> Result<Vec<
     Ok(changes)
 }
 
+/// The state of `bucket`'s stream now (messages, last sequence), or `None` when the
+/// server does not answer. `kv::Store::status` answers what the stream held when the
+/// bucket was opened, which a watch started later must not take for now.
+pub async fn bucket_state(bucket: &kv::Store) -> Option<stream::State> {
+    bucket.stream.get_info().await.ok().map(|info| info.state)
+}
+
+/// How many messages `bucket` holds now; what it held when opened where the server does
+/// not answer.
+pub async fn bucket_messages(bucket: &kv::Store) -> u64 {
+    match bucket_state(bucket).await {
+        Some(state) => state.messages,
+        None => bucket.stream.cached_info().state.messages,
+    }
+}
+
 /// True when the job stream exists (readiness).
 pub async fn ready(js: &jetstream::Context) -> bool {
     js.get_stream_no_info(JOBS_STREAM).await.is_ok()

@@ -160,7 +160,7 @@ impl Registry {
                 // The current entries come first, the last of them with nothing pending
                 // after it (`delta` 0); an empty bucket sends none, so the copy is ready
                 // at once.
-                let stored = bucket.status().await.map(|s| s.values()).unwrap_or(0);
+                let stored = crate::nats::bucket_messages(&bucket).await;
                 match bucket.watch_all().await {
                     Ok(mut w) => {
                         if stored == 0 {
@@ -240,9 +240,8 @@ impl Registry {
     pub async fn catch_up(&self, within: Duration) -> bool {
         let Some(bucket) = &self.bucket else { return true };
         let deadline = tokio::time::Instant::now() + within;
-        // The stream's state now (`kv::Store::status` answers what it was when opened).
-        let state = match tokio::time::timeout_at(deadline, bucket.stream.get_info()).await {
-            Ok(Ok(info)) => info.state,
+        let state = match tokio::time::timeout_at(deadline, crate::nats::bucket_state(bucket)).await {
+            Ok(Some(state)) => state,
             _ => return false,
         };
         // The newest message is the newest entry's, and the watch delivers it (an

@@ -404,7 +404,7 @@ impl ListIndex {
                     }
                 };
                 // An empty bucket sends nothing: count as caught up at once.
-                if kv.status().await.map(|s| s.values() == 0).unwrap_or(false) {
+                if crate::nats::bucket_messages(&kv).await == 0 {
                     me.inner.write().expect("index lock").caught_up = true;
                 }
                 loop {
