@@ -184,9 +184,13 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     assert!(nices.iter().any(|(name, n)| name != "stemq-dev-bg" && *n == 0), "{nices:?}");
     // Its allocator's memory takes no transparent huge pages (a cleared 2 MiB page on each
     // touch of a freed range, 15 % of the box's CPU under load), on a kernel that says.
-    if let Some(thp) = thp_enabled(std::process::id()) {
-        assert!(thp, "this test's own process is not where huge pages are off");
-        assert_eq!(thp_enabled(dev_ref.id()), Some(false), "stemq dev still takes transparent huge pages");
+    match thp_enabled(std::process::id()) {
+        Some(true) => {
+            assert_eq!(thp_enabled(dev_ref.id()), Some(false), "stemq dev still takes transparent huge pages")
+        }
+        // Off for this test already (inherited): stemq dev's own setting cannot show.
+        Some(false) => eprintln!("huge pages are off for the test itself; stemq dev's setting not checked"),
+        None => {}
     }
     // The fleet is for operators; the local admin key is not one.
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
