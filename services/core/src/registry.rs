@@ -223,14 +223,7 @@ impl Registry {
     /// Waits until the watch has read the bucket, or `within` has passed (it is ready
     /// at most 2 s after [`Registry::watch`] anyway); says whether it is ready.
     pub async fn wait_ready(&self, within: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + within;
-        while !self.is_ready() {
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        true
+        poll_until(tokio::time::Instant::now() + within, Duration::from_millis(5), || self.is_ready()).await
     }
 
     /// Waits, at most `within`, until this copy holds what the bucket holds now (a
@@ -249,19 +242,28 @@ impl Registry {
         if state.messages == 0 {
             return true;
         }
-        while self.applied.load(std::sync::atomic::Ordering::Acquire) < state.last_sequence {
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        true
+        poll_until(deadline, Duration::from_millis(2), || {
+            self.applied.load(std::sync::atomic::Ordering::Acquire) >= state.last_sequence
+        })
+        .await
     }
 
     /// Live workers that serve `model`.
     pub fn serving(&self, model: Model) -> usize {
         serving(&self.live(), model)
     }
+}
+
+/// Checks `done` every `step` until it holds or `deadline` has passed; says whether it
+/// holds.
+async fn poll_until(deadline: tokio::time::Instant, step: Duration, done: impl Fn() -> bool) -> bool {
+    while !done() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(step).await;
+    }
+    true
 }
 
 /// The host's `MemAvailable` in bytes (Linux), for [`WorkerInfo::free_memory_bytes`].
