@@ -210,7 +210,7 @@ async fn an_ingress_that_refuses_unserved_models_says_what_to_do() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_catches_up_with_a_worker_that_just_announced_itself() {
     use stemq_core::nats_users::{INGRESS, WORKER};
-    use stemq_core::registry::{announce, Registry, WorkerInfo};
+    use stemq_core::registry::{announce, test_worker, Registry};
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let bucket_as = async |user: &str| {
         async_nats::jetstream::new(stack.connect_as(user).await)
@@ -222,21 +222,8 @@ async fn the_registry_catches_up_with_a_worker_that_just_announced_itself() {
     assert!(copy.wait_ready(T).await, "the copy reads the bucket");
     assert!(copy.catch_up(T).await, "an empty bucket: nothing to catch up with");
     let worker = bucket_as(WORKER).await;
-    let now = chrono::Utc::now();
     for (i, model) in Model::ALL.iter().copied().enumerate() {
-        let info = WorkerInfo {
-            name: format!("new-{i}"),
-            models: vec![model],
-            devices: vec!["cpu".into()],
-            engine: "fake".into(),
-            version: "test".into(),
-            concurrency: 1,
-            running: 0,
-            free_memory_bytes: None,
-            gpu_free_memory_bytes: Default::default(),
-            started_at: now,
-            heartbeat_at: now,
-        };
+        let info = test_worker(&format!("new-{i}"), &[model], 0);
         announce(&worker, &info).await.unwrap();
         assert!(copy.catch_up(T).await, "{model}");
         assert_eq!(copy.serving(model), 1, "{model}: announced, and not in the copy that caught up");

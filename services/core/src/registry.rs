@@ -275,9 +275,8 @@ pub fn mem_available() -> Option<u64> {
 }
 
 /// A worker of the `fake` engine on the CPU serving `models`, last heard of `age_s`
-/// seconds ago (tests of the registry's readers).
-#[cfg(test)]
-pub(crate) fn test_worker(name: &str, models: &[Model], age_s: i64) -> WorkerInfo {
+/// seconds ago (tests of the registry and its readers, here and in `stemq-tests`).
+pub fn test_worker(name: &str, models: &[Model], age_s: i64) -> WorkerInfo {
     let now = Utc::now();
     WorkerInfo {
         name: name.into(),
