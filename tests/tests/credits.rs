@@ -62,6 +62,16 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     assert_eq!(code, 202, "{v}");
     assert_eq!(stack.wait_terminal(&job_id(&v), T).await.status, JobStatus::Succeeded);
     assert_eq!(ledger.account(TEST_OWNER).await.unwrap().1, 0, "credits are off: no ledger entry");
+    // With nothing in the ledger, the closer pulls no outcome at all (it would cost each
+    // job a delivery and an ack); it starts once the ledger has an entry (below).
+    let mut closer: async_nats::jetstream::consumer::PullConsumer =
+        stack.js.get_consumer_from_stream(ledger::LEDGER_CONSUMER, stemq_core::nats::JOBS_STREAM).await.unwrap();
+    let info = closer.info().await.unwrap().clone();
+    assert_eq!(
+        (info.delivered.stream_sequence, info.num_pending),
+        (0, 1),
+        "an empty ledger's closer pulled outcomes: {info:?}"
+    );
 
     // 6 credits a minute: the fake engine's 10 s cost 1 credit.
     let prices = set_prices(&stack, 6.0, true).await;

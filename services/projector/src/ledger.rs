@@ -6,13 +6,24 @@
 //! settled at the actual audio when the job succeeded, refunded in full for any other
 //! end. Closing is idempotent in the owner's account (only an open reservation is
 //! closed), so a redelivered outcome, a restarted projector or two projectors at once
-//! move nothing twice. It also counts usage per owner for Prometheus, with a bounded
+//! move nothing twice.
+//!
+//! **Nothing is pulled while the ledger is empty.** A deployment that has never used
+//! credits (no grant, no reservation) has nothing to close, so the closer waits, reading
+//! the ledger stream's state every [`FIRST_ENTRY_POLL`], and pulls nothing: outcomes cost
+//! the `ledger` consumer neither a delivery nor an ack (two of a job's messages through
+//! the server; `docs/benchmarks.md`, issue 18, sixth pass). Once the ledger holds an
+//! entry, the closer pulls from where the consumer stands, the outcomes recorded
+//! meanwhile included; one stored more than [`CLOCK_SKEW`] before the ledger's first
+//! entry cannot have a reservation to close, and is acked without reading its request.
+//!
+//! It also counts usage per owner for Prometheus, with a bounded
 //! label set: the first [`OWNER_LABELS`] owners seen by this process by name, the rest
 //! as `other`.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
@@ -33,6 +44,14 @@ pub const OWNER_LABELS: usize = 100;
 
 /// Outcomes being closed at once.
 const CONCURRENCY: usize = 64;
+
+/// How often the closer looks for the ledger's first entry while it has none.
+pub const FIRST_ENTRY_POLL: Duration = Duration::from_secs(1);
+
+/// How far the clocks of the job stream's and the ledger stream's servers (different
+/// leaders in a cluster) may disagree: an outcome stored this much before the ledger's
+/// first entry is still looked at.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct UsageLabels {
@@ -101,7 +120,9 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) {
         }
     };
     let _ = usage();
-    let closer = Arc::new(Closer { ledger: Ledger::new(js.clone()), js, log, empty_until: Mutex::new(None) });
+    let Some(first_entry) = first_entry(&js, &shutdown).await else { return };
+    let since = first_entry - CLOCK_SKEW;
+    let closer = Arc::new(Closer { ledger: Ledger::new(js.clone()), log, since });
     let options = PullOptions {
         batch: 256,
         heartbeat: Some(Duration::from_secs(5)),
@@ -124,28 +145,42 @@ pub async fn run(js: jetstream::Context, shutdown: CancellationToken) {
     info!("ledger closer stopped");
 }
 
+/// Waits until the ledger holds an entry, and returns when the first one was stored;
+/// `None` on shutdown. Without a ledger stream (an older deployment before `stemq nats
+/// apply`) nothing can be reserved, and it waits likewise.
+async fn first_entry(js: &jetstream::Context, shutdown: &CancellationToken) -> Option<async_nats::datetime::DateTime> {
+    let mut said = false;
+    loop {
+        // A fresh read of the stream's state (a kept handle's info is its creation's).
+        if let Ok(s) = js.get_stream(ledger::LEDGER_STREAM).await {
+            let state = &s.cached_info().state;
+            if state.messages > 0 {
+                if said {
+                    info!("the ledger has its first entry: closing reservations from outcomes");
+                }
+                return Some(state.first_timestamp);
+            }
+        }
+        if !said {
+            info!("the ledger is empty (credits never used): pulling no outcomes until it has an entry");
+            said = true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(FIRST_ENTRY_POLL) => {}
+        }
+    }
+}
+
 struct Closer {
-    js: jetstream::Context,
     ledger: Ledger,
     log: jetstream::stream::Stream<()>,
-    /// Until when the ledger stream is known to be empty (no credits ever used): then
-    /// outcomes are acked without reading requests.
-    empty_until: Mutex<Option<Instant>>,
+    /// Outcomes stored before this have no reservation to close: the ledger's first
+    /// entry came later (less [`CLOCK_SKEW`]).
+    since: async_nats::datetime::DateTime,
 }
 
 impl Closer {
-    async fn ledger_is_empty(&self) -> bool {
-        if self.empty_until.lock().expect("lock").is_some_and(|t| Instant::now() < t) {
-            return true;
-        }
-        let empty = match self.js.get_stream(ledger::LEDGER_STREAM).await {
-            Ok(s) => s.cached_info().state.messages == 0,
-            Err(_) => false,
-        };
-        *self.empty_until.lock().expect("lock") = empty.then(|| Instant::now() + Duration::from_secs(2));
-        empty
-    }
-
     async fn handle(&self, msg: jetstream::Message) {
         let Some(job_id) = names::job_id_of_subject(&msg.subject) else {
             let _ = msg.ack().await;
@@ -153,6 +188,11 @@ impl Closer {
         };
         let span = tracing::info_span!("ledger.close", job_id = %job_id);
         async {
+            let stored = msg.info().map(|i| i.published).ok();
+            if stored.is_some_and(|t| t < self.since) {
+                let _ = msg.ack().await;
+                return;
+            }
             match self.close(&job_id, &msg.payload).await {
                 Ok(()) => {
                     let _ = msg.ack().await;
@@ -176,9 +216,6 @@ impl Closer {
             body if body.is_terminal() => Close::Refund { reason: body.kind().to_string() },
             _ => return Ok(()),
         };
-        if self.ledger_is_empty().await {
-            return Ok(());
-        }
         let owner = match stemq_core::read::request_of(&self.log, job_id).await {
             Ok(Some((_, req))) => match req.body {
                 EventBody::Requested(r) => r.request.owner,

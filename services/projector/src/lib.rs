@@ -91,8 +91,10 @@ type Pending = (Position, Event, jetstream::Message);
 /// next event: a job that ends within it costs one KV write for its whole life instead
 /// of one per event (requested, started, outcome). Terminal events are written at once,
 /// so the time to a terminal view does not grow; a queued or running status shows up
-/// at most this much later.
-pub const LINGER: Duration = Duration::from_millis(2);
+/// at most this much later. 10 ms: under load a job's `started` and outcome are a few
+/// milliseconds apart (2 ms left a third of them written apart: 2.4 writes a job at
+/// throughput, 2.0 with 10 ms; `docs/benchmarks.md`, issue 18, sixth pass).
+pub const LINGER: Duration = Duration::from_millis(10);
 
 /// The longest delay before a handed-back event comes again.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
