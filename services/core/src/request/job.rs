@@ -437,7 +437,7 @@ fn check_field(field: &str, value: &Value) -> Result<(), RequestError> {
 impl NormalizedRequest {
     /// The RFC 8785 canonical JSON of this request: the bytes that are hashed.
     pub fn canonical_json(&self) -> Vec<u8> {
-        serde_jcs::to_vec(self).expect("a normalized request always serialises")
+        super::canonical::to_vec(self).expect("a normalized request always serialises")
     }
 
     /// The job id: lowercase hex SHA-256 of [`Self::canonical_json`].

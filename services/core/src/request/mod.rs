@@ -16,7 +16,9 @@
 //! | `job` | [`JobRequest`] as a client sends it, its field-by-field validation, and [`NormalizedRequest`], its canonical form |
 //! | `id` | [`JobId`], the hash of the canonical form, only ever built by hashing or [`JobId::parse`] |
 //! | `error` | [`RequestError`], naming the offending field |
+//! | [`canonical`] | the RFC 8785 canonical JSON writer the ids hash |
 
+pub mod canonical;
 mod error;
 mod id;
 mod job;
