@@ -36,6 +36,7 @@ mod credits;
 pub mod deadletter;
 pub mod fetch;
 pub mod gpu;
+pub mod hearing;
 pub mod isolate;
 pub mod job;
 mod keepalive;
@@ -328,30 +329,12 @@ pub async fn run(
         .await
         .map_err(JetStreamError::open("subscribe to cancel requests"))?;
     // New requests of the pools served here wake the dispatcher (the server does not
-    // tell a pull consumer's clients that something arrived).
+    // tell a pull consumer's clients that something arrived); not while a lane has a
+    // backlog (`hearing`).
     let wake = Arc::new(tokio::sync::Notify::new());
     let heard = Arc::new(Heard::new(lanes.iter().map(|l| l.route).collect()));
-    for model in &models {
-        let mut sub = client
-            .subscribe(format!("{}.*.requested.*.{model}.*", names::JOBS_PREFIX))
-            .await
-            .map_err(|e| WorkerError::Subscribe(e.to_string()))?;
-        let (wake, heard, stop) = (wake.clone(), heard.clone(), shutdown.clone());
-        tracker.spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    m = sub.next() => match m {
-                        Some(m) => {
-                            heard.request(&m.subject);
-                            wake.notify_one();
-                        }
-                        None => return,
-                    },
-                }
-            }
-        });
-    }
+    let ears =
+        hearing::Ears::open(client.clone(), heard.clone(), wake.clone(), tracker.clone(), shutdown.clone()).await?;
     info!(
         worker = %config.name,
         engine = engine.name(),
@@ -370,7 +353,7 @@ pub async fn run(
     {
         let (shared, slots, jobs, stop, hard) =
             (shared.clone(), slots.clone(), jobs.clone(), shutdown.clone(), hard_stop.clone());
-        tracker.spawn(dispatch(lanes, wake, heard, shared, slots, jobs, stop, hard));
+        tracker.spawn(dispatch(lanes, ears, wake, heard, shared, slots, jobs, stop, hard));
     }
     if config.deadletter {
         let js = js.clone();
@@ -475,6 +458,7 @@ pub async fn run(
 #[allow(clippy::too_many_arguments)]
 async fn dispatch(
     lanes: Vec<PoolLane>,
+    mut ears: hearing::Ears,
     wake: Arc<tokio::sync::Notify>,
     heard: Arc<Heard>,
     shared: Arc<Shared>,
@@ -562,10 +546,13 @@ async fn dispatch(
                 took[i] = began;
             }
             // A lane whose pull came back full (or failed) may hold more.
-            full[i] = again || got >= asked;
-            if !full[i] {
+            let drained = !(again || got >= asked);
+            if drained {
                 settled[i] = settled[i].max(began.saturating_sub(SETTLE.as_millis() as u64));
             }
+            // Not listened to while it has a backlog; listened to again (and looked at
+            // once more) when drained.
+            full[i] = ears.after_look(i, !drained).await;
         }
         drop(permits);
         if taken > 0 {
