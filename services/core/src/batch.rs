@@ -171,7 +171,8 @@ pub fn batch_id(owner: &str, items: &[Value]) -> (BatchId, Vec<Option<JobId>>) {
             None => json!({ "invalid": item }),
         })
         .collect();
-    let canonical = crate::request::canonical::to_vec(&json!({"owner": owner, "items": keys})).expect("JSON values serialise");
+    let canonical =
+        crate::request::canonical::to_vec(&json!({"owner": owner, "items": keys})).expect("JSON values serialise");
     (BatchId(hex::encode(Sha256::digest(canonical))), jobs)
 }
 
