@@ -113,6 +113,30 @@ mod tests {
         }
     }
 
+    /// Not a check: prints the time of one request's canonical JSON, ours against
+    /// serde_jcs (`cargo test --release -p stemq-core --lib canonical::tests::figures
+    /// -- --ignored --nocapture`; `docs/benchmarks.md`, issue 18, sixth pass).
+    #[test]
+    #[ignore]
+    fn figures() {
+        use crate::request::JobRequest;
+        let n = JobRequest::from_value(json!({"audio_uri": "file:///uploads/bench/1.wav", "model": "dsp"}))
+            .unwrap()
+            .normalize("bench")
+            .unwrap();
+        const N: u32 = 200_000;
+        let time = |f: &dyn Fn() -> Vec<u8>| {
+            let t = std::time::Instant::now();
+            for _ in 0..N {
+                std::hint::black_box(f());
+            }
+            t.elapsed() / N
+        };
+        let jcs = time(&|| serde_jcs::to_vec(&n).unwrap());
+        let ours = time(&|| to_vec(&n).unwrap());
+        println!("canonical JSON of a request: serde_jcs {jcs:?}, request::canonical {ours:?}");
+    }
+
     #[test]
     fn every_request_shape_gives_the_reference_bytes() {
         use crate::request::{JobRequest, ANONYMOUS};
