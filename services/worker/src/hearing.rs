@@ -32,6 +32,9 @@ use crate::{Heard, WorkerError};
 /// dropped.
 pub const DEAF_AFTER: Duration = Duration::from_millis(200);
 
+/// Longest wait for the server to confirm a new subscription.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The wake subscriptions of a worker's lanes (in the dispatcher's lane order).
 pub(crate) struct Ears {
     client: async_nats::Client,
@@ -131,8 +134,13 @@ impl Ears {
         // Drained: listen again, and look once more once the server has the subscription.
         match self.listen(i).await {
             Ok(()) => {
-                if let Err(e) = self.client.flush().await {
-                    warn!(error = %e, "flush after subscribing failed; the lane is looked at again");
+                // Bounded: a connection that just went away must not hold the dispatcher
+                // (the subscription is sent again on reconnection, and the lane is
+                // looked at again either way).
+                match tokio::time::timeout(FLUSH_TIMEOUT, self.client.flush()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => warn!(error = %e, "flush after subscribing failed; the lane is looked at again"),
+                    Err(_) => warn!("flush after subscribing unanswered; the lane is looked at again"),
                 }
                 debug!(lane = ?self.routes[i], "drained: listening to the lane's requests again");
             }
