@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use stemq_core::nats as names;
-use stemq_core::request::{Model, Priority};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -40,7 +39,6 @@ pub(crate) struct Ears {
     client: async_nats::Client,
     heard: Arc<Heard>,
     wake: Arc<tokio::sync::Notify>,
-    routes: Vec<(Model, Priority)>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
     /// Per lane: the stop of its listening task, while it listens.
@@ -59,18 +57,9 @@ impl Ears {
         tracker: TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<Ears, WorkerError> {
-        let routes = heard.routes.clone();
-        let n = routes.len();
-        let mut ears = Ears {
-            client,
-            heard,
-            wake,
-            routes,
-            tracker,
-            shutdown,
-            listening: vec![None; n],
-            full_since: vec![None; n],
-        };
+        let n = heard.routes.len();
+        let mut ears =
+            Ears { client, heard, wake, tracker, shutdown, listening: vec![None; n], full_since: vec![None; n] };
         for i in 0..n {
             ears.listen(i).await?;
         }
@@ -83,7 +72,7 @@ impl Ears {
     }
 
     async fn listen(&mut self, i: usize) -> Result<(), WorkerError> {
-        let (model, lane) = self.routes[i];
+        let (model, lane) = self.heard.routes[i];
         let mut sub = self
             .client
             .subscribe(names::pool_filter(model, lane))
@@ -99,8 +88,8 @@ impl Ears {
                         return;
                     }
                     m = sub.next() => match m {
-                        Some(m) => {
-                            heard.request(&m.subject);
+                        Some(_) => {
+                            heard.announce(i);
                             wake.notify_one();
                         }
                         None => return,
@@ -121,7 +110,7 @@ impl Ears {
             let since = *self.full_since[i].get_or_insert_with(Instant::now);
             if since.elapsed() >= DEAF_AFTER {
                 if let Some(stop) = self.listening[i].take() {
-                    debug!(lane = ?self.routes[i], "a backlog: not listening to the lane's requests");
+                    debug!(lane = ?self.heard.routes[i], "a backlog: not listening to the lane's requests");
                     stop.cancel();
                 }
             }
@@ -142,7 +131,7 @@ impl Ears {
                     Ok(Err(e)) => warn!(error = %e, "flush after subscribing failed; the lane is looked at again"),
                     Err(_) => warn!("flush after subscribing unanswered; the lane is looked at again"),
                 }
-                debug!(lane = ?self.routes[i], "drained: listening to the lane's requests again");
+                debug!(lane = ?self.heard.routes[i], "drained: listening to the lane's requests again");
             }
             Err(e) => warn!(error = %e, "cannot subscribe to a lane's requests; looking at it on every look"),
         }
@@ -154,6 +143,7 @@ impl Ears {
 mod tests {
     use super::*;
     use stemq_core::nats_server::{NatsServer, ServerOptions};
+    use stemq_core::request::{Model, Priority};
 
     /// A lane full for [`DEAF_AFTER`] stops hearing requests; once drained it hears
     /// them again, and asks to be looked at once more.

@@ -245,12 +245,9 @@ impl Heard {
         self.epoch.elapsed().as_millis() as u64 + 1
     }
 
-    /// A new request on `subject` (a routed request subject) was announced.
-    fn request(&self, subject: &str) {
-        let Some(route) = names::request_route(subject) else { return };
-        if let Some(i) = self.routes.iter().position(|r| *r == route) {
-            self.at_ms[i].store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
-        }
+    /// A new request of lane `i` was announced (its subscription knows its lane).
+    fn announce(&self, i: usize) {
+        self.at_ms[i].store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// When a request of lane `i` was last announced (0: never).
@@ -546,13 +543,13 @@ async fn dispatch(
                 took[i] = began;
             }
             // A lane whose pull came back full (or failed) may hold more.
-            let drained = !(again || got >= asked);
-            if drained {
+            let came_back_full = again || got >= asked;
+            if !came_back_full {
                 settled[i] = settled[i].max(began.saturating_sub(SETTLE.as_millis() as u64));
             }
             // Not listened to while it has a backlog; listened to again (and looked at
             // once more) when drained.
-            full[i] = ears.after_look(i, !drained).await;
+            full[i] = ears.after_look(i, came_back_full).await;
         }
         drop(permits);
         if taken > 0 {
