@@ -6,10 +6,11 @@
 //! next attempt writes everything again. Stems come as files the engine wrote in the
 //! attempt's scratch folder, or as bytes an engine kept in memory ([`Stems`]).
 
-use serde_json::json;
+use serde::Serialize;
 use stemq_core::device::Device;
 use stemq_core::engine::{StemAudio, StemBytes, StemFile};
 use stemq_core::event::{FailureCode, Output, Requested};
+use stemq_core::request::Model;
 use stemq_core::storage::output_key;
 use stemq_core::JobId;
 
@@ -55,8 +56,9 @@ enum Content {
     Bytes(Vec<u8>),
 }
 
-/// Stores the stems, then `jobs/<id>/manifest.json` describing them (the manifest last,
-/// so its presence means every stem is there).
+/// Stores the stems, all at once (on S3 each is a request of its own), then
+/// `jobs/<id>/manifest.json` describing them (the manifest last, so its presence means
+/// every stem is there).
 pub(crate) async fn store_outputs(
     shared: &Shared,
     job_id: &JobId,
@@ -68,10 +70,10 @@ pub(crate) async fn store_outputs(
     let store = &shared.config.store;
     let ext = requested.request.output_format.extension();
     let first_audio = stems.first_audio();
-    let mut outputs = Vec::with_capacity(stems.len());
-    let mut entries = Vec::with_capacity(stems.len());
     let stored_or = |e: stemq_core::storage::StorageError| Failure::transient(FailureCode::Storage, e.to_string());
-    for (stem, audio, content) in stems.into_parts() {
+    // In stem order; the first failure ends the attempt (the next one writes them all
+    // again, over whatever was stored).
+    let puts = stems.into_parts().into_iter().map(|(stem, audio, content)| async move {
         let file = format!("{stem}.{ext}");
         let key = output_key(job_id.as_str(), &file);
         let stored = match content {
@@ -79,34 +81,157 @@ pub(crate) async fn store_outputs(
             Content::Bytes(bytes) => store.put_bytes(&key, bytes).await,
         }
         .map_err(stored_or)?;
-        let mut entry = json!({
-            "stem": stem, "file": file, "uri": stored.uri, "bytes": stored.bytes, "sha256": stored.sha256,
-        });
-        if let Some(a) = audio {
-            entry["sample_rate"] = json!(a.sample_rate);
-            entry["frames"] = json!(a.frames);
-            entry["duration_secs"] = json!(a.frames as f64 / f64::from(a.sample_rate.max(1)));
-        }
-        entries.push(entry);
-        outputs.push(Output { stem, uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 });
-    }
-    let mut manifest = json!({
-        "manifest_version": 1,
-        "job_id": job_id,
-        "model": requested.request.model,
-        "format": ext,
-        "sample_rate": first_audio.map(|a| a.sample_rate),
-        "duration_secs": first_audio.map(|a| a.frames as f64 / f64::from(a.sample_rate.max(1))),
-        "device": device.to_string(),
-        "degraded": degraded,
-        "stems": entries,
+        Ok::<_, Failure>((Output { stem, uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 }, file, audio))
     });
-    // How MP3 stems were encoded (only for MP3, so other manifests are as they were).
-    if let (Some(bitrate), Some(preset)) = (requested.request.mp3_bitrate, requested.request.mp3_preset) {
-        manifest["mp3_bitrate"] = json!(bitrate);
-        manifest["mp3_preset"] = json!(preset);
-    }
+    let stored = futures::future::try_join_all(puts).await?;
+    let duration = |a: StemAudio| a.frames as f64 / f64::from(a.sample_rate.max(1));
+    // Both or neither, as the request has them.
+    let mp3 = requested.request.mp3_bitrate.zip(requested.request.mp3_preset);
+    let manifest = Manifest {
+        degraded,
+        device: device.to_string(),
+        duration_secs: first_audio.map(duration),
+        format: ext,
+        job_id,
+        manifest_version: 1,
+        model: &requested.request.model,
+        mp3_bitrate: mp3.map(|m| m.0),
+        mp3_preset: mp3.map(|m| m.1),
+        sample_rate: first_audio.map(|a| a.sample_rate),
+        stems: stored
+            .iter()
+            .map(|(o, file, audio)| Entry {
+                bytes: o.bytes,
+                duration_secs: audio.map(duration),
+                file,
+                frames: audio.map(|a| a.frames),
+                sample_rate: audio.map(|a| a.sample_rate),
+                sha256: &o.sha256,
+                stem: &o.stem,
+                uri: &o.uri,
+            })
+            .collect(),
+    };
     let key = stemq_core::storage::manifest_key(job_id.as_str());
-    let stored = store.put_bytes(&key, serde_json::to_vec_pretty(&manifest).expect("json")).await.map_err(stored_or)?;
-    Ok((outputs, stored.uri))
+    let stored_manifest = store.put_bytes(&key, manifest.to_vec()).await.map_err(stored_or)?;
+    Ok((stored.into_iter().map(|(o, _, _)| o).collect(), stored_manifest.uri))
+}
+
+/// `manifest.json`: its members in alphabetical order, pretty-printed (the bytes a
+/// `serde_json` map of the same members gave before it was typed; the tests hold it to
+/// them). `mp3_*` only for an MP3 job; the others are `null` when unknown.
+#[derive(Serialize)]
+struct Manifest<'a> {
+    degraded: bool,
+    device: String,
+    duration_secs: Option<f64>,
+    format: &'a str,
+    job_id: &'a JobId,
+    manifest_version: u32,
+    model: &'a Model,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mp3_bitrate: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mp3_preset: Option<u32>,
+    sample_rate: Option<u32>,
+    stems: Vec<Entry<'a>>,
+}
+
+/// One stem of the manifest, members in alphabetical order; the audio's members only
+/// when the engine said what the audio is.
+#[derive(Serialize)]
+struct Entry<'a> {
+    bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    duration_secs: Option<f64>,
+    file: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    frames: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sample_rate: Option<u32>,
+    sha256: &'a str,
+    stem: &'a str,
+    uri: &'a str,
+}
+
+impl Manifest<'_> {
+    fn to_vec(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a manifest always serialises")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Given a job's stored stems, then the manifest's bytes: those of the untyped map
+    //! it was built as before (members sorted, pretty-printed), with audio facts and
+    //! without, MP3 and not.
+
+    use serde_json::json;
+
+    use super::*;
+
+    /// The manifest as the untyped map gave it.
+    fn as_map(m: &Manifest) -> Vec<u8> {
+        let stems: Vec<_> = m
+            .stems
+            .iter()
+            .map(|e| {
+                let mut entry =
+                    json!({"stem": e.stem, "file": e.file, "uri": e.uri, "bytes": e.bytes, "sha256": e.sha256});
+                if let (Some(sr), Some(frames), Some(d)) = (e.sample_rate, e.frames, e.duration_secs) {
+                    entry["sample_rate"] = json!(sr);
+                    entry["frames"] = json!(frames);
+                    entry["duration_secs"] = json!(d);
+                }
+                entry
+            })
+            .collect();
+        let mut map = json!({
+            "manifest_version": 1, "job_id": m.job_id, "model": m.model, "format": m.format,
+            "sample_rate": m.sample_rate, "duration_secs": m.duration_secs, "device": m.device,
+            "degraded": m.degraded, "stems": stems,
+        });
+        if let (Some(b), Some(p)) = (m.mp3_bitrate, m.mp3_preset) {
+            map["mp3_bitrate"] = json!(b);
+            map["mp3_preset"] = json!(p);
+        }
+        serde_json::to_vec_pretty(&map).unwrap()
+    }
+
+    #[test]
+    fn the_manifest_keeps_its_bytes() {
+        let job_id = JobId::parse(&"ab".repeat(32)).unwrap();
+        let model = Model::Htdemucs;
+        let entry = |stem: &'static str, audio: bool| Entry {
+            bytes: 1_234_567,
+            duration_secs: audio.then_some(187.30793650793652),
+            file: stem,
+            frames: audio.then_some(8_260_280),
+            sample_rate: audio.then_some(44_100),
+            sha256: "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+            stem,
+            uri: "file:///srv/store/jobs/x/\"quoted\"/drums.wav",
+        };
+        for (audio, mp3) in [(true, None), (false, None), (true, Some((320, 2))), (false, Some((128, 7)))] {
+            let m = Manifest {
+                degraded: !audio,
+                device: "cuda:0".into(),
+                duration_secs: audio.then_some(187.30793650793652),
+                format: if mp3.is_some() { "mp3" } else { "wav" },
+                job_id: &job_id,
+                manifest_version: 1,
+                model: &model,
+                mp3_bitrate: mp3.map(|m| m.0),
+                mp3_preset: mp3.map(|m| m.1),
+                sample_rate: audio.then_some(44_100),
+                stems: vec![entry("drums", audio), entry("bass", audio), entry("other", false), entry("vocals", audio)],
+            };
+            let typed = m.to_vec();
+            assert_eq!(
+                String::from_utf8(typed).unwrap(),
+                String::from_utf8(as_map(&m)).unwrap(),
+                "audio {audio}, mp3 {mp3:?}"
+            );
+        }
+    }
 }
