@@ -148,6 +148,13 @@ impl Store {
         format!("{}/{}", self.base, key)
     }
 
+    /// True for stores reached over the network (S3): each object is a request whose
+    /// time is mostly waiting, so several are worth having in flight at once. A local
+    /// store's writes are this machine's CPU and disk, better done one at a time.
+    pub fn is_remote(&self) -> bool {
+        self.s3.is_some()
+    }
+
     /// True for stores that can hand out presigned URLs (S3).
     pub fn can_presign(&self) -> bool {
         self.s3.is_some()

@@ -55,7 +55,8 @@ pub enum BenchCommand {
     Pipeline {
         #[command(flatten)]
         load: Load,
-        /// Where outputs go: `memory` or `local` (files under a temp dir).
+        /// Where outputs go: `memory`, `local` (files under a temp dir), or a store URL
+        /// (`s3://bucket[/prefix]`, configured by the `AWS_*` variables as for `stemq`).
         #[arg(long, default_value = "memory")]
         store: String,
         /// Where the fake engine runs: `none` (in the worker; measures the pipeline) or
@@ -627,7 +628,7 @@ async fn pipeline(
     let store = match store.as_str() {
         "memory" => Store::memory(),
         "local" => Store::local(&tmp.path().join("store"))?,
-        other => bail!("unknown store `{other}`"),
+        url => Store::open(url).map_err(|e| anyhow::anyhow!("store `{url}`: {e}"))?,
     };
     let stop = CancellationToken::new();
     // Scratch on tmpfs when there is one: the fake engine's stem files otherwise cost

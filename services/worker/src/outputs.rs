@@ -6,6 +6,7 @@
 //! next attempt writes everything again. Stems come as files the engine wrote in the
 //! attempt's scratch folder, or as bytes an engine kept in memory ([`Stems`]).
 
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use stemq_core::device::Device;
 use stemq_core::engine::{StemAudio, StemBytes, StemFile};
@@ -56,7 +57,7 @@ enum Content {
     Bytes(Vec<u8>),
 }
 
-/// Stores the stems, all at once (on S3 each is a request of its own), then
+/// Stores the stems (on S3 all at once: each is a request of its own), then
 /// `jobs/<id>/manifest.json` describing them (the manifest last, so its presence means
 /// every stem is there).
 pub(crate) async fn store_outputs(
@@ -71,8 +72,11 @@ pub(crate) async fn store_outputs(
     let ext = requested.request.output_format.extension();
     let first_audio = stems.first_audio();
     let stored_or = |e: stemq_core::storage::StorageError| Failure::transient(FailureCode::Storage, e.to_string());
-    // In stem order; the first failure ends the attempt (the next one writes them all
-    // again, over whatever was stored).
+    // In stem order, all at once on a remote store, one at a time on a local one (there
+    // the writes are this machine's CPU and disk, and side by side they only contend);
+    // the first failure ends the attempt (the next one writes them all again, over
+    // whatever was stored).
+    let in_flight = if store.is_remote() { stems.len().max(1) } else { 1 };
     let puts = stems.into_parts().into_iter().map(|(stem, audio, content)| async move {
         let file = format!("{stem}.{ext}");
         let key = output_key(job_id.as_str(), &file);
@@ -83,7 +87,7 @@ pub(crate) async fn store_outputs(
         .map_err(stored_or)?;
         Ok::<_, Failure>((Output { stem, uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 }, file, audio))
     });
-    let stored = futures::future::try_join_all(puts).await?;
+    let stored: Vec<_> = futures::stream::iter(puts).buffered(in_flight).try_collect().await?;
     let duration = |a: StemAudio| a.frames as f64 / f64::from(a.sample_rate.max(1));
     // Both or neither, as the request has them.
     let mp3 = requested.request.mp3_bitrate.zip(requested.request.mp3_preset);
