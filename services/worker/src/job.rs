@@ -723,7 +723,9 @@ async fn run_engine(
                 let audio_secs = stems.first_audio().map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
                 let span = info_span!("store_outputs", stems = stems.len());
                 let (outputs, manifest_uri) =
-                    store_outputs(shared, job_id, requested, stems, device, degraded).instrument(span).await?;
+                    store_outputs(&shared.config.store, job_id, requested, stems, device, degraded)
+                        .instrument(span)
+                        .await?;
                 return Ok(Done { audio_secs, outputs, manifest_uri, degraded, device: device.clone(), segment });
             }
             Err(e @ (EngineError::OutOfMemory { .. } | EngineError::OverBudget { .. })) => {

@@ -16,7 +16,7 @@ use stemq_core::storage::output_key;
 use stemq_core::JobId;
 
 use crate::job::Failure;
-use crate::Shared;
+use stemq_core::storage::Store;
 
 /// What an attempt's engine produced.
 pub(crate) enum Stems {
@@ -61,22 +61,34 @@ enum Content {
 /// `jobs/<id>/manifest.json` describing them (the manifest last, so its presence means
 /// every stem is there).
 pub(crate) async fn store_outputs(
-    shared: &Shared,
+    store: &Store,
     job_id: &JobId,
     requested: &Requested,
     stems: Stems,
     device: &Device,
     degraded: bool,
 ) -> Result<(Vec<Output>, String), Failure> {
-    let store = &shared.config.store;
+    // All at once on a remote store, one at a time on a local one (there the writes are
+    // this machine's CPU and disk, and side by side they only contend).
+    let in_flight = if store.is_remote() { stems.len().max(1) } else { 1 };
+    store_outputs_with(store, in_flight, job_id, requested, stems, device, degraded).await
+}
+
+/// [`store_outputs`] with up to `in_flight` stems stored at once.
+async fn store_outputs_with(
+    store: &Store,
+    in_flight: usize,
+    job_id: &JobId,
+    requested: &Requested,
+    stems: Stems,
+    device: &Device,
+    degraded: bool,
+) -> Result<(Vec<Output>, String), Failure> {
     let ext = requested.request.output_format.extension();
     let first_audio = stems.first_audio();
     let stored_or = |e: stemq_core::storage::StorageError| Failure::transient(FailureCode::Storage, e.to_string());
-    // In stem order, all at once on a remote store, one at a time on a local one (there
-    // the writes are this machine's CPU and disk, and side by side they only contend);
-    // the first failure ends the attempt (the next one writes them all again, over
-    // whatever was stored).
-    let in_flight = if store.is_remote() { stems.len().max(1) } else { 1 };
+    // In stem order; the first failure ends the attempt (the next one writes them all
+    // again, over whatever was stored).
     let puts = stems.into_parts().into_iter().map(|(stem, audio, content)| async move {
         let file = format!("{stem}.{ext}");
         let key = output_key(job_id.as_str(), &file);
@@ -166,9 +178,10 @@ impl Manifest<'_> {
 
 #[cfg(test)]
 mod tests {
-    //! Given a job's stored stems, then the manifest's bytes: those of the untyped map
-    //! it was built as before (members sorted, pretty-printed), with audio facts and
-    //! without, MP3 and not.
+    //! Given a job's stems, when stored one at a time or side by side, then the same
+    //! objects and manifest, in stem order; and the manifest's bytes are those of the
+    //! untyped map it was built as before (members sorted, pretty-printed), with audio
+    //! facts and without, MP3 and not.
 
     use serde_json::json;
 
@@ -200,6 +213,57 @@ mod tests {
             map["mp3_preset"] = json!(p);
         }
         serde_json::to_vec_pretty(&map).unwrap()
+    }
+
+    #[tokio::test]
+    async fn stems_stored_side_by_side_keep_their_order() {
+        // Files, written on blocking threads (several at once when side by side).
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::local(dir.path()).unwrap();
+        let base = format!("{}/", store.base_url());
+        let request: stemq_core::request::JobRequest =
+            serde_json::from_value(json!({"audio_uri": format!("{base}uploads/o/song.wav")})).unwrap();
+        let requested = Requested {
+            request: request.normalize("o").unwrap(),
+            webhook: None,
+            metadata: None,
+            start_before: None,
+            max_runtime: None,
+            priority: None,
+        };
+        let job_id = JobId::parse(&"cd".repeat(32)).unwrap();
+        // Of different sizes: each object must hold its own stem's bytes.
+        let stems = || {
+            let names = ["drums", "bass", "other", "vocals"];
+            Stems::Memory(
+                names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| StemBytes {
+                        stem: n.to_string(),
+                        bytes: vec![i as u8; 4 << (20 - 4 * i)],
+                        audio: None,
+                    })
+                    .collect(),
+            )
+        };
+        let mut manifests = Vec::new();
+        for in_flight in [1, 4] {
+            let (outputs, manifest_uri) =
+                store_outputs_with(&store, in_flight, &job_id, &requested, stems(), &Device::Cpu, false).await.unwrap();
+            let names: Vec<&str> = outputs.iter().map(|o| o.stem.as_str()).collect();
+            assert_eq!(names, ["drums", "bass", "other", "vocals"], "in flight {in_flight}");
+            for (i, o) in outputs.iter().enumerate() {
+                let key = o.uri.strip_prefix(&base).unwrap();
+                assert_eq!(store.get_bytes(key).await.unwrap().to_vec(), vec![i as u8; 4 << (20 - 4 * i)]);
+            }
+            let key = manifest_uri.strip_prefix(&base).unwrap().to_string();
+            manifests.push(store.get_bytes(&key).await.unwrap());
+        }
+        assert_eq!(manifests[0], manifests[1], "the manifest does not depend on how the stems were stored");
+        let m: serde_json::Value = serde_json::from_slice(&manifests[1]).unwrap();
+        let files: Vec<&str> = m["stems"].as_array().unwrap().iter().map(|e| e["file"].as_str().unwrap()).collect();
+        assert_eq!(files, ["drums.wav", "bass.wav", "other.wav", "vocals.wav"]);
     }
 
     #[test]
