@@ -85,6 +85,13 @@ pub struct StemAudio {
     pub frames: u64,
 }
 
+impl StemAudio {
+    /// How long it plays, in seconds (a sample rate of 0 counts as 1).
+    pub fn secs(&self) -> f64 {
+        self.frames as f64 / f64::from(self.sample_rate.max(1))
+    }
+}
+
 /// How an engine attempt failed. It crosses process boundaries (an engine isolated in a
 /// child process reports it over a pipe), hence the serde form.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Serialize, Deserialize)]

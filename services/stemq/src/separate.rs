@@ -273,7 +273,7 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
         let stems = engine.separate(&job, &ctx).map_err(|e| anyhow!("{}: {e}", file.display()))?;
         ctx.0.finish_with_message("done");
         let ext = request.output_format.extension();
-        let seconds = stems.first().and_then(|s| s.audio).map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
+        let seconds = stems.first().and_then(|s| s.audio).map(|a| a.secs());
         for s in stems {
             let rel = a
                 .filename

@@ -720,7 +720,7 @@ async fn run_engine(
                 if degraded {
                     warn!(event = "job.degraded", %device, ?segment, "finished on a lower rung of the memory ladder");
                 }
-                let audio_secs = stems.first_audio().map(|a| a.frames as f64 / a.sample_rate.max(1) as f64);
+                let audio_secs = stems.first_audio().map(|a| a.secs());
                 let span = info_span!("store_outputs", stems = stems.len());
                 let (outputs, manifest_uri) =
                     store_outputs(&shared.config.store, job_id, requested, stems, device, degraded)

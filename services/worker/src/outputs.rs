@@ -100,13 +100,12 @@ async fn store_outputs_with(
         Ok::<_, Failure>((Output { stem, uri: stored.uri, bytes: stored.bytes, sha256: stored.sha256 }, file, audio))
     });
     let stored: Vec<_> = futures::stream::iter(puts).buffered(in_flight).try_collect().await?;
-    let duration = |a: StemAudio| a.frames as f64 / f64::from(a.sample_rate.max(1));
     // Both or neither, as the request has them.
     let mp3 = requested.request.mp3_bitrate.zip(requested.request.mp3_preset);
     let manifest = Manifest {
         degraded,
         device: device.to_string(),
-        duration_secs: first_audio.map(duration),
+        duration_secs: first_audio.map(|a| a.secs()),
         format: ext,
         job_id,
         manifest_version: 1,
@@ -118,7 +117,7 @@ async fn store_outputs_with(
             .iter()
             .map(|(o, file, audio)| Entry {
                 bytes: o.bytes,
-                duration_secs: audio.map(duration),
+                duration_secs: audio.map(|a| a.secs()),
                 file,
                 frames: audio.map(|a| a.frames),
                 sample_rate: audio.map(|a| a.sample_rate),
