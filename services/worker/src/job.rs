@@ -49,7 +49,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::fetch::FetchError;
 use crate::keepalive::spawn_keepalive;
-use crate::outputs::{store_outputs, Stems};
+use crate::outputs::{puts_in_flight, store_outputs, Stems};
 use crate::{control, Shared};
 use stemq_core::metrics::{metrics, JobLabels};
 
@@ -722,8 +722,10 @@ async fn run_engine(
                 }
                 let audio_secs = stems.first_audio().map(|a| a.secs());
                 let span = info_span!("store_outputs", stems = stems.len());
+                let store = &shared.config.store;
+                let in_flight = puts_in_flight(store, &stems);
                 let (outputs, manifest_uri) =
-                    store_outputs(&shared.config.store, job_id, requested, stems, device, degraded)
+                    store_outputs(store, in_flight, job_id, requested, stems, device, degraded)
                         .instrument(span)
                         .await?;
                 return Ok(Done { audio_secs, outputs, manifest_uri, degraded, device: device.clone(), segment });

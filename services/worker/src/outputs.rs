@@ -12,11 +12,10 @@ use stemq_core::device::Device;
 use stemq_core::engine::{StemAudio, StemBytes, StemFile};
 use stemq_core::event::{FailureCode, Output, Requested};
 use stemq_core::request::Model;
-use stemq_core::storage::output_key;
+use stemq_core::storage::{output_key, Store};
 use stemq_core::JobId;
 
 use crate::job::Failure;
-use stemq_core::storage::Store;
 
 /// What an attempt's engine produced.
 pub(crate) enum Stems {
@@ -57,25 +56,22 @@ enum Content {
     Bytes(Vec<u8>),
 }
 
-/// Stores the stems (on S3 all at once: each is a request of its own), then
+/// How many of `stems` [`store_outputs`] should have in flight at once on `store`: all
+/// of them on a remote store (on S3 each is a request of its own), one at a time on a
+/// local one (there the writes are this machine's CPU and disk, and side by side they
+/// only contend).
+pub(crate) fn puts_in_flight(store: &Store, stems: &Stems) -> usize {
+    if store.is_remote() {
+        stems.len().max(1)
+    } else {
+        1
+    }
+}
+
+/// Stores the stems, up to `in_flight` at once ([`puts_in_flight`]), then
 /// `jobs/<id>/manifest.json` describing them (the manifest last, so its presence means
 /// every stem is there).
 pub(crate) async fn store_outputs(
-    store: &Store,
-    job_id: &JobId,
-    requested: &Requested,
-    stems: Stems,
-    device: &Device,
-    degraded: bool,
-) -> Result<(Vec<Output>, String), Failure> {
-    // All at once on a remote store, one at a time on a local one (there the writes are
-    // this machine's CPU and disk, and side by side they only contend).
-    let in_flight = if store.is_remote() { stems.len().max(1) } else { 1 };
-    store_outputs_with(store, in_flight, job_id, requested, stems, device, degraded).await
-}
-
-/// [`store_outputs`] with up to `in_flight` stems stored at once.
-async fn store_outputs_with(
     store: &Store,
     in_flight: usize,
     job_id: &JobId,
@@ -249,7 +245,7 @@ mod tests {
         let mut manifests = Vec::new();
         for in_flight in [1, 4] {
             let (outputs, manifest_uri) =
-                store_outputs_with(&store, in_flight, &job_id, &requested, stems(), &Device::Cpu, false).await.unwrap();
+                store_outputs(&store, in_flight, &job_id, &requested, stems(), &Device::Cpu, false).await.unwrap();
             let names: Vec<&str> = outputs.iter().map(|o| o.stem.as_str()).collect();
             assert_eq!(names, ["drums", "bass", "other", "vocals"], "in flight {in_flight}");
             for (i, o) in outputs.iter().enumerate() {
