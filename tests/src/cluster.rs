@@ -76,6 +76,7 @@ impl Default for ClusterOptions {
                 concurrency: 64,
                 name: "relay".into(),
                 progress_jobs: 10_000,
+                ready: None,
             },
         }
     }
@@ -253,6 +254,7 @@ impl ClusterStack {
             signin: None,
             public_url: None,
             cors_origins: Vec::new(),
+            readiness: Default::default(),
         };
         self.spawn(format!("ingress-{i}"), async move {
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");

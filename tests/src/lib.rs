@@ -146,6 +146,7 @@ impl Stack {
                         signin: None,
                         public_url,
                         cors_origins,
+                        readiness: Default::default(),
                     },
                     s,
                 )
@@ -528,6 +529,22 @@ pub fn signal(child: &Child, sig: i32) {
 pub const SIGKILL: i32 = libc::SIGKILL;
 /// SIGTERM.
 pub const SIGTERM: i32 = libc::SIGTERM;
+
+/// A child process stopped when the guard drops (a test that failed early leaves no
+/// process behind): SIGTERM first, so it stops what it started, then SIGKILL after 10 s.
+pub struct KillOnDrop(pub Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            signal(c, SIGTERM);
+            if wait_exit(c, Duration::from_secs(10)).is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
 
 /// Waits for a child to exit, up to `timeout`.
 pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {

@@ -66,6 +66,7 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         signin: None,
         public_url: None,
         cors_origins: Vec::new(),
+        readiness: Default::default(),
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -537,6 +538,7 @@ async fn turning_keys_off_is_for_loopback_only() {
         signin: None,
         public_url: None,
         cors_origins: Vec::new(),
+        readiness: Default::default(),
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

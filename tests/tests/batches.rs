@@ -73,6 +73,7 @@ async fn stack() -> Stack {
             concurrency: 16,
             name: "relay-test".into(),
             progress_jobs: 100,
+            ready: None,
         })
         .await;
     stack

@@ -9,24 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use stemq_tests::{signal, wait_exit, Stack, SIGTERM};
-
-/// Kills the child if the test ends early (a failed assertion), so no `stemq dev`
-/// outlives it.
-struct KillOnDrop(Option<std::process::Child>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            // Gracefully first, so it stops its own nats-server too.
-            signal(c, SIGTERM);
-            if wait_exit(c, Duration::from_secs(10)).is_none() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-    }
-}
+use stemq_tests::{signal, wait_exit, KillOnDrop, Stack, SIGTERM};
 
 /// Whether process `pid` may take transparent huge pages (`THP_enabled` in
 /// `/proc/<pid>/status`, kernel 5.0 and later; `None` where the kernel does not say).
@@ -200,4 +183,77 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     signal(&dev, SIGTERM);
     let status = wait_exit(&mut dev, Duration::from_secs(30)).expect("stemq dev stops on SIGTERM");
     assert!(status.success(), "{status:?}");
+}
+
+/// Ready means ready: a script that starts `stemq dev`, waits for `/readyz` to answer
+/// 200 and submits at once is never refused, and its job runs. Twenty starts in a row,
+/// each with a fresh data folder (definitions, keys and the worker's first announcement
+/// all new), as the default user runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stemq_dev_takes_the_first_submit_after_readyz_says_200() {
+    let http = reqwest::Client::new();
+    let song = tempfile::tempdir().unwrap();
+    let song = song.path().join("song.wav");
+    stemq_audio::synth::write_demo_song(&song, 1.0, 44_100).unwrap();
+    let song = std::fs::read(&song).unwrap();
+    for start in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let base = format!("http://127.0.0.1:{port}");
+        let log_path = dir.path().join("dev.log");
+        let dev = Command::new(Stack::stemq_bin())
+            .args(["--data-dir", dir.path().to_str().unwrap(), "dev", "--http", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .expect("stemq dev starts");
+        let mut dev = KillOnDrop(Some(dev));
+        let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let t0 = Instant::now();
+        let mut answers = Vec::new();
+        loop {
+            let code = match http.get(format!("{base}/readyz")).send().await {
+                Ok(r) => r.status().as_u16(),
+                Err(_) => 0,
+            };
+            if code == 200 {
+                break;
+            }
+            assert!(matches!(code, 0 | 503), "start {start}: /readyz answered {code}");
+            answers.push(code);
+            assert!(t0.elapsed() < Duration::from_secs(60), "start {start}: never ready:\n{}", log());
+            assert!(dev.0.as_mut().unwrap().try_wait().unwrap().is_none(), "start {start}: exited:\n{}", log());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Ready: the key is there, and a submit at once is taken and runs.
+        let key = std::fs::read_to_string(dir.path().join("admin.key")).expect("the admin key, once ready");
+        let key = key.trim();
+        let up = json_of(http.post(format!("{base}/v1/uploads?filename=song.wav")).body(song.clone()), key).await;
+        let uri = up["audio_uri"].as_str().unwrap_or_else(|| panic!("start {start}: no upload: {up}")).to_string();
+        let r = http
+            .post(format!("{base}/v1/separations"))
+            .bearer_auth(key)
+            .json(&json!({"audio_uri": uri, "model": "dsp"}))
+            .send()
+            .await
+            .unwrap();
+        let code = r.status().as_u16();
+        let b: Value = r.json().await.unwrap();
+        assert_eq!(code, 202, "start {start} (after {} not-ready answers): {b}\n{}", answers.len(), log());
+        let id = b["job_id"].as_str().unwrap().to_string();
+        let t1 = Instant::now();
+        loop {
+            let v = json_of(http.get(format!("{base}/v1/separations/{id}")).header("prefer", "wait=20"), key).await;
+            if v["status"] == "succeeded" {
+                break;
+            }
+            assert!(!["failed", "dead_lettered", "rejected"].contains(&v["status"].as_str().unwrap_or("")), "{v}");
+            assert!(t1.elapsed() < Duration::from_secs(60), "start {start}: {v}");
+        }
+        let mut child = dev.0.take().unwrap();
+        signal(&child, SIGTERM);
+        let status = wait_exit(&mut child, Duration::from_secs(30)).expect("stemq dev stops on SIGTERM");
+        assert!(status.success(), "start {start}: {status:?}\n{}", log());
+        eprintln!("start {start}: ready after {:?} ({} not-ready answers)", t0.elapsed(), answers.len());
+    }
 }

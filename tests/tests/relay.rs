@@ -113,6 +113,7 @@ fn relay_config(concurrency: usize, schedule_ms: &[u64]) -> stemq_relay::Config 
         concurrency,
         name: "relay-test".into(),
         progress_jobs: 1000,
+        ready: None,
     }
 }
 

@@ -78,6 +78,7 @@ async fn tls_ingress(
         signin: None,
         public_url: None,
         cors_origins: Vec::new(),
+        readiness: Default::default(),
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

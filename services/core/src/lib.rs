@@ -41,6 +41,7 @@
 //!   `stemq dev` and tests;
 //! - `nats_cluster`: a three-node JetStream cluster of such processes on loopback, for
 //!   the cluster fault tests and the R3 benchmark;
+//! - `readiness`: what a process must have done before `/readyz` answers 200;
 //! - `registry`: the worker registry (`stemq_workers`): who lives and what each serves;
 //! - `storage`: object storage for inputs and outputs (local files, S3);
 //! - `telemetry`: logging set-up shared by the binaries;
@@ -86,6 +87,8 @@ pub mod publish;
 pub mod pull;
 #[cfg(feature = "runtime")]
 pub mod read;
+#[cfg(feature = "runtime")]
+pub mod readiness;
 #[cfg(feature = "runtime")]
 pub mod registry;
 #[cfg(feature = "runtime")]

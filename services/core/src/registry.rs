@@ -138,6 +138,8 @@ pub struct Registry {
     applied: Arc<std::sync::atomic::AtomicU64>,
     /// The bucket watched ([`Registry::catch_up`] reads how far it is).
     bucket: Option<kv::Store>,
+    /// Woken whenever the watch applies an entry ([`Registry::wait_serving`]).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Registry {
@@ -188,6 +190,8 @@ impl Registry {
                             if caught_up {
                                 r.ready.store(true, std::sync::atomic::Ordering::Release);
                             }
+                            drop(map);
+                            r.changed.notify_waiters();
                         }
                     }
                     Err(e) => tracing::warn!(error = %e, "worker registry watch failed; retrying"),
@@ -251,6 +255,22 @@ impl Registry {
     /// Live workers that serve `model`.
     pub fn serving(&self, model: Model) -> usize {
         serving(&self.live(), model)
+    }
+
+    /// Waits until a live worker serves `model`, at most until `deadline`; says whether
+    /// one does. Wakes on each entry the watch applies, not on a timer.
+    pub async fn wait_serving(&self, model: Model, deadline: tokio::time::Instant) -> bool {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.serving(model) > 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return self.serving(model) > 0;
+            }
+        }
     }
 }
 

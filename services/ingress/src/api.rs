@@ -920,7 +920,7 @@ fn health_get() -> Operation {
 fn ready_get() -> Operation {
     Operation::new(Method::GET, "/readyz", "getReadiness")
         .tag("operations")
-        .summary("Readiness: NATS connected and the job stream present")
+        .summary("Readiness: NATS connected, the job stream present, the worker registry read, and (in `stemq dev`) every part started")
         .answer(200, Answer::media("Ready", &["text/plain"], json!({"type": "string"})))
         .answer(
             503,

@@ -97,6 +97,7 @@ use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
 use stemq_core::netpolicy::HostPolicy;
 use stemq_core::read::{Cursor, ListIndex, ViewError, Views};
+use stemq_core::readiness::Readiness;
 use stemq_core::registry::{self, Registry};
 use stemq_core::request::Priority;
 use stemq_core::{JobId, JobStatus, JobView};
@@ -167,6 +168,10 @@ pub struct Config {
     /// Web page origins allowed to call the API from a browser (`--cors-origin`); empty:
     /// no CORS headers at all.
     pub cors_origins: Vec<cors::Origin>,
+    /// What else this process waits for before `/readyz` answers 200 (`stemq dev`: its
+    /// worker, projector and relay); the ingress itself is ready once it can publish and
+    /// has read the worker registry.
+    pub readiness: Readiness,
 }
 
 /// Shared handler state: one `Arc`, so the clone that every request's extractors and
@@ -202,6 +207,12 @@ pub struct AppShared {
     registry: Registry,
     /// See [`Config::refuse_unserved`].
     refuse_unserved: bool,
+    /// Until then a submit for a model no worker serves waits for one to announce
+    /// itself instead of being refused: the start-up window, while workers started with
+    /// this ingress are still loading ([`UNSERVED_GRACE`]).
+    unserved_grace_until: tokio::time::Instant,
+    /// See [`Config::readiness`].
+    readiness: Readiness,
     /// How long submits wait for the queue (shared by HTTP and NATS submits).
     availability: Arc<availability::Availability>,
     /// See [`Config::signin`].
@@ -251,6 +262,8 @@ impl AppState {
             queue_metrics: false,
             registry,
             refuse_unserved: false,
+            unserved_grace_until: tokio::time::Instant::now() + UNSERVED_GRACE,
+            readiness: Readiness::new(),
             availability: Arc::default(),
             signin: None,
             prices,
@@ -293,6 +306,18 @@ impl AppState {
     pub fn with_refuse_unserved(mut self, on: bool) -> AppState {
         self.edit().refuse_unserved = on;
         self
+    }
+
+    /// Answers `/readyz` with 200 only once `readiness` holds too ([`Config::readiness`]).
+    pub fn with_readiness(mut self, readiness: Readiness) -> AppState {
+        self.edit().readiness = readiness;
+        self
+    }
+
+    /// Until when a submit for an unserved model waits for a worker rather than being
+    /// refused (see [`Config::refuse_unserved`]).
+    pub fn unserved_grace_until(&self) -> tokio::time::Instant {
+        self.unserved_grace_until
     }
 
     /// The live workers.
@@ -422,12 +447,8 @@ pub async fn run(
         .with_refuse_unserved(config.refuse_unserved)
         .with_signin(config.signin)
         .with_links(links::LinkBase::new(config.public_url, tls.is_some(), addr))
-        .with_cors_origins(config.cors_origins);
-    if config.refuse_unserved {
-        // Before the registry is read nothing is refused: serve once it is, so that the
-        // first submit after a start is answered as every later one.
-        state.registry().wait_ready(std::time::Duration::from_secs(3)).await;
-    }
+        .with_cors_origins(config.cors_origins)
+        .with_readiness(config.readiness);
     let router_task = {
         let (js, s) = (state.js.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -523,6 +544,11 @@ async fn connected_within(client: &async_nats::Client, grace: std::time::Duratio
 /// Longest an HTTP submit takes before answering 503: the publish's own budget (at
 /// most 10 s, [`availability`]) and the checks before it. The submit is idempotent, so
 /// the client's retry is safe even if the event got through.
+/// How long after its start an ingress that refuses unserved models lets a submit for
+/// one wait for a worker instead: workers started with it may still be loading their
+/// models or announcing themselves.
+pub const UNSERVED_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
+
 const SUBMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(12);
 
 /// How long a request that needs NATS waits for a lost connection to come back before
@@ -686,7 +712,7 @@ pub(crate) async fn prepare_as(
         submit::prepare(body, &caller.owner, traceparent, state.stores(), state.audio_urls(), uploads).await?;
     if let stemq_core::EventBody::Requested(r) = &event.body {
         if state.refuse_unserved {
-            workers::check_served(&state.registry, r.request.model).await?;
+            workers::check_served(&state.registry, r.request.model, state.unserved_grace_until).await?;
         }
         // A job whose cost is known now and cannot be paid is refused before it is queued.
         if state.index.status(&event.subject).is_none() {
@@ -898,14 +924,21 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
-/// `GET /readyz`.
+/// `GET /readyz`: 200 once this ingress can publish (NATS connected, the job stream
+/// there), has read the worker registry, and what the process waits for besides
+/// ([`Config::readiness`]) holds; else 503 naming what it waits for.
 async fn ready(State(state): State<AppState>) -> Response {
     let connected = state.js.client().connection_state() == async_nats::connection::State::Connected;
-    if connected && names::ready(&state.js).await {
-        (StatusCode::OK, "ready").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: NATS not connected or job stream missing").into_response()
+    let mut waiting = Vec::new();
+    if !(connected && names::ready(&state.js).await) {
+        waiting.push("NATS (connected, with the job stream)");
     }
+    if !state.registry.is_ready() {
+        waiting.push("the worker registry read");
+    }
+    waiting.extend(state.readiness.pending());
+    let (code, text) = stemq_core::readiness::probe_answer(&waiting);
+    (StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE), text).into_response()
 }
 
 /// `/metrics`: OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise.

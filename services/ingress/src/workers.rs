@@ -84,11 +84,22 @@ pub async fn list(State(state): State<AppState>) -> Result<Json<Fleet>, ApiError
 }
 
 /// Refuses `model` when no live worker serves it (for an ingress that refuses rather
-/// than queues). Before the registry has been read, nothing is refused. Before refusing,
-/// the registry's copy catches up with the bucket (at most [`CATCH_UP`]): a worker that
-/// has just announced itself serves, even when the watch has not delivered its entry.
-pub async fn check_served(registry: &Registry, model: Model) -> Result<(), SubmitError> {
-    if !registry.is_ready() || registry.serving(model) > 0 {
+/// than queues). While no worker at all is known, until `grace_until` (the ingress's
+/// start-up window, when the workers started with it may still be loading), it waits
+/// for a worker serving `model` to announce itself instead. Nothing is refused before
+/// the registry has been read, and before refusing the registry's copy catches up with
+/// the bucket (at most [`CATCH_UP`]): a worker that has just announced itself serves,
+/// even when the watch has not delivered its entry.
+pub async fn check_served(
+    registry: &Registry,
+    model: Model,
+    grace_until: tokio::time::Instant,
+) -> Result<(), SubmitError> {
+    if registry.serving(model) > 0 {
+        return Ok(());
+    }
+    let starting = registry.live().is_empty();
+    if (starting && registry.wait_serving(model, grace_until).await) || !registry.is_ready() {
         return Ok(());
     }
     if registry.catch_up(CATCH_UP).await && registry.serving(model) > 0 {

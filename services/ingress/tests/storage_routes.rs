@@ -65,6 +65,7 @@ impl Stack {
                 signin: None,
                 public_url: None,
                 cors_origins: Vec::new(),
+                readiness: Default::default(),
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

@@ -76,6 +76,7 @@ use stemq_core::error::JetStreamError;
 use stemq_core::nats::{self as names, Settings};
 use stemq_core::pull::{self, PullOptions};
 use stemq_core::read::{self, ViewError};
+use stemq_core::readiness::Condition;
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -199,11 +200,14 @@ pub struct Config {
     pub lanes: usize,
     /// Views kept in memory per lane (saves a KV read per event).
     pub cache_per_lane: usize,
+    /// Met once the projector consumes the job and progress streams: the process's
+    /// `/readyz` condition.
+    pub ready: Option<Condition>,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { lanes: 32, cache_per_lane: 4096 }
+        Config { lanes: 32, cache_per_lane: 4096, ready: None }
     }
 }
 
@@ -259,6 +263,7 @@ pub async fn run(
     tracker.spawn(ledger::run(js.clone(), shutdown.clone()));
     drop(lanes);
     tracker.close();
+    config.ready.iter().for_each(Condition::met);
     info!(lanes = config.lanes, "projector running");
     tracker.wait().await;
     info!("projector stopped");

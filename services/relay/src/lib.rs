@@ -71,6 +71,7 @@ use futures::StreamExt;
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
 use stemq_core::read::Views;
+use stemq_core::readiness::Condition;
 use stemq_core::webhook::Allowlist;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -103,6 +104,8 @@ pub struct Config {
     pub name: String,
     /// Most jobs whose last progress percent is remembered (see [`ProgressMemo`]).
     pub progress_jobs: usize,
+    /// Met once the relay consumes its feeds: the process's `/readyz` condition.
+    pub ready: Option<Condition>,
 }
 
 impl Default for Config {
@@ -118,6 +121,7 @@ impl Default for Config {
             concurrency: 256,
             name: "relay".into(),
             progress_jobs: 100_000,
+            ready: None,
         }
     }
 }
@@ -212,6 +216,7 @@ pub async fn serve(
         let (shared, slots, stop, t) = (shared.clone(), slots.clone(), shutdown.clone(), tracker.clone());
         tracker.spawn(async move { pump(shared, consumer, feed, slots, stop, t).await });
     }
+    shared.config.ready.iter().for_each(Condition::met);
     shutdown.cancelled().await;
     tracker.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), tracker.wait()).await;

@@ -4,7 +4,10 @@
 //! is given, applies the definitions, and runs the ingress, one worker, the projector and
 //! the webhook relay (printing the webhook signing secret and where the admin API key of
 //! the owner `local` is: `<data-dir>/admin.key`, created on first start)
-//! until Ctrl-C or SIGTERM; then drains them and stops the server. The worker, the
+//! until Ctrl-C or SIGTERM; then drains them and stops the server. Its `/readyz` answers
+//! 200, and it prints its URL and sign-in link, only once every part serves: the
+//! definitions applied, the worker's engine loaded and the worker announced with its
+//! models, the projector and the relay consuming. The worker, the
 //! projector and the relay run on a runtime of their own whose threads sit below the
 //! API on the CPU (`--background-nice`, 10 by default): on one machine a backlog of
 //! jobs takes what the API leaves.
@@ -24,16 +27,19 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use stemq_core::nats::ConnectAuth;
 use stemq_core::nats_server::NatsServer;
 use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
+use stemq_core::readiness::Readiness;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::global::{shutdown_on_signals, Global, ServerSettings, StoreArg};
-use crate::services::{AudioUrlArg, AuthArg, PublicArgs, RelayArgs, TlsArgs, WorkerOpts};
+use crate::services::{
+    AudioUrlArg, AuthArg, PublicArgs, RelayArgs, TlsArgs, WorkerOpts, PROJECTOR_READY, RELAY_READY, WORKER_READY,
+};
 
 /// `stemq dev`.
 #[derive(Debug, Args, Clone)]
@@ -175,9 +181,6 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
 
     let listener = stemq_ingress::bind(a.http).await.with_context(|| format!("is something else on {}?", a.http))?;
     let addr = listener.local_addr()?;
-    let engine = crate::services::engine(&g, &a.worker)?;
-    let models: Vec<&str> = engine.models().iter().map(|m| m.as_str()).collect();
-    let models = models.join(", ");
     let mut wconfig = crate::services::worker_config(&g, &a.store, &a.worker)?;
     wconfig.audio_urls = a.audio_urls.worker();
     let scheme = if a.tls.config().is_some() { "https" } else { "http" };
@@ -193,9 +196,18 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         let (link, token) = stemq_ingress::session::SigninLink::new(key);
         (Some(std::sync::Arc::new(link)), Some(token))
     };
+    let key_path = crate::keys::ensure_admin_key(&keys, &g.data_dir).await?;
+
+    // Ready means every part serves: `/readyz` answers 503 naming the parts still
+    // starting (the worker is ready once its engine is loaded and it announced itself
+    // with its models), and this stack says it is up only then.
+    let readiness = Readiness::new();
+    wconfig.ready = Some(readiness.require(WORKER_READY));
+    let projector_config = stemq_projector::Config { ready: Some(readiness.require(PROJECTOR_READY)), ..Default::default() };
+    let relay_config = stemq_relay::Config { ready: Some(readiness.require(RELAY_READY)), ..a.relay.config() };
 
     let children = CancellationToken::new();
-    let ingress = tokio::spawn(stemq_ingress::run(
+    let mut ingress = tokio::spawn(stemq_ingress::run(
         ingress_client.clone(),
         listener,
         stemq_ingress::Config {
@@ -213,30 +225,49 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             signin,
             public_url: a.public.public_url.clone(),
             cors_origins: a.public.cors_origins.clone(),
+            readiness: readiness.clone(),
         },
         children.clone(),
     ));
-    let projector =
-        bg.handle().spawn(stemq_projector::run(projector_client.clone(), Default::default(), children.clone()));
-    let worker = bg.handle().spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
-    let relay = bg.handle().spawn(stemq_relay::run(relay_client.clone(), a.relay.config(), children.clone()));
-    // Up means its worker serves: wait (briefly) for its entry in the worker registry,
-    // so the first submit is not refused for a model it is about to serve.
-    let registry = async_nats::jetstream::new(client.clone()).get_key_value(stemq_core::nats::WORKERS_BUCKET).await?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while stemq_core::registry::live(&registry).await.map(|w| w.is_empty()).unwrap_or(true) {
-        if std::time::Instant::now() > deadline || worker.is_finished() {
+    let mut projector = bg.handle().spawn(stemq_projector::run(projector_client.clone(), projector_config, children.clone()));
+    let mut relay = bg.handle().spawn(stemq_relay::run(relay_client.clone(), relay_config, children.clone()));
+    // The engine loads below the API too (its hosts inherit the priority), while the
+    // probes already answer.
+    let engine = {
+        let (g, opts) = (g.clone(), a.worker.clone());
+        bg.handle().spawn_blocking(move || crate::services::engine(&g, &opts)).await??
+    };
+    let models: Vec<&str> = engine.models().iter().map(|m| m.as_str()).collect();
+    let models = models.join(", ");
+    let mut worker = bg.handle().spawn(stemq_worker::run(worker_client.clone(), engine, wconfig, shutdown.clone()));
+    // Up when every part is; a part that stops while starting is the error to report.
+    while !readiness.wait(Duration::from_millis(100)).await {
+        if shutdown.is_cancelled() {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        if ingress.is_finished() {
+            (&mut ingress).await??;
+            bail!("the ingress stopped while starting");
+        }
+        if projector.is_finished() {
+            (&mut projector).await??;
+            bail!("the projector stopped while starting");
+        }
+        if relay.is_finished() {
+            (&mut relay).await??;
+            bail!("the webhook relay stopped while starting");
+        }
+        if worker.is_finished() {
+            (&mut worker).await??;
+            bail!("the worker stopped while starting");
+        }
     }
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
     let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, local).await?;
-    let key_path = crate::keys::ensure_admin_key(&keys, &g.data_dir).await?;
     // For scripts and other terminals: where this stack's NATS is, written once the
-    // stack is up and its admin key is in place.
+    // stack is up.
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
 
     eprintln!();

@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::netpolicy::HostPolicy;
+use stemq_core::readiness::Readiness;
 use stemq_core::request::Model;
 use stemq_core::storage::Store;
 use tokio_util::sync::CancellationToken;
@@ -206,6 +207,9 @@ pub struct EngineArgs {
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
+    /// How long the fake engine takes to load, in ms (as a model's weights would).
+    #[arg(long, env = "STEMQ_FAKE_LOAD_MS", default_value_t = 0)]
+    pub fake_load_ms: u64,
     /// The models the fake engine pretends to run, comma-separated (default: all).
     #[arg(long, env = "STEMQ_FAKE_MODELS", value_delimiter = ',', value_parser = parse_model)]
     pub fake_models: Vec<Model>,
@@ -438,6 +442,20 @@ fn may_provision(auth: &stemq_core::nats::ConnectAuth) -> bool {
     }
 }
 
+/// The `/readyz` conditions of the services (`stemq dev` waits for all of them).
+pub const WORKER_READY: &str = "the worker (engine loaded, announced in the registry)";
+/// See [`WORKER_READY`].
+pub const PROJECTOR_READY: &str = "the projector (consuming)";
+/// See [`WORKER_READY`].
+pub const RELAY_READY: &str = "the webhook relay (consuming)";
+
+/// [`engine`] off the async threads: loading a model takes seconds, and the probes and
+/// the NATS connection go on meanwhile.
+pub async fn load_engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
+    let (g, opts) = (g.clone(), opts.clone());
+    tokio::task::spawn_blocking(move || engine(&g, &opts)).await.context("the engine loader panicked")?
+}
+
 /// Loads the engine named in the options, isolated in engine host processes unless
 /// `--isolation none`.
 pub fn engine(g: &Global, opts: &WorkerOpts) -> Result<Arc<dyn Engine>> {
@@ -490,6 +508,7 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
     }
     args.extend(["--gpu-weights".into(), engine.gpu_weights.as_str().into()]);
     args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
+    args.extend(["--fake-load-ms".into(), engine.fake_load_ms.to_string().into()]);
     if !engine.fake_models.is_empty() {
         let models: Vec<&str> = engine.fake_models.iter().map(|m| m.as_str()).collect();
         args.extend(["--fake-models".into(), models.join(",").into()]);
@@ -499,6 +518,9 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
 
 /// Loads the engine named in the options in this process.
 pub fn engine_in_process(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
+    if opts.engine == EngineKind::Fake {
+        std::thread::sleep(Duration::from_millis(opts.fake_load_ms));
+    }
     if opts.engine == EngineKind::Fake && !opts.fake_models.is_empty() {
         let fake =
             FakeEngine { base_delay: Duration::from_millis(opts.fake_delay_ms), models: opts.fake_models.clone() };
@@ -641,16 +663,32 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
 
 /// Serves `/metrics` (the process-wide registry, and the queue figures read per scrape
 /// with `--queue-metrics`) on `--metrics ADDR` until `shutdown`, when asked to:
-/// OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise.
+/// OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise. The same
+/// listener answers the probes: `/healthz` (the process answers) and `/readyz` (200 once
+/// NATS is connected and `readiness` holds, else 503 naming what it waits for).
 pub async fn serve_metrics(
     metrics: &MetricsArg,
     client: &async_nats::Client,
+    readiness: &Readiness,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let Some(addr) = metrics.addr else { return Ok(()) };
     let js = async_nats::jetstream::new(client.clone());
     let queue = metrics.queue;
-    let app = axum::Router::new().route(
+    let (nats, readiness) = (client.clone(), readiness.clone());
+    let ready = move || {
+        let mut waiting = Vec::new();
+        if nats.connection_state() != async_nats::connection::State::Connected {
+            waiting.push("NATS (connected)");
+        }
+        waiting.extend(readiness.pending());
+        let (code, text) = stemq_core::readiness::probe_answer(&waiting);
+        (axum::http::StatusCode::from_u16(code).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE), text)
+    };
+    let app = axum::Router::new()
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .route("/readyz", axum::routing::get(move || std::future::ready(ready())))
+        .route(
         "/metrics",
         axum::routing::get(move |headers: axum::http::HeaderMap| {
             let js = js.clone();
@@ -677,10 +715,13 @@ pub async fn serve_metrics(
 pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
     a.opts.check()?;
     let client = connect(g, &a.server, "stemq-worker").await?;
-    serve_metrics(&a.metrics, &client, shutdown_on_signals()).await?;
-    let engine = engine(g, &a.opts)?;
+    let readiness = Readiness::new();
+    let ready = readiness.require(WORKER_READY);
+    serve_metrics(&a.metrics, &client, &readiness, shutdown_on_signals()).await?;
+    let engine = load_engine(g, &a.opts).await?;
     let mut config = worker_config(g, &a.store, &a.opts)?;
     config.audio_urls = a.audio_urls.worker();
+    config.ready = Some(ready);
     if engine.devices().iter().any(|d| matches!(d, stemq_core::device::Device::Cuda(_))) {
         config.gpu_probe = Some("nvidia-smi".into());
     }
@@ -693,7 +734,9 @@ pub async fn worker(g: &Global, a: WorkerArgs) -> Result<()> {
 pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
     let client = connect(g, &a.server, "stemq-projector").await?;
     let shutdown = shutdown_on_signals();
-    serve_metrics(&a.metrics, &client, shutdown.clone()).await?;
+    let readiness = Readiness::new();
+    let ready = readiness.require(PROJECTOR_READY);
+    serve_metrics(&a.metrics, &client, &readiness, shutdown.clone()).await?;
     if a.rebuild {
         let js = async_nats::jetstream::new(client.clone());
         let events = stemq_projector::reset(&js, &a.server.settings()).await?;
@@ -709,15 +752,19 @@ pub async fn projector(g: &Global, a: ProjectorArgs) -> Result<()> {
         eprintln!("view rebuilt");
         return Ok(());
     }
-    stemq_projector::run(client, Default::default(), shutdown).await?;
+    let config = stemq_projector::Config { ready: Some(ready), ..Default::default() };
+    stemq_projector::run(client, config, shutdown).await?;
     Ok(())
 }
 
 pub async fn relay(g: &Global, a: RelayServiceArgs) -> Result<()> {
     let client = connect(g, &a.server, "stemq-relay").await?;
     let shutdown = shutdown_on_signals();
-    serve_metrics(&a.metrics, &client, shutdown.clone()).await?;
-    stemq_relay::run(client, a.relay.config(), shutdown).await?;
+    let readiness = Readiness::new();
+    let ready = readiness.require(RELAY_READY);
+    serve_metrics(&a.metrics, &client, &readiness, shutdown.clone()).await?;
+    let config = stemq_relay::Config { ready: Some(ready), ..a.relay.config() };
+    stemq_relay::run(client, config, shutdown).await?;
     Ok(())
 }
 

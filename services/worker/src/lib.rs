@@ -52,6 +52,7 @@ use futures::StreamExt;
 use stemq_core::engine::Engine;
 use stemq_core::error::JetStreamError;
 use stemq_core::nats as names;
+use stemq_core::readiness::Condition;
 use stemq_core::registry::{self, WorkerInfo};
 use stemq_core::request::{Model, Priority};
 use stemq_core::storage::Store;
@@ -115,6 +116,9 @@ pub struct Config {
     /// (`stemq` passes stemq-audio's probe). `None`: such jobs reserve nothing and are
     /// charged what they separate.
     pub audio_probe: Option<fn(&std::path::Path) -> Option<u64>>,
+    /// Met once this worker has announced itself with its models in the registry (its
+    /// engine is loaded before [`run`] is called): the process's `/readyz` condition.
+    pub ready: Option<Condition>,
 }
 
 impl Config {
@@ -134,6 +138,7 @@ impl Config {
             gpu_probe: None,
             audio_urls: None,
             audio_probe: None,
+            ready: None,
         }
     }
 }
@@ -387,6 +392,11 @@ pub async fn run(
             };
             (bucket, info)
         });
+        // Without a registry there is nothing to announce: ready once dispatching.
+        let ready = config.ready.clone();
+        if announce.is_none() {
+            ready.iter().for_each(Condition::met);
+        }
         let (name, stop, slots, concurrency, gpu_probe) =
             (config.name.clone(), shutdown.clone(), slots.clone(), config.concurrency.max(1), config.gpu_probe.clone());
         tracker.spawn(async move {
@@ -406,8 +416,9 @@ pub async fn run(
                         info.gpu_free_memory_bytes = gpu::free(probe).await.unwrap_or_default().into_iter().collect();
                     }
                     info.heartbeat_at = chrono::Utc::now();
-                    if let Err(e) = registry::announce(bucket, &info).await {
-                        warn!(error = %e, "cannot announce this worker");
+                    match registry::announce(bucket, &info).await {
+                        Ok(()) => ready.iter().for_each(Condition::met),
+                        Err(e) => warn!(error = %e, "cannot announce this worker"),
                     }
                 }
             }
