@@ -72,10 +72,8 @@ async fn a_worker_is_not_ready_while_its_engine_loads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ingress_does_not_refuse_while_its_workers_start() {
     let mut stack = Stack::start(StackOptions { workers: 0, refuse_unserved: true, ..Default::default() }).await;
-    let submit = stack
-        .request(reqwest::Method::POST, "/v1/separations")
-        .json(&job_body(&stack, "while-starting", None))
-        .send();
+    let submit =
+        stack.request(reqwest::Method::POST, "/v1/separations").json(&job_body(&stack, "while-starting", None)).send();
     let submit = tokio::spawn(submit);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!submit.is_finished(), "answered before any worker announced itself");

@@ -203,7 +203,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     // with its models), and this stack says it is up only then.
     let readiness = Readiness::new();
     wconfig.ready = Some(readiness.require(WORKER_READY));
-    let projector_config = stemq_projector::Config { ready: Some(readiness.require(PROJECTOR_READY)), ..Default::default() };
+    let projector_config =
+        stemq_projector::Config { ready: Some(readiness.require(PROJECTOR_READY)), ..Default::default() };
     let relay_config = stemq_relay::Config { ready: Some(readiness.require(RELAY_READY)), ..a.relay.config() };
 
     let children = CancellationToken::new();
@@ -229,7 +230,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         },
         children.clone(),
     ));
-    let mut projector = bg.handle().spawn(stemq_projector::run(projector_client.clone(), projector_config, children.clone()));
+    let mut projector =
+        bg.handle().spawn(stemq_projector::run(projector_client.clone(), projector_config, children.clone()));
     let mut relay = bg.handle().spawn(stemq_relay::run(relay_client.clone(), relay_config, children.clone()));
     // The engine loads below the API too (its hosts inherit the priority), while the
     // probes already answer.

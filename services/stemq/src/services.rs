@@ -656,6 +656,8 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         signin: None,
         public_url: a.public.public_url,
         cors_origins: a.public.cors_origins,
+        // Ready on its own conditions (NATS, the registry read).
+        readiness: Default::default(),
     };
     stemq_ingress::run(client, listener, config, shutdown).await?;
     Ok(())
@@ -689,21 +691,21 @@ pub async fn serve_metrics(
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .route("/readyz", axum::routing::get(move || std::future::ready(ready())))
         .route(
-        "/metrics",
-        axum::routing::get(move |headers: axum::http::HeaderMap| {
-            let js = js.clone();
-            async move {
-                let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
-                let format = stemq_core::metrics::Format::negotiate(accept);
-                let figures = match queue {
-                    true => Some(stemq_core::metrics::read_queue(&js).await),
-                    false => None,
-                };
-                let body = stemq_core::metrics::metrics().encode(format, figures.as_ref());
-                ([(axum::http::header::CONTENT_TYPE, format.content_type())], body)
-            }
-        }),
-    );
+            "/metrics",
+            axum::routing::get(move |headers: axum::http::HeaderMap| {
+                let js = js.clone();
+                async move {
+                    let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
+                    let format = stemq_core::metrics::Format::negotiate(accept);
+                    let figures = match queue {
+                        true => Some(stemq_core::metrics::read_queue(&js).await),
+                        false => None,
+                    };
+                    let body = stemq_core::metrics::metrics().encode(format, figures.as_ref());
+                    ([(axum::http::header::CONTENT_TYPE, format.content_type())], body)
+                }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics listener on {addr}"))?;
     tracing::info!(%addr, "serving /metrics");
     tokio::spawn(async move {
