@@ -9,6 +9,10 @@
 //!   comparison is constant-time ([`subtle`]). A plain hash is enough for a secret with
 //!   256 bits of entropy: there is nothing to guess.
 //!
+//! A key may expire ([`KeyRecord::expires_at`]): the session keys a sign-in link mints for
+//! a browser ([`create_session`]) do, after [`SESSION_LIFETIME`]; keys made by `stemq keys
+//! create` do not.
+//!
 //! The key is shown once, by `stemq keys create`; it never appears in the log, the view,
 //! metrics or traces ([`ApiKey`]'s `Debug` hides the secret). Revocation marks the record;
 //! [`KeyRing`] re-reads a record at most [`KeyRing::TTL`] after it last read it, so a
@@ -208,6 +212,9 @@ pub struct KeyRecord {
     /// The lane of this key's jobs when a request names none (absent: interactive).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<crate::request::Priority>,
+    /// When it stops authenticating (absent: never; a session key has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime<Utc>>,
 }
 
 impl KeyRecord {
@@ -219,6 +226,11 @@ impl KeyRecord {
     /// True unless revoked.
     pub fn active(&self) -> bool {
         self.revoked_at.is_none()
+    }
+
+    /// True once its expiry (if it has one) is past at `now`.
+    pub fn expired(&self, now: DateTime<Utc>) -> bool {
+        self.expires_at.is_some_and(|t| t <= now)
     }
 }
 
@@ -243,6 +255,9 @@ pub enum KeyError {
     /// The key was revoked.
     #[error("API key {0} was revoked")]
     Revoked(String),
+    /// The key's lifetime is over (a session key).
+    #[error("API key {0} expired; sign in again")]
+    Expired(String),
     /// The owner name is unusable.
     #[error("owner `{0}` is not valid: use 1-64 of a-z, 0-9, `_`, `-`, starting with a letter or digit")]
     BadOwner(String),
@@ -278,6 +293,36 @@ pub async fn create_with(
     name: &str,
     priority: Option<crate::request::Priority>,
 ) -> Result<(ApiKey, KeyRecord), KeyError> {
+    insert(bucket, owner, role, limits, name, priority, None).await
+}
+
+/// How long a session key lives ([`create_session`]).
+pub const SESSION_LIFETIME: Duration = Duration::from_secs(12 * 3600);
+
+/// A session key: a key of `owner` with `role` that stops authenticating after
+/// `lifetime` (a browser's, minted by a sign-in link). Listed and revoked as any key.
+pub async fn create_session(
+    bucket: &kv::Store,
+    owner: &str,
+    role: Role,
+    limits: Limits,
+    name: &str,
+    lifetime: Duration,
+) -> Result<(ApiKey, KeyRecord), KeyError> {
+    let lifetime = chrono::Duration::from_std(lifetime).map_err(|e| KeyError::BadLimits(e.to_string()))?;
+    insert(bucket, owner, role, limits, name, None, Some(Utc::now() + lifetime)).await
+}
+
+/// Stores the record of a new key.
+async fn insert(
+    bucket: &kv::Store,
+    owner: &str,
+    role: Role,
+    limits: Limits,
+    name: &str,
+    priority: Option<crate::request::Priority>,
+    expires_at: Option<DateTime<Utc>>,
+) -> Result<(ApiKey, KeyRecord), KeyError> {
     if !valid_owner(owner) {
         return Err(KeyError::BadOwner(owner.to_string()));
     }
@@ -293,6 +338,7 @@ pub async fn create_with(
         revoked_at: None,
         name: name.to_string(),
         priority,
+        expires_at,
     };
     let value = serde_json::to_vec(&record).map_err(store_err)?;
     bucket.create(&record.id, value.into()).await.map_err(store_err)?;
@@ -420,6 +466,9 @@ impl KeyRing {
         if !record.active() {
             return Err(KeyError::Revoked(record.id));
         }
+        if record.expired(Utc::now()) {
+            return Err(KeyError::Expired(record.id));
+        }
         Ok(Caller {
             key_id: record.id,
             owner: record.owner,
@@ -473,8 +522,13 @@ mod tests {
             revoked_at: None,
             name: String::new(),
             priority: None,
+            expires_at: None,
         };
         assert!(r.matches(&k));
+        assert!(!r.expired(Utc::now()));
+        let session = KeyRecord { expires_at: Some(Utc::now() + chrono::Duration::seconds(60)), ..r.clone() };
+        assert!(!session.expired(Utc::now()));
+        assert!(session.expired(Utc::now() + chrono::Duration::seconds(61)));
         let mut other = ApiKey::generate();
         other.id = k.id.clone();
         assert!(!r.matches(&other));

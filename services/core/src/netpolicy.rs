@@ -205,6 +205,13 @@ pub fn check_ip(ip: IpAddr) -> Result<(), Refusal> {
     Err(Refusal::Special { ip, range })
 }
 
+/// True for an IPv6 address in a range that embeds an IPv4 address (IPv4-mapped,
+/// -compatible, -translated, NAT64, 6to4, Teredo): refused as a destination always,
+/// whatever an allow-list says.
+pub fn embeds_ipv4(ip: IpAddr) -> bool {
+    special_range(ip).is_some_and(|r| r.embeds.is_some())
+}
+
 /// True for addresses on the public internet ([`check_ip`] accepts them).
 pub fn is_public(ip: IpAddr) -> bool {
     check_ip(ip).is_ok()
@@ -259,14 +266,11 @@ impl Allowlist {
         self.hosts.iter().any(|h| normal_host(h) == host)
     }
 
-    /// True when a listed network holds `ip`; an IPv4-mapped IPv6 address
-    /// (`::ffff:10.0.0.1`) also matches the IPv4 networks.
+    /// True when a listed network holds `ip`. An IPv6 address that embeds an IPv4 one
+    /// ([`embeds_ipv4`]: `::ffff:127.0.0.1`, `64:ff9b::7f00:1`...) is never allowed, not
+    /// even by a network that holds it: only the IPv4 address itself is.
     pub fn allows_ip(&self, ip: IpAddr) -> bool {
-        let mapped = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4),
-            IpAddr::V4(_) => None,
-        };
-        self.nets.iter().any(|net| net.contains(&ip) || mapped.is_some_and(|m| net.contains(&m)))
+        !embeds_ipv4(ip) && self.nets.iter().any(|net| net.contains(&ip))
     }
 }
 
@@ -466,6 +470,11 @@ impl Unresolved<'_> {
         let wildcard = self.policy.wildcard_admits(&self.host);
         let mut all_exempt = true;
         for a in addrs {
+            if embeds_ipv4(a.ip()) {
+                // Not even for an exempt name: an embedded address reaches through a
+                // translator or relay to somewhere nobody listed.
+                return Err(UrlError::NotPublic(check_ip(a.ip()).expect_err("an embedding range is special")));
+            }
             if host_exempt || exempt.allows_ip(a.ip()) {
                 continue;
             }
@@ -674,9 +683,11 @@ mod tests {
         assert!(a.allows_ip(ip("fd12:3456::1")));
         assert!(a.allows_ip(ip("172.31.255.255")));
         assert!(!a.allows_ip(ip("172.32.0.0")));
-        // IPv4-mapped IPv6 addresses match IPv4 networks; families never mix otherwise
-        assert!(a.allows_ip(ip("::ffff:10.0.0.1")));
+        // IPv6 addresses that embed an IPv4 address never match, not even `::/0`.
+        assert!(!a.allows_ip(ip("::ffff:10.0.0.1")));
         assert!(!a.allows_ip(ip("::ffff:11.0.0.1")));
+        assert!(!Allowlist::parse("::/0").allows_ip(ip("::ffff:10.0.0.1")));
+        assert!(!Allowlist::parse("::/0").allows_ip(ip("64:ff9b::a00:1")));
         assert!(!Allowlist::parse("::/0").allows_ip(ip("8.8.8.8")));
         assert!(Allowlist::parse("0.0.0.0/0").allows_ip(ip("8.8.8.8")));
         // names are hosts, compared without case (or a trailing dot)
@@ -742,6 +753,32 @@ mod tests {
         let e = pin("https://localhost/x", &any, &["127.0.0.1", "::1"]).unwrap_err();
         assert!(matches!(e, UrlError::NotPublic(_)), "{e}");
         assert!(pin("https://[::ffff:0:7f00:1]/x", &any, &["::ffff:0:7f00:1"]).is_err());
+        // Loopback listed next to `*`: 127.0.0.1 itself (however the URL spells it: the
+        // URL parser reads `127.1` and `2130706433` as 127.0.0.1), never an IPv6 form
+        // embedding it, as a literal or as what an admitted or exempt name resolves to.
+        let lo = HostPolicy::parse("*,127.0.0.1, media.internal").unwrap();
+        for ok in ["http://127.0.0.1:8000/x", "http://127.1:8000/x", "http://2130706433:8000/x"] {
+            assert!(pin(ok, &lo, &["127.0.0.1"]).is_ok(), "{ok}");
+        }
+        for embedded in [
+            "::ffff:127.0.0.1",
+            "::ffff:7f00:1",
+            "::127.0.0.1",
+            "::ffff:0:127.0.0.1",
+            "64:ff9b::127.0.0.1",
+            "64:ff9b:1::7f00:1",
+            "2002:7f00:1::1",
+            "2001:0:4136:e378:8000:63bf:80ff:fffe",
+        ] {
+            for scheme in ["http", "https"] {
+                let e = pin(&format!("{scheme}://[{embedded}]:8000/x"), &lo, &[embedded]).unwrap_err();
+                assert!(matches!(e, UrlError::NotPublic(_)), "{scheme} {embedded}: {e}");
+            }
+            let e = pin("https://cdn.example.net/x", &lo, &[embedded]).unwrap_err();
+            assert!(matches!(e, UrlError::NotPublic(_)), "{embedded} by name: {e}");
+            let e = pin("http://media.internal/x", &lo, &[embedded]).unwrap_err();
+            assert!(matches!(e, UrlError::NotPublic(_)), "{embedded} by an exempt name: {e}");
+        }
         // a network entry admits addresses in it, not names
         let nets = HostPolicy::parse("10.0.0.0/8").unwrap();
         assert!(pin("http://10.2.3.4/x", &nets, &["10.2.3.4"]).is_ok());

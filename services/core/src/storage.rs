@@ -6,6 +6,8 @@
 //! `AWS_ALLOW_HTTP`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`). Outputs of a job go under
 //! `jobs/<job_id>/` with deterministic names, so a re-run overwrites instead of
 //! duplicating; uploads are streamed and hashed on the way, never held in memory.
+//! A local store is this service's alone: its folder and every folder in it are mode
+//! 0700, every object 0600, so no other user of the machine reads an owner's audio.
 //! Which URIs may be *read* is [`crate::uri`]'s business.
 
 use std::ops::Range;
@@ -71,6 +73,8 @@ pub struct Store {
     base: String,
     /// S3 only: the bucket store (for presigned URLs) and the key prefix in it.
     s3: Option<(Arc<AmazonS3>, String)>,
+    /// Local stores only: the folder (see [`Store::restrict`]).
+    root: Option<Arc<std::path::PathBuf>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -100,10 +104,12 @@ impl Store {
         match parsed.scheme() {
             "file" => {
                 let dir = parsed.to_file_path().map_err(|_| StorageError::BadUrl(url.to_string()))?;
-                std::fs::create_dir_all(&dir)
-                    .map_err(|source| StorageError::Io { path: dir.display().to_string(), source })?;
+                let io = |source| StorageError::Io { path: dir.display().to_string(), source };
+                std::fs::create_dir_all(&dir).map_err(io)?;
+                private(&dir, true).map_err(io)?;
                 let fs = LocalFileSystem::new_with_prefix(&dir)?;
-                Ok(Store { inner: Arc::new(fs), base: url.trim_end_matches('/').to_string(), s3: None })
+                let base = url.trim_end_matches('/').to_string();
+                Ok(Store { inner: Arc::new(fs), base, s3: None, root: Some(Arc::new(dir)) })
             }
             "s3" => {
                 let bucket =
@@ -119,7 +125,7 @@ impl Store {
                     Arc::new(PrefixStore::new(s3.clone() as Arc<dyn ObjectStore>, prefix.as_str()))
                 };
                 let base = if prefix.is_empty() { format!("s3://{bucket}") } else { format!("s3://{bucket}/{prefix}") };
-                Ok(Store { inner, base, s3: Some((s3, prefix)) })
+                Ok(Store { inner, base, s3: Some((s3, prefix)), root: None })
             }
             _ => Err(StorageError::BadUrl(url.to_string())),
         }
@@ -135,7 +141,12 @@ impl Store {
 
     /// An in-memory store (benchmarks and tests of code that only needs *a* store).
     pub fn memory() -> Store {
-        Store { inner: Arc::new(object_store::memory::InMemory::new()), base: "memory://mem".to_string(), s3: None }
+        Store {
+            inner: Arc::new(object_store::memory::InMemory::new()),
+            base: "memory://mem".to_string(),
+            s3: None,
+            root: None,
+        }
     }
 
     /// The store's URL prefix.
@@ -190,6 +201,7 @@ impl Store {
             w.write_all(&buf[..n]).await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
         }
         w.shutdown().await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
+        self.restrict(key)?;
         Ok(Stored { uri: self.uri(key), bytes: total, sha256: hex::encode(hasher.finalize()) })
     }
 
@@ -222,6 +234,7 @@ impl Store {
         match result {
             Ok((bytes, sha256)) => {
                 w.shutdown().await.map_err(|source| StorageError::Io { path: key.to_string(), source })?;
+                self.restrict(key)?;
                 Ok(Stored { uri: self.uri(key), bytes, sha256 })
             }
             Err(e) => {
@@ -234,7 +247,8 @@ impl Store {
 
     /// Moves `from` to `to` inside the store (overwriting `to`).
     pub async fn rename(&self, from: &str, to: &str) -> Result<(), StorageError> {
-        Ok(self.inner.rename(&ObjPath::from(from), &ObjPath::from(to)).await?)
+        self.inner.rename(&ObjPath::from(from), &ObjPath::from(to)).await?;
+        self.restrict(to)
     }
 
     /// Stores a small object.
@@ -242,7 +256,29 @@ impl Store {
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let n = bytes.len() as u64;
         self.inner.put(&ObjPath::from(key), bytes.into()).await?;
+        self.restrict(key)?;
         Ok(Stored { uri: self.uri(key), bytes: n, sha256 })
+    }
+
+    /// Local stores: makes the object `key` mode 0600 and every folder from it up to the
+    /// store's own 0700 (the object store creates them with the process's umask).
+    /// Nothing to do elsewhere.
+    fn restrict(&self, key: &str) -> Result<(), StorageError> {
+        let Some(root) = self.root.as_deref() else {
+            return Ok(());
+        };
+        let file = root.join(key);
+        let io = |path: &Path| {
+            let path = path.display().to_string();
+            move |source| StorageError::Io { path, source }
+        };
+        private(&file, false).map_err(io(&file))?;
+        let mut dir = file.parent();
+        while let Some(d) = dir.filter(|d| d.starts_with(root) && *d != root) {
+            private(d, true).map_err(io(d))?;
+            dir = d.parent();
+        }
+        Ok(())
     }
 
     /// Reads a whole object (small objects only: manifests, tests).
@@ -323,6 +359,18 @@ impl Store {
     }
 }
 
+/// Makes `path` readable by this user only: 0700 for a folder, 0600 for a file.
+#[cfg(unix)]
+fn private(path: &Path, folder: bool) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(if folder { 0o700 } else { 0o600 }))
+}
+
+#[cfg(not(unix))]
+fn private(_: &Path, _: bool) -> std::io::Result<()> {
+    Ok(())
+}
+
 /// Key of a job's output file.
 pub fn output_key(job_id: &str, file_name: &str) -> String {
     format!("jobs/{job_id}/{file_name}")
@@ -366,6 +414,39 @@ mod tests {
 
         store.delete_prefix("jobs/x").await.unwrap();
         assert!(store.list("jobs/x").await.unwrap().is_empty());
+    }
+
+    /// Mode bits of `path` (permissions only).
+    #[cfg(unix)]
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// Another user of the machine reads nothing of a local store: whatever the umask
+    /// (here the usual 022), its folders are 0700 and its objects 0600, however written.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_local_store_is_readable_by_its_user_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("store");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let store = Store::local(&root).unwrap();
+        assert_eq!(mode(&root), 0o700);
+        let big = dir.path().join("big.bin");
+        std::fs::write(&big, vec![7u8; (SMALL_FILE + 1) as usize]).unwrap();
+        store.put_file("jobs/j1/vocals.wav", &big).await.unwrap();
+        store.put_bytes("jobs/j1/manifest.json", b"{}".to_vec()).await.unwrap();
+        let chunks = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"RIFF"))]);
+        store.put_stream("uploads/alice/.tmp/u1", chunks, 100).await.unwrap();
+        store.rename("uploads/alice/.tmp/u1", "uploads/alice/abc.wav").await.unwrap();
+        for folder in ["jobs", "jobs/j1", "uploads", "uploads/alice"] {
+            assert_eq!(mode(&root.join(folder)), 0o700, "{folder}");
+        }
+        for file in ["jobs/j1/vocals.wav", "jobs/j1/manifest.json", "uploads/alice/abc.wav"] {
+            assert_eq!(mode(&root.join(file)), 0o600, "{file}");
+        }
     }
 
     #[tokio::test]

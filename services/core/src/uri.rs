@@ -93,12 +93,16 @@ pub fn store_key<'a>(uri: &'a str, allowed: &[String]) -> Result<(usize, &'a str
             return Ok((i, key));
         }
     }
+    // Where the store is stays the server's business: the answer names none of it.
     let place = match scheme {
         "file" => "a file outside the store root",
         "s3" => "an object outside the configured bucket and prefix",
         _ => "outside the configured store",
     };
-    Err(refuse(format!("{uri} is {place}; only objects under {} are read", allowed.join(" or "))))
+    Err(refuse(format!(
+        "is {place}; only objects in the store are read: upload the file with POST /v1/uploads and use the \
+         audio_uri it returns"
+    )))
 }
 
 /// The folder of `owner`'s uploads inside a store (`POST /v1/uploads` writes there).
@@ -218,7 +222,10 @@ mod tests {
             "file:///srv/stemq/a.wav",
             "file://otherhost/srv/stemq/store/a.wav",
         ] {
-            assert!(refused(uri).contains("outside the store root"), "{uri}");
+            let m = refused(uri);
+            assert!(m.contains("outside the store root"), "{uri}");
+            // The caller is never told where the store is.
+            assert!(!m.contains("/srv/stemq/store") && !m.contains("s3://songs"), "{uri}: {m}");
         }
         assert!(refused("file:///srv/stemq/store").contains("outside"));
         assert!(refused("file:///srv/stemq/store/").contains("not a folder"));
