@@ -255,6 +255,7 @@ impl ClusterStack {
             public_url: None,
             cors_origins: Vec::new(),
             readiness: Default::default(),
+            http_timeouts: Default::default(),
         };
         self.spawn(format!("ingress-{i}"), async move {
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");

@@ -54,6 +54,8 @@ pub struct StackOptions {
     pub public_url: Option<stemq_ingress::links::PublicUrl>,
     /// Origins the ingress lets call it from a browser (`--cors-origin`; empty: off).
     pub cors_origins: Vec<stemq_ingress::cors::Origin>,
+    /// How long an HTTP client may take to send a request head or body.
+    pub http_timeouts: stemq_ingress::serve::HttpTimeouts,
 }
 
 impl Default for StackOptions {
@@ -73,6 +75,7 @@ impl Default for StackOptions {
             projector: true,
             public_url: None,
             cors_origins: Vec::new(),
+            http_timeouts: Default::default(),
         }
     }
 }
@@ -129,6 +132,7 @@ impl Stack {
             let audio_urls = options.audio_urls.clone();
             let refuse_unserved = options.refuse_unserved;
             let (public_url, cors_origins) = (options.public_url.clone(), options.cors_origins.clone());
+            let http_timeouts = options.http_timeouts;
             tasks.push(tokio::spawn(async move {
                 stemq_ingress::run(
                     c,
@@ -147,6 +151,7 @@ impl Stack {
                         public_url,
                         cors_origins,
                         readiness: Default::default(),
+                        http_timeouts,
                     },
                     s,
                 )

@@ -67,6 +67,7 @@ async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
         public_url: None,
         cors_origins: Vec::new(),
         readiness: Default::default(),
+        http_timeouts: Default::default(),
     };
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config, s).await.expect("ingress 2 runs") });
@@ -539,6 +540,7 @@ async fn turning_keys_off_is_for_loopback_only() {
         public_url: None,
         cors_origins: Vec::new(),
         readiness: Default::default(),
+        http_timeouts: Default::default(),
     };
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();

@@ -77,6 +77,12 @@ fn threads_by_nice(pid: u32) -> Vec<(String, i64)> {
     out
 }
 
+/// The permission bits of `path`.
+fn mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
 /// Sends `request` with the key; its JSON answer.
 async fn json_of(request: reqwest::RequestBuilder, key: &str) -> Value {
     request.bearer_auth(key).send().await.unwrap().json().await.unwrap()
@@ -178,6 +184,26 @@ async fn stemq_dev_refuses_a_model_it_does_not_serve_and_runs_dsp() {
     // The fleet is for operators; the local admin key is not one.
     let r = http.get(format!("{base}/v1/workers")).bearer_auth(&key).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 403);
+    // No secret in its output: the webhook signing secret is read from the API.
+    let secret = json_of(http.get(format!("{base}/v1/webhooks/secret")), &key).await;
+    let secret = secret["secret"].as_str().expect("the owner's secret").to_string();
+    let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap();
+    assert!(!log.contains(&secret) && !log.contains("whsec_"), "stemq dev printed the webhook secret:\n{log}");
+    // Its store is for its user alone: uploads and stems 0600 in 0700 folders.
+    let mut seen = 0;
+    let mut folders = vec![dir.path().join("store")];
+    while let Some(folder) = folders.pop() {
+        assert_eq!(mode(&folder), 0o700, "{}", folder.display());
+        for entry in std::fs::read_dir(&folder).unwrap().flatten() {
+            if entry.file_type().unwrap().is_dir() {
+                folders.push(entry.path());
+            } else {
+                assert_eq!(mode(&entry.path()), 0o600, "{}", entry.path().display());
+                seen += 1;
+            }
+        }
+    }
+    assert!(seen >= 2, "the upload and the stems are in the store");
 
     let mut dev = dev.0.take().unwrap();
     signal(&dev, SIGTERM);

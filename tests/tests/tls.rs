@@ -79,6 +79,7 @@ async fn tls_ingress(
         public_url: None,
         cors_origins: Vec::new(),
         readiness: Default::default(),
+        http_timeouts: Default::default(),
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)

@@ -108,6 +108,9 @@ try {
   check(/local · operator/.test(who), `signed in as the operator of local, got "${who}"`);
   const key = await page.evaluate(() => sessionStorage.getItem("stemq.key"));
   check(key && key.startsWith("sk_"), "the key is in session storage");
+  // A session key of its own, never the long-lived operator key on the server's disk.
+  const operatorKey = fs.readFileSync(path.join(dataDir, "operator.key"), "utf8").trim();
+  check(key !== operatorKey, "the link handed out the operator key itself instead of a session key");
   {
     // A link works once.
     const again = await newPage();

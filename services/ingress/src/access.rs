@@ -10,6 +10,8 @@
 //!   `WWW-Authenticate: Bearer`. A key whose role does not allow the route: 403.
 //! - A key in the query string (`?api_key=`, `?token=`, any value starting `sk_`) is
 //!   refused with 400 before anything else: URLs end up in logs and browser history.
+//!   So is a request with more than one `Authorization` header (400): which one counts
+//!   would depend on who reads it (a proxy may check one, the ingress another).
 //! - The caller ([`Caller`]) goes into the request's extensions; handlers take it with
 //!   `Extension<Caller>` and scope every job to its owner ([`Caller::sees`]): another
 //!   owner's job is a 404 on every route, so existence is not leaked.
@@ -91,6 +93,15 @@ pub async fn authenticate(State(state): State<AppState>, mut req: Request, next:
             message: "API keys are never accepted in a URL; send `Authorization: Bearer <key>`, and revoke a key that \
                       was put in a URL (`stemq keys revoke ID`)"
                 .into(),
+            field: None,
+        }
+        .into_response();
+    }
+    if req.headers().get_all(header::AUTHORIZATION).iter().nth(1).is_some() {
+        return ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code: "bad_request",
+            message: "send one Authorization header, not several".into(),
             field: None,
         }
         .into_response();

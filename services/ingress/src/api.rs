@@ -866,11 +866,22 @@ fn signin() -> Operation {
     Operation::new(Method::POST, "/v1/signin", "signIn")
         .tag("account")
         .summary(
-            "Exchange the one-time token of a sign-in link (`stemq dev` prints one) for the API key it stands for. \
-             Public; a token works once",
+            "Exchange the one-time token of a sign-in link (`stemq dev` prints one) for a new session key that \
+             expires (12 h; `stemq keys list` shows it, `stemq keys revoke` ends it). Public; a token works once; \
+             the answer is `Cache-Control: no-store`",
         )
         .json_body::<SigninRequest, 1>([("token", "The link's token", SigninRequest { token: "5f".repeat(32) })])
-        .answer(200, Answer::json("The key", SigninResponse { key: "sk_k7f3a9c2e_0123456789abcdef".into() }))
+        .answer(
+            200,
+            Answer::json(
+                "The session key",
+                SigninResponse {
+                    key: format!("sk_1f2e3d4c5b6a7988_{}", "0123456789abcdef".repeat(4)),
+                    key_id: "1f2e3d4c5b6a7988".into(),
+                    expires_at: "2026-01-05T22:00:00Z".parse().expect("a time"),
+                },
+            ),
+        )
         .answer(401, Answer::error("A wrong or used token (every token but the link's one, once)", &["unauthorized"]))
         .answer(404, Answer::error("This server has no sign-in links", &["not_found"]))
 }

@@ -53,7 +53,8 @@
 //!
 //! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
 //! The listener speaks plain HTTP, or HTTPS (optionally with client certificates) when
-//! [`Config::tls`] is set ([`tls`]).
+//! [`Config::tls`] is set ([`tls`]); a client that is slow to send a request head or
+//! body is cut off ([`serve`], [`Config::http_timeouts`]).
 
 pub mod access;
 pub mod api;
@@ -71,6 +72,7 @@ pub mod nats_api;
 pub mod openapi;
 pub mod prefer;
 pub mod router;
+pub mod serve;
 pub mod session;
 pub mod stems;
 pub mod submit;
@@ -172,6 +174,8 @@ pub struct Config {
     /// worker, projector and relay); the ingress itself is ready once it can publish and
     /// has read the worker registry.
     pub readiness: Readiness,
+    /// How long a client may take to send a request head or body ([`serve`]).
+    pub http_timeouts: serve::HttpTimeouts,
 }
 
 /// Shared handler state: one `Arc`, so the clone that every request's extractors and
@@ -227,6 +231,8 @@ pub struct AppShared {
     stopping: CancellationToken,
     /// The batch log (`STEMQ_BATCHES`).
     batches: stemq_core::batch_log::BatchLog,
+    /// See [`Config::http_timeouts`] (the body limits are applied per request).
+    http_timeouts: serve::HttpTimeouts,
 }
 
 impl AppState {
@@ -271,6 +277,7 @@ impl AppState {
             cors_origins: Arc::default(),
             stopping: shutdown,
             batches,
+            http_timeouts: serve::HttpTimeouts::default(),
         })))
     }
 
@@ -293,6 +300,12 @@ impl AppState {
     /// Links answers under `base` ([`links`]).
     pub fn with_links(mut self, base: links::LinkBase) -> AppState {
         self.edit().links = Arc::new(base);
+        self
+    }
+
+    /// Times request bodies out as `timeouts` say ([`serve`]).
+    pub fn with_http_timeouts(mut self, timeouts: serve::HttpTimeouts) -> AppState {
+        self.edit().http_timeouts = timeouts;
         self
     }
 
@@ -448,7 +461,8 @@ pub async fn run(
         .with_signin(config.signin)
         .with_links(links::LinkBase::new(config.public_url, tls.is_some(), addr))
         .with_cors_origins(config.cors_origins)
-        .with_readiness(config.readiness);
+        .with_readiness(config.readiness)
+        .with_http_timeouts(config.http_timeouts);
     let router_task = {
         let (js, s) = (state.js.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -465,16 +479,7 @@ pub async fn run(
     };
     info!(%addr, tls = tls.is_some(), "ingress listening");
     let app = router(state);
-    match tls {
-        Some(tls) => tls::serve(listener, app, tls, shutdown.clone()).await.map_err(IngressError::Serve)?,
-        None => {
-            let s = shutdown.clone();
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { s.cancelled().await })
-                .await
-                .map_err(IngressError::Serve)?
-        }
-    }
+    serve::serve(listener, app, tls, config.http_timeouts, shutdown.clone()).await.map_err(IngressError::Serve)?;
     if let Some(t) = nats_task {
         if let Ok(Err(e)) = t.await {
             warn!(error = %e, "NATS submit endpoint stopped with an error");
@@ -500,6 +505,8 @@ pub fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(errors::BODY_LIMIT))
         .layer(middleware::from_fn_with_state(state.clone(), access::authenticate))
         .layer(middleware::from_fn_with_state(state.clone(), nats_gate))
+        // Before authentication: a body's time runs from its head, whoever sends it.
+        .layer(middleware::from_fn_with_state(state.clone(), serve::limit_bodies))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state);
     // Outermost: a preflight is answered before authentication (it carries no key).

@@ -17,7 +17,8 @@
 //! What holds across routes is added here, from the same rules the middleware applies:
 //! the security of each operation and its 401/403 from [`crate::access::permission`],
 //! 400 for a query string that does not parse or carries a key, 404 on every job route,
-//! 413 on JSON bodies, and 503 where NATS or the keys are needed ([`crate::nats_gate`]).
+//! 408 and 413 on bodies ([`crate::serve`]), and 503 where NATS or the keys are needed
+//! ([`crate::nats_gate`]).
 
 use std::collections::BTreeMap;
 
@@ -470,12 +471,23 @@ fn common_answers(op: &mut Operation, needed: Option<Permission>) {
         op,
         400,
         error_answer(
-            "A path or query string that does not parse (a repeated parameter), or an API key in the URL",
+            "A path or query string that does not parse (a repeated parameter), an API key in the URL, or more \
+             than one `Authorization` header",
             &["bad_request", "key_in_query"],
         ),
     );
     if op.has_json_body() {
         add(op, 413, error_answer("The body is larger than 2 MiB", &["too_large"]));
+    }
+    if op.has_json_body() || op.path.starts_with("/v1/uploads") {
+        add(
+            op,
+            408,
+            error_answer(
+                "The body paused too long or came too slowly (the connection closes; see docs/security.md)",
+                &["request_timeout"],
+            ),
+        );
     }
     if op.path.contains("{id}") {
         add(op, 404, error_answer("No such job, or another owner's job (the two are not told apart)", &["not_found"]));

@@ -5,45 +5,126 @@
 //! - `GET /v1/me` (any key): the caller's owner, role and what the role allows, so a
 //!   client can check a key and show only what it may do.
 //! - `POST /v1/signin` (public) with `{"token": "..."}`: exchanges the one-time token of
-//!   a sign-in link for the API key it stands for. Only `stemq dev` configures one
-//!   ([`SigninLink`]); elsewhere the route is 404. The token travels in the link's
-//!   fragment (`/#signin=<token>`), which browsers never send to a server or write to a
-//!   log, and works once: a second use, or a wrong token, is 401.
+//!   a sign-in link for a session key: a new API key of the link's owner and role that
+//!   expires after [`stemq_core::auth::SESSION_LIFETIME`] (12 h), listed by `stemq keys
+//!   list` and revoked by `stemq keys revoke` as any key. No long-lived key ever leaves
+//!   the server this way. Only `stemq dev` configures a link ([`SigninLink`]); elsewhere
+//!   the route is 404. The token travels in the link's fragment (`/#signin=<token>`),
+//!   which browsers never send to a server or write to a log, and works once: a second
+//!   use, or a wrong token, is 401.
+//!
+//! Every answer that carries a secret (the session key here, the webhook signing secret)
+//! is sent with `Cache-Control: no-store` ([`NoStore`]): no cache on the way keeps it.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
+use async_nats::jetstream::kv;
 use axum::extract::{Extension, State};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use stemq_core::auth::{Caller, Permission, Role};
+use stemq_core::auth::{self, Caller, Limits, Permission, Role};
+use tracing::{info, warn};
 
 use crate::{ApiError, AppState};
 
-/// A sign-in link that can be used once.
-pub struct SigninLink {
+/// A JSON answer that carries a secret: sent with `Cache-Control: no-store`.
+pub struct NoStore<T>(pub T);
+
+impl<T: Serialize> IntoResponse for NoStore<T> {
+    fn into_response(self) -> Response {
+        let mut resp = Json(self.0).into_response();
+        resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        resp
+    }
+}
+
+/// What a sign-in link's session key may do, and for how long.
+#[derive(Debug, Clone)]
+pub struct SessionGrant {
+    /// Whose jobs.
+    pub owner: String,
+    /// Its role.
+    pub role: Role,
+    /// Its limits.
+    pub limits: Limits,
+    /// Its lifetime.
+    pub lifetime: Duration,
+}
+
+/// A random token that can be taken once.
+struct OneTimeToken {
     /// SHA-256 of the token (compared in constant time).
-    token_hash: [u8; 32],
-    /// The key it hands out; taken by the first use.
-    key: Mutex<Option<String>>,
+    hash: [u8; 32],
+    /// Set by the first use.
+    used: AtomicBool,
+}
+
+impl OneTimeToken {
+    /// A fresh token: returns it and the text to hand out.
+    fn new() -> (OneTimeToken, String) {
+        let token = hex::encode(rand::random::<[u8; 32]>());
+        (OneTimeToken { hash: Sha256::digest(token.as_bytes()).into(), used: AtomicBool::new(false) }, token)
+    }
+
+    /// True when `token` is this one and it was not taken yet; takes it.
+    fn take(&self, token: &str) -> bool {
+        let given: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let same = given.iter().zip(self.hash.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        same && !self.used.swap(true, Ordering::AcqRel)
+    }
+
+    /// Makes a taken token usable again (its use failed on the server's side).
+    fn give_back(&self) {
+        self.used.store(false, Ordering::Release);
+    }
+}
+
+/// A sign-in link that can be used once: its first use mints a session key.
+pub struct SigninLink {
+    token: OneTimeToken,
+    /// The keys bucket, through a connection that may create keys (`stemq dev`'s
+    /// operator; the ingress's own NATS user only reads keys).
+    keys: kv::Store,
+    /// What the minted key may do.
+    grant: SessionGrant,
+}
+
+/// Why a sign-in did not give a key.
+enum Refused {
+    /// A wrong token, or a used one.
+    Token,
+    /// The key could not be stored (the link stays usable).
+    Store(auth::KeyError),
 }
 
 impl SigninLink {
-    /// A fresh random token for `key`: returns the link and the token to put in it.
-    pub fn new(key: String) -> (SigninLink, String) {
-        let token = hex::encode(rand::random::<[u8; 32]>());
-        (SigninLink { token_hash: Sha256::digest(token.as_bytes()).into(), key: Mutex::new(Some(key)) }, token)
+    /// A fresh random token for a link minting `grant` in `keys`: returns the link and
+    /// the token to put in it.
+    pub fn new(keys: kv::Store, grant: SessionGrant) -> (SigninLink, String) {
+        let (token, text) = OneTimeToken::new();
+        (SigninLink { token, keys, grant }, text)
     }
 
-    /// The key, if `token` is this link's and it was not used yet.
-    fn redeem(&self, token: &str) -> Option<String> {
-        let given: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let same = given.iter().zip(self.token_hash.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-        if !same {
-            return None;
+    /// A new session key, if `token` is this link's and it was not used yet.
+    async fn redeem(&self, token: &str) -> Result<(auth::ApiKey, auth::KeyRecord), Refused> {
+        if !self.token.take(token) {
+            return Err(Refused::Token);
         }
-        self.key.lock().expect("signin lock").take()
+        let g = &self.grant;
+        match auth::create_session(&self.keys, &g.owner, g.role, g.limits, "page session (sign-in link)", g.lifetime)
+            .await
+        {
+            Ok(minted) => Ok(minted),
+            Err(e) => {
+                self.token.give_back();
+                Err(Refused::Store(e))
+            }
+        }
     }
 }
 
@@ -58,15 +139,19 @@ pub struct SigninRequest {
 /// Answer of `POST /v1/signin`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
 pub struct SigninResponse {
-    /// The API key: send it as `Authorization: Bearer <key>`.
+    /// The session key: send it as `Authorization: Bearer <key>`.
     pub key: String,
+    /// Its id (`stemq keys revoke <id>` ends the session).
+    pub key_id: String,
+    /// When it stops working.
+    pub expires_at: DateTime<Utc>,
 }
 
 /// `POST /v1/signin`.
 pub async fn signin(
     State(state): State<AppState>,
     body: Result<Json<SigninRequest>, axum::extract::rejection::JsonRejection>,
-) -> Result<Json<SigninResponse>, ApiError> {
+) -> Result<NoStore<SigninResponse>, ApiError> {
     let Some(link) = state.signin.as_deref() else {
         return Err(ApiError {
             status: StatusCode::NOT_FOUND,
@@ -76,9 +161,22 @@ pub async fn signin(
         });
     };
     let token = body.map(|Json(b)| b.token).unwrap_or_default();
-    match link.redeem(token.trim()) {
-        Some(key) => Ok(Json(SigninResponse { key })),
-        None => Err(ApiError {
+    match link.redeem(token.trim()).await {
+        Ok((key, record)) => {
+            info!(key_id = %record.id, owner = %record.owner, role = %record.role, "signed in with a one-time link");
+            let expires_at = record.expires_at.unwrap_or_else(Utc::now);
+            Ok(NoStore(SigninResponse { key: key.expose(), key_id: record.id, expires_at }))
+        }
+        Err(Refused::Store(e)) => {
+            warn!(error = %e, "cannot store a session key");
+            Err(ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                code: "unavailable",
+                message: "the session key could not be stored; the link still works, try again".into(),
+                field: None,
+            })
+        }
+        Err(Refused::Token) => Err(ApiError {
             status: StatusCode::UNAUTHORIZED,
             code: "unauthorized",
             message: "this sign-in link is wrong or was used already; sign in with an API key \
@@ -136,12 +234,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_link_works_once_and_only_with_its_token() {
-        let (link, token) = SigninLink::new("sk_test".into());
+    fn a_token_is_taken_once_and_only_whole() {
+        let (t, token) = OneTimeToken::new();
         assert_eq!(token.len(), 64);
-        assert_eq!(link.redeem("not-it"), None);
-        assert_eq!(link.redeem(&token[..63]), None);
-        assert_eq!(link.redeem(&token).as_deref(), Some("sk_test"));
-        assert_eq!(link.redeem(&token), None, "a used link must not work again");
+        assert!(!t.take("not-it"));
+        assert!(!t.take(&token[..63]));
+        assert!(t.take(&token));
+        assert!(!t.take(&token), "a used link must not work again");
+        t.give_back();
+        assert!(t.take(&token), "a use that failed on the server's side leaves the link usable");
     }
 }

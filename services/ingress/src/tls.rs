@@ -2,29 +2,17 @@
 //! certificates (mTLS) when a client CA is given.
 //!
 //! This module owns turning the operator's PEM files into a rustls server configuration
-//! (ring provider, TLS 1.2 and 1.3, ALPN `h2` and `http/1.1`) and serving the router
-//! over it with `axum-server`. The files are read once at start: a missing or bad file
-//! stops the ingress before it listens, never at the first connection. Graceful
-//! shutdown matches the plain listener's: on `shutdown` no new connection is accepted,
-//! requests in flight finish (within [`DRAIN`]), idle connections close.
+//! (ring provider, TLS 1.2 and 1.3, ALPN `h2` and `http/1.1`); [`crate::serve`] serves
+//! the router over it. The files are read once at start: a missing or bad file stops
+//! the ingress before it listens, never at the first connection.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
-use axum::Router;
-use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-
-/// Longest wait for requests in flight once shutdown starts; streams still open then
-/// (Server-Sent Events) are cut.
-pub const DRAIN: Duration = Duration::from_secs(10);
 
 /// Where the TLS material is (`--tls-cert`, `--tls-key`, `--tls-client-ca`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,25 +99,4 @@ pub fn server_config(c: &TlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
     let mut config = builder.with_single_cert(chain, key).map_err(config_err)?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
-}
-
-/// Serves `app` over TLS on `listener` until `shutdown`, then drains (see the module
-/// docs).
-pub async fn serve(
-    listener: TcpListener,
-    app: Router,
-    config: Arc<ServerConfig>,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    let handle = axum_server::Handle::<SocketAddr>::new();
-    let server = axum_server::Server::<SocketAddr>::from_listener(listener)
-        .acceptor(RustlsAcceptor::new(RustlsConfig::from_config(config)))
-        .handle(handle.clone())
-        .serve(app.into_make_service());
-    tokio::pin!(server);
-    tokio::select! {
-        r = &mut server => return r,
-        _ = shutdown.cancelled() => handle.graceful_shutdown(Some(DRAIN)),
-    }
-    server.await
 }

@@ -79,18 +79,18 @@ impl WebhookSecret {
 pub(crate) async fn get_secret(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-) -> Result<Json<WebhookSecret>, ApiError> {
+) -> Result<crate::session::NoStore<WebhookSecret>, ApiError> {
     let (o, _) = webhook::owner_webhooks(&bucket(&state).await?, &caller.owner).await.map_err(internal)?;
-    Ok(Json(WebhookSecret::of(&o)))
+    Ok(crate::session::NoStore(WebhookSecret::of(&o)))
 }
 
 /// `POST /v1/webhooks/secret/rotate`.
 pub(crate) async fn rotate_secret(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-) -> Result<Json<WebhookSecret>, ApiError> {
+) -> Result<crate::session::NoStore<WebhookSecret>, ApiError> {
     let o = webhook::rotate(&bucket(&state).await?, &caller.owner, grace()).await.map_err(internal)?;
-    Ok(Json(WebhookSecret::of(&o)))
+    Ok(crate::session::NoStore(WebhookSecret::of(&o)))
 }
 
 /// The body of `POST /v1/webhooks/enable`.

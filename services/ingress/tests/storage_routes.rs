@@ -66,6 +66,7 @@ impl Stack {
                 public_url: None,
                 cors_origins: Vec::new(),
                 readiness: Default::default(),
+                http_timeouts: Default::default(),
             };
             stemq_ingress::run(c, listener, config, s).await.expect("ingress runs");
         }));

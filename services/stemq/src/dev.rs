@@ -2,8 +2,9 @@
 //!
 //! Starts a `nats-server` (from PATH) with its store in the data dir unless `NATS_URL`
 //! is given, applies the definitions, and runs the ingress, one worker, the projector and
-//! the webhook relay (printing the webhook signing secret and where the admin API key of
-//! the owner `local` is: `<data-dir>/admin.key`, created on first start)
+//! the webhook relay (printing where the admin API key of the owner `local` is,
+//! `<data-dir>/admin.key`, created on first start, and where to read the owner's webhook
+//! signing secret with it; never a secret itself, which a terminal or a log would keep)
 //! until Ctrl-C or SIGTERM; then drains them and stops the server. Its `/readyz` answers
 //! 200, and it prints its URL and sign-in link, only once every part serves: the
 //! definitions applied, the worker's engine loaded and the worker announced with its
@@ -13,9 +14,10 @@
 //! jobs takes what the API leaves.
 //!
 //! The ingress serves the page (`/`); `stemq dev` prints a one-time link to it that signs
-//! the browser in with the operator key of `local` (`<data-dir>/operator.key`), so the
-//! page opens ready, with the operators' view. The link's token is in its fragment and
-//! works once; after that, sign in with a key file.
+//! the browser in with a session key of an operator of `local` (12 h, listed by `stemq
+//! keys list`), so the page opens ready, with the operators' view. The link's token is
+//! in its fragment and works once; after that, sign in with a key file
+//! (`<data-dir>/operator.key` is an operator key of `local` for the command line).
 //!
 //! The server it starts runs with stemq's NATS users: their credentials are created once
 //! in `<data-dir>/nats/creds/` (mode 0600 each), the definitions are applied as
@@ -186,14 +188,21 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let scheme = if a.tls.config().is_some() { "https" } else { "http" };
     let store = wconfig.store.base_url().to_string();
 
-    // The page's one-time sign-in link hands out the operator key (with keys on).
+    // The page's one-time sign-in link mints a session key of an operator of `local`
+    // (with keys on), through this process's operator connection: the ingress's own
+    // NATS user cannot create keys.
     let keys = crate::keys::bucket(client.clone()).await?;
     let (signin, signin_token) = if a.auth.insecure_no_auth {
         (None, None)
     } else {
-        let path = crate::keys::ensure_operator_key(&keys, &g.data_dir).await?;
-        let key = std::fs::read_to_string(&path)?.trim().to_string();
-        let (link, token) = stemq_ingress::session::SigninLink::new(key);
+        crate::keys::ensure_operator_key(&keys, &g.data_dir).await?;
+        let grant = stemq_ingress::session::SessionGrant {
+            owner: stemq_ingress::access::LOCAL_OWNER.into(),
+            role: stemq_core::auth::Role::Operator,
+            limits: crate::keys::LOCAL_LIMITS,
+            lifetime: stemq_core::auth::SESSION_LIFETIME,
+        };
+        let (link, token) = stemq_ingress::session::SigninLink::new(keys.clone(), grant);
         (Some(std::sync::Arc::new(link)), Some(token))
     };
     let key_path = crate::keys::ensure_admin_key(&keys, &g.data_dir).await?;
@@ -227,6 +236,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
             public_url: a.public.public_url.clone(),
             cors_origins: a.public.cors_origins.clone(),
             readiness: readiness.clone(),
+            http_timeouts: a.public.http_timeouts(),
         },
         children.clone(),
     ));
@@ -267,7 +277,8 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let js = async_nats::jetstream::new(client.clone());
     let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
-    let (owner, _) = stemq_core::webhook::owner_webhooks(&secrets, local).await?;
+    // The owner's webhook settings (and signing secret) exist before the first job.
+    stemq_core::webhook::owner_webhooks(&secrets, local).await?;
     // For scripts and other terminals: where this stack's NATS is, written once the
     // stack is up.
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;
@@ -298,7 +309,7 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         "  models  {models}   (more: put weights into {} and restart)",
         a.worker.engine.models.clone().unwrap_or_else(|| g.data_dir.join("models")).display()
     );
-    eprintln!("  webhook secret  {}   (GET /v1/webhooks/secret)", owner.secret);
+    eprintln!("  webhook secret  GET {scheme}://{addr}/v1/webhooks/secret with the API key below");
     if a.auth.insecure_no_auth {
         eprintln!("  API keys        OFF (--insecure-no-auth): every caller is an operator of `{local}`");
     } else {

@@ -111,9 +111,13 @@ pub async fn run(g: &Global, command: KeysCommand) -> Result<()> {
                 "ID", "OWNER", "ROLE", "RATE/S", "BURST", "IN-FLIGHT", "LANE", "CREATED"
             );
             for r in auth::list(&bucket).await? {
-                let status = match r.revoked_at {
-                    Some(t) => format!("revoked {}", t.format("%Y-%m-%d %H:%M")),
-                    None => "active".into(),
+                let status = match (r.revoked_at, r.expires_at) {
+                    (Some(t), _) => format!("revoked {}", t.format("%Y-%m-%d %H:%M")),
+                    (None, Some(t)) if r.expired(chrono::Utc::now()) => {
+                        format!("expired {}", t.format("%Y-%m-%d %H:%M"))
+                    }
+                    (None, Some(t)) => format!("active, expires {}", t.format("%Y-%m-%d %H:%M")),
+                    (None, None) => "active".into(),
                 };
                 println!(
                     "{:<18} {:<20} {:<9} {:>8} {:>6} {:>9}  {:<21} {:<20} {}{}",
@@ -151,7 +155,10 @@ pub fn admin_key_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin.key")
 }
 
-/// Where `stemq dev` keeps the operator key its page sign-in link hands out.
+/// The limits of `stemq dev`'s keys of `local` (its page's session keys too).
+pub const LOCAL_LIMITS: Limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: Limits::MAX_IN_FLIGHT };
+
+/// Where `stemq dev` keeps its operator key.
 pub fn operator_key_path(data_dir: &Path) -> PathBuf {
     data_dir.join("operator.key")
 }
@@ -163,8 +170,8 @@ pub async fn ensure_admin_key(bucket: &kv::Store, data_dir: &Path) -> Result<Pat
 }
 
 /// Like [`ensure_admin_key`], an operator key of the owner `local` in
-/// `<data-dir>/operator.key`: the key of `stemq dev`'s page sign-in link, so the person
-/// at the laptop sees the operators' view too.
+/// `<data-dir>/operator.key`, for the person at the laptop (the page's sign-in link
+/// mints a session key of its own instead of handing this one out).
 pub async fn ensure_operator_key(bucket: &kv::Store, data_dir: &Path) -> Result<PathBuf> {
     ensure_local_key(bucket, &operator_key_path(data_dir), Role::Operator).await
 }
@@ -178,8 +185,7 @@ async fn ensure_local_key(bucket: &kv::Store, path: &Path, role: Role) -> Result
             return Ok(path.to_path_buf());
         }
     }
-    let limits = Limits { rate: 1000.0, burst: 1000, max_in_flight: Limits::MAX_IN_FLIGHT };
-    let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, role, limits, "stemq dev").await?;
+    let (key, _) = auth::create(bucket, stemq_ingress::access::LOCAL_OWNER, role, LOCAL_LIMITS, "stemq dev").await?;
     write_secret(path, &format!("{}\n", key.expose()))?;
     Ok(path.to_path_buf())
 }

@@ -52,8 +52,8 @@ pub struct IngressArgs {
     pub server: ServerSettings,
 }
 
-/// How the HTTP API presents itself to clients and browsers (`stemq ingress`,
-/// `stemq dev`).
+/// How the HTTP API presents itself to clients and browsers, and how long it waits for
+/// them (`stemq ingress`, `stemq dev`).
 #[derive(Debug, Args, Clone, Default)]
 pub struct PublicArgs {
     /// The URL clients reach the API at (`https://stemq.example.com`, with a path prefix
@@ -65,6 +65,33 @@ pub struct PublicArgs {
     /// (CORS). Repeatable or comma-separated; exact origins only. Off by default.
     #[arg(long = "cors-origin", env = "STEMQ_CORS_ORIGINS", value_name = "ORIGIN", value_delimiter = ',')]
     pub cors_origins: Vec<stemq_ingress::cors::Origin>,
+    /// Close a connection that has not sent a whole request head this long after it
+    /// opened or after its last answer (so also the longest idle keep-alive). Default
+    /// 20 000.
+    #[arg(long = "http-header-timeout-ms", env = "STEMQ_HTTP_HEADER_TIMEOUT_MS", value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: Option<u64>,
+    /// Answer 408 when a request body pauses this long, or takes this long plus what its
+    /// bytes take at --http-body-min-rate. Default 30 000.
+    #[arg(long = "http-body-timeout-ms", env = "STEMQ_HTTP_BODY_TIMEOUT_MS", value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_ms: Option<u64>,
+    /// The slowest sustained request body rate, in bytes per second. Default 16 384.
+    #[arg(long = "http-body-min-rate", env = "STEMQ_HTTP_BODY_MIN_RATE", value_name = "BYTES",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_min_rate: Option<u64>,
+}
+
+impl PublicArgs {
+    /// The listener's time limits: the flags given, the defaults for the others.
+    pub fn http_timeouts(&self) -> stemq_ingress::serve::HttpTimeouts {
+        let d = stemq_ingress::serve::HttpTimeouts::default();
+        stemq_ingress::serve::HttpTimeouts {
+            header: self.header_timeout_ms.map(Duration::from_millis).unwrap_or(d.header),
+            body: self.body_timeout_ms.map(Duration::from_millis).unwrap_or(d.body),
+            body_min_rate: self.body_min_rate.unwrap_or(d.body_min_rate),
+        }
+    }
 }
 
 /// `--insecure-no-auth`.
@@ -654,6 +681,7 @@ pub async fn ingress(g: &Global, a: IngressArgs) -> Result<()> {
         queue_metrics: a.queue_metrics,
         refuse_unserved: a.refuse_unserved,
         signin: None,
+        http_timeouts: a.public.http_timeouts(),
         public_url: a.public.public_url,
         cors_origins: a.public.cors_origins,
         // Ready on its own conditions (NATS, the registry read).

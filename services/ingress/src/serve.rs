@@ -1,0 +1,241 @@
+//! The listener: accepting connections and how long a client may take.
+//!
+//! This module owns serving the router on a TCP listener, over plain HTTP or TLS
+//! (HTTP/1.1, and HTTP/2 by ALPN or prior knowledge), and the time limits that keep a
+//! slow or silent client from holding a connection ([`HttpTimeouts`]):
+//!
+//! - **request head**: a connection must deliver a whole request head within
+//!   [`HttpTimeouts::header`] of opening (a TLS handshake has its own 10 s), and again
+//!   within that time after each answer: the same limit caps an idle keep-alive
+//!   connection. Past it the connection is closed without an answer: there is no request
+//!   to answer yet, and a client that reuses an idle connection would take an
+//!   unsolicited 408 for the answer to its next request;
+//! - **request body**: a body must keep arriving ([`body_deadline`]): no gap longer
+//!   than [`HttpTimeouts::body`], and all of it within [`HttpTimeouts::body`] plus the
+//!   time its bytes take at [`HttpTimeouts::body_min_rate`] (so a 2 MiB JSON body has
+//!   about 30 s and a 1 GiB upload may take its time at a usable rate). Past it the
+//!   request answers 408 `request_timeout` and the connection closes;
+//! - a declared `Content-Length` above what the route reads ([`errors::BODY_LIMIT`] for
+//!   every route but uploads, which check their own limit) answers 413 at once, without
+//!   waiting for a byte of the body.
+//!
+//! Shutdown: no new connection is accepted, requests in flight finish (within
+//! [`DRAIN`]), idle connections close.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode, Version};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::net::TcpListener;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::CancellationToken;
+
+use crate::{errors, ApiError, AppState};
+
+/// Longest wait for requests in flight once shutdown starts; streams still open then
+/// (Server-Sent Events) are cut.
+pub const DRAIN: Duration = Duration::from_secs(10);
+
+/// How long a client may take (`--http-header-timeout-ms`, `--http-body-timeout-ms`,
+/// `--http-body-min-rate`); see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpTimeouts {
+    /// To deliver a request head, from the connection's start or the last answer (so
+    /// also the longest idle keep-alive). Default 20 s.
+    pub header: Duration,
+    /// The longest gap in a request body, and the time a body has beyond what its bytes
+    /// take at [`HttpTimeouts::body_min_rate`]. Default 30 s.
+    pub body: Duration,
+    /// The slowest sustained body rate, in bytes per second. Default 16 KiB/s.
+    pub body_min_rate: u64,
+}
+
+impl Default for HttpTimeouts {
+    fn default() -> HttpTimeouts {
+        HttpTimeouts { header: Duration::from_secs(20), body: Duration::from_secs(30), body_min_rate: 16 << 10 }
+    }
+}
+
+/// When a body that started at `start`, last delivered bytes at `last`, and has
+/// delivered `received` bytes so far times out: the earlier of `last + body` and
+/// `start + body + received / body_min_rate`.
+pub fn body_deadline(t: &HttpTimeouts, start: Instant, last: Instant, received: u64) -> Instant {
+    let allowance = Duration::from_secs_f64(received as f64 / t.body_min_rate.max(1) as f64);
+    (last + t.body).min(start + t.body + allowance)
+}
+
+/// Serves `app` on `listener` until `shutdown` (over TLS with `tls`), with `timeouts`
+/// on every connection; then drains (see the module docs).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    timeouts: HttpTimeouts,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let handle = axum_server::Handle::<SocketAddr>::new();
+    let mut server = axum_server::Server::<SocketAddr>::from_listener(listener)
+        // Covers the protocol detection before the first request too, which reads the
+        // first bytes without a timer of its own.
+        .first_request_timeout(timeouts.header)
+        .handle(handle.clone());
+    server.http_builder().http1().header_read_timeout(timeouts.header);
+    // An HTTP/2 peer that stops answering pings is gone.
+    server.http_builder().http2().keep_alive_interval(timeouts.header).keep_alive_timeout(timeouts.header);
+    let app = app.into_make_service();
+    let run = async move {
+        match tls {
+            Some(config) => server.acceptor(RustlsAcceptor::new(RustlsConfig::from_config(config))).serve(app).await,
+            None => server.serve(app).await,
+        }
+    };
+    tokio::pin!(run);
+    tokio::select! {
+        r = &mut run => return r,
+        _ = shutdown.cancelled() => handle.graceful_shutdown(Some(DRAIN)),
+    }
+    run.await
+}
+
+/// The middleware of request bodies: 413 at once for a declared length past what the
+/// route reads, and the body's time limits ([`body_deadline`]); a request whose body
+/// timed out answers 408, whatever its handler made of the failed read.
+pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let http11 = req.version() <= Version::HTTP_11;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    // Uploads stream their body and check their own (larger) limit.
+    if !req.uri().path().starts_with("/v1/uploads") && declared.is_some_and(|n| n > errors::BODY_LIMIT as u64) {
+        let refusal = ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            code: "too_large",
+            message: format!("request bodies are limited to {} bytes", errors::BODY_LIMIT),
+            field: None,
+        };
+        return closing(refusal.into_response(), http11);
+    }
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let timeouts = state.http_timeouts;
+    let req = req.map(|body| Body::new(TimedBody::new(body, timeouts, timed_out.clone())));
+    let resp = next.run(req).await;
+    if timed_out.load(Ordering::Relaxed) {
+        let refusal = ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "request_timeout",
+            message: format!(
+                "the request body did not arrive in time: no gap may exceed {:?}, and a body may take {:?} plus \
+                 {} bytes per second",
+                timeouts.body, timeouts.body, timeouts.body_min_rate
+            ),
+            field: None,
+        };
+        return closing(refusal.into_response(), http11);
+    }
+    resp
+}
+
+/// `resp` with `Connection: close` on HTTP/1 (the unread rest of the body cannot be
+/// told from the next request).
+fn closing(mut resp: Response, http11: bool) -> Response {
+    if http11 {
+        resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
+}
+
+/// Why a request body stopped: it did not arrive in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive in time")]
+pub struct BodyTimedOut;
+
+/// A request body under [`body_deadline`]: past it, an error (and `timed_out` set).
+struct TimedBody {
+    inner: Body,
+    timeouts: HttpTimeouts,
+    start: Instant,
+    last: Instant,
+    received: u64,
+    sleep: Pin<Box<Sleep>>,
+    timed_out: Arc<AtomicBool>,
+}
+
+impl TimedBody {
+    fn new(inner: Body, timeouts: HttpTimeouts, timed_out: Arc<AtomicBool>) -> TimedBody {
+        let now = Instant::now();
+        let sleep = Box::pin(tokio::time::sleep_until(body_deadline(&timeouts, now, now, 0)));
+        TimedBody { inner, timeouts, start: now, last: now, received: 0, sleep, timed_out }
+    }
+}
+
+impl HttpBody for TimedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() {
+                        this.received += data.len() as u64;
+                        this.last = Instant::now();
+                        let deadline = body_deadline(&this.timeouts, this.start, this.last, this.received);
+                        this.sleep.as_mut().reset(deadline);
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Pending => match this.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.timed_out.store(true, Ordering::Relaxed);
+                    Poll::Ready(Some(Err(axum::Error::new(BodyTimedOut))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_has_its_gap_and_its_rate() {
+        let t = HttpTimeouts { header: Duration::from_secs(1), body: Duration::from_secs(10), body_min_rate: 1000 };
+        let s = Instant::now();
+        // Nothing yet: the gap.
+        assert_eq!(body_deadline(&t, s, s, 0), s + Duration::from_secs(10));
+        // 5 000 bytes by 4 s: the gap from then, within the allowance (10 + 5 s).
+        let last = s + Duration::from_secs(4);
+        assert_eq!(body_deadline(&t, s, last, 5_000), s + Duration::from_secs(14));
+        // 5 000 bytes, the last at 9 s: the rate's allowance ends first.
+        let last = s + Duration::from_secs(9);
+        assert_eq!(body_deadline(&t, s, last, 5_000), s + Duration::from_secs(15));
+    }
+}
