@@ -197,6 +197,7 @@ async fn ingress_with_signin(stack: &Stack, stop: &CancellationToken, lifetime: 
         signin: Some(Arc::new(link)),
         public_url: None,
         cors_origins: Vec::new(),
+        readiness: Default::default(),
         http_timeouts: Default::default(),
     };
     let s = stop.clone();
