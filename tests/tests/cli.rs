@@ -287,6 +287,18 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     let bad = run(args(&["keys", "create", "--owner", "archive", "--priority", "urgent"])).await.unwrap();
     assert!(!bad.status.success() && text(&bad.stderr).contains("urgent"), "{}", text(&bad.stderr));
 
+    // A sign-in link's session key (as `stemq dev`'s page gets one): listed with its end.
+    let (_, session) = stemq_core::auth::create_session(
+        &stack.keys,
+        "local",
+        stemq_core::auth::Role::Operator,
+        stemq_core::auth::Limits::NONE,
+        "page session (sign-in link)",
+        Duration::from_secs(3600),
+    )
+    .await
+    .unwrap();
+
     let list = ok(&run(args(&["keys", "list"])).await.unwrap(), "keys list");
     assert!(list.contains(&id) && list.contains("band") && list.contains("admin") && list.contains("active"), "{list}");
     assert!(!list.contains(&key), "the key itself is never listed");
@@ -294,6 +306,7 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
         |id: &str| list.lines().find(|l| l.starts_with(id)).unwrap_or_else(|| panic!("{id} in {list}")).to_string();
     assert!(line(&archive_id).contains(" batch "), "{list}");
     assert!(line(&id).contains("interactive (default)"), "{list}");
+    assert!(line(&session.id).contains("active, expires ") && line(&session.id).contains("page session"), "{list}");
 
     // Its jobs wait in the batch lane unless they ask for another (`submit --priority`).
     let submit = |extra: &[&str]| {

@@ -11,6 +11,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
 };
+use stemq_ingress::serve::HttpTimeouts;
 use stemq_ingress::tls::TlsConfig;
 use stemq_tests::{Stack, StackOptions};
 use tokio::task::JoinHandle;
@@ -62,6 +63,15 @@ async fn tls_ingress(
     stack: &Stack,
     tls: TlsConfig,
 ) -> (u16, CancellationToken, JoinHandle<Result<(), stemq_ingress::IngressError>>) {
+    tls_ingress_with(stack, tls, Default::default()).await
+}
+
+/// [`tls_ingress`] with the listener's time limits.
+async fn tls_ingress_with(
+    stack: &Stack,
+    tls: TlsConfig,
+    http_timeouts: HttpTimeouts,
+) -> (u16, CancellationToken, JoinHandle<Result<(), stemq_ingress::IngressError>>) {
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let client = stack.connect_as(stemq_core::nats_users::INGRESS).await;
@@ -79,7 +89,7 @@ async fn tls_ingress(
         public_url: None,
         cors_origins: Vec::new(),
         readiness: Default::default(),
-        http_timeouts: Default::default(),
+        http_timeouts,
     };
     let task = tokio::spawn(stemq_ingress::run(client, listener, config, stop.clone()));
     (addr.port(), stop, task)
@@ -180,5 +190,34 @@ async fn unusable_tls_files_stop_the_ingress_at_start() {
         let text = stemq_core::error::report(&e);
         assert!(matches!(e, stemq_ingress::IngressError::Tls(_)) && text.contains(why), "{text}");
     }
+    stack.shutdown().await;
+}
+
+/// Over TLS too, a client that opens a connection and never says hello is cut off within
+/// the request head's limit (not the TLS library's own 10 s), and others are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_tls_client_is_cut_off_within_the_head_limit() {
+    use tokio::io::AsyncReadExt;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let pki = Pki::new("stemq test CA");
+    let (cert, key) = pki.server_files();
+    let t = HttpTimeouts { header: Duration::from_secs(1), ..Default::default() };
+    let (port, stop, task) = tls_ingress_with(&stack, TlsConfig { cert, key, client_ca: None }, t).await;
+    let good = trusting(&pki).build().unwrap();
+    let url = format!("https://127.0.0.1:{port}/healthz");
+    let t0 = std::time::Instant::now();
+    while healthz(&good, &url).await.is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the TLS listener did not come up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(6), silent.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "a silent TLS connection stayed open: {read:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "cut off only after {:?}", t0.elapsed());
+    assert_eq!(healthz(&good, &url).await.unwrap().0, 200);
+    stop.cancel();
+    task.await.unwrap().unwrap();
     stack.shutdown().await;
 }

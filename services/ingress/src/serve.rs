@@ -4,8 +4,9 @@
 //! (HTTP/1.1, and HTTP/2 by ALPN or prior knowledge), and the time limits that keep a
 //! slow or silent client from holding a connection ([`HttpTimeouts`]):
 //!
-//! - **request head**: a connection must deliver a whole request head within
-//!   [`HttpTimeouts::header`] of opening (a TLS handshake has its own 10 s), and again
+//! - **request head**: a connection must finish its TLS handshake, if any, within
+//!   [`HttpTimeouts::header`], deliver a whole request head within that time after it
+//!   opened (or after the handshake), and again
 //!   within that time after each answer: the same limit caps an idle keep-alive
 //!   connection. Past it the connection is closed without an answer: there is no request
 //!   to answer yet, and a client that reuses an idle connection would take an
@@ -98,7 +99,11 @@ pub async fn serve(
     let app = app.into_make_service();
     let run = async move {
         match tls {
-            Some(config) => server.acceptor(RustlsAcceptor::new(RustlsConfig::from_config(config))).serve(app).await,
+            Some(config) => {
+                let acceptor =
+                    RustlsAcceptor::new(RustlsConfig::from_config(config)).handshake_timeout(timeouts.header);
+                server.acceptor(acceptor).serve(app).await
+            }
             None => server.serve(app).await,
         }
     };
