@@ -365,3 +365,72 @@ async fn loopback_in_ipv6_clothing_is_refused_even_when_loopback_is_allowed() {
     }
     stack.shutdown().await;
 }
+
+/// An HTTP/2 frame: its 9-byte header (length, type, flags, stream) and payload.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// HTTP/2 (prior knowledge, plain HTTP): a client that made one request and then sits on
+/// the connection, acknowledging every ping and setting the server sends, is closed once
+/// no request has been in flight for the head limit; pings do not keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_even_when_it_answers_every_ping() {
+    const SETTINGS: u8 = 4;
+    const PING: u8 = 6;
+    const HEADERS: u8 = 1;
+    const ACK: u8 = 1;
+    let t = HttpTimeouts { header: Duration::from_secs(1), ..Default::default() };
+    let stack = Stack::start(StackOptions { workers: 0, http_timeouts: t, ..Default::default() }).await;
+    let mut c = TcpStream::connect(stack.http).await.unwrap();
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    c.write_all(&h2_frame(SETTINGS, 0, 0, &[])).await.unwrap();
+    // GET /healthz on stream 1: :method GET, :scheme http, :path (literal), :authority
+    // (literal), in HPACK without Huffman coding.
+    let authority = stack.http.to_string();
+    let mut block = vec![0x82, 0x86, 0x44, 8];
+    block.extend_from_slice(b"/healthz");
+    block.extend_from_slice(&[0x41, authority.len() as u8]);
+    block.extend_from_slice(authority.as_bytes());
+    c.write_all(&h2_frame(HEADERS, 0x5, 1, &block)).await.unwrap();
+
+    let t0 = Instant::now();
+    let (mut answered_at, mut pings) = (None, 0);
+    let closed = loop {
+        let mut head = [0u8; 9];
+        match tokio::time::timeout(Duration::from_secs(8).saturating_sub(t0.elapsed()), c.read_exact(&mut head)).await {
+            Err(_) => break false,
+            Ok(Err(_)) => break true,
+            Ok(Ok(_)) => {}
+        }
+        let len = (head[0] as usize) << 16 | (head[1] as usize) << 8 | head[2] as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        if c.read_exact(&mut payload).await.is_err() {
+            break true;
+        }
+        match kind {
+            SETTINGS if flags & ACK == 0 => c.write_all(&h2_frame(SETTINGS, ACK, 0, &[])).await.unwrap(),
+            PING if flags & ACK == 0 => {
+                pings += 1;
+                c.write_all(&h2_frame(PING, ACK, 0, &payload)).await.unwrap();
+            }
+            // :status 200 is the static table's entry 8.
+            HEADERS if stream == 1 => {
+                assert_eq!(payload.first(), Some(&0x88), "GET /healthz over HTTP/2: {payload:?}");
+                answered_at.get_or_insert(t0.elapsed());
+            }
+            _ => {}
+        }
+    };
+    let answered_at = answered_at.expect("the request was answered");
+    assert!(closed, "an idle HTTP/2 connection stayed open 8 s ({pings} pings answered)");
+    let idle_for = t0.elapsed() - answered_at;
+    assert!(idle_for < Duration::from_secs(5), "closed only after {idle_for:?} idle");
+    stack.shutdown().await;
+}

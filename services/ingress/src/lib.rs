@@ -510,10 +510,12 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state);
     // Outermost: a preflight is answered before authentication (it carries no key).
-    match cors {
+    let app = match cors {
         Some(cors) => app.layer(cors),
         None => app,
-    }
+    };
+    // Every request, a preflight too, keeps its connection from counting as idle.
+    app.layer(middleware::from_fn(serve::hold_connection))
 }
 
 /// Routes that read or write NATS answer 503 at once while the connection is down,

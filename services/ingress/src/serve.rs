@@ -8,9 +8,11 @@
 //!   [`HttpTimeouts::header`], deliver a whole request head within that time after it
 //!   opened (or after the handshake), and again
 //!   within that time after each answer: the same limit caps an idle keep-alive
-//!   connection. Past it the connection is closed without an answer: there is no request
-//!   to answer yet, and a client that reuses an idle connection would take an
-//!   unsolicited 408 for the answer to its next request;
+//!   connection, HTTP/1.1 or HTTP/2 ([`IdleAcceptor`]: a connection with no request in
+//!   flight for that long is closed, however it keeps itself alive, pings included).
+//!   Past it the connection is closed without an answer: there is no request to answer
+//!   yet, and a client that reuses an idle connection would take an unsolicited 408 for
+//!   the answer to its next request;
 //! - **request body**: a body must keep arriving ([`body_deadline`]): no gap longer
 //!   than [`HttpTimeouts::body`], and all of it within [`HttpTimeouts::body`] plus the
 //!   time its bytes take at [`HttpTimeouts::body_min_rate`] (so a 2 MiB JSON body has
@@ -24,9 +26,10 @@
 //! [`DRAIN`]), idle connections close.
 
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -37,9 +40,12 @@ use axum::http::{header, HeaderValue, StatusCode, Version};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use axum_server::accept::{Accept, DefaultAcceptor};
 use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use bytes::Bytes;
+use futures::task::AtomicWaker;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
@@ -100,11 +106,10 @@ pub async fn serve(
     let run = async move {
         match tls {
             Some(config) => {
-                let acceptor =
-                    RustlsAcceptor::new(RustlsConfig::from_config(config)).handshake_timeout(timeouts.header);
-                server.acceptor(acceptor).serve(app).await
+                let tls = RustlsAcceptor::new(RustlsConfig::from_config(config)).handshake_timeout(timeouts.header);
+                server.acceptor(IdleAcceptor { inner: tls, idle: timeouts.header }).serve(app).await
             }
-            None => server.serve(app).await,
+            None => server.acceptor(IdleAcceptor { inner: DefaultAcceptor, idle: timeouts.header }).serve(app).await,
         }
     };
     tokio::pin!(run);
@@ -113,6 +118,205 @@ pub async fn serve(
         _ = shutdown.cancelled() => handle.graceful_shutdown(Some(DRAIN)),
     }
     run.await
+}
+
+/// One connection's requests: how many are in flight (until their answer's body is
+/// sent) and when the last one ended.
+struct Activity {
+    epoch: Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds after `epoch`.
+    last_done_ms: AtomicU64,
+    /// The connection's reader, woken when a request ends (its idle time starts).
+    reader: AtomicWaker,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            epoch: Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            last_done_ms: AtomicU64::new(0),
+            reader: AtomicWaker::new(),
+        }
+    }
+
+    /// Since when the connection has had no request in flight; `None` while one is.
+    fn idle_since(&self) -> Option<Instant> {
+        (self.in_flight.load(Ordering::SeqCst) == 0)
+            .then(|| self.epoch + Duration::from_millis(self.last_done_ms.load(Ordering::SeqCst)))
+    }
+}
+
+/// A request in flight on its connection ([`Activity`]); dropped with its answer's body.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(a: Arc<Activity>) -> InFlight {
+        a.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(a)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.last_done_ms.store(a.epoch.elapsed().as_millis() as u64, Ordering::SeqCst);
+        a.in_flight.fetch_sub(1, Ordering::SeqCst);
+        a.reader.wake();
+    }
+}
+
+/// Closes a connection that has had no request in flight for `idle`, whatever the
+/// protocol: its reader sees the end of the stream then ([`IdleIo`]). Wraps the
+/// acceptor of plain TCP or TLS.
+#[derive(Clone)]
+pub struct IdleAcceptor<A> {
+    inner: A,
+    idle: Duration,
+}
+
+impl<I, S, A> Accept<I, S> for IdleAcceptor<A>
+where
+    A: Accept<I, S>,
+    A::Future: Send + 'static,
+    A::Stream: Send + 'static,
+    A::Service: Send + 'static,
+{
+    type Stream = IdleIo<A::Stream>;
+    type Service = WithActivity<A::Service>;
+    type Future = Pin<Box<dyn Future<Output = io::Result<(Self::Stream, Self::Service)>> + Send>>;
+
+    fn accept(&self, stream: I, service: S) -> Self::Future {
+        let (accepted, idle) = (self.inner.accept(stream, service), self.idle);
+        Box::pin(async move {
+            let (stream, service) = accepted.await?;
+            let activity = Arc::new(Activity::new());
+            let sleep = Box::pin(tokio::time::sleep_until(activity.epoch + idle));
+            let io = IdleIo { inner: stream, activity: activity.clone(), idle, sleep };
+            Ok((io, WithActivity { inner: service, activity }))
+        })
+    }
+}
+
+/// A connection's byte stream that ends once the connection has been idle too long.
+pub struct IdleIo<T> {
+    inner: T,
+    activity: Arc<Activity>,
+    idle: Duration,
+    sleep: Pin<Box<Sleep>>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Pending => {}
+            other => return other,
+        }
+        this.activity.reader.register(cx.waker());
+        if let Some(since) = this.activity.idle_since() {
+            let deadline = since + this.idle;
+            if this.sleep.deadline() != deadline {
+                this.sleep.as_mut().reset(deadline);
+            }
+            if this.sleep.as_mut().poll(cx).is_ready() {
+                // Nothing read: the end of the stream, and the connection closes.
+                return Poll::Ready(Ok(()));
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// A connection's service: hands each request its connection's [`Activity`], which
+/// [`hold_connection`] counts it in.
+#[derive(Clone)]
+pub struct WithActivity<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S, B> tower_service::Service<axum::http::Request<B>> for WithActivity<S>
+where
+    S: tower_service::Service<axum::http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: axum::http::Request<B>) -> S::Future {
+        req.extensions_mut().insert(ActivityOf(self.activity.clone()));
+        self.inner.call(req)
+    }
+}
+
+/// The request extension carrying its connection's [`Activity`].
+#[derive(Clone)]
+struct ActivityOf(Arc<Activity>);
+
+/// The middleware that counts a request in flight on its connection until its answer's
+/// body is sent (a stream of events too), so [`IdleAcceptor`] never closes a busy
+/// connection.
+pub(crate) async fn hold_connection(req: Request, next: Next) -> Response {
+    let Some(ActivityOf(activity)) = req.extensions().get::<ActivityOf>().cloned() else {
+        return next.run(req).await;
+    };
+    let held = InFlight::start(activity);
+    next.run(req).await.map(|body| Body::new(Held { inner: body, _held: held }))
+}
+
+/// An answer's body that keeps its request in flight until it is dropped.
+struct Held {
+    inner: Body,
+    _held: InFlight,
+}
+
+impl HttpBody for Held {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// The middleware of request bodies: 413 at once for a declared length past what the
