@@ -2,8 +2,8 @@
 
 It publishes a `JobRequested` CloudEvent straight to the JetStream log (no HTTP
 ingress) as the NATS user `publisher-<owner token>` (it may publish requests for its
-owner only), reads the job's status from the `stemq_jobs` KV bucket and watches
-the entry to the end as `status-reader`, and receives the signed webhook and verifies it
+owner only), reads the job's status from the `stemq_jobs` KV bucket and follows
+the entry to the end as `status-reader` (a get and a plain subscription: no consumer), and receives the signed webhook and verifies it
 with the `standardwebhooks` package. Run by tests/tests/python.rs; configured by
 environment variables:
 
@@ -125,28 +125,30 @@ async def main():
 
     reader = await connect_as("STEMQ_STATUS_READER_CREDS")
     kv = await reader.jetstream().key_value("stemq_jobs")
-    # Read once (it may not be projected yet), then watch the key to the end.
+    # Follow the key by a plain subscription to its put subject (the status reader may
+    # create no consumer, so no KV watch), then read it once: an update between the two
+    # still arrives on the subscription.
+    updates = await reader.subscribe(f"$KV.stemq_jobs.{job_id}")
+    await reader.flush()
+    seen = []
+    view = None
     try:
         entry = await kv.get(job_id)
-        print("status now:", json.loads(entry.value)["status"], flush=True)
+        view = json.loads(entry.value)
+        seen.append(view["status"])
+        print("status now:", view["status"], flush=True)
     except KeyNotFoundError:
         print("not projected yet", flush=True)
-    seen = []
-    watcher = await kv.watch(job_id)
-    view = None
     async def follow():
         nonlocal view
-        while True:
-            # `updates` yields each new revision; None marks the end of the current values.
-            e = await watcher.updates(timeout=30)
-            if e is None or not e.value:
+        while view is None or view["status"] not in TERMINAL:
+            msg = await updates.next_msg(timeout=30)
+            if not msg.data:
                 continue
-            view = json.loads(e.value)
+            view = json.loads(msg.data)
             seen.append(view["status"])
-            if view["status"] in TERMINAL:
-                return
     await asyncio.wait_for(follow(), timeout=30)
-    await watcher.stop()
+    await updates.unsubscribe()
     print("statuses seen:", seen, flush=True)
     assert view["status"] == "succeeded", view
     assert view["job_id"] == job_id

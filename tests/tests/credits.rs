@@ -161,9 +161,47 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     let a = settled(&ledger, "acme", T).await;
     assert_eq!(a.charged, MICRO + prices.cost(Model::Dsp, 10_000), "the fake engine's 10 s: {a:?}");
 
-    // The snapshot is the fold of the movements.
+    // The account is the fold of the movements.
     let entries = ledger.entries("acme", None).await.unwrap();
-    assert_eq!(fold(&entries), entries.last().unwrap().after);
+    assert_eq!(fold(&entries), ledger.account("acme").await.unwrap().0);
+    stack.shutdown().await;
+}
+
+/// Issue 39, finding 1: a worker's credentials could write `{}` on an owner's ledger,
+/// after which `GET /v1/account` answered 503 and, with prices enforced, the ingress
+/// accepted that owner's submits with no credits (it could not read the account and
+/// let the worker decide). Now the worker may write only reservations, a misfit there
+/// is left out of the account (which reads as before), and a submit whose account
+/// cannot be read at all is refused (503), never let through unpaid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broken_ledger_entry_neither_bricks_an_account_nor_lets_an_unpaid_submit_through() {
+    use stemq_core::nats_users::WORKER;
+    // No workers: whatever the ingress accepts stays queued.
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    set_prices(&stack, 6.0, true).await;
+    let alice = auth::create(&stack.keys, "alice", Role::Submit, Limits::NONE, "t").await.unwrap().0.expose();
+    let up = stack.upload_song(&alice, "minute.wav", 60.0).await;
+    let submit = || {
+        let body = json!({"audio_uri": up["audio_uri"], "model": "dsp"});
+        call(&stack, &alice, reqwest::Method::POST, "/v1/separations", Some(body))
+    };
+    // The worker's credentials write what they may: their own kind's subject.
+    let worker = async_nats::jetstream::new(stack.connect_as(WORKER).await);
+    let forged_grant = json!({"owner": "alice", "time": chrono::Utc::now(),
+        "movement": {"kind": "granted", "amount": 1_000_000 * MICRO, "by": "worker"}});
+    for body in [b"{}".to_vec(), serde_json::to_vec(&forged_grant).unwrap()] {
+        let subject = ledger::ledger_subject("alice", ledger::Kind::Reserved);
+        worker.publish(subject, body.into()).await.unwrap().await.expect("a worker writes reservations");
+    }
+    let (code, acc) = call(&stack, &alice, reqwest::Method::GET, "/v1/account", None).await;
+    assert_eq!((code, acc["balance"].as_f64(), acc["available"].as_f64()), (200, Some(0.0), Some(0.0)), "{acc}");
+    let (code, refused) = submit().await;
+    assert_eq!((code, refused["error"]["code"].as_str()), (402, Some("insufficient_credits")), "{refused}");
+    // The ledger cannot be read at all (its stream is gone): refused, nothing queued.
+    stack.js.delete_stream(ledger::LEDGER_STREAM).await.unwrap();
+    let (code, refused) = submit().await;
+    assert_eq!((code, refused["error"]["code"].as_str()), (503, Some("unavailable")), "{refused}");
+    assert_eq!(stack.count_on("stemq.jobs.*.requested.alice.>").await, 0, "a submit of alice was queued");
     stack.shutdown().await;
 }
 
@@ -243,7 +281,7 @@ async fn the_ledger_is_exact_when_workers_the_projector_and_the_server_die() {
                 assert_eq!(*c, prices.cost(Model::Dsp, audio[job_id]), "{job_id} charged its audio");
                 charged += c;
             }
-            Movement::Refunded { job_id, amount, .. } => {
+            Movement::Refunded { job_id, amount, .. } | Movement::Released { job_id, amount, .. } => {
                 assert!(closed.insert(job_id.clone()), "{job_id} closed twice");
                 assert_ne!(views[job_id].status, JobStatus::Succeeded, "{job_id} refunded but succeeded");
                 refunded += amount;

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, stream};
 use serde_json::json;
 use stemq_core::event::{EventBody, Succeeded};
 use stemq_core::nats::{self as names, job_subject, request_subject, unrouted_request_subject, SubjectKind};
@@ -224,6 +224,143 @@ async fn a_forged_outcome_is_refused_and_the_real_submit_runs() {
     stack.shutdown().await;
 }
 
+/// An outcome event of job `id` (`cancelled` when `forged`, else `succeeded`).
+fn outcome_of(id: &JobId, forged: bool) -> Event {
+    let body = if forged {
+        EventBody::Cancelled(stemq_core::event::Cancelled { attempt: 0, interrupted: false })
+    } else {
+        EventBody::Succeeded(Succeeded {
+            attempt: 1,
+            outputs: vec![],
+            manifest_uri: None,
+            degraded: false,
+            device: "cpu".into(),
+            segment: None,
+            duration_ms: 1,
+            audio_ms: None,
+        })
+    };
+    Event::new(id, "urn:test:outcome", body)
+}
+
+/// Issue 39, finding 3: `worker` and `ingress` may record outcomes (of any job: a
+/// subject permission cannot tell jobs apart), and a second outcome sent without the
+/// "nothing yet" header was stored after the first; the view kept the first, but a
+/// direct get of the latest returned the forged one. The server now keeps one outcome
+/// per job and refuses any other, whatever the headers (none, a fresh message id, the
+/// first outcome's sequence as the expected one), and every reader reads the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_outcome_is_refused_by_the_server_whatever_its_headers() {
+    use stemq_core::read::outcome::{outcome, From};
+    let stack = Stack::start(StackOptions::default()).await;
+    let (_, b) = stack.submit(&job_body(&stack, "ended", None)).await;
+    let id = job_id(&b);
+    assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
+    let subject = job_subject(&id, SubjectKind::Outcome);
+    let first = outcome(&stack.js, &id, From::Leader).await.unwrap().expect("the outcome");
+    let outcomes = stack.js.get_stream_no_info(names::OUTCOMES_STREAM).await.unwrap();
+    let stored = outcomes.direct_get_last_for_subject(subject.as_str()).await.unwrap().sequence;
+    let forged = outcome_of(&id, true).to_bytes();
+    for user in [WORKER, INGRESS] {
+        let c = stack.connect_as(user).await;
+        let js = jetstream::ContextBuilder::new().timeout(Duration::from_secs(5)).build(c.clone());
+        let mut headers = vec![async_nats::HeaderMap::new()];
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", format!("forged-{user}").as_str());
+        headers.push(h);
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Expected-Last-Subject-Sequence", stored.to_string().as_str());
+        headers.push(h);
+        for h in headers {
+            let what = format!("{user} records a second outcome with {h:?}");
+            let r = match js.publish_with_headers(subject.clone(), h, forged.clone()).await {
+                Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            // Refused by the server itself (an error answer, not a permission timeout).
+            let e = r.expect_err(&what);
+            assert!(!e.to_lowercase().contains("timed out"), "{what}: {e}");
+        }
+    }
+    // One outcome, everywhere it is read: the first.
+    let mut outcomes = stack.js.get_stream(names::OUTCOMES_STREAM).await.unwrap();
+    let subjects = outcomes.info_with_subjects(subject.as_str()).await.unwrap();
+    futures::pin_mut!(subjects);
+    let (_, n) = futures::StreamExt::next(&mut subjects).await.unwrap().unwrap();
+    assert_eq!(n, 1, "the outcome stream holds a second outcome");
+    let _ = outcomes.info().await.unwrap();
+    assert_eq!(stack.count_on(&subject).await, 1, "the job log holds a second outcome");
+    for from in [From::Replica, From::Leader] {
+        let m = outcome(&stack.js, &id, from).await.unwrap().expect("the outcome");
+        assert_eq!(m.payload, first.payload, "{from:?} read another outcome");
+    }
+    let latest = stack.js.get_stream_no_info(names::JOBS_STREAM).await.unwrap();
+    let last = latest.direct_get_last_for_subject(subject.as_str()).await.unwrap();
+    assert_eq!(last.payload, first.payload, "the latest outcome in the log is not the first");
+    assert_eq!(stack.view(&id).await.unwrap().status, JobStatus::Succeeded);
+    stack.shutdown().await;
+}
+
+/// The outcome stream on a server whose job log holds outcomes from before it: `stemq
+/// nats apply` moves the outcome subjects to it, the old outcomes stay readable where
+/// they are, the first of a job's old outcomes is still "the" outcome, and a new job's
+/// second outcome is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_recorded_before_the_outcome_stream_stay_the_jobs_outcomes() {
+    use stemq_core::read::outcome::{outcome, From};
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().to_path_buf();
+    let server = tokio::task::spawn_blocking(move || stemq_core::nats_server::NatsServer::start(&store, 0))
+        .await
+        .unwrap()
+        .unwrap();
+    let client = server.connect_as(OPERATOR, "test").await.unwrap();
+    let js = jetstream::new(client);
+    // The job log as it was: every job subject, outcomes included.
+    js.create_stream(stream::Config {
+        name: names::JOBS_STREAM.into(),
+        subjects: vec!["stemq.jobs.>".into()],
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let old = JobId::parse(&"c".repeat(64)).unwrap();
+    let subject = job_subject(&old, SubjectKind::Outcome);
+    let (first, later) = (outcome_of(&old, false).to_bytes(), outcome_of(&old, true).to_bytes());
+    for payload in [first.clone(), later] {
+        js.publish(subject.clone(), payload).await.unwrap().await.unwrap();
+    }
+    let settings = stemq_core::nats::Settings::default();
+    stemq_core::nats::apply(&js, &settings).await.expect("apply over the old job log");
+    let again = stemq_core::nats::apply(&js, &settings).await.unwrap();
+    assert!(again.iter().all(|c| !c.is_change()), "a second apply changed {again:?}");
+    // The old job's outcome is its first, read the same way as any other.
+    for from in [From::Replica, From::Leader] {
+        let m = outcome(&js, &old, from).await.unwrap().expect("the old outcome");
+        assert_eq!(m.payload, first, "{from:?}");
+    }
+    // A new job: the first outcome is kept (and copied into the log), a second refused.
+    let new = JobId::parse(&"d".repeat(64)).unwrap();
+    let subject = job_subject(&new, SubjectKind::Outcome);
+    let kept = outcome_of(&new, false).to_bytes();
+    js.publish(subject.clone(), kept.clone()).await.unwrap().await.unwrap();
+    let second = js.publish(subject.clone(), outcome_of(&new, true).to_bytes()).await.unwrap().await;
+    assert!(second.is_err(), "a second outcome was stored: {second:?}");
+    let log = js.get_stream_no_info(names::JOBS_STREAM).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let copy = loop {
+        match log.direct_get_last_for_subject(subject.as_str()).await {
+            Ok(m) => break m,
+            Err(_) if t0.elapsed() < T => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("the outcome never reached the job log: {e}"),
+        }
+    };
+    assert_eq!(copy.payload, kept);
+    println!("the copy reached the job log in {:?}", t0.elapsed());
+    drop(server);
+}
+
 /// Nats-Msg-Id squatting: a publisher sends its own request with the message id of a job
 /// someone else is about to submit. Inside the dedupe window the real publish would be
 /// acked `duplicate` with nothing stored; the submit notices and stores it anyway.
@@ -335,7 +472,7 @@ async fn only_the_projector_writes_the_view_and_only_the_worker_records_attempts
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_status_reader_reads_and_watches_views_and_nothing_else() {
+async fn the_status_reader_reads_and_follows_views_and_nothing_else() {
     let stack = Stack::start(StackOptions::default()).await;
     let (_, b) = stack.submit(&job_body(&stack, "read-me", None)).await;
     let id = job_id(&b);
@@ -346,9 +483,22 @@ async fn the_status_reader_reads_and_watches_views_and_nothing_else() {
     let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("the reader opens the view bucket");
     let v: JobView = serde_json::from_slice(&kv.get(id.as_str()).await.unwrap().expect("a view")).unwrap();
     assert_eq!((v.job_id.clone(), v.status), (id.clone(), JobStatus::Succeeded));
-    let mut watch = kv.watch_with_history(id.as_str()).await.expect("the reader watches");
-    let entry = tokio::time::timeout(T, futures::StreamExt::next(&mut watch)).await.unwrap().unwrap().unwrap();
-    assert_eq!((entry.key.as_str(), entry.operation), (id.as_str(), kv::Operation::Put));
+    // It follows views by a plain subscription to the bucket's put subjects (no
+    // consumer: see `readers_cannot_create_consumers_that_deliver_anywhere`).
+    let mut follow = client.subscribe(format!("$KV.{}.{id}", names::JOBS_BUCKET)).await.unwrap();
+    client.flush().await.unwrap();
+    let op = stack.connect_as(OPERATOR).await;
+    let view = serde_json::to_vec(&v).unwrap();
+    jetstream::new(op.clone())
+        .get_key_value(names::JOBS_BUCKET)
+        .await
+        .unwrap()
+        .put(id.as_str(), view.into())
+        .await
+        .unwrap();
+    let heard = tokio::time::timeout(T, futures::StreamExt::next(&mut follow)).await.unwrap().unwrap();
+    assert_eq!(serde_json::from_slice::<JobView>(&heard.payload).unwrap().job_id, id);
+    denied("the reader watches through a consumer", kv.watch_with_history(id.as_str()).await);
 
     // Anything else: no.
     denied("the reader writes a view", kv.put(id.as_str(), "{}".into()).await);
@@ -367,7 +517,6 @@ async fn the_status_reader_reads_and_watches_views_and_nothing_else() {
     wait_error(&errors, "Subscription to \"_INBOX_ingress.>\"").await;
     assert_eq!(stack.count_on(&job_subject(&id, SubjectKind::CancelRequested)).await, 0);
     // The operator, of course, may do all of it.
-    let op = stack.connect_as(OPERATOR).await;
     assert!(short(&op).get_key_value(names::WEBHOOKS_BUCKET).await.is_ok());
     stack.shutdown().await;
 }
@@ -558,7 +707,7 @@ async fn the_queue_exporters_read_every_pool_and_the_registry() {
 /// that could would set every price to 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_operator_mints_credits_or_sets_prices() {
-    use stemq_core::ledger::{self, Ledger};
+    use stemq_core::ledger::{self, Kind, Ledger};
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let acme = stack.add_publisher("acme").await;
     let grant = |amount: i64| {
@@ -566,17 +715,17 @@ async fn only_the_operator_mints_credits_or_sets_prices() {
             owner: "acme".into(),
             time: chrono::Utc::now(),
             movement: ledger::Movement::Granted { amount, by: "forger".into(), note: None },
-            after: ledger::Account { balance: amount, granted: amount, ..Default::default() },
         })
         .unwrap()
     };
     for user in [INGRESS, RELAY, STATUS_READER, acme.as_str()] {
         let c = stack.connect_as(user).await;
         let js = short(&c);
-        assert_denied(
-            &format!("{user} grants credits"),
-            js_put(&js, ledger::ledger_subject("acme"), grant(1_000_000)).await,
-        );
+        for subject in
+            Kind::ALL.map(|k| ledger::ledger_subject("acme", k)).into_iter().chain([ledger::legacy_subject("acme")])
+        {
+            assert_denied(&format!("{user} writes {subject}"), js_put(&js, subject.clone(), grant(1_000_000)).await);
+        }
         if let Ok(kv) = js.get_key_value(ledger::CONFIG_BUCKET).await {
             assert_eq!(user, INGRESS, "{user} opens the configuration bucket");
             denied(
@@ -600,6 +749,155 @@ async fn only_the_operator_mints_credits_or_sets_prices() {
     // The ingress reads an account (for GET /v1/account and the 402).
     let c = stack.connect_as(INGRESS).await;
     Ledger::new(short(&c)).account("acme").await.expect("the ingress reads accounts");
+    stack.shutdown().await;
+}
+
+/// Issue 39, finding 1: the `worker` and `projector` users could write any movement on
+/// any owner's ledger (a forged grant was accepted; `{}` made the account unreadable).
+/// Now each kind of movement has a subject of its own that one role may write: grants
+/// the operator, reservations (and their release) workers, settlements and refunds the
+/// projector. The issue's attack (read bob's last entry, then publish a grant after it
+/// with `Nats-Expected-Last-Subject-Sequence`) is refused on every subject but the
+/// user's own kinds; what it may still write there (a grant, `{}`, another owner's
+/// entry) is left out of the account and counted, the account reads as before, and the
+/// next real movement is recorded after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_credit_movement_is_written_by_its_own_role_and_misfits_are_left_out() {
+    use stemq_core::ledger::{self, Entry, Kind, Ledger, Movement, MICRO};
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let operator = Ledger::new(stack.js.clone());
+    for owner in ["alice", "bob"] {
+        operator.grant(owner, 5 * MICRO, "test", None, &format!("g-{owner}")).await.unwrap();
+    }
+    let entry = |owner: &str, movement: Movement| {
+        serde_json::to_vec(&Entry { owner: owner.into(), time: chrono::Utc::now(), movement }).unwrap()
+    };
+    let free_money = Movement::Granted { amount: 1_000_000 * MICRO, by: "forger".into(), note: None };
+    let skipped = || {
+        let text = stemq_core::metrics::metrics().render();
+        text.lines()
+            .filter(|l| l.starts_with("stemq_ledger_entries_skipped_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let skipped_before = skipped();
+    for user in [WORKER, PROJECTOR] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        let log = js.get_stream_no_info(ledger::LEDGER_STREAM).await.unwrap();
+        let last = log.direct_get_last_for_subject(ledger::ledger_subject("bob", Kind::Granted)).await.unwrap();
+        for subject in Kind::ALL
+            .into_iter()
+            .filter(|k| k.writer() != user)
+            .map(|k| ledger::ledger_subject("bob", k))
+            .chain([ledger::legacy_subject("bob")])
+        {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert("Nats-Expected-Last-Subject-Sequence", last.sequence.to_string().as_str());
+            let r = match js.publish_with_headers(subject.clone(), h, entry("bob", free_money.clone()).into()).await {
+                Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            assert_denied(&format!("{user} grants on {subject}"), r);
+        }
+        // Its own kinds' subjects take what it sends, and the fold leaves it out.
+        for kind in Kind::ALL.into_iter().filter(|k| k.writer() == user) {
+            for (owner, body) in [
+                ("bob", entry("bob", free_money.clone())),
+                ("alice", b"{}".to_vec()),
+                ("alice", entry("bob", free_money.clone())),
+            ] {
+                let subject = ledger::ledger_subject(owner, kind);
+                js_put(&js, subject.clone(), body).await.unwrap_or_else(|e| panic!("{user} on {subject}: {e}"));
+            }
+        }
+    }
+    // Every account reads as the operator left it, in a reader that never saw it...
+    let fresh = Ledger::new(stack.js.clone());
+    for owner in ["alice", "bob"] {
+        let (a, _) = fresh.account(owner).await.unwrap_or_else(|e| panic!("{owner}'s account: {e}"));
+        assert_eq!((a.balance, a.granted), (5 * MICRO, 5 * MICRO), "{owner}: {a:?}");
+        let entries = fresh.entries(owner, None).await.unwrap();
+        assert_eq!(entries.len(), 1, "{owner}: only the operator's grant counts: {entries:?}");
+    }
+    // ...and in one that did (it reads only what came since).
+    assert_eq!(operator.account("alice").await.unwrap().0.balance, 5 * MICRO);
+    // Each misfit was counted (3 per writer's kind, each by the two readers).
+    let counted = skipped() - skipped_before;
+    assert!(counted >= 9.0, "misfits counted: {counted}");
+    // The ledger goes on: a grant after the misfits is recorded and read.
+    let (_, after) = operator.grant("alice", MICRO, "test", None, "g-again").await.unwrap();
+    assert_eq!(after.balance, 6 * MICRO);
+    assert_eq!(fresh.account("alice").await.unwrap().0.balance, 6 * MICRO);
+    stack.shutdown().await;
+}
+
+/// Issue 39, finding 4: a user that may create consumers may create a *push* consumer,
+/// and the server then publishes every matching message to its `deliver_subject`,
+/// whatever that subject is: `status-reader` could make `KV_stemq_jobs` deliver views
+/// onto `stemq.jobs.<id>.cancel_requested` (stored in the log, heard by workers), and a
+/// worker could make its own registry entry (any bytes it writes) land on an owner's
+/// grant subject. No user but the operator and the ingress may create a consumer now:
+/// the status reader reads views by direct get and follows them by a plain subscription,
+/// and the services read the worker registry by direct get.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_cannot_create_consumers_that_deliver_anywhere() {
+    use stemq_core::ledger::{self, Kind};
+    let stack = Stack::start(StackOptions::default()).await;
+    let (_, b) = stack.submit(&job_body(&stack, "deliver-me", None)).await;
+    let id = job_id(&b);
+    stack.wait_terminal(&id, T).await;
+    let cancel = job_subject(&id, SubjectKind::CancelRequested);
+    let grant = ledger::ledger_subject("acme", Kind::Granted);
+    for (user, stream, deliver) in [
+        (STATUS_READER, "KV_stemq_jobs", cancel.clone()),
+        (WORKER, "KV_stemq_workers", grant.clone()),
+        (PROJECTOR, "KV_stemq_workers", grant.clone()),
+        (RELAY, "KV_stemq_workers", cancel.clone()),
+    ] {
+        let c = stack.connect_as(user).await;
+        let js = short(&c);
+        let s = js.get_stream_no_info(stream).await.unwrap();
+        let config = jetstream::consumer::push::Config {
+            deliver_subject: deliver.clone(),
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ..Default::default()
+        };
+        denied(
+            &format!("{user} creates a push consumer on {stream} delivering to {deliver}"),
+            s.create_consumer(config).await,
+        );
+        let named = jetstream::consumer::push::Config {
+            durable_name: Some(format!("evil-{user}")),
+            deliver_subject: deliver.clone(),
+            ..Default::default()
+        };
+        denied(&format!("{user} creates a durable push consumer on {stream}"), s.create_consumer(named).await);
+    }
+    // Nothing was delivered anywhere (give a consumer, had one been made, time to).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stack.count_on(&cancel).await, 0, "a view landed on the cancel subject");
+    let ledger_stream = stack.js.get_stream_no_info(ledger::LEDGER_STREAM).await.unwrap();
+    assert!(ledger_stream.direct_get_last_for_subject(grant.clone()).await.is_err(), "a delivery landed on {grant}");
+    for s in ["KV_stemq_jobs", "KV_stemq_workers"] {
+        let stream = stack.js.get_stream(s).await.unwrap();
+        let mut consumers = stream.consumers();
+        while let Some(info) = futures::StreamExt::next(&mut consumers).await {
+            let deliver = info.unwrap().config.deliver_subject;
+            assert!(
+                deliver.as_deref() != Some(cancel.as_str()) && deliver.as_deref() != Some(grant.as_str()),
+                "{s}: {deliver:?}"
+            );
+        }
+    }
+    // What they still do: the queue exporters read the registry without a consumer.
+    for user in [WORKER, PROJECTOR, RELAY] {
+        let c = stack.connect_as(user).await;
+        let bucket = short(&c).get_key_value(names::WORKERS_BUCKET).await.unwrap();
+        let live =
+            stemq_core::registry::live(&bucket).await.unwrap_or_else(|e| panic!("{user} reads the registry: {e}"));
+        assert!(!live.is_empty(), "{user} sees the stack's workers");
+    }
     stack.shutdown().await;
 }
 

@@ -1,6 +1,6 @@
 //! Another service as a real client: tests/python/foreign_service.py (nats-py and
 //! standardwebhooks from PyPI) publishes a JobRequested CloudEvent straight to the
-//! stream, watches the KV status to the end and verifies the signed webhook (issue 5).
+//! stream, follows the KV status to the end and verifies the signed webhook (issue 5).
 //!
 //! The Python packages come from `scripts/install-test-deps.sh` (into ./.stemq/venv).
 //! Without them the test prints why and passes on a developer's machine; under CI

@@ -323,19 +323,17 @@ pub async fn record_attempt(
     publish_payload(js, &batch_subject(id, BatchSubject::Delivery), event.to_bytes(), h, patience).await
 }
 
-/// The terminal status of job `id` from its outcome event, read from the job log's
-/// leader: `None` while the job has not ended.
-pub async fn job_outcome(jobs: &Stream<()>, id: &JobId) -> Result<Option<crate::JobStatus>, JetStreamError> {
-    let subject = crate::nats::job_subject(id, crate::nats::SubjectKind::Outcome);
-    match jobs.get_last_raw_message_by_subject(&subject).await {
-        Ok(m) => {
+/// The terminal status of job `id` from its outcome event (`crate::read::outcome`), read
+/// from the streams' leaders: `None` while the job has not ended.
+pub async fn job_outcome(js: &jetstream::Context, id: &JobId) -> Result<Option<crate::JobStatus>, JetStreamError> {
+    match crate::read::outcome::outcome(js, id, crate::read::outcome::From::Leader).await? {
+        Some(m) => {
             let event = crate::Event::from_slice(&m.payload).map_err(|e| unreadable("read a job outcome", e))?;
             let status = crate::apply(None, crate::Position::Log(m.sequence), &event).map(|v| v.status);
             // An outcome that does not fold into a terminal status is still an end.
             Ok(Some(status.filter(|s| s.is_terminal()).unwrap_or(crate::JobStatus::Failed)))
         }
-        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(e) => Err(JetStreamError::read("get a job outcome")(e)),
+        None => Ok(None),
     }
 }
 

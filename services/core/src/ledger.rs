@@ -1,35 +1,51 @@
 //! Credits: each owner's balance, as an event-sourced ledger.
 //!
-//! This module owns every movement of credits and the rules they follow. Each owner has
-//! one subject in the stream `STEMQ_LEDGER`, `stemq.ledger.<owner token>`, and every
-//! movement is one message there ([`Entry`]): a grant by an operator, a reservation
-//! before the engine starts, its settlement at the actual audio duration when the job
-//! succeeds, or its refund in full when the job ends any other way. Each entry also
-//! carries the account as it is after the movement ([`Account`]): the balance is the
-//! fold of the movements, and the fold's result is always one direct get away (the last
-//! message of the owner's subject). The tests check that the two agree.
+//! This module owns every movement of credits and the rules they follow. Every movement
+//! is one message ([`Entry`]) in the stream `STEMQ_LEDGER`, on a subject that names its
+//! owner and its kind, `stemq.ledger.<owner token>.<kind>` ([`ledger_subject`]), and
+//! each kind is recorded by one NATS user only ([`Kind::writer`], `nats/users.json`): a
+//! grant by an operator, a reservation before the engine starts (and its release, when
+//! the job ended before it ran) by a worker, its settlement at the actual audio duration
+//! or its refund in full by the projector.
+//!
+//! An account ([`Account`]) is the fold of its owner's entries, and the fold trusts no
+//! writer: an entry is applied only where it fits ([`Account::apply`], [`Entry::check`]):
+//! its kind on its own kind's subject, its owner the subject's, a reservation only once,
+//! a settlement or refund only of an open reservation and of exactly what was reserved,
+//! amounts that are the price times the audio. An entry that does not fit (unreadable,
+//! out of place, inconsistent) is skipped, logged and counted
+//! (`stemq_ledger_entries_skipped_total`, alert `StemqLedgerEntrySkipped`): it never
+//! stops an account from being read, and never moves credits. Each process keeps the
+//! folds it has read ([`Ledger`]) and reads only the entries recorded since.
 //!
 //! Writes are optimistic: a movement is published with
-//! `Nats-Expected-Last-Subject-Sequence` set to the sequence of the entry it was computed
-//! from, so two writers (two workers reserving for one owner, the ledger consumer
-//! settling) never both commit against the same state; the loser reads again and
-//! decides again. Every movement is also idempotent in the state it is decided from: a
-//! job is reserved only when it has no open reservation, and a reservation is closed
-//! (settled or refunded) only while it is open, so a retried delivery, a redelivered
-//! outcome or two ledger consumers at once move nothing twice.
+//! `Nats-Expected-Last-Subject-Sequence` (over all of the owner's subjects,
+//! `Nats-Expected-Last-Subject-Sequence-Subject`) set to the last entry it was decided
+//! from, so two writers never both commit against the same state; the loser reads again
+//! and decides again. Every movement is also idempotent in the state it is decided
+//! from: a job is reserved only when it has no open reservation, and a reservation is
+//! closed only while it is open, so a retried delivery, a redelivered outcome or two
+//! ledger consumers at once move nothing twice.
+//!
+//! Entries on `stemq.ledger.<owner token>` (one subject for every kind) are read too,
+//! before the owner's other entries, under the same rules; nothing writes there.
 //!
 //! Amounts are integers of micro-credits ([`Micro`], a millionth of a credit); prices
 //! are credits per minute of audio per model ([`Prices`], kept in the KV bucket
 //! `stemq_config` under `prices`, from `nats/prices.json` by `stemq credits prices
 //! set`). Without prices, credits are off: nothing is reserved or charged.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, context::PublishErrorKind, kv};
 use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -51,9 +67,66 @@ pub const CONFIG_BUCKET: &str = "stemq_config";
 /// The key of the price list in [`CONFIG_BUCKET`].
 pub const PRICES_KEY: &str = "prices";
 
-/// `stemq.ledger.<owner token>`.
-pub fn ledger_subject(owner: &str) -> String {
+/// `stemq.ledger.<owner token>.<kind>`: where `owner`'s movements of `kind` are recorded.
+pub fn ledger_subject(owner: &str, kind: Kind) -> String {
+    format!("stemq.ledger.{}.{}", owner_token(owner), kind.token())
+}
+
+/// `stemq.ledger.<owner token>.*`: every movement of `owner`.
+pub fn ledger_filter(owner: &str) -> String {
+    format!("stemq.ledger.{}.*", owner_token(owner))
+}
+
+/// `stemq.ledger.<owner token>`: one subject for every kind of movement (read, never
+/// written).
+pub fn legacy_subject(owner: &str) -> String {
     format!("stemq.ledger.{}", owner_token(owner))
+}
+
+/// The kinds of movement: each has a subject token of its own, and one NATS user that
+/// may record it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// [`Movement::Granted`]
+    Granted,
+    /// [`Movement::Reserved`]
+    Reserved,
+    /// [`Movement::Released`]
+    Released,
+    /// [`Movement::Settled`]
+    Settled,
+    /// [`Movement::Refunded`]
+    Refunded,
+}
+
+impl Kind {
+    /// Every kind.
+    pub const ALL: [Kind; 5] = [Kind::Granted, Kind::Reserved, Kind::Released, Kind::Settled, Kind::Refunded];
+
+    /// Its subject token (and the `kind` of its JSON).
+    pub fn token(self) -> &'static str {
+        match self {
+            Kind::Granted => "granted",
+            Kind::Reserved => "reserved",
+            Kind::Released => "released",
+            Kind::Settled => "settled",
+            Kind::Refunded => "refunded",
+        }
+    }
+
+    /// The kind of a subject token.
+    pub fn parse(token: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.token() == token)
+    }
+
+    /// The NATS user that records it (`nats/users.json` grants it that subject only).
+    pub fn writer(self) -> &'static str {
+        match self {
+            Kind::Granted => "operator",
+            Kind::Reserved | Kind::Released => "worker",
+            Kind::Settled | Kind::Refunded => "projector",
+        }
+    }
 }
 
 /// Credits as a decimal number, for people and JSON.
@@ -187,6 +260,18 @@ pub enum Movement {
         /// Micro-credits set aside.
         amount: Micro,
     },
+    /// A reservation given back by the worker that made it, because the job ended
+    /// (cancelled, expired) before its engine ran: nothing is charged.
+    Released {
+        /// The job.
+        job_id: JobId,
+        /// Its model.
+        model: Model,
+        /// What was set aside and is now free again.
+        amount: Micro,
+        /// Why.
+        reason: String,
+    },
     /// A reservation closed by a success: the actual cost is charged.
     Settled {
         /// The job.
@@ -214,6 +299,76 @@ pub enum Movement {
         /// How the job ended (`failed`, `dead_lettered`, `cancelled`, ...).
         reason: String,
     },
+}
+
+impl Movement {
+    /// Its kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Movement::Granted { .. } => Kind::Granted,
+            Movement::Reserved { .. } => Kind::Reserved,
+            Movement::Released { .. } => Kind::Released,
+            Movement::Settled { .. } => Kind::Settled,
+            Movement::Refunded { .. } => Kind::Refunded,
+        }
+    }
+}
+
+/// Why an entry was left out of an account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Misfit {
+    /// Not an entry (not JSON, or not one of the movements).
+    #[error("not a ledger entry")]
+    Unreadable,
+    /// Recorded for another owner than its subject's.
+    #[error("recorded on another owner's subject")]
+    WrongOwner,
+    /// A movement on another kind's subject (so recorded by a user that may not make it).
+    #[error("on another kind's subject")]
+    WrongSubject,
+    /// A reservation of a job that has one open already.
+    #[error("the job has an open reservation already")]
+    AlreadyOpen,
+    /// A settlement, refund or release of a job with no open reservation.
+    #[error("the job has no open reservation")]
+    NotOpen,
+    /// Amounts or the model that disagree with the price, the audio or the reservation.
+    #[error("amounts or model disagree with the reservation or the price")]
+    Mismatch,
+    /// Amounts beyond what an account can hold.
+    #[error("amounts out of range")]
+    Overflow,
+}
+
+impl Misfit {
+    /// Its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Misfit::Unreadable => "unreadable",
+            Misfit::WrongOwner => "wrong_owner",
+            Misfit::WrongSubject => "wrong_subject",
+            Misfit::AlreadyOpen => "already_open",
+            Misfit::NotOpen => "not_open",
+            Misfit::Mismatch => "mismatch",
+            Misfit::Overflow => "overflow",
+        }
+    }
+
+    /// Every reason.
+    pub const ALL: [Misfit; 7] = [
+        Misfit::Unreadable,
+        Misfit::WrongOwner,
+        Misfit::WrongSubject,
+        Misfit::AlreadyOpen,
+        Misfit::NotOpen,
+        Misfit::Mismatch,
+        Misfit::Overflow,
+    ];
+}
+
+/// What `audio_ms` at `per_minute` costs, exactly (no cast that could wrap).
+fn cost_wide(per_minute: Micro, audio_ms: u64) -> i128 {
+    (per_minute as i128 * audio_ms as i128 + 59_999).div_euclid(60_000)
 }
 
 /// A reservation not yet closed.
@@ -269,37 +424,75 @@ impl Account {
         self.balance - self.reserved
     }
 
-    /// Applies one movement.
-    pub fn apply(&mut self, m: &Movement) {
+    /// Applies one movement where it fits (see [`Misfit`]); one that does not fit
+    /// changes nothing.
+    pub fn apply(&mut self, m: &Movement) -> Result<(), Misfit> {
+        let add = |a: Micro, b: Micro| a.checked_add(b).ok_or(Misfit::Overflow);
+        let sub = |a: Micro, b: Micro| a.checked_sub(b).ok_or(Misfit::Overflow);
         match m {
             Movement::Granted { amount, .. } => {
-                self.balance += amount;
-                self.granted += amount;
+                let (balance, granted) = (add(self.balance, *amount)?, add(self.granted, *amount)?);
+                (self.balance, self.granted) = (balance, granted);
             }
             Movement::Reserved { job_id, model, audio_ms, per_minute, amount } => {
-                self.reserved += amount;
+                if self.open.contains_key(job_id) {
+                    return Err(Misfit::AlreadyOpen);
+                }
+                if *per_minute < 0 || cost_wide(*per_minute, *audio_ms) != *amount as i128 {
+                    return Err(Misfit::Mismatch);
+                }
+                self.reserved = add(self.reserved, *amount)?;
                 self.open.insert(
                     job_id.clone(),
                     Open { model: *model, amount: *amount, per_minute: *per_minute, audio_ms: *audio_ms },
                 );
             }
             Movement::Settled { job_id, model, reserved, charged, audio_ms, engine_ms } => {
+                let o = self.open.get(job_id).ok_or(Misfit::NotOpen)?;
+                if o.model != *model || o.amount != *reserved || cost_wide(o.per_minute, *audio_ms) != *charged as i128
+                {
+                    return Err(Misfit::Mismatch);
+                }
+                let u = self.usage.get(model.as_str()).cloned().unwrap_or_default();
+                let (reserved_now, balance, charged_all, u_charged) = (
+                    sub(self.reserved, *reserved)?,
+                    sub(self.balance, *charged)?,
+                    add(self.charged, *charged)?,
+                    add(u.charged, *charged)?,
+                );
                 self.open.remove(job_id);
-                self.reserved -= reserved;
-                self.balance -= charged;
-                self.charged += charged;
-                let u = self.usage.entry(model.as_str().to_string()).or_default();
-                u.jobs += 1;
-                u.audio_ms += audio_ms;
-                u.engine_ms += engine_ms;
-                u.charged += charged;
+                (self.reserved, self.balance, self.charged) = (reserved_now, balance, charged_all);
+                self.usage.insert(
+                    model.as_str().to_string(),
+                    Usage {
+                        jobs: u.jobs.saturating_add(1),
+                        audio_ms: u.audio_ms.saturating_add(*audio_ms),
+                        engine_ms: u.engine_ms.saturating_add(*engine_ms),
+                        charged: u_charged,
+                    },
+                );
             }
-            Movement::Refunded { job_id, amount, .. } => {
+            Movement::Refunded { job_id, model, amount, .. } | Movement::Released { job_id, model, amount, .. } => {
+                let o = self.open.get(job_id).ok_or(Misfit::NotOpen)?;
+                if o.model != *model || o.amount != *amount {
+                    return Err(Misfit::Mismatch);
+                }
+                let (reserved, refunded) = (sub(self.reserved, *amount)?, add(self.refunded, *amount)?);
                 self.open.remove(job_id);
-                self.reserved -= amount;
-                self.refunded += amount;
+                (self.reserved, self.refunded) = (reserved, refunded);
             }
         }
+        Ok(())
+    }
+
+    /// Applies the message `payload` stored on `subject` to `owner`'s account where it
+    /// fits: an [`Entry`] of `owner`, on its kind's subject (or the legacy subject), that
+    /// [`Account::apply`] accepts.
+    pub fn apply_message(&mut self, owner: &str, subject: &str, payload: &[u8]) -> Result<Entry, Misfit> {
+        let entry: Entry = serde_json::from_slice(payload).map_err(|_| Misfit::Unreadable)?;
+        entry.check(owner, subject)?;
+        self.apply(&entry.movement)?;
+        Ok(entry)
     }
 }
 
@@ -312,8 +505,21 @@ pub struct Entry {
     pub time: DateTime<Utc>,
     /// What moved.
     pub movement: Movement,
-    /// The account after it.
-    pub after: Account,
+}
+
+impl Entry {
+    /// Whether the entry belongs where it is stored: `owner`'s, on `owner`'s subject of
+    /// its movement's kind (or on `owner`'s legacy subject).
+    pub fn check(&self, owner: &str, subject: &str) -> Result<(), Misfit> {
+        if self.owner != owner {
+            return Err(Misfit::WrongOwner);
+        }
+        if subject == legacy_subject(owner) || subject == ledger_subject(owner, self.movement.kind()) {
+            Ok(())
+        } else {
+            Err(Misfit::WrongSubject)
+        }
+    }
 }
 
 /// Why a ledger call failed.
@@ -330,9 +536,12 @@ pub enum LedgerError {
     /// The ledger cannot be read.
     #[error("cannot read the ledger: {0}")]
     Read(String),
-    /// A stored entry or the price list does not parse.
+    /// The price list does not parse.
     #[error("ledger data does not parse: {0}")]
     Decode(String),
+    /// The movement would not fit the account (an amount out of range).
+    #[error("the movement does not fit the account: {0}")]
+    Refused(#[source] Misfit),
     /// The movement could not be recorded.
     #[error("cannot record the movement: {0}")]
     Publish(String),
@@ -356,12 +565,55 @@ pub enum Close {
         /// How the job ended.
         reason: String,
     },
+    /// The job ended before its engine ran: the worker that reserved gives it back.
+    Release {
+        /// How the job ended.
+        reason: String,
+    },
 }
 
-/// The ledger: reads and writes of owners' accounts.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SkipLabels {
+    reason: &'static str,
+}
+
+/// `stemq_ledger_entries_skipped_total{reason}`: entries a fold left out, each counted
+/// once per process. Every reason is exported from the start (at 0), so the first skip
+/// is an increase the alert sees.
+fn skipped() -> &'static Family<SkipLabels, Counter> {
+    static F: OnceLock<Family<SkipLabels, Counter>> = OnceLock::new();
+    F.get_or_init(|| {
+        let f = Family::<SkipLabels, Counter>::default();
+        for m in Misfit::ALL {
+            let _ = f.get_or_create(&SkipLabels { reason: m.as_str() });
+        }
+        crate::metrics::metrics().register(|r| {
+            r.register(
+                "stemq_ledger_entries_skipped",
+                "Ledger entries left out of an account (unreadable, out of place or inconsistent), per reason",
+                f.clone(),
+            )
+        });
+        f
+    })
+}
+
+/// An owner's account as this process has folded it.
+#[derive(Debug, Clone, Default)]
+struct Folded {
+    account: Account,
+    /// The legacy subject has been read.
+    legacy_read: bool,
+    /// The last sequence folded from the owner's kind subjects (0: none yet).
+    seq: u64,
+}
+
+/// The ledger: reads and writes of owners' accounts. Clones share the folds read so
+/// far, so keep one per process.
 #[derive(Clone)]
 pub struct Ledger {
     js: jetstream::Context,
+    folds: Arc<Mutex<HashMap<String, Folded>>>,
 }
 
 /// How many times a movement is decided again after losing a race.
@@ -370,44 +622,89 @@ const MAX_RETRIES: usize = 200;
 impl Ledger {
     /// The ledger on `js` (the stream must exist: `stemq nats apply`).
     pub fn new(js: jetstream::Context) -> Ledger {
-        Ledger { js }
+        let _ = skipped();
+        Ledger { js, folds: Arc::default() }
     }
 
-    /// An owner's account and the sequence of its last entry (0: none yet).
+    /// Folds `msg` into `f` where it fits; a misfit is logged and counted.
+    fn fold_in(f: &mut Folded, owner: &str, msg: &jetstream::message::StreamMessage) {
+        if let Err(m) = f.account.apply_message(owner, msg.subject.as_str(), &msg.payload) {
+            skipped().get_or_create(&SkipLabels { reason: m.as_str() }).inc();
+            tracing::warn!(
+                event = "ledger.entry_skipped",
+                owner,
+                subject = %msg.subject,
+                seq = msg.sequence,
+                reason = m.as_str(),
+                "a ledger entry does not fit the account: left out"
+            );
+        }
+    }
+
+    /// Reads the messages on `filter` after sequence `after` into `f`; returns the last
+    /// sequence read.
+    async fn read_after(
+        stream: &jetstream::stream::Stream<()>,
+        f: &mut Folded,
+        owner: &str,
+        filter: &str,
+        mut after: u64,
+    ) -> Result<u64, LedgerError> {
+        loop {
+            match stream.direct_get_next_for_subject(filter, Some(after + 1)).await {
+                Ok(msg) => {
+                    Self::fold_in(f, owner, &msg);
+                    after = msg.sequence;
+                }
+                Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => return Ok(after),
+                Err(e) => return Err(LedgerError::Read(e.to_string())),
+            }
+        }
+    }
+
+    /// An owner's account and the sequence of its last entry on its kind subjects (0:
+    /// none yet), the one a movement decided from it expects.
     pub async fn account(&self, owner: &str) -> Result<(Account, u64), LedgerError> {
         let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(|e| LedgerError::Read(e.to_string()))?;
-        match stream.direct_get_last_for_subject(ledger_subject(owner)).await {
-            Ok(msg) => {
-                let e: Entry = serde_json::from_slice(&msg.payload).map_err(|e| LedgerError::Decode(e.to_string()))?;
-                Ok((e.after, msg.sequence))
-            }
-            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok((Account::default(), 0)),
-            Err(e) => Err(LedgerError::Read(e.to_string())),
+        let mut f = self.folds.lock().expect("ledger folds").get(owner).cloned().unwrap_or_default();
+        if !f.legacy_read {
+            Self::read_after(&stream, &mut f, owner, &legacy_subject(owner), 0).await?;
+            f.legacy_read = true;
         }
+        let from = f.seq;
+        f.seq = Self::read_after(&stream, &mut f, owner, &ledger_filter(owner), from).await?;
+        let out = (f.account.clone(), f.seq);
+        let mut folds = self.folds.lock().expect("ledger folds");
+        if folds.get(owner).is_none_or(|old| old.seq <= f.seq) {
+            folds.insert(owner.to_string(), f);
+        }
+        Ok(out)
     }
 
     /// Decides a movement from the current account and records it, again and again
     /// while another writer gets there first. `None`: nothing to record.
-    async fn commit<F>(&self, owner: &str, msg_id: &str, mut decide: F) -> Result<Option<Entry>, LedgerError>
+    async fn commit<F>(&self, owner: &str, msg_id: &str, mut decide: F) -> Result<Option<(Entry, Account)>, LedgerError>
     where
         F: FnMut(&Account) -> Result<Option<Movement>, LedgerError>,
     {
-        let subject = ledger_subject(owner);
+        let filter = ledger_filter(owner);
         for attempt in 0..MAX_RETRIES {
             let (account, seq) = self.account(owner).await?;
             let Some(movement) = decide(&account)? else { return Ok(None) };
             let mut after = account;
-            after.apply(&movement);
-            let entry = Entry { owner: owner.to_string(), time: Utc::now(), movement, after };
+            after.apply(&movement).map_err(LedgerError::Refused)?;
+            let subject = ledger_subject(owner, movement.kind());
+            let entry = Entry { owner: owner.to_string(), time: Utc::now(), movement };
             let body = serde_json::to_vec(&entry).map_err(|e| LedgerError::Decode(e.to_string()))?;
             let mut h = HeaderMap::new();
             h.insert("Nats-Expected-Last-Subject-Sequence", seq.to_string().as_str());
+            h.insert("Nats-Expected-Last-Subject-Sequence-Subject", filter.as_str());
             h.insert("Nats-Msg-Id", msg_id);
             // Transient failures (an election, a lost ack) are retried there: every
             // movement carries a message id, so a retry that was stored already is a
             // duplicate, not a second movement.
             match publish_payload(&self.js, &subject, body.into(), h, PATIENCE).await {
-                Ok(_) => return Ok(Some(entry)),
+                Ok(_) => return Ok(Some((entry, after))),
                 Err(e) if e.kind() == PublishErrorKind::WrongLastSequence || wrong_last(&e.source) => {
                     // Someone else moved first: decide again on the new state.
                     if attempt > 3 {
@@ -421,7 +718,8 @@ impl Ledger {
     }
 
     /// Adds `amount` micro-credits (negative: takes them away) to `owner`. `grant_id`
-    /// makes a retried grant count once (within the stream's duplicate window).
+    /// makes a retried grant count once (within the stream's duplicate window). Returns
+    /// the entry and the account after it.
     pub async fn grant(
         &self,
         owner: &str,
@@ -429,7 +727,7 @@ impl Ledger {
         by: &str,
         note: Option<String>,
         grant_id: &str,
-    ) -> Result<Entry, LedgerError> {
+    ) -> Result<(Entry, Account), LedgerError> {
         let m = Movement::Granted { amount, by: by.to_string(), note };
         let id = format!("grant.{grant_id}");
         match self.commit(owner, &id, |_| Ok(Some(m.clone()))).await? {
@@ -471,67 +769,97 @@ impl Ledger {
         })
     }
 
-    /// Closes `job_id`'s reservation if it is open: settles it or refunds it. `None`:
-    /// there was nothing open (never reserved, or closed already).
+    /// Closes `job_id`'s reservation if it is open: settles, refunds or releases it.
+    /// `None`: there was nothing open (never reserved, or closed already).
     pub async fn close(&self, owner: &str, job_id: &JobId, how: &Close) -> Result<Option<Entry>, LedgerError> {
         let id = format!("{job_id}.credits.closed");
-        self.commit(owner, &id, |acc| {
-            let Some(o) = acc.open.get(job_id) else { return Ok(None) };
-            Ok(Some(match how {
-                Close::Settle { audio_ms, engine_ms } => {
-                    let audio_ms = audio_ms.unwrap_or(o.audio_ms);
-                    Movement::Settled {
+        let entry = self
+            .commit(owner, &id, |acc| {
+                let Some(o) = acc.open.get(job_id) else { return Ok(None) };
+                Ok(Some(match how {
+                    Close::Settle { audio_ms, engine_ms } => {
+                        let audio_ms = audio_ms.unwrap_or(o.audio_ms);
+                        Movement::Settled {
+                            job_id: job_id.clone(),
+                            model: o.model,
+                            reserved: o.amount,
+                            charged: Prices::cost_at(o.per_minute, audio_ms),
+                            audio_ms,
+                            engine_ms: *engine_ms,
+                        }
+                    }
+                    Close::Refund { reason } => Movement::Refunded {
                         job_id: job_id.clone(),
                         model: o.model,
-                        reserved: o.amount,
-                        charged: Prices::cost_at(o.per_minute, audio_ms),
-                        audio_ms,
-                        engine_ms: *engine_ms,
-                    }
-                }
-                Close::Refund { reason } => Movement::Refunded {
-                    job_id: job_id.clone(),
-                    model: o.model,
-                    amount: o.amount,
-                    reason: reason.clone(),
-                },
-            }))
-        })
-        .await
+                        amount: o.amount,
+                        reason: reason.clone(),
+                    },
+                    Close::Release { reason } => Movement::Released {
+                        job_id: job_id.clone(),
+                        model: o.model,
+                        amount: o.amount,
+                        reason: reason.clone(),
+                    },
+                }))
+            })
+            .await?;
+        Ok(entry.map(|(e, _)| e))
     }
 
-    /// Every entry of `owner` recorded at or after `since` (all when `None`), in order.
+    /// The entries of `owner` that its account is the fold of (misfits left out), in
+    /// order; only those recorded at or after `since` when given (the fold still starts
+    /// at the first entry).
     pub async fn entries(&self, owner: &str, since: Option<DateTime<Utc>>) -> Result<Vec<Entry>, LedgerError> {
         let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(|e| LedgerError::Read(e.to_string()))?;
-        let deliver_policy = match since {
-            Some(t) => jetstream::consumer::DeliverPolicy::ByStartTime {
-                start_time: time::OffsetDateTime::from_unix_timestamp_nanos(
-                    t.timestamp_nanos_opt().unwrap_or_default() as i128,
-                )
-                .map_err(|e| LedgerError::Read(e.to_string()))?,
-            },
-            None => jetstream::consumer::DeliverPolicy::All,
-        };
         let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: ledger_subject(owner),
-                deliver_policy,
+                filter_subjects: vec![legacy_subject(owner), ledger_filter(owner)],
                 ..Default::default()
             })
             .await
             .map_err(|e| LedgerError::Read(e.to_string()))?;
         let pending = consumer.cached_info().num_pending;
-        let mut out = Vec::with_capacity(pending as usize);
+        let mut out = Vec::new();
         if pending == 0 {
             return Ok(out);
         }
+        // Legacy entries first (they precede the kind subjects' in every account).
+        let (mut legacy, mut kinds) = (Vec::new(), Vec::new());
+        let legacy_subject = legacy_subject(owner);
         let mut messages = consumer.messages().await.map_err(|e| LedgerError::Read(e.to_string()))?;
         while let Some(m) = messages.next().await {
             let m = m.map_err(|e| LedgerError::Read(e.to_string()))?;
-            out.push(serde_json::from_slice(&m.payload).map_err(|e| LedgerError::Decode(e.to_string()))?);
             let left = m.info().map(|i| i.pending).unwrap_or(0);
+            let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+            let item = (m.subject.to_string(), seq, m.payload.clone());
+            if m.subject.as_str() == legacy_subject {
+                legacy.push(item);
+            } else {
+                kinds.push(item);
+            }
             if left == 0 {
                 break;
+            }
+        }
+        let mut f = Folded::default();
+        for (subject, seq, payload) in legacy.into_iter().chain(kinds) {
+            match f.account.apply_message(owner, &subject, &payload) {
+                Ok(e) => {
+                    if since.is_none_or(|t| e.time >= t) {
+                        out.push(e);
+                    }
+                }
+                Err(m) => {
+                    skipped().get_or_create(&SkipLabels { reason: m.as_str() }).inc();
+                    tracing::warn!(
+                        event = "ledger.entry_skipped",
+                        owner,
+                        subject,
+                        seq,
+                        reason = m.as_str(),
+                        "a ledger entry does not fit the account: left out"
+                    );
+                }
             }
         }
         Ok(out)
@@ -543,11 +871,11 @@ fn wrong_last(e: &jetstream::context::PublishError) -> bool {
     e.source().and_then(|s| s.downcast_ref::<jetstream::Error>()).map(|je| je.error_code().0 == 10071).unwrap_or(false)
 }
 
-/// The fold of `entries` from an empty account: what the snapshots must agree with.
+/// The fold of `entries` from an empty account, leaving out what does not fit.
 pub fn fold<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> Account {
     let mut a = Account::default();
     for e in entries {
-        a.apply(&e.movement);
+        let _ = a.apply(&e.movement);
     }
     a
 }
@@ -587,7 +915,7 @@ mod tests {
             },
         ];
         for m in &moves {
-            a.apply(m);
+            a.apply(m).unwrap();
         }
         assert_eq!((a.balance, a.reserved, a.available()), (10 * MICRO, 3 * MICRO, 7 * MICRO));
         a.apply(&Movement::Settled {
@@ -597,10 +925,78 @@ mod tests {
             charged: MICRO / 2,
             audio_ms: 30_000,
             engine_ms: 900,
-        });
-        a.apply(&Movement::Refunded { job_id: id(2), model: Model::Dsp, amount: 2 * MICRO, reason: "failed".into() });
+        })
+        .unwrap();
+        a.apply(&Movement::Refunded { job_id: id(2), model: Model::Dsp, amount: 2 * MICRO, reason: "failed".into() })
+            .unwrap();
         assert_eq!((a.balance, a.reserved, a.charged, a.refunded), (10 * MICRO - MICRO / 2, 0, MICRO / 2, 2 * MICRO));
         assert!(a.open.is_empty());
         assert_eq!(a.usage["dsp"], Usage { jobs: 1, audio_ms: 30_000, engine_ms: 900, charged: MICRO / 2 });
+    }
+
+    #[test]
+    fn entries_that_do_not_fit_are_left_out_and_change_nothing() {
+        let owner = "alice";
+        let at = |kind: Kind| ledger_subject(owner, kind);
+        let body = |who: &str, m: Movement| {
+            serde_json::to_vec(&Entry { owner: who.into(), time: Utc::now(), movement: m }).unwrap()
+        };
+        let grant = |amount| Movement::Granted { amount, by: "op".into(), note: None };
+        let reserve = |n, amount| Movement::Reserved {
+            job_id: id(n),
+            model: Model::Dsp,
+            audio_ms: 60_000,
+            per_minute: MICRO,
+            amount,
+        };
+        let mut a = Account::default();
+        a.apply_message(owner, &at(Kind::Granted), &body(owner, grant(5 * MICRO))).unwrap();
+        a.apply_message(owner, &at(Kind::Reserved), &body(owner, reserve(1, MICRO))).unwrap();
+        let before = a.clone();
+        let refund = |amount| Movement::Refunded { job_id: id(1), model: Model::Dsp, amount, reason: "x".into() };
+        let settle = |n, charged, audio_ms| Movement::Settled {
+            job_id: id(n),
+            model: Model::Dsp,
+            reserved: MICRO,
+            charged,
+            audio_ms,
+            engine_ms: 1,
+        };
+        for (what, subject, payload, why) in [
+            ("an empty object", at(Kind::Reserved), b"{}".to_vec(), Misfit::Unreadable),
+            ("not JSON", at(Kind::Settled), b"\xff".to_vec(), Misfit::Unreadable),
+            ("a grant on the workers' subject", at(Kind::Reserved), body(owner, grant(MICRO)), Misfit::WrongSubject),
+            ("a grant on the projector's subject", at(Kind::Settled), body(owner, grant(MICRO)), Misfit::WrongSubject),
+            ("a refund on the workers' subject", at(Kind::Reserved), body(owner, refund(MICRO)), Misfit::WrongSubject),
+            ("bob's grant on alice's subject", at(Kind::Granted), body("bob", grant(MICRO)), Misfit::WrongOwner),
+            ("a second reservation", at(Kind::Reserved), body(owner, reserve(1, MICRO)), Misfit::AlreadyOpen),
+            ("a reservation off the price", at(Kind::Reserved), body(owner, reserve(2, 0)), Misfit::Mismatch),
+            ("a settlement of nothing", at(Kind::Settled), body(owner, settle(2, 0, 0)), Misfit::NotOpen),
+            ("a negative charge", at(Kind::Settled), body(owner, settle(1, -MICRO, 60_000)), Misfit::Mismatch),
+            ("a charge off the audio", at(Kind::Settled), body(owner, settle(1, 7, 60_000)), Misfit::Mismatch),
+            ("a refund of more", at(Kind::Refunded), body(owner, refund(2 * MICRO)), Misfit::Mismatch),
+            ("a grant past the range", at(Kind::Granted), body(owner, grant(Micro::MAX)), Misfit::Overflow),
+        ] {
+            assert_eq!(a.apply_message(owner, &subject, &payload).err(), Some(why), "{what}");
+            assert_eq!(a, before, "{what} changed the account");
+        }
+        // What fits still moves, on the kind's own subject or the legacy one.
+        a.apply_message(owner, &at(Kind::Settled), &body(owner, settle(1, MICRO / 2, 30_000))).unwrap();
+        a.apply_message(owner, &legacy_subject(owner), &body(owner, grant(MICRO))).unwrap();
+        assert_eq!((a.balance, a.reserved, a.open.len()), (5 * MICRO + MICRO / 2, 0, 0));
+    }
+
+    #[test]
+    fn each_kind_has_its_subject_and_its_writer() {
+        for k in Kind::ALL {
+            assert_eq!(Kind::parse(k.token()), Some(k));
+            assert_eq!(ledger_subject("acme", k), format!("stemq.ledger.acme.{}", k.token()));
+        }
+        assert_eq!(ledger_filter("acme"), "stemq.ledger.acme.*");
+        assert_eq!(
+            Kind::ALL.map(Kind::writer),
+            ["operator", "worker", "worker", "projector", "projector"],
+            "grants by operators, reservations (and their release) by workers, closes by the projector"
+        );
     }
 }

@@ -53,6 +53,8 @@ use crate::request::{owner_token, JobId, Model, Priority};
 pub const MIN_SERVER: (u64, u64) = (2, 11);
 /// The job event stream.
 pub const JOBS_STREAM: &str = "STEMQ_JOBS";
+/// Each job's one outcome (`read::outcome`); the job stream sources a copy.
+pub const OUTCOMES_STREAM: &str = "STEMQ_OUTCOMES";
 /// The compacted progress stream.
 pub const PROGRESS_STREAM: &str = "STEMQ_PROGRESS";
 /// Captured advisories.
@@ -583,7 +585,11 @@ struct KvDef {
     max_age: u64,
 }
 
-const STREAMS: [(&str, &str); 5] = [
+/// In the order a new server gets them: the outcome stream before the job stream that
+/// sources it (a source missing at creation is retried only seconds later). A server
+/// whose job stream exists gets the job stream first (see [`sync`]).
+const STREAMS: [(&str, &str); 6] = [
+    ("streams/outcomes.json", include_str!("../../../nats/streams/outcomes.json")),
     ("streams/jobs.json", include_str!("../../../nats/streams/jobs.json")),
     ("streams/progress.json", include_str!("../../../nats/streams/progress.json")),
     ("streams/advisories.json", include_str!("../../../nats/streams/advisories.json")),
@@ -776,7 +782,13 @@ fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
 /// changes what differs. Reports every object.
 async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Result<Vec<Change>, NatsError> {
     let mut changes = Vec::new();
-    for c in stream_configs(settings)? {
+    let mut streams = stream_configs(settings)?;
+    // A job stream that exists may still hold every job subject, the outcomes' too: it
+    // gives them up first, or the outcome stream could not take them.
+    if js.get_stream(JOBS_STREAM).await.is_ok() {
+        streams.sort_by_key(|c| c.name != JOBS_STREAM);
+    }
+    for c in streams {
         let what = format!("stream {}", c.name);
         let existing = match js.get_stream(&c.name).await {
             Ok(mut s) => Some(s.info().await.map_err(|e| apply_err(&what, e))?.config.clone()),
@@ -939,7 +951,7 @@ mod tests {
     fn definitions_parse_and_take_settings() {
         let s = Settings { ack_wait: Duration::from_secs(2), max_deliver: 3, ..Default::default() };
         let streams = stream_configs(&s).unwrap();
-        assert_eq!(streams.len(), 5);
+        assert_eq!(streams.len(), 6);
         assert!(streams.iter().any(|c| c.name == BATCHES_STREAM));
         assert!(streams.iter().any(|c| c.name == JOBS_STREAM && c.duplicate_window == s.duplicate_window));
         let consumers = consumer_configs(&s).unwrap();
@@ -955,6 +967,49 @@ mod tests {
         assert_eq!(pool_of_consumer(&pool), Some((Model::Htdemucs6s, Priority::Batch)));
         assert_eq!(pool_of_consumer(WORKERS_CONSUMER), None);
         assert_eq!(kv_config(&s).unwrap().bucket, JOBS_BUCKET);
+    }
+
+    /// Whether NATS subject `pattern` (wildcards) matches `subject`.
+    fn matches(pattern: &str, subject: &str) -> bool {
+        let (p, s): (Vec<&str>, Vec<&str>) = (pattern.split('.').collect(), subject.split('.').collect());
+        for (i, t) in p.iter().enumerate() {
+            if *t == ">" {
+                return s.len() > i;
+            }
+            if i >= s.len() || (*t != "*" && *t != s[i]) {
+                return false;
+            }
+        }
+        p.len() == s.len()
+    }
+
+    #[test]
+    fn every_job_subject_has_one_stream_and_outcomes_one_per_job() {
+        let streams = stream_configs(&Settings::default()).unwrap();
+        let id = JobId::parse(&"a".repeat(64)).unwrap();
+        use SubjectKind::*;
+        let mut subjects: Vec<String> =
+            [Requested, Started, Failed, Outcome, Retried, CancelRequested, Delivery, DeliveryReplay]
+                .map(|k| job_subject(&id, k))
+                .into();
+        subjects.push(request_subject(&id, "acme", Model::Dsp, Priority::Batch));
+        subjects.push(unrouted_request_subject(&id, "acme"));
+        for subject in subjects {
+            let holders: Vec<&str> = streams
+                .iter()
+                .filter(|c| c.subjects.iter().any(|p| matches(p, &subject)))
+                .map(|c| c.name.as_str())
+                .collect();
+            let want = if subject.ends_with(".outcome") { OUTCOMES_STREAM } else { JOBS_STREAM };
+            assert_eq!(holders, [want], "{subject}");
+        }
+        let outcomes = streams.iter().find(|c| c.name == OUTCOMES_STREAM).unwrap();
+        assert!(outcomes.discard_new_per_subject, "a second outcome must be refused, not replace the first");
+        assert_eq!((outcomes.max_messages_per_subject, outcomes.discard), (1, stream::DiscardPolicy::New));
+        assert_eq!(outcomes.max_age, Duration::ZERO, "kept like the job log");
+        let jobs = streams.iter().find(|c| c.name == JOBS_STREAM).unwrap();
+        let sources: Vec<&str> = jobs.sources.iter().flatten().map(|s| s.name.as_str()).collect();
+        assert_eq!(sources, [OUTCOMES_STREAM]);
     }
 
     #[test]

@@ -482,6 +482,41 @@ mod tests {
     }
 
     #[test]
+    fn each_kind_of_credit_movement_has_one_writer() {
+        use crate::ledger::Kind;
+        let may = |user: &str, subject: &str| {
+            User::from_name(user).permissions().unwrap().is_none_or(|p| p.publish.allow.iter().any(|s| s == subject))
+        };
+        let users = [OPERATOR, INGRESS, WORKER, PROJECTOR, RELAY, STATUS_READER, "publisher-acme"];
+        for kind in Kind::ALL {
+            let subject = format!("stemq.ledger.*.{}", kind.token());
+            for user in users {
+                let writer = user == kind.writer() || user == OPERATOR;
+                assert_eq!(may(user, &subject), writer, "{user} on {subject}");
+            }
+        }
+        for user in users {
+            for wide in ["stemq.ledger.*", "stemq.ledger.>", "stemq.ledger.*.*", ">"] {
+                assert_eq!(may(user, wide), user == OPERATOR, "{user} on {wide}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_operator_and_the_ingress_create_consumers() {
+        // A push consumer delivers to whatever subject its creator names, stream
+        // subjects included: creating one is publishing anywhere.
+        for user in [WORKER, PROJECTOR, RELAY, STATUS_READER, "publisher-acme"] {
+            let p = User::from_name(user).permissions().unwrap().unwrap();
+            for s in &p.publish.allow {
+                assert!(!s.starts_with("$JS.API.CONSUMER.CREATE"), "{user} may create consumers: {s}");
+                assert!(!s.starts_with("$JS.API.CONSUMER.DURABLE"), "{user} may create consumers: {s}");
+                assert!(!s.starts_with("$JS.API.>") && s != ">", "{user} may use the whole API: {s}");
+            }
+        }
+    }
+
+    #[test]
     fn a_worker_pulls_from_every_pool_and_from_no_other_consumer() {
         let p = User::of_role(WORKER).permissions().unwrap().unwrap();
         let next: Vec<&str> =

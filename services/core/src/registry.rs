@@ -100,20 +100,29 @@ pub async fn withdraw(bucket: &kv::Store, name: &str) -> Result<(), RegistryErro
     Ok(())
 }
 
-/// The live workers now, by name.
+/// The live workers now, by name. Reads the bucket's messages one by one by direct get
+/// (no consumer: the services that read the registry this way may create none, see
+/// `docs/security.md`).
 pub async fn live(bucket: &kv::Store) -> Result<Vec<WorkerInfo>, RegistryError> {
-    let mut keys = bucket.keys().await.map_err(|e| RegistryError::Read(e.to_string()))?;
-    let mut out = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.map_err(|e| RegistryError::Read(e.to_string()))?;
-        if let Ok(Some(bytes)) = bucket.get(&key).await {
-            if let Ok(info) = serde_json::from_slice::<WorkerInfo>(&bytes) {
-                out.push(info);
+    let filter = format!("{}>", bucket.prefix);
+    let mut latest: HashMap<String, Option<WorkerInfo>> = HashMap::new();
+    let mut seq = 0;
+    loop {
+        match bucket.stream.direct_get_next_for_subject(filter.as_str(), Some(seq + 1)).await {
+            Ok(msg) => {
+                seq = msg.sequence;
+                let key = msg.subject.as_str().strip_prefix(bucket.prefix.as_str()).unwrap_or(msg.subject.as_str());
+                // A delete or purge marker carries `KV-Operation`; a put does not.
+                let removed = msg.headers.get("KV-Operation").is_some();
+                let info = if removed { None } else { serde_json::from_slice::<WorkerInfo>(&msg.payload).ok() };
+                latest.insert(key.to_string(), info);
             }
+            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => break,
+            Err(e) => return Err(RegistryError::Read(e.to_string())),
         }
     }
     let now = Utc::now();
-    out.retain(|w| w.is_live(now));
+    let mut out: Vec<WorkerInfo> = latest.into_values().flatten().filter(|w| w.is_live(now)).collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
 }

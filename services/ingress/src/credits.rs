@@ -9,8 +9,10 @@
 //!   `<upload>.meta.json`; the upload answer says it (`duration_ms`).
 //! - With an enforcing price list, a submit whose upload's length is known and whose
 //!   cost the owner's available credits (balance less reservations) cannot pay is
-//!   refused with 402 `insufficient_credits` before anything is queued. Otherwise the
-//!   worker's reservation decides, before the engine starts.
+//!   refused with 402 `insufficient_credits` before anything is queued; one whose
+//!   account cannot be read then is refused too (503 `unavailable`, `Retry-After`),
+//!   never let through unpaid. Otherwise the worker's reservation decides, before the
+//!   engine starts (and it, too, refuses to run what it cannot reserve).
 //! - `GET /v1/account` (any key; `?owner=` for operators): balance, reserved, available,
 //!   totals, and usage per model over a period (`from`, `to`, RFC 3339; default the
 //!   last 30 days): jobs, audio seconds, engine seconds, credits.
@@ -23,7 +25,7 @@ use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use stemq_core::auth::{Caller, Permission};
-use stemq_core::ledger::{self, credits, Account, Ledger, Movement, Prices};
+use stemq_core::ledger::{self, credits, Account, Movement, Prices};
 use stemq_core::request::Model;
 use tracing::warn;
 
@@ -91,13 +93,7 @@ pub async fn check_affordable(state: &AppState, owner: &str, model: Model, audio
         return Ok(());
     };
     let needed = prices.cost(model, ms);
-    let (account, _) = match Ledger::new(state.jetstream().clone()).account(owner).await {
-        Ok(a) => a,
-        Err(e) => {
-            warn!(error = %e, "cannot read the owner's account; the worker decides");
-            return Ok(());
-        }
-    };
+    let (account, _) = state.ledger().account(owner).await.map_err(ledger_unavailable)?;
     if account.available() >= needed {
         return Ok(());
     }
@@ -229,7 +225,7 @@ pub async fn account(
     };
     let to = parse("to", &q.to)?.unwrap_or_else(Utc::now);
     let from = parse("from", &q.from)?.unwrap_or(to - chrono::Duration::days(30));
-    let ledger = Ledger::new(state.jetstream().clone());
+    let ledger = state.ledger();
     let (acc, _): (Account, u64) = ledger.account(&owner).await.map_err(ledger_unavailable)?;
     let mut per: BTreeMap<String, ModelUsage> = BTreeMap::new();
     if acc != Account::default() {

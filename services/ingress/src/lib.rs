@@ -223,6 +223,8 @@ pub struct AppShared {
     signin: Option<Arc<session::SigninLink>>,
     /// The price list (credits), read from the configuration bucket.
     prices: Arc<stemq_core::ledger::PriceCache>,
+    /// The credits ledger, with the accounts this replica has folded.
+    ledger: stemq_core::ledger::Ledger,
     /// Where answers' links point ([`links`]).
     links: Arc<links::LinkBase>,
     /// See [`Config::cors_origins`].
@@ -254,7 +256,9 @@ impl AppState {
             js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok(),
         ));
         let batches = stemq_core::batch_log::BatchLog::open(&js).await?;
+        let ledger = stemq_core::ledger::Ledger::new(js.clone());
         Ok(AppState(Arc::new(AppShared {
+            ledger,
             js,
             views,
             index,
@@ -411,6 +415,11 @@ impl AppState {
     /// The JetStream context.
     pub fn jetstream(&self) -> &jetstream::Context {
         &self.js
+    }
+
+    /// The credits ledger.
+    pub fn ledger(&self) -> &stemq_core::ledger::Ledger {
+        &self.ledger
     }
 
     /// Reads a job's view ([`Views::current`]): the KV view, else the request from the

@@ -49,15 +49,15 @@ const REMEMBERED_ENDS: usize = 100_000;
 pub(crate) struct Batches {
     /// `STEMQ_BATCHES`.
     pub log: BatchLog,
-    /// `STEMQ_JOBS`, for job outcomes.
-    pub jobs: jetstream::stream::Stream<()>,
+    /// For job outcomes.
+    pub js: jetstream::Context,
     /// Jobs known to have ended, with their status.
     ended: Mutex<HashMap<JobId, JobStatus>>,
 }
 
 impl Batches {
-    pub fn new(log: BatchLog, jobs: jetstream::stream::Stream<()>) -> Batches {
-        Batches { log, jobs, ended: Mutex::default() }
+    pub fn new(log: BatchLog, js: jetstream::Context) -> Batches {
+        Batches { log, js, ended: Mutex::default() }
     }
 
     fn known(&self, job: &JobId) -> Option<JobStatus> {
@@ -77,7 +77,7 @@ impl Batches {
         if let Some(s) = self.known(job) {
             return Ok(Some(s));
         }
-        let s = job_outcome(&self.jobs, job).await?;
+        let s = job_outcome(&self.js, job).await?;
         if let Some(s) = s {
             self.remember(job, s);
         }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::event::EventBody;
-use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::read::ViewError;
 use stemq_core::webhook;
 use stemq_core::{apply, Event, JobId, JobView, Position};
@@ -48,9 +47,9 @@ async fn current_view(
     })
 }
 
-/// True when the job's terminal event is stored (a direct get, no projector lag).
+/// True when the job's terminal event is stored (direct gets, no projector lag).
 async fn has_ended(shared: &Shared, id: &JobId) -> bool {
-    shared.jobs_stream.direct_get_last_for_subject(job_subject(id, SubjectKind::Outcome)).await.is_ok()
+    stemq_core::read::outcome::has_ended(&shared.js, id).await.unwrap_or(false)
 }
 
 /// How the queue handed an event over.

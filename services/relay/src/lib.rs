@@ -131,7 +131,6 @@ struct Shared {
     /// The read side: the status view, else the request from the log.
     views: Views,
     webhooks: kv::Store,
-    jobs_stream: jetstream::stream::Stream<()>,
     config: Config,
     /// Last progress percent delivered per job (progress is delivered on change only).
     last_progress: ProgressMemo,
@@ -172,7 +171,6 @@ pub async fn serve(
     let views = Views::open(&js).await?;
     let webhooks =
         js.get_key_value(names::WEBHOOKS_BUCKET).await.map_err(JetStreamError::open("open webhooks bucket"))?;
-    let jobs_stream = views.log().clone();
     let events: PullConsumer = js
         .get_consumer_from_stream(names::RELAY_CONSUMER, names::JOBS_STREAM)
         .await
@@ -193,7 +191,7 @@ pub async fn serve(
     };
     let batch_events = open_consumer(names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM).await?;
     let batch_outcomes = open_consumer(names::RELAY_BATCH_OUTCOMES_CONSUMER, names::JOBS_STREAM).await?;
-    let batches = batches::Batches::new(stemq_core::batch_log::BatchLog::open(&js).await?, jobs_stream.clone());
+    let batches = batches::Batches::new(stemq_core::batch_log::BatchLog::open(&js).await?, js.clone());
     let claims = claim::Claims {
         kv: js
             .get_key_value(names::DELIVERY_CLAIMS_BUCKET)
@@ -203,7 +201,7 @@ pub async fn serve(
         lease: config.timeout + claim::LEASE_MARGIN,
     };
     let slots = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let shared = Arc::new(Shared { js, views, webhooks, jobs_stream, config, last_progress: memo, claims, batches });
+    let shared = Arc::new(Shared { js, views, webhooks, config, last_progress: memo, claims, batches });
     info!(concurrency = shared.config.concurrency, attempts = shared.config.schedule.len(), "relay running");
     let tracker = TaskTracker::new();
     let feeds = [

@@ -80,12 +80,12 @@ pub async fn run(g: &Global, command: CreditsCommand) -> Result<()> {
                 bail!("granting 0 credits changes nothing");
             }
             let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
-            let e = ledger.grant(&owner, m, &by, note, &uuid::Uuid::new_v4().to_string()).await?;
+            let (_, after) = ledger.grant(&owner, m, &by, note, &uuid::Uuid::new_v4().to_string()).await?;
             println!(
                 "{owner}: {:+.6} credits; balance {:.6}, available {:.6}",
                 credits(m),
-                credits(e.after.balance),
-                credits(e.after.available())
+                credits(after.balance),
+                credits(after.available())
             );
         }
         CreditsCommand::Show { owner } => {
@@ -111,7 +111,14 @@ pub async fn run(g: &Global, command: CreditsCommand) -> Result<()> {
             }
         }
         CreditsCommand::Log { owner, since } => {
-            for e in ledger.entries(&owner, since).await? {
+            // The balance after each movement: the fold of the entries up to it.
+            let all = ledger.entries(&owner, None).await?;
+            let mut account = ledger::Account::default();
+            for e in all {
+                account.apply(&e.movement).map_err(|m| anyhow::anyhow!("entry at {}: {m}", e.time))?;
+                if since.is_some_and(|t| e.time < t) {
+                    continue;
+                }
                 let what = match &e.movement {
                     Movement::Granted { amount, by, note } => {
                         format!(
@@ -136,8 +143,11 @@ pub async fn run(g: &Global, command: CreditsCommand) -> Result<()> {
                     Movement::Refunded { job_id, amount, reason, .. } => {
                         format!("refunded {:.6} for {job_id} ({reason})", credits(*amount))
                     }
+                    Movement::Released { job_id, amount, reason, .. } => {
+                        format!("released {:.6} for {job_id} ({reason})", credits(*amount))
+                    }
                 };
-                println!("{}  {what}  → balance {:.6}", e.time.to_rfc3339(), credits(e.after.balance));
+                println!("{}  {what}  → balance {:.6}", e.time.to_rfc3339(), credits(account.balance));
             }
         }
         CreditsCommand::Prices { command } => match command {
@@ -198,16 +208,20 @@ async fn ledger_owners(js: &async_nats::jetstream::Context) -> Result<Vec<String
     let stream =
         js.get_stream(ledger::LEDGER_STREAM).await.context("the ledger stream is missing: run `stemq nats apply`")?;
     let info = stream.info_with_subjects("stemq.ledger.>").await?;
-    let mut owners = Vec::new();
+    let mut owners = std::collections::BTreeSet::new();
     use futures::StreamExt;
     let mut subjects = info;
+    let stream = js.get_stream_no_info(ledger::LEDGER_STREAM).await?;
     while let Some(s) = subjects.next().await {
         let (subject, _) = s?;
-        // The subject carries the owner's token; the entries carry the owner itself.
-        let entry = js.get_stream_no_info(ledger::LEDGER_STREAM).await?.direct_get_last_for_subject(&subject).await?;
-        let e: ledger::Entry = serde_json::from_slice(&entry.payload)?;
-        owners.push(e.owner);
+        // The subject carries the owner's token; the entries carry the owner itself,
+        // and one whose owner is not its subject's is nobody's.
+        let entry = stream.direct_get_last_for_subject(&subject).await?;
+        if let Ok(e) = serde_json::from_slice::<ledger::Entry>(&entry.payload) {
+            if e.check(&e.owner, &subject).is_ok() {
+                owners.insert(e.owner);
+            }
+        }
     }
-    owners.sort();
-    Ok(owners)
+    Ok(owners.into_iter().collect())
 }

@@ -88,30 +88,36 @@ pub(crate) struct Recorded {
     pub cancel_requested: bool,
 }
 
-/// Whether the log holds the job's outcome and a cancel request. One direct get in the
-/// common case: the newest of the job's one-token events ([`job_events_filter`]) is
-/// either absent (a new job: neither) or its outcome; anything else (a redelivery after
-/// `started`, a cancel request) is settled by the two exact look-ups.
+/// Whether the job has its outcome and a cancel request. Two direct gets at once in the
+/// common case: the outcome stream's (an outcome whose copy has not reached the log yet),
+/// and the newest of the job's one-token events in the log ([`job_events_filter`]),
+/// which is either absent (a new job: neither) or its outcome; anything else (a
+/// redelivery after `started`, a cancel request) is settled by the exact look-ups.
 pub(crate) async fn recorded(shared: &Shared, job_id: &JobId) -> Result<Recorded, DirectGetError> {
     let outcome = job_subject(job_id, SubjectKind::Outcome);
-    match shared.jobs_stream.direct_get_last_for_subject(job_events_filter(job_id)).await {
-        Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
-            return Ok(Recorded { outcome: false, cancel_requested: false })
-        }
-        Err(e) => return Err(e),
-        Ok(m) if m.subject.as_str() == outcome => return Ok(Recorded { outcome: true, cancel_requested: false }),
-        Ok(_) => {}
-    }
     let found = |r: Result<_, DirectGetError>| match r {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(false),
         Err(e) => Err(e),
     };
-    let (outcome, cancel) = tokio::join!(
+    let (newest, in_outcomes) = tokio::join!(
+        shared.jobs_stream.direct_get_last_for_subject(job_events_filter(job_id)),
+        shared.outcomes_stream.direct_get_last_for_subject(outcome.as_str()),
+    );
+    let ended = found(in_outcomes)?;
+    match newest {
+        Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
+            return Ok(Recorded { outcome: ended, cancel_requested: false })
+        }
+        Err(e) => return Err(e),
+        Ok(m) if m.subject.as_str() == outcome => return Ok(Recorded { outcome: true, cancel_requested: false }),
+        Ok(_) => {}
+    }
+    let (in_log, cancel) = tokio::join!(
         shared.jobs_stream.direct_get_last_for_subject(outcome),
         shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::CancelRequested)),
     );
-    Ok(Recorded { outcome: found(outcome)?, cancel_requested: found(cancel)? })
+    Ok(Recorded { outcome: ended || found(in_log)?, cancel_requested: found(cancel)? })
 }
 
 /// Deletes every stored output of the job (`jobs/<id>/`).

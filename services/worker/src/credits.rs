@@ -16,7 +16,6 @@ use async_nats::jetstream;
 use stemq_core::event::Requested;
 use stemq_core::failure::FailureCode;
 use stemq_core::ledger::{self, Close, Ledger, LedgerError, PriceCache};
-use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::JobId;
 use tracing::{info, warn};
 
@@ -75,10 +74,10 @@ pub(crate) async fn reserve(
     }
     // Ended meanwhile (a cancel of the queued job, say)? Then nothing runs, and the
     // reservation this worker just made is given back here.
-    if shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome)).await.is_ok() {
-        let how = Close::Refund { reason: "ended before it ran".into() };
+    if stemq_core::read::outcome::has_ended(&shared.js, job_id).await.unwrap_or(false) {
+        let how = Close::Release { reason: "ended before it ran".into() };
         if let Err(e) = shared.credits.ledger.close(&r.owner, job_id, &how).await {
-            warn!(error = %e, "cannot refund the reservation of a job that ended before it ran");
+            warn!(error = %e, "cannot release the reservation of a job that ended before it ran");
         }
         return Err(Failure::permanent(FailureCode::Cancelled, "the job ended before it ran".into()));
     }

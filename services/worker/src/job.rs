@@ -497,9 +497,11 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut e
 }
 
 async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
-    match shared.jobs_stream.direct_get_last_for_subject(job_subject(job_id, SubjectKind::Outcome)).await {
-        Ok(m) => Event::from_slice(&m.payload).map(|e| matches!(e.body, EventBody::Cancelled(_))).unwrap_or(false),
-        Err(_) => false,
+    match stemq_core::read::outcome::outcome(&shared.js, job_id, stemq_core::read::outcome::From::Replica).await {
+        Ok(Some(m)) => {
+            Event::from_slice(&m.payload).map(|e| matches!(e.body, EventBody::Cancelled(_))).unwrap_or(false)
+        }
+        _ => false,
     }
 }
 

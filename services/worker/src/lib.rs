@@ -177,6 +177,8 @@ impl QueueSettings {
 pub(crate) struct Shared {
     pub js: jetstream::Context,
     pub jobs_stream: jetstream::stream::Stream<()>,
+    /// `STEMQ_OUTCOMES`: each job's one outcome (`stemq_core::read::outcome`).
+    pub outcomes_stream: jetstream::stream::Stream<()>,
     pub engine: Arc<dyn Engine>,
     pub config: Config,
     /// This process's scratch folder.
@@ -316,11 +318,14 @@ pub async fn run(
     let settings = *lanes[0].queue.borrow();
     let jobs_stream =
         js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
+    let outcomes_stream =
+        js.get_stream_no_info(names::OUTCOMES_STREAM).await.map_err(JetStreamError::open("open outcome stream"))?;
     let scratch =
         scratch::Scratch::open(&config.scratch).map_err(|e| WorkerError::Scratch(config.scratch.clone(), e))?;
     let shared = Arc::new(Shared {
         js: js.clone(),
         jobs_stream,
+        outcomes_stream,
         engine: engine.clone(),
         config: config.clone(),
         scratch,

@@ -10,12 +10,14 @@
 //!   bucket, and the [`Cursor`] of a page; it also holds what a job's place in its
 //!   queue needs ([`ListIndex::place`]);
 //! - [`queue`]: the arithmetic of that place — `queue_position`, and the `eta` from the
-//!   slots of the live workers and the model's typical run time.
+//!   slots of the live workers and the model's typical run time;
+//! - [`outcome`]: a job's one outcome, read the same way by every service.
 //!
 //! The projector writes with [`stored_view`]'s revision (compare-and-set); nothing here
 //! writes.
 
 pub mod index;
+pub mod outcome;
 pub mod queue;
 pub mod view;
 
