@@ -890,8 +890,9 @@ async fn readers_cannot_create_consumers_that_deliver_anywhere() {
             );
         }
     }
-    // What they still do: the queue exporters read the registry without a consumer.
-    for user in [WORKER, PROJECTOR, RELAY] {
+    // What they still do: the queue exporters (and the ingress's /metrics) read the
+    // registry without a consumer.
+    for user in [WORKER, PROJECTOR, RELAY, INGRESS] {
         let c = stack.connect_as(user).await;
         let bucket = short(&c).get_key_value(names::WORKERS_BUCKET).await.unwrap();
         let live =

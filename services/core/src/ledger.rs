@@ -598,6 +598,12 @@ fn skipped() -> &'static Family<SkipLabels, Counter> {
     })
 }
 
+/// Registers the ledger's metrics (done by [`Ledger::new`]; for a process that exports
+/// them before it reads an account).
+pub fn register_metrics() {
+    let _ = skipped();
+}
+
 /// An owner's account as this process has folded it.
 #[derive(Debug, Clone, Default)]
 struct Folded {
@@ -622,7 +628,7 @@ const MAX_RETRIES: usize = 200;
 impl Ledger {
     /// The ledger on `js` (the stream must exist: `stemq nats apply`).
     pub fn new(js: jetstream::Context) -> Ledger {
-        let _ = skipped();
+        register_metrics();
         Ledger { js, folds: Arc::default() }
     }
 

@@ -550,6 +550,7 @@ mod tests {
     fn deploy_rules_and_dashboard_use_exported_names() {
         let m = metrics();
         populate(m);
+        crate::ledger::register_metrics();
         let exported = m.encode(Format::OpenMetrics, Some(&queue()));
         let mut names: Vec<String> = exported
             .lines()
