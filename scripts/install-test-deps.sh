@@ -15,7 +15,10 @@
 #   its package-lock.json; playwright never downloads a browser), used by the page's
 #   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
 #   says so and goes on (scripts/test.sh then skips the page test, except in CI);
-# - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with.
+# - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
+# - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
+#   M4A, Opus in Ogg and WebM, Vorbis in WebM, AIFF, CAF, WAV variants, WMA and AC-3 to
+#   refuse) and decodes them for comparison (services/audio/tests/ffmpeg_formats.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -48,6 +51,7 @@ apt_install() {
 command -v promtool >/dev/null 2>&1 || apt_install prometheus "the alert rules' checks (promtool)"
 [[ -x /usr/bin/chromium ]] || apt_install chromium "the page test"
 command -v flac >/dev/null 2>&1 || apt_install flac "the FLAC checks against libFLAC (services/audio/tests/output_codecs.rs)"
+command -v ffmpeg >/dev/null 2>&1 || apt_install ffmpeg "the input format tests (services/audio/tests/ffmpeg_formats.rs)"
 if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
     (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)

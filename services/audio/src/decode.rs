@@ -1,7 +1,11 @@
-//! Owns streamed decoding: probing a source with symphonia (WAV 16/24/32-bit
-//! PCM and 32-bit float, FLAC, MP3, Ogg Vorbis), channel conversion to stereo,
-//! resampling to the engines' rate, the duration limit and the input-error
+//! Owns streamed decoding: naming the file from its bytes ([`crate::container`]),
+//! opening it with symphonia (WAV, AIFF, CAF, FLAC, MP3, Ogg, MP4/M4A, Matroska/WebM;
+//! PCM, ADPCM, FLAC, MP3, Vorbis, AAC-LC, ALAC, and Opus through [`crate::opus`]),
+//! the container's trims (Opus pre-skip and end, an MP4 edit list), channel conversion
+//! to stereo, resampling to the engines' rate, the duration limit and the input-error
 //! classification.
+//!
+//! The format is found from the bytes alone; a file's name or extension plays no part.
 //!
 //! # Channel handling
 //! * mono is duplicated to both channels;
@@ -10,9 +14,10 @@
 //!   style: left-side speakers (front, side, rear, wide, high, left-of-centre)
 //!   go to the left output, right-side ones to the right, centre speakers go to
 //!   both at −3 dB (×0.7071), surround/rear/top speakers are themselves
-//!   attenuated by −3 dB, and LFE channels are dropped. Each output is then
-//!   divided by the sum of its coefficients so the downmix can never clip.
-//!   Channels without a known position are treated as centre.
+//!   attenuated by −3 dB, and LFE channels are dropped: ffmpeg's `-ac 2` fold to
+//!   float, which is what demucs reads (not normalised: a loud fold may pass 1.0, and
+//!   the stems' clip mode deals with it as demucs's does). Rear/top centres and
+//!   channels without a known position go to both sides at −6 dB.
 //!
 //! # Memory
 //! Only one packet, one resampler block and one output chunk are alive at a
@@ -37,7 +42,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use symphonia::core::audio::{AudioBufferRef, Channels, SampleBuffer, SignalSpec};
-use symphonia::core::codecs::{self, CodecType, DecoderOptions, CODEC_TYPE_NULL};
+use symphonia::core::codecs::{self, CodecRegistry, CodecType, DecoderOptions, CODEC_TYPE_NULL};
 use symphonia::core::errors::Error as SymError;
 use symphonia::core::formats::{FormatOptions, FormatReader};
 use symphonia::core::io::{MediaSource, MediaSourceStream, MediaSourceStreamOptions};
@@ -46,6 +51,7 @@ use symphonia::core::probe::Hint;
 use symphonia::core::units::TimeBase;
 
 use crate::chunk::StereoChunk;
+use crate::container::{self, Identity};
 use crate::error::{format_mmss, AudioError};
 use crate::resample::StreamResampler;
 
@@ -242,12 +248,25 @@ fn wav_tag_name(tag: u16) -> String {
     }
 }
 
+/// symphonia's codecs with Opus added.
+fn codecs() -> &'static CodecRegistry {
+    static REGISTRY: std::sync::OnceLock<CodecRegistry> = std::sync::OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        let mut r = CodecRegistry::new();
+        symphonia::default::register_enabled_codecs(&mut r);
+        r.register_all::<crate::opus::OpusCodec>();
+        r
+    })
+}
+
 fn codec_name(ct: CodecType) -> String {
-    if let Some(d) = symphonia::default::get_codecs().get_codec(ct) {
+    if let Some(d) = codecs().get_codec(ct) {
         return d.short_name.to_string();
     }
     let name = match ct {
         codecs::CODEC_TYPE_AAC => "AAC",
+        codecs::CODEC_TYPE_AC4 => "AC-4",
+        codecs::CODEC_TYPE_MUSEPACK => "Musepack",
         codecs::CODEC_TYPE_ALAC => "ALAC",
         codecs::CODEC_TYPE_OPUS => "Opus",
         codecs::CODEC_TYPE_SPEEX => "Speex",
@@ -312,16 +331,7 @@ fn downmix_matrix(spec: &SignalSpec) -> Vec<(f32, f32)> {
     match n {
         1 => vec![(1.0, 1.0)],
         2 => vec![(1.0, 0.0), (0.0, 1.0)],
-        _ => {
-            let mut g: Vec<(f32, f32)> = spec.channels.iter().map(channel_gains).collect();
-            let sl: f32 = g.iter().map(|x| x.0).sum();
-            let sr: f32 = g.iter().map(|x| x.1).sum();
-            for x in &mut g {
-                x.0 /= sl.max(1e-9);
-                x.1 /= sr.max(1e-9);
-            }
-            g
-        }
+        _ => spec.channels.iter().map(channel_gains).collect(),
     }
 }
 
@@ -385,6 +395,12 @@ pub struct Decoder {
     output_frames: u64,
     /// Size of the input in bytes.
     input_bytes: u64,
+    /// Decoded frames still to drop from the start (the container's priming samples).
+    skip_left: u64,
+    /// Frames the stream holds after the skip, where the container says (its end trim).
+    limit: Option<u64>,
+    /// The container's framing shows the file was cut off (checked at the end).
+    truncated: bool,
     done: bool,
 }
 
@@ -407,8 +423,9 @@ fn from_the_os(e: &std::io::Error) -> bool {
     e.raw_os_error().is_some()
 }
 
-fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
+fn map_open_error(e: SymError, sniffed: &Sniff, id: &Identity) -> AudioError {
     let wav_tag = sniffed.wav_tag;
+    let known = id.container != container::Container::Unknown;
     match e {
         SymError::IoError(ref io)
             if io.kind() == std::io::ErrorKind::UnexpectedEof && sniffed.flac_total == Some(0) =>
@@ -421,36 +438,38 @@ fn map_open_error(e: SymError, sniffed: &Sniff) -> AudioError {
         SymError::IoError(io) if from_the_os(&io) => AudioError::Io(io),
         SymError::IoError(io) => AudioError::NotAudio { detail: format!("the header does not parse: {io}") },
         SymError::Unsupported(msg) if msg.contains("no suitable format reader") => {
-            AudioError::NotAudio { detail: "no supported container (WAV, FLAC, MP3, Ogg) recognised".into() }
+            AudioError::NotAudio { detail: "no audio format stemq reads was recognised in its bytes".into() }
         }
-        SymError::Unsupported(msg) => match wav_tag {
-            Some(tag) => AudioError::UnsupportedCodec { codec: wav_tag_name(tag) },
-            None => AudioError::UnsupportedCodec { codec: msg.to_string() },
+        SymError::Unsupported(msg) => match (wav_tag, &id.codec) {
+            (Some(tag), _) => AudioError::UnsupportedCodec { codec: wav_tag_name(tag) },
+            (None, Some(codec)) => AudioError::UnsupportedCodec { codec: format!("{} ({msg})", id.describe(codec)) },
+            (None, None) if known => AudioError::UnsupportedCodec {
+                codec: format!("a {} file stemq cannot read ({msg})", id.container.name()),
+            },
+            (None, None) => AudioError::UnsupportedCodec { codec: msg.to_string() },
         },
+        other if known => AudioError::NotAudio { detail: format!("a damaged {} file: {other}", id.container.name()) },
         other => AudioError::NotAudio { detail: other.to_string() },
     }
 }
 
 impl Decoder {
-    /// Opens a file; the extension is used as a probe hint.
+    /// Opens a file. Its name plays no part: the format is found from its bytes.
     pub fn open_path(path: impl AsRef<Path>, opts: DecodeOptions) -> Result<Self, AudioError> {
-        let path = path.as_ref();
-        let file = File::open(path)?;
-        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_owned);
-        Self::open(file, ext.as_deref(), opts)
+        Self::open(File::open(path.as_ref())?, opts)
     }
 
-    /// Opens any seekable byte source. `extension_hint` (e.g. `Some("mp3")`) helps the probe.
+    /// Opens any seekable byte source; the format is found from its bytes.
     ///
     /// A panic while probing is caught and returned as [`AudioError::Undecodable`].
-    pub fn open<R>(source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
+    pub fn open<R>(source: R, opts: DecodeOptions) -> Result<Self, AudioError>
     where
         R: Read + Seek + Send + Sync + 'static,
     {
-        guarded(|| Self::open_unguarded(source, extension_hint, opts))
+        guarded(|| Self::open_unguarded(source, opts))
     }
 
-    fn open_unguarded<R>(mut source: R, extension_hint: Option<&str>, opts: DecodeOptions) -> Result<Self, AudioError>
+    fn open_unguarded<R>(mut source: R, opts: DecodeOptions) -> Result<Self, AudioError>
     where
         R: Read + Seek + Send + Sync + 'static,
     {
@@ -464,6 +483,10 @@ impl Decoder {
             return Err(AudioError::NotAudio { detail: "the file is zero bytes long".into() });
         }
         let input_bytes = end - start;
+        let id = container::identify(&mut source, input_bytes)?;
+        if let Some(refusal) = id.refusal.clone() {
+            return Err(refusal.into_error());
+        }
         let sniffed = sniff(&mut source);
         if let Some(rate) = sniffed.rate {
             check_rate(rate)?;
@@ -474,13 +497,9 @@ impl Decoder {
             Box::new(SeekableSource { inner: source, len: Some(end - start) }),
             MediaSourceStreamOptions::default(),
         );
-        let mut hint = Hint::new();
-        if let Some(ext) = extension_hint {
-            hint.with_extension(ext);
-        }
         let probed = symphonia::default::get_probe()
-            .format(&hint, mss, &FormatOptions::default(), &MetadataOptions::default())
-            .map_err(|e| map_open_error(e, &sniffed))?;
+            .format(&Hint::new(), mss, &FormatOptions::default(), &MetadataOptions::default())
+            .map_err(|e| map_open_error(e, &sniffed, &id))?;
         let format = probed.format;
         let track = format
             .tracks()
@@ -490,21 +509,41 @@ impl Decoder {
             .ok_or_else(|| AudioError::NotAudio { detail: "the container has no audio track".into() })?
             .clone();
         let params = &track.codec_params;
-        let codec =
-            symphonia::default::get_codecs().make(params, &DecoderOptions { verify: false }).map_err(|e| match e {
-                SymError::Unsupported(_) => match wav_tag {
-                    Some(tag) if params.codec == CODEC_TYPE_NULL => {
-                        AudioError::UnsupportedCodec { codec: wav_tag_name(tag) }
-                    }
-                    _ => AudioError::UnsupportedCodec { codec: codec_name(params.codec) },
-                },
-                other => map_open_error(other, &sniffed),
-            })?;
-        let sample_rate = params
+        let codec = codecs().make(params, &DecoderOptions { verify: false }).map_err(|e| match e {
+            // MPEG Layer I/II found by the probe's search in a file whose first bytes are
+            // no container: a stray frame sync in something else, not a codec to name.
+            SymError::Unsupported(_)
+                if id.container == container::Container::Unknown
+                    && matches!(params.codec, codecs::CODEC_TYPE_MP1 | codecs::CODEC_TYPE_MP2) =>
+            {
+                AudioError::NotAudio { detail: "no audio format stemq reads was recognised in its bytes".into() }
+            }
+            SymError::Unsupported(msg) => match wav_tag {
+                Some(tag) if params.codec == CODEC_TYPE_NULL => {
+                    AudioError::UnsupportedCodec { codec: wav_tag_name(tag) }
+                }
+                _ => {
+                    let name = match (&id.codec, params.codec) {
+                        (Some(c), CODEC_TYPE_NULL) => c.clone(),
+                        (_, ct) => codec_name(ct),
+                    };
+                    // The decoder's own reason, when the codec is one it reads.
+                    let why =
+                        if codecs().get_codec(params.codec).is_some() { format!(" ({msg})") } else { String::new() };
+                    AudioError::UnsupportedCodec { codec: format!("{}{why}", id.describe(&name)) }
+                }
+            },
+            other => map_open_error(other, &sniffed, &id),
+        })?;
+        // The codec's rate (Opus always decodes at 48 kHz, whatever the container says).
+        let sample_rate = codec
+            .codec_params()
             .sample_rate
+            .or(params.sample_rate)
             .ok_or_else(|| AudioError::NotAudio { detail: "the stream does not state its sample rate".into() })?;
         check_rate(sample_rate)?;
-        let frames = params.n_frames;
+        // The container's own count after its trims, else the stream's.
+        let frames = id.total_frames.or(params.n_frames);
         let duration_secs = frames.map(|f| f as f64 / sample_rate as f64);
         let info = SourceInfo {
             codec: codec_name(params.codec),
@@ -542,6 +581,9 @@ impl Decoder {
             decoded_frames: 0,
             output_frames: 0,
             input_bytes,
+            skip_left: id.skip_frames,
+            limit: id.total_frames,
+            truncated: id.truncated,
             done: false,
         })
     }
@@ -561,9 +603,26 @@ impl Decoder {
         self.decoded_frames
     }
 
-    /// FLAC and PCM state their exact length and packet positions.
+    /// FLAC, ALAC and PCM state their exact length and packet positions.
     fn lossless(&self) -> bool {
-        self.info.codec == "flac" || self.info.codec.starts_with("pcm")
+        self.info.codec == "flac" || self.info.codec == "alac" || self.info.codec.starts_with("pcm")
+    }
+
+    /// Applies the container's trims to a decoded chunk (at the native rate).
+    fn trim(&mut self, chunk: &mut StereoChunk) {
+        if self.skip_left > 0 {
+            let k = (self.skip_left.min(chunk.len() as u64)) as usize;
+            chunk.left.drain(..k);
+            chunk.right.drain(..k);
+            self.skip_left -= k as u64;
+        }
+        if let Some(limit) = self.limit {
+            let room = limit.saturating_sub(self.decoded_frames);
+            if (chunk.len() as u64) > room {
+                chunk.left.truncate(room as usize);
+                chunk.right.truncate(room as usize);
+            }
+        }
     }
 
     fn position_secs(&self, ts: Option<u64>) -> f64 {
@@ -584,6 +643,12 @@ impl Decoder {
         self.done = true;
         if self.decoded_frames == 0 {
             return Err(AudioError::Empty);
+        }
+        if self.truncated {
+            return Err(AudioError::CorruptFrame {
+                at: format_mmss(self.decoded_frames as f64 / self.info.sample_rate as f64),
+                detail: "the file is truncated: its last page is cut off or not marked as the end".into(),
+            });
         }
         if let Some(expected) = self.info.frames {
             // A stream that stops well short of what its header promised was cut off.
@@ -641,6 +706,9 @@ impl Decoder {
             if self.done {
                 return Ok(None);
             }
+            if self.limit.is_some_and(|l| self.decoded_frames >= l) {
+                return self.finish_stream();
+            }
             let packet = match self.format.next_packet() {
                 Ok(p) => p,
                 Err(SymError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -673,8 +741,12 @@ impl Decoder {
                         return Err(self
                             .corrupt(Some(at), format!("{} samples are missing (damaged data was skipped)", ts - at)));
                     }
-                    self.decoded_frames += frames as u64;
-                    let chunk = self.conv.convert(buf);
+                    let mut chunk = self.conv.convert(buf);
+                    self.trim(&mut chunk);
+                    if chunk.is_empty() {
+                        continue;
+                    }
+                    self.decoded_frames += chunk.len() as u64;
                     if self.info.channels == 0 {
                         self.info.channels = self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
                     }

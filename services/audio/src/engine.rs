@@ -17,6 +17,7 @@ use tracing::{debug, info_span};
 use crate::dsp::{separate_file, DspOptions, EncodeSettings, Stem};
 use crate::encode::{Mp3Settings, OutputFormat};
 use crate::error::AudioError;
+use crate::SUPPORTED;
 use crate::{DecodeOptions, ENGINE_SAMPLE_RATE};
 
 /// Default longest accepted input: 3 hours.
@@ -68,12 +69,13 @@ pub fn output_settings(req: &stemq_core::NormalizedRequest) -> (OutputFormat, Cl
 pub fn engine_error(e: AudioError) -> EngineError {
     let invalid = |code: FailureCode, message: String| EngineError::InvalidInput { code, message };
     match e {
-        AudioError::NotAudio { detail } => {
-            invalid(FailureCode::InvalidAudio, format!("the input is not an audio file stemq can read ({detail})"))
-        }
+        AudioError::NotAudio { detail } => invalid(
+            FailureCode::InvalidAudio,
+            format!("the input is not an audio file stemq can read ({detail}); stemq reads {SUPPORTED}"),
+        ),
         AudioError::UnsupportedCodec { codec } => invalid(
             FailureCode::UnsupportedCodec,
-            format!("the input uses the {codec} codec, which is not supported; use WAV, FLAC, MP3 or Ogg Vorbis"),
+            format!("the input is {codec}, which stemq does not decode; stemq reads {SUPPORTED}"),
         ),
         AudioError::Empty => invalid(FailureCode::EmptyAudio, "the input contains no audio samples".into()),
         AudioError::TooLong { duration, max } => {

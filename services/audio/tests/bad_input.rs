@@ -186,7 +186,7 @@ fn issue_11_output_larger_than_max_expansion_times_the_input_is_refused() {
         assert!(message.contains(&format!("more than {MAX_EXPANSION} times its size")), "{message}");
         assert_eq!(written, 0);
     }
-    let e = Decoder::open(Cursor::new(constant_flac(40, true)), None, DecodeOptions::default()).err().unwrap();
+    let e = Decoder::open(Cursor::new(constant_flac(40, true)), DecodeOptions::default()).err().unwrap();
     assert!(matches!(e, AudioError::TooLarge { .. }), "{e:?}");
     assert!(e.is_input_error());
 }
@@ -219,7 +219,7 @@ fn issue_11_a_panic_inside_decoding_is_bad_input() {
     // While probing, and halfway through the samples.
     for after in [20, 200_000] {
         let src = PanicsAfter { inner: Cursor::new(bytes.clone()), after };
-        let e = Decoder::open(src, Some("wav"), DecodeOptions::default())
+        let e = Decoder::open(src, DecodeOptions::default())
             .and_then(|mut d| {
                 while d.next_chunk()?.is_some() {}
                 Ok(())

@@ -1,4 +1,5 @@
-//! Fuzz target: the audio decoders (WAV, FLAC, MP3, Ogg Vorbis) through
+//! Fuzz target: the audio decoders (WAV, AIFF, CAF, FLAC, MP3, Ogg Vorbis and Opus,
+//! MP4/M4A with AAC and ALAC, WebM/Matroska with Opus and Vorbis) through
 //! [`Decoder::open`] and [`Decoder::next_chunk`], the entry both engines decode
 //! through, with the engines' options; errors are mapped with the engine seam's
 //! `engine_error`, as the worker sees them.
@@ -44,6 +45,41 @@ const DICTIONARY: &[&[u8]] = &[
     b"\xff\xff\xff\xff",
     b"\x01\x00\x02\x00\x44\xac\x00\x00",
     b"\xfe\xff",
+    b"OpusHead",
+    b"OpusTags",
+    b"ftyp",
+    b"M4A ",
+    b"moov",
+    b"mdat",
+    b"trak",
+    b"mdia",
+    b"hdlr",
+    b"soun",
+    b"minf",
+    b"stbl",
+    b"stsd",
+    b"stts",
+    b"stsz",
+    b"stco",
+    b"mp4a",
+    b"esds",
+    b"alac",
+    b"elst",
+    b"\x1a\x45\xdf\xa3",
+    b"webm",
+    b"\x18\x53\x80\x67",
+    b"\x16\x54\xae\x6b",
+    b"\x1f\x43\xb6\x75",
+    b"A_OPUS",
+    b"A_VORBIS",
+    b"FORM",
+    b"AIFF",
+    b"AIFC",
+    b"COMM",
+    b"SSND",
+    b"caff",
+    b"desc",
+    b"pakt",
 ];
 
 /// Output frames decoded per input at most (half a second at 44.1 kHz).
@@ -66,15 +102,8 @@ fn fuzz_audio_decoders() {
         max_len: 16 * 1024,
     };
     fuzz(target, |input| {
-        let hint = match input.first().copied().unwrap_or(0) % 5 {
-            0 => None,
-            1 => Some("wav"),
-            2 => Some("flac"),
-            3 => Some("mp3"),
-            _ => Some("ogg"),
-        };
         let opts = DecodeOptions { target_sample_rate: ENGINE_SAMPLE_RATE, max_duration_secs: Some(3.0 * 3600.0) };
-        let mut d = match Decoder::open(Cursor::new(input.to_vec()), hint, opts) {
+        let mut d = match Decoder::open(Cursor::new(input.to_vec()), opts) {
             Ok(d) => d,
             Err(e) => {
                 check_error(e, input);

@@ -264,8 +264,7 @@ mod mp3 {
             StemEncoder::new(cursor, OutputFormat::Mp3(Mp3Settings::default()), ClipMode::Clamp, 44_100).unwrap();
         enc.write(&sig).unwrap();
         let bytes = enc.finish().unwrap().into_inner();
-        let mut d =
-            stemq_audio::Decoder::open(std::io::Cursor::new(bytes), Some("mp3"), DecodeOptions::default()).unwrap();
+        let mut d = stemq_audio::Decoder::open(std::io::Cursor::new(bytes), DecodeOptions::default()).unwrap();
         assert_eq!(d.info().codec, "mp3");
         let mut n = 0;
         while let Some(c) = d.next_chunk().unwrap() {

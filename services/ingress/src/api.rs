@@ -663,7 +663,19 @@ fn uploads_create() -> Operation {
         )
         .query::<crate::uploads::UploadQuery>(json!({"filename": "song.wav"}))
         .raw_body(
-            &["application/octet-stream", "audio/wav", "audio/flac", "audio/mpeg", "audio/ogg"],
+            &[
+                "application/octet-stream",
+                "audio/wav",
+                "audio/flac",
+                "audio/mpeg",
+                "audio/ogg",
+                "audio/opus",
+                "audio/mp4",
+                "audio/x-m4a",
+                "audio/webm",
+                "audio/aiff",
+                "audio/x-caf",
+            ],
             json!({"type": "string", "contentMediaType": "application/octet-stream", "minLength": 1}),
         )
         .answer(201, Answer::json("Stored", answer))

@@ -161,7 +161,14 @@ fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
         "audio/wav" | "audio/x-wav" | "audio/wave" | "audio/vnd.wave" => "wav",
         "audio/flac" | "audio/x-flac" => "flac",
         "audio/mpeg" | "audio/mp3" => "mp3",
-        "audio/ogg" | "audio/vorbis" => "ogg",
+        "audio/ogg" | "audio/vorbis" | "application/ogg" => "ogg",
+        "audio/opus" => "opus",
+        "audio/mp4" | "audio/m4a" | "audio/x-m4a" | "audio/aac" | "audio/aacp" => "m4a",
+        "video/mp4" => "mp4",
+        "audio/webm" | "video/webm" => "webm",
+        "audio/x-matroska" | "video/x-matroska" => "mka",
+        "audio/aiff" | "audio/x-aiff" => "aiff",
+        "audio/x-caf" => "caf",
         _ => "bin",
     }
     .to_string())
