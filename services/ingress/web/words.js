@@ -19,9 +19,9 @@ const REQUEST = {
 };
 
 const JOB = {
-  invalid_audio: "This file is not audio stemq can read. Try a WAV, FLAC, MP3 or Ogg file.",
+  invalid_audio: "This file is not audio stemq can read. Try a WAV, FLAC, MP3, M4A, Opus, Ogg, WebM or AIFF file.",
   corrupt_audio: "This file is damaged. Export it again and upload the new copy.",
-  unsupported_codec: "This file's audio format is not supported. Convert it to WAV or FLAC.",
+  unsupported_codec: "This file's audio format is not supported (the details name it). Convert it to WAV, FLAC or M4A.",
   empty_audio: "This file has no sound in it.",
   too_long: "This song is too long for this server. Trim it and try again.",
   input_too_large: "This file is too large for this server. Trim it, or send a compressed format.",
