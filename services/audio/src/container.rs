@@ -750,6 +750,49 @@ mod tests {
         assert_eq!(id(b"some bytes that are nothing").container, Container::Unknown);
     }
 
+    /// An MP4 whose one sound track has the sample entry `entry`, its `moov` last.
+    fn mp4_with(entry: &[u8]) -> Vec<u8> {
+        let hdlr = bx(b"hdlr", &[0, 0, 0, 0, 0, 0, 0, 0, b's', b'o', b'u', b'n', 0, 0, 0, 0]);
+        let mut stsd_body = vec![0, 0, 0, 0, 0, 0, 0, 1];
+        stsd_body.extend_from_slice(entry);
+        let minf = bx(b"minf", &bx(b"stbl", &bx(b"stsd", &stsd_body)));
+        let mut mdia_body = hdlr;
+        mdia_body.extend_from_slice(&minf);
+        let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+        file.extend_from_slice(&bx(b"mdat", &[0u8; 100]));
+        file.extend_from_slice(&bx(b"moov", &bx(b"trak", &bx(b"mdia", &mdia_body))));
+        file
+    }
+
+    /// An `mp4a` sample entry whose `esds` holds this AudioSpecificConfig.
+    fn mp4a(asc: &[u8]) -> Vec<u8> {
+        let mut dsi = vec![5, asc.len() as u8];
+        dsi.extend_from_slice(asc);
+        let mut dcd = vec![0x40, 0x15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        dcd.extend_from_slice(&dsi);
+        let mut es = vec![0, 1, 0];
+        es.push(4);
+        es.push(dcd.len() as u8);
+        es.extend_from_slice(&dcd);
+        let mut esds = vec![0, 0, 0, 0, 3, es.len() as u8];
+        esds.extend_from_slice(&es);
+        let mut body = vec![0u8; 28];
+        body.extend_from_slice(&bx(b"esds", &esds));
+        bx(b"mp4a", &body)
+    }
+
+    #[test]
+    fn mp4_tells_aac_lc_from_he_aac() {
+        // AAC-LC, 44.1 kHz stereo: read.
+        let lc = id(&mp4_with(&mp4a(&[0x12, 0x10])));
+        assert_eq!((lc.codec.as_deref(), lc.refusal), (Some("AAC-LC"), None));
+        // HE-AAC (object type 5, SBR) and HE-AAC v2 (29, PS): named and refused.
+        let he = id(&mp4_with(&mp4a(&[0x2B, 0x92, 0x08, 0x00])));
+        assert_eq!(he.refusal, Some(Refusal::Codec("HE-AAC (AAC with SBR) in MP4/M4A".into())));
+        let v2 = id(&mp4_with(&mp4a(&[0xEB, 0x92, 0x08, 0x00])));
+        assert!(matches!(v2.refusal, Some(Refusal::Codec(ref s)) if s.starts_with("HE-AAC v2")), "{v2:?}");
+    }
+
     #[test]
     fn mp4_names_the_codec_of_its_sound_track() {
         let hdlr = bx(b"hdlr", &[0, 0, 0, 0, 0, 0, 0, 0, b's', b'o', b'u', b'n', 0, 0, 0, 0]);
