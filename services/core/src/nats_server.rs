@@ -247,13 +247,14 @@ impl NatsServer {
         let wait = Duration::from_secs(20);
         let deadline = Instant::now() + wait;
         loop {
-            if self.port == 0 {
-                if let Some(p) = read_port(&ports_dir) {
-                    self.port = p;
+            // Up once this process itself says where it listens (it writes its ports file
+            // after binding): on a fixed port, a connect alone could reach another
+            // server that took the port first.
+            if let Some(p) = read_port(&ports_dir) {
+                self.port = p;
+                if TcpStream::connect(("127.0.0.1", p)).is_ok() {
+                    return Ok(());
                 }
-            }
-            if self.port != 0 && TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return Ok(());
             }
             if let Some(Ok(Some(_))) = self.child.as_mut().map(|c| c.try_wait()) {
                 return Err(ServerError::NotReady(Duration::ZERO, log));

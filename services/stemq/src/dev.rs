@@ -143,9 +143,16 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let mut server = None;
     if g.nats_url.is_none() {
         let store = g.data_dir.join("nats");
-        // The usual port when free, any port otherwise.
-        let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() { 4222 } else { 0 };
-        let s = tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await??;
+        // The usual port when free, any port otherwise (also when another server took
+        // it between the look and the start).
+        let s = tokio::task::spawn_blocking(move || match NatsServer::start(&store, 4222) {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                tracing::debug!(error = %e, "no nats-server on port 4222; trying any port");
+                NatsServer::start(&store, 0)
+            }
+        })
+        .await??;
         info!(url = %s.url(), "nats-server started");
         g.nats_url = Some(s.url());
         server = Some(s);
