@@ -187,6 +187,85 @@ fn separate_runs_any_model_of_the_folder_like_demucs() {
     assert!(!out.status.success() && err.contains("model `htdemucs`"), "{err}");
 }
 
+/// What `--two-stems STEM [--other-method M]` writes, as demucs 4.1.0 writes it.
+fn two_stem_files(stem: &str, method: Option<&str>) -> Vec<String> {
+    match method {
+        None | Some("add") => vec![stem.to_string(), format!("no_{stem}")],
+        Some("minus") => vec![stem.to_string(), format!("minus_{stem}")],
+        Some("none") => vec![stem.to_string()],
+        Some(m) => panic!("unknown method {m}"),
+    }
+}
+
+/// Runs every `--two-stems`/`--other-method` combination with `model` (the arguments
+/// that name it, its output folder) on `song` and checks the stems written, and only
+/// those.
+fn every_two_stem_method(dir: &std::path::Path, model: &[&str], folder: &str, song: &str) {
+    for method in [None, Some("add"), Some("minus"), Some("none")] {
+        let out_dir = format!("two-{}", method.unwrap_or("default"));
+        let mut args = vec!["separate", "-o", &out_dir, "--two-stems", "vocals"];
+        args.extend_from_slice(model);
+        if let Some(m) = method {
+            args.extend(["--other-method", m]);
+        }
+        args.push(song);
+        let out = stemq(&args, dir);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let track = std::path::Path::new(song).file_stem().unwrap().to_str().unwrap();
+        let written = dir.join(&out_dir).join(folder).join(track);
+        let mut got: Vec<String> = std::fs::read_dir(&written)
+            .unwrap_or_else(|e| panic!("{args:?}: {}: {e}", written.display()))
+            .map(|e| e.unwrap().path().file_stem().unwrap().to_str().unwrap().to_string())
+            .collect();
+        got.sort();
+        let mut want = two_stem_files("vocals", method);
+        want.sort();
+        assert_eq!(got, want, "{args:?}");
+        std::fs::remove_dir_all(dir.join(&out_dir)).unwrap();
+    }
+}
+
+/// Issue 35: `--two-stems` with every `--other-method` works for a model the request
+/// names (`dsp`) as for any other; `--help` shows `--shifts`'s default.
+#[test]
+fn two_stems_and_other_method_work_with_every_model_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = stemq(&["synth", "--seconds", "1", "-o", "song.wav"], dir.path());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    every_two_stem_method(dir.path(), &["-n", "dsp"], "dsp", "song.wav");
+    let help = String::from_utf8_lossy(&stemq(&["separate", "--help"], dir.path()).stdout).to_string();
+    let shifts = help.lines().skip_while(|l| !l.contains("--shifts")).take(6).collect::<Vec<_>>().join(" ");
+    assert!(shifts.contains("[default: 1]"), "{shifts}");
+}
+
+#[cfg(feature = "demucs")]
+/// Issue 35: the same with the neural models: a pretrained name (a bag named `htdemucs`
+/// in the model folder), a custom bag, a signature by `-n` and by `-s`. Before, a
+/// signature or custom bag with `--other-method` was refused ("only applies with
+/// `two_stems`").
+#[test]
+fn two_stems_and_other_method_work_with_pretrained_and_custom_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir(&repo).unwrap();
+    for f in std::fs::read_dir(fixture_repo()).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), repo.join(f.file_name())).unwrap();
+    }
+    std::fs::write(repo.join("htdemucs.yaml"), "models: ['a0a0a0a0']\n").unwrap();
+    let repo = repo.to_str().unwrap();
+    let out = stemq(&["synth", "--seconds", "1", "-o", "song.wav"], dir.path());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (model, folder) in [
+        (vec!["--repo", repo, "-n", "htdemucs"], "htdemucs"),
+        (vec!["--repo", repo, "-n", "tinybag"], "tinybag"),
+        (vec!["--repo", repo, "-n", "b1b1b1b1"], "b1b1b1b1"),
+        (vec!["--repo", repo, "-s", "a0a0a0a0"], "a0a0a0a0"),
+    ] {
+        every_two_stem_method(dir.path(), &model, folder, "song.wav");
+    }
+}
+
 /// The options `python -m demucs.separate --help` lists: `(spellings, metavar)` per
 /// option line, e.g. `(["-s", "--sig"], Some("SIG"))`.
 fn reference_options(help: &str) -> Vec<(Vec<String>, Option<String>)> {

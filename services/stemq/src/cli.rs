@@ -55,6 +55,9 @@ pub enum Command {
         dir: Option<PathBuf>,
     },
     /// Separate local files right here, like the `demucs` command (no queue needed).
+    #[command(mut_arg("shifts", |a| a
+        .default_value("1")
+        .help("Random shifts (test-time augmentation), as demucs; a job sent to the service has none unless it asks")))]
     Separate(crate::separate::SeparateArgs),
     /// Submit a job (a file path is uploaded to the store first).
     Submit(SubmitArgs),
@@ -66,7 +69,7 @@ pub enum Command {
     #[command(
         mut_arg("input", |a| a
             .value_name("DIR")
-            .help("A folder of songs (WAV, FLAC, MP3, Ogg; not its subfolders): each is uploaded and becomes one item")),
+            .help("A folder of songs (any format stemq reads, known by its bytes; not its subfolders): each is uploaded and becomes one item")),
         mut_arg("output_dir", |a| a.help("With `--wait`: copy each song's stems into DIR/<song>/<stem>.<ext>")),
         mut_arg("wait", |a| a.help("Wait for every job of the batch to end, with one progress bar")),
         mut_arg("store", |a| a.hide(true))

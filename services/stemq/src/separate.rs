@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use stemq_core::device::Device;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
-use stemq_core::request::{JobRequest, Model, ANONYMOUS};
+use stemq_core::request::{JobRequest, Model, OtherMethod, ANONYMOUS};
 
 use crate::global::Global;
 use crate::job_opts::{json_of, parse_device, set_fields, ClipModeArg, DeviceArg, OutputOpts, SplitOpts};
@@ -240,17 +240,23 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
             "clip_mode": json_of(a.output.clip_mode.unwrap_or(ClipModeArg::Rescale).mode()),
         });
         a.split.fill(&mut req);
-        // demucs's default is one random shift; the service's is none.
-        set_fields(&mut req, [("shifts", Some(serde_json::Value::from(a.split.shifts.unwrap_or(1))))]);
-        let two_stems = match Model::parse(name) {
-            Some(_) => None,
-            None => req.as_object_mut().and_then(|o| o.remove("two_stems")).and_then(|v| v.as_str().map(String::from)),
+        // A model the request does not name (a signature, a custom bag) has its own
+        // sources: its stem, and with it the other method, is checked against the loaded
+        // model, not HTDemucs's.
+        let (two_stems, other_method) = match (Model::parse(name), req.as_object_mut()) {
+            (None, Some(o)) => {
+                let stem = o.remove("two_stems").and_then(|v| v.as_str().map(String::from));
+                o.remove("other_method");
+                (stem, a.split.other_method.map(|m| m.method()).filter(|&m| m != OtherMethod::Add))
+            }
+            _ => (None, None),
         };
         set_fields(&mut req, a.output.mp3_fields(a.output.format()));
         let mut request =
             JobRequest::from_value(req).and_then(|r| r.normalize(ANONYMOUS)).map_err(|e| anyhow!("{e}"))?;
         if two_stems.is_some() {
             request.two_stems = two_stems;
+            request.other_method = other_method;
         }
         let job_id = request.job_id();
         let scratch = tempfile::tempdir()?;
