@@ -4,8 +4,10 @@
 //! This module owns the client side of batches (`POST /v1/batches`,
 //! `GET /v1/batches/{id}`):
 //!
-//! 1. the folder's audio files (WAV, FLAC, MP3, Ogg; not its subfolders, not hidden
-//!    files) are taken in name order; anything else is skipped with a note;
+//! 1. the folder's audio files (not its subfolders, not hidden files) are taken in name
+//!    order, each known by its bytes (whatever its name) and opened here first: what is
+//!    not audio is skipped with a note, audio stemq cannot read (a codec it does not
+//!    decode, a damaged file) is listed with the reason and left out;
 //! 2. each is uploaded (content-addressed, so uploading the same file again stores
 //!    nothing new and gives the same URI) and becomes one item, with the request the
 //!    `submit` flags spell and `metadata.file` = its file name;
@@ -42,13 +44,27 @@ pub struct BatchArgs {
     pub webhook: Option<String>,
 }
 
-/// File extensions taken as songs.
-const AUDIO: [&str; 6] = ["wav", "wave", "flac", "mp3", "ogg", "oga"];
+/// File extensions of audio: a file so named that does not open is refused with its
+/// reason rather than skipped as "not audio".
+const AUDIO: [&str; 19] = [
+    "wav", "wave", "aif", "aiff", "aifc", "caf", "flac", "mp3", "ogg", "oga", "opus", "m4a", "m4b", "mp4", "aac",
+    "webm", "weba", "mka", "mkv",
+];
 
-/// The songs of `dir` in name order, and the other files skipped.
-pub fn songs_in(dir: &Path) -> Result<(Vec<PathBuf>, Vec<String>)> {
+/// What a folder holds: its songs in name order, the files that are not audio, and the
+/// audio files stemq cannot read with the reason.
+#[derive(Debug, Default)]
+pub struct Folder {
+    pub songs: Vec<PathBuf>,
+    pub skipped: Vec<String>,
+    pub refused: Vec<(String, String)>,
+}
+
+/// The songs of `dir`: every file whose header stemq reads (the bytes decide, not the
+/// name).
+pub fn songs_in(dir: &Path) -> Result<Folder> {
     let entries = std::fs::read_dir(dir).with_context(|| format!("reading the folder {}", dir.display()))?;
-    let (mut songs, mut skipped) = (Vec::new(), Vec::new());
+    let mut f = Folder::default();
     for e in entries {
         let e = e.with_context(|| format!("reading the folder {}", dir.display()))?;
         let name = e.file_name().to_string_lossy().into_owned();
@@ -57,15 +73,16 @@ pub fn songs_in(dir: &Path) -> Result<(Vec<PathBuf>, Vec<String>)> {
             continue;
         }
         let ext = path.extension().and_then(|x| x.to_str()).unwrap_or_default().to_ascii_lowercase();
-        if AUDIO.contains(&ext.as_str()) {
-            songs.push(path);
-        } else {
-            skipped.push(name);
+        match stemq_audio::Decoder::open_path(&path, stemq_audio::DecodeOptions::default()) {
+            Ok(_) => f.songs.push(path),
+            Err(stemq_audio::AudioError::NotAudio { .. }) if !AUDIO.contains(&ext.as_str()) => f.skipped.push(name),
+            Err(e) => f.refused.push((name, e.to_string())),
         }
     }
-    songs.sort();
-    skipped.sort();
-    Ok((songs, skipped))
+    f.songs.sort();
+    f.skipped.sort();
+    f.refused.sort();
+    Ok(f)
 }
 
 /// The folder each song's stems go to: its file stem, or its whole name when two songs
@@ -116,14 +133,17 @@ impl BatchBar {
 /// `stemq batch DIR` (with `--api`).
 pub async fn submit(api: &Api, a: BatchArgs) -> Result<()> {
     let dir = PathBuf::from(&a.job.input);
-    let (songs, skipped) = songs_in(&dir)?;
+    let Folder { songs, skipped, refused } = songs_in(&dir)?;
+    for (file, why) in &refused {
+        eprintln!("leaving out {file}: {why}");
+    }
     if !skipped.is_empty() {
         let shown: Vec<&str> = skipped.iter().take(5).map(String::as_str).collect();
         let more = if skipped.len() > 5 { format!(" and {} more", skipped.len() - 5) } else { String::new() };
         eprintln!("skipping {} files that are not audio: {}{more}", skipped.len(), shown.join(", "));
     }
     if songs.is_empty() {
-        bail!("{} holds no audio files (WAV, FLAC, MP3, Ogg)", dir.display());
+        bail!("{} holds no audio files stemq reads ({})", dir.display(), stemq_audio::SUPPORTED);
     }
     if songs.len() > MAX_BATCH_ITEMS {
         bail!(
@@ -316,14 +336,28 @@ mod tests {
     #[test]
     fn a_folder_gives_its_songs_in_order_and_names_the_rest() {
         let dir = tempfile::tempdir().unwrap();
-        for f in ["b.flac", "a.wav", "c.MP3", "cover.jpg", ".hidden.wav", "notes.txt"] {
+        let src = dir.path().join(".tone.wav");
+        stemq_audio::synth::write_demo_song(&src, 0.1, 8_000).unwrap();
+        let tone = std::fs::read(&src).unwrap();
+        // The bytes decide: a WAV named `.MP3` or with no extension is a song.
+        for f in ["b.wav", "a.wav", "c.MP3", "d", ".hidden.wav"] {
+            std::fs::write(dir.path().join(f), &tone).unwrap();
+        }
+        for f in ["cover.jpg", "notes.txt"] {
             std::fs::write(dir.path().join(f), b"x").unwrap();
         }
+        // Audio stemq cannot read: named, with the reason.
+        std::fs::write(dir.path().join("broken.flac"), b"fLaC").unwrap();
+        std::fs::write(dir.path().join("song.wma"), [0x30, 0x26, 0xB2, 0x75, 0x8E, 0x66, 0xCF, 0x11, 0xA6, 0xD9])
+            .unwrap();
         std::fs::create_dir(dir.path().join("sub.wav")).unwrap();
-        let (songs, skipped) = songs_in(dir.path()).unwrap();
-        let names: Vec<_> = songs.iter().map(|p| p.file_name().unwrap().to_str().unwrap()).collect();
-        assert_eq!(names, ["a.wav", "b.flac", "c.MP3"]);
-        assert_eq!(skipped, ["cover.jpg", "notes.txt"]);
+        let f = songs_in(dir.path()).unwrap();
+        let names: Vec<_> = f.songs.iter().map(|p| p.file_name().unwrap().to_str().unwrap()).collect();
+        assert_eq!(names, ["a.wav", "b.wav", "c.MP3", "d"]);
+        assert_eq!(f.skipped, ["cover.jpg", "notes.txt"]);
+        let refused: Vec<_> = f.refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(refused, ["broken.flac", "song.wma"]);
+        assert!(f.refused[1].1.contains("Windows Media Audio"), "{:?}", f.refused);
     }
 
     #[test]
