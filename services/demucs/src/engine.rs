@@ -61,18 +61,8 @@ pub struct DemucsEngineConfig {
     /// model ([`crate::batch`]); `None`: every job runs its own.
     pub cross_job: Option<CrossJobBatching>,
     /// The type the weights stay in on a GPU ([`WeightPrecision::Half`]: half the device
-    /// memory, lossless for checkpoints stored in f16); the CPU keeps `f32`, and so does
-    /// a Vulkan device without `f16` support (with a warning).
+    /// memory, lossless for checkpoints stored in f16); the CPU keeps `f32`.
     pub gpu_weights: WeightPrecision,
-    /// The device offered first ([`Engine::devices`]): `stemq worker --device`, `stemq
-    /// separate -d`. `None`: CUDA when present, else a Vulkan GPU (never a software
-    /// driver such as lavapipe unless named), else the CPU. The CPU is always offered
-    /// last, the out-of-memory ladder's last rung.
-    pub device: Option<Device>,
-    /// No single allocation above this many bytes in a Vulkan device's memory pool
-    /// ([`crate::vulkan::PoolLimit`]): a device that runs out of memory at a chosen size,
-    /// to exercise the out-of-memory ladder. `None`: the driver's limits.
-    pub device_max_alloc: Option<u64>,
 }
 
 /// How one attempt runs within the memory budget.
@@ -124,9 +114,6 @@ pub struct DemucsEngine {
     /// The CUDA budget read from free device memory, once.
     #[cfg(feature = "cuda")]
     cuda_budget: std::sync::OnceLock<Option<u64>>,
-    /// Models on Vulkan devices, by `<index>/<name>`.
-    #[cfg(feature = "vulkan")]
-    vulkan: ModelCache<BagOfModels<crate::VulkanBackend>>,
 }
 
 /// Loaded models by name. The map's lock is held only to find a model's slot; a slot's
@@ -174,9 +161,6 @@ pub fn engine_error(e: DemucsError) -> EngineError {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
         DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: FailureCode::InvalidArgument, message: m },
-        DemucsError::DeviceUnavailable(m) => {
-            EngineError::Unsupported { code: FailureCode::DeviceUnavailable, message: m }
-        }
         DemucsError::Io { .. } | DemucsError::SharedPass(_) => EngineError::Transient(e.to_string()),
         other => EngineError::Unsupported { code: FailureCode::ModelUnavailable, message: other.to_string() },
     }
@@ -191,16 +175,6 @@ impl Progress for Ctx<'_> {
     fn cancelled(&self) -> bool {
         self.0.cancelled()
     }
-}
-
-/// The Vulkan device `vulkan` (`index` `None`) or `vulkan:<index>` names, by its index,
-/// when this build has Vulkan and the machine has that device.
-#[allow(unused_variables)]
-fn vulkan_device(index: Option<u32>, software: bool) -> Option<Device> {
-    #[cfg(feature = "vulkan")]
-    return crate::vulkan::resolve(index, software).map(|a| Device::Vulkan(Some(a.index)));
-    #[cfg(not(feature = "vulkan"))]
-    None
 }
 
 fn cuda_present() -> bool {
@@ -220,24 +194,21 @@ impl DemucsEngine {
             cuda: ModelCache::default(),
             #[cfg(feature = "cuda")]
             cuda_budget: std::sync::OnceLock::new(),
-            #[cfg(feature = "vulkan")]
-            vulkan: ModelCache::default(),
         })
     }
 
     /// Loads (once) and returns the CPU copy of a model.
     pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
-        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name, WeightPrecision::Full, &Default::default()))
+        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name, WeightPrecision::Full))
     }
 
-    /// Loads a model onto a backend's device, with cross-job batching when configured.
+    /// Loads a model onto a backend, with cross-job batching when configured.
     fn load<B: burn::tensor::backend::Backend>(
         &self,
         name: &str,
         precision: WeightPrecision,
-        device: &B::Device,
     ) -> Result<BagOfModels<B>, DemucsError> {
-        let mut bag = self.repo.load_with::<B>(name, device, precision)?;
+        let mut bag = self.repo.load_with::<B>(name, &Default::default(), precision)?;
         if let Some(c) = self.config.cross_job {
             bag.batch_across_jobs(c);
         }
@@ -465,7 +436,7 @@ impl DemucsEngine {
     ) -> Result<Vec<StemFile>, EngineError> {
         let bag = self
             .cuda
-            .get_or_load(name, || self.load::<crate::CudaBackend>(name, self.config.gpu_weights, &Default::default()))
+            .get_or_load(name, || self.load::<crate::CudaBackend>(name, self.config.gpu_weights))
             .map_err(engine_error)?;
         let budget = self.cuda_budget();
         let plan = self.plan_within(&bag, job, "cuda", self.config.gpu_batch.max(1), budget)?;
@@ -498,69 +469,6 @@ impl DemucsEngine {
             tracing::info!(free, budget, "CUDA memory budget: 80 % of the free device memory");
             Some(budget)
         })
-    }
-}
-
-#[cfg(feature = "vulkan")]
-impl DemucsEngine {
-    /// The budget of forward passes on an opened Vulkan device: the configured one,
-    /// else 80 % of its device-local memory (Vulkan has no portable reading of free
-    /// memory; the weights are small beside it), or none when the driver does not say.
-    pub fn vulkan_budget(&self, opened: &crate::vulkan::Opened) -> Option<u64> {
-        self.config.memory_budget.or(opened.device_memory.map(|bytes| bytes / 10 * 8))
-    }
-
-    /// Loads (once) and returns the copy of a model on `vulkan:<index>` (`None`: the
-    /// device `vulkan` names, a software driver included), with the opened device.
-    pub fn vulkan_model(
-        &self,
-        index: Option<u32>,
-        name: &str,
-    ) -> Result<(Arc<BagOfModels<crate::VulkanBackend>>, Arc<crate::vulkan::Opened>), EngineError> {
-        let unavailable = |message: String| EngineError::Unsupported { code: FailureCode::DeviceUnavailable, message };
-        let adapter = crate::vulkan::resolve(index, true)
-            .ok_or_else(|| unavailable(format!("no such Vulkan device; here: {}", crate::vulkan::describe())))?;
-        let limit = self.config.device_max_alloc.map(|max_alloc| crate::vulkan::PoolLimit { max_alloc });
-        let opened = crate::vulkan::open(adapter.index, limit).map_err(|e| unavailable(e.to_string()))?;
-        let precision = match self.config.gpu_weights {
-            WeightPrecision::Half if !opened.f16 => {
-                tracing::warn!(device = %format!("vulkan:{}", adapter.index), name = %adapter.name,
-                    "this Vulkan device has no f16 support: the weights stay f32");
-                WeightPrecision::Full
-            }
-            p => p,
-        };
-        let key = format!("{}/{name}", adapter.index);
-        let bag = self
-            .vulkan
-            .get_or_load(&key, || self.load::<crate::VulkanBackend>(name, precision, &opened.device))
-            .map_err(engine_error)?;
-        Ok((bag, opened))
-    }
-
-    /// One attempt on `vulkan:<index>` (`None`: the device `vulkan` names, a software
-    /// driver included since it was asked for by name): the model loaded there once,
-    /// segments batched as on CUDA, within the budget the device's memory gives.
-    fn run_vulkan(
-        &self,
-        index: Option<u32>,
-        name: &str,
-        job: &EngineJob<'_>,
-        ctx: &dyn EngineContext,
-        options: &RunOptions,
-    ) -> Result<Vec<StemFile>, EngineError> {
-        let (bag, opened) = self.vulkan_model(index, name)?;
-        let adapter = opened.adapter;
-        let device = format!("vulkan:{}", adapter.index);
-        let budget = self.vulkan_budget(&opened);
-        let plan = self.plan_within(&bag, job, &device, self.config.gpu_batch.max(1), budget)?;
-        let passes = Passes {
-            batch_size: plan.parallel,
-            jobs: 1,
-            training_segment: plan.training_segment,
-            no_split: options.no_split,
-        };
-        self.run(&bag, job, ctx, passes).map_err(engine_error)
     }
 }
 
@@ -659,13 +567,8 @@ impl Engine for DemucsEngine {
 
     fn devices(&self) -> Vec<Device> {
         let mut d = Vec::new();
-        match &self.config.device {
-            Some(Device::Cpu) => {}
-            Some(Device::Cuda(_)) if cuda_present() => d.push(Device::Cuda(None)),
-            Some(Device::Vulkan(index)) => d.extend(vulkan_device(*index, true)),
-            Some(_) => {}
-            None if cuda_present() => d.push(Device::Cuda(None)),
-            None => d.extend(vulkan_device(None, false)),
+        if cuda_present() {
+            d.push(Device::Cuda(None));
         }
         d.push(Device::Cpu);
         d
@@ -726,8 +629,6 @@ impl DemucsEngine {
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(None) => self.run_cuda(name, job, ctx, options),
-            #[cfg(feature = "vulkan")]
-            Device::Vulkan(index) => self.run_vulkan(*index, name, job, ctx, options),
             other => Err(EngineError::Unsupported {
                 code: FailureCode::DeviceUnavailable,
                 message: format!("device `{other}` is not available to the demucs engine"),

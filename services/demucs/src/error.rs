@@ -66,9 +66,6 @@ pub enum DemucsError {
     /// the error of the job that ran it.
     #[error("a forward pass shared with other jobs failed: {0}")]
     SharedPass(String),
-    /// The device asked for is not on this machine, or did not open.
-    #[error("device unavailable: {0}")]
-    DeviceUnavailable(String),
     /// Stopped at a chunk boundary because the caller asked.
     #[error("cancelled")]
     Cancelled,
