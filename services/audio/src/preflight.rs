@@ -42,6 +42,9 @@ fn check_from<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), Aud
     let mut head = vec![0u8; PROBE_WINDOW.min(end - start) as usize];
     let n = read_exact_or_short(r, &mut head)?;
     head.truncate(n);
+    if head.len() >= 8 && matches!(&head[4..8], b"ftyp" | b"moov" | b"mdat" | b"free" | b"wide" | b"skip" | b"moof") {
+        return mp4(r, start, end);
+    }
     let found = head.windows(4).position(|w| matches!(w, b"RIFF" | b"fLaC" | b"OggS"));
     let Some(at) = found else { return Ok(()) };
     let at_pos = start + at as u64;
@@ -256,6 +259,128 @@ fn ogg<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError
     Ok(())
 }
 
+/// Most bytes of one MP4 `moov` or `moof` box read to check its tables (a 60-minute
+/// track's tables take a few MiB).
+const MAX_MP4_HEADER: u64 = 64 << 20;
+
+/// An MP4/M4A file: the tables of its `moov` and `moof` boxes. symphonia reserves room for
+/// each table (chunk offsets, sample sizes, time-to-sample, edit lists, fragment runs)
+/// at the entry count the table declares; a count that its box cannot hold is a damaged
+/// file, not a request for gigabytes.
+fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
+    let mut pos = start;
+    for _ in 0..MAX_STEPS {
+        let Some(h) = read_at(r, pos, 8.min(end - pos), end)? else { break };
+        if h.len() < 8 {
+            break;
+        }
+        let size32 = u64::from(u32::from_be_bytes(h[0..4].try_into().expect("4 bytes")));
+        let kind: [u8; 4] = h[4..8].try_into().expect("4 bytes");
+        let (size, header) = match size32 {
+            0 => (end - pos, 8),
+            1 => match read_at(r, pos + 8, 8, end)? {
+                Some(b) => (u64::from_be_bytes(b[..].try_into().expect("8 bytes")), 16),
+                None => break,
+            },
+            s => (s, 8),
+        };
+        if size < header || pos.checked_add(size).is_none_or(|e| e > end) {
+            break;
+        }
+        if matches!(&kind, b"moov" | b"moof") {
+            let body = size - header;
+            if body > MAX_MP4_HEADER {
+                return Err(damaged("MP4 header box", body, MAX_MP4_HEADER));
+            }
+            if let Some(data) = read_at(r, pos + header, body, end)? {
+                mp4_boxes(&data, 0)?;
+            }
+        }
+        pos += size;
+    }
+    Ok(())
+}
+
+/// Checks the boxes in `data` (a container box's body), descending into containers.
+fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
+    let mut pos = 0usize;
+    let mut steps = 0;
+    while pos + 8 <= data.len() && steps < MAX_STEPS && depth < 16 {
+        steps += 1;
+        let size = u64::from(u32::from_be_bytes(data[pos..pos + 4].try_into().expect("4 bytes")));
+        let kind: [u8; 4] = data[pos + 4..pos + 8].try_into().expect("4 bytes");
+        let (size, header) = match size {
+            0 => ((data.len() - pos) as u64, 8usize),
+            1 if pos + 16 <= data.len() => {
+                (u64::from_be_bytes(data[pos + 8..pos + 16].try_into().expect("8 bytes")), 16)
+            }
+            _ if size < 8 => break,
+            s => (s, 8),
+        };
+        if size < header as u64 || size > (data.len() - pos) as u64 {
+            break;
+        }
+        let body = &data[pos + header..pos + size as usize];
+        match &kind {
+            b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf" | b"udta" => {
+                mp4_boxes(body, depth + 1)?
+            }
+            _ => mp4_table(&kind, body)?,
+        }
+        pos += size as usize;
+    }
+    Ok(())
+}
+
+/// One table box: its declared entry count against the bytes it holds.
+fn mp4_table(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
+    let u32_at = |at: usize| body.get(at..at + 4).map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes")));
+    let version = body.first().copied().unwrap_or(0);
+    let flags = u32_at(0).unwrap_or(0) & 0x00ff_ffff;
+    // (offset of the count, bytes before the entries, bytes per entry)
+    let layout: Option<(usize, usize, u64)> = match kind {
+        b"stco" | b"stss" => Some((4, 8, 4)),
+        b"co64" | b"stts" | b"ctts" => Some((4, 8, 8)),
+        b"stsc" => Some((4, 8, 12)),
+        b"stsz" => Some((8, 12, if u32_at(4) == Some(0) { 4 } else { 0 })),
+        b"elst" => Some((4, 8, if version == 1 { 20 } else { 12 })),
+        // Sample descriptions and data references: boxes of at least 8 bytes each.
+        b"stsd" | b"dref" => Some((4, 8, 8)),
+        b"sbgp" => {
+            let at = if version == 1 { 12 } else { 8 };
+            Some((at, at + 4, 8))
+        }
+        b"trun" => {
+            let before = 8 + 4 * usize::from(flags & 0x001 != 0) + 4 * usize::from(flags & 0x004 != 0);
+            let per = 4 * (flags & 0xf00).count_ones() as u64;
+            Some((4, before, per))
+        }
+        _ => None,
+    };
+    let Some((count_at, before, per)) = layout else { return Ok(()) };
+    let Some(count) = u32_at(count_at) else { return Ok(()) };
+    let room = body.len().saturating_sub(before) as u64;
+    let declared = u64::from(count) * per;
+    if declared > room {
+        let what = format!("MP4 `{}` table", String::from_utf8_lossy(kind));
+        return Err(AudioError::NotAudio {
+            detail: format!("damaged {what}: it declares {declared} bytes where only {room} remain"),
+        });
+    }
+    // A table without entries of its own (fixed sample size, a run without per-sample
+    // fields) still may not declare more samples than a file can have.
+    if per == 0 && u64::from(count) > MAX_SAMPLES {
+        return Err(AudioError::NotAudio {
+            detail: format!("damaged MP4 `{}` table: it declares {count} samples", String::from_utf8_lossy(kind)),
+        });
+    }
+    Ok(())
+}
+
+/// Most samples an MP4 table without per-sample entries may declare: 24 hours of
+/// 384 kHz audio, one sample per entry.
+const MAX_SAMPLES: u64 = 384_000 * 86_400;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +399,34 @@ mod tests {
         let e = vorbis_comment(&bad).unwrap_err();
         assert!(e.to_string().contains("declares 1610612736 bytes where only 5 remain"), "{e}");
         assert!(vorbis_comment(&ok[..13]).is_err());
+    }
+
+    /// An MP4 box: size, type, body.
+    fn mp4_box(kind: &[u8; 4], body: &[u8]) -> Vec<u8> {
+        let mut b = ((body.len() + 8) as u32).to_be_bytes().to_vec();
+        b.extend_from_slice(kind);
+        b.extend_from_slice(body);
+        b
+    }
+
+    #[test]
+    fn an_mp4_table_that_declares_more_entries_than_it_holds_is_damaged() {
+        let table = |count: u32| {
+            let mut stco = vec![0u8; 4];
+            stco.extend_from_slice(&count.to_be_bytes());
+            stco.extend_from_slice(&[0u8; 8]);
+            let stbl = mp4_box(b"stbl", &mp4_box(b"stco", &stco));
+            let trak = mp4_box(b"trak", &mp4_box(b"mdia", &mp4_box(b"minf", &stbl)));
+            let mut file = mp4_box(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(mp4_box(b"moov", &trak));
+            file
+        };
+        let check_bytes = |b: Vec<u8>| {
+            let len = b.len() as u64;
+            check(&mut std::io::Cursor::new(b), len)
+        };
+        assert!(check_bytes(table(2)).is_ok());
+        let err = check_bytes(table(u32::MAX)).unwrap_err();
+        assert!(err.to_string().contains("stco"), "{err}");
     }
 }
