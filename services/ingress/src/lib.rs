@@ -564,8 +564,9 @@ async fn connected_within(client: &async_nats::Client, grace: std::time::Duratio
 /// the client's retry is safe even if the event got through.
 /// How long after its start an ingress that refuses unserved models lets a submit for
 /// one wait for a worker instead: workers started with it may still be loading their
-/// models or announcing themselves.
-pub const UNSERVED_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
+/// models or announcing themselves. Shorter than a submit's own time limit, so a model
+/// that nobody will serve is still refused (422), not timed out.
+pub const UNSERVED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 const SUBMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(12);
 
