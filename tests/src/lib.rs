@@ -567,3 +567,25 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::E
 pub fn job_id(v: &Value) -> JobId {
     JobId::parse(v["job_id"].as_str().expect("job_id in answer")).expect("valid job id")
 }
+
+/// Whether `program` runs (`program arg` exits 0). When it does not, the skip rule
+/// applies ([`missing_tool`]) and this returns `false` for the test to return.
+pub fn have_tool(program: &str, arg: &str, what: &str) -> bool {
+    let ok = Command::new(program).arg(arg).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        missing_tool(what, program);
+    }
+    ok
+}
+
+/// The skip rule for a test that needs a tool `scripts/install-test-deps.sh` installs:
+/// in CI (`CI=true`) a missing tool fails the test; elsewhere the test prints
+/// `SKIPPED: <what>` and the caller returns.
+pub fn missing_tool(what: &str, tool: &str) {
+    assert_ne!(
+        std::env::var("CI").as_deref(),
+        Ok("true"),
+        "{what}: {tool} is missing under CI (scripts/install-test-deps.sh installs it)"
+    );
+    eprintln!("SKIPPED: {what} ({tool} is not installed: scripts/install-test-deps.sh installs it)");
+}

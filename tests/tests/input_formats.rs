@@ -18,18 +18,9 @@ use stemq_tests::{job_id, upload_key, Stack, StackOptions};
 const T: Duration = Duration::from_secs(120);
 const SECONDS: f64 = 2.0;
 
-fn have_ffmpeg() -> bool {
-    let ok = Command::new("ffmpeg").arg("-version").output().is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(std::env::var("CI").is_err(), "ffmpeg is missing (scripts/install-test-deps.sh installs it)");
-        eprintln!("SKIPPED: ffmpeg is missing (Debian package ffmpeg, scripts/install-test-deps.sh)");
-    }
-    ok
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_format_separates_and_a_foreign_one_fails_once_with_its_name() {
-    if !have_ffmpeg() {
+    if !stemq_tests::have_tool("ffmpeg", "-version", "the input formats through the pipeline") {
         return;
     }
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;

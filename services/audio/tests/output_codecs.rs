@@ -3,9 +3,9 @@
 //! libFLAC's default level) and MP3 (symphonia decodes it to the input's length plus
 //! LAME's delay and padding, at the input's level; the bit rate and preset are honoured).
 //!
-//! Where the `flac` command line (Debian package `flac`) is installed, the FLAC tests
-//! also run `flac -t` on our files and compare sizes with `flac -5`; without it those
-//! parts say SKIPPED and the rest still runs.
+//! The FLAC tests also run `flac -t` on our files and compare sizes with `flac -5`
+//! (Debian package `flac`, installed by `scripts/install-test-deps.sh`); without it
+//! those parts print `SKIPPED` and the rest still runs, and in CI (`CI=true`) they fail.
 
 mod common;
 
@@ -68,8 +68,9 @@ fn to_int(x: f32, bits: u32) -> i32 {
     ((x * scale).round() as i64).clamp(-(max as i64) - 1, max as i64) as i32
 }
 
-fn flac_cli() -> Option<&'static str> {
-    Command::new("flac").arg("--version").output().ok().filter(|o| o.status.success()).map(|_| "flac")
+/// Whether the `flac` command line runs (the skip rule: `common::have_tool`).
+fn have_flac(what: &str) -> bool {
+    have_tool("flac", "--version", what)
 }
 
 /// A test signal: two sines plus a little noise, with a partial last block.
@@ -112,12 +113,9 @@ fn flac_md5_is_the_md5_of_the_decoded_samples_and_symphonia_decodes_it_bit_exact
         }
         assert_eq!(md5.finalize().as_slice(), md5_in_file, "{bits}-bit: STREAMINFO MD5");
 
-        match flac_cli() {
-            Some(flac) => {
-                let out = Command::new(flac).args(["-t", "-s"]).arg(&path).output().unwrap();
-                assert!(out.status.success(), "flac -t: {}", String::from_utf8_lossy(&out.stderr));
-            }
-            None => eprintln!("SKIPPED: `flac -t` (the flac command line is not installed)"),
+        if have_flac("`flac -t` on our FLAC") {
+            let out = Command::new("flac").args(["-t", "-s"]).arg(&path).output().unwrap();
+            assert!(out.status.success(), "flac -t: {}", String::from_utf8_lossy(&out.stderr));
         }
     }
 }
@@ -137,19 +135,16 @@ fn flac_compresses_close_to_libflac_default_level() {
         100.0 * our_bytes as f64 / wav_bytes as f64
     );
     // Measured (docs/benchmarks.md): libFLAC -5 makes these 20 s 32.5 % of the WAV and
-    // stemq 32.1 %; stemq's earlier FIXED-only encoder was 10 % larger than libFLAC.
+    // stemq 32.1 %.
     assert!((our_bytes as f64) < 0.335 * wav_bytes as f64, "{our_bytes} of {wav_bytes}");
-    match flac_cli() {
-        Some(flac) => {
-            let theirs = dir.path().join("libflac.flac");
-            let out = Command::new(flac).args(["-5", "-s", "-f", "-o"]).arg(&theirs).arg(&wav).output().unwrap();
-            assert!(out.status.success(), "flac -5: {}", String::from_utf8_lossy(&out.stderr));
-            let their_bytes = std::fs::metadata(&theirs).unwrap().len();
-            let ratio = our_bytes as f64 / their_bytes as f64;
-            eprintln!("libFLAC -5: {their_bytes} B; stemq / libFLAC = {ratio:.4}");
-            assert!(ratio < 1.03, "stemq's FLAC is {:.1} % larger than libFLAC -5", 100.0 * (ratio - 1.0));
-        }
-        None => eprintln!("SKIPPED: the comparison with `flac -5` (the flac command line is not installed)"),
+    if have_flac("the size comparison with `flac -5`") {
+        let theirs = dir.path().join("libflac.flac");
+        let out = Command::new("flac").args(["-5", "-s", "-f", "-o"]).arg(&theirs).arg(&wav).output().unwrap();
+        assert!(out.status.success(), "flac -5: {}", String::from_utf8_lossy(&out.stderr));
+        let their_bytes = std::fs::metadata(&theirs).unwrap().len();
+        let ratio = our_bytes as f64 / their_bytes as f64;
+        eprintln!("libFLAC -5: {their_bytes} B; stemq / libFLAC = {ratio:.4}");
+        assert!(ratio < 1.03, "stemq's FLAC is {:.1} % larger than libFLAC -5", 100.0 * (ratio - 1.0));
     }
 }
 

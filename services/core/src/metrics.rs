@@ -741,8 +741,7 @@ mod tests {
     }
 
     /// `promtool check metrics` (Debian's `prometheus` package) accepts the classic body.
-    /// Skipped when promtool is not installed, unless `STEMQ_REQUIRE_PROMTOOL` is set
-    /// (`scripts/test.sh` installs it and sets it).
+    /// Without promtool it fails in CI and is skipped elsewhere (`promtool::available`).
     #[test]
     fn promtool_accepts_the_classic_body() {
         let m = metrics();

@@ -67,3 +67,19 @@ pub fn write_stem(path: &Path, chunk: &StereoChunk, format: OutputFormat, clip: 
     }
     enc.finish().unwrap();
 }
+
+/// Whether `program` runs (`program arg` exits 0). When it does not, the skip rule:
+/// in CI (`CI=true`) the test fails; elsewhere it prints `SKIPPED: <what>` and this
+/// returns `false` for the test to skip that part.
+pub fn have_tool(program: &str, arg: &str, what: &str) -> bool {
+    let ok = std::process::Command::new(program).arg(arg).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "{what}: {program} is missing under CI (scripts/install-test-deps.sh installs it)"
+        );
+        eprintln!("SKIPPED: {what} ({program} is not installed: scripts/install-test-deps.sh installs it)");
+    }
+    ok
+}
