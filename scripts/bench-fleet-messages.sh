@@ -7,7 +7,7 @@
 #   STEMQ_BIN=target/release/stemq scripts/bench-fleet-messages.sh [EXTRA_WORKERS] [JOBS]
 #
 # Needs nats-server on PATH (scripts/install-nats.sh) and curl. Used in
-# docs/benchmarks.md (issue 18, sixth pass).
+# docs/benchmarks.md ("Messages through nats-server per job").
 set -euo pipefail
 extra=${1:-3}
 jobs=${2:-10000}

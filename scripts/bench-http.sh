@@ -23,7 +23,7 @@ fi
 # The stack's data (nats-server's store, the object store) on tmpfs where there is one
 # (STEMQ_BENCH_DIR overrides): a deployment's store is S3 on other machines, and on a
 # churned ext4 the worker's file creations cost more CPU than the ingress
-# (docs/benchmarks.md, issue 18).
+# (docs/benchmarks.md, "Settings, each against its alternative").
 parent="${STEMQ_BENCH_DIR:-}"
 if [[ -z "$parent" && -d /dev/shm && -w /dev/shm ]]; then parent=/dev/shm; fi
 data="$(mktemp -d -p "${parent:-${TMPDIR:-/tmp}}")"
