@@ -12,10 +12,11 @@
 //! credits (no grant, no reservation) has nothing to close, so the closer waits, reading
 //! the ledger stream's state every [`FIRST_ENTRY_POLL`], and pulls nothing: outcomes cost
 //! the `ledger` consumer neither a delivery nor an ack (two of a job's messages through
-//! the server; `docs/benchmarks.md`, issue 18, sixth pass). Once the ledger holds an
-//! entry, the closer pulls from where the consumer stands, the outcomes recorded
-//! meanwhile included; one stored more than [`CLOCK_SKEW`] before the ledger's first
-//! entry cannot have a reservation to close, and is acked without reading its request.
+//! the server; `docs/benchmarks.md`, "Messages through nats-server per job"). Once the
+//! ledger holds an entry, the closer pulls from where the consumer stands, the outcomes
+//! recorded meanwhile included; one stored more than [`CLOCK_SKEW`] before the ledger's
+//! first entry cannot have a reservation to close, and is acked without reading its
+//! request.
 //!
 //! It also counts usage per owner for Prometheus, with a bounded
 //! label set: the first [`OWNER_LABELS`] owners seen by this process by name, the rest

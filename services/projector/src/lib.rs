@@ -94,7 +94,7 @@ type Pending = (Position, Event, jetstream::Message);
 /// so the time to a terminal view does not grow; a queued or running status shows up
 /// at most this much later. 10 ms: under load a job's `started` and outcome are a few
 /// milliseconds apart (2 ms left a third of them written apart: 2.4 writes a job at
-/// throughput, 2.0 with 10 ms; `docs/benchmarks.md`, issue 18, sixth pass).
+/// throughput, 2.0 with 10 ms; `docs/benchmarks.md`, "Settings, each against its alternative").
 pub const LINGER: Duration = Duration::from_millis(10);
 
 /// The longest delay before a handed-back event comes again.

@@ -13,8 +13,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// its arenas' locks; 1.14× pipeline throughput. glibc's malloc (tuned by
 /// `stemq_demucs::cpu::tune_allocator`) where the model runs in this process (`stemq
 /// engine-host`, `stemq separate`): there mimalloc was about 10 % slower on 120 s of
-/// audio. Both measured in `docs/benchmarks.md` (issue 18). A process never switches,
-/// so every block is freed by the allocator that gave it.
+/// audio. Both measured in `docs/benchmarks.md` ("Settings, each against its
+/// alternative"). A process never switches, so every block is freed by the allocator
+/// that gave it.
 ///
 /// With the choice goes the process's use of transparent huge pages (`huge_pages`).
 pub struct ByRole;
@@ -64,7 +65,7 @@ fn glibc() -> bool {
 /// blocks then cost the kernel a cleared 2 MiB page each time a freed range is touched
 /// again: 15–17 % of the whole box's CPU in `clear_page_erms` under the pipeline
 /// benchmark, whose throughput without them was 1.07–1.32× (median 1.18×) in six pairs
-/// (`docs/benchmarks.md`, issue 18, fifth pass). `MIMALLOC_ALLOW_THP` in the
+/// (`docs/benchmarks.md`, "Settings, each against its alternative"). `MIMALLOC_ALLOW_THP` in the
 /// environment leaves the process as it is.
 /// The setting is inherited by child processes, so one that runs the model (an engine
 /// host started by a worker) turns it back on: its tensors are large and long-lived.

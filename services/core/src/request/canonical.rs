@@ -115,7 +115,7 @@ mod tests {
 
     /// Not a check: prints the time of one request's canonical JSON, ours against
     /// serde_jcs (`cargo test --release -p stemq-core --lib canonical::tests::figures
-    /// -- --ignored --nocapture`; `docs/benchmarks.md`, issue 18, sixth pass).
+    /// -- --ignored --nocapture`; `docs/benchmarks.md`, "Settings, each against its alternative").
     #[test]
     #[ignore]
     fn figures() {
