@@ -26,6 +26,7 @@ use crate::control::{CancelOutcome, CancelResponse};
 use crate::credits::{AccountView, ModelUsage};
 use crate::links::{Job, Links};
 use crate::openapi::{Answer, Operation};
+use crate::separations::{JobList, JobPath, ListQuery, Submitted};
 use crate::session::{Can, Me, SigninRequest, SigninResponse};
 use crate::submit::SubmitResponse;
 use crate::uploads::UploadResponse;
@@ -33,7 +34,7 @@ use crate::webhooks::{
     Deliveries, Delivery, DeliveryAttempt, EnableRequest, EnableResponse, ReplayQueued, ReplayState, WebhookSecret,
 };
 use crate::workers::{Fleet, ModelInfo, Models, Overview};
-use crate::{AppState, JobList, JobPath, ListQuery, Submitted};
+use crate::AppState;
 
 /// One route: its description and its handler.
 pub struct Route {
@@ -236,9 +237,9 @@ fn job_links(op: Operation, statuses: &[u16], pointer: &str) -> Operation {
 /// Every route the ingress serves, in the order `/openapi.json` lists them.
 pub fn routes() -> Vec<Route> {
     vec![
-        serve(separations_create(), crate::create),
-        serve(separations_list(), crate::list),
-        serve(separations_get(), crate::status),
+        serve(separations_create(), crate::separations::create),
+        serve(separations_list(), crate::separations::list),
+        serve(separations_get(), crate::separations::status),
         serve(separations_cancel(), crate::control::cancel_http),
         serve(separations_retry(), crate::control::retry_http),
         serve(separations_events(), crate::events::sse),
@@ -257,9 +258,9 @@ pub fn routes() -> Vec<Route> {
         serve(signin(), crate::session::signin),
         serve(workers_list(), crate::workers::list),
         serve(overview_get(), crate::workers::overview),
-        serve(metrics_get(), crate::metrics_text),
-        serve(health_get(), crate::healthz),
-        serve(ready_get(), crate::ready),
+        serve(metrics_get(), crate::ops::metrics_text),
+        serve(health_get(), crate::ops::healthz),
+        serve(ready_get(), crate::ops::ready),
         serve(openapi_get(), openapi_json),
         serve(page_get(), crate::web::index),
         serve(page_file(), crate::web::file),

@@ -11,8 +11,8 @@
 //! 2. the batch's latest round is read; items it already settled (submitted, or refused
 //!    as invalid) are kept as they are, so a resubmission spends nothing on them;
 //! 3. every other item, in order, goes the way of a single submit, validation first
-//!    ([`crate::prepare_as`]), then the rate, the cap on jobs in flight and the publish
-//!    ([`crate::spend_rate`], [`crate::admit_and_queue`]). An invalid item is refused
+//!    ([`crate::pipeline::prepare_as`]), then the rate, the cap on jobs in flight and the publish
+//!    ([`crate::pipeline::spend_rate`], [`crate::pipeline::admit_and_queue`]). An invalid item is refused
 //!    alone and the batch goes on; a refusal about the caller's budget (rate, jobs in
 //!    flight, and any such limit a submit gains: [`SubmitError::stops_batch`]) or a queue
 //!    that took nothing stops the batch: every later valid item is `not_submitted` with
@@ -123,7 +123,7 @@ pub(crate) async fn create(
             continue;
         }
         let bytes = serde_json::to_vec(item).expect("JSON values serialise");
-        let event = match crate::prepare_as(&state, &caller, &bytes, traceparent.clone()).await {
+        let event = match crate::pipeline::prepare_as(&state, &caller, &bytes, traceparent.clone()).await {
             Ok(event) => event,
             Err(e) => {
                 let failed: Result<(crate::submit::SubmitResponse, ()), SubmitError> = Err(e);
@@ -138,8 +138,8 @@ pub(crate) async fn create(
             continue;
         }
         let result = async {
-            crate::spend_rate(&state, &caller).await?;
-            crate::admit_and_queue(&state, &caller, event).await
+            crate::pipeline::spend_rate(&state, &caller).await?;
+            crate::pipeline::admit_and_queue(&state, &caller, event).await
         }
         .await
         .map(|r| (r, ()));

@@ -24,11 +24,12 @@ use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::publish::{publish, publish_once, publish_request, Once};
 use stemq_core::{Event, JobId, JobStatus, JobView};
 
+use crate::error::internal;
 use crate::errors::Path;
 use crate::links::Links;
+use crate::separations::JobPath;
 use crate::submit::SubmitResponse;
-use crate::JobPath;
-use crate::{internal, ApiError, AppState};
+use crate::{ApiError, AppState};
 
 /// Why a control operation was refused or failed.
 #[derive(Debug, thiserror::Error)]

@@ -39,9 +39,10 @@ use stemq_core::{JobStatus, JobView};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::control::view_or_404;
+use crate::error::internal;
 use crate::errors::Path;
 use crate::links::Links;
-use crate::{internal, ApiError, AppState};
+use crate::{ApiError, AppState};
 
 /// How often the stream of a queued job looks at its place again.
 pub const RECHECK: Duration = Duration::from_secs(1);
@@ -91,7 +92,7 @@ pub(crate) async fn sse(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     links: Links,
-    Path(crate::JobPath { id }): Path<crate::JobPath>,
+    Path(crate::separations::JobPath { id }): Path<crate::separations::JobPath>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
     let view = view_or_404(&state, &caller, &id).await?;

@@ -17,8 +17,9 @@ use tracing::warn;
 use stemq_core::auth::{KeyError, Permission};
 
 use crate::access::{bearer, unauthenticated_operator};
+use crate::pipeline::submit_as;
 use crate::submit::SubmitError;
-use crate::{submit_as, AppState};
+use crate::AppState;
 
 /// Serves until `shutdown`.
 pub async fn serve(

@@ -18,7 +18,7 @@
 //! the security of each operation and its 401/403 from [`crate::access::permission`],
 //! 400 for a query string that does not parse or carries a key, 404 on every job route,
 //! 408 and 413 on bodies ([`crate::serve`]), and 503 where NATS or the keys are needed
-//! ([`crate::nats_gate`]).
+//! ([`crate::middleware::nats_gate`]).
 
 use std::collections::BTreeMap;
 

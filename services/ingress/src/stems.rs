@@ -16,9 +16,10 @@ use stemq_core::auth::Caller;
 use stemq_core::{JobId, JobStatus};
 use tracing::{info_span, warn, Instrument};
 
+use crate::error::internal;
 use crate::errors::Path;
 use crate::uploads::no_store;
-use crate::{internal, ApiError, AppState};
+use crate::{ApiError, AppState};
 
 /// What a `Range` header asks of an object of `size` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -30,9 +30,10 @@ use stemq_core::webhook::{self, OwnerWebhooks};
 use stemq_core::{Event, JobId};
 
 use crate::control::view_or_404;
+use crate::error::internal;
 use crate::errors::{Bytes, Path};
-use crate::JobPath;
-use crate::{internal, ApiError, AppState};
+use crate::separations::JobPath;
+use crate::{ApiError, AppState};
 
 fn grace() -> Duration {
     std::env::var("STEMQ_WEBHOOK_ROTATION_GRACE_S")
