@@ -31,6 +31,9 @@ use stemq_core::auth::Permission;
 
 use crate::{ErrorBody, ErrorDetail};
 
+mod examples;
+pub mod operations;
+
 /// Makes a type's schema (a `$ref` for named types) in a generator.
 type SchemaFn = fn(&mut SchemaGenerator) -> Schema;
 
