@@ -35,7 +35,7 @@ use stemq_core::batch_log::{record_round, Read, Recorded, WriteError};
 use stemq_core::{JobId, JobStatus};
 use tracing::{info, warn};
 
-use crate::errors::{Bytes, Path};
+use crate::rejection::{Bytes, Path};
 use crate::submit::SubmitError;
 use crate::{ApiError, AppState};
 

@@ -25,8 +25,8 @@ use stemq_core::publish::{publish, publish_once, publish_request, Once};
 use stemq_core::{Event, JobId, JobStatus, JobView};
 
 use crate::error::internal;
-use crate::errors::Path;
 use crate::links::Links;
+use crate::rejection::Path;
 use crate::separations::JobPath;
 use crate::submit::SubmitResponse;
 use crate::{ApiError, AppState};

@@ -29,7 +29,7 @@ use stemq_core::ledger::{self, credits, Account, Movement, Prices};
 use stemq_core::request::Model;
 use tracing::warn;
 
-use crate::errors::Query;
+use crate::rejection::Query;
 use crate::{ApiError, AppState};
 
 /// The price list; `None` when credits are off, or when it cannot be read (the workers

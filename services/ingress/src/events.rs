@@ -40,8 +40,8 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::control::view_or_404;
 use crate::error::internal;
-use crate::errors::Path;
 use crate::links::Links;
+use crate::rejection::Path;
 use crate::{ApiError, AppState};
 
 /// How often the stream of a queued job looks at its place again.

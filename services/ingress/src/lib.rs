@@ -34,7 +34,7 @@
 //! follow it and, once it succeeded, to download each stem ([`links`]; under
 //! [`Config::public_url`], else the request's host). Unknown routes, wrong methods,
 //! bodies too large and unparsable paths or queries answer in the API's error shape like
-//! every other error ([`errors`]). Browser pages of the origins in
+//! every other error ([`rejection`]). Browser pages of the origins in
 //! [`Config::cors_origins`] may call the API ([`cors`]; off by default).
 //!
 //! A queued job's view says why it waits (`waiting`) when no live worker serves its
@@ -64,7 +64,6 @@ pub mod control;
 pub mod cors;
 pub mod credits;
 pub mod error;
-pub mod errors;
 pub mod events;
 pub mod limits;
 pub mod links;
@@ -75,6 +74,7 @@ pub mod openapi;
 pub mod ops;
 pub mod pipeline;
 pub mod prefer;
+pub mod rejection;
 pub mod router;
 pub mod separations;
 pub mod serve;
@@ -244,9 +244,9 @@ pub fn router(state: AppState) -> Router {
     }
     // After every route: the 405 fallback applies to the routes added before it.
     let app = app
-        .fallback(errors::no_route)
-        .method_not_allowed_fallback(errors::wrong_method)
-        .layer(DefaultBodyLimit::max(errors::BODY_LIMIT))
+        .fallback(rejection::no_route)
+        .method_not_allowed_fallback(rejection::wrong_method)
+        .layer(DefaultBodyLimit::max(rejection::BODY_LIMIT))
         .layer(from_fn_with_state(state.clone(), access::authenticate))
         .layer(from_fn_with_state(state.clone(), crate::middleware::nats_gate))
         // Before authentication: a body's time runs from its head, whoever sends it.

@@ -12,9 +12,9 @@ use stemq_core::read::Cursor;
 use stemq_core::JobStatus;
 use tracing::Instrument;
 
-use crate::errors::{Bytes, Path, Query};
 use crate::links::{Job, Links};
 use crate::pipeline::submit_as;
+use crate::rejection::{Bytes, Path, Query};
 use crate::submit::{SubmitError, SubmitResponse};
 use crate::{control, prefer, ApiError, AppState};
 

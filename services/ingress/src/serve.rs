@@ -18,7 +18,7 @@
 //!   time its bytes take at [`HttpTimeouts::body_min_rate`] (so a 2 MiB JSON body has
 //!   about 30 s and a 1 GiB upload may take its time at a usable rate). Past it the
 //!   request answers 408 `request_timeout` and the connection closes;
-//! - a declared `Content-Length` above what the route reads ([`errors::BODY_LIMIT`] for
+//! - a declared `Content-Length` above what the route reads ([`rejection::BODY_LIMIT`] for
 //!   every route but uploads, which check their own limit) answers 413 at once, without
 //!   waiting for a byte of the body.
 //!
@@ -50,7 +50,7 @@ use tokio::net::TcpListener;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-use crate::{errors, ApiError, AppState};
+use crate::{rejection, ApiError, AppState};
 
 /// Longest wait for requests in flight once shutdown starts; streams still open then
 /// (Server-Sent Events) are cut.
@@ -330,11 +330,11 @@ pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, ne
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
     // Uploads stream their body and check their own (larger) limit.
-    if !req.uri().path().starts_with("/v1/uploads") && declared.is_some_and(|n| n > errors::BODY_LIMIT as u64) {
+    if !req.uri().path().starts_with("/v1/uploads") && declared.is_some_and(|n| n > rejection::BODY_LIMIT as u64) {
         let refusal = ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
             code: "too_large",
-            message: format!("request bodies are limited to {} bytes", errors::BODY_LIMIT),
+            message: format!("request bodies are limited to {} bytes", rejection::BODY_LIMIT),
             field: None,
         };
         return closing(refusal.into_response(), http11);

@@ -27,7 +27,7 @@ use stemq_core::request::RequestError;
 use stemq_core::storage::{StorageError, Store};
 use tracing::{info, info_span, warn, Instrument};
 
-use crate::errors::Query;
+use crate::rejection::Query;
 use crate::{ApiError, AppState};
 
 /// Bytes of an upload kept to read its header.

@@ -11,7 +11,7 @@
 //! The routes are public: the page holds no data. It asks for an API key, keeps it in
 //! the tab's session storage and sends it as `Authorization: Bearer` (never in a URL).
 
-use crate::errors::Path;
+use crate::rejection::Path;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 

@@ -31,7 +31,7 @@ use stemq_core::{Event, JobId};
 
 use crate::control::view_or_404;
 use crate::error::internal;
-use crate::errors::{Bytes, Path};
+use crate::rejection::{Bytes, Path};
 use crate::separations::JobPath;
 use crate::{ApiError, AppState};
 
