@@ -1,60 +1,28 @@
 //! stemq-ingress: the front door. Validates requests, queues jobs, answers status.
 //!
-//! This crate owns the public API. It never does heavy work: a submit is one publish
+//! This crate owns the public API, over HTTP and over NATS request-reply
+//! (`stemq.api.submit`, [`nats_api`]). It never does heavy work: a submit is one publish
 //! ([`submit`]), a status read is one KV get. Every route is one entry of the route
-//! table ([`api::routes`]): its handler and its description, from which both the router
-//! and `/openapi.json` ([`openapi`]) are made. Routes:
+//! table ([`api::routes`]), from which both the router and `/openapi.json` ([`openapi`])
+//! are made; docs/api.md lists them.
 //!
-//! - `POST /v1/separations` → 202 new job, 200 existing job (`cached: true`), 422 invalid;
-//!   with `Prefer: wait=N` the job's view once it ended (200) or after N s (202)
-//! - `GET /v1/separations/{id}` → the status view, 404 unknown; `Prefer: wait=N` waits
-//!   up to N s for its end ([`prefer`])
-//! - `GET /v1/separations?status=&limit=&cursor=` → newest first
-//! - `POST /v1/batches` → up to 1 000 requests as one batch (its id is its content),
-//!   `GET /v1/batches/{id}` → each item's job and status, counts ([`batches`])
-//! - `POST /v1/uploads` → 201 `{audio_uri, bytes, sha256}`, 413 too large ([`uploads`]);
-//!   the `audio_uri` is `upload:<sha256>.<ext>`, never a server path
-//! - `GET /v1/separations/{id}/stems/{stem}` → the stem (Range), or 307 to S3 ([`stems`])
-//! - `POST /v1/separations/{id}/cancel`, `POST /v1/separations/{id}/retry` ([`control`])
-//! - `GET /v1/separations/{id}/events` → Server-Sent Events of the status ([`events`])
-//! - `GET /v1/separations/{id}/deliveries`, `POST .../deliveries/{n}/replay`,
-//!   `GET /v1/webhooks/secret`, `POST /v1/webhooks/secret/rotate`,
-//!   `POST /v1/webhooks/enable` ([`webhooks`])
-//! - `GET /v1/workers` → the live workers and what they serve, per pool, and
-//!   `GET /v1/overview` → job counts, oldest job, throughput per minute (operators;
-//!   [`workers`]); `GET /v1/models` → the models, their stems, and which are served now
-//! - `GET /v1/account` → credits: balance, reserved, usage per model over a period;
-//!   a submit the owner cannot pay is 402 ([`credits`])
-//! - `GET /v1/me` → the caller's owner and role; `POST /v1/signin` → a one-time sign-in
-//!   link's key (`stemq dev` only; [`session`])
-//! - `GET /`, `GET /app/{file}` → the page for people ([`web`])
-//! - `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`
+//! | modules | own |
+//! |---|---|
+//! | [`state`] | what every handler shares ([`AppState`]) |
+//! | [`error`], [`rejection`] | the one error shape ([`ApiError`]), and the framework's refusals in it |
+//! | [`access`], [`middleware`], [`metrics`] | around every route: API keys; the NATS gate; HTTP metrics |
+//! | [`serve`], [`tls`], [`cors`] | the listener: slow clients cut off, HTTPS, browser origins |
+//! | [`pipeline`], [`submit`], [`limits`], [`availability`] | a caller's submit: rate, validation, cap, publish |
+//! | [`separations`], [`control`], [`events`], [`prefer`], [`links`] | the job routes |
+//! | [`batches`], [`uploads`], [`stems`], [`webhooks`] | batches, audio in and out, webhooks |
+//! | [`workers`], [`credits`], [`session`], [`web`], [`ops`] | fleet and models, credits, sign-in, the page, probes |
+//! | [`router`] | moves requests recorded without a route into their pools |
 //!
-//! Every job the API answers with carries `urls`: absolute links to read, cancel and
-//! follow it and, once it succeeded, to download each stem ([`links`]; under
-//! [`Config::public_url`], else the request's host). Unknown routes, wrong methods,
-//! bodies too large and unparsable paths or queries answer in the API's error shape like
-//! every other error ([`rejection`]). Browser pages of the origins in
-//! [`Config::cors_origins`] may call the API ([`cors`]; off by default).
-//!
-//! A queued job's view says why it waits (`waiting`) when no live worker serves its
-//! model (from the worker registry), where it is in its pool's lane (`queue_position`)
-//! and when it should be done (`eta`, `eta_seconds`; from the list index and the
-//! registry, see `stemq_core::read::queue`); with [`Config::refuse_unserved`] (`stemq dev`) such
-//! a submit is refused instead. Every ingress also runs the [`router`], which moves
-//! requests recorded without a route (earlier releases, old publishers) into their pools.
-//!
-//! Every route but `/healthz`, `/readyz` and `/openapi.json` needs an API key, and every
-//! job is its owner's alone ([`access`]); submits are limited per key ([`limits`]).
-//!
-//! A submit waits out a leader election of the job stream (up to 10 s) and, once the
-//! queue is known to take nothing (quorum lost), answers 503 within a second
-//! ([`availability`]). Every 503 carries `Retry-After`.
-//!
-//! The same submit is served over NATS request-reply on `stemq.api.submit` ([`nats_api`]).
-//! The listener speaks plain HTTP, or HTTPS (optionally with client certificates) when
-//! [`Config::tls`] is set ([`tls`]); a client that is slow to send a request head or
-//! body is cut off ([`serve`], [`Config::http_timeouts`]).
+//! What holds for every route: all but `/healthz`, `/readyz` and `/openapi.json` need an
+//! API key, and a job is its owner's alone ([`access`]); every error, the framework's
+//! too, answers in the [`ErrorBody`] shape; every 503 carries `Retry-After`; a job that
+//! exists is never a 404 ([`AppState::view`]). Why it is built so: docs/architecture.md,
+//! "The ingress".
 
 pub mod access;
 pub mod api;

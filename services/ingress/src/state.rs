@@ -18,8 +18,8 @@ use crate::metrics::Metrics;
 use crate::{availability, cors, limits, links, serve, session, uploads, IngressError};
 
 /// Shared handler state: one `Arc`, so the clone that every request's extractors and
-/// middleware take is a reference count, not a copy of the NATS handles inside (that
-/// copy was a fifth of the ingress's CPU under load; issue 18).
+/// middleware take is a reference count, not a copy of the NATS handles inside (such a
+/// copy per request costs a fifth of the ingress's CPU under load).
 #[derive(Clone)]
 pub struct AppState(Arc<AppShared>);
 

@@ -1,7 +1,7 @@
 //! `GET /v1/separations/{id}/stems/{stem}`: one stem of a finished job.
 //!
 //! This module owns stem downloads. On stores that can sign (S3) the answer is a 307
-//! redirect to a short-lived presigned URL, so the bytes never pass through the
+//! redirect to a short-lived presigned URL, so the bytes never go through the
 //! ingress. Otherwise the stem is streamed from the store with single-range HTTP Range
 //! support (`206` with `Content-Range`, `416` when unsatisfiable). Unknown jobs and stems
 //! are 404; a job that has not succeeded is 409.
@@ -17,7 +17,7 @@ use stemq_core::{JobId, JobStatus};
 use tracing::{info_span, warn, Instrument};
 
 use crate::error::internal;
-use crate::errors::Path;
+use crate::rejection::Path;
 use crate::uploads::no_store;
 use crate::{ApiError, AppState};
 

@@ -679,7 +679,7 @@ pub(crate) fn signin() -> Operation {
                 },
             ),
         )
-        .answer(401, Answer::error("A wrong or used token (every token but the link's one, once)", &["unauthorized"]))
+        .answer(401, Answer::error("A wrong or spent token (every token but the link's one, once)", &["unauthorized"]))
         .answer(404, Answer::error("This server has no sign-in links", &["not_found"]))
 }
 
