@@ -3,64 +3,30 @@
 //! This crate owns the write side of the status view. [`run`] consumes every job event
 //! (and the compacted progress stream) with durable consumers, applies
 //! [`stemq_core::apply`] and writes the result to the `stemq_jobs` bucket with
-//! compare-and-set on the entry's revision. It is idempotent by stream sequence (each
-//! view records the last applied position) and acks only after the write. Events of
-//! different jobs are applied concurrently in lanes (one lane per hash of the job id), so
-//! within one process the events of a job are applied in order while throughput scales;
-//! a lane takes whatever has arrived for it as one batch, folds each job's events of the
-//! batch into one write, and has the writes of all the batch's jobs in flight together;
-//! the write of a job whose events so far leave it unfinished waits up to [`LINGER`]
-//! for its next event (a job that ends within it is written once), a terminal event
-//! never waits;
-//! across processes (several projectors on the same consumers), order is not kept, and
-//! need not be (next paragraph).
-//! Both consumers are read through [`stemq_core::pull::messages`], so a server restart
-//! or a recreated consumer (a rebuild) never stops the projector.
+//! compare-and-set on the entry's revision, acking only after the write.
 //!
-//! **Per job, the view is the fold of its log, whoever applies what.** Idempotence by
-//! position means an event at or below the view's `last_seq` changes nothing. But such
-//! an event was not necessarily applied: it may have been overtaken by a newer event of
-//! its job — applied by another projector sharing the consumer, or after this one's fold
-//! of it failed and was handed back, or after its ack was lost and it came again behind
-//! newer ones. The projector cannot tell "applied" from "overtaken" by position, so it
-//! never guesses: a batch holding a log event at or below the view's `last_seq` (the
-//! view as cached, or as re-read after a compare-and-set conflict) is an *anomaly*, and
-//! the job is **refolded from the log**: its events up to the newest position known
-//! (the batch's or the view's) are read back with direct gets (`stemq.jobs.<id>.>`, next
-//! message by subject), refused requests left out as below, folded from nothing with
-//! [`stemq_core::apply`], the live progress carried over from the stored view, and the
-//! result written with compare-and-set like any other fold. A read that ends before the
-//! newest position known (a replica behind, on R3) is an error
-//! ([`ProjectorError::LogBehind`]), retried, never written. The normal path (events in
-//! order) costs nothing more: no read of the log, no extra round trip. Any number of
-//! projectors may therefore share the consumers: a view may for a moment miss an event
-//! another projector still holds, and it is repaired when that event is folded (its
-//! position is then at or below the view's). A fold that fails (a KV write refused, a
-//! stored view that does not parse) hands its events back (nak, with a delay growing with
-//! the delivery count, capped at [`MAX_RETRY_DELAY`]); later events of the job are
-//! applied meanwhile and the failed one, when it comes back, is an anomaly like any other.
-//! Progress has its own positions and only ever replaces older progress, so a progress
-//! event at or below `progress_seq` is simply stale (a newer one is in the view).
+//! | module | owns |
+//! |---|---|
+//! | `lane` | each job's events in order, in the lane of its id; batches; [`LINGER`] |
+//! | `plan` | the pure part: events never folded, apply or refold, whether a write waits |
+//! | `write` | one job's fold written with compare-and-set, or refolded from the log |
+//! | `reset` | the view dropped and recreated, for a replay of the log ([`reset()`]) |
+//! | [`ledger`] | credit reservations closed from job outcomes |
 //!
-//! **A request for another owner is refused.** A `requested` event on
-//! `stemq.jobs.<id>.requested.<token>` whose request names an owner with another token
-//! is never folded (terminated, logged, counted as
-//! `stemq_projector_errors_total{kind="owner_mismatch"}`, `id_mismatch` likewise, as is
-//! any event whose job is not its subject's): the worker drops it too, so the job's view
-//! waits for the job's real request.
+//! What holds, however many projectors share the consumers:
+//! - **Per job, the view is the fold of its log, whoever applies what.** A log event at
+//!   or below the view's `last_seq` may have been applied or only overtaken; either way
+//!   the job is refolded from the log, never skipped on trust. A fold that fails hands
+//!   its events back (nak, delay capped at [`MAX_RETRY_DELAY`]).
+//! - **An event that is not its subject's job's is never folded**, a request for
+//!   another owner included.
+//! - **A view that does not parse is an error** ([`ProjectorError::CorruptView`]), never
+//!   overwritten; `stemq projector --rebuild` replaces it from the log.
+//! - **The view is disposable**: [`reset()`] and a replay give an identical one. Readers
+//!   never depend on this crate: they read through [`stemq_core::read`], as it does.
 //!
-//! **A view that does not parse is an error**, never an absent view to overwrite:
-//! [`get_view`] returns [`ProjectorError::CorruptView`], the fold refuses to write over
-//! it (its events are handed back as above, logged with its `job_id`, and counted in
-//! `stemq_projector_errors_total{kind="corrupt_view"}`), other jobs keep flowing, and
-//! `stemq projector --rebuild` replaces it from the log.
-//!
-//! It also closes credit reservations from job outcomes ([`ledger`]).
-//!
-//! The view is disposable: [`reset`] drops the bucket and the consumers, and replays
-//! the log into an identical view. Readers never depend on this crate: they read the
-//! view, the list index and its cursor through [`stemq_core::read`], which this crate
-//! uses too (its [`get_view`] is that reader with the projector's error).
+//! Why it is built so: docs/architecture.md, "The view", "Inside the projector" and
+//! "Two projectors, two relays".
 
 mod lane;
 pub mod ledger;

@@ -69,7 +69,7 @@ pub(crate) enum Plan {
     /// The view with the events applied, in order.
     Write(Box<JobView>),
     /// A log event at or below the view's position: refold the job's log up to this
-    /// sequence (module docs).
+    /// sequence (the crate docs).
     Refold {
         /// The newest log position known: the batch's or the view's.
         upto: u64,

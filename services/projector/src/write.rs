@@ -34,7 +34,7 @@ impl Job<'_> {
     /// Applies the job's events in order to `cached` (the lane's cached view, if any)
     /// and writes the result once, with compare-and-set; on a concurrent writer it
     /// re-reads and plans again. An event behind the view refolds the job from the log
-    /// (module docs). A stored entry that is not a view is an error
+    /// (the crate docs). A stored entry that is not a view is an error
     /// ([`ProjectorError::CorruptView`]), never overwritten. Returns what the lane's
     /// cache should hold for the job now.
     pub(crate) async fn fold(
