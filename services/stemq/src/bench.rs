@@ -1,16 +1,12 @@
-//! `stemq bench pipeline`: end-to-end throughput and latency with the fake engine;
-//! `stemq bench http`: submits offered to a running ingress at a fixed rate.
+//! `stemq bench`: four benchmarks, one module each, over the same load shapes.
 //!
-//! Everything runs in one box: a nats-server of its own (unless `NATS_URL` is set; with
-//! `--cluster`, three nodes on loopback with every stream, consumer and bucket at R3),
-//! the projector and a worker in this process, and a submitter that publishes distinct
-//! jobs.
-//! A job counts as done when its KV view turns terminal, so the figures include the
-//! projector. Two modes:
-//! - throughput: `--jobs N` as fast as the pipeline takes them → jobs/s, p50/p99;
-//! - steady rate: `--rate R` → latency at R jobs/s (submit → terminal in the view).
+//! | module | command | measures |
+//! |---|---|---|
+//! | [`pipeline`] | `stemq bench pipeline` | submitted → terminal in the KV view, with the fake engine |
+//! | [`raw`] | `stemq bench raw` | raw JetStream cycles of the same load: the ceiling |
+//! | [`http`] | `stemq bench http` | submits offered to a running ingress at a fixed rate |
+//! | [`rss`] | `stemq bench rss` | the peak RSS of a worker separating songs of several lengths |
 //!
-//! Each benchmark is a module of its own ([`pipeline`], [`raw`], [`http`], [`rss`]);
 //! [`figures`] holds what they measure and print alike.
 
 mod figures;

@@ -113,7 +113,7 @@ struct Delivery {
     seq: u64,
 }
 
-/// Runs one delivery through the steps above.
+/// Runs one delivery through the steps of the module docs.
 async fn run_delivery(
     shared: &Arc<Shared>,
     delivery: Delivery,

@@ -1,5 +1,14 @@
-//! `stemq bench pipeline`: submitted → terminal in the KV view, with the fake engine,
-//! and where each job's latency went.
+//! `stemq bench pipeline`: end-to-end throughput and latency with the fake engine, and
+//! where each job's latency went.
+//!
+//! Everything runs in one box: a nats-server of its own (unless `NATS_URL` is set; with
+//! `--cluster`, three nodes on loopback with every stream, consumer and bucket at R3),
+//! the projector and a worker in this process, and a submitter that publishes distinct
+//! jobs.
+//! A job counts as done when its KV view turns terminal, so the figures include the
+//! projector. Two modes:
+//! - throughput: `--jobs N` as fast as the pipeline takes them → jobs/s, p50/p99;
+//! - steady rate: `--rate R` → latency at R jobs/s (submit → terminal in the view).
 
 use std::collections::HashMap;
 use std::sync::Arc;

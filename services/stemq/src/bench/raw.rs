@@ -13,7 +13,8 @@ use tokio::sync::{Mutex, Semaphore};
 use super::figures::Figures;
 use super::{own_server, Load};
 
-/// Raw JetStream cycles on a server of its own (see the module doc).
+/// Raw JetStream cycles on a server of its own: publish a request, pull it, publish an
+/// outcome, ack.
 pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) -> Result<Figures> {
     let tmp = tempfile::tempdir()?;
     let server = own_server(&tmp.path().join("nats")).await?;
