@@ -27,7 +27,7 @@
 //! A decoder must never take a worker down or make it retry a bad file, so:
 //! * source sample rates outside [`MIN_SAMPLE_RATE`]`..=`[`MAX_SAMPLE_RATE`] are
 //!   refused ([`AudioError::SampleRate`]), read from the WAV/FLAC header before
-//!   symphonia sees it (a 0 Hz WAV used to panic inside symphonia);
+//!   symphonia sees it (a 0 Hz WAV panics inside symphonia);
 //! * the decoded stream may not grow beyond [`MAX_EXPANSION`] times the input
 //!   file's size ([`AudioError::TooLarge`]), checked from the header's length when
 //!   it states one, else while decoding;
@@ -59,7 +59,7 @@ use crate::resample::StreamResampler;
 pub const ENGINE_SAMPLE_RATE: u32 = 44_100;
 
 /// Lowest accepted source sample rate (telephone-band audio). Below it a tiny file
-/// declares minutes of audio: a 244-byte WAV at 1 Hz used to come out as 70 MB of stems.
+/// declares minutes of audio: a 244-byte WAV at 1 Hz would come out as 70 MB of stems.
 pub const MIN_SAMPLE_RATE: u32 = 8_000;
 
 /// Highest accepted source sample rate (the highest rate of studio converters).
@@ -78,7 +78,7 @@ pub const MAX_SAMPLE_RATE: u32 = 384_000;
 /// measured with libsndfile, 60 s). Hence 4 096. Stems are written at most 4 (6 for
 /// `htdemucs_6s`) per job, each no larger than the decoded stream (the widest output,
 /// `f32` WAV, is 8 bytes a frame), so a job writes at most 6 × 4 096 times its input.
-/// What it stops is the tiny file that claims hours: the 244-byte 1 Hz WAV of issue 11
+/// What it stops is the tiny file that claims hours: a 244-byte WAV at 1 Hz
 /// decodes to 144 590 times its size (refused by the sample-rate floor as well), and
 /// half a kilobyte of FLAC made of constant 65 535-sample blocks to over 200 000 times.
 pub const MAX_EXPANSION: u64 = 4096;

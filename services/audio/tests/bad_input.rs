@@ -97,7 +97,7 @@ fn issue_11_a_zero_hz_wav_is_invalid_audio_not_a_panic() {
 
 #[test]
 fn issue_11_sample_rates_outside_8_to_384_khz_are_refused_with_the_rate() {
-    // The issue's 244-byte 1 Hz WAV (it used to "succeed" with 70 MB of stems), a 4 GHz
+    // The issue's 244-byte 1 Hz WAV (unchecked, it "succeeds" with 70 MB of stems), a 4 GHz
     // header, and the first rates past each bound.
     for rate in [1, 4_000_000_000, MIN_SAMPLE_RATE - 1, MAX_SAMPLE_RATE + 1] {
         let bytes = wav(rate, 1, 16, &noise_bytes(200));
@@ -282,7 +282,7 @@ fn issue_11_a_panic_inside_symphonia_is_invalid_audio() {
 #[test]
 fn a_hostile_flac_picture_after_junk_is_refused_not_an_abort() {
     let mut flac = constant_flac(1, true);
-    flac[4] = 0x00; // STREAMINFO no longer the last block
+    flac[4] = 0x00; // STREAMINFO not flagged as the last block
     let mut picture = Vec::new();
     picture.extend_from_slice(&3u32.to_be_bytes()); // front cover
     picture.extend_from_slice(&9u32.to_be_bytes());

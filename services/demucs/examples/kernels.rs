@@ -8,7 +8,7 @@
 //!
 //! The plain gemm rows are the ceiling a forward pass works under at that moment. On the
 //! project's 2-vCPU machines it moves with the neighbours: two concurrent calls reached
-//! anything from 191 to 391 GFLOPS in one session (one call: 148–213).
+//! anything from 191 to 391 GFLOPS within the same hour (one call: 148–213).
 
 use std::time::Instant;
 

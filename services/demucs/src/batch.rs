@@ -455,7 +455,7 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), vec![3], "one forward of the three passes");
     }
 
-    /// A memory budget that fits one segment per forward: jobs no longer share.
+    /// A memory budget that fits one segment per forward: jobs do not share then.
     #[test]
     fn a_row_limit_below_two_stops_the_sharing() {
         let hub = Arc::new(Hub::new(CrossJobBatching { max_rows: 4, linger: Duration::from_millis(10) }));

@@ -64,10 +64,10 @@ const F32: u64 = 4;
 /// the backend's worker threads, allocator rounding). Treat a budget as approximate:
 /// leave 25 % headroom under the real limit.
 ///
-/// Since 2026-12-01 the CPU's convolutions no longer build im2col columns (the host
-/// kernel's polyphase layout is about the size of the input, and the decoders' `[3, 3]`
-/// rewrite runs on it too), so on the CPU the estimate is now an upper bound with room to
-/// spare. Release build, same example, fresh process per row:
+/// The CPU's own convolutions build no im2col columns (the host kernel's polyphase
+/// layout is about the size of the input, and the decoders' `[3, 3]` rewrite runs on it
+/// too), so on the CPU the estimate is an upper bound with room to spare. Release build,
+/// same example, fresh process per row:
 ///
 /// | model | segment | estimate | measured | estimate / measured |
 /// |---|---:|---:|---:|---:|

@@ -81,7 +81,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
     stemq_core::telemetry::set_parent(&span, event.traceparent.as_deref());
     async {
         if event.body.is_terminal() {
-            // Whatever the job's webhook asks for, its progress is no longer news.
+            // Whatever the job's webhook asks for, an ended job's progress is not news.
             shared.last_progress.forget(&id);
         }
         let (webhook_id, event_type, replay, pos) = match &event.body {

@@ -117,7 +117,7 @@ mod tests {
         assert_eq!(next_step(&[(t(0), &a1), (t(5_000), &a2)], t(0), t(6_000)), Step::Wait(Duration::from_secs(299)));
         // within the slack: at once
         assert_eq!(next_step(&[(t(0), &a1)], t(0), t(4_980)), Step::Attempt(2));
-        // a clock far behind the recorder's waits no longer than the recorded delay
+        // a clock far behind the recorder's waits at most the recorded delay
         assert_eq!(next_step(&[(t(0), &a1)], t(0), t(-60_000)), Step::Wait(Duration::from_secs(5)));
     }
 
