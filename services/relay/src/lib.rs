@@ -1,58 +1,31 @@
 //! stemq-relay: tells clients what happened to their jobs, with signed webhooks.
 //!
-//! This crate owns webhook delivery. It is a service of its own with its own durable
-//! consumers (`relay` over started/outcome/replay-request events, `relay-progress` over
-//! the compacted progress stream; both in `nats/consumers/`), so a slow or dead receiver
-//! delays no worker and no other service. Each time the queue hands it an event, it
-//! (`handle`):
+//! This crate owns webhook delivery, as a service with its own durable consumers
+//! (`relay` over started/outcome/replay-request events, `relay-progress` over the
+//! compacted progress stream; both in `nats/consumers/`), so a slow or dead receiver
+//! delays no worker and no other service. Each event the queue hands it (`handle`) is:
 //!
-//! 1. folds the event into the job's status view (the read side's current view — the KV
-//!    view, else the request from the log — brought up to date with the pure `apply`, so
-//!    the payload never lags the event);
-//! 2. skips jobs without a webhook or whose `events` filter excludes the event
-//!    (`started`, `progress`, `completed` = any terminal status);
-//! 3. finds where the event's delivery stands (`schedule`): a first delivery is
-//!    attempt 1; a redelivery reads the `delivery_attempted` events recorded for its
-//!    `webhook-id` (the log, never memory), which give the attempt number, when it is
-//!    due, or that the delivery is already over;
-//! 4. claims the attempt (`claim`): the delivery's entry in the `stemq_delivery_claims`
-//!    bucket takes attempt `n` by create or compare-and-set, so of two relays handed the
-//!    same event (an ack wait that ran out mid-attempt, a lost ack) exactly one makes
-//!    it; the other leaves the event alone, to be acked or handed back by the winner;
-//! 5. makes the attempt (`attempt`): the SSRF check with the resolved address pinned,
-//!    then a POST of `{"type", "timestamp", "data": <status view>}` signed with Standard
-//!    Webhooks (`webhook-id` = the event id, stable across retries and replays; one `v1,`
-//!    signature per active secret of the job's owner), and records it as
-//!    `delivery_attempted` on `stemq.jobs.<id>.delivery`, once (`Nats-Msg-Id`
-//!    `<delivery key>.<attempt>`, so a retried publish is not a second record);
-//! 6. acks when the delivery is over (2xx; 410, which disables the URL for the owner
-//!    until `stemq webhooks enable`; 3xx and other 4xx; the schedule's last attempt), or
-//!    naks with the next delay when the receiver asks for a retry (timeout, connection
-//!    error, 5xx, 429): the schedule's next step with up to +20 % jitter, or a longer
-//!    `Retry-After` (capped).
+//! 1. folded into the job's current view with the pure `apply`, so the payload never
+//!    lags the event;
+//! 2. skipped when the job has no webhook or its `events` filter excludes the event;
+//! 3. placed in its delivery's schedule (`schedule`) by the `delivery_attempted` events
+//!    recorded for its `webhook-id`: the attempt number, when it is due, or that the
+//!    delivery is over;
+//! 4. claimed (`claim`): attempt `n` of the delivery is taken in `stemq_delivery_claims`
+//!    by create or compare-and-set, so of two relays handed the same event one makes it;
+//! 5. attempted (`attempt`): the SSRF check with the resolved address pinned, a POST
+//!    signed with Standard Webhooks, recorded once as `delivery_attempted` on
+//!    `stemq.jobs.<id>.delivery`;
+//! 6. acked when the delivery is over (2xx; 410, which disables the URL for the owner;
+//!    3xx and other 4xx; the last attempt), or handed back (nak) with the schedule's
+//!    next delay, jittered, or a longer `Retry-After`.
 //!
-//! The retry model: the queue holds the waiting. Between attempts nothing is held in
-//! the relay (no task, timer or concurrency slot), so receivers that keep failing cost
-//! one short attempt each per step and cannot starve others, and a relay that stops or
-//! crashes loses nothing: an event is acked only when its delivery is over, and whichever
-//! relay gets it next continues at the attempt number the log gives. The consumers have
-//! `max_deliver: -1` (the relay ends a schedule, not the server) and a `max_ack_pending`
-//! far above the deliveries that may wait for a retry at once.
-//!
-//! **Any number of relays** may share the consumers: the log numbers and times the
-//! attempts, the claims say who makes each one, and no relay keeps a delivery in
-//! memory. What stays at least once is a relay dying (or losing NATS) between its claim
-//! and its record: once the claim's lease (the request timeout plus a minute) has passed
-//! with no record, another relay takes the claim over and makes that attempt again with
-//! the same `webhook-id`, which receivers de-duplicate.
-//!
-//! **Batches** (`batches`): the relay also tells when a batch has ended — on each of
-//! its submission rounds (`relay-batches`) and on each end of a job it holds
-//! (`relay-batch-outcomes`) — records the end once, and delivers it to the batch's
-//! webhook the same way (`io.stemq.batch.ended.v1`, recorded on
-//! `stemq.batches.<id>.delivery`).
-//!
-//! Deliveries run concurrently, at most `concurrency` attempts in flight.
+//! What holds: the queue holds the waiting, so nothing stays in a relay between
+//! attempts and a relay that stops loses nothing; any number of relays may share the
+//! consumers; a receiver sees an attempt twice only when a relay dies between its claim
+//! and its record, with the same `webhook-id`. A batch's end is told the same way
+//! (`batches`). Deliveries run concurrently, at most `concurrency` attempts in flight.
+//! Why it is built so: docs/architecture.md, "Webhooks" and "Two projectors, two relays".
 
 mod attempt;
 mod batches;
