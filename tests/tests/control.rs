@@ -193,7 +193,7 @@ async fn max_runtime_limits_one_job() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openapi_describes_the_issue_5_routes() {
+async fn openapi_describes_cancel_retry_events_deliveries_and_webhook_secrets() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let (code, doc) = stack.get("/openapi.json").await;
     assert_eq!(code, 200);
