@@ -70,7 +70,7 @@ fn write_notes(path: &Path, seconds: f64) {
     enc.finish().unwrap();
 }
 
-/// Encodes a 16-bit WAV with stemq's FLAC writer (the integers pass through exactly);
+/// Encodes a 16-bit WAV with stemq's FLAC writer (the integers go through exactly);
 /// the time is of the encoding alone (the WAV is decoded into memory first).
 fn stemq_flac(wav: &Path, out: &Path) -> f64 {
     let mut d = Decoder::open_path(wav, DecodeOptions { target_sample_rate: 44_100, max_duration_secs: None }).unwrap();

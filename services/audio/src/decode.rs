@@ -15,7 +15,7 @@
 //!   go to the left output, right-side ones to the right, centre speakers go to
 //!   both at −3 dB (×0.7071), surround/rear/top speakers are themselves
 //!   attenuated by −3 dB, and LFE channels are dropped: ffmpeg's `-ac 2` fold to
-//!   float, which is what demucs reads (not normalised: a loud fold may pass 1.0, and
+//!   float, which is what demucs reads (not normalised: a loud fold may exceed 1.0, and
 //!   the stems' clip mode deals with it as demucs's does). Rear/top centres and
 //!   channels without a known position go to both sides at −6 dB.
 //!

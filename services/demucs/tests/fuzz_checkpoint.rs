@@ -53,7 +53,7 @@ fn the_seeds_are_checkpoints() {
     let c = Checkpoint::from_reader(Cursor::new(std::fs::read(dir.join("tiny_3_tensors.th")).unwrap())).unwrap();
     assert_eq!(c.state.keys().count(), 3);
     HTDemucsConfig::from_kwargs(&c.kwargs).unwrap();
-    // The limits the fuzzing brought (copies, nesting, tensor views) pass a whole model.
+    // The limits the fuzzing brought (copies, nesting, tensor views) admit a whole model.
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/repo");
     for name in ["a0a0a0a0.th", "b1b1b1b1-95478cf1.th"] {
         let c = Checkpoint::load(&repo.join(name)).unwrap();

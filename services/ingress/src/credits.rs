@@ -10,7 +10,7 @@
 //! - With an enforcing price list, a submit whose upload's length is known and whose
 //!   cost the owner's available credits (balance less reservations) cannot pay is
 //!   refused with 402 `insufficient_credits` before anything is queued; one whose
-//!   account cannot be read then is refused too (503 `unavailable`, `Retry-After`),
+//!   account cannot be read then is refused as well (503 `unavailable`, `Retry-After`),
 //!   never let through unpaid. Otherwise the worker's reservation decides, before the
 //!   engine starts (and it, too, refuses to run what it cannot reserve).
 //! - `GET /v1/account` (any key; `?owner=` for operators): balance, reserved, available,

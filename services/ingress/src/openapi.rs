@@ -487,7 +487,7 @@ fn common_answers(op: &mut Operation, needed: Option<Permission>) {
             op,
             408,
             error_answer(
-                "The body paused too long or came too slowly (the connection closes; see docs/security.md)",
+                "The body stalled too long or came too slowly (the connection closes; see docs/security.md)",
                 &["request_timeout"],
             ),
         );

@@ -111,7 +111,7 @@ impl LogFormatArg {
         }
     }
 
-    /// The spelling on the command line (to pass it on to a child process).
+    /// The spelling on the command line (to hand it on to a child process).
     pub fn as_str(self) -> &'static str {
         match self {
             LogFormatArg::Json => "json",

@@ -264,7 +264,7 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
-    /// The spelling on the command line (to pass it on to an engine host).
+    /// The spelling on the command line (to hand it on to an engine host).
     pub fn as_str(self) -> &'static str {
         match self {
             EngineKind::Auto => "auto",

@@ -306,7 +306,7 @@ mod tests {
         assert!(matches!(zero.check(0, 0, 0), Err(ShapeError::Zero { field: "head_dim", .. })));
         let no_keys = AttentionShape { tk: 0, ..s };
         assert!(matches!(no_keys.check(16, 0, 0), Err(ShapeError::Zero { field: "tk", .. })));
-        // A product that wraps to a small number must not pass as that number.
+        // A product that wraps to a small number must not be taken for that number.
         let huge = AttentionShape { batch: 1 << 62, tq: 4, tk: 3, heads: 1, head_dim: 1 };
         assert!(matches!(huge.check(0, 0, 0), Err(ShapeError::Overflow { what: "the query", .. })));
     }

@@ -463,7 +463,7 @@ mod tests {
             ConvAxis { dilation: usize::MAX / 2 + 1, ..shape() }.check(),
             Err(ShapeError::Overflow { what: "the kernel span", .. })
         ));
-        // Sizes whose product wraps around to something small must not pass.
+        // Sizes whose product wraps around to something small are refused.
         let wraps = ConvAxis { batch: 1 << 32, rows: 1 << 32, ..shape() };
         assert!(matches!(wraps.check(), Err(ShapeError::Overflow { .. })), "{:?}", wraps.check());
     }

@@ -86,7 +86,7 @@ pub(super) async fn run_engine(
 
     let ctx = Arc::new(Ctx { progress, cancel });
     let rungs = ladder(devices, requested.request.segment, requested.request.model.max_segment());
-    // The last rung's refusal decides the failure: a real out-of-memory may pass later
+    // The last rung's refusal decides the failure: a real out-of-memory may clear later
     // (memory freed elsewhere), a budget refusal will not.
     let mut last_oom = EngineError::OutOfMemory { device: String::new() };
     for (i, (device, segment)) in rungs.iter().enumerate() {
