@@ -18,7 +18,7 @@ use crate::error::AudioError;
 
 /// What stemq decodes, as a person names it; every refusal of an input ends with it.
 pub const SUPPORTED: &str = "WAV (PCM 8/16/24/32-bit, float, ADPCM), AIFF/AIFF-C, CAF, FLAC, MP3, \
-                             Ogg (Vorbis, Opus, FLAC), M4A/MP4 (AAC-LC, ALAC, Opus, MP3), \
+                             Ogg (Vorbis, Opus, FLAC), M4A/MP4 (AAC-LC, HE-AAC, HE-AAC v2, ALAC, Opus, MP3), \
                              WebM/Matroska (Opus, Vorbis, AAC, FLAC)";
 
 /// Bytes read from the start of the file to recognise it.
@@ -79,6 +79,12 @@ pub(crate) struct Identity {
     pub skip_frames: u64,
     /// Frames the decoded stream holds after the skip, where the container says.
     pub total_frames: Option<u64>,
+    /// Frames (at the codec's rate) to drop from the end of the decoded stream: the
+    /// padding a WebM/Matroska Opus stream's last block asks to discard.
+    pub end_trim_frames: u64,
+    /// The rate [`Identity::skip_frames`] and [`Identity::total_frames`] count at, where
+    /// it may differ from the decoder's (an MP4 track's timescale).
+    pub timescale: Option<u32>,
     /// The container's framing shows the file was cut off (an Ogg file whose last page
     /// is incomplete or not marked as the end of its stream).
     pub truncated: bool,
@@ -104,7 +110,16 @@ impl Refusal {
 
 impl Identity {
     fn of(container: Container) -> Self {
-        Identity { container, codec: None, refusal: None, skip_frames: 0, total_frames: None, truncated: false }
+        Identity {
+            container,
+            codec: None,
+            refusal: None,
+            skip_frames: 0,
+            total_frames: None,
+            end_trim_frames: 0,
+            timescale: None,
+            truncated: false,
+        }
     }
 
     fn refused(container: Container, refusal: Refusal) -> Self {
@@ -172,7 +187,7 @@ fn identify_at<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> std::io::Resu
         Magic::Known(c) => match c {
             Container::Ogg => ogg(r, h, pos, end)?,
             Container::Mp4 => mp4(r, pos, end)?,
-            Container::Matroska => matroska(h),
+            Container::Matroska => matroska(r, h, pos, end)?,
             Container::Aiff => aiff(h),
             c => Identity::of(c),
         },
@@ -409,7 +424,7 @@ fn ogg_tail<R: Read + Seek>(r: &mut R, start: u64, end: u64, serial: u32) -> std
 
 /// The codec ids of a Matroska file's tracks, from its first bytes (the `Tracks`
 /// element sits before the clusters in every muxer's output).
-fn matroska(h: &[u8]) -> Identity {
+fn matroska<R: Read + Seek>(r: &mut R, h: &[u8], pos: u64, end: u64) -> std::io::Result<Identity> {
     let webm = h.windows(4).take(64).any(|w| w == b"webm");
     let container = if webm { Container::WebM } else { Container::Matroska };
     let mut id = Identity::of(container);
@@ -427,7 +442,7 @@ fn matroska(h: &[u8]) -> Identity {
         }
         i += 1;
     }
-    let Some(first) = audio.first() else { return id };
+    let Some(first) = audio.first() else { return Ok(id) };
     let (name, supported) = match first.as_str() {
         "A_OPUS" => ("Opus", true),
         "A_VORBIS" => ("Vorbis", true),
@@ -448,22 +463,112 @@ fn matroska(h: &[u8]) -> Identity {
         other => (other, false),
     };
     if !supported {
-        return codec_refusal(container, name);
+        return Ok(codec_refusal(container, name));
     }
     id.codec = Some(name.into());
-    id
+    if name == "Opus" && audio.len() == 1 {
+        // The codec drops the pre-skip (Matroska's CodecDelay); the end padding is
+        // here, as ffmpeg rounds it: nanoseconds to 48 kHz samples.
+        let ns = matroska_end_padding(r, pos, end)?;
+        id.end_trim_frames = (u128::from(ns) * 48_000 + 500_000_000).div_euclid(1_000_000_000) as u64;
+    }
+    Ok(id)
+}
+
+/// Bytes read from the end of a Matroska file to find its last cluster.
+const MKV_TAIL: u64 = 1 << 20;
+
+/// An EBML variable-length integer at `d[at]`: its value (length marker kept for an
+/// element id, dropped for a size), its length, and whether it is the reserved
+/// "unknown" size.
+fn vint(d: &[u8], at: usize, keep_marker: bool) -> Option<(u64, usize, bool)> {
+    let first = *d.get(at)?;
+    let len = first.leading_zeros() as usize + 1;
+    if len > 8 {
+        return None;
+    }
+    let mut v = if keep_marker { u64::from(first) } else { u64::from(first) & (0xFF >> len) };
+    for &b in d.get(at + 1..at + len)? {
+        v = (v << 8) | u64::from(b);
+    }
+    let unknown = !keep_marker && v == (1u64 << (7 * len)) - 1;
+    Some((v, len, unknown))
+}
+
+/// One EBML element at `d[at]`: its id, where its body starts, and where it ends
+/// (`limit` for an unknown size); `None` where it does not fit before `limit`.
+fn ebml(d: &[u8], at: usize, limit: usize) -> Option<(u64, usize, usize)> {
+    let (id, il, _) = vint(d, at, true)?;
+    let (size, sl, unknown) = vint(d, at + il, false)?;
+    let body = at + il + sl;
+    let end = if unknown { limit } else { body.checked_add(usize::try_from(size).ok()?)? };
+    (end <= limit).then_some((id, body, end))
+}
+
+/// The padding (ns) the last block of a Matroska file's last cluster asks to discard
+/// (`DiscardPadding` in its `BlockGroup`; 0 for none or a `SimpleBlock`). The cluster is
+/// the last one in the file's tail whose children tile it exactly.
+fn matroska_end_padding<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> std::io::Result<u64> {
+    const CLUSTER: u64 = 0x1F43_B675;
+    const BLOCK_GROUP: u64 = 0xA0;
+    const SIMPLE_BLOCK: u64 = 0xA3;
+    const DISCARD_PADDING: u64 = 0x75A2;
+    let from = end.saturating_sub(MKV_TAIL).max(start);
+    let mut tail = vec![0u8; (end - from) as usize];
+    r.seek(SeekFrom::Start(from))?;
+    let n = read_full(r, &mut tail)?;
+    tail.truncate(n);
+    let walk = |at: usize| -> Option<u64> {
+        let (id, body, cend) = ebml(&tail, at, tail.len())?;
+        if id != CLUSTER {
+            return None;
+        }
+        let mut padding = None;
+        let mut pos = body;
+        while pos < cend {
+            let (id, b, e) = ebml(&tail, pos, cend)?;
+            match id {
+                SIMPLE_BLOCK => padding = Some(0),
+                BLOCK_GROUP => {
+                    let mut ns = 0i64;
+                    let mut p = b;
+                    while p < e {
+                        let (cid, cb, ce) = ebml(&tail, p, e)?;
+                        if cid == DISCARD_PADDING && ce - cb <= 8 && ce > cb {
+                            let raw = tail[cb..ce].iter().fold(0i64, |v, &x| (v << 8) | i64::from(x));
+                            let bits = 64 - 8 * (ce - cb) as u32;
+                            ns = (raw << bits) >> bits;
+                        }
+                        p = ce;
+                    }
+                    padding = Some(u64::try_from(ns).unwrap_or(0));
+                }
+                _ => {}
+            }
+            pos = e;
+        }
+        (pos == cend).then_some(padding.unwrap_or(0))
+    };
+    let mut at = tail.len();
+    while let Some(i) = tail[..at].windows(4).rposition(|w| w == [0x1F, 0x43, 0xB6, 0x75]) {
+        if let Some(ns) = walk(i) {
+            return Ok(ns);
+        }
+        at = i;
+    }
+    Ok(0)
 }
 
 /// One MP4 box: its type and where its body lies.
-struct Mp4Box {
-    kind: [u8; 4],
-    body: u64,
-    end: u64,
+pub(crate) struct Mp4Box {
+    pub kind: [u8; 4],
+    pub body: u64,
+    pub end: u64,
 }
 
 /// The box at `pos` (whose parent ends at `end`), or `None` where the bytes stop being
 /// boxes.
-fn mp4_box<R: Read + Seek>(r: &mut R, pos: u64, end: u64) -> std::io::Result<Option<Mp4Box>> {
+pub(crate) fn mp4_box<R: Read + Seek>(r: &mut R, pos: u64, end: u64) -> std::io::Result<Option<Mp4Box>> {
     if pos + 8 > end {
         return Ok(None);
     }
@@ -527,6 +632,7 @@ fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> std::io::Result<Ident
             return Ok(codec_refusal(Container::Mp4, &name));
         }
         id.codec = Some(name);
+        id.timescale = Some(t.media_scale).filter(|&s| s > 0);
         if let Some((media_time, segment)) = t.edit {
             if media_time > 0 {
                 id.skip_frames = media_time;
@@ -541,7 +647,7 @@ fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> std::io::Result<Ident
 }
 
 /// The boxes inside `data` (a box's body), stopping where they stop being boxes.
-fn children(data: &[u8]) -> Vec<([u8; 4], &[u8])> {
+pub(crate) fn children(data: &[u8]) -> Vec<([u8; 4], &[u8])> {
     let mut out = Vec::new();
     let mut pos = 0usize;
     while pos + 8 <= data.len() && out.len() < MAX_BOXES {
@@ -691,10 +797,11 @@ fn sample_entry_name(e: &SampleEntry) -> (String, bool) {
         b"mp4a" => match e.object_type {
             Some(0x40) | Some(0x66..=0x68) | None => match e.audio_object_type {
                 Some(2) | None => named("AAC-LC", true),
-                Some(5) => named("HE-AAC (AAC with SBR)", false),
-                Some(29) => named("HE-AAC v2 (AAC with SBR and parametric stereo)", false),
-                Some(1) => named("AAC Main", false),
-                Some(4) => named("AAC-LTP", false),
+                Some(5) => named("HE-AAC", true),
+                Some(29) => named("HE-AAC v2", true),
+                Some(1) => named("AAC Main", true),
+                Some(4) => named("AAC-LTP", true),
+                Some(3) => named("AAC-SSR", false),
                 Some(23) => named("AAC-LD", false),
                 Some(39) => named("AAC-ELD", false),
                 Some(42) => named("xHE-AAC (USAC)", false),
@@ -724,6 +831,15 @@ fn sample_entry_name(e: &SampleEntry) -> (String, bool) {
     }
 }
 
+/// An MP4 box of `kind` around `body`, for tests.
+#[cfg(test)]
+pub(crate) fn bx(kind: &[u8; 4], body: &[u8]) -> Vec<u8> {
+    let mut v = ((body.len() + 8) as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(kind);
+    v.extend_from_slice(body);
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,13 +847,6 @@ mod tests {
 
     fn id(bytes: &[u8]) -> Identity {
         identify(&mut Cursor::new(bytes.to_vec()), bytes.len() as u64).unwrap()
-    }
-
-    fn bx(kind: &[u8; 4], body: &[u8]) -> Vec<u8> {
-        let mut v = ((body.len() + 8) as u32).to_be_bytes().to_vec();
-        v.extend_from_slice(kind);
-        v.extend_from_slice(body);
-        v
     }
 
     #[test]
@@ -782,32 +891,43 @@ mod tests {
     }
 
     #[test]
-    fn mp4_tells_aac_lc_from_he_aac() {
-        // AAC-LC, 44.1 kHz stereo: read.
+    fn mp4_names_the_aac_object_type() {
+        // AAC-LC, 44.1 kHz stereo.
         let lc = id(&mp4_with(&mp4a(&[0x12, 0x10])));
         assert_eq!((lc.codec.as_deref(), lc.refusal), (Some("AAC-LC"), None));
-        // HE-AAC (object type 5, SBR) and HE-AAC v2 (29, PS): named and refused.
+        // HE-AAC (object type 5, SBR) and HE-AAC v2 (29, PS): read.
         let he = id(&mp4_with(&mp4a(&[0x2B, 0x92, 0x08, 0x00])));
-        assert_eq!(he.refusal, Some(Refusal::Codec("HE-AAC (AAC with SBR) in MP4/M4A".into())));
+        assert_eq!((he.codec.as_deref(), he.refusal), (Some("HE-AAC"), None));
         let v2 = id(&mp4_with(&mp4a(&[0xEB, 0x92, 0x08, 0x00])));
-        assert!(matches!(v2.refusal, Some(Refusal::Codec(ref s)) if s.starts_with("HE-AAC v2")), "{v2:?}");
+        assert_eq!((v2.codec.as_deref(), v2.refusal), (Some("HE-AAC v2"), None));
+        // xHE-AAC (USAC, 42, escaped): named and refused.
+        let usac = id(&mp4_with(&mp4a(&[0xF9, 0x44, 0x10, 0x00])));
+        assert_eq!(usac.refusal, Some(Refusal::Codec("xHE-AAC (USAC) in MP4/M4A".into())));
+    }
+
+    #[test]
+    fn the_last_matroska_cluster_states_the_end_padding() {
+        let el = |id: &[u8], body: &[u8]| [id, &[0x80 | body.len() as u8], body].concat();
+        let simple = el(&[0xA3], &[0x81, 0, 0, 0x80, 1, 2]);
+        let padded =
+            el(&[0xA0], &[el(&[0xA1], &[0x81, 0, 20, 0x80, 3]), el(&[0x75, 0xA2], &[0x63, 0x2E, 0xA0])].concat());
+        let cluster = |blocks: &[u8]| el(&[0x1F, 0x43, 0xB6, 0x75], &[el(&[0xE7], &[0]), blocks.to_vec()].concat());
+        // Junk with a cluster id inside that does not tile, then a real cluster, then cues.
+        let mut file = vec![0x1F, 0x43, 0xB6, 0x75, 0x85, 1, 2];
+        file.extend(cluster(&simple));
+        file.extend(cluster(&[simple.clone(), padded].concat()));
+        file.extend(el(&[0x1C, 0x53, 0xBB, 0x6B], &[0xBB, 0x80]));
+        let len = file.len() as u64;
+        assert_eq!(matroska_end_padding(&mut Cursor::new(file.clone()), 0, len).unwrap(), 6_500_000);
+        // A last block without padding.
+        file.extend(cluster(&simple));
+        let len = file.len() as u64;
+        assert_eq!(matroska_end_padding(&mut Cursor::new(file), 0, len).unwrap(), 0);
     }
 
     #[test]
     fn mp4_names_the_codec_of_its_sound_track() {
-        let hdlr = bx(b"hdlr", &[0, 0, 0, 0, 0, 0, 0, 0, b's', b'o', b'u', b'n', 0, 0, 0, 0]);
-        let entry = bx(b"ac-3", &[0u8; 28]);
-        let mut stsd_body = vec![0, 0, 0, 0, 0, 0, 0, 1];
-        stsd_body.extend_from_slice(&entry);
-        let stbl = bx(b"stbl", &bx(b"stsd", &stsd_body));
-        let minf = bx(b"minf", &stbl);
-        let mut mdia_body = hdlr.clone();
-        mdia_body.extend_from_slice(&minf);
-        let moov = bx(b"moov", &bx(b"trak", &bx(b"mdia", &mdia_body)));
-        let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
-        file.extend_from_slice(&bx(b"mdat", &[0u8; 100]));
-        file.extend_from_slice(&moov);
-        let got = id(&file);
+        let got = id(&mp4_with(&bx(b"ac-3", &[0u8; 28])));
         assert_eq!(got.container, Container::Mp4);
         assert_eq!(got.refusal, Some(Refusal::Codec("AC-3 (Dolby Digital) in MP4/M4A".into())));
     }

@@ -1,6 +1,7 @@
 //! Owns streamed decoding: naming the file from its bytes ([`crate::container`]),
 //! opening it with symphonia (WAV, AIFF, CAF, FLAC, MP3, Ogg, MP4/M4A, Matroska/WebM;
-//! PCM, ADPCM, FLAC, MP3, Vorbis, AAC-LC, ALAC, and Opus through [`crate::opus`]),
+//! PCM, ADPCM, FLAC, MP3, Vorbis, ALAC; AAC through [`crate::aac`], Opus through
+//! [`crate::opus`]),
 //! the container's trims (Opus pre-skip and end, an MP4 edit list), channel conversion
 //! to stereo, resampling to the engines' rate, the duration limit and the input-error
 //! classification.
@@ -248,13 +249,15 @@ fn wav_tag_name(tag: u16) -> String {
     }
 }
 
-/// symphonia's codecs with Opus added.
+/// symphonia's codecs with Opus added and AAC replaced.
 fn codecs() -> &'static CodecRegistry {
     static REGISTRY: std::sync::OnceLock<CodecRegistry> = std::sync::OnceLock::new();
     REGISTRY.get_or_init(|| {
         let mut r = CodecRegistry::new();
         symphonia::default::register_enabled_codecs(&mut r);
         r.register_all::<crate::opus::OpusCodec>();
+        // After symphonia's: replaces its AAC-LC-only decoder.
+        r.register_all::<crate::aac::AacCodec>();
         r
     })
 }
@@ -390,6 +393,17 @@ pub struct Decoder {
     opts: DecodeOptions,
     conv: Converter,
     resampler: Option<StreamResampler>,
+    /// The first packet's samples, decoded while opening (AAC), not yet handed out.
+    pending: Option<StereoChunk>,
+    /// Frames to drop from the end of the stream (a WebM Opus stream's padding).
+    end_trim: u64,
+    /// The last packet's samples, held while [`Decoder::end_trim`] is not zero.
+    held: Option<StereoChunk>,
+    /// The packets have run out.
+    eof: bool,
+    /// Frames past the container's trims so far (ahead of `decoded_frames` by the
+    /// held-back packet).
+    trimmed_frames: u64,
     decoded_frames: u64,
     /// Frames handed out so far, at the target rate (for [`MAX_EXPANSION`]).
     output_frames: u64,
@@ -500,7 +514,7 @@ impl Decoder {
         let probed = symphonia::default::get_probe()
             .format(&Hint::new(), mss, &FormatOptions::default(), &MetadataOptions::default())
             .map_err(|e| map_open_error(e, &sniffed, &id))?;
-        let format = probed.format;
+        let mut format = probed.format;
         let track = format
             .tracks()
             .iter()
@@ -509,7 +523,7 @@ impl Decoder {
             .ok_or_else(|| AudioError::NotAudio { detail: "the container has no audio track".into() })?
             .clone();
         let params = &track.codec_params;
-        let codec = codecs().make(params, &DecoderOptions { verify: false }).map_err(|e| match e {
+        let mut codec = codecs().make(params, &DecoderOptions { verify: false }).map_err(|e| match e {
             // MPEG Layer I/II found by the probe's search in a file whose first bytes are
             // no container: a stray frame sync in something else, not a codec to name.
             SymError::Unsupported(_)
@@ -535,6 +549,31 @@ impl Decoder {
             },
             other => map_open_error(other, &sniffed, &id),
         })?;
+        // AAC's output rate doubles where SBR is found only in the stream: decode the first
+        // packet to know it (kept for the first chunk).
+        let mut conv = Converter { matrix: Vec::new(), spec: None, sample_buf: None };
+        let mut pending = None;
+        if params.codec == codecs::CODEC_TYPE_AAC {
+            for _ in 0..16 {
+                let Ok(packet) = format.next_packet() else { break };
+                if packet.track_id() != track.id {
+                    continue;
+                }
+                match codec.decode(&packet) {
+                    Ok(buf) if buf.frames() == 0 => continue,
+                    Ok(buf) => {
+                        pending = Some(conv.convert(buf));
+                        break;
+                    }
+                    Err(SymError::Unsupported(msg)) => {
+                        return Err(AudioError::UnsupportedCodec { codec: id.describe(&format!("AAC ({msg})")) })
+                    }
+                    Err(e) => {
+                        return Err(AudioError::CorruptFrame { at: format_mmss(0.0), detail: e.to_string() });
+                    }
+                }
+            }
+        }
         // The codec's rate (Opus always decodes at 48 kHz, whatever the container says).
         let sample_rate = codec
             .codec_params()
@@ -542,8 +581,18 @@ impl Decoder {
             .or(params.sample_rate)
             .ok_or_else(|| AudioError::NotAudio { detail: "the stream does not state its sample rate".into() })?;
         check_rate(sample_rate)?;
+        // The container counts at its own rate (an HE-AAC track may count at the core
+        // rate, half the output's): counts are brought to the decoder's.
+        let at_rate = |n: u64, from: Option<u32>| match from {
+            Some(from) if from > 0 && from != sample_rate => {
+                (u128::from(n) * u128::from(sample_rate) / u128::from(from)).min(u128::from(u64::MAX)) as u64
+            }
+            _ => n,
+        };
+        let skip_frames = at_rate(id.skip_frames, id.timescale);
+        let total_frames = id.total_frames.map(|n| at_rate(n, id.timescale));
         // The container's own count after its trims, else the stream's.
-        let frames = id.total_frames.or(params.n_frames);
+        let frames = total_frames.or(params.n_frames.map(|n| at_rate(n, params.sample_rate)));
         let duration_secs = frames.map(|f| f as f64 / sample_rate as f64);
         let info = SourceInfo {
             codec: codec_name(params.codec),
@@ -576,13 +625,18 @@ impl Decoder {
             time_base: params.time_base,
             info,
             opts,
-            conv: Converter { matrix: Vec::new(), spec: None, sample_buf: None },
+            conv,
             resampler,
+            pending,
+            end_trim: id.end_trim_frames,
+            held: None,
+            eof: false,
+            trimmed_frames: 0,
             decoded_frames: 0,
             output_frames: 0,
             input_bytes,
-            skip_left: id.skip_frames,
-            limit: id.total_frames,
+            skip_left: skip_frames,
+            limit: total_frames,
             truncated: id.truncated,
             done: false,
         })
@@ -617,7 +671,7 @@ impl Decoder {
             self.skip_left -= k as u64;
         }
         if let Some(limit) = self.limit {
-            let room = limit.saturating_sub(self.decoded_frames);
+            let room = limit.saturating_sub(self.trimmed_frames);
             if (chunk.len() as u64) > room {
                 chunk.left.truncate(room as usize);
                 chunk.right.truncate(room as usize);
@@ -701,70 +755,98 @@ impl Decoder {
         }
     }
 
+    /// The next packet's samples at the native rate (`None` at the end of the packets;
+    /// empty for a packet that decoded to nothing).
+    fn next_packet_samples(&mut self) -> Result<Option<StereoChunk>, AudioError> {
+        if let Some(first) = self.pending.take() {
+            return Ok(Some(first));
+        }
+        let packet = match self.format.next_packet() {
+            Ok(p) => p,
+            Err(SymError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(SymError::ResetRequired) => return Ok(None),
+            Err(SymError::IoError(e)) if from_the_os(&e) => return Err(AudioError::Io(e)),
+            Err(e) => return Err(self.corrupt(None, e.to_string())),
+        };
+        if packet.track_id() != self.track_id {
+            return Ok(Some(StereoChunk::default()));
+        }
+        let ts = packet.ts();
+        match self.codec.decode(&packet) {
+            Ok(buf) => {
+                if buf.frames() == 0 {
+                    return Ok(Some(StereoChunk::default()));
+                }
+                if self.info.codec == "flac" && ts > self.decoded_frames {
+                    // The reader skipped damaged bytes and resynchronised.
+                    let at = self.decoded_frames;
+                    return Err(
+                        self.corrupt(Some(at), format!("{} samples are missing (damaged data was skipped)", ts - at))
+                    );
+                }
+                Ok(Some(self.conv.convert(buf)))
+            }
+            Err(SymError::Unsupported(msg)) => {
+                Err(AudioError::UnsupportedCodec { codec: format!("{} ({msg})", self.info.codec) })
+            }
+            Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof && from_the_os(&e) => {
+                Err(AudioError::Io(e))
+            }
+            Err(e) => Err(self.corrupt(Some(ts), e.to_string())),
+        }
+    }
+
+    /// The next samples after the container's trims, at the native rate; `None` at the
+    /// end of the stream.
+    fn next_trimmed(&mut self) -> Result<Option<StereoChunk>, AudioError> {
+        loop {
+            if self.eof || self.limit.is_some_and(|l| self.trimmed_frames >= l) {
+                // The held-back packet, less the end padding.
+                return Ok(self.held.take().map(|mut c| {
+                    let keep = c.len().saturating_sub(usize::try_from(self.end_trim).unwrap_or(usize::MAX));
+                    c.left.truncate(keep);
+                    c.right.truncate(keep);
+                    c
+                }));
+            }
+            let Some(mut chunk) = self.next_packet_samples()? else {
+                self.eof = true;
+                continue;
+            };
+            self.trim(&mut chunk);
+            self.trimmed_frames += chunk.len() as u64;
+            if chunk.is_empty() {
+                continue;
+            }
+            if self.end_trim == 0 {
+                return Ok(Some(chunk));
+            }
+            // Padding to drop from the end lies in the last packet: each packet is held
+            // until the next one shows it was not the last.
+            if let Some(previous) = self.held.replace(chunk) {
+                return Ok(Some(previous));
+            }
+        }
+    }
+
     fn next_chunk_unguarded(&mut self) -> Result<Option<StereoChunk>, AudioError> {
         loop {
             if self.done {
                 return Ok(None);
             }
-            if self.limit.is_some_and(|l| self.decoded_frames >= l) {
-                return self.finish_stream();
-            }
-            let packet = match self.format.next_packet() {
-                Ok(p) => p,
-                Err(SymError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    return self.finish_stream();
-                }
-                Err(SymError::ResetRequired) => return self.finish_stream(),
-                Err(SymError::IoError(e)) if from_the_os(&e) => {
-                    self.done = true;
-                    return Err(AudioError::Io(e));
-                }
+            let decoded = match self.next_trimmed() {
+                Ok(Some(c)) if c.is_empty() => continue,
+                Ok(Some(c)) => c,
+                Ok(None) => return self.finish_stream(),
                 Err(e) => {
                     self.done = true;
-                    return Err(self.corrupt(None, e.to_string()));
+                    return Err(e);
                 }
             };
-            if packet.track_id() != self.track_id {
-                continue;
+            self.decoded_frames += decoded.len() as u64;
+            if self.info.channels == 0 {
+                self.info.channels = self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
             }
-            let ts = packet.ts();
-            let decoded = match self.codec.decode(&packet) {
-                Ok(buf) => {
-                    let frames = buf.frames();
-                    if frames == 0 {
-                        continue;
-                    }
-                    if self.info.codec == "flac" && ts > self.decoded_frames {
-                        // The reader skipped damaged bytes and resynchronised.
-                        let at = self.decoded_frames;
-                        self.done = true;
-                        return Err(self
-                            .corrupt(Some(at), format!("{} samples are missing (damaged data was skipped)", ts - at)));
-                    }
-                    let mut chunk = self.conv.convert(buf);
-                    self.trim(&mut chunk);
-                    if chunk.is_empty() {
-                        continue;
-                    }
-                    self.decoded_frames += chunk.len() as u64;
-                    if self.info.channels == 0 {
-                        self.info.channels = self.conv.spec.map(|s| s.channels.count()).unwrap_or(0);
-                    }
-                    chunk
-                }
-                Err(SymError::Unsupported(msg)) => {
-                    self.done = true;
-                    return Err(AudioError::UnsupportedCodec { codec: format!("{} ({msg})", self.info.codec) });
-                }
-                Err(SymError::IoError(e)) if e.kind() != std::io::ErrorKind::UnexpectedEof && from_the_os(&e) => {
-                    self.done = true;
-                    return Err(AudioError::Io(e));
-                }
-                Err(e) => {
-                    self.done = true;
-                    return Err(self.corrupt(Some(ts), e.to_string()));
-                }
-            };
             if let Some(max) = self.opts.max_duration_secs {
                 let secs = self.decoded_frames as f64 / self.info.sample_rate as f64;
                 if secs > max {

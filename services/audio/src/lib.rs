@@ -16,6 +16,7 @@
 //! The typical pipeline is [`separate_file`]: decode → separate → encode,
 //! chunk by chunk, with memory independent of the track's length.
 
+mod aac;
 pub mod chunk;
 mod container;
 pub mod decode;

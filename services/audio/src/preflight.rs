@@ -12,6 +12,7 @@
 
 use std::io::{Read, Seek, SeekFrom};
 
+use crate::container;
 use crate::error::AudioError;
 
 /// Most chunks, blocks or pages looked at (real files have a handful).
@@ -270,64 +271,33 @@ const MAX_MP4_HEADER: u64 = 64 << 20;
 fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
     let mut pos = start;
     for _ in 0..MAX_STEPS {
-        let Some(h) = read_at(r, pos, 8.min(end - pos), end)? else { break };
-        if h.len() < 8 {
-            break;
-        }
-        let size32 = u64::from(u32::from_be_bytes(h[0..4].try_into().expect("4 bytes")));
-        let kind: [u8; 4] = h[4..8].try_into().expect("4 bytes");
-        let (size, header) = match size32 {
-            0 => (end - pos, 8),
-            1 => match read_at(r, pos + 8, 8, end)? {
-                Some(b) => (u64::from_be_bytes(b[..].try_into().expect("8 bytes")), 16),
-                None => break,
-            },
-            s => (s, 8),
-        };
-        if size < header || pos.checked_add(size).is_none_or(|e| e > end) {
-            break;
-        }
-        if matches!(&kind, b"moov" | b"moof") {
-            let body = size - header;
+        let Some(b) = container::mp4_box(r, pos, end)? else { break };
+        if matches!(&b.kind, b"moov" | b"moof") {
+            let body = b.end - b.body;
             if body > MAX_MP4_HEADER {
                 return Err(damaged("MP4 header box", body, MAX_MP4_HEADER));
             }
-            if let Some(data) = read_at(r, pos + header, body, end)? {
+            if let Some(data) = read_at(r, b.body, body, end)? {
                 mp4_boxes(&data, 0)?;
             }
         }
-        pos += size;
+        pos = b.end;
     }
     Ok(())
 }
 
 /// Checks the boxes in `data` (a container box's body), descending into containers.
 fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
-    let mut pos = 0usize;
-    let mut steps = 0;
-    while pos + 8 <= data.len() && steps < MAX_STEPS && depth < 16 {
-        steps += 1;
-        let size = u64::from(u32::from_be_bytes(data[pos..pos + 4].try_into().expect("4 bytes")));
-        let kind: [u8; 4] = data[pos + 4..pos + 8].try_into().expect("4 bytes");
-        let (size, header) = match size {
-            0 => ((data.len() - pos) as u64, 8usize),
-            1 if pos + 16 <= data.len() => {
-                (u64::from_be_bytes(data[pos + 8..pos + 16].try_into().expect("8 bytes")), 16)
-            }
-            _ if size < 8 => break,
-            s => (s, 8),
-        };
-        if size < header as u64 || size > (data.len() - pos) as u64 {
-            break;
-        }
-        let body = &data[pos + header..pos + size as usize];
+    if depth >= 16 {
+        return Ok(());
+    }
+    for (kind, body) in container::children(data) {
         match &kind {
             b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf" | b"udta" => {
                 mp4_boxes(body, depth + 1)?
             }
             _ => mp4_table(&kind, body)?,
         }
-        pos += size as usize;
     }
     Ok(())
 }
@@ -384,6 +354,7 @@ const MAX_SAMPLES: u64 = 384_000 * 86_400;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::container::bx;
 
     #[test]
     fn comment_lengths_must_fit() {
@@ -401,24 +372,16 @@ mod tests {
         assert!(vorbis_comment(&ok[..13]).is_err());
     }
 
-    /// An MP4 box: size, type, body.
-    fn mp4_box(kind: &[u8; 4], body: &[u8]) -> Vec<u8> {
-        let mut b = ((body.len() + 8) as u32).to_be_bytes().to_vec();
-        b.extend_from_slice(kind);
-        b.extend_from_slice(body);
-        b
-    }
-
     #[test]
     fn an_mp4_table_that_declares_more_entries_than_it_holds_is_damaged() {
         let table = |count: u32| {
             let mut stco = vec![0u8; 4];
             stco.extend_from_slice(&count.to_be_bytes());
             stco.extend_from_slice(&[0u8; 8]);
-            let stbl = mp4_box(b"stbl", &mp4_box(b"stco", &stco));
-            let trak = mp4_box(b"trak", &mp4_box(b"mdia", &mp4_box(b"minf", &stbl)));
-            let mut file = mp4_box(b"ftyp", b"M4A \0\0\0\0");
-            file.extend(mp4_box(b"moov", &trak));
+            let stbl = bx(b"stbl", &bx(b"stco", &stco));
+            let trak = bx(b"trak", &bx(b"mdia", &bx(b"minf", &stbl)));
+            let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(bx(b"moov", &trak));
             file
         };
         let check_bytes = |b: Vec<u8>| {

@@ -1,5 +1,6 @@
 //! Fuzz target: the audio decoders (WAV, AIFF, CAF, FLAC, MP3, Ogg Vorbis and Opus,
-//! MP4/M4A with AAC and ALAC, WebM/Matroska with Opus and Vorbis) through
+//! MP4/M4A with AAC-LC, HE-AAC and ALAC, raw AAC (ADTS), WebM/Matroska with Opus and
+//! Vorbis) through
 //! [`Decoder::open`] and [`Decoder::next_chunk`], the entry both engines decode
 //! through, with the engines' options; errors are mapped with the engine seam's
 //! `engine_error`, as the worker sees them.
@@ -8,7 +9,7 @@
 //! in-memory bytes is a permanent input error (`InvalidInput`, never transient, never
 //! an engine fault); the decoded stream never exceeds [`MAX_EXPANSION`] times the input.
 //! Each input decodes at most half a second, so memory per input stays small.
-//! Corpus: `tests/corpus/audio/` (made by `tests/corpus/make_audio_seeds.py`); knobs in
+//! Corpus: `tests/corpus/audio/` (how each seed is made: `tests/corpus/README.md`); knobs in
 //! `services/core/tests/fuzz_harness/mod.rs`.
 
 #[path = "../../core/tests/fuzz_harness/mod.rs"]
@@ -72,6 +73,9 @@ const DICTIONARY: &[&[u8]] = &[
     b"\x1f\x43\xb6\x75",
     b"A_OPUS",
     b"A_VORBIS",
+    b"\xa0",
+    b"\x75\xa2",
+    b"\xff\xf1",
     b"FORM",
     b"AIFF",
     b"AIFC",
