@@ -465,7 +465,7 @@ impl Engine for Recorder {
             .into_iter()
             .map(|stem| {
                 let path = job.out_dir.join(format!("{stem}.{ext}"));
-                std::fs::write(&path, b"recorded").map_err(|e| EngineError::Transient(e.to_string()))?;
+                std::fs::write(&path, b"recorded").map_err(|e| EngineError::transient("writing the stem", e))?;
                 Ok(StemFile { stem, path, audio: None })
             })
             .collect()

@@ -97,7 +97,7 @@ pub fn engine_error(e: AudioError) -> EngineError {
         e @ AudioError::FormatUnavailable { .. } => {
             EngineError::Unsupported { code: FailureCode::InvalidArgument, message: e.to_string() }
         }
-        AudioError::Io(e) => EngineError::Transient(format!("I/O error: {e}")),
+        AudioError::Io(e) => EngineError::transient("I/O error", e),
         // Our own bugs: not the input's fault, and another try will not fix them.
         e @ (AudioError::InvalidArgument(_) | AudioError::Internal(_)) => {
             EngineError::Unsupported { code: FailureCode::EngineError, message: e.to_string() }

@@ -303,5 +303,5 @@ fn a_missing_input_is_transient() {
     let dir = tempfile::tempdir().unwrap();
     let req = request(json!({"audio_uri": "file:///x/in", "model": "dsp"}));
     let e = run(&DspEngine::default(), &req, &dir.path().join("nope.wav"), dir.path(), &Ctx::default()).unwrap_err();
-    assert!(matches!(e, EngineError::Transient(_)), "{e:?}");
+    assert!(matches!(e, EngineError::Transient { .. }), "{e:?}");
 }

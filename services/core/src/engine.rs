@@ -134,18 +134,154 @@ pub enum EngineError {
         /// For people.
         message: String,
     },
-    /// Worth another try later.
-    #[error("{0}")]
-    Transient(String),
+    /// Worth another try later: a file the attempt could not read or write, a panic of
+    /// the engine's backend, an engine host that could not be started or reached.
+    #[error("{what}")]
+    Transient {
+        /// What failed, for people ("writing vocals", "the cpu backend panicked: ...").
+        what: String,
+        /// The error underneath, when one said why.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        source: Option<Cause>,
+    },
     /// The process running the attempt died (a crash, an abort, a kill): only an engine
     /// isolated in a child process can report this, and it names the culprit exactly,
     /// since that process ran this one job. Retried like a transient failure; a job that
     /// crashes on every delivery is dead-lettered with this as its last error.
     #[error("the engine process died: {0}")]
-    Crashed(String),
+    Crashed(Death),
     /// Stopped because [`EngineContext::cancelled`] said so.
     #[error("cancelled")]
     Cancelled,
+}
+
+impl EngineError {
+    /// A transient failure of `what`, caused by `source`.
+    pub fn transient(what: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> EngineError {
+        EngineError::Transient { what: what.into(), source: Some(Cause::new(source)) }
+    }
+
+    /// A transient failure that no error underneath explains (a panic, a scripted
+    /// failure).
+    pub fn transient_without_source(what: impl Into<String>) -> EngineError {
+        EngineError::Transient { what: what.into(), source: None }
+    }
+}
+
+/// The error underneath an [`EngineError`]: the error itself inside one process; its
+/// text (with its own causes) once it crossed a process boundary, since an isolated
+/// engine reports over a pipe.
+#[derive(Clone)]
+pub struct Cause(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl Cause {
+    /// Keeps `source`.
+    pub fn new(source: impl std::error::Error + Send + Sync + 'static) -> Cause {
+        Cause(std::sync::Arc::new(source))
+    }
+
+    /// The error itself, to downcast (a [`RemoteCause`] when it came over a pipe).
+    pub fn get(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+
+    /// The text of the error and its causes, `: `-separated.
+    fn chain(&self) -> String {
+        let mut out = self.0.to_string();
+        let mut next = self.0.source();
+        while let Some(s) = next {
+            let text = s.to_string();
+            if !out.ends_with(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
+            next = s.source();
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// Two causes are equal when they say the same (a cause read back from a pipe equals
+/// the one sent).
+impl PartialEq for Cause {
+    fn eq(&self, other: &Cause) -> bool {
+        self.chain() == other.chain()
+    }
+}
+
+impl Serialize for Cause {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.chain())
+    }
+}
+
+impl<'de> Deserialize<'de> for Cause {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Cause, D::Error> {
+        String::deserialize(d).map(|text| Cause::new(RemoteCause(text)))
+    }
+}
+
+/// A [`Cause`] read back from another process: what it said.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RemoteCause(pub String);
+
+/// How the process running an attempt died ([`EngineError::Crashed`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Death {
+    /// Killed by the signal with this number.
+    Signal(i32),
+    /// Exited with this status.
+    Exited(i32),
+    /// The engine panicked with this message; its host reported it, then exited.
+    Panicked(String),
+    /// Closed its output but did not exit, and was killed.
+    Silenced,
+    /// Ended without saying how.
+    Ended,
+}
+
+impl std::fmt::Display for Death {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Death::Signal(sig) => {
+                let name = match sig {
+                    4 => " (SIGILL)",
+                    6 => " (SIGABRT)",
+                    7 => " (SIGBUS)",
+                    8 => " (SIGFPE)",
+                    9 => " (SIGKILL: killed, often for memory)",
+                    11 => " (SIGSEGV)",
+                    15 => " (SIGTERM)",
+                    _ => "",
+                };
+                write!(f, "killed by signal {sig}{name}")
+            }
+            Death::Exited(code) => write!(f, "exited with status {code}"),
+            Death::Panicked(what) => write!(f, "the engine panicked: {what}"),
+            Death::Silenced => f.write_str("closed its output and was killed"),
+            Death::Ended => f.write_str("ended"),
+        }
+    }
 }
 
 /// A loaded separation engine.
@@ -402,7 +538,7 @@ impl Engine for FakeEngine {
             .map(|stem| {
                 let path = job.out_dir.join(format!("{}.{}", stem.stem, job.request.output_format.extension()));
                 std::fs::write(&path, &stem.bytes)
-                    .map_err(|e| EngineError::Transient(format!("writing {}: {e}", stem.stem)))?;
+                    .map_err(|e| EngineError::transient(format!("writing {}", stem.stem), e))?;
                 Ok(StemFile { stem: stem.stem, path, audio: stem.audio })
             })
             .collect()
@@ -457,7 +593,10 @@ impl FakeEngine {
             }
         }
         if job.attempt <= script.fail_transient {
-            return Err(EngineError::Transient(format!("scripted transient failure on attempt {}", job.attempt)));
+            return Err(EngineError::transient_without_source(format!(
+                "scripted transient failure on attempt {}",
+                job.attempt
+            )));
         }
         Ok(job
             .request
@@ -563,6 +702,41 @@ mod tests {
             matches!(e, EngineError::Unsupported { ref code, .. } if *code == FailureCode::ModelUnavailable),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn a_transient_failure_keeps_its_source_and_sends_its_text_over_a_pipe() {
+        use std::error::Error as _;
+        let io = std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left");
+        let e = EngineError::transient("writing vocals", io);
+        assert_eq!(e.to_string(), "writing vocals");
+        let source = e.source().expect("the io error is the source");
+        assert_eq!(source.to_string(), "no space left");
+        let EngineError::Transient { source: Some(cause), .. } = &e else { panic!("{e:?}") };
+        assert_eq!(
+            cause.get().downcast_ref::<std::io::Error>().map(|io| io.kind()),
+            Some(std::io::ErrorKind::StorageFull)
+        );
+        // Across a process boundary: the same text, the same value.
+        let wire = serde_json::to_value(&e).unwrap();
+        assert_eq!(wire, json!({"kind": "transient", "detail": {"what": "writing vocals", "source": "no space left"}}));
+        let back: EngineError = serde_json::from_value(wire).unwrap();
+        assert_eq!(back, e);
+        let EngineError::Transient { source: Some(cause), .. } = &back else { panic!("{back:?}") };
+        assert!(cause.get().downcast_ref::<RemoteCause>().is_some());
+        let plain = EngineError::transient_without_source("scripted");
+        assert_eq!(serde_json::to_value(&plain).unwrap(), json!({"kind": "transient", "detail": {"what": "scripted"}}));
+    }
+
+    #[test]
+    fn deaths_say_how_the_process_ended() {
+        assert_eq!(Death::Signal(6).to_string(), "killed by signal 6 (SIGABRT)");
+        assert_eq!(Death::Signal(42).to_string(), "killed by signal 42");
+        assert_eq!(Death::Exited(101).to_string(), "exited with status 101");
+        let e = EngineError::Crashed(Death::Panicked("boom".into()));
+        assert_eq!(e.to_string(), "the engine process died: the engine panicked: boom");
+        let back: EngineError = serde_json::from_value(serde_json::to_value(&e).unwrap()).unwrap();
+        assert_eq!(back, e);
     }
 
     #[cfg(feature = "fake")]

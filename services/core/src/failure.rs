@@ -124,6 +124,8 @@ failure_codes! {
     InsufficientCredits = "insufficient_credits",
     /// The credits ledger could not be read or written (worker; retried).
     CreditsUnavailable = "credits_unavailable",
+    /// The job was not started before its `start_before` (projector; the view's code only).
+    Expired = "expired",
 }
 
 impl fmt::Display for FailureCode {

@@ -360,7 +360,7 @@ impl HostPolicy {
 pub enum UrlError {
     /// Not an absolute URL.
     #[error("is not an absolute URL: {0}")]
-    NotUrl(String),
+    NotUrl(#[source] url::ParseError),
     /// Neither https nor http.
     #[error("scheme {0} is not allowed; use https")]
     Scheme(String),
@@ -374,12 +374,13 @@ pub enum UrlError {
     #[error("host {0} is not on this service's allow-list")]
     HostNotAllowed(String),
     /// The name did not resolve (may pass later).
-    #[error("host {host} does not resolve: {message}")]
+    #[error("host {host} does not resolve: {source}")]
     Resolve {
         /// The name.
         host: String,
         /// The resolver's answer.
-        message: String,
+        #[source]
+        source: ResolveError,
     },
     /// The name resolved to nothing.
     #[error("host {0} has no address")]
@@ -391,6 +392,32 @@ pub enum UrlError {
     #[error("must use https")]
     PlainHttp,
 }
+
+/// What the resolver answered when a name did not resolve (a timeout is
+/// [`std::io::ErrorKind::TimedOut`]). Two are equal when they have the same kind and text.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+pub struct ResolveError(std::sync::Arc<std::io::Error>);
+
+impl ResolveError {
+    /// Keeps the resolver's error.
+    pub fn new(e: std::io::Error) -> ResolveError {
+        ResolveError(std::sync::Arc::new(e))
+    }
+
+    /// The resolver's error.
+    pub fn io(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl PartialEq for ResolveError {
+    fn eq(&self, other: &ResolveError) -> bool {
+        self.0.kind() == other.0.kind() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for ResolveError {}
 
 impl UrlError {
     /// True when the same URL may pass later (its name did not resolve now).
@@ -414,7 +441,7 @@ pub struct Unresolved<'p> {
 /// credentials, whose host the policy admits by name, by wildcard, or (an address) by
 /// network.
 pub fn precheck<'p>(raw: &str, policy: &'p HostPolicy) -> Result<Unresolved<'p>, UrlError> {
-    let url = url::Url::parse(raw).map_err(|e| UrlError::NotUrl(e.to_string()))?;
+    let url = url::Url::parse(raw).map_err(UrlError::NotUrl)?;
     match url.scheme() {
         "https" | "http" => {}
         s => return Err(UrlError::Scheme(s.to_string())),
@@ -514,11 +541,14 @@ pub async fn check_url(raw: &str, policy: &HostPolicy) -> Result<Target, UrlErro
     let addrs: Vec<SocketAddr> = match u.literal() {
         Some(ip) => vec![SocketAddr::new(ip, u.port())],
         None => {
-            let resolve_err = |message: String| UrlError::Resolve { host: u.host().to_string(), message };
+            let resolve_err =
+                |e: std::io::Error| UrlError::Resolve { host: u.host().to_string(), source: ResolveError::new(e) };
+            let timed_out =
+                || std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer within {RESOLVE_TIMEOUT:?}"));
             let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((u.host(), u.port())))
                 .await
-                .map_err(|_| resolve_err(format!("no answer within {RESOLVE_TIMEOUT:?}")))?
-                .map_err(|e| resolve_err(e.to_string()))?;
+                .map_err(|_| resolve_err(timed_out()))?
+                .map_err(resolve_err)?;
             found.collect()
         }
     };

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::event::{Event, EventBody, FailureClass, Output};
+use crate::failure::FailureCode;
 use crate::request::{JobId, NormalizedRequest, Webhook};
 
 /// Where a job is.
@@ -102,7 +103,7 @@ pub struct ErrorView {
     /// `permanent` or `transient`.
     pub class: FailureClass,
     /// Machine-readable code.
-    pub code: String,
+    pub code: FailureCode,
     /// For people.
     pub message: String,
 }
@@ -325,7 +326,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
         EventBody::Expired(e) => {
             v.error = Some(ErrorView {
                 class: FailureClass::Permanent,
-                code: "expired".into(),
+                code: FailureCode::Expired,
                 message: format!("not started before {}", e.start_before.to_rfc3339()),
             });
             v.finish(JobStatus::Expired, at);
@@ -361,7 +362,7 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
                 return None;
             }
             v.attempt = f.attempt;
-            v.error = Some(ErrorView { class: f.class, code: f.code.to_string(), message: f.message.clone() });
+            v.error = Some(ErrorView { class: f.class, code: f.code.clone(), message: f.message.clone() });
             match f.class {
                 FailureClass::Transient => {
                     v.retries += 1;
@@ -375,22 +376,19 @@ pub fn apply(view: Option<&JobView>, pos: Position, event: &Event) -> Option<Job
             v.attempt = v.attempt.max(d.deliveries);
             if let Some(e) = &d.last_error {
                 v.error =
-                    Some(ErrorView { class: FailureClass::Transient, code: d.reason.to_string(), message: e.clone() });
+                    Some(ErrorView { class: FailureClass::Transient, code: d.reason.clone(), message: e.clone() });
             } else {
                 v.error = Some(ErrorView {
                     class: FailureClass::Transient,
-                    code: d.reason.to_string(),
+                    code: d.reason.clone(),
                     message: format!("delivered {} times without an outcome", d.deliveries),
                 });
             }
             v.finish(JobStatus::DeadLettered, at);
         }
         EventBody::Rejected(r) => {
-            v.error = Some(ErrorView {
-                class: FailureClass::Permanent,
-                code: r.code.to_string(),
-                message: r.message.clone(),
-            });
+            v.error =
+                Some(ErrorView { class: FailureClass::Permanent, code: r.code.clone(), message: r.message.clone() });
             v.finish(JobStatus::Rejected, at);
         }
     }
@@ -568,8 +566,26 @@ mod tests {
         let e = ev(EventBody::Expired(Expired { start_before: chrono::Utc::now() }));
         let v = given(&[requested(), e]);
         assert_eq!(v.status, JobStatus::Expired);
-        assert_eq!(v.error.unwrap().code, "expired");
+        assert_eq!(v.error.unwrap().code, FailureCode::Expired);
         assert!(v.started_at.is_none());
+    }
+
+    #[test]
+    fn the_error_code_is_written_as_its_string_and_an_unknown_one_is_kept() {
+        let v = given(&[requested(), started(1), failed(1, FailureClass::Permanent)]);
+        let error = v.error.clone().unwrap();
+        assert_eq!(error.code, FailureCode::Other("boom".into()));
+        let json = serde_json::to_value(&v).unwrap();
+        assert_eq!(json["error"], serde_json::json!({"class": "permanent", "code": "boom", "message": "it broke"}));
+        let back: JobView = serde_json::from_value(json).unwrap();
+        assert_eq!(back, v);
+        let known: ErrorView =
+            serde_json::from_str(r#"{"class":"transient","code":"time_limit","message":"m"}"#).unwrap();
+        assert_eq!(known.code, FailureCode::TimeLimit);
+        assert_eq!(
+            serde_json::to_string(&known).unwrap(),
+            r#"{"class":"transient","code":"time_limit","message":"m"}"#
+        );
     }
 
     #[test]

@@ -30,8 +30,8 @@ use sha2::Sha256;
 
 use crate::event::{DeliveryAttempted, EventBody};
 use crate::nats::{job_subject, SubjectKind, JOBS_STREAM};
-use crate::netpolicy::HostPolicy;
 pub use crate::netpolicy::{is_public, Allowlist, Target};
+use crate::netpolicy::{HostPolicy, UrlError};
 use crate::{Event, JobId};
 
 /// Prefix of symmetric secrets.
@@ -332,11 +332,16 @@ pub fn allowlist_from_env() -> Allowlist {
     Allowlist::from_env(ALLOW_ENV)
 }
 
+/// A receiver URL the address policy refuses; the message is a sentence for the person
+/// who gave the URL (`` `url` must use https``).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`url` {0}")]
+pub struct ReceiverUrlError(#[source] pub UrlError);
+
 /// Checks a receiver URL against the address policy (any public host, and the hosts and
-/// networks of `allow`) and resolves it once. The error is a sentence for the person who
-/// gave the URL.
-pub async fn check_url(raw: &str, allow: &Allowlist) -> Result<Target, String> {
-    crate::netpolicy::check_url(raw, &HostPolicy::public(allow.clone())).await.map_err(|e| format!("`url` {e}"))
+/// networks of `allow`) and resolves it once.
+pub async fn check_url(raw: &str, allow: &Allowlist) -> Result<Target, ReceiverUrlError> {
+    crate::netpolicy::check_url(raw, &HostPolicy::public(allow.clone())).await.map_err(ReceiverUrlError)
 }
 
 #[cfg(test)]

@@ -161,7 +161,8 @@ pub fn engine_error(e: DemucsError) -> EngineError {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
         DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: FailureCode::InvalidArgument, message: m },
-        DemucsError::Io { .. } | DemucsError::SharedPass(_) => EngineError::Transient(e.to_string()),
+        e @ DemucsError::Io { .. } => EngineError::transient("I/O error", e),
+        e @ DemucsError::SharedPass(_) => EngineError::transient_without_source(e.to_string()),
         other => EngineError::Unsupported { code: FailureCode::ModelUnavailable, message: other.to_string() },
     }
 }
@@ -509,7 +510,7 @@ fn guarded<T>(device: &Device, f: impl FnOnce() -> Result<T, EngineError>) -> Re
             if is_out_of_memory(&msg) {
                 Err(EngineError::OutOfMemory { device: device.to_string() })
             } else {
-                Err(EngineError::Transient(format!("the {device} backend panicked: {msg}")))
+                Err(EngineError::transient_without_source(format!("the {device} backend panicked: {msg}")))
             }
         }
     }

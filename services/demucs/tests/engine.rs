@@ -199,7 +199,10 @@ fn an_allocation_failure_inside_the_run_is_an_out_of_memory_step() {
         assert!(stemq_demucs::engine::is_out_of_memory(message));
     }
     let err = s.engine.separate(&job(&s, &req, &id), &Panics("index out of bounds")).unwrap_err();
-    assert!(matches!(&err, EngineError::Transient(m) if m.contains("panicked: index out of bounds")), "{err:?}");
+    assert!(
+        matches!(&err, EngineError::Transient { what, .. } if what.contains("panicked: index out of bounds")),
+        "{err:?}"
+    );
     let left: Vec<_> = std::fs::read_dir(&s.out).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(left.is_empty(), "partial stems left: {left:?}");
     let files = s.engine.separate(&job(&s, &req, &id), &Ctx::new(None)).unwrap();

@@ -94,11 +94,11 @@ pub(crate) async fn create(
     let req = BatchRequest::from_slice(&body).map_err(invalid)?;
     if let Some(w) = &req.webhook {
         let allow = stemq_core::webhook::allowlist_from_env();
-        if let Err(message) = stemq_core::webhook::check_url(&w.url, &allow).await {
+        if let Err(e) = stemq_core::webhook::check_url(&w.url, &allow).await {
             return Err(ApiError {
                 status: StatusCode::UNPROCESSABLE_ENTITY,
                 code: "invalid_request",
-                message,
+                message: e.to_string(),
                 field: Some("webhook.url".into()),
             });
         }

@@ -109,7 +109,7 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
     } else {
         match webhook::check_url(d.url, &shared.config.allow).await {
             Err(e) => {
-                let a = Answer { status: None, error: Some(e), retry_after: None, latency: t0.elapsed() };
+                let a = Answer { status: None, error: Some(e.to_string()), retry_after: None, latency: t0.elapsed() };
                 (DeliveryResult::Failed, a)
             }
             Ok(target) => {

@@ -16,7 +16,7 @@ use futures::StreamExt;
 use reqwest::{Method, RequestBuilder};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use stemq_core::{JobStatus, JobView};
+use stemq_core::{JobId, JobStatus, JobView};
 use stemq_ingress::submit::SubmitResponse;
 use stemq_ingress::uploads::UploadResponse;
 use tokio::io::AsyncWriteExt;
@@ -176,13 +176,13 @@ impl Api {
     }
 
     /// `GET /v1/separations/{id}`.
-    pub async fn view(&self, id: &str) -> Result<JobView, ApiError> {
+    pub async fn view(&self, id: &JobId) -> Result<JobView, ApiError> {
         self.call(Method::GET, &format!("/v1/separations/{id}"), None).await
     }
 
     /// `GET /v1/separations/{id}/stems/{stem}` into `dest` (written whole, then moved
     /// into place); returns the bytes written.
-    pub async fn download(&self, id: &str, stem: &str, dest: &Path) -> Result<u64, ApiError> {
+    pub async fn download(&self, id: &JobId, stem: &str, dest: &Path) -> Result<u64, ApiError> {
         let url = self.url(&format!("/v1/separations/{id}/stems/{stem}"));
         let resp = self.send(Method::GET, &url, self.request(Method::GET, &url)).await?;
         let tmp = dest.with_extension("part");
@@ -203,7 +203,7 @@ impl Api {
     }
 
     /// Polls the job's view with a progress bar until it ends; returns the final view.
-    pub async fn watch(&self, id: &str) -> Result<JobView, ApiError> {
+    pub async fn watch(&self, id: &JobId) -> Result<JobView, ApiError> {
         let bar = JobBar::new();
         loop {
             let v = self.view(id).await?;
@@ -224,7 +224,7 @@ pub async fn submit(api: &Api, a: SubmitArgs) -> Result<()> {
     if !a.wait {
         return Ok(());
     }
-    let id = resp.job_id.as_str();
+    let id = &resp.job_id;
     let view = api.watch(id).await?;
     if view.status != JobStatus::Succeeded {
         bail!("job ended {}", view.status.as_str());
@@ -245,17 +245,17 @@ pub async fn submit(api: &Api, a: SubmitArgs) -> Result<()> {
 }
 
 /// `stemq status --api`.
-pub async fn status(api: &Api, id: &str) -> Result<()> {
+pub async fn status(api: &Api, id: &JobId) -> Result<()> {
     let v = api.view(id).await?;
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }
 
 /// `stemq list --api` (and `stemq dlq list --api`).
-pub async fn list(api: &Api, status: Option<&str>, limit: usize) -> Result<()> {
+pub async fn list(api: &Api, status: Option<JobStatus>, limit: usize) -> Result<()> {
     let mut path = format!("/v1/separations?limit={limit}");
     if let Some(s) = status {
-        path.push_str(&format!("&status={s}"));
+        path.push_str(&format!("&status={}", s.as_str()));
     }
     let page: Value = api.call(Method::GET, &path, None).await?;
     let jobs: Vec<JobView> = serde_json::from_value(page["jobs"].clone())?;
@@ -267,13 +267,13 @@ pub async fn list(api: &Api, status: Option<&str>, limit: usize) -> Result<()> {
 }
 
 /// `stemq watch --api`.
-pub async fn watch(api: &Api, id: &str) -> Result<()> {
+pub async fn watch(api: &Api, id: &JobId) -> Result<()> {
     api.watch(id).await?;
     Ok(())
 }
 
 /// `stemq cancel --api`.
-pub async fn cancel(api: &Api, id: &str) -> Result<()> {
+pub async fn cancel(api: &Api, id: &JobId) -> Result<()> {
     let resp: Value = api.call(Method::POST, &format!("/v1/separations/{id}/cancel"), None).await?;
     match resp["status"].as_str() {
         Some("cancelling") => println!("{id} is running; its worker stops it within about a second"),
@@ -284,7 +284,7 @@ pub async fn cancel(api: &Api, id: &str) -> Result<()> {
 }
 
 /// `stemq retry --api` (and `stemq dlq replay --api`).
-pub async fn retry(api: &Api, id: &str) -> Result<()> {
+pub async fn retry(api: &Api, id: &JobId) -> Result<()> {
     let resp: SubmitResponse = api.call(Method::POST, &format!("/v1/separations/{id}/retry"), None).await?;
     if resp.cached {
         println!("{id} was already retried as {}", resp.job_id);

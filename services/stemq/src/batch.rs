@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use reqwest::Method;
 use serde_json::{json, Value};
-use stemq_core::batch::{BatchStatus, BatchView, ItemState, MAX_BATCH_ITEMS};
+use stemq_core::batch::{BatchId, BatchStatus, BatchView, ItemState, MAX_BATCH_ITEMS};
 use stemq_core::JobStatus;
 
 use crate::api::{Api, ApiError};
@@ -173,7 +173,7 @@ pub async fn submit(api: &Api, a: BatchArgs) -> Result<()> {
     bar.0.set_message("submitting");
     let mut view = post(api, &body).await.inspect_err(|_| bar.0.abandon())?;
     bar.0.finish_and_clear();
-    let id = view.batch_id.to_string();
+    let id = view.batch_id.clone();
     report_submit(&view, &files);
     if !a.job.wait {
         println!("follow it:    stemq watch --batch {id}   (-o DIR downloads the stems)");
@@ -234,7 +234,7 @@ fn leftovers(v: &BatchView) -> Result<()> {
 }
 
 /// Polls the batch with one bar until it has ended (or stopped with nothing running).
-async fn follow(api: &Api, id: &str, bar: BatchBar) -> Result<BatchView> {
+async fn follow(api: &Api, id: &BatchId, bar: BatchBar) -> Result<BatchView> {
     loop {
         let v: BatchView =
             api.call(Method::GET, &format!("/v1/batches/{id}"), None).await.inspect_err(|_| bar.0.abandon())?;
@@ -273,7 +273,7 @@ async fn finish(api: &Api, v: &BatchView, files: Option<&[String]>, out: Option<
     let mut failed = 0;
     for i in &v.items {
         let ItemState::Submitted { job_id } = &i.state else { continue };
-        let view = api.view(job_id.as_str()).await?;
+        let view = api.view(job_id).await?;
         let file = files
             .and_then(|f| f.get(i.index).cloned())
             .or_else(|| view.metadata.as_ref().and_then(|m| m["file"].as_str()).map(str::to_string))
@@ -307,7 +307,7 @@ async fn download(api: &Api, view: &stemq_core::JobView, folder: &Path) -> Resul
     for o in &view.outputs {
         let ext = o.uri.rsplit_once('.').map(|(_, e)| e).filter(|e| !e.contains('/')).unwrap_or("bin");
         let dest = folder.join(format!("{}.{ext}", o.stem));
-        let bytes = api.download(view.job_id.as_str(), &o.stem, &dest).await?;
+        let bytes = api.download(&view.job_id, &o.stem, &dest).await?;
         if bytes != o.bytes {
             bail!("{}: got {bytes} bytes, the job recorded {}", dest.display(), o.bytes);
         }
@@ -316,7 +316,7 @@ async fn download(api: &Api, view: &stemq_core::JobView, folder: &Path) -> Resul
 }
 
 /// `stemq status --batch ID`: the batch's view.
-pub async fn status(api: &Api, id: &str) -> Result<()> {
+pub async fn status(api: &Api, id: &BatchId) -> Result<()> {
     let v: Value = api.call(Method::GET, &format!("/v1/batches/{id}"), None).await?;
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
@@ -324,7 +324,7 @@ pub async fn status(api: &Api, id: &str) -> Result<()> {
 
 /// `stemq watch --batch ID [-o DIR]`: one bar until the batch ends, then the summary
 /// (and the stems of the songs that succeeded, into `DIR/<file stem>/`).
-pub async fn watch(api: &Api, id: &str, out: Option<&Path>) -> Result<()> {
+pub async fn watch(api: &Api, id: &BatchId, out: Option<&Path>) -> Result<()> {
     let v = follow(api, id, BatchBar::new(0, "")).await?;
     finish(api, &v, None, out).await
 }

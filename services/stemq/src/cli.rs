@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use stemq_core::batch::BatchId;
 use stemq_core::telemetry::LogFormat;
+use stemq_core::{JobId, JobStatus};
 
 use crate::api::ApiArgs;
 use crate::client::SubmitArgs;
@@ -78,7 +80,8 @@ pub enum Command {
     /// Print a job's status view (or a batch's, with `--batch`).
     Status {
         /// Job id (a batch id with `--batch`).
-        id: String,
+        #[arg(value_parser = parse_id)]
+        id: JobId,
         /// ID is a batch (over the HTTP API).
         #[arg(long)]
         batch: bool,
@@ -89,7 +92,7 @@ pub enum Command {
     List {
         /// Only jobs with this status.
         #[arg(long, value_parser = parse_status)]
-        status: Option<String>,
+        status: Option<JobStatus>,
         /// How many.
         #[arg(long, default_value_t = 20)]
         limit: usize,
@@ -99,7 +102,8 @@ pub enum Command {
     /// Follow a job with a progress bar until it ends (or a batch, with `--batch`).
     Watch {
         /// Job id (a batch id with `--batch`).
-        id: String,
+        #[arg(value_parser = parse_id)]
+        id: JobId,
         /// ID is a batch (over the HTTP API): one bar for all its jobs, then a summary.
         #[arg(long)]
         batch: bool,
@@ -112,14 +116,16 @@ pub enum Command {
     /// Cancel a queued or running job (a running job stops within about a second).
     Cancel {
         /// Job id.
-        id: String,
+        #[arg(value_parser = parse_id)]
+        id: JobId,
         #[command(flatten)]
         api: ApiArgs,
     },
     /// Re-run a failed, dead-lettered, cancelled or expired job as a new job.
     Retry {
         /// Job id.
-        id: String,
+        #[arg(value_parser = parse_id)]
+        id: JobId,
         #[command(flatten)]
         api: ApiArgs,
     },
@@ -228,7 +234,8 @@ pub enum DlqCommand {
     /// Run a dead-lettered job again, as a new job linked to the old one.
     Replay {
         /// Job id.
-        id: String,
+        #[arg(value_parser = parse_id)]
+        id: JobId,
     },
 }
 
@@ -263,14 +270,22 @@ impl Cli {
 }
 
 /// `--status`: a job status the view knows.
-fn parse_status(s: &str) -> Result<String, String> {
-    match stemq_core::JobStatus::parse(s) {
-        Some(_) => Ok(s.to_string()),
-        None => {
-            let known: Vec<_> = stemq_core::JobStatus::ALL.iter().map(|x| x.as_str()).collect();
-            Err(format!("unknown status `{s}`; one of: {}", known.join(", ")))
-        }
-    }
+fn parse_status(s: &str) -> Result<JobStatus, String> {
+    JobStatus::parse(s).ok_or_else(|| {
+        let known: Vec<_> = JobStatus::ALL.iter().map(|x| x.as_str()).collect();
+        format!("unknown status `{s}`; one of: {}", known.join(", "))
+    })
+}
+
+/// `ID`: a job id, or a batch id where `--batch` says so (both are 64 lowercase hex
+/// digits, the form [`JobId::parse`] accepts).
+fn parse_id(s: &str) -> Result<JobId, String> {
+    JobId::parse(s).ok_or_else(|| format!("`{s}` is not an id: expected 64 lowercase hex digits"))
+}
+
+/// The batch a `--batch` command names: `ID` in the form of every id.
+fn batch_id(id: &JobId) -> BatchId {
+    BatchId::parse(id.as_str()).expect("a batch id has the form of a job id")
 }
 
 /// The API client of the batch commands: batches are an HTTP API feature.
@@ -324,25 +339,25 @@ pub async fn run(cli: Cli) -> Result<()> {
             None => crate::client::submit(&g, a).await,
         },
         Command::Batch(a) => crate::batch::submit(&batch_api(&g, &a.job.api)?, a).await,
-        Command::Status { id, batch: true, api } => crate::batch::status(&batch_api(&g, &api)?, &id).await,
+        Command::Status { id, batch: true, api } => crate::batch::status(&batch_api(&g, &api)?, &batch_id(&id)).await,
         Command::Status { id, api, .. } => match api.client(&g.data_dir) {
             Some(api) => crate::api::status(&api, &id).await,
             None => crate::client::status(&g, &id).await,
         },
         Command::Watch { id, batch: true, output_dir, api } => {
-            crate::batch::watch(&batch_api(&g, &api)?, &id, output_dir.as_deref()).await
+            crate::batch::watch(&batch_api(&g, &api)?, &batch_id(&id), output_dir.as_deref()).await
         }
         Command::List { status, limit, api } => match api.client(&g.data_dir) {
-            Some(api) => crate::api::list(&api, status.as_deref(), limit).await,
-            None => crate::client::list(&g, status.as_deref(), limit).await,
+            Some(api) => crate::api::list(&api, status, limit).await,
+            None => crate::client::list(&g, status, limit).await,
         },
         Command::Watch { id, api, .. } => match api.client(&g.data_dir) {
             Some(api) => crate::api::watch(&api, &id).await,
             None => crate::client::watch(&g, &id).await.map(|_| ()),
         },
         Command::Dlq { command: DlqCommand::List { limit }, api } => match api.client(&g.data_dir) {
-            Some(api) => crate::api::list(&api, Some("dead_lettered"), limit).await,
-            None => crate::client::list(&g, Some("dead_lettered"), limit).await,
+            Some(api) => crate::api::list(&api, Some(JobStatus::DeadLettered), limit).await,
+            None => crate::client::list(&g, Some(JobStatus::DeadLettered), limit).await,
         },
         Command::Dlq { command: DlqCommand::Replay { id }, api } | Command::Retry { id, api } => {
             match api.client(&g.data_dir) {
@@ -563,15 +578,42 @@ mod tests {
         let help = help_of("batch");
         assert!(help.contains("DIR") && help.contains("A folder of songs"), "{help}");
         assert!(!help.contains("--store"), "{help}");
-        match Cli::try_parse_from(["stemq", "watch", "--batch", "abc", "-o", "d"]).unwrap().command {
+        let id = "ab".repeat(32);
+        match Cli::try_parse_from(["stemq", "watch", "--batch", &id, "-o", "d"]).unwrap().command {
             Command::Watch { batch, output_dir, .. } => assert!(batch && output_dir.is_some()),
             _ => unreachable!(),
         }
-        assert!(Cli::try_parse_from(["stemq", "watch", "abc", "-o", "d"]).is_err());
-        assert!(matches!(
-            Cli::try_parse_from(["stemq", "status", "--batch", "abc"]).unwrap().command,
-            Command::Status { batch: true, .. }
-        ));
+        assert!(Cli::try_parse_from(["stemq", "watch", &id, "-o", "d"]).is_err());
+        match Cli::try_parse_from(["stemq", "status", "--batch", &id]).unwrap().command {
+            Command::Status { id: parsed, batch: true, .. } => assert_eq!(batch_id(&parsed).as_str(), id),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn ids_are_parsed_once_at_the_edge() {
+        let id = "0123456789abcdef".repeat(4);
+        for sub in [&["status"][..], &["watch"], &["cancel"], &["retry"], &["dlq", "replay"], &["status", "--batch"]] {
+            let args =
+                |id: &str| -> Vec<String> { ["stemq"].iter().chain(sub).chain([&id]).map(|s| s.to_string()).collect() };
+            let cli = Cli::try_parse_from(args(&id)).unwrap_or_else(|e| panic!("{sub:?}: {e}"));
+            assert!(matches!(
+                cli.command,
+                Command::Status { .. }
+                    | Command::Watch { .. }
+                    | Command::Cancel { .. }
+                    | Command::Retry { .. }
+                    | Command::Dlq { command: DlqCommand::Replay { .. }, .. }
+            ));
+            for bad in ["abc", &id.to_uppercase(), &format!("{id}0"), "../../etc/passwd"] {
+                let e = Cli::try_parse_from(args(bad)).expect_err(bad).to_string();
+                assert!(e.contains(&format!("`{bad}` is not an id: expected 64 lowercase hex digits")), "{sub:?}: {e}");
+            }
+        }
+        match Cli::try_parse_from(["stemq", "list", "--status", "dead_lettered"]).unwrap().command {
+            Command::List { status, .. } => assert_eq!(status, Some(JobStatus::DeadLettered)),
+            _ => unreachable!(),
+        }
     }
 
     /// The engine host command line the worker writes is one this parser reads.

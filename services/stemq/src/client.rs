@@ -178,10 +178,6 @@ async fn views(js: &jetstream::Context) -> Result<Views> {
         .context("the status bucket or the job stream is missing: run `stemq nats apply` or `stemq dev`")
 }
 
-fn parse_id(id: &str) -> Result<JobId> {
-    JobId::parse(id).ok_or_else(|| anyhow!("`{id}` is not a job id (64 lowercase hex characters)"))
-}
-
 /// Uploads a local file to the store, content-addressed (`uploads/<owner>/<sha256>.<ext>`);
 /// returns its URI. The file is streamed and hashed on the way, then moved to its key.
 async fn upload(store: &Store, owner: &str, file: &Path) -> Result<String> {
@@ -237,7 +233,7 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     let (resp, _) = stemq_ingress::submit::submit(&js, &body, &g.owner, None, &stores, None).await?;
     println!("{}", serde_json::to_string_pretty(&resp)?);
     if a.wait {
-        let view = watch(g, resp.job_id.as_str()).await?;
+        let view = watch(g, &resp.job_id).await?;
         if view.status != JobStatus::Succeeded {
             bail!("job ended {}", view.status.as_str());
         }
@@ -248,20 +244,18 @@ pub async fn submit(g: &Global, a: SubmitArgs) -> Result<()> {
     Ok(())
 }
 
-pub async fn status(g: &Global, id: &str) -> Result<()> {
-    let id = parse_id(id)?;
+pub async fn status(g: &Global, id: &JobId) -> Result<()> {
     let js = js(g).await?;
     // The view, else the request from the log: a job just submitted is never "no job".
     let views = views(&js).await?;
-    match views.current(&id).await? {
+    match views.current(id).await? {
         Some(v) => println!("{}", serde_json::to_string_pretty(&v)?),
         None => bail!("no job {id}"),
     }
     Ok(())
 }
 
-pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> {
-    let status = status.map(|s| JobStatus::parse(s).ok_or_else(|| anyhow!("unknown status `{s}`"))).transpose()?;
+pub async fn list(g: &Global, status: Option<JobStatus>, limit: usize) -> Result<()> {
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let stop = CancellationToken::new();
@@ -281,8 +275,7 @@ pub async fn list(g: &Global, status: Option<&str>, limit: usize) -> Result<()> 
 }
 
 /// Follows a job's KV entry with a progress bar; returns the terminal view.
-pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
-    let id = parse_id(id)?;
+pub async fn watch(g: &Global, id: &JobId) -> Result<JobView> {
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let bar = JobBar::new();
@@ -304,10 +297,9 @@ pub async fn watch(g: &Global, id: &str) -> Result<JobView> {
 
 /// Re-runs a failed, dead-lettered, cancelled or expired job as a new job linked both
 /// ways (`stemq retry`, `stemq dlq replay`): the same code as `POST .../retry`.
-pub async fn replay(g: &Global, id: &str) -> Result<()> {
-    let id = parse_id(id)?;
+pub async fn replay(g: &Global, id: &JobId) -> Result<()> {
     let js = js(g).await?;
-    let view = views(&js).await?.current(&id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let view = views(&js).await?.current(id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
     let (new_id, created) = stemq_ingress::control::retry(&js, &view, "/stemq/cli").await?;
     if created {
         println!("retrying {id} as {new_id}");
@@ -318,10 +310,9 @@ pub async fn replay(g: &Global, id: &str) -> Result<()> {
 }
 
 /// Cancels a queued or running job: the same code as `POST .../cancel`.
-pub async fn cancel(g: &Global, id: &str) -> Result<()> {
-    let id = parse_id(id)?;
+pub async fn cancel(g: &Global, id: &JobId) -> Result<()> {
     let js = js(g).await?;
-    let view = views(&js).await?.current(&id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
+    let view = views(&js).await?.current(id).await?.ok_or_else(|| anyhow!("no job {id}"))?;
     match stemq_ingress::control::cancel(&js, &view, "cli").await? {
         stemq_ingress::control::CancelOutcome::Cancelled => println!("{id} cancelled"),
         stemq_ingress::control::CancelOutcome::AlreadyCancelled => println!("{id} was already cancelled"),

@@ -101,12 +101,15 @@ pub enum FetchError {
         limit: u64,
     },
     /// Connecting, sending or reading failed (timeouts included).
-    #[error("fetching {url}: {message}")]
+    #[error("fetching {url}: {kind}")]
     Http {
         /// The URL.
         url: String,
-        /// What reqwest said (timeouts named as such).
-        message: String,
+        /// Which step failed.
+        kind: HttpErrorKind,
+        /// What reqwest said.
+        #[source]
+        source: reqwest::Error,
     },
     /// The local copy could not be written.
     #[error("writing {path}")]
@@ -119,15 +122,36 @@ pub enum FetchError {
     },
 }
 
-fn http_err(url: &str, e: reqwest::Error) -> FetchError {
-    let what = if e.is_timeout() {
-        "timed out".to_string()
-    } else if e.is_connect() {
-        format!("cannot connect: {e}")
+/// How an HTTP exchange failed ([`FetchError::Http`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpErrorKind {
+    /// No answer, or no more bytes, in time.
+    Timeout,
+    /// The connection could not be made.
+    Connect,
+    /// Sending the request or reading the answer failed.
+    Transfer,
+}
+
+impl std::fmt::Display for HttpErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HttpErrorKind::Timeout => "timed out",
+            HttpErrorKind::Connect => "cannot connect",
+            HttpErrorKind::Transfer => "transfer failed",
+        })
+    }
+}
+
+fn http_err(url: &str, source: reqwest::Error) -> FetchError {
+    let kind = if source.is_timeout() {
+        HttpErrorKind::Timeout
+    } else if source.is_connect() {
+        HttpErrorKind::Connect
     } else {
-        e.to_string()
+        HttpErrorKind::Transfer
     };
-    FetchError::Http { url: url.to_string(), message: what }
+    FetchError::Http { url: url.to_string(), kind, source }
 }
 
 /// Fetches `url` into the file `path` under the settings' policy and limits; returns the

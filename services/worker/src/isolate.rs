@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use stemq_core::device::Device;
-use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
+use stemq_core::engine::{Death, Engine, EngineContext, EngineError, EngineJob, StemFile};
 use stemq_core::request::{JobId, Model, NormalizedRequest};
 use tracing::{info, warn};
 
@@ -202,7 +202,7 @@ fn write_message(to: &mut ChildStdin, m: &ToHost) -> std::io::Result<()> {
 
 /// Waits for a host to end (after its output ended) and says how it ended. The lock is
 /// taken per look, so the host can be killed meanwhile.
-fn wait_death(child: &Mutex<Child>) -> String {
+fn wait_death(child: &Mutex<Child>) -> Death {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let mut child = lock(child);
@@ -215,7 +215,7 @@ fn wait_death(child: &Mutex<Child>) -> String {
             _ => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return "closed its output and was killed".into();
+                return Death::Silenced;
             }
         }
     }
@@ -231,7 +231,7 @@ impl Host {
     fn hello(self, timeout: Duration) -> Result<(Host, Hello), String> {
         match await_hello(&self.lines, timeout) {
             Ok(hello) => Ok((self, hello)),
-            Err(None) => Err(self.death()),
+            Err(None) => Err(self.death().to_string()),
             Err(Some(why)) => Err(why),
         }
     }
@@ -241,7 +241,7 @@ impl Host {
     }
 
     /// Waits for the host to end (after its output ended) and says how it ended.
-    fn death(self) -> String {
+    fn death(self) -> Death {
         wait_death(&self.child)
     }
 }
@@ -263,7 +263,7 @@ struct Routing {
     /// The running attempts' inboxes by slot.
     routes: Mutex<HashMap<u32, mpsc::Sender<Line>>>,
     /// How the host ended, once its output has.
-    death: Mutex<Option<String>>,
+    death: Mutex<Option<Death>>,
     next_slot: AtomicU32,
 }
 
@@ -277,7 +277,7 @@ impl SharedHost {
             Err(why) => {
                 let _ = lock(&child).kill();
                 let how = wait_death(&child);
-                return Err(why.unwrap_or(how));
+                return Err(why.unwrap_or_else(|| how.to_string()));
             }
         };
         let routing = Arc::new(Routing { next_slot: AtomicU32::new(1), ..Routing::default() });
@@ -305,7 +305,7 @@ impl SharedHost {
     }
 
     /// How it ended, if it has.
-    fn death(&self) -> Option<String> {
+    fn death(&self) -> Option<Death> {
         lock(&self.routing.death).clone()
     }
 
@@ -350,24 +350,12 @@ impl Drop for Host {
     }
 }
 
-/// "killed by signal 6 (SIGABRT)", "exited with status 101".
-fn describe(status: ExitStatus) -> String {
+/// How a host process ended, from its exit status.
+fn describe(status: ExitStatus) -> Death {
     match (status.code(), status.signal()) {
-        (_, Some(sig)) => {
-            let name = match sig {
-                4 => " (SIGILL)",
-                6 => " (SIGABRT)",
-                7 => " (SIGBUS)",
-                8 => " (SIGFPE)",
-                9 => " (SIGKILL: killed, often for memory)",
-                11 => " (SIGSEGV)",
-                15 => " (SIGTERM)",
-                _ => "",
-            };
-            format!("killed by signal {sig}{name}")
-        }
-        (Some(code), None) => format!("exited with status {code}"),
-        (None, None) => "ended".into(),
+        (_, Some(sig)) => Death::Signal(sig),
+        (Some(code), None) => Death::Exited(code),
+        (None, None) => Death::Ended,
     }
 }
 
@@ -455,7 +443,7 @@ impl IsolatedEngine {
         }
         *current = None;
         let (host, _) = SharedHost::start(&self.program, &self.args, LOAD_TIMEOUT)
-            .map_err(|why| EngineError::Transient(format!("a new shared engine host: {why}")))?;
+            .map_err(|why| EngineError::transient_without_source(format!("a new shared engine host: {why}")))?;
         info!(pid = lock(&host.child).id(), "shared engine host started");
         *current = Some(host.clone());
         Ok(host)
@@ -475,7 +463,8 @@ impl IsolatedEngine {
             None => {
                 // It died since the look above: once more, with a new one.
                 host = self.shared_host(slot)?;
-                host.open().ok_or_else(|| EngineError::Transient("the shared engine host died at once".into()))?
+                host.open()
+                    .ok_or_else(|| EngineError::transient_without_source("the shared engine host died at once"))?
             }
         };
         struct Close<'a>(&'a SharedHost, u32);
@@ -494,7 +483,7 @@ impl IsolatedEngine {
             Ended::Done(result) => result,
             Ended::Died { cancelled: true } => Err(EngineError::Cancelled),
             Ended::Died { cancelled: false } => {
-                let how = host.death().unwrap_or_else(|| "ended".into());
+                let how = host.death().unwrap_or(Death::Ended);
                 warn!(job_id = %job.job_id, attempt = job.attempt, %how, "the shared engine host died while running this job");
                 Err(EngineError::Crashed(how))
             }
@@ -520,9 +509,10 @@ impl IsolatedEngine {
             return Ok(h);
         }
         let host = Host::spawn(&self.program, &self.args)
-            .map_err(|e| EngineError::Transient(format!("cannot start an engine host: {e}")))?;
-        let (host, _) =
-            host.hello(LOAD_TIMEOUT).map_err(|why| EngineError::Transient(format!("a new engine host: {why}")))?;
+            .map_err(|e| EngineError::transient("cannot start an engine host", e))?;
+        let (host, _) = host
+            .hello(LOAD_TIMEOUT)
+            .map_err(|why| EngineError::transient_without_source(format!("a new engine host: {why}")))?;
         Ok(host)
     }
 }
@@ -573,7 +563,7 @@ impl Engine for IsolatedEngine {
             // The idle host died since its last job (nothing of this job ran): use a new one.
             drop(host);
             host = self.checkout()?;
-            host.send(&wire).map_err(|e| EngineError::Transient(format!("cannot reach the engine host: {e}")))?;
+            host.send(&wire).map_err(|e| EngineError::transient("cannot reach the engine host", e))?;
         }
         let ended = follow(&host.lines, ctx, || {
             let _ = write_message(&mut host.stdin, &ToHost::Cancel { slot: 0 });
@@ -743,7 +733,7 @@ pub fn serve(engine: Arc<dyn Engine>) -> std::io::Result<()> {
                             stemq_core::engine::panic_message(panic.as_ref()).unwrap_or_else(|| "a panic".into());
                         // State inside the engine may be poisoned: report, then make way
                         // for a fresh host.
-                        let crashed = EngineError::Crashed(format!("the engine panicked: {what}"));
+                        let crashed = EngineError::Crashed(Death::Panicked(what));
                         let _ = send(&FromHost::Done { slot: j.slot, result: Err(crashed) });
                         std::process::exit(101);
                     }
@@ -779,10 +769,10 @@ mod tests {
 
     #[test]
     fn protocol_round_trips() {
-        let done = FromHost::Done { slot: 0, result: Err(EngineError::Crashed("killed by signal 6 (SIGABRT)".into())) };
+        let done = FromHost::Done { slot: 0, result: Err(EngineError::Crashed(Death::Signal(6))) };
         let text = serde_json::to_string(&done).unwrap();
         match serde_json::from_str::<FromHost>(&text).unwrap() {
-            FromHost::Done { result: Err(EngineError::Crashed(m)), .. } => assert!(m.contains("SIGABRT")),
+            FromHost::Done { result: Err(EngineError::Crashed(how)), .. } => assert_eq!(how, Death::Signal(6)),
             other => panic!("{other:?}"),
         }
         let oom = FromHost::Done { slot: 2, result: Err(EngineError::OutOfMemory { device: "cuda:0".into() }) };
@@ -822,7 +812,7 @@ mod tests {
 
     #[test]
     fn deaths_are_described() {
-        assert_eq!(describe(ExitStatus::from_raw(6)), "killed by signal 6 (SIGABRT)");
-        assert_eq!(describe(ExitStatus::from_raw(101 << 8)), "exited with status 101");
+        assert_eq!(describe(ExitStatus::from_raw(6)), Death::Signal(6));
+        assert_eq!(describe(ExitStatus::from_raw(101 << 8)), Death::Exited(101));
     }
 }

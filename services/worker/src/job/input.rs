@@ -85,7 +85,10 @@ mod tests {
             (
                 FetchError::Policy {
                     url: url(),
-                    source: UrlError::Resolve { host: "a.example".into(), message: "no".into() },
+                    source: UrlError::Resolve {
+                        host: "a.example".into(),
+                        source: stemq_core::netpolicy::ResolveError::new(std::io::Error::other("no")),
+                    },
                 },
                 FailureClass::Transient,
                 FailureCode::InputFetch,
@@ -98,7 +101,11 @@ mod tests {
             (FetchError::TooManyRedirects { url: url(), max: 5 }, FailureClass::Permanent, FailureCode::InputFetch),
             (FetchError::TooLarge { url: url(), limit: 10 }, FailureClass::Permanent, FailureCode::InputTooLarge),
             (
-                FetchError::Http { url: url(), message: "timed out".into() },
+                FetchError::Http {
+                    url: url(),
+                    kind: crate::fetch::HttpErrorKind::Timeout,
+                    source: reqwest::Client::new().get("http://a.example:99999/").build().unwrap_err(),
+                },
                 FailureClass::Transient,
                 FailureCode::InputFetch,
             ),

@@ -167,9 +167,11 @@ fn classify(e: EngineError) -> Failure {
     match e {
         EngineError::InvalidInput { code, message } => Failure::permanent(code, message),
         EngineError::Unsupported { code, message } => Failure::permanent(code, message),
-        EngineError::Transient(m) => Failure::transient(FailureCode::EngineError, m),
+        e @ EngineError::Transient { .. } => {
+            Failure::transient(FailureCode::EngineError, stemq_core::error::report(&e))
+        }
         // The attempt's own process died: this job, and only it, pays an attempt.
-        EngineError::Crashed(m) => Failure::transient(FailureCode::EngineCrashed, m),
+        EngineError::Crashed(how) => Failure::transient(FailureCode::EngineCrashed, how.to_string()),
         EngineError::Cancelled => Failure::permanent(FailureCode::Cancelled, "the job was cancelled".into()),
         EngineError::OutOfMemory { device } => {
             Failure::transient(FailureCode::OutOfMemory, format!("out of memory on {device}"))
@@ -223,10 +225,12 @@ mod tests {
         assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::InvalidAudio));
         let f = classify(EngineError::Unsupported { code: "brand_new".into(), message: "m".into() });
         assert_eq!((f.class, f.code), (FailureClass::Permanent, FailureCode::Other("brand_new".into())));
-        let f = classify(EngineError::Transient("m".into()));
+        let f = classify(EngineError::transient("writing vocals", std::io::Error::other("disk full")));
         assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::EngineError));
-        let f = classify(EngineError::Crashed("m".into()));
+        assert_eq!(f.message, "writing vocals: disk full");
+        let f = classify(EngineError::Crashed(stemq_core::engine::Death::Signal(9)));
         assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::EngineCrashed));
+        assert!(f.message.contains("SIGKILL"), "{}", f.message);
         let f = classify(EngineError::OutOfMemory { device: "cuda:0".into() });
         assert_eq!((f.class, f.code), (FailureClass::Transient, FailureCode::OutOfMemory));
         let f = classify(EngineError::OverBudget { device: "cpu".into(), needed: 2, budget: 1 });
