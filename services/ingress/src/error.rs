@@ -76,8 +76,8 @@ impl From<SubmitError> for ApiError {
                 message: l.message,
                 field: None,
             },
-            SubmitError::Unavailable(m) => {
-                warn!(error = %m, "submit failed");
+            e @ SubmitError::Unavailable { .. } => {
+                warn!(error = %stemq_core::error::report(&e), "submit failed");
                 ApiError {
                     status: StatusCode::SERVICE_UNAVAILABLE,
                     code: "unavailable",

@@ -27,6 +27,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use stemq_core::auth::{Caller, Limits};
+use stemq_core::error::JetStreamError;
 use stemq_core::read::ListIndex;
 use stemq_core::JobId;
 
@@ -75,11 +76,26 @@ pub struct Limited {
 
 /// Why a limit could not be checked.
 #[derive(Debug, thiserror::Error)]
-#[error("limits bucket: {0}")]
-pub struct LimitsError(String);
-
-fn err(e: impl std::fmt::Display) -> LimitsError {
-    LimitsError(e.to_string())
+pub enum LimitsError {
+    /// The `stemq_limits` bucket could not be read or written.
+    #[error("limits bucket")]
+    Store(#[from] JetStreamError),
+    /// A counter could not be written as JSON.
+    #[error("limits bucket: encoding `{key}`")]
+    Encode {
+        /// The counter's key.
+        key: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The counter kept changing under concurrent writers (other replicas, other
+    /// requests of the key) until the attempts ran out.
+    #[error("limits bucket: `{key}` kept changing under concurrent writers")]
+    Contended {
+        /// The counter's key.
+        key: String,
+    },
 }
 
 impl IntoResponse for Limited {
@@ -142,7 +158,7 @@ where
             let ms = rand::random::<u64>() % u64::from(attempt.min(10) + 1);
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        let entry = bucket.entry(key).await.map_err(err)?;
+        let entry = bucket.entry(key).await.map_err(JetStreamError::read("read a limit counter"))?;
         let (current, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => {
                 (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision))
@@ -154,7 +170,7 @@ where
             Ok(x) => x,
             Err(early) => return Ok(early),
         };
-        let value = serde_json::to_vec(&next).map_err(err)?;
+        let value = serde_json::to_vec(&next).map_err(|source| LimitsError::Encode { key: key.to_string(), source })?;
         let wrote = match revision {
             Some(r) => bucket.update(key, value.into(), r).await.is_ok(),
             None => bucket.create(key, value.into()).await.is_ok(),
@@ -163,7 +179,7 @@ where
             return Ok(result);
         }
     }
-    Err(LimitsError("too many concurrent writers".into()))
+    Err(LimitsError::Contended { key: key.to_string() })
 }
 
 /// Takes one token from `key`'s bucket of `(rate, burst)`; returns the tokens left.
@@ -244,7 +260,7 @@ where
     let key = format!("flight.{}", caller.key_id);
     let Limits { max_in_flight, .. } = caller.limits;
     // The slow lookups happen outside the compare-and-set loop.
-    let current: Flight = match bucket.get(&key).await.map_err(err)? {
+    let current: Flight = match bucket.get(&key).await.map_err(JetStreamError::read("read the jobs in flight"))? {
         Some(v) => serde_json::from_slice(&v).unwrap_or_default(),
         None => Flight::default(),
     };

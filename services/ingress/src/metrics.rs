@@ -77,7 +77,7 @@ impl Metrics {
             Ok((s, _)) if s.cached => "cached",
             Ok(_) => "created",
             Err(SubmitError::Invalid(_) | SubmitError::Unserved { .. }) => "invalid",
-            Err(SubmitError::Unavailable(_)) => "unavailable",
+            Err(SubmitError::Unavailable { .. }) => "unavailable",
             Err(SubmitError::Limited(_)) => "limited",
             Err(SubmitError::Refused(_)) => "refused",
         };

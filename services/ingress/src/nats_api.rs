@@ -104,9 +104,9 @@ pub async fn serve(
                     "http_status": e.status.as_u16(),
                     "error": {"code": e.code, "message": e.message}
                 }),
-                Err(SubmitError::Unavailable(m)) => json!({
+                Err(e @ SubmitError::Unavailable { .. }) => json!({
                     "http_status": 503,
-                    "error": {"code": "unavailable", "message": m}
+                    "error": {"code": "unavailable", "message": stemq_core::error::report(&e)}
                 }),
             };
             if let Err(e) = client.publish(reply, serde_json::to_vec(&body).expect("json").into()).await {

@@ -30,11 +30,7 @@ pub(crate) async fn spend_rate(state: &AppState, caller: &Caller) -> Result<u64,
         return Ok(u64::MAX);
     }
     let _turn = state.key_locks.lock(&caller.key_id).await;
-    limits::rate(&state.limits, caller).await.map_err(limits_unavailable)?.map_err(SubmitError::Limited)
-}
-
-fn limits_unavailable(e: limits::LimitsError) -> SubmitError {
-    SubmitError::Unavailable(e.to_string())
+    limits::rate(&state.limits, caller).await?.map_err(SubmitError::Limited)
 }
 
 /// Validates `body` for `caller` and builds its `requested` event: the request's own
@@ -89,10 +85,7 @@ pub(crate) async fn admit_and_queue(
         let index = state.index.clone();
         let known = move |id: &JobId| limits::state_in(&index, id);
         let _turn = state.key_locks.lock(&caller.key_id).await;
-        limits::admit(&state.limits, caller, &event.subject, known, recorded)
-            .await
-            .map_err(limits_unavailable)?
-            .map_err(SubmitError::Limited)?;
+        limits::admit(&state.limits, caller, &event.subject, known, recorded).await?.map_err(SubmitError::Limited)?;
     }
     let (resp, _) = submit::queue_with(&state.js, event, &state.availability).await?;
     Ok(resp)

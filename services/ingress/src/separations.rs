@@ -15,7 +15,7 @@ use tracing::Instrument;
 use crate::links::{Job, Links};
 use crate::pipeline::submit_as;
 use crate::rejection::{Bytes, Path, Query};
-use crate::submit::{SubmitError, SubmitResponse};
+use crate::submit::{Dependency, NoAnswer, SubmitError, SubmitResponse};
 use crate::{control, prefer, ApiError, AppState};
 
 /// Longest an HTTP submit takes before answering 503: the publish's own budget (at
@@ -52,7 +52,7 @@ pub(crate) async fn create(
         let work = submit_as(&state, &caller, &body, traceparent).instrument(span);
         match tokio::time::timeout(SUBMIT_TIMEOUT, work).await {
             Ok(r) => r,
-            Err(_) => Err(SubmitError::Unavailable(format!("no answer from NATS within {SUBMIT_TIMEOUT:?}"))),
+            Err(_) => Err(SubmitError::unavailable(Dependency::Queue, NoAnswer(SUBMIT_TIMEOUT))),
         }
     };
     state.metrics.observe_submit(&result);

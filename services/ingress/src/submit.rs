@@ -11,6 +11,7 @@
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
+use stemq_core::error::BoxError;
 use stemq_core::netpolicy::{self, HostPolicy};
 use stemq_core::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
@@ -61,9 +62,55 @@ pub enum SubmitError {
         /// What the live workers serve.
         served: Vec<stemq_core::request::Model>,
     },
-    /// NATS did not take the event (503): nothing was queued; retrying is safe.
-    #[error("the job could not be queued: {0}")]
-    Unavailable(String),
+    /// Something the submit needs did not answer (503): nothing was queued; retrying is
+    /// safe.
+    #[error("the job could not be queued: {dependency} failed")]
+    Unavailable {
+        /// What did not answer.
+        dependency: Dependency,
+        /// Its error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// What a submit needs that can fail to answer ([`SubmitError::Unavailable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dependency {
+    /// The job stream (the publish of the request).
+    Queue,
+    /// The `stemq_limits` bucket (the key's rate and jobs in flight).
+    Limits,
+    /// The object store (an upload named by the request).
+    Store,
+}
+
+impl std::fmt::Display for Dependency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dependency::Queue => "the queue",
+            Dependency::Limits => "the limits bucket",
+            Dependency::Store => "the object store",
+        })
+    }
+}
+
+/// A step that got no answer within its time.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("no answer within {0:?}")]
+pub struct NoAnswer(pub std::time::Duration);
+
+impl SubmitError {
+    /// `dependency` failed with `source`.
+    pub fn unavailable(dependency: Dependency, source: impl Into<BoxError>) -> SubmitError {
+        SubmitError::Unavailable { dependency, source: source.into() }
+    }
+}
+
+impl From<crate::limits::LimitsError> for SubmitError {
+    fn from(e: crate::limits::LimitsError) -> SubmitError {
+        SubmitError::unavailable(Dependency::Limits, e)
+    }
 }
 
 impl SubmitError {
@@ -76,7 +123,7 @@ impl SubmitError {
     pub fn stops_batch(&self) -> bool {
         match self {
             SubmitError::Invalid(_) | SubmitError::Unserved { .. } => false,
-            SubmitError::Limited(_) | SubmitError::Unavailable(_) => true,
+            SubmitError::Limited(_) | SubmitError::Unavailable { .. } => true,
             // A rule's own answer: what the owner cannot pay (402), a limit (429) or a
             // store that did not answer (5xx) holds for the items after it too.
             SubmitError::Refused(e) => {
@@ -92,7 +139,7 @@ impl SubmitError {
     pub fn retry_after(&self) -> Option<u64> {
         match self {
             SubmitError::Limited(l) => Some(l.retry_after),
-            SubmitError::Unavailable(_) => Some(2),
+            SubmitError::Unavailable { .. } => Some(2),
             // Credits do not come back by waiting.
             SubmitError::Invalid(_) | SubmitError::Unserved { .. } | SubmitError::Refused(_) => None,
         }
@@ -144,7 +191,7 @@ pub async fn prepare(
     // An upload named as POST /v1/uploads answered: the caller's own, in our store.
     if let Some(upload) = crate::uploads::resolve(&req.audio_uri, owner, stores)? {
         if let Some(store) = uploads {
-            let size = store.size(&upload.key).await.map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+            let size = store.size(&upload.key).await.map_err(|e| SubmitError::unavailable(Dependency::Store, e))?;
             if size.is_none() {
                 let message = format!(
                     "no upload `{}` of yours: upload the file with POST /v1/uploads and use the audio_uri it returns",
@@ -174,8 +221,8 @@ pub async fn prepare(
     // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
     if let Some(w) = &req.webhook {
         let allow = stemq_core::webhook::allowlist_from_env();
-        if let Err(message) = stemq_core::webhook::check_url(&w.url, &allow).await {
-            return Err(RequestError { field: "webhook".into(), message }.into());
+        if let Err(e) = stemq_core::webhook::check_url(&w.url, &allow).await {
+            return Err(RequestError { field: "webhook".into(), message: e.to_string() }.into());
         }
     }
     if let Some(t) = req.start_before {
@@ -230,13 +277,13 @@ pub async fn queue_with(
                 availability.succeeded();
                 break once;
             }
-            Ok(Err(e)) if !e.is_transient() => return Err(SubmitError::Unavailable(e.to_string())),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {ATTEMPT:?}"),
+            Ok(Err(e)) if !e.is_transient() => return Err(SubmitError::unavailable(Dependency::Queue, e)),
+            Ok(Err(e)) => BoxError::from(e),
+            Err(_) => BoxError::from(NoAnswer(ATTEMPT)),
         };
         if tokio::time::Instant::now() + PAUSE >= deadline {
             availability.failed(t0);
-            return Err(SubmitError::Unavailable(format!("the queue took nothing within {budget:?}: {last}")));
+            return Err(SubmitError::Unavailable { dependency: Dependency::Queue, source: last });
         }
         tokio::time::sleep(PAUSE).await;
     };
