@@ -20,13 +20,13 @@
 //! operator of the owner `local`.
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use stemq_core::auth::{Caller, KeyError, Limits, Permission, Role};
 use tracing::warn;
 
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// The owner of every request when authentication is off, and of `stemq dev`'s key.
 pub const LOCAL_OWNER: &str = "local";
@@ -69,9 +69,34 @@ fn key_in_query(query: &str) -> bool {
     })
 }
 
-fn unauthorized(message: String, bad_token: bool) -> Response {
-    let mut resp =
-        ApiError { status: StatusCode::UNAUTHORIZED, code: "unauthorized", message, field: None }.into_response();
+/// 401 without a key.
+pub(crate) fn key_required() -> ApiError {
+    ApiError::new(ErrorCode::Unauthorized, "an API key is required: send `Authorization: Bearer <key>`")
+}
+
+/// Why a key was not taken: 401 for the key, 503 when the keys bucket did not answer
+/// (its error goes to the log).
+pub(crate) fn key_refused(e: KeyError) -> ApiError {
+    match e {
+        e @ KeyError::Store(_) => {
+            warn!(error = %stemq_core::error::report(&e), "cannot read the keys bucket");
+            ApiError::new(ErrorCode::Unavailable, "keys cannot be checked right now; retrying is safe")
+        }
+        e => ApiError::new(ErrorCode::Unauthorized, e.to_string()),
+    }
+}
+
+/// 403 for a key whose role does not allow what it asked.
+pub(crate) fn forbidden(role: Role) -> ApiError {
+    ApiError::new(
+        ErrorCode::Forbidden,
+        format!("a `{role}` key cannot do this; it needs a key with a role that allows it"),
+    )
+}
+
+/// A 401 with its `WWW-Authenticate` challenge.
+fn unauthorized(e: ApiError, bad_token: bool) -> Response {
+    let mut resp = e.into_response();
     let challenge =
         if bad_token { r#"Bearer realm="stemq", error="invalid_token""# } else { r#"Bearer realm="stemq""# };
     resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
@@ -88,8 +113,7 @@ pub fn bearer(value: &str) -> Option<&str> {
 pub async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     if req.uri().query().is_some_and(key_in_query) {
         return ApiError {
-            status: StatusCode::BAD_REQUEST,
-            code: "key_in_query",
+            code: ErrorCode::KeyInQuery,
             message: "API keys are never accepted in a URL; send `Authorization: Bearer <key>`, and revoke a key that \
                       was put in a URL (`stemq keys revoke ID`)"
                 .into(),
@@ -99,8 +123,7 @@ pub async fn authenticate(State(state): State<AppState>, mut req: Request, next:
     }
     if req.headers().get_all(header::AUTHORIZATION).iter().nth(1).is_some() {
         return ApiError {
-            status: StatusCode::BAD_REQUEST,
-            code: "bad_request",
+            code: ErrorCode::BadRequest,
             message: "send one Authorization header, not several".into(),
             field: None,
         }
@@ -114,37 +137,21 @@ pub async fn authenticate(State(state): State<AppState>, mut req: Request, next:
         None => unauthenticated_operator(),
         Some(ring) => {
             let Some(value) = req.headers().get(header::AUTHORIZATION) else {
-                return unauthorized("an API key is required: send `Authorization: Bearer <key>`".into(), false);
+                return unauthorized(key_required(), false);
             };
             let Some(token) = value.to_str().ok().and_then(bearer) else {
-                return unauthorized("the Authorization header must be `Bearer <key>`".into(), true);
+                let e = ApiError::new(ErrorCode::Unauthorized, "the Authorization header must be `Bearer <key>`");
+                return unauthorized(e, true);
             };
             match ring.authenticate(token).await {
                 Ok(c) => c,
-                Err(KeyError::Store(e)) => {
-                    warn!(error = %e, "cannot read the keys bucket");
-                    let mut resp = ApiError {
-                        status: StatusCode::SERVICE_UNAVAILABLE,
-                        code: "unavailable",
-                        message: "keys cannot be checked right now; retrying is safe".into(),
-                        field: None,
-                    }
-                    .into_response();
-                    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
-                    return resp;
-                }
-                Err(e) => return unauthorized(format!("{e}"), true),
+                Err(e @ KeyError::Store(_)) => return key_refused(e).into_response(),
+                Err(e) => return unauthorized(key_refused(e), true),
             }
         }
     };
     if !caller.role.allows(needed) {
-        return ApiError {
-            status: StatusCode::FORBIDDEN,
-            code: "forbidden",
-            message: format!("a `{}` key cannot do this; it needs a key with a role that allows it", caller.role),
-            field: None,
-        }
-        .into_response();
+        return forbidden(caller.role).into_response();
     }
     req.extensions_mut().insert(caller);
     next.run(req).await
@@ -156,8 +163,7 @@ pub fn require(caller: &Caller, p: Permission) -> Result<(), ApiError> {
         Ok(())
     } else {
         Err(ApiError {
-            status: StatusCode::FORBIDDEN,
-            code: "forbidden",
+            code: ErrorCode::Forbidden,
             message: format!("a `{}` key cannot do this", caller.role),
             field: None,
         })

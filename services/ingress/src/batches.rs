@@ -37,7 +37,7 @@ use tracing::{info, warn};
 
 use crate::rejection::{Bytes, Path};
 use crate::submit::SubmitError;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// The `{id}` of `GET /v1/batches/{id}`.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
@@ -54,26 +54,20 @@ const VIEW_READS: usize = 32;
 const SOURCE: &str = "/stemq/ingress";
 
 fn invalid(e: stemq_core::request::RequestError) -> ApiError {
-    ApiError {
-        status: StatusCode::UNPROCESSABLE_ENTITY,
-        code: "invalid_request",
-        message: e.to_string(),
-        field: Some(e.field),
-    }
+    ApiError { code: ErrorCode::InvalidRequest, message: e.to_string(), field: Some(e.field) }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> ApiError {
     warn!(error = %e, "batch log unavailable");
     ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        code: "unavailable",
+        code: ErrorCode::Unavailable,
         message: "the batch could not be read or recorded right now; submitting it again is safe".into(),
         field: None,
     }
 }
 
 fn not_found(id: &str) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no batch {id}"), field: None }
+    ApiError { code: ErrorCode::NotFound, message: format!("no batch {id}"), field: None }
 }
 
 /// What an item's refusal says: the error the same request would get alone from
@@ -81,7 +75,7 @@ fn not_found(id: &str) -> ApiError {
 fn item_error(e: SubmitError) -> ItemError {
     let retry_after = e.retry_after();
     let api = ApiError::from(e);
-    ItemError { field: api.field.clone(), retry_after, ..ItemError::new(api.code, api.message) }
+    ItemError { field: api.field.clone(), retry_after, ..ItemError::new(api.code.as_str(), api.message) }
 }
 
 /// `POST /v1/batches`.
@@ -96,8 +90,7 @@ pub(crate) async fn create(
         let allow = stemq_core::webhook::allowlist_from_env();
         if let Err(e) = stemq_core::webhook::check_url(&w.url, &allow).await {
             return Err(ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                code: "invalid_request",
+                code: ErrorCode::InvalidRequest,
                 message: e.to_string(),
                 field: Some("webhook.url".into()),
             });

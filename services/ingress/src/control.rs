@@ -29,7 +29,7 @@ use crate::links::Links;
 use crate::rejection::Path;
 use crate::separations::JobPath;
 use crate::submit::SubmitResponse;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// Why a control operation was refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -122,11 +122,9 @@ impl From<ControlError> for ApiError {
     fn from(e: ControlError) -> ApiError {
         match e {
             ControlError::Conflict { .. } => {
-                ApiError { status: StatusCode::CONFLICT, code: "conflict", message: e.to_string(), field: None }
+                ApiError { code: ErrorCode::Conflict, message: e.to_string(), field: None }
             }
-            ControlError::NoRequest(_) => {
-                ApiError { status: StatusCode::CONFLICT, code: "conflict", message: e.to_string(), field: None }
-            }
+            ControlError::NoRequest(_) => ApiError { code: ErrorCode::Conflict, message: e.to_string(), field: None },
             ControlError::Publish(p) => internal(p),
         }
     }
@@ -134,8 +132,7 @@ impl From<ControlError> for ApiError {
 
 /// The view of `id` if `caller` may see it, or 404 (another owner's job included).
 pub(crate) async fn view_or_404(state: &AppState, caller: &Caller, id: &str) -> Result<JobView, ApiError> {
-    let not_found =
-        || ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message: format!("no job {id}"), field: None };
+    let not_found = || ApiError { code: ErrorCode::NotFound, message: format!("no job {id}"), field: None };
     let job_id = JobId::parse(id).ok_or_else(not_found)?;
     state.view_for(caller, &job_id).await?.ok_or_else(not_found)
 }

@@ -20,7 +20,6 @@
 use std::collections::BTreeMap;
 
 use axum::extract::{Extension, State};
-use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -30,7 +29,7 @@ use stemq_core::request::Model;
 use tracing::warn;
 
 use crate::rejection::Query;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// The price list; `None` when credits are off, or when it cannot be read (the workers
 /// then decide, at their reservation).
@@ -98,8 +97,7 @@ pub async fn check_affordable(state: &AppState, owner: &str, model: Model, audio
         return Ok(());
     }
     Err(ApiError {
-        status: StatusCode::PAYMENT_REQUIRED,
-        code: "insufficient_credits",
+        code: ErrorCode::InsufficientCredits,
         message: format!(
             "this job costs {:.6} {unit}s ({:.1} s of {model} at {} {unit}s a minute) and {:.6} are available; \
              nothing was queued. Ask an operator for credits (stemq credits grant)",
@@ -179,8 +177,7 @@ pub struct AccountView {
 
 fn bad_time(field: &str, v: &str) -> ApiError {
     ApiError {
-        status: StatusCode::UNPROCESSABLE_ENTITY,
-        code: "invalid_request",
+        code: ErrorCode::InvalidRequest,
         message: format!("`{field}` must be an RFC 3339 time, got `{v}`"),
         field: Some(field.into()),
     }
@@ -189,8 +186,7 @@ fn bad_time(field: &str, v: &str) -> ApiError {
 fn ledger_unavailable(e: ledger::LedgerError) -> ApiError {
     warn!(error = %e, "cannot read the ledger");
     ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        code: "unavailable",
+        code: ErrorCode::Unavailable,
         message: "the credits ledger is unavailable; try again".into(),
         field: None,
     }
@@ -209,8 +205,7 @@ pub async fn account(
             crate::access::require(&caller, Permission::Operate)?;
             if !stemq_core::auth::valid_owner(o) {
                 return Err(ApiError {
-                    status: StatusCode::UNPROCESSABLE_ENTITY,
-                    code: "invalid_request",
+                    code: ErrorCode::InvalidRequest,
                     message: format!("`{o}` is not an owner name (1-64 of a-z, 0-9, `_`, `-`)"),
                     field: Some("owner".into()),
                 });

@@ -1,24 +1,54 @@
 //! [`ApiError`]: the one shape of every error the API answers, and how the failures of
-//! a submit and of a view read become one.
+//! a submit, a limit and a view read become one, for HTTP and NATS alike.
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use schemars::JsonSchema;
 use serde::Serialize;
+use serde_json::{json, Value};
 use stemq_core::read::ViewError;
 use tracing::warn;
 
+use crate::error_code::ErrorCode;
+use crate::limits::Limited;
 use crate::submit::SubmitError;
 
-/// An API error: its status and [`ErrorBody`]. A 503 also says when to try again
-/// (`Retry-After: 2`).
+/// An API error: its code (which fixes its status) and [`ErrorBody`]. A 503 also says
+/// when to try again (`Retry-After: 2`).
 #[derive(Debug)]
 pub struct ApiError {
-    pub(crate) status: StatusCode,
-    pub(crate) code: &'static str,
+    pub(crate) code: ErrorCode,
     pub(crate) message: String,
     pub(crate) field: Option<String>,
+}
+
+impl ApiError {
+    /// `code` with `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { code, message: message.into(), field: None }
+    }
+
+    /// The HTTP status ([`ErrorCode::status`]).
+    pub fn status(&self) -> StatusCode {
+        self.code.status()
+    }
+
+    /// The body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody { error: ErrorDetail { code: self.code, message: self.message.clone(), field: self.field.clone() } }
+    }
+
+    /// The reply of the NATS submit endpoint: the body, with the status as
+    /// `http_status` (and `retry_after`, seconds, when the refusal says).
+    pub fn nats_reply(&self, retry_after: Option<u64>) -> Value {
+        let mut v = serde_json::to_value(self.body()).expect("an error body serialises");
+        v["http_status"] = json!(self.status().as_u16());
+        if let Some(s) = retry_after {
+            v["retry_after"] = json!(s);
+        }
+        v
+    }
 }
 
 /// The body of every error the API answers (the `Error` schema of `/openapi.json`).
@@ -32,10 +62,8 @@ pub struct ErrorBody {
 /// What went wrong, for programs (`code`) and for people (`message`).
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct ErrorDetail {
-    /// Stable and matchable: `invalid_request`, `not_found`, `unauthorized`, ... (every
-    /// code and its status are listed in docs/api.md).
-    #[schemars(regex(pattern = r"^[a-z][a-z_]*$"))]
-    pub code: &'static str,
+    /// Stable and matchable; every code and its status are listed in docs/api.md.
+    pub code: ErrorCode,
     /// A sentence for people; never parse it.
     pub message: String,
     /// The offending request field or parameter, where there is one (422).
@@ -45,42 +73,39 @@ pub struct ErrorDetail {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody { error: ErrorDetail { code: self.code, message: self.message, field: self.field } };
-        let mut resp = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
+        let status = self.status();
+        let mut resp = (status, Json(self.body())).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert("retry-after", HeaderValue::from_static("2"));
         }
         resp
     }
 }
 
+/// A limit's refusal: 429, `rate_limited` for a token bucket (submits, replays),
+/// `too_many_in_flight` for the cap on jobs in flight.
+impl From<&Limited> for ApiError {
+    fn from(l: &Limited) -> ApiError {
+        ApiError::new(l.limit.code(), l.message.clone())
+    }
+}
+
+/// The failures of a submit, as HTTP answers them and the NATS endpoint replies them.
 impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> ApiError {
         match e {
-            SubmitError::Invalid(r) => ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                code: "invalid_request",
-                message: r.to_string(),
-                field: Some(r.field),
-            },
+            SubmitError::Invalid(r) => {
+                ApiError { code: ErrorCode::InvalidRequest, message: r.to_string(), field: Some(r.field) }
+            }
             SubmitError::Refused(e) => e,
-            SubmitError::Unserved { .. } => ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                code: "model_not_served",
-                message: e.to_string(),
-                field: Some("model".into()),
-            },
-            SubmitError::Limited(l) => ApiError {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                code: if l.limit == "rate" { "rate_limited" } else { "too_many_in_flight" },
-                message: l.message,
-                field: None,
-            },
+            SubmitError::Unserved { .. } => {
+                ApiError { code: ErrorCode::ModelNotServed, message: e.to_string(), field: Some("model".into()) }
+            }
+            SubmitError::Limited(l) => ApiError::from(&l),
             e @ SubmitError::Unavailable { .. } => {
                 warn!(error = %stemq_core::error::report(&e), "submit failed");
                 ApiError {
-                    status: StatusCode::SERVICE_UNAVAILABLE,
-                    code: "unavailable",
+                    code: ErrorCode::Unavailable,
                     message: "the job could not be queued right now; retrying is safe".into(),
                     field: None,
                 }
@@ -89,19 +114,14 @@ impl From<SubmitError> for ApiError {
     }
 }
 
-pub(crate) fn internal(e: impl std::fmt::Display) -> ApiError {
-    warn!(error = %e, "internal error");
+pub(crate) fn internal(e: impl std::error::Error) -> ApiError {
+    warn!(error = %stemq_core::error::report(&e), "internal error");
     store_unavailable()
 }
 
 /// 503 without internals: the cause is logged where it happened.
 pub(crate) fn store_unavailable() -> ApiError {
-    ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        code: "unavailable",
-        message: "status store unavailable; try again".into(),
-        field: None,
-    }
+    ApiError { code: ErrorCode::Unavailable, message: "status store unavailable; try again".into(), field: None }
 }
 
 /// A view that cannot be read (the bucket or the log is unreachable, or the stored view

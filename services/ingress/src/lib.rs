@@ -32,6 +32,7 @@ pub mod control;
 pub mod cors;
 pub mod credits;
 pub mod error;
+pub mod error_code;
 pub mod events;
 pub mod limits;
 pub mod links;
@@ -70,6 +71,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 pub use crate::error::{ApiError, ErrorBody, ErrorDetail};
+pub use crate::error_code::ErrorCode;
 pub use crate::state::{AppShared, AppState, UNSERVED_GRACE};
 
 /// Ingress failures at start.

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use stemq_core::auth::{Caller, Limits};
@@ -31,7 +31,7 @@ use stemq_core::error::JetStreamError;
 use stemq_core::read::ListIndex;
 use stemq_core::JobId;
 
-use crate::ApiError;
+use crate::{ApiError, ErrorCode};
 
 /// How long an admitted job may take to appear in the log before its slot is freed.
 pub const FORGET_UNRECORDED: Duration = Duration::from_secs(30);
@@ -59,11 +59,41 @@ impl KeyLocks {
     }
 }
 
+/// Which limit refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// The key's token bucket of submits.
+    Rate,
+    /// The key's cap on jobs queued or running.
+    InFlight,
+    /// The token bucket of one webhook delivery's replays.
+    Replay,
+}
+
+impl Limit {
+    /// Its name in the `RateLimit-Policy` and `RateLimit` headers.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Limit::Rate => "rate",
+            Limit::InFlight => "in_flight",
+            Limit::Replay => "replay",
+        }
+    }
+
+    /// The error code of its refusal.
+    pub fn code(self) -> ErrorCode {
+        match self {
+            Limit::Rate | Limit::Replay => ErrorCode::RateLimited,
+            Limit::InFlight => ErrorCode::TooManyInFlight,
+        }
+    }
+}
+
 /// A refusal: which limit, and when trying again can succeed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limited {
-    /// `rate` or `in_flight`.
-    pub limit: &'static str,
+    /// Which limit.
+    pub limit: Limit,
     /// Seconds until a retry can succeed (at least 1).
     pub retry_after: u64,
     /// The limit's quota (burst or cap).
@@ -98,15 +128,10 @@ pub enum LimitsError {
     },
 }
 
+/// 429 ([`ApiError`]'s answer for a limit) with the limit's headers.
 impl IntoResponse for Limited {
     fn into_response(self) -> Response {
-        let mut resp = ApiError {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            code: if self.limit == "rate" { "rate_limited" } else { "too_many_in_flight" },
-            message: self.message.clone(),
-            field: None,
-        }
-        .into_response();
+        let mut resp = ApiError::from(&self).into_response();
         headers(resp.headers_mut(), &self, 0);
         resp
     }
@@ -123,8 +148,9 @@ pub fn headers(h: &mut HeaderMap, l: &Limited, remaining: u64) {
         set("retry-after", l.retry_after.to_string());
     }
     let window = if l.window > 0 { format!(";w={}", l.window) } else { String::new() };
-    set("ratelimit-policy", format!("\"{}\";q={}{window}", l.limit, l.quota));
-    set("ratelimit", format!("\"{}\";r={remaining};t={}", l.limit, if remaining == 0 { l.retry_after } else { 0 }));
+    let name = l.limit.as_str();
+    set("ratelimit-policy", format!("\"{name}\";q={}{window}", l.quota));
+    set("ratelimit", format!("\"{name}\";r={remaining};t={}", if remaining == 0 { l.retry_after } else { 0 }));
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -188,7 +214,7 @@ async fn take(
     key: &str,
     rate: f64,
     burst: u32,
-    what: &'static str,
+    what: Limit,
 ) -> Result<Result<u64, Limited>, LimitsError> {
     let burst_f = f64::from(burst.max(1));
     let rate = if rate > 0.0 { rate } else { f64::MIN_POSITIVE };
@@ -214,13 +240,13 @@ async fn take(
 /// One submit of `caller` against its rate; `Ok(remaining)` when allowed.
 pub async fn rate(bucket: &kv::Store, caller: &Caller) -> Result<Result<u64, Limited>, LimitsError> {
     let l = caller.limits;
-    take(bucket, &format!("rate.{}", caller.key_id), l.rate, l.burst, "rate").await
+    take(bucket, &format!("rate.{}", caller.key_id), l.rate, l.burst, Limit::Rate).await
 }
 
 /// One replay of delivery `n` of `job`.
 pub async fn replay(bucket: &kv::Store, job: &JobId, n: usize) -> Result<Result<u64, Limited>, LimitsError> {
     let (rate, burst) = REPLAY_LIMITS;
-    take(bucket, &format!("replay.{job}.{n}"), rate, burst, "replay").await
+    take(bucket, &format!("replay.{job}.{n}"), rate, burst, Limit::Replay).await
 }
 
 /// What the admission needs to know about a job it already counts.
@@ -290,7 +316,7 @@ where
         }
         if f.jobs.len() as u64 >= u64::from(max_in_flight) {
             return Err(Err(Limited {
-                limit: "in_flight",
+                limit: Limit::InFlight,
                 retry_after: 1,
                 quota: u64::from(max_in_flight),
                 window: 0,
@@ -313,7 +339,7 @@ mod tests {
 
     #[test]
     fn headers_follow_the_draft() {
-        let l = Limited { limit: "rate", retry_after: 3, quota: 100, window: 5, message: String::new() };
+        let l = Limited { limit: Limit::Rate, retry_after: 3, quota: 100, window: 5, message: String::new() };
         let mut h = HeaderMap::new();
         headers(&mut h, &l, 0);
         assert_eq!(h["retry-after"], "3");

@@ -5,11 +5,10 @@
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// Routes that read or write NATS answer 503 at once while the connection is down,
 /// instead of waiting out request timeouts or serving a stale, empty list as if it were
@@ -19,8 +18,7 @@ pub(crate) async fn nats_gate(State(state): State<AppState>, req: Request, next:
     let needs_nats = path.starts_with("/v1/") && !path.starts_with("/v1/uploads");
     if needs_nats && !connected_within(&state.js.client(), RECONNECT_GRACE).await {
         return ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            code: "unavailable",
+            code: ErrorCode::Unavailable,
             message: "the queue (NATS) is unreachable right now; retrying later is safe".into(),
             field: None,
         }

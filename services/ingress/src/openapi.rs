@@ -29,7 +29,7 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 use stemq_core::auth::Permission;
 
-use crate::{ErrorBody, ErrorDetail};
+use crate::{ErrorBody, ErrorCode, ErrorDetail};
 
 mod examples;
 pub mod operations;
@@ -166,12 +166,12 @@ impl Answer {
     }
 
     /// An error ([`ErrorBody`]) with one example per code it may carry.
-    pub fn error(description: impl Into<String>, codes: &[&'static str]) -> Answer {
+    pub fn error(description: impl Into<String>, codes: &[ErrorCode]) -> Answer {
         let description = description.into();
         let examples = codes
             .iter()
             .map(|code| {
-                let body = ErrorBody { error: ErrorDetail { code, message: description.clone(), field: None } };
+                let body = ErrorBody { error: ErrorDetail { code: *code, message: description.clone(), field: None } };
                 (code.to_string(), format!("`{code}`"), serde_json::to_value(body).expect("errors serialise"))
             })
             .collect();
@@ -183,7 +183,7 @@ impl Answer {
     }
 
     /// An error whose example names the offending request field (422).
-    pub fn invalid(description: impl Into<String>, codes: &[&'static str], field: &str, message: &str) -> Answer {
+    pub fn invalid(description: impl Into<String>, codes: &[ErrorCode], field: &str, message: &str) -> Answer {
         let mut a = Answer::error(description, codes);
         for (_, _, v) in &mut a.content[0].examples {
             v["error"]["field"] = json!(field);
@@ -461,7 +461,7 @@ fn generator(serialize: bool) -> SchemaGenerator {
     }
 }
 
-fn error_answer(description: &str, codes: &[&'static str]) -> Answer {
+fn error_answer(description: &str, codes: &[ErrorCode]) -> Answer {
     Answer::error(description, codes)
 }
 
@@ -476,11 +476,11 @@ fn common_answers(op: &mut Operation, needed: Option<Permission>) {
         error_answer(
             "A path or query string that does not parse (a repeated parameter), an API key in the URL, or more \
              than one `Authorization` header",
-            &["bad_request", "key_in_query"],
+            &[ErrorCode::BadRequest, ErrorCode::KeyInQuery],
         ),
     );
     if op.has_json_body() {
-        add(op, 413, error_answer("The body is larger than 2 MiB", &["too_large"]));
+        add(op, 413, error_answer("The body is larger than 2 MiB", &[ErrorCode::TooLarge]));
     }
     if op.has_json_body() || op.path.starts_with("/v1/uploads") {
         add(
@@ -488,33 +488,45 @@ fn common_answers(op: &mut Operation, needed: Option<Permission>) {
             408,
             error_answer(
                 "The body stalled too long or came too slowly (the connection closes; see docs/security.md)",
-                &["request_timeout"],
+                &[ErrorCode::RequestTimeout],
             ),
         );
     }
     if op.path.contains("{id}") {
-        add(op, 404, error_answer("No such job, or another owner's job (the two are not told apart)", &["not_found"]));
+        add(
+            op,
+            404,
+            error_answer("No such job, or another owner's job (the two are not told apart)", &[ErrorCode::NotFound]),
+        );
     }
     let needs_nats = op.path.starts_with("/v1/") && !op.path.starts_with("/v1/uploads");
     if needed.is_some() || needs_nats {
         let what = if needs_nats { "NATS (the queue, the status view or the keys)" } else { "the API keys" };
-        let a = error_answer(&format!("{what} cannot be reached right now; retrying is safe"), &["unavailable"])
-            .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer", "minimum": 0}));
+        let a =
+            error_answer(&format!("{what} cannot be reached right now; retrying is safe"), &[ErrorCode::Unavailable])
+                .header(
+                    "Retry-After",
+                    "Seconds to wait before retrying",
+                    true,
+                    json!({"type": "integer", "minimum": 0}),
+                );
         add(op, 503, a);
     }
     let Some(needed) = needed else { return };
     let role = roles(needed);
     op.answers.insert(
         401,
-        error_answer("No key, or a malformed, unknown or revoked key", &["unauthorized"]).header(
+        error_answer("No key, or a malformed, unknown or revoked key", &[ErrorCode::Unauthorized]).header(
             "WWW-Authenticate",
             "`Bearer realm=\"stemq\"`, with `error=\"invalid_token\"` for a key that is not accepted",
             true,
             json!({"type": "string"}),
         ),
     );
-    op.answers
-        .insert(403, error_answer(&format!("The key's role does not allow this; it needs {role}"), &["forbidden"]));
+    op.answers.insert(
+        403,
+        error_answer(&format!("The key's role does not allow this; it needs {role}"), &[ErrorCode::Forbidden]),
+    );
 }
 
 /// Who may call an operation that needs `p`, in words.
@@ -607,7 +619,7 @@ pub fn render<'a>(operations: impl IntoIterator<Item = &'a Operation>) -> Value 
                     `Authorization: Bearer <key>`. Never in a URL: a key in the query string is refused (400)."}},
             "responses": {"MethodNotAllowed": Answer::error(
                 "A known path asked with a method it does not serve; `Allow` lists those it does",
-                &["method_not_allowed"],
+                &[ErrorCode::MethodNotAllowed],
             ).header("Allow", "The methods the path serves", true, json!({"type": "string"})).render(&mut output)},
         },
         "security": [{"bearerAuth": []}],
@@ -666,6 +678,35 @@ mod tests {
             return e.iter().filter_map(|v| v.as_str().map(str::to_string)).collect();
         }
         schema["oneOf"].as_array().unwrap().iter().filter_map(|v| v["const"].as_str().map(str::to_string)).collect()
+    }
+
+    /// Every error example of the document names a code whose status is the answer's.
+    #[test]
+    fn every_documented_error_code_comes_with_its_own_status() {
+        let doc = document();
+        let mut seen = 0;
+        let mut answers: Vec<(String, Value)> = Vec::new();
+        for (method, path, op) in ops(&doc) {
+            for (status, r) in op["responses"].as_object().unwrap() {
+                answers.push((format!("{method} {path} {status}"), r.clone()));
+            }
+        }
+        answers.push(("405".into(), doc["components"]["responses"]["MethodNotAllowed"].clone()));
+        for (at, r) in answers {
+            let status: u16 = at.rsplit(' ').next().unwrap().parse().unwrap();
+            let Some(examples) = r["content"]["application/json"]["examples"].as_object() else { continue };
+            for ex in examples.values() {
+                let Some(code) = ex["value"]["error"]["code"].as_str() else { continue };
+                let known = ErrorCode::ALL.iter().find(|c| c.as_str() == code);
+                let known = known.unwrap_or_else(|| panic!("{at}: `{code}` is no ErrorCode"));
+                assert_eq!(known.status().as_u16(), status, "{at}: `{code}`");
+                seen += 1;
+            }
+        }
+        assert!(seen > 20, "only {seen} error examples");
+        let schema = &doc["components"]["schemas"]["ErrorCode"];
+        let all: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(values(&doc, schema), all);
     }
 
     #[test]

@@ -28,7 +28,7 @@ use axum::http::{Method, StatusCode, Uri};
 use serde::de::DeserializeOwned;
 use tracing::warn;
 
-use crate::ApiError;
+use crate::{ApiError, ErrorCode};
 
 /// The largest request body a handler buffers (`POST /v1/separations` and the other
 /// JSON bodies; uploads are streamed and have their own limit): 2 MiB.
@@ -38,22 +38,17 @@ pub const BODY_LIMIT: usize = 2 << 20;
 fn refusal(status: StatusCode, message: String) -> ApiError {
     if status.is_server_error() {
         warn!(%status, error = %message, "request refused by the framework");
-        return ApiError {
-            status,
-            code: "internal",
-            message: "the request could not be handled; the server logged why".into(),
-            field: None,
-        };
+        return ApiError::new(ErrorCode::Internal, "the request could not be handled; the server logged why");
     }
     let code = match status {
-        StatusCode::NOT_FOUND => "not_found",
-        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-        StatusCode::PAYLOAD_TOO_LARGE => "too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        StatusCode::UNPROCESSABLE_ENTITY => "invalid_request",
-        _ => "bad_request",
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        StatusCode::UNPROCESSABLE_ENTITY => ErrorCode::InvalidRequest,
+        _ => ErrorCode::BadRequest,
     };
-    ApiError { status, code, message, field: None }
+    ApiError::new(code, message)
 }
 
 impl From<QueryRejection> for ApiError {

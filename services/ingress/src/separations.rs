@@ -16,7 +16,7 @@ use crate::links::{Job, Links};
 use crate::pipeline::submit_as;
 use crate::rejection::{Bytes, Path, Query};
 use crate::submit::{Dependency, NoAnswer, SubmitError, SubmitResponse};
-use crate::{control, prefer, ApiError, AppState};
+use crate::{control, prefer, ApiError, AppState, ErrorCode};
 
 /// Longest an HTTP submit takes before answering 503: the publish's own budget (at
 /// most 10 s, [`crate::availability`]) and the checks before it. The submit is idempotent, so
@@ -151,12 +151,8 @@ pub(crate) async fn list(
     links: Links,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<JobList>, ApiError> {
-    let bad = |field: &str, message: String| ApiError {
-        status: StatusCode::UNPROCESSABLE_ENTITY,
-        code: "invalid_request",
-        message,
-        field: Some(field.into()),
-    };
+    let bad =
+        |field: &str, message: String| ApiError { code: ErrorCode::InvalidRequest, message, field: Some(field.into()) };
     let status = match q.status.as_deref() {
         None => None,
         Some(s) => Some(JobStatus::parse(s).ok_or_else(|| bad("status", format!("unknown status `{s}`")))?),

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode, Version};
+use axum::http::{header, HeaderValue, Version};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
@@ -50,7 +50,7 @@ use tokio::net::TcpListener;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-use crate::{rejection, ApiError, AppState};
+use crate::{rejection, ApiError, AppState, ErrorCode};
 
 /// Longest wait for requests in flight once shutdown starts; streams still open then
 /// (Server-Sent Events) are cut.
@@ -332,8 +332,7 @@ pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, ne
     // Uploads stream their body and check their own (larger) limit.
     if !req.uri().path().starts_with("/v1/uploads") && declared.is_some_and(|n| n > rejection::BODY_LIMIT as u64) {
         let refusal = ApiError {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            code: "too_large",
+            code: ErrorCode::TooLarge,
             message: format!("request bodies are limited to {} bytes", rejection::BODY_LIMIT),
             field: None,
         };
@@ -345,8 +344,7 @@ pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, ne
     let resp = next.run(req).await;
     if timed_out.load(Ordering::Relaxed) {
         let refusal = ApiError {
-            status: StatusCode::REQUEST_TIMEOUT,
-            code: "request_timeout",
+            code: ErrorCode::RequestTimeout,
             message: format!(
                 "the request body did not arrive in time: no gap may exceed {:?}, and a body may take {:?} plus \
                  {} bytes per second",

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use axum::extract::{Extension, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 use stemq_core::auth::{self, Caller, Limits, Permission, Role};
 use tracing::{info, warn};
 
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// A JSON answer that carries a secret: sent with `Cache-Control: no-store`.
 pub struct NoStore<T>(pub T);
@@ -154,8 +154,7 @@ pub async fn signin(
 ) -> Result<NoStore<SigninResponse>, ApiError> {
     let Some(link) = state.signin.as_deref() else {
         return Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
+            code: ErrorCode::NotFound,
             message: "this server has no sign-in links; sign in with an API key".into(),
             field: None,
         });
@@ -170,15 +169,13 @@ pub async fn signin(
         Err(Refused::Store(e)) => {
             warn!(error = %e, "cannot store a session key");
             Err(ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                code: "unavailable",
+                code: ErrorCode::Unavailable,
                 message: "the session key could not be stored; the link still works, try again".into(),
                 field: None,
             })
         }
         Err(Refused::Token) => Err(ApiError {
-            status: StatusCode::UNAUTHORIZED,
-            code: "unauthorized",
+            code: ErrorCode::Unauthorized,
             message: "this sign-in link is wrong or was used already; sign in with an API key \
                       (stemq dev writes one to <data-dir>/admin.key)"
                 .into(),

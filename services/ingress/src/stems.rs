@@ -19,7 +19,7 @@ use tracing::{info_span, warn, Instrument};
 use crate::error::internal;
 use crate::rejection::Path;
 use crate::uploads::no_store;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// What a `Range` header asks of an object of `size` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub struct StemPath {
 }
 
 fn not_found(message: String) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, code: "not_found", message, field: None }
+    ApiError { code: ErrorCode::NotFound, message, field: None }
 }
 
 pub(crate) async fn download(
@@ -107,8 +107,7 @@ pub(crate) async fn download(
         let view = state.view_for(&caller, &job_id).await?.ok_or_else(|| not_found(format!("no job {job_id}")))?;
         if view.status != JobStatus::Succeeded {
             return Err(ApiError {
-                status: StatusCode::CONFLICT,
-                code: "not_ready",
+                code: ErrorCode::NotReady,
                 message: format!("job {job_id} is {}; stems exist once it has succeeded", view.status.as_str()),
                 field: None,
             });

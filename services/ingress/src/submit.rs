@@ -128,9 +128,10 @@ impl SubmitError {
             // store that did not answer (5xx) holds for the items after it too.
             SubmitError::Refused(e) => {
                 use axum::http::StatusCode;
-                e.status == StatusCode::PAYMENT_REQUIRED
-                    || e.status == StatusCode::TOO_MANY_REQUESTS
-                    || e.status.is_server_error()
+                let status = e.status();
+                status == StatusCode::PAYMENT_REQUIRED
+                    || status == StatusCode::TOO_MANY_REQUESTS
+                    || status.is_server_error()
             }
         }
     }

@@ -28,7 +28,7 @@ use stemq_core::storage::{StorageError, Store};
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::rejection::Query;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 /// Bytes of an upload kept to read its header.
 const HEAD_BYTES: usize = 64 * 1024;
@@ -126,16 +126,11 @@ pub struct UploadQuery {
 }
 
 pub(crate) fn no_store() -> ApiError {
-    ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        code: "no_store",
-        message: "this ingress has no object store configured".into(),
-        field: None,
-    }
+    ApiError { code: ErrorCode::NoStore, message: "this ingress has no object store configured".into(), field: None }
 }
 
-fn bad(status: StatusCode, code: &'static str, message: String) -> ApiError {
-    ApiError { status, code, message, field: None }
+fn bad(code: ErrorCode, message: String) -> ApiError {
+    ApiError::new(code, message)
 }
 
 /// The file extension: from `?filename=`, else from the content type, else `bin`.
@@ -147,8 +142,7 @@ fn extension(q: &UploadQuery, headers: &HeaderMap) -> Result<String, ApiError> {
         }
         if ext.len() > 8 || !ext.bytes().all(|b| b.is_ascii_alphanumeric()) {
             return Err(ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                code: "invalid_request",
+                code: ErrorCode::InvalidRequest,
                 message: format!("the extension of `{name}` is not a plain extension"),
                 field: Some("filename".into()),
             });
@@ -183,7 +177,7 @@ pub(crate) async fn upload(
 ) -> Result<Response, ApiError> {
     let storage = state.storage.clone().ok_or_else(no_store)?;
     let limit = storage.max_upload_bytes;
-    let too_large = || bad(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("uploads are limited to {limit} bytes"));
+    let too_large = || bad(ErrorCode::TooLarge, format!("uploads are limited to {limit} bytes"));
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
@@ -208,34 +202,22 @@ pub(crate) async fn upload(
             Ok(s) => s,
             Err(StorageError::TooLarge { .. }) => return Err(too_large()),
             Err(StorageError::Source(m)) => {
-                return Err(bad(
-                    StatusCode::BAD_REQUEST,
-                    "upload_interrupted",
-                    format!("the upload did not complete: {m}"),
-                ))
+                return Err(bad(ErrorCode::UploadInterrupted, format!("the upload did not complete: {m}")))
             }
             Err(e) => {
                 warn!(error = %e, "upload not stored");
-                return Err(bad(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
-                    "the store is unavailable; retrying is safe".into(),
-                ));
+                return Err(bad(ErrorCode::Unavailable, "the store is unavailable; retrying is safe".into()));
             }
         };
         if stored.bytes == 0 {
             let _ = storage.store.delete(&tmp).await;
-            return Err(bad(StatusCode::UNPROCESSABLE_ENTITY, "empty_upload", "the upload is empty".into()));
+            return Err(bad(ErrorCode::EmptyUpload, "the upload is empty".into()));
         }
         let key = format!("{}{}.{ext}", stemq_core::uri::uploads_prefix(&caller.owner), stored.sha256);
         if let Err(e) = storage.store.rename(&tmp, &key).await {
             warn!(error = %e, "upload not moved to its final key");
             let _ = storage.store.delete(&tmp).await;
-            return Err(bad(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the store is unavailable; retrying is safe".into(),
-            ));
+            return Err(bad(ErrorCode::Unavailable, "the store is unavailable; retrying is safe".into()));
         }
         let duration_ms = crate::credits::header_duration_ms(&head.lock().expect("head lock"));
         let meta = serde_json::to_vec(&crate::credits::UploadMeta { duration_ms }).expect("json");

@@ -12,6 +12,7 @@
 //! the tab's session storage and sends it as `Authorization: Bearer` (never in a URL).
 
 use crate::rejection::Path;
+use crate::ErrorCode;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
@@ -101,13 +102,8 @@ pub fn assets() -> impl Iterator<Item = (&'static str, &'static str)> {
 /// `GET /app/{file}`.
 pub async fn file(Path(FilePath { file: name }): Path<FilePath>) -> Response {
     asset(&name).unwrap_or_else(|| {
-        crate::ApiError {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
-            message: format!("no page asset `{name}`"),
-            field: None,
-        }
-        .into_response()
+        crate::ApiError { code: ErrorCode::NotFound, message: format!("no page asset `{name}`"), field: None }
+            .into_response()
     })
 }
 

@@ -33,7 +33,7 @@ use crate::control::view_or_404;
 use crate::error::internal;
 use crate::rejection::{Bytes, Path};
 use crate::separations::JobPath;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
 
 fn grace() -> Duration {
     std::env::var("STEMQ_WEBHOOK_ROTATION_GRACE_S")
@@ -122,8 +122,7 @@ pub(crate) async fn enable(
 ) -> Result<Json<EnableResponse>, ApiError> {
     let url = serde_json::from_slice::<EnableRequest>(&body).ok().map(|r| r.url).filter(|u| !u.is_empty()).ok_or_else(
         || ApiError {
-            status: StatusCode::UNPROCESSABLE_ENTITY,
-            code: "invalid_request",
+            code: ErrorCode::InvalidRequest,
             message: "the body must be a JSON object with a `url` string".into(),
             field: Some("url".into()),
         },
@@ -281,8 +280,7 @@ pub(crate) async fn replay(
     let groups = group(&all);
     let Some(d) = (n as usize).checked_sub(1).and_then(|i| groups.get(i)) else {
         return Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
+            code: ErrorCode::NotFound,
             message: format!("job {id} has no delivery {n}"),
             field: None,
         });

@@ -1,21 +1,35 @@
 // What went wrong, in words a person understands, with what to do next. Codes are the
 // API's `error.code` (HTTP errors) and the job's `error.code` (failed jobs).
 
-const REQUEST = {
+// BEGIN ErrorCode (generated from services/ingress/src/error_code.rs; do not edit)
+const API_ERRORS = {
+  bad_request: { status: 400 },
+  key_in_query: { status: 400, words: "Keys are never sent in a link. Sign in with the key instead." },
+  upload_interrupted: { status: 400, words: "The upload stopped before the end. Try again." },
+  unauthorized: { status: 401, words: "That API key was not accepted. Check it for typos, or ask for a new one (stemq keys create)." },
+  insufficient_credits: { status: 402, words: "You are out of credits. Ask your operator to add credits, then try again." },
+  forbidden: { status: 403, words: "This key is not allowed to do that. Ask an operator for a key with the right role." },
+  not_found: { status: 404, words: "That job does not exist, or this key cannot see it." },
+  method_not_allowed: { status: 405 },
+  request_timeout: { status: 408 },
+  conflict: { status: 409 },
+  not_ready: { status: 409 },
+  too_large: { status: 413, words: "This file is too large to upload. Trim it, or send a compressed format (FLAC or MP3)." },
+  unsupported_media_type: { status: 415 },
+  invalid_request: { status: 422 },
+  model_not_served: { status: 422, words: "No worker runs that model right now. Pick another model, or start a worker that serves it." },
+  empty_upload: { status: 422 },
+  rate_limited: { status: 429, words: "Too many requests from this key." },
+  too_many_in_flight: { status: 429, words: "This key already has as many jobs running as it may. Wait for one to finish." },
+  internal: { status: 500 },
+  unavailable: { status: 503, words: "stemq is busy or restarting. Nothing was lost; try again in a moment." },
+  no_store: { status: 503, words: "This server has nowhere to keep uploads. Ask its operator to configure a store." },
+};
+// END ErrorCode
+
+// What the page itself runs into, beside the API's codes.
+const PAGE = {
   offline: "The server cannot be reached. Check that stemq is running, then try again.",
-  unauthorized: "That API key was not accepted. Check it for typos, or ask for a new one (stemq keys create).",
-  forbidden: "This key is not allowed to do that. Ask an operator for a key with the right role.",
-  too_large: "This file is too large to upload. Trim it, or send a compressed format (FLAC or MP3).",
-  model_not_served: "No worker runs that model right now. Pick another model, or start a worker that serves it.",
-  rate_limited: "Too many requests from this key.",
-  too_many_in_flight: "This key already has as many jobs running as it may. Wait for one to finish.",
-  insufficient_credits: "You are out of credits. Ask your operator to add credits, then try again.",
-  payment_required: "You are out of credits. Ask your operator to add credits, then try again.",
-  unavailable: "stemq is busy or restarting. Nothing was lost; try again in a moment.",
-  no_store: "This server has nowhere to keep uploads. Ask its operator to configure a store.",
-  not_found: "That job does not exist, or this key cannot see it.",
-  upload_interrupted: "The upload stopped before the end. Try again.",
-  key_in_query: "Keys are never sent in a link. Sign in with the key instead.",
 };
 
 const JOB = {
@@ -40,12 +54,12 @@ const JOB = {
 
 // A sentence for an ApiError (HTTP) or a job's error ({code, message}).
 export function sayRequest(err) {
-  let words = REQUEST[err.code];
+  let words = PAGE[err.code] || API_ERRORS[err.code]?.words;
   if (!words) {
-    if (err.status === 413) words = REQUEST.too_large;
-    else if (err.status === 429) words = REQUEST.rate_limited;
-    else if (err.status === 402) words = REQUEST.payment_required;
-    else if (err.status >= 500) words = REQUEST.unavailable;
+    if (err.status === 413) words = API_ERRORS.too_large.words;
+    else if (err.status === 429) words = API_ERRORS.rate_limited.words;
+    else if (err.status === 402) words = API_ERRORS.insufficient_credits.words;
+    else if (err.status >= 500) words = API_ERRORS.unavailable.words;
     else if (err.status === 422) words = `This request was refused: ${err.message}`;
     else words = err.message || `Something went wrong (HTTP ${err.status}).`;
   }

@@ -18,6 +18,7 @@ use crate::session::{Can, Me, SigninRequest, SigninResponse};
 use crate::uploads::UploadResponse;
 use crate::webhooks::{Deliveries, EnableRequest, EnableResponse, ReplayQueued, ReplayState, WebhookSecret};
 use crate::workers::{Fleet, ModelInfo, Models, Overview};
+use crate::ErrorCode;
 
 /// The `Prefer` request header of the routes that honour it.
 fn prefer(op: Operation) -> Operation {
@@ -47,7 +48,7 @@ fn location(a: Answer) -> Answer {
 }
 
 /// The answers of a limit of the caller's key (429).
-fn limited(description: &str, codes: &[&'static str]) -> Answer {
+fn limited(description: &str, codes: &[ErrorCode]) -> Answer {
     Answer::error(description, codes)
         .header("Retry-After", "Seconds until the limit lets a request through", true, json!({"type": "integer"}))
         .header(
@@ -132,7 +133,7 @@ pub(crate) fn separations_create() -> Operation {
             Answer::error(
                 "The owner's credits cannot pay the job (where credits are on and the upload's length is known); \
                  nothing was queued",
-                &["insufficient_credits"],
+                &[ErrorCode::InsufficientCredits],
             ),
         )
         .answer(
@@ -140,7 +141,7 @@ pub(crate) fn separations_create() -> Operation {
             Answer::invalid(
                 "Invalid request, an `audio_uri` that names no upload of the caller, or a model no worker serves \
                  (`stemq dev`); `field` names the offending field",
-                &["invalid_request", "model_not_served"],
+                &[ErrorCode::InvalidRequest, ErrorCode::ModelNotServed],
                 "audio_uri",
                 "invalid `audio_uri`: must not be empty",
             ),
@@ -149,7 +150,7 @@ pub(crate) fn separations_create() -> Operation {
             429,
             limited(
                 "Over the key's rate or jobs-in-flight limit; nothing was queued",
-                &["rate_limited", "too_many_in_flight"],
+                &[ErrorCode::RateLimited, ErrorCode::TooManyInFlight],
             ),
         );
     job_links(op, &[200, 202], "/job_id")
@@ -170,7 +171,7 @@ pub(crate) fn separations_list() -> Operation {
             422,
             Answer::invalid(
                 "Invalid query; `field` names the parameter",
-                &["invalid_request"],
+                &[ErrorCode::InvalidRequest],
                 "limit",
                 "`lots` is not a number between 1 and 1000",
             ),
@@ -241,7 +242,7 @@ pub(crate) fn separations_cancel() -> Operation {
                 running,
             ),
         )
-        .answer(409, Answer::error("The job has already ended otherwise", &["conflict"]))
+        .answer(409, Answer::error("The job has already ended otherwise", &[ErrorCode::Conflict]))
         .link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None)
         .link(202, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None)
 }
@@ -256,7 +257,10 @@ pub(crate) fn separations_retry() -> Operation {
         .path_params::<JobPath>(json!({"id": EXAMPLE_ID}))
         .answer(202, Answer::json("The new job was queued", retried(false)))
         .answer(200, Answer::json("This job was already retried: the same new job (`cached: true`)", retried(true)))
-        .answer(409, Answer::error("The job is not failed, dead-lettered, cancelled or expired", &["conflict"]));
+        .answer(
+            409,
+            Answer::error("The job is not failed, dead-lettered, cancelled or expired", &[ErrorCode::Conflict]),
+        );
     op.link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/job_id"}), None).link(
         202,
         "getSeparation",
@@ -347,7 +351,7 @@ pub(crate) fn batches_create() -> Operation {
             Answer::invalid(
                 "Not a batch: no items, more than 1 000, unknown fields, `metadata` not an object, a `webhook.url` \
                  that is not a public https URL (`field` says which); invalid items are refused one by one instead",
-                &["invalid_request"],
+                &[ErrorCode::InvalidRequest],
                 "items",
                 "holds no item; a batch has 1 to 1000",
             ),
@@ -369,7 +373,10 @@ pub(crate) fn batches_get() -> Operation {
         .answer(200, Answer::json("The batch", batch()))
         .answer(
             404,
-            Answer::error("No such batch, or another owner's batch (the two are not told apart)", &["not_found"]),
+            Answer::error(
+                "No such batch, or another owner's batch (the two are not told apart)",
+                &[ErrorCode::NotFound],
+            ),
         )
         .link(200, "getSeparation", "getSeparation", json!({"path.id": "$response.body#/items/0/job_id"}), None)
 }
@@ -417,8 +424,8 @@ pub(crate) fn stems_get() -> Operation {
                 json!({"type": "string", "format": "uri"}),
             ),
         )
-        .answer(404, Answer::error("No such job or stem (another owner's job included)", &["not_found"]))
-        .answer(409, Answer::error("The job has not succeeded", &["not_ready"]))
+        .answer(404, Answer::error("No such job or stem (another owner's job included)", &[ErrorCode::NotFound]))
+        .answer(409, Answer::error("The job has not succeeded", &[ErrorCode::NotReady]))
         .answer(
             416,
             Answer::empty("Range not satisfiable").header(
@@ -430,8 +437,11 @@ pub(crate) fn stems_get() -> Operation {
         )
         .answer(
             503,
-            Answer::error("No object store configured, or the store is unavailable", &["no_store", "unavailable"])
-                .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
+            Answer::error(
+                "No object store configured, or the store is unavailable",
+                &[ErrorCode::NoStore, ErrorCode::Unavailable],
+            )
+            .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
         )
 }
 
@@ -470,23 +480,26 @@ pub(crate) fn uploads_create() -> Operation {
             400,
             Answer::error(
                 "The upload was interrupted, or a query that does not parse",
-                &["upload_interrupted", "bad_request", "key_in_query"],
+                &[ErrorCode::UploadInterrupted, ErrorCode::BadRequest, ErrorCode::KeyInQuery],
             ),
         )
-        .answer(413, Answer::error("Larger than the configured limit (default 1 GiB)", &["too_large"]))
+        .answer(413, Answer::error("Larger than the configured limit (default 1 GiB)", &[ErrorCode::TooLarge]))
         .answer(
             422,
             Answer::invalid(
                 "An empty upload, or a file name with no plain extension",
-                &["empty_upload", "invalid_request"],
+                &[ErrorCode::EmptyUpload, ErrorCode::InvalidRequest],
                 "filename",
                 "the extension of `a.?` is not a plain extension",
             ),
         )
         .answer(
             503,
-            Answer::error("No object store configured, or the store is unavailable", &["no_store", "unavailable"])
-                .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
+            Answer::error(
+                "No object store configured, or the store is unavailable",
+                &[ErrorCode::NoStore, ErrorCode::Unavailable],
+            )
+            .header("Retry-After", "Seconds to wait before retrying", true, json!({"type": "integer"})),
         )
         .link(
             201,
@@ -527,10 +540,13 @@ pub(crate) fn deliveries_replay() -> Operation {
         .answer(202, Answer::json("Queued for the relay", example))
         .answer(
             400,
-            Answer::error("`n` is not a number, or a query that does not parse", &["bad_request", "key_in_query"]),
+            Answer::error(
+                "`n` is not a number, or a query that does not parse",
+                &[ErrorCode::BadRequest, ErrorCode::KeyInQuery],
+            ),
         )
-        .answer(404, Answer::error("No such job or delivery", &["not_found"]))
-        .answer(429, limited("This delivery was replayed too often lately", &["rate_limited"]))
+        .answer(404, Answer::error("No such job or delivery", &[ErrorCode::NotFound]))
+        .answer(429, limited("This delivery was replayed too often lately", &[ErrorCode::RateLimited]))
 }
 
 pub(crate) fn webhook_secret_get() -> Operation {
@@ -580,7 +596,7 @@ pub(crate) fn webhook_enable() -> Operation {
             422,
             Answer::invalid(
                 "No `url` string in the body",
-                &["invalid_request"],
+                &[ErrorCode::InvalidRequest],
                 "url",
                 "the body must be a JSON object with a `url` string",
             ),
@@ -652,7 +668,7 @@ pub(crate) fn account_get() -> Operation {
             422,
             Answer::invalid(
                 "A time that is not RFC 3339, or a malformed owner",
-                &["invalid_request"],
+                &[ErrorCode::InvalidRequest],
                 "from",
                 "`from` must be an RFC 3339 time, got `yesterday`",
             ),
@@ -679,8 +695,11 @@ pub(crate) fn signin() -> Operation {
                 },
             ),
         )
-        .answer(401, Answer::error("A wrong or spent token (every token but the link's one, once)", &["unauthorized"]))
-        .answer(404, Answer::error("This server has no sign-in links", &["not_found"]))
+        .answer(
+            401,
+            Answer::error("A wrong or spent token (every token but the link's one, once)", &[ErrorCode::Unauthorized]),
+        )
+        .answer(404, Answer::error("This server has no sign-in links", &[ErrorCode::NotFound]))
 }
 
 pub(crate) fn workers_list() -> Operation {
@@ -767,7 +786,7 @@ pub(crate) fn page_file() -> Operation {
         .summary("One of the page's files (scripts, style, icon)")
         .path_params::<crate::web::FilePath>(json!({"file": "app.js"}))
         .answer(200, Answer::media("The file", &media, json!({"type": "string"})))
-        .answer(404, Answer::error("No such file", &["not_found"]))
+        .answer(404, Answer::error("No such file", &[ErrorCode::NotFound]))
 }
 
 pub(crate) fn favicon_get() -> Operation {
