@@ -36,6 +36,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use crate::error::JetStreamError;
+
 /// What a caller may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -264,13 +266,33 @@ pub enum KeyError {
     /// Limits that cannot be enforced.
     #[error("{0}")]
     BadLimits(String),
-    /// The keys bucket could not be read or written.
-    #[error("keys bucket: {0}")]
-    Store(String),
+    /// The keys bucket could not be read or written (or did not answer in time).
+    #[error("keys bucket")]
+    Store(#[from] JetStreamError),
+    /// A record of the keys bucket could not be written or read as JSON.
+    #[error("keys bucket: the record of key {id}")]
+    Record {
+        /// The key id.
+        id: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The record kept changing under concurrent writers until the attempts ran out.
+    #[error("keys bucket: the record of key {0} kept changing under concurrent writers")]
+    Contended(String),
 }
 
-fn store_err(e: impl std::fmt::Display) -> KeyError {
-    KeyError::Store(e.to_string())
+impl KeyError {
+    /// True when the keys could not be checked (the bucket, not the key): worth
+    /// retrying, and never the caller's fault.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, KeyError::Store(_) | KeyError::Record { .. } | KeyError::Contended(_))
+    }
+}
+
+fn record_err(id: &str) -> impl FnOnce(serde_json::Error) -> KeyError + '_ {
+    move |source| KeyError::Record { id: id.to_string(), source }
 }
 
 /// Creates a key for `owner`; returns the key (to show once) and its record.
@@ -340,25 +362,25 @@ async fn insert(
         priority,
         expires_at,
     };
-    let value = serde_json::to_vec(&record).map_err(store_err)?;
-    bucket.create(&record.id, value.into()).await.map_err(store_err)?;
+    let value = serde_json::to_vec(&record).map_err(record_err(&record.id))?;
+    bucket.create(&record.id, value.into()).await.map_err(JetStreamError::write("create a key"))?;
     Ok((key, record))
 }
 
 /// Reads one record.
 pub async fn get(bucket: &kv::Store, id: &str) -> Result<Option<KeyRecord>, KeyError> {
-    match bucket.get(id).await.map_err(store_err)? {
-        Some(v) => Ok(Some(serde_json::from_slice(&v).map_err(store_err)?)),
+    match bucket.get(id).await.map_err(JetStreamError::read("read a key"))? {
+        Some(v) => Ok(Some(serde_json::from_slice(&v).map_err(record_err(id))?)),
         None => Ok(None),
     }
 }
 
 /// Every record, oldest first.
 pub async fn list(bucket: &kv::Store) -> Result<Vec<KeyRecord>, KeyError> {
-    let mut keys = bucket.keys().await.map_err(store_err)?;
+    let mut keys = bucket.keys().await.map_err(JetStreamError::read("list the keys"))?;
     let mut out = Vec::new();
     while let Some(k) = keys.next().await {
-        if let Some(r) = get(bucket, &k.map_err(store_err)?).await? {
+        if let Some(r) = get(bucket, &k.map_err(JetStreamError::read("list the keys"))?).await? {
             out.push(r);
         }
     }
@@ -371,20 +393,20 @@ pub async fn list(bucket: &kv::Store) -> Result<Vec<KeyRecord>, KeyError> {
 pub async fn revoke(bucket: &kv::Store, id: &str) -> Result<KeyRecord, KeyError> {
     let id = ApiKey::parse(id).map(|k| k.id).unwrap_or_else(|| id.trim_start_matches(KEY_PREFIX).to_string());
     for _ in 0..10 {
-        let Some(entry) = bucket.entry(&id).await.map_err(store_err)? else {
+        let Some(entry) = bucket.entry(&id).await.map_err(JetStreamError::read("read a key"))? else {
             return Err(KeyError::Unknown);
         };
-        let mut r: KeyRecord = serde_json::from_slice(&entry.value).map_err(store_err)?;
+        let mut r: KeyRecord = serde_json::from_slice(&entry.value).map_err(record_err(&id))?;
         if r.revoked_at.is_some() {
             return Ok(r);
         }
         r.revoked_at = Some(Utc::now());
-        let value = serde_json::to_vec(&r).map_err(store_err)?;
+        let value = serde_json::to_vec(&r).map_err(record_err(&id))?;
         if bucket.update(&id, value.into(), entry.revision).await.is_ok() {
             return Ok(r);
         }
     }
-    Err(KeyError::Store("too many concurrent writers".into()))
+    Err(KeyError::Contended(id))
 }
 
 /// The authenticated caller of a request.
@@ -452,7 +474,8 @@ impl KeyRing {
                 }
                 Err(e) => match cached {
                     Some((at, r)) if at.elapsed() < Self::STALE_IF_ERROR => {
-                        tracing::warn!(key_id = %key.id, age_ms = at.elapsed().as_millis() as u64, error = %e,
+                        tracing::warn!(key_id = %key.id, age_ms = at.elapsed().as_millis() as u64,
+                            error = %crate::error::report(&e),
                             "keys bucket unreadable: using the key's cached record");
                         r
                     }
@@ -483,7 +506,7 @@ impl KeyRing {
         let once = || async {
             match tokio::time::timeout(Self::READ_TIMEOUT, get(&self.bucket, id)).await {
                 Ok(r) => r,
-                Err(_) => Err(KeyError::Store(format!("no answer in {:?}", Self::READ_TIMEOUT))),
+                Err(elapsed) => Err(KeyError::Store(JetStreamError::read("read a key")(elapsed))),
             }
         };
         match once().await {

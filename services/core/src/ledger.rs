@@ -49,7 +49,8 @@ use prometheus_client::metrics::family::Family;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::publish::{publish_payload, PATIENCE};
+use crate::error::JetStreamError;
+use crate::publish::{publish_payload, PublishError, PATIENCE};
 use crate::request::{owner_token, Model};
 use crate::JobId;
 
@@ -180,23 +181,37 @@ impl Prices {
     }
 
     /// Parses and checks a price list (non-negative, finite prices of known models).
-    pub fn parse(text: &[u8]) -> Result<Prices, String> {
-        let p: Prices = serde_json::from_slice(text).map_err(|e| e.to_string())?;
+    pub fn parse(text: &[u8]) -> Result<Prices, PricesError> {
+        let p: Prices = serde_json::from_slice(text).map_err(PricesError::Json)?;
         for (model, price) in &p.per_audio_minute {
             if Model::parse(model).is_none() {
-                return Err(format!("unknown model `{model}` in the price list"));
+                return Err(PricesError::UnknownModel(model.clone()));
             }
             if !(price.is_finite() && *price >= 0.0) {
-                return Err(format!("the price of `{model}` must be a number of credits ≥ 0"));
+                return Err(PricesError::BadPrice(model.clone()));
             }
         }
         Ok(p)
     }
 }
 
+/// Why a price list is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PricesError {
+    /// Not the JSON of a price list.
+    #[error("not a price list")]
+    Json(#[source] serde_json::Error),
+    /// A model this build does not know.
+    #[error("unknown model `{0}` in the price list")]
+    UnknownModel(String),
+    /// A price that is negative or not a number.
+    #[error("the price of `{0}` must be a number of credits ≥ 0")]
+    BadPrice(String),
+}
+
 /// Reads the price list from the configuration bucket (`None`: credits are off).
 pub async fn prices(config: &kv::Store) -> Result<Option<Prices>, LedgerError> {
-    match config.get(PRICES_KEY).await.map_err(|e| LedgerError::Read(e.to_string()))? {
+    match config.get(PRICES_KEY).await.map_err(|e| LedgerError::Read(JetStreamError::read("read the price list")(e)))? {
         None => Ok(None),
         Some(b) if b.is_empty() => Ok(None),
         Some(b) => Prices::parse(&b).map(Some).map_err(LedgerError::Decode),
@@ -533,21 +548,32 @@ pub enum LedgerError {
         /// What the owner may still spend.
         available: Micro,
     },
-    /// The ledger cannot be read.
-    #[error("cannot read the ledger: {0}")]
-    Read(String),
+    /// The ledger (or the price list) cannot be read.
+    #[error("cannot read the ledger")]
+    Read(#[source] JetStreamError),
     /// The price list does not parse.
-    #[error("ledger data does not parse: {0}")]
-    Decode(String),
+    #[error("the price list does not parse")]
+    Decode(#[source] PricesError),
+    /// An entry could not be written as JSON.
+    #[error("cannot encode a ledger entry")]
+    Encode(#[source] serde_json::Error),
     /// The movement would not fit the account (an amount out of range).
     #[error("the movement does not fit the account: {0}")]
     Refused(#[source] Misfit),
     /// The movement could not be recorded.
-    #[error("cannot record the movement: {0}")]
-    Publish(String),
+    #[error("cannot record the movement")]
+    Publish(#[source] PublishError),
+    /// The movement was decided to be nothing: there was nothing to record.
+    #[error("the movement recorded nothing")]
+    NothingRecorded,
     /// Too many concurrent writers: the state kept changing under us.
     #[error("the account of {0} kept changing; try again")]
     Contended(String),
+}
+
+/// For `map_err`: reading `what` of the ledger failed.
+fn read<E: Into<crate::error::BoxError>>(what: &'static str) -> impl FnOnce(E) -> LedgerError {
+    move |e| LedgerError::Read(JetStreamError::read(what)(e))
 }
 
 /// How a reservation ended.
@@ -663,7 +689,7 @@ impl Ledger {
                     after = msg.sequence;
                 }
                 Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => return Ok(after),
-                Err(e) => return Err(LedgerError::Read(e.to_string())),
+                Err(e) => return Err(LedgerError::Read(JetStreamError::read("read a ledger entry")(e))),
             }
         }
     }
@@ -671,7 +697,7 @@ impl Ledger {
     /// An owner's account and the sequence of its last entry on its kind subjects (0:
     /// none yet), the one a movement decided from it expects.
     pub async fn account(&self, owner: &str) -> Result<(Account, u64), LedgerError> {
-        let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(|e| LedgerError::Read(e.to_string()))?;
+        let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(read("open the ledger stream"))?;
         let mut f = self.folds.lock().expect("ledger folds").get(owner).cloned().unwrap_or_default();
         if !f.legacy_read {
             Self::read_after(&stream, &mut f, owner, &legacy_subject(owner), 0).await?;
@@ -701,7 +727,7 @@ impl Ledger {
             after.apply(&movement).map_err(LedgerError::Refused)?;
             let subject = ledger_subject(owner, movement.kind());
             let entry = Entry { owner: owner.to_string(), time: Utc::now(), movement };
-            let body = serde_json::to_vec(&entry).map_err(|e| LedgerError::Decode(e.to_string()))?;
+            let body = serde_json::to_vec(&entry).map_err(LedgerError::Encode)?;
             let mut h = HeaderMap::new();
             h.insert("Nats-Expected-Last-Subject-Sequence", seq.to_string().as_str());
             h.insert("Nats-Expected-Last-Subject-Sequence-Subject", filter.as_str());
@@ -717,7 +743,7 @@ impl Ledger {
                         tokio::time::sleep(Duration::from_millis(1 + (attempt as u64 % 7))).await;
                     }
                 }
-                Err(e) => return Err(LedgerError::Publish(e.to_string())),
+                Err(e) => return Err(LedgerError::Publish(e)),
             }
         }
         Err(LedgerError::Contended(owner.to_string()))
@@ -738,7 +764,7 @@ impl Ledger {
         let id = format!("grant.{grant_id}");
         match self.commit(owner, &id, |_| Ok(Some(m.clone()))).await? {
             Some(e) => Ok(e),
-            None => Err(LedgerError::Publish("nothing recorded".into())),
+            None => Err(LedgerError::NothingRecorded),
         }
     }
 
@@ -816,14 +842,14 @@ impl Ledger {
     /// order; only those recorded at or after `since` when given (the fold still starts
     /// at the first entry).
     pub async fn entries(&self, owner: &str, since: Option<DateTime<Utc>>) -> Result<Vec<Entry>, LedgerError> {
-        let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(|e| LedgerError::Read(e.to_string()))?;
+        let stream = self.js.get_stream_no_info(LEDGER_STREAM).await.map_err(read("open the ledger stream"))?;
         let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subjects: vec![legacy_subject(owner), ledger_filter(owner)],
                 ..Default::default()
             })
             .await
-            .map_err(|e| LedgerError::Read(e.to_string()))?;
+            .map_err(read("read the ledger"))?;
         let pending = consumer.cached_info().num_pending;
         let mut out = Vec::new();
         if pending == 0 {
@@ -832,9 +858,9 @@ impl Ledger {
         // Legacy entries first (they precede the kind subjects' in every account).
         let (mut legacy, mut kinds) = (Vec::new(), Vec::new());
         let legacy_subject = legacy_subject(owner);
-        let mut messages = consumer.messages().await.map_err(|e| LedgerError::Read(e.to_string()))?;
+        let mut messages = consumer.messages().await.map_err(read("read the ledger"))?;
         while let Some(m) = messages.next().await {
-            let m = m.map_err(|e| LedgerError::Read(e.to_string()))?;
+            let m = m.map_err(read("read the ledger"))?;
             let left = m.info().map(|i| i.pending).unwrap_or(0);
             let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
             let item = (m.subject.to_string(), seq, m.payload.clone());
@@ -902,8 +928,15 @@ mod tests {
         assert_eq!(p.cost(Model::Htdemucs, 1), 25);
         assert_eq!(p.cost(Model::Dsp, 600_000), 0);
         assert_eq!(p.cost(Model::HtdemucsFt, 60_000), 0, "a model not listed is free");
-        assert!(Prices::parse(br#"{"per_audio_minute": {"nope": 1}}"#).is_err());
-        assert!(Prices::parse(br#"{"per_audio_minute": {"dsp": -1}}"#).is_err());
+        assert!(matches!(
+            Prices::parse(br#"{"per_audio_minute": {"nope": 1}}"#),
+            Err(PricesError::UnknownModel(m)) if m == "nope"
+        ));
+        assert!(matches!(Prices::parse(br#"{"per_audio_minute": {"dsp": -1}}"#), Err(PricesError::BadPrice(_))));
+        let e = Prices::parse(b"{").unwrap_err();
+        assert!(matches!(e, PricesError::Json(_)));
+        let e = LedgerError::Decode(e);
+        assert!(crate::error::report(&e).starts_with("the price list does not parse: not a price list: EOF"), "{e}");
     }
 
     #[test]

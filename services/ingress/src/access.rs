@@ -78,7 +78,7 @@ pub(crate) fn key_required() -> ApiError {
 /// (its error goes to the log).
 pub(crate) fn key_refused(e: KeyError) -> ApiError {
     match e {
-        e @ KeyError::Store(_) => {
+        e if e.is_unavailable() => {
             warn!(error = %stemq_core::error::report(&e), "cannot read the keys bucket");
             ApiError::new(ErrorCode::Unavailable, "keys cannot be checked right now; retrying is safe")
         }
@@ -145,7 +145,7 @@ pub async fn authenticate(State(state): State<AppState>, mut req: Request, next:
             };
             match ring.authenticate(token).await {
                 Ok(c) => c,
-                Err(e @ KeyError::Store(_)) => return key_refused(e).into_response(),
+                Err(e) if e.is_unavailable() => return key_refused(e).into_response(),
                 Err(e) => return unauthorized(key_refused(e), true),
             }
         }

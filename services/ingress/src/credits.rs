@@ -184,7 +184,7 @@ fn bad_time(field: &str, v: &str) -> ApiError {
 }
 
 fn ledger_unavailable(e: ledger::LedgerError) -> ApiError {
-    warn!(error = %e, "cannot read the ledger");
+    warn!(error = %stemq_core::error::report(&e), "cannot read the ledger");
     ApiError {
         code: ErrorCode::Unavailable,
         message: "the credits ledger is unavailable; try again".into(),

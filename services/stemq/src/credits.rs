@@ -153,7 +153,7 @@ pub async fn run(g: &Global, command: CreditsCommand) -> Result<()> {
         CreditsCommand::Prices { command } => match command {
             PricesCommand::Set { file } => {
                 let text = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-                let p = Prices::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                let p = Prices::parse(&text).with_context(|| format!("{}", file.display()))?;
                 kv.put(ledger::PRICES_KEY, serde_json::to_vec(&p)?.into()).await?;
                 println!(
                     "credits are on ({}): {}",

@@ -50,7 +50,8 @@ pub(crate) async fn reserve(
     requested: &Requested,
     input: &Path,
 ) -> Result<(), Failure> {
-    let unavailable = |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, e.to_string());
+    let unavailable =
+        |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, stemq_core::error::report(&e));
     let prices = match shared.credits.prices.get().await {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(()),
