@@ -78,7 +78,7 @@ pub enum RegistryError {
     Delete(#[from] kv::DeleteError),
     /// Reading the bucket failed.
     #[error("reading the worker registry: {0}")]
-    Read(String),
+    Read(#[source] async_nats::jetstream::stream::DirectGetError),
 }
 
 /// The bucket key of a worker: its name when that is a valid key of letters, digits,
@@ -118,7 +118,7 @@ pub async fn live(bucket: &kv::Store) -> Result<Vec<WorkerInfo>, RegistryError> 
                 latest.insert(key.to_string(), info);
             }
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => break,
-            Err(e) => return Err(RegistryError::Read(e.to_string())),
+            Err(e) => return Err(RegistryError::Read(e)),
         }
     }
     let now = Utc::now();

@@ -73,11 +73,7 @@ impl Ears {
 
     async fn listen(&mut self, i: usize) -> Result<(), WorkerError> {
         let (model, lane) = self.heard.routes[i];
-        let mut sub = self
-            .client
-            .subscribe(names::pool_filter(model, lane))
-            .await
-            .map_err(|e| WorkerError::Subscribe(e.to_string()))?;
+        let mut sub = self.client.subscribe(names::pool_filter(model, lane)).await.map_err(WorkerError::Subscribe)?;
         let stop = self.shutdown.child_token();
         let (heard, wake, until) = (self.heard.clone(), self.wake.clone(), stop.clone());
         self.tracker.spawn(async move {

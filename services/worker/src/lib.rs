@@ -77,7 +77,7 @@ pub enum WorkerError {
     NoModels(String),
     /// The subscription to new requests failed.
     #[error("subscribing to new requests: {0}")]
-    Subscribe(String),
+    Subscribe(#[source] async_nats::SubscribeError),
 }
 
 /// Worker configuration.
