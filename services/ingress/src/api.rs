@@ -2,7 +2,7 @@
 //!
 //! This module owns *what* the API serves. Each [`Route`] is an [`Operation`] (method,
 //! path, `operationId`, parameters, body and answers, by the handler's own Rust types;
-//! described in [`crate::openapi::operations`]) and its handler; [`crate::router`]
+//! described in [`crate::openapi::operations`]) and its handler; [`crate::router()`]
 //! routes exactly these, and `/openapi.json` is generated from exactly these
 //! ([`crate::openapi`]), so the two cannot disagree. Who may call each route is decided
 //! by [`crate::access::permission`], which the document reads too.

@@ -16,7 +16,7 @@
 //! | [`separations`], [`control`], [`events`], [`prefer`], [`links`] | the job routes |
 //! | [`batches`], [`uploads`], [`stems`], [`webhooks`] | batches, audio in and out, webhooks |
 //! | [`workers`], [`credits`], [`session`], [`web`], [`ops`] | fleet and models, credits, sign-in, the page, probes |
-//! | [`router`] | moves requests recorded without a route into their pools |
+//! | [`mod@router`] | moves requests recorded without a route into their pools |
 //!
 //! What holds for every route: all but `/healthz`, `/readyz` and `/openapi.json` need an
 //! API key, and a job is its owner's alone ([`access`]); every error, the framework's

@@ -19,7 +19,7 @@
 //! 6. a transient failure publishes `failed(transient)` and naks with backoff, except on
 //!    the last delivery, which dead-letters the job; a permanent failure is final at once.
 //!
-//! What a result *means* (steps 5 and 6) is one pure function, [`decide::decide`]: the
+//! What a result *means* (steps 5 and 6) is one pure function, `decide::decide`: the
 //! attempt, the queue's max deliver, the backoff delay, whether a user's cancel came in,
 //! and the engine's result in; the event to record and how to answer the delivery out
 //! (`Decision`). `decide_start` says the same before the engine runs (cancelled,
@@ -27,10 +27,10 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`validate`] | step 1: whether a delivered request may run, or is rejected or dropped |
-//! | [`decide`] | what a delivery comes to, before and after the engine: pure, given/when/then |
-//! | [`ladder`] | step 4: the engine down the out-of-memory ladder, its errors classified |
-//! | [`input`] | the input fetched into scratch, and what a failed fetch means |
+//! | `validate` | step 1: whether a delivered request may run, or is rejected or dropped |
+//! | `decide` | what a delivery comes to, before and after the engine: pure, given/when/then |
+//! | `ladder` | step 4: the engine down the out-of-memory ladder, its errors classified |
+//! | `input` | the input fetched into scratch, and what a failed fetch means |
 //! | `crate::outputs`, `crate::keepalive` | storing the stems; keeping the delivery alive |
 
 mod decide;
