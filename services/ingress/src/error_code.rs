@@ -88,7 +88,7 @@ error_codes! {
     NotFound = ("not_found", 404, Some("That job does not exist, or this key cannot see it.")),
     /// A known route asked with another method (`Allow` lists those there are).
     MethodNotAllowed = ("method_not_allowed", 405, None),
-    /// A request body that paused too long or came too slowly (`Connection: close`).
+    /// A request body that stalled too long or came too slowly (`Connection: close`).
     RequestTimeout = ("request_timeout", 408, None),
     /// The job's state does not allow it.
     Conflict = ("conflict", 409, None),
