@@ -16,6 +16,8 @@
 #   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
 #   says so and goes on (scripts/test.sh then prints SKIPPED for the page test, or
 #   fails in CI);
+# - from npm, @asyncapi/parser (tests/asyncapi/, locked by its package-lock.json), which
+#   validates schemas/asyncapi.json (scripts/test.sh);
 # - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
 # - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
 #   M4A, Opus in Ogg and WebM, Vorbis in WebM, AIFF, CAF, WAV variants, WMA and AC-3 to
@@ -57,6 +59,9 @@ if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
     (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
   fi
+  if [[ ! -d tests/asyncapi/node_modules/@asyncapi/parser ]]; then
+    (cd tests/asyncapi && npm ci --no-audit --no-fund --loglevel=error)
+  fi
 else
-  echo "npm is missing: install Node.js (20 or later) for the page test" >&2
+  echo "npm is missing: install Node.js (20 or later) for the page test and the AsyncAPI check" >&2
 fi

@@ -24,6 +24,14 @@ if command -v promtool >/dev/null 2>&1; then
 else
   missing "checking the alert rules" "promtool, Debian package prometheus"
 fi
+# The NATS contract, schemas/asyncapi.json (its staleness is a Rust test): a valid
+# AsyncAPI 3.0 document for the parser `asyncapi validate` runs (tests/asyncapi/, pinned;
+# seconds).
+if command -v node >/dev/null 2>&1 && [[ -d tests/asyncapi/node_modules/@asyncapi/parser ]]; then
+  node tests/asyncapi/validate.mjs schemas/asyncapi.json
+else
+  missing "validating schemas/asyncapi.json" "node, and npm ci in tests/asyncapi"
+fi
 # deploy/: Kubernetes manifests, KEDA, NATS cluster config, Containerfiles (seconds).
 scripts/check-deploy.sh
 # The fuzz targets (`fuzz_*` tests: request, event, ledger, audio, checkpoint) mutate their seed

@@ -268,6 +268,11 @@ async fn health_readiness_metrics_and_openapi() {
         let name = &r[..r.find('"').unwrap()];
         assert!(doc["components"]["schemas"][name].is_object(), "dangling $ref {name}");
     }
+    // The NATS side's contract is served as checked in.
+    let (code, doc) = stack.get("/asyncapi.json").await;
+    assert_eq!(code, 200);
+    let checked_in: Value = serde_json::from_str(include_str!("../../schemas/asyncapi.json")).unwrap();
+    assert_eq!(doc, checked_in);
     // Not ready while NATS is down.
     stack.server.kill();
     let deadline = tokio::time::Instant::now() + T;

@@ -35,6 +35,16 @@ use crate::nats::{BATCHES_PREFIX, BATCHES_STREAM, BATCH_JOBS_PREFIX, JOBS_STREAM
 use crate::publish::{publish_payload, publish_payload_once, Once, PublishError};
 use crate::request::JobId;
 
+/// The body of a membership (`stemq.batch_jobs.<job id>.<batch id>`): batch
+/// `batch_id` holds job `job_id`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct Membership {
+    /// The batch.
+    pub batch_id: BatchId,
+    /// The job.
+    pub job_id: JobId,
+}
+
 /// The subject families of a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchSubject {
@@ -261,7 +271,8 @@ pub async fn record_round(
     // The memberships first: a job that ends after this round is stored then finds the
     // batch, and one that ended before is seen by the check the round itself triggers.
     let writes = new_jobs.iter().map(|job| {
-        let payload = serde_json::to_vec(&serde_json::json!({"batch_id": id, "job_id": job})).expect("serialises");
+        let payload =
+            serde_json::to_vec(&Membership { batch_id: id.clone(), job_id: job.clone() }).expect("serialises");
         let subject = member_subject(job, id);
         let h = headers(&format!("{job}.{id}"), None, "application/json");
         async move { publish_payload(js, &subject, payload.into(), h, PATIENCE).await }

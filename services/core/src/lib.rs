@@ -62,6 +62,8 @@ pub mod view;
 
 // The runtime: NATS, storage, telemetry, metrics, webhooks.
 #[cfg(feature = "runtime")]
+pub mod asyncapi;
+#[cfg(feature = "runtime")]
 pub mod auth;
 #[cfg(feature = "runtime")]
 pub mod batch_log;

@@ -45,7 +45,7 @@ pub fn unauthenticated_operator() -> Caller {
 /// The permission a route needs; `None` for the public routes.
 pub fn permission(method: &Method, route: &str) -> Option<Permission> {
     match (method.as_str(), route) {
-        (_, "/healthz" | "/readyz" | "/openapi.json") => None,
+        (_, "/healthz" | "/readyz" | "/openapi.json" | "/asyncapi.json") => None,
         ("GET" | "HEAD", "/" | "/app/{file}" | "/favicon.ico") => None,
         ("POST", "/v1/signin") => None,
         ("GET", "/metrics" | "/v1/workers" | "/v1/overview") => Some(Permission::Operate),
@@ -176,7 +176,7 @@ mod tests {
 
     #[test]
     fn every_route_has_a_rule() {
-        let public = ["/healthz", "/readyz", "/openapi.json"];
+        let public = ["/healthz", "/readyz", "/openapi.json", "/asyncapi.json"];
         for r in public {
             assert_eq!(permission(&Method::GET, r), None, "{r}");
         }

@@ -67,6 +67,7 @@ pub fn routes() -> Vec<Route> {
         serve(health_get(), crate::ops::healthz),
         serve(ready_get(), crate::ops::ready),
         serve(openapi_get(), openapi_json),
+        serve(asyncapi_get(), asyncapi_json),
         serve(page_get(), crate::web::index),
         serve(page_file(), crate::web::file),
         serve(favicon_get(), crate::web::favicon),
@@ -77,6 +78,15 @@ pub fn routes() -> Vec<Route> {
 async fn openapi_json() -> Response {
     static DOC: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     let body = DOC.get_or_init(|| serde_json::to_vec(&crate::openapi::document()).expect("the document serialises"));
+    ([(header::CONTENT_TYPE, "application/json")], axum::body::Bytes::from_static(body)).into_response()
+}
+
+/// `GET /asyncapi.json`: the NATS side's AsyncAPI document
+/// ([`stemq_core::asyncapi::document`]), made once.
+async fn asyncapi_json() -> Response {
+    static DOC: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let body =
+        DOC.get_or_init(|| serde_json::to_vec(&stemq_core::asyncapi::document()).expect("the document serialises"));
     ([(header::CONTENT_TYPE, "application/json")], axum::body::Bytes::from_static(body)).into_response()
 }
 

@@ -18,7 +18,7 @@
 //! | [`workers`], [`credits`], [`session`], [`web`], [`ops`] | fleet and models, credits, sign-in, the page, probes |
 //! | [`mod@router`] | moves requests recorded without a route into their pools |
 //!
-//! What holds for every route: all but `/healthz`, `/readyz` and `/openapi.json` need an
+//! What holds for every route: all but `/healthz`, `/readyz`, `/openapi.json` and `/asyncapi.json` need an
 //! API key, and a job is its owner's alone ([`access`]); every error, the framework's
 //! too, answers in the [`ErrorBody`] shape; every 503 carries `Retry-After`; a job that
 //! exists is never a 404 ([`AppState::view`]). Why it is built so: docs/architecture.md,

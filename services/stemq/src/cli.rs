@@ -159,7 +159,7 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::webhooks::WebhooksCommand,
     },
-    /// Write the JSON Schemas of the contracts.
+    /// Write the JSON Schemas of the contracts and the AsyncAPI document of the NATS side.
     Schemas {
         /// Folder to write into.
         #[arg(long, default_value = "schemas")]
@@ -375,7 +375,8 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Usage { owners, since } => crate::credits::usage(&g, owners, since).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            println!("wrote {} schemas to {}", stemq_core::schema::all().len(), write.display());
+            std::fs::write(write.join("asyncapi.json"), stemq_core::asyncapi::render())?;
+            println!("wrote {} schemas and asyncapi.json to {}", stemq_core::schema::all().len(), write.display());
             Ok(())
         }
         Command::Top { interval, once } => crate::top::run(&g, Duration::from_secs_f64(interval), once).await,

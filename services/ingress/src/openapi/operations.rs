@@ -769,6 +769,20 @@ pub(crate) fn openapi_get() -> Operation {
         )
 }
 
+pub(crate) fn asyncapi_get() -> Operation {
+    Operation::new(Method::GET, "/asyncapi.json", "getAsyncApi")
+        .tag("operations")
+        .summary("The NATS side's contract (AsyncAPI 3.0): subjects, messages, headers, who may do what")
+        .answer(
+            200,
+            Answer::media(
+                "The document (also schemas/asyncapi.json)",
+                &["application/json"],
+                json!({"type": "object", "required": ["asyncapi", "channels", "operations"]}),
+            ),
+        )
+}
+
 pub(crate) fn page_get() -> Operation {
     Operation::new(Method::GET, "/", "getPage")
         .tag("page")
