@@ -662,7 +662,8 @@ pub fn document() -> Value {
             });
         }
         operations.insert(format!("publish{}", upper_first(c.id)), send);
-        if c.reply.is_none() {
+        // A JetStream API subject is answered by the server: nobody receives it.
+        if !c.subject.starts_with("$JS.") {
             operations.insert(
                 format!("receive{}", upper_first(c.id)),
                 json!({
