@@ -525,4 +525,10 @@ fn he_aac_decodes_like_ffmpeg() {
             assert!(db >= 100.0, "{name} channel {c}: SNR {db:.1} dB against ffmpeg (< 100)");
         }
     }
+    // Cut off, the M4A (its `moov` last) is a permanent input error.
+    let bytes = std::fs::read(&explicit).unwrap();
+    let cut = dir.path().join("cut_he.m4a");
+    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let e = refusal(&cut);
+    assert!(matches!(engine_error(e), EngineError::InvalidInput { .. }), "truncated HE-AAC");
 }
