@@ -35,8 +35,8 @@ fi
 # deploy/: Kubernetes manifests, KEDA, NATS cluster config, Containerfiles (seconds).
 scripts/check-deploy.sh
 # The fuzz targets (`fuzz_*` tests: request, event, ledger, audio, checkpoint) mutate their seed
-# corpora for STEMQ_FUZZ_SECS each (3 s by default); CI gives each a minute.
-if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-60}"; fi
+# corpora for STEMQ_FUZZ_SECS each (3 s by default); CI gives each 30 s.
+if [[ "${CI:-}" == "true" ]]; then export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-30}"; fi
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
 # which the workspace compiles for stemq-demucs's own tests anyway).
 cargo test --workspace --locked --features stemq-tests/demucs "$@"
