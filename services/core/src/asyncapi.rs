@@ -3,13 +3,13 @@
 //!
 //! This module owns how the NATS contract is described; it writes down nothing the code
 //! already says. Each channel's address is made by the subject functions
-//! ([`crate::request_subject`], [`crate::job_subject`], the batch log's) for sample
+//! ([`crate::nats::request_subject`], [`crate::nats::job_subject`], the batch log's) for sample
 //! values, whose tokens then become the channel's parameters; its stream is the one whose
 //! subjects (`nats/streams/`) match it; the message schemas are schemars' schemas of the
 //! event, request and view types (JSON Schema draft-07, the dialect AsyncAPI schemas
 //! build on), each event type's payload being the CloudEvents envelope with that type's
 //! `type` and `data`; and who may publish, subscribe to or read each channel is worked
-//! out from the permissions of `nats/users.json` ([`crate::users`]). What is said here
+//! out from the permissions of `nats/users.json` ([`crate::nats_users`]). What is said here
 //! by hand: which event types go on which subject, and what the headers mean.
 
 use crate::batch::{BatchEvent, BatchId};
@@ -758,7 +758,7 @@ mod tests {
         let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             on_disk == render(),
-            "schemas/asyncapi.json is stale: run `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-nats asyncapi` and commit"
+            "schemas/asyncapi.json is stale: run `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-core asyncapi` and commit"
         );
     }
 
