@@ -23,12 +23,12 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use serde_json::Value;
 use stemq_core::engine::{Engine, FakeEngine};
-use stemq_core::nats::{self as names, Settings};
-use stemq_core::nats_cluster::NatsCluster;
-use stemq_core::nats_server::ServerOptions;
-use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
-use stemq_core::storage::Store;
 use stemq_core::{Event, JobId, JobView};
+use stemq_devkit::nats_cluster::NatsCluster;
+use stemq_devkit::nats_server::ServerOptions;
+use stemq_nats::users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
+use stemq_nats::{self as names, Settings};
+use stemq_storage::Store;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -72,7 +72,7 @@ impl Default for ClusterOptions {
                 schedule: [0, 500, 1000, 2000, 4000].map(Duration::from_millis).to_vec(),
                 timeout: Duration::from_secs(5),
                 max_retry_after: Duration::from_secs(5),
-                allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+                allow: stemq_webhook::Allowlist::parse("127.0.0.1"),
                 concurrency: 64,
                 name: "relay".into(),
                 progress_jobs: 10_000,
@@ -285,7 +285,7 @@ impl ClusterStack {
 
     /// A job's view in the bucket (`None` when absent or unreadable now).
     pub async fn view(&self, id: &JobId) -> Option<JobView> {
-        stemq_core::read::get_view(&self.kv, id).await.ok().flatten().map(|(v, _)| v)
+        stemq_nats::read::get_view(&self.kv, id).await.ok().flatten().map(|(v, _)| v)
     }
 
     /// Every event of the job log, by job, each with its stream sequence, in log order.
@@ -321,7 +321,7 @@ impl ClusterStack {
     /// The node that leads `stream` now, as its index (`None` during an election, or
     /// when no answer comes within a second).
     pub async fn leader_of(&self, stream: &str) -> Option<usize> {
-        let leader = stemq_core::nats_cluster::stream_leader(&self.js, stream);
+        let leader = stemq_devkit::nats_cluster::stream_leader(&self.js, stream);
         let name = tokio::time::timeout(Duration::from_secs(1), leader).await.ok()??;
         self.cluster.index_of(&name)
     }

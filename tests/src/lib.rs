@@ -23,12 +23,12 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use serde_json::Value;
 use stemq_core::engine::{Engine, FakeEngine};
-use stemq_core::nats::{self as names, Settings};
-use stemq_core::nats_server::NatsServer;
-use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
 use stemq_core::netpolicy::HostPolicy;
-use stemq_core::storage::Store;
 use stemq_core::{Event, JobId, JobStatus, JobView};
+use stemq_devkit::nats_server::NatsServer;
+use stemq_nats::users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
+use stemq_nats::{self as names, Settings};
+use stemq_storage::Store;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -100,7 +100,7 @@ pub struct Stack {
     pub options: StackOptions,
     /// An operator key of the owner [`TEST_OWNER`], sent by every HTTP helper here.
     pub key: String,
-    /// The keys bucket (tests create more keys with `stemq_core::auth::create`).
+    /// The keys bucket (tests create more keys with `stemq_accounts::auth::create`).
     pub keys: kv::Store,
     http_client: reqwest::Client,
     stop: CancellationToken,
@@ -464,10 +464,11 @@ pub(crate) async fn provision(js: &jetstream::Context, settings: &Settings) -> (
     names::apply(js, settings).await.expect("apply definitions");
     let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("bucket");
     let keys = js.get_key_value(names::KEYS_BUCKET).await.expect("keys bucket");
-    let limits = stemq_core::auth::Limits::NONE;
-    let (key, _) = stemq_core::auth::create(&keys, TEST_OWNER, stemq_core::auth::Role::Operator, limits, "harness")
-        .await
-        .expect("test key");
+    let limits = stemq_accounts::auth::Limits::NONE;
+    let (key, _) =
+        stemq_accounts::auth::create(&keys, TEST_OWNER, stemq_accounts::auth::Role::Operator, limits, "harness")
+            .await
+            .expect("test key");
     (kv, keys, key.expose())
 }
 

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use reqwest::Method;
 use serde_json::{json, Value};
-use stemq_core::auth::{self, Limits, Role};
-use stemq_core::nats as names;
+use stemq_accounts::auth::{self, Limits, Role};
 use stemq_core::JobStatus;
+use stemq_nats as names;
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -53,7 +53,7 @@ fn body_of(stack: &Stack, owner: &str, name: &str) -> Value {
 async fn second_ingress(stack: &Stack, stop: &CancellationToken) -> String {
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr: SocketAddr = listener.local_addr().unwrap();
-    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
+    let c = stack.connect_as(stemq_nats::users::INGRESS).await;
     let config = stemq_ingress::Config {
         listen: addr,
         nats_submit: true,
@@ -243,10 +243,7 @@ async fn owners_never_see_or_touch_each_others_jobs() {
     std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
     let mut stack = Stack::start(StackOptions { workers: 1, ..Default::default() }).await;
     stack
-        .start_relay(stemq_relay::Config {
-            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
-            ..Default::default()
-        })
+        .start_relay(stemq_relay::Config { allow: stemq_webhook::Allowlist::parse("127.0.0.1"), ..Default::default() })
         .await;
     let base = stack.url("");
     let alice = key(&stack, "alice", Role::Admin, None).await;
@@ -545,14 +542,14 @@ async fn turning_keys_off_is_for_loopback_only() {
     // On every interface: refused at start, before serving anything.
     let listener = stemq_ingress::bind("0.0.0.0:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
+    let c = stack.connect_as(stemq_nats::users::INGRESS).await;
     let err = stemq_ingress::run(c, listener, config(addr), CancellationToken::new()).await.unwrap_err();
     assert!(matches!(err, stemq_ingress::IngressError::NoAuthOnNetwork(_)), "{err}");
     assert!(err.to_string().contains("loopback"), "{err}");
     // On loopback: served, every caller an operator of `local`.
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
+    let c = stack.connect_as(stemq_nats::users::INGRESS).await;
     let stop = CancellationToken::new();
     let s = stop.clone();
     tokio::spawn(async move { stemq_ingress::run(c, listener, config(addr), s).await.unwrap() });
@@ -570,14 +567,14 @@ async fn turning_keys_off_is_for_loopback_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_read_recently_still_authenticate_while_the_bucket_is_down() {
     use async_nats::jetstream;
-    use stemq_core::auth::{KeyError, KeyRing};
-    use stemq_core::nats_server::NatsServer;
+    use stemq_accounts::auth::{KeyError, KeyRing};
+    use stemq_devkit::nats_server::NatsServer;
 
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("nats");
     let mut server =
         tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
-    let js = jetstream::new(server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap());
+    let js = jetstream::new(server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap());
     names::apply(&js, &names::Settings::default()).await.unwrap();
     let bucket = js.get_key_value(names::KEYS_BUCKET).await.unwrap();
     let (seen, _) = auth::create(&bucket, "acme", Role::Submit, Limits::NONE, "seen").await.unwrap();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use reqwest::header::HeaderMap;
 use reqwest::Method;
 use serde_json::{json, Value};
-use stemq_core::auth::{self, Limits, Role};
+use stemq_accounts::auth::{self, Limits, Role};
 use stemq_core::JobStatus;
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
 

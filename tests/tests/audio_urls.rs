@@ -13,9 +13,9 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use serde_json::{json, Value};
-use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::netpolicy::HostPolicy;
 use stemq_core::JobStatus;
+use stemq_nats::{job_subject, SubjectKind};
 use stemq_tests::{job_id, Stack, StackOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -149,7 +149,7 @@ async fn a_name_that_resolves_to_a_private_address_is_refused() {
     let req = stemq_core::JobRequest::from_value(request(&songs.url("/song.wav"))).unwrap();
     let ev = stemq_core::Event::requested(req.normalize("anonymous").unwrap(), None, None, "/test");
     let id = ev.subject.clone();
-    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))
+    stemq_nats::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))
         .await
         .unwrap();
     let v = stack.wait_terminal(&id, Duration::from_secs(60)).await;

@@ -14,10 +14,10 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use reqwest::Method;
 use serde_json::{json, Value};
-use stemq_core::auth::{self, Limits, Role};
-use stemq_core::nats as names;
-use stemq_core::webhook::{verify, Secret};
+use stemq_accounts::auth::{self, Limits, Role};
+use stemq_nats as names;
 use stemq_tests::{Stack, StackOptions, TEST_OWNER};
+use stemq_webhook::{verify, Secret};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -69,7 +69,7 @@ async fn stack() -> Stack {
             schedule: vec![Duration::ZERO, Duration::from_millis(200)],
             timeout: Duration::from_secs(2),
             max_retry_after: Duration::from_secs(1),
-            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            allow: stemq_webhook::Allowlist::parse("127.0.0.1"),
             concurrency: 16,
             name: "relay-test".into(),
             progress_jobs: 100,
@@ -385,7 +385,7 @@ async fn the_command_line_submits_a_folder_as_one_batch_and_downloads_its_stems(
 /// Turns credits on (enforced): `dsp` at 6 credits a minute of audio (readers cache the
 /// price list for 2 s).
 async fn set_prices(stack: &Stack) {
-    use stemq_core::ledger::{Prices, CONFIG_BUCKET, PRICES_KEY};
+    use stemq_accounts::ledger::{Prices, CONFIG_BUCKET, PRICES_KEY};
     let p = Prices {
         unit: "credit".into(),
         per_audio_minute: [("dsp".to_string(), 6.0)].into_iter().collect(),
@@ -401,7 +401,7 @@ async fn set_prices(stack: &Stack) {
 /// credits are granted the same batch goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_out_of_credits_stops_the_batch_until_credits_are_granted() {
-    use stemq_core::ledger::{Ledger, MICRO};
+    use stemq_accounts::ledger::{Ledger, MICRO};
     // No workers: the jobs stay queued, so nothing is reserved or charged meanwhile.
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     set_prices(&stack).await;

@@ -7,8 +7,8 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use serde_json::json;
-use stemq_core::nats_server::NatsServer;
 use stemq_core::JobStatus;
+use stemq_devkit::nats_server::NatsServer;
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
 
 const T: Duration = Duration::from_secs(30);
@@ -129,7 +129,7 @@ fn a_busy_http_port_is_reported_with_each_cause_once() {
     let addr = busy.local_addr().unwrap().to_string();
     let out = stemq(&["ingress", "--http", &addr], dir.path())
         .env("NATS_URL", server.url())
-        .env("STEMQ_NATS_CREDS", server.credentials(stemq_core::nats_users::INGRESS))
+        .env("STEMQ_NATS_CREDS", server.credentials(stemq_nats::users::INGRESS))
         .env("STEMQ_LOG_FORMAT", "json")
         .output()
         .unwrap();
@@ -263,7 +263,7 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
     let (nats, api) = (stack.server.url(), format!("http://{}", stack.http));
     // API keys live in NATS: the operator's NATS user manages them.
-    let creds = stack.server.credentials(stemq_core::nats_users::OPERATOR);
+    let creds = stack.server.credentials(stemq_nats::users::OPERATOR);
     let run = |args: Vec<String>| {
         let (dir, nats, creds) = (dir.path().to_path_buf(), nats.clone(), creds.clone());
         tokio::task::spawn_blocking(move || {
@@ -288,11 +288,11 @@ async fn keys_are_created_listed_and_revoked_from_the_command_line() {
     assert!(!bad.status.success() && text(&bad.stderr).contains("urgent"), "{}", text(&bad.stderr));
 
     // A sign-in link's session key (as `stemq dev`'s page gets one): listed with its end.
-    let (_, session) = stemq_core::auth::create_session(
+    let (_, session) = stemq_accounts::auth::create_session(
         &stack.keys,
         "local",
-        stemq_core::auth::Role::Operator,
-        stemq_core::auth::Limits::NONE,
+        stemq_accounts::auth::Role::Operator,
+        stemq_accounts::auth::Limits::NONE,
         "page session (sign-in link)",
         Duration::from_secs(3600),
     )

@@ -37,11 +37,11 @@ use axum::http::{HeaderMap, StatusCode};
 use futures::StreamExt;
 use serde_json::json;
 use stemq_core::event::EventBody;
-use stemq_core::nats::{self as names};
-use stemq_core::nats_cluster::NatsCluster;
-use stemq_core::nats_server::ServerOptions;
-use stemq_core::nats_users::OPERATOR;
 use stemq_core::{apply, Event, JobId, JobView, Position};
+use stemq_devkit::nats_cluster::NatsCluster;
+use stemq_devkit::nats_server::ServerOptions;
+use stemq_nats::users::OPERATOR;
+use stemq_nats::{self as names};
 use stemq_tests::cluster::{Answer, Api, ClusterOptions, ClusterStack};
 use stemq_tests::job_id;
 use tokio_util::sync::CancellationToken;
@@ -228,7 +228,7 @@ async fn wait_terminal(stack: &ClusterStack, ids: &[JobId], what: &str) -> Insta
             let log = stack.log().await;
             let mut sample = Vec::new();
             for id in left.iter().take(3) {
-                let view = stemq_core::read::get_view(&stack.kv, id).await.map(|v| v.map(|(v, _)| v));
+                let view = stemq_nats::read::get_view(&stack.kv, id).await.map(|v| v.map(|(v, _)| v));
                 let events: Vec<(u64, &str, String)> = log
                     .get(id)
                     .map(|e| e.iter().map(|(s, e)| (*s, e.body.kind(), e.time.to_rfc3339())).collect())
@@ -756,7 +756,7 @@ async fn issue_12_three_nodes_keep_every_promise_while_nodes_die() {
 fn issue_12_a_node_that_loses_a_port_at_start_fails_the_start_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let taken = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
-    let free = stemq_core::nats_server::free_ports(8).unwrap();
+    let free = stemq_devkit::nats_server::free_ports(8).unwrap();
     let ports = [
         (free[0], free[1], free[2]),
         (taken.local_addr().unwrap().port(), free[3], free[4]),
@@ -766,13 +766,13 @@ fn issue_12_a_node_that_loses_a_port_at_start_fails_the_start_at_once() {
     let started = NatsCluster::start_on(&dir.path().join("nats"), &ports, ServerOptions::default());
     let took = t0.elapsed();
     match started {
-        Err(stemq_core::nats_server::ServerError::NotReady(wait, log)) => {
+        Err(stemq_devkit::nats_server::ServerError::NotReady(wait, log)) => {
             assert_eq!(wait, Duration::ZERO, "a lost port is told apart from a slow start");
             assert!(log.ends_with("n2/nats-server.log"), "the log of the node that lost it: {}", log.display());
         }
         Err(e) => panic!("expected NotReady(0) for n2, got {e}"),
         Ok(_) => panic!("n2 cannot have started on a taken monitoring port"),
     }
-    assert!(took < stemq_core::nats_cluster::MONITOR_WITHIN, "failed after {took:?}, not at once");
+    assert!(took < stemq_devkit::nats_cluster::MONITOR_WITHIN, "failed after {took:?}, not at once");
     drop(taken);
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, FakeEngine, StemFile};
-use stemq_core::nats::{job_subject, SubjectKind, JOBS_STREAM, SUBMIT_SUBJECT};
 use stemq_core::{JobRequest, JobStatus};
+use stemq_nats::{job_subject, SubjectKind, JOBS_STREAM, SUBMIT_SUBJECT};
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
 
 const T: Duration = Duration::from_secs(30);
@@ -39,7 +39,7 @@ async fn a_foreign_cloudevent_on_the_stream_is_run() {
     stack
         .js
         .publish_with_headers(
-            stemq_core::nats::request_subject(
+            stemq_nats::request_subject(
                 &id,
                 "anonymous",
                 stemq_core::request::Model::Dsp,
@@ -74,7 +74,7 @@ async fn a_forged_id_is_dropped_never_run_and_cannot_block_the_real_job() {
         .js
         // On a subject of the attacker's own owner: the only request subjects a publisher may
         // use (`nats_access.rs`); unrouted, so the ingress's router is the one to drop it.
-        .publish(stemq_core::nats::unrouted_request_subject(&claimed, "mallory"), ev.to_bytes())
+        .publish(stemq_nats::unrouted_request_subject(&claimed, "mallory"), ev.to_bytes())
         .await
         .unwrap()
         .await
@@ -90,7 +90,7 @@ async fn a_forged_id_is_dropped_never_run_and_cannot_block_the_real_job() {
         .get_stream(JOBS_STREAM)
         .await
         .unwrap()
-        .consumer_info(stemq_core::nats::WORKERS_CONSUMER)
+        .consumer_info(stemq_nats::WORKERS_CONSUMER)
         .await
         .unwrap()
         .num_pending
@@ -209,9 +209,9 @@ async fn rebuilding_the_view_from_the_log_gives_the_same_view() {
     // running projector keeps going.
     let replayed = stemq_projector::reset(&stack.js, &stack.options.settings).await.unwrap();
     assert!(replayed >= 12, "{replayed} events to replay");
-    let kv = stack.js.get_key_value(stemq_core::nats::JOBS_BUCKET).await.unwrap();
+    let kv = stack.js.get_key_value(stemq_nats::JOBS_BUCKET).await.unwrap();
     let rebuild = tokio_util::sync::CancellationToken::new();
-    let c = stack.connect_as(stemq_core::nats_users::PROJECTOR).await;
+    let c = stack.connect_as(stemq_nats::users::PROJECTOR).await;
     let task = tokio::spawn(stemq_projector::run(c, Default::default(), rebuild.clone()));
     assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap());
     for (id, old) in ids.iter().zip(&before) {
@@ -297,7 +297,7 @@ async fn cli_dlq_replay_creates_a_linked_job() {
         let out = std::process::Command::new(Stack::stemq_bin())
             .args(args)
             .env("NATS_URL", stack.server.url())
-            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_nats::users::OPERATOR))
             .env("STEMQ_MAX_DELIVER", "1")
             .env("STEMQ_ACK_WAIT_MS", stack.options.settings.ack_wait.as_millis().to_string())
             .output()
@@ -365,7 +365,7 @@ async fn metrics_are_classic_text_unless_openmetrics_is_asked_for() {
         assert!(text.contains("# HELP stemq_submits_total "), "{text}");
         // The stack's ingress is its queue exporter.
         assert!(text.contains("# TYPE stemq_queue_pending_jobs gauge\n"), "{text}");
-        if let Some(r) = stemq_core::promtool::check_metrics(&text) {
+        if let Some(r) = stemq_devkit::promtool::check_metrics(&text) {
             assert!(r.ok, "promtool check metrics:\n{}\n{text}", r.output);
         }
     }
@@ -409,7 +409,7 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     assert!(body.ends_with("# EOF\n"), "{body}");
     let (ct, body) = scrape(&format!("http://{addr}/metrics"), None, None).await;
     assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8");
-    if let Some(r) = stemq_core::promtool::check_metrics(&body) {
+    if let Some(r) = stemq_devkit::promtool::check_metrics(&body) {
         assert!(r.ok, "promtool check metrics:\n{}\n{body}", r.output);
     }
 
@@ -417,7 +417,7 @@ async fn worker_metrics_endpoint_and_stemq_top() {
     let out = std::process::Command::new(Stack::stemq_bin())
         .args(["top", "--once"])
         .env("NATS_URL", stack.server.url())
-        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_nats::users::OPERATOR))
         .output()
         .unwrap();
     let screen = String::from_utf8_lossy(&out.stdout);

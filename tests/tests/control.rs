@@ -115,7 +115,7 @@ async fn cli_cancel_and_retry() {
         let out = std::process::Command::new(Stack::stemq_bin())
             .args(args)
             .env("NATS_URL", stack.server.url())
-            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_nats::users::OPERATOR))
             .env("STEMQ_DATA_DIR", stack.dir.path())
             .output()
             .expect("run stemq");
@@ -225,10 +225,10 @@ async fn openapi_describes_cancel_retry_events_deliveries_and_webhook_secrets() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_look_up_before_a_start_reads_past_whatever_came_last() {
     use stemq_core::event::{CancelRequested, Cancelled, Retried};
-    use stemq_core::nats::{job_subject, pool_consumer, SubjectKind};
-    use stemq_core::publish::{publish, publish_request};
     use stemq_core::request::{Model, Priority};
     use stemq_core::{Event, JobRequest};
+    use stemq_nats::publish::{publish, publish_request};
+    use stemq_nats::{job_subject, pool_consumer, SubjectKind};
 
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let request = |name: &str| {
@@ -262,7 +262,7 @@ async fn the_look_up_before_a_start_reads_past_whatever_came_last() {
     loop {
         let name = pool_consumer(Model::Dsp, Priority::Interactive);
         let mut c: async_nats::jetstream::consumer::PullConsumer =
-            stack.js.get_consumer_from_stream(&name, stemq_core::nats::JOBS_STREAM).await.unwrap();
+            stack.js.get_consumer_from_stream(&name, stemq_nats::JOBS_STREAM).await.unwrap();
         let info = c.info().await.unwrap();
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             break;

@@ -8,8 +8,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use stemq_core::auth::{self, Limits, Role};
-use stemq_core::ledger::{self, fold, Ledger, Movement, Prices, MICRO};
+use stemq_accounts::auth::{self, Limits, Role};
+use stemq_accounts::ledger::{self, fold, Ledger, Movement, Prices, MICRO};
 use stemq_core::request::Model;
 use stemq_core::{JobId, JobStatus};
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM, TEST_OWNER};
@@ -65,7 +65,7 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
     // With nothing in the ledger, the closer pulls no outcome at all (it would cost each
     // job a delivery and an ack); it starts once the ledger has an entry (below).
     let mut closer: async_nats::jetstream::consumer::PullConsumer =
-        stack.js.get_consumer_from_stream(ledger::LEDGER_CONSUMER, stemq_core::nats::JOBS_STREAM).await.unwrap();
+        stack.js.get_consumer_from_stream(ledger::LEDGER_CONSUMER, stemq_nats::JOBS_STREAM).await.unwrap();
     let info = closer.info().await.unwrap().clone();
     assert_eq!(
         (info.delivered.stream_sequence, info.num_pending),
@@ -175,7 +175,7 @@ async fn jobs_pay_for_what_they_separate_and_nothing_else() {
 /// cannot be read at all is refused (503), never let through unpaid.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broken_ledger_entry_neither_bricks_an_account_nor_lets_an_unpaid_submit_through() {
-    use stemq_core::nats_users::WORKER;
+    use stemq_nats::users::WORKER;
     // No workers: whatever the ingress accepts stays queued.
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     set_prices(&stack, 6.0, true).await;
@@ -325,7 +325,7 @@ async fn operators_grant_and_read_credits_from_the_command_line() {
             .current_dir(&root)
             .env("STEMQ_DATA_DIR", stack.dir.path())
             .env("NATS_URL", stack.server.url())
-            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+            .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_nats::users::OPERATOR))
             .env_remove("STEMQ_API")
             .output()
             .unwrap();

@@ -99,7 +99,7 @@ async fn progress_costs_the_log_one_message_per_job() {
     let (_, b) = stack.submit(&job_body(&stack, "o1", Some(json!({"sleep_ms": 2500})))).await;
     let id = job_id(&b);
     stack.wait_terminal(&id, T).await;
-    let stream = stack.js.get_stream(stemq_core::nats::PROGRESS_STREAM).await.unwrap();
+    let stream = stack.js.get_stream(stemq_nats::PROGRESS_STREAM).await.unwrap();
     let info = stream.info_with_subjects(format!("stemq.progress.{id}")).await.unwrap();
     futures::pin_mut!(info);
     use futures::StreamExt;

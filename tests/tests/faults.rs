@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use stemq_core::engine::{Engine, EngineContext, EngineError, EngineJob, StemFile};
-use stemq_core::nats::{self as names, job_subject, Action, SubjectKind};
 use stemq_core::request::{Model, Priority};
 use stemq_core::JobStatus;
+use stemq_nats::{self as names, job_subject, Action, SubjectKind};
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM};
 
 const T: Duration = Duration::from_secs(60);

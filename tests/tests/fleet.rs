@@ -209,12 +209,12 @@ async fn an_ingress_that_refuses_unserved_models_says_what_to_do() {
 /// ingress's), as `stemq dev`'s first submit does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_catches_up_with_a_worker_that_just_announced_itself() {
-    use stemq_core::nats_users::{INGRESS, WORKER};
-    use stemq_core::registry::{announce, test_worker, Registry};
+    use stemq_nats::registry::{announce, test_worker, Registry};
+    use stemq_nats::users::{INGRESS, WORKER};
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let bucket_as = async |user: &str| {
         async_nats::jetstream::new(stack.connect_as(user).await)
-            .get_key_value(stemq_core::nats::WORKERS_BUCKET)
+            .get_key_value(stemq_nats::WORKERS_BUCKET)
             .await
             .expect("the registry bucket")
     };
@@ -242,7 +242,7 @@ async fn a_request_of_an_earlier_release_is_routed_into_its_pool() {
         .unwrap();
     let ev = stemq_core::Event::requested(req, None, None, "urn:test:old-release");
     let id = ev.subject.clone();
-    let old = stemq_core::nats::job_subject(&id, stemq_core::nats::SubjectKind::Requested);
+    let old = stemq_nats::job_subject(&id, stemq_nats::SubjectKind::Requested);
     stack.js.publish(old.clone(), ev.to_bytes()).await.unwrap().await.unwrap();
     let v = stack.wait_terminal(&id, T).await;
     assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
@@ -259,11 +259,11 @@ async fn a_request_of_an_earlier_release_is_routed_into_its_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_can_default_its_jobs_to_the_batch_lane() {
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
-    let (key, _) = stemq_core::auth::create_with(
+    let (key, _) = stemq_accounts::auth::create_with(
         &stack.keys,
         stemq_tests::TEST_OWNER,
-        stemq_core::auth::Role::Submit,
-        stemq_core::auth::Limits::NONE,
+        stemq_accounts::auth::Role::Submit,
+        stemq_accounts::auth::Limits::NONE,
         "bulk",
         Some(stemq_core::request::Priority::Batch),
     )

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::header::{AUTHORIZATION, CACHE_CONTROL};
 use serde_json::{json, Value};
-use stemq_core::auth::{self, Limits, Role};
+use stemq_accounts::auth::{self, Limits, Role};
 use stemq_core::netpolicy::HostPolicy;
 use stemq_ingress::serve::HttpTimeouts;
 use stemq_ingress::session::{SessionGrant, SigninLink};
@@ -184,7 +184,7 @@ async fn ingress_with_signin(stack: &Stack, stop: &CancellationToken, lifetime: 
     let (link, token) = SigninLink::new(stack.keys.clone(), grant);
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let c = stack.connect_as(stemq_core::nats_users::INGRESS).await;
+    let c = stack.connect_as(stemq_nats::users::INGRESS).await;
     let config = stemq_ingress::Config {
         listen: addr,
         nats_submit: false,

@@ -91,7 +91,7 @@ async fn every_format_separates_and_a_foreign_one_fails_once_with_its_name() {
         let view = stack.wait_terminal(id, T).await;
         assert_eq!(view.status, JobStatus::Succeeded, "{name}: {view:#?}");
         assert_eq!(view.outputs.len(), 4, "{name}");
-        let manifest = stack.store.get_bytes(&stemq_core::storage::manifest_key(id.as_str())).await.expect("manifest");
+        let manifest = stack.store.get_bytes(&stemq_storage::manifest_key(id.as_str())).await.expect("manifest");
         let manifest: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
         let secs = manifest["duration_secs"].as_f64().expect("duration");
         assert!((secs - SECONDS).abs() < **tol, "{name}: {secs} s");

@@ -17,10 +17,10 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 use serde_json::json;
 use stemq_core::event::{EventBody, Succeeded};
-use stemq_core::nats::{self as names, job_subject, request_subject, unrouted_request_subject, SubjectKind};
-use stemq_core::nats_users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
 use stemq_core::request::{Model, Priority};
 use stemq_core::{Event, JobId, JobRequest, JobStatus, JobView};
+use stemq_nats::users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
+use stemq_nats::{self as names, job_subject, request_subject, unrouted_request_subject, SubjectKind};
 use stemq_tests::{job_body, job_id, Stack, StackOptions, TEST_OWNER};
 
 const T: Duration = Duration::from_secs(30);
@@ -119,8 +119,8 @@ fn routed(id: &stemq_core::JobId, owner: &str) -> String {
 /// A valid user seed that no server knows.
 fn nkeys_seed() -> String {
     let dir = tempfile::tempdir().unwrap();
-    let store = stemq_core::nats_users::UserStore::open(dir.path()).unwrap();
-    let path = store.ensure(&stemq_core::nats_users::User::of_role(WORKER)).unwrap();
+    let store = stemq_nats::users::UserStore::open(dir.path()).unwrap();
+    let path = store.ensure(&stemq_nats::users::User::of_role(WORKER)).unwrap();
     Credentials::load(&path).unwrap().seed().to_string()
 }
 
@@ -172,8 +172,8 @@ async fn a_publisher_requests_for_its_own_owner_only() {
     assert_eq!(stack.count_on(&format!("stemq.jobs.{sid}.>")).await, 1, "an attempt or outcome was recorded");
     assert!(stack.view(&sid).await.is_none(), "the projector folded a request for another owner");
     // The read side does not take it for the job's request either.
-    let views = stemq_core::read::Views::open(&stack.js).await.unwrap();
-    assert!(stemq_core::read::request_of(views.log(), &sid).await.unwrap().is_none());
+    let views = stemq_nats::read::Views::open(&stack.js).await.unwrap();
+    assert!(stemq_nats::read::request_of(views.log(), &sid).await.unwrap().is_none());
     // globex's real request, published by the operator on its own subject, runs.
     stack.js.publish(routed(&sid, "globex"), smuggled.to_bytes()).await.unwrap().await.unwrap();
     assert_eq!(stack.wait_terminal(&sid, T).await.status, JobStatus::Succeeded);
@@ -251,7 +251,7 @@ fn outcome_of(id: &JobId, forged: bool) -> Event {
 /// first outcome's sequence as the expected one), and every reader reads the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_outcome_is_refused_by_the_server_whatever_its_headers() {
-    use stemq_core::read::outcome::{outcome, From};
+    use stemq_nats::read::outcome::{outcome, From};
     let stack = Stack::start(StackOptions::default()).await;
     let (_, b) = stack.submit(&job_body(&stack, "ended", None)).await;
     let id = job_id(&b);
@@ -307,10 +307,10 @@ async fn a_second_outcome_is_refused_by_the_server_whatever_its_headers() {
 /// second outcome is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcomes_recorded_before_the_outcome_stream_stay_the_jobs_outcomes() {
-    use stemq_core::read::outcome::{outcome, From};
+    use stemq_nats::read::outcome::{outcome, From};
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().to_path_buf();
-    let server = tokio::task::spawn_blocking(move || stemq_core::nats_server::NatsServer::start(&store, 0))
+    let server = tokio::task::spawn_blocking(move || stemq_devkit::nats_server::NatsServer::start(&store, 0))
         .await
         .unwrap()
         .unwrap();
@@ -331,9 +331,9 @@ async fn outcomes_recorded_before_the_outcome_stream_stay_the_jobs_outcomes() {
     for payload in [first.clone(), later] {
         js.publish(subject.clone(), payload).await.unwrap().await.unwrap();
     }
-    let settings = stemq_core::nats::Settings::default();
-    stemq_core::nats::apply(&js, &settings).await.expect("apply over the old job log");
-    let again = stemq_core::nats::apply(&js, &settings).await.unwrap();
+    let settings = stemq_nats::Settings::default();
+    stemq_nats::apply(&js, &settings).await.expect("apply over the old job log");
+    let again = stemq_nats::apply(&js, &settings).await.unwrap();
     assert!(again.iter().all(|c| !c.is_change()), "a second apply changed {again:?}");
     // The old job's outcome is its first, read the same way as any other.
     for from in [From::Replica, From::Leader] {
@@ -579,7 +579,7 @@ async fn the_cli_adds_a_publisher_that_can_connect_at_once() {
 /// claims to serve every model.
 fn forged_worker(name: &str) -> Vec<u8> {
     let now = chrono::Utc::now();
-    serde_json::to_vec(&stemq_core::registry::WorkerInfo {
+    serde_json::to_vec(&stemq_nats::registry::WorkerInfo {
         name: name.into(),
         models: Model::ALL.to_vec(),
         devices: vec!["cuda:0".into()],
@@ -619,7 +619,7 @@ async fn only_workers_write_the_worker_registry() {
         let c = stack.connect_as(user).await;
         let js = short(&c);
         let name = format!("ghost-{user}");
-        let key = stemq_core::registry::key_of(&name);
+        let key = stemq_nats::registry::key_of(&name);
         if let Ok(kv) = js.get_key_value(names::WORKERS_BUCKET).await {
             // Readers (the ingress, the queue exporters) open it; the write is refused.
             assert!([INGRESS, PROJECTOR, RELAY].contains(&user), "{user} opens the worker registry");
@@ -630,13 +630,13 @@ async fn only_workers_write_the_worker_registry() {
         assert_denied(&format!("{user} publishes a registry entry"), js_put(&js, subject, forged_worker(&name)).await);
         assert!(registry.get(&key).await.unwrap().is_none(), "{user} wrote the registry");
     }
-    assert!(stemq_core::registry::live(&registry).await.unwrap().is_empty(), "a forged worker is live");
+    assert!(stemq_nats::registry::live(&registry).await.unwrap().is_empty(), "a forged worker is live");
 
     // A worker may: it announces itself, and the operator reads it back.
     let c = stack.connect_as(WORKER).await;
     let kv = short(&c).get_key_value(names::WORKERS_BUCKET).await.expect("the worker opens the registry");
-    kv.put(stemq_core::registry::key_of("w-real"), forged_worker("w-real").into()).await.expect("a worker announces");
-    let live = stemq_core::registry::live(&registry).await.unwrap();
+    kv.put(stemq_nats::registry::key_of("w-real"), forged_worker("w-real").into()).await.expect("a worker announces");
+    let live = stemq_nats::registry::live(&registry).await.unwrap();
     assert_eq!(live.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["w-real"]);
     stack.shutdown().await;
 }
@@ -685,13 +685,13 @@ async fn the_queue_exporters_read_every_pool_and_the_registry() {
     let stack = Stack::start(StackOptions { workers: 1, ..Default::default() }).await;
     let t0 = std::time::Instant::now();
     let registry = stack.js.get_key_value(names::WORKERS_BUCKET).await.unwrap();
-    while stemq_core::registry::live(&registry).await.unwrap().is_empty() {
+    while stemq_nats::registry::live(&registry).await.unwrap().is_empty() {
         assert!(t0.elapsed() < T, "the in-process worker never announced itself");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for user in [PROJECTOR, RELAY, WORKER] {
         let c = stack.connect_as(user).await;
-        let q = stemq_core::metrics::read_queue(&jetstream::new(c)).await;
+        let q = stemq_telemetry::metrics::read_queue(&jetstream::new(c)).await;
         assert_eq!(q.lanes.len(), names::pool_consumers().len(), "{user} reads every pool: {q:?}");
         assert!(q.unrouted.is_some() && q.projector.is_some(), "{user}: {q:?}");
         assert_eq!(q.serving(Model::Dsp), Some(1), "{user} reads the registry: {q:?}");
@@ -707,7 +707,7 @@ async fn the_queue_exporters_read_every_pool_and_the_registry() {
 /// that could would set every price to 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_operator_mints_credits_or_sets_prices() {
-    use stemq_core::ledger::{self, Kind, Ledger};
+    use stemq_accounts::ledger::{self, Kind, Ledger};
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let acme = stack.add_publisher("acme").await;
     let grant = |amount: i64| {
@@ -763,7 +763,7 @@ async fn only_the_operator_mints_credits_or_sets_prices() {
 /// next real movement is recorded after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_credit_movement_is_written_by_its_own_role_and_misfits_are_left_out() {
-    use stemq_core::ledger::{self, Entry, Kind, Ledger, Movement, MICRO};
+    use stemq_accounts::ledger::{self, Entry, Kind, Ledger, Movement, MICRO};
     let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let operator = Ledger::new(stack.js.clone());
     for owner in ["alice", "bob"] {
@@ -774,7 +774,7 @@ async fn each_credit_movement_is_written_by_its_own_role_and_misfits_are_left_ou
     };
     let free_money = Movement::Granted { amount: 1_000_000 * MICRO, by: "forger".into(), note: None };
     let skipped = || {
-        let text = stemq_core::metrics::metrics().render();
+        let text = stemq_telemetry::metrics::metrics().render();
         text.lines()
             .filter(|l| l.starts_with("stemq_ledger_entries_skipped_total{"))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -842,7 +842,7 @@ async fn each_credit_movement_is_written_by_its_own_role_and_misfits_are_left_ou
 /// and the services read the worker registry by direct get.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readers_cannot_create_consumers_that_deliver_anywhere() {
-    use stemq_core::ledger::{self, Kind};
+    use stemq_accounts::ledger::{self, Kind};
     let stack = Stack::start(StackOptions::default()).await;
     let (_, b) = stack.submit(&job_body(&stack, "deliver-me", None)).await;
     let id = job_id(&b);
@@ -896,7 +896,7 @@ async fn readers_cannot_create_consumers_that_deliver_anywhere() {
         let c = stack.connect_as(user).await;
         let bucket = short(&c).get_key_value(names::WORKERS_BUCKET).await.unwrap();
         let live =
-            stemq_core::registry::live(&bucket).await.unwrap_or_else(|e| panic!("{user} reads the registry: {e}"));
+            stemq_nats::registry::live(&bucket).await.unwrap_or_else(|e| panic!("{user} reads the registry: {e}"));
         assert!(!live.is_empty(), "{user} sees the stack's workers");
     }
     stack.shutdown().await;
@@ -910,7 +910,7 @@ async fn readers_cannot_create_consumers_that_deliver_anywhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_ingress_records_batch_rounds_and_only_the_relay_ends_them() {
     use stemq_core::batch::{BatchEvent, BatchEventBody, BatchId, BatchSubmitted, ItemState};
-    use stemq_core::batch_log::{batch_subject, member_subject, BatchSubject};
+    use stemq_nats::batch_log::{batch_subject, member_subject, BatchSubject};
     let mut stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
     let acme = stack.add_publisher("acme").await;
     let batch = BatchId::parse(&"b".repeat(64)).unwrap();

@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_nats::jetstream;
-use stemq_core::nats::{self as names, ClientTls, ConnectAuth};
-use stemq_core::nats_server::{NatsServer, ServerOptions, ServerTls};
-use stemq_core::nats_users::{OPERATOR, PROJECTOR, WORKER};
-use stemq_core::storage::Store;
 use stemq_core::JobStatus;
+use stemq_devkit::nats_server::{NatsServer, ServerOptions, ServerTls};
+use stemq_nats::users::{OPERATOR, PROJECTOR, WORKER};
+use stemq_nats::{self as names, ClientTls, ConnectAuth};
+use stemq_storage::Store;
 use stemq_tests::{signal, wait_exit, Stack, SIGTERM};
 use tokio_util::sync::CancellationToken;
 
@@ -146,7 +146,7 @@ async fn services_connect_over_tls_and_plaintext_is_refused() {
         stemq_ingress::submit::submit(&js, body.to_string().as_bytes(), owner, None, &stores, None).await.unwrap();
     let deadline = tokio::time::Instant::now() + T;
     let view = loop {
-        if let Some((v, _)) = stemq_core::read::get_view(&kv, &resp.job_id).await.unwrap() {
+        if let Some((v, _)) = stemq_nats::read::get_view(&kv, &resp.job_id).await.unwrap() {
             if v.status.is_terminal() {
                 break v;
             }
@@ -170,7 +170,7 @@ async fn services_connect_over_tls_and_plaintext_is_refused() {
     assert!(!answer.contains("PONG"), "a plaintext client was served: {answer:?}");
 
     // TLS without trusting the CA (system roots only): the handshake fails.
-    let creds = stemq_core::nats_users::Credentials::load(&server.credentials(WORKER)).unwrap();
+    let creds = stemq_nats::users::Credentials::load(&server.credentials(WORKER)).unwrap();
     let untrusting =
         async_nats::ConnectOptions::with_nkey(creds.seed().to_string()).require_tls(true).connect(server.url()).await;
     assert!(untrusting.is_err(), "a client that does not trust the CA connected");
@@ -190,7 +190,7 @@ async fn a_verifying_server_wants_a_client_certificate_from_its_ca() {
         verify: true,
     };
     let server = start(dir.path(), tls).await;
-    let creds = stemq_core::nats_users::Credentials::load(&server.credentials(WORKER)).unwrap();
+    let creds = stemq_nats::users::Credentials::load(&server.credentials(WORKER)).unwrap();
     let without = async_nats::ConnectOptions::with_nkey(creds.seed().to_string())
         .add_root_certificates(pki.ca.clone())
         .require_tls(true)

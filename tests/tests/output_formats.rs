@@ -69,7 +69,7 @@ fn rms(x: &[f32]) -> f64 {
 }
 
 async fn manifest(stack: &Stack, id: &JobId) -> Value {
-    let bytes = stack.store.get_bytes(&stemq_core::storage::manifest_key(id.as_str())).await.expect("manifest");
+    let bytes = stack.store.get_bytes(&stemq_storage::manifest_key(id.as_str())).await.expect("manifest");
     serde_json::from_slice(&bytes).unwrap()
 }
 

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use serde_json::json;
 use stemq_core::event::{EventBody, FailureClass};
-use stemq_core::nats::{job_subject, SubjectKind};
 use stemq_core::request::{Model, Priority};
 use stemq_core::JobStatus;
+use stemq_nats::{job_subject, SubjectKind};
 use stemq_tests::{job_body, job_id, signal, wait_exit, Stack, StackOptions, SIGKILL, SIGTERM};
 
 const T: Duration = Duration::from_secs(30);
@@ -71,8 +71,8 @@ async fn duplicate_submits_create_one_job() {
     assert_eq!(ids.len(), 1);
     let id = job_id(&answers[0].1);
     // One request in every form and lane, on the routed subject of its pool.
-    assert_eq!(stack.count_on(&stemq_core::nats::request_filter(&id)).await, 1);
-    let routed = stemq_core::nats::request_subject(&id, stemq_tests::TEST_OWNER, Model::Dsp, Priority::Interactive);
+    assert_eq!(stack.count_on(&stemq_nats::request_filter(&id)).await, 1);
+    let routed = stemq_nats::request_subject(&id, stemq_tests::TEST_OWNER, Model::Dsp, Priority::Interactive);
     assert_eq!(stack.count_on(&routed).await, 1);
     stack.shutdown().await;
 }
@@ -96,7 +96,7 @@ async fn duplicate_after_the_dedupe_window_is_still_the_same_job() {
     batch["priority"] = "batch".into();
     let (c3, b3) = stack.submit(&batch).await;
     assert_eq!((c3, &b3["job_id"]), (200, &b1["job_id"]), "{b3}");
-    assert_eq!(stack.count_on(&stemq_core::nats::request_filter(&job_id(&b1))).await, 1);
+    assert_eq!(stack.count_on(&stemq_nats::request_filter(&job_id(&b1))).await, 1);
     stack.shutdown().await;
 }
 
@@ -323,10 +323,10 @@ async fn lost_ack_does_not_run_the_job_again() {
             audio_ms: None,
         }),
     );
-    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))
+    stemq_nats::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Requested), &ev, Some(id.as_str()))
         .await
         .unwrap();
-    stemq_core::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Outcome), &done, None).await.unwrap();
+    stemq_nats::publish::publish(&stack.js, &job_subject(&id, SubjectKind::Outcome), &done, None).await.unwrap();
     let mut stack = stack;
     stack.add_worker(std::sync::Arc::new(stemq_core::engine::FakeEngine::default())).await;
     let v = stack.wait_terminal(&id, T).await;
@@ -334,11 +334,8 @@ async fn lost_ack_does_not_run_the_job_again() {
     // Wait until the worker consumer has nothing pending, then check nothing started.
     let deadline = tokio::time::Instant::now() + T;
     loop {
-        let mut c: async_nats::jetstream::consumer::PullConsumer = stack
-            .js
-            .get_consumer_from_stream(stemq_core::nats::WORKERS_CONSUMER, stemq_core::nats::JOBS_STREAM)
-            .await
-            .unwrap();
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            stack.js.get_consumer_from_stream(stemq_nats::WORKERS_CONSUMER, stemq_nats::JOBS_STREAM).await.unwrap();
         let info = c.info().await.unwrap();
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             break;
@@ -416,8 +413,7 @@ async fn a_new_job_runs_without_a_look_up_and_what_is_recorded_is_looked_up() {
     let id_of = |body: &serde_json::Value| {
         stemq_core::JobRequest::from_value(body.clone()).unwrap().normalize(stemq_tests::TEST_OWNER).unwrap().job_id()
     };
-    let mut gets =
-        stack.client.subscribe(format!("$JS.API.DIRECT.GET.{}.>", stemq_core::nats::JOBS_STREAM)).await.unwrap();
+    let mut gets = stack.client.subscribe(format!("$JS.API.DIRECT.GET.{}.>", stemq_nats::JOBS_STREAM)).await.unwrap();
     stack.client.flush().await.unwrap();
     let looked_up = |gets: &mut async_nats::Subscriber, id: &stemq_core::JobId| {
         let mut n = 0;
@@ -503,13 +499,13 @@ async fn a_finished_job_delivered_again_as_new_is_skipped_not_run() {
     assert!(!before.is_empty(), "no stems under {}", outputs.display());
     let events = stack.count_on(&format!("stemq.jobs.{id}.>")).await;
 
-    let pool = stemq_core::nats::pool_consumer(Model::Dsp, Priority::Interactive);
-    stack.js.delete_consumer_from_stream(&pool, stemq_core::nats::JOBS_STREAM).await.unwrap();
-    stemq_core::nats::ensure(&stack.js, &stack.options.settings).await.unwrap();
+    let pool = stemq_nats::pool_consumer(Model::Dsp, Priority::Interactive);
+    stack.js.delete_consumer_from_stream(&pool, stemq_nats::JOBS_STREAM).await.unwrap();
+    stemq_nats::ensure(&stack.js, &stack.options.settings).await.unwrap();
     let t0 = std::time::Instant::now();
     loop {
         let mut c: async_nats::jetstream::consumer::PullConsumer =
-            stack.js.get_consumer_from_stream(&pool, stemq_core::nats::JOBS_STREAM).await.unwrap();
+            stack.js.get_consumer_from_stream(&pool, stemq_nats::JOBS_STREAM).await.unwrap();
         let info = c.info().await.unwrap().clone();
         if info.delivered.stream_sequence > 0 && info.num_pending == 0 && info.num_ack_pending == 0 {
             assert_eq!(info.num_redelivered, 0, "{info:?}");

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::{self, PullConsumer};
 use serde_json::{json, Value};
 use stemq_core::event::Started;
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
 use stemq_core::{Event, EventBody, JobId, JobRequest, JobStatus};
+use stemq_nats::{self as names, job_subject, SubjectKind};
 use stemq_tests::{job_body, Stack, StackOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -63,14 +63,14 @@ async fn limit_view_size(stack: &Stack, max: i32) {
 
 /// `stemq_projector_errors_total{kind}` in this process.
 fn projector_errors(kind: &str) -> f64 {
-    let text = stemq_core::metrics::metrics().render();
+    let text = stemq_telemetry::metrics::metrics().render();
     let series = format!("stemq_projector_errors_total{{kind=\"{kind}\"}}");
     text.lines().find_map(|l| l.strip_prefix(&series).map(|v| v.trim().parse().unwrap())).unwrap_or(0.0)
 }
 
 /// `stemq_projector_refolds_total` in this process.
 fn refolds() -> f64 {
-    let text = stemq_core::metrics::metrics().render();
+    let text = stemq_telemetry::metrics::metrics().render();
     text.lines()
         .find_map(|l| l.strip_prefix("stemq_projector_refolds_total ").map(|v| v.trim().parse().unwrap()))
         .unwrap_or(0.0)
@@ -228,7 +228,7 @@ fn fold_of(log: &[(u64, Event)]) -> Option<stemq_core::JobView> {
 
 /// A projector of its own on the shared consumers (stopped with `stop`).
 async fn own_projector(stack: &Stack, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
-    let c = stack.connect_as(stemq_core::nats_users::PROJECTOR).await;
+    let c = stack.connect_as(stemq_nats::users::PROJECTOR).await;
     tokio::spawn(async move { stemq_projector::run(c, Default::default(), stop).await.expect("projector runs") })
 }
 

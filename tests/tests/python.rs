@@ -38,7 +38,7 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
         .start_relay(stemq_relay::Config {
             schedule: vec![Duration::ZERO, Duration::from_millis(200), Duration::from_millis(400)],
             timeout: Duration::from_secs(2),
-            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+            allow: stemq_webhook::Allowlist::parse("127.0.0.1"),
             ..Default::default()
         })
         .await;
@@ -46,7 +46,7 @@ async fn a_python_service_submits_watches_and_verifies_the_webhook() {
     let audio = stack.store.uri(&stemq_tests::upload_key("from-python.wav"));
     let (url, http, key) = (stack.server.url(), stack.url(""), stack.key.clone());
     let (publisher, reader) =
-        (stack.server.credentials(&publisher), stack.server.credentials(stemq_core::nats_users::STATUS_READER));
+        (stack.server.credentials(&publisher), stack.server.credentials(stemq_nats::users::STATUS_READER));
     let out = tokio::task::spawn_blocking(move || {
         Command::new(py)
             .arg(script)

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use stemq_core::event::Started;
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::nats_server::NatsServer;
-use stemq_core::read::{ViewError, Views};
 use stemq_core::{apply, Event, EventBody, JobRequest, JobStatus, Position};
+use stemq_devkit::nats_server::NatsServer;
+use stemq_nats::read::{ViewError, Views};
+use stemq_nats::{self as names, job_subject, SubjectKind};
 use stemq_tests::Stack;
 
 /// A bare server with the definitions applied: no projector, so the bucket stays empty.
@@ -20,7 +20,7 @@ async fn bare() -> (NatsServer, tempfile::TempDir, jetstream::Context) {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("nats");
     let server = tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
-    let js = jetstream::new(server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap());
+    let js = jetstream::new(server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap());
     names::apply(&js, &names::Settings::default()).await.unwrap();
     (server, dir, js)
 }
@@ -50,7 +50,7 @@ async fn issue_17_a_job_not_yet_projected_is_read_from_its_request() {
     // `stemq status` reads the same way: the job exists, so it is never "no job".
     let out = tokio::task::spawn_blocking({
         let (url, id) = (server.url(), id.to_string());
-        let creds = server.credentials(stemq_core::nats_users::OPERATOR);
+        let creds = server.credentials(stemq_nats::users::OPERATOR);
         move || {
             std::process::Command::new(Stack::stemq_bin())
                 .args(["status", &id])
@@ -136,7 +136,7 @@ async fn issue_17_an_unreachable_log_is_unavailable_with_its_cause_kept() {
     let err = tokio::time::timeout(Duration::from_secs(30), views.current(&id)).await.expect("answers").unwrap_err();
     match &err {
         ViewError::Unavailable { source, .. } => {
-            assert_eq!(source.kind(), stemq_core::error::JetStreamErrorKind::Read);
+            assert_eq!(source.kind(), stemq_nats::error::JetStreamErrorKind::Read);
             assert!(std::error::Error::source(source).is_some(), "the client's error is kept");
         }
         other => panic!("expected Unavailable, got {other:?}"),

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stemq_core::engine::FakeEngine;
-use stemq_core::nats_users::OPERATOR;
 use stemq_core::request::Model;
 use stemq_core::JobStatus;
+use stemq_nats::users::OPERATOR;
 use stemq_tests::{job_body, job_id, KillOnDrop, Stack, StackOptions};
 
 const T: Duration = Duration::from_secs(30);
@@ -29,7 +29,7 @@ async fn a_worker_is_not_ready_while_its_engine_loads() {
     );
     let mut worker = KillOnDrop(Some(worker));
     let registry = async_nats::jetstream::new(stack.connect_as(OPERATOR).await)
-        .get_key_value(stemq_core::nats::WORKERS_BUCKET)
+        .get_key_value(stemq_nats::WORKERS_BUCKET)
         .await
         .expect("the registry bucket");
     let http = reqwest::Client::new();
@@ -55,7 +55,7 @@ async fn a_worker_is_not_ready_while_its_engine_loads() {
         assert!(worker.0.as_mut().unwrap().try_wait().unwrap().is_none(), "{}", stack.worker_log("slow-load"));
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let live = stemq_core::registry::live(&registry).await.unwrap();
+    let live = stemq_nats::registry::live(&registry).await.unwrap();
     assert!(live.iter().any(|w| w.name == "slow-load"), "ready before it announced itself: {live:?}");
     assert!(ready_after >= LOAD, "ready after {ready_after:?}, while its engine took {LOAD:?} to load");
     assert!(not_ready > 0 && healthy, "503 answers: {not_ready}; /healthz answered: {healthy}");

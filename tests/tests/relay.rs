@@ -14,9 +14,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
-use stemq_core::webhook::{verify, Secret};
 use stemq_core::{JobId, JobStatus};
 use stemq_tests::{job_body, job_id, Stack, StackOptions};
+use stemq_webhook::{verify, Secret};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -109,7 +109,7 @@ fn relay_config(concurrency: usize, schedule_ms: &[u64]) -> stemq_relay::Config 
         schedule: schedule_ms.iter().map(|ms| Duration::from_millis(*ms)).collect(),
         timeout: Duration::from_millis(800),
         max_retry_after: Duration::from_secs(5),
-        allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
+        allow: stemq_webhook::Allowlist::parse("127.0.0.1"),
         concurrency,
         name: "relay-test".into(),
         progress_jobs: 1000,
@@ -131,7 +131,7 @@ async fn own_relay(
     memo: stemq_relay::ProgressMemo,
     stop: CancellationToken,
 ) -> JoinHandle<()> {
-    let c = stack.connect_as(stemq_core::nats_users::RELAY).await;
+    let c = stack.connect_as(stemq_nats::users::RELAY).await;
     tokio::spawn(async move { stemq_relay::serve(c, config, memo, stop).await.expect("relay runs") })
 }
 
@@ -496,7 +496,7 @@ fn stemq_webhooks(stack: &Stack, args: &[&str]) -> std::process::Output {
         .arg("webhooks")
         .args(args)
         .env("NATS_URL", stack.server.url())
-        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_core::nats_users::OPERATOR))
+        .env("STEMQ_NATS_CREDS", stack.server.credentials(stemq_nats::users::OPERATOR))
         .env("STEMQ_LOG_FORMAT", "json")
         .output()
         .expect("run stemq webhooks")
@@ -553,8 +553,8 @@ async fn issue_12_two_relays_never_send_an_attempt_twice() {
     allow_loopback();
     let stack = Stack::start(StackOptions { workers: 2, ..Default::default() }).await;
     {
-        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
-        let mut config = s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap().config.clone();
+        let s = stack.js.get_stream(stemq_nats::JOBS_STREAM).await.unwrap();
+        let mut config = s.consumer_info(stemq_nats::RELAY_CONSUMER).await.unwrap().config.clone();
         config.ack_wait = Duration::from_secs(1);
         s.create_consumer(config).await.unwrap();
     }
@@ -588,8 +588,8 @@ async fn issue_12_two_relays_never_send_an_attempt_twice() {
     // Every delivery is over when the relay consumer has nothing left to hand out.
     let deadline = Instant::now() + T;
     loop {
-        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
-        let info = s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap();
+        let s = stack.js.get_stream(stemq_nats::JOBS_STREAM).await.unwrap();
+        let info = s.consumer_info(stemq_nats::RELAY_CONSUMER).await.unwrap();
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             break;
         }
@@ -598,15 +598,15 @@ async fn issue_12_two_relays_never_send_an_attempt_twice() {
     }
     // Each job has one `started` and one outcome: any hand-out beyond those is a redelivery.
     let handed_out = {
-        let s = stack.js.get_stream(stemq_core::nats::JOBS_STREAM).await.unwrap();
-        s.consumer_info(stemq_core::nats::RELAY_CONSUMER).await.unwrap().delivered.consumer_sequence
+        let s = stack.js.get_stream(stemq_nats::JOBS_STREAM).await.unwrap();
+        s.consumer_info(stemq_nats::RELAY_CONSUMER).await.unwrap().delivered.consumer_sequence
     };
     let redelivered = handed_out.saturating_sub(2 * JOBS as u64);
     let got = rx.got.lock().unwrap().clone();
     let mut problems = Vec::new();
     let mut deliveries = 0;
     for id in &ids {
-        let recorded = stemq_core::webhook::delivery_attempts(&stack.js, id, 0).await.unwrap();
+        let recorded = stemq_webhook::delivery_attempts(&stack.js, id, 0).await.unwrap();
         let mut by_hook: std::collections::BTreeMap<String, Vec<(u32, String)>> = Default::default();
         for r in &recorded {
             assert!(!r.attempt.replay);

@@ -96,14 +96,11 @@ async fn one_trace_per_job_and_clean_logs() {
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
     std::env::set_var("STEMQ_WEBHOOK_ALLOW", "127.0.0.1");
     let logs = Logs::default();
-    stemq_core::telemetry::init_with_writer(stemq_core::telemetry::LogFormat::Json, "stemq-test", logs.clone());
+    stemq_telemetry::logging::init_with_writer(stemq_telemetry::logging::LogFormat::Json, "stemq-test", logs.clone());
 
     let mut stack = Stack::start(StackOptions::default()).await;
     stack
-        .start_relay(stemq_relay::Config {
-            allow: stemq_core::webhook::Allowlist::parse("127.0.0.1"),
-            ..Default::default()
-        })
+        .start_relay(stemq_relay::Config { allow: stemq_webhook::Allowlist::parse("127.0.0.1"), ..Default::default() })
         .await;
     // A webhook receiver on loopback (its URL carries a secret-shaped token).
     let hits = Arc::new(Mutex::new(0usize));
@@ -153,7 +150,7 @@ async fn one_trace_per_job_and_clean_logs() {
     ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let trace: Vec<SpanRec> = loop {
-        stemq_core::telemetry::flush();
+        stemq_telemetry::logging::flush();
         let t: Vec<SpanRec> = spans.lock().unwrap().iter().filter(|s| s.trace_id == client_trace).cloned().collect();
         let outcome_spans: Vec<&str> =
             t.iter().filter(|s| s.name == "publish_outcome").map(|s| s.span_id.as_str()).collect();

@@ -74,7 +74,7 @@ async fn tls_ingress_with(
 ) -> (u16, CancellationToken, JoinHandle<Result<(), stemq_ingress::IngressError>>) {
     let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let client = stack.connect_as(stemq_core::nats_users::INGRESS).await;
+    let client = stack.connect_as(stemq_nats::users::INGRESS).await;
     let stop = CancellationToken::new();
     let config = stemq_ingress::Config {
         listen: addr,
@@ -187,7 +187,7 @@ async fn unusable_tls_files_stop_the_ingress_at_start() {
         let (_, _, task) = tls_ingress(&stack, TlsConfig { cert, key, client_ca: None }).await;
         let r = tokio::time::timeout(Duration::from_secs(20), task).await.unwrap().unwrap();
         let e = r.expect_err("bad TLS files refused");
-        let text = stemq_core::error::report(&e);
+        let text = stemq_nats::error::report(&e);
         assert!(matches!(e, stemq_ingress::IngressError::Tls(_)) && text.contains(why), "{text}");
     }
     stack.shutdown().await;

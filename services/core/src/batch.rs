@@ -3,7 +3,7 @@
 //! when they end (a `batch_ended` webhook).
 //!
 //! This module owns the batch contract, with no I/O (the log side is
-//! `crate::batch_log`):
+//! `stemq_nats::batch_log`):
 //!
 //! - [`BatchRequest`]: what a client sends — the items in order (each a request as
 //!   `POST /v1/separations` takes it), an optional `webhook` for the batch's end, and

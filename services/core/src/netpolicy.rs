@@ -18,7 +18,7 @@
 //!   only those an operator lists, with `*` and `*.example.com` wildcards for public
 //!   hosts (external audio, `STEMQ_AUDIO_URL_ALLOW`);
 //! - [`precheck`] and [`Unresolved::pin`]: the URL check in two pure halves around DNS,
-//!   and, with the `runtime` feature, [`check_url`], which resolves the host once in
+//!   and, with the `resolve` feature, [`check_url`], which resolves the host once in
 //!   between. Every address a name resolves to must pass, and the [`Target`] carries the
 //!   address that was checked, so the caller connects to exactly that (no DNS
 //!   rebinding between the check and the connection).
@@ -530,12 +530,12 @@ pub struct Target {
 }
 
 /// Longest wait for the resolver.
-#[cfg(feature = "runtime")]
+#[cfg(feature = "resolve")]
 const RESOLVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Checks `raw` against `policy`, resolving its host once: [`precheck`], DNS, then
 /// [`Unresolved::pin`]. Connect to the returned [`Target::addr`], never to the name.
-#[cfg(feature = "runtime")]
+#[cfg(feature = "resolve")]
 pub async fn check_url(raw: &str, policy: &HostPolicy) -> Result<Target, UrlError> {
     let u = precheck(raw, policy)?;
     let addrs: Vec<SocketAddr> = match u.literal() {
@@ -827,7 +827,7 @@ mod tests {
         }
     }
 
-    #[cfg(feature = "runtime")]
+    #[cfg(feature = "resolve")]
     #[tokio::test]
     async fn check_url_resolves_once_and_pins() {
         let none = HostPolicy::public(Allowlist::default());

@@ -23,7 +23,7 @@ use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use stemq_core::auth::{Caller, KeyError, Limits, Permission, Role};
+use stemq_accounts::auth::{Caller, KeyError, Limits, Permission, Role};
 use tracing::warn;
 
 use crate::{ApiError, AppState, ErrorCode};
@@ -65,7 +65,7 @@ const KEY_PARAMS: [&str; 6] = ["api_key", "apikey", "key", "token", "access_toke
 fn key_in_query(query: &str) -> bool {
     url::form_urlencoded::parse(query.as_bytes()).any(|(k, v)| {
         KEY_PARAMS.contains(&k.to_ascii_lowercase().as_str())
-            || v.trim_start().starts_with(stemq_core::auth::KEY_PREFIX)
+            || v.trim_start().starts_with(stemq_accounts::auth::KEY_PREFIX)
     })
 }
 
@@ -79,7 +79,7 @@ pub(crate) fn key_required() -> ApiError {
 pub(crate) fn key_refused(e: KeyError) -> ApiError {
     match e {
         e if e.is_unavailable() => {
-            warn!(error = %stemq_core::error::report(&e), "cannot read the keys bucket");
+            warn!(error = %stemq_nats::error::report(&e), "cannot read the keys bucket");
             ApiError::new(ErrorCode::Unavailable, "keys cannot be checked right now; retrying is safe")
         }
         e => ApiError::new(ErrorCode::Unauthorized, e.to_string()),

@@ -82,11 +82,11 @@ async fn openapi_json() -> Response {
 }
 
 /// `GET /asyncapi.json`: the NATS side's AsyncAPI document
-/// ([`stemq_core::asyncapi::document`]), made once.
+/// ([`stemq_nats::asyncapi::document`]), made once.
 async fn asyncapi_json() -> Response {
     static DOC: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     let body =
-        DOC.get_or_init(|| serde_json::to_vec(&stemq_core::asyncapi::document()).expect("the document serialises"));
+        DOC.get_or_init(|| serde_json::to_vec(&stemq_nats::asyncapi::document()).expect("the document serialises"));
     ([(header::CONTENT_TYPE, "application/json")], axum::body::Bytes::from_static(body)).into_response()
 }
 

@@ -2,7 +2,7 @@
 //! `GET /v1/batches/{id}` shows where each item is.
 //!
 //! This module owns a submission round of a batch (the contract is
-//! [`stemq_core::batch`], the log [`stemq_core::batch_log`]):
+//! [`stemq_core::batch`], the log [`stemq_nats::batch_log`]):
 //!
 //! 1. the body's shape is checked (1 to 1 000 items, a `webhook` URL under the address
 //!    policy), then the batch id is derived from the owner and the items' job ids
@@ -29,9 +29,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::batch::{batch_id, BatchId, BatchRequest, BatchSubmitted, BatchView, ItemError, ItemState};
-use stemq_core::batch_log::{record_round, Read, Recorded, WriteError};
+use stemq_nats::batch_log::{record_round, Read, Recorded, WriteError};
 use stemq_core::{JobId, JobStatus};
 use tracing::{info, warn};
 
@@ -87,8 +87,8 @@ pub(crate) async fn create(
 ) -> Result<Response, ApiError> {
     let req = BatchRequest::from_slice(&body).map_err(invalid)?;
     if let Some(w) = &req.webhook {
-        let allow = stemq_core::webhook::allowlist_from_env();
-        if let Err(e) = stemq_core::webhook::check_url(&w.url, &allow).await {
+        let allow = stemq_webhook::allowlist_from_env();
+        if let Err(e) = stemq_webhook::check_url(&w.url, &allow).await {
             return Err(ApiError {
                 code: ErrorCode::InvalidRequest,
                 message: e.to_string(),
@@ -157,7 +157,7 @@ pub(crate) async fn create(
     let recorded =
         record_round(&state.js, &state.batches, &id, round, &new_jobs, SOURCE).await.map_err(|e| match e {
             WriteError::Contended(_) => unavailable(e),
-            e => unavailable(stemq_core::error::report(&e)),
+            e => unavailable(stemq_nats::error::report(&e)),
         })?;
     let view = view_of(&state, &id, &recorded).await?;
     info!(

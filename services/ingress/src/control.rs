@@ -18,11 +18,11 @@ use axum::http::StatusCode;
 use axum::Json;
 use schemars::JsonSchema;
 use serde::Serialize;
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::event::{CancelRequested, Cancelled, EventBody, Retried};
-use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_once, publish_request, Once};
 use stemq_core::{Event, JobId, JobStatus, JobView};
+use stemq_nats::publish::{publish, publish_once, publish_request, Once};
+use stemq_nats::{job_subject, SubjectKind};
 
 use crate::error::internal;
 use crate::links::Links;
@@ -49,7 +49,7 @@ pub enum ControlError {
     NoRequest(JobId),
     /// NATS did not take the event (503); retrying is safe.
     #[error(transparent)]
-    Publish(#[from] stemq_core::publish::PublishError),
+    Publish(#[from] stemq_nats::publish::PublishError),
 }
 
 /// What a cancel did.

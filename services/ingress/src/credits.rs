@@ -2,7 +2,7 @@
 //! `GET /v1/account`.
 //!
 //! This module owns the ingress's side of credits (the ledger itself is
-//! `stemq_core::ledger`; workers reserve, the projector settles):
+//! `stemq_accounts::ledger`; workers reserve, the projector settles):
 //!
 //! - An upload's length is read from its header while it streams in (WAV and FLAC state
 //!   it; other formats are measured by the worker) and kept beside it as
@@ -23,8 +23,8 @@ use axum::extract::{Extension, State};
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use stemq_core::auth::{Caller, Permission};
-use stemq_core::ledger::{self, credits, Account, Movement, Prices};
+use stemq_accounts::auth::{Caller, Permission};
+use stemq_accounts::ledger::{self, credits, Account, Movement, Prices};
 use stemq_core::request::Model;
 use tracing::warn;
 
@@ -184,7 +184,7 @@ fn bad_time(field: &str, v: &str) -> ApiError {
 }
 
 fn ledger_unavailable(e: ledger::LedgerError) -> ApiError {
-    warn!(error = %stemq_core::error::report(&e), "cannot read the ledger");
+    warn!(error = %stemq_nats::error::report(&e), "cannot read the ledger");
     ApiError {
         code: ErrorCode::Unavailable,
         message: "the credits ledger is unavailable; try again".into(),
@@ -203,7 +203,7 @@ pub async fn account(
         Some(o) if o == caller.owner => o.to_string(),
         Some(o) => {
             crate::access::require(&caller, Permission::Operate)?;
-            if !stemq_core::auth::valid_owner(o) {
+            if !stemq_accounts::auth::valid_owner(o) {
                 return Err(ApiError {
                     code: ErrorCode::InvalidRequest,
                     message: format!("`{o}` is not an owner name (1-64 of a-z, 0-9, `_`, `-`)"),

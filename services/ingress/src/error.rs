@@ -7,7 +7,7 @@ use axum::Json;
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{json, Value};
-use stemq_core::read::ViewError;
+use stemq_nats::read::ViewError;
 use tracing::warn;
 
 use crate::error_code::ErrorCode;
@@ -103,7 +103,7 @@ impl From<SubmitError> for ApiError {
             }
             SubmitError::Limited(l) => ApiError::from(&l),
             e @ SubmitError::Unavailable { .. } => {
-                warn!(error = %stemq_core::error::report(&e), "submit failed");
+                warn!(error = %stemq_nats::error::report(&e), "submit failed");
                 ApiError {
                     code: ErrorCode::Unavailable,
                     message: "the job could not be queued right now; retrying is safe".into(),
@@ -115,7 +115,7 @@ impl From<SubmitError> for ApiError {
 }
 
 pub(crate) fn internal(e: impl std::error::Error) -> ApiError {
-    warn!(error = %stemq_core::error::report(&e), "internal error");
+    warn!(error = %stemq_nats::error::report(&e), "internal error");
     store_unavailable()
 }
 
@@ -128,7 +128,7 @@ pub(crate) fn store_unavailable() -> ApiError {
 /// does not parse) is 503, whatever the cause; the cause goes to the log only.
 impl From<ViewError> for ApiError {
     fn from(e: ViewError) -> ApiError {
-        warn!(job_id = %e.job_id(), error = %stemq_core::error::report(&e), "cannot read a job's view");
+        warn!(job_id = %e.job_id(), error = %stemq_nats::error::report(&e), "cannot read a job's view");
         store_unavailable()
     }
 }

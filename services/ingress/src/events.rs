@@ -34,7 +34,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use chrono::{DateTime, Utc};
 use futures::{Stream, StreamExt};
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::{JobStatus, JobView};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 

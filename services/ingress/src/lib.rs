@@ -63,9 +63,9 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::middleware::{from_fn, from_fn_with_state};
 use axum::Router;
-use stemq_core::error::JetStreamError;
+use stemq_nats::error::JetStreamError;
 use stemq_core::netpolicy::HostPolicy;
-use stemq_core::readiness::Readiness;
+use stemq_telemetry::readiness::Readiness;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -118,7 +118,7 @@ pub struct Config {
     pub audio_urls: Option<HostPolicy>,
     /// Export the queue figures (`stemq_queue_*`, `stemq_projector_lag_events`) on
     /// `/metrics` (`--queue-metrics`). Exactly one process of a deployment should: see
-    /// [`stemq_core::metrics::QueueFigures`].
+    /// [`stemq_telemetry::metrics::QueueFigures`].
     pub queue_metrics: bool,
     /// Refuse (422) a submit for a model no live worker serves, instead of queueing it
     /// to wait for one (`--refuse-unserved-models`; on in `stemq dev`, whose one worker is

@@ -26,9 +26,9 @@ use async_nats::jetstream::kv;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use stemq_core::auth::{Caller, Limits};
-use stemq_core::error::JetStreamError;
-use stemq_core::read::ListIndex;
+use stemq_accounts::auth::{Caller, Limits};
+use stemq_nats::error::JetStreamError;
+use stemq_nats::read::ListIndex;
 use stemq_core::JobId;
 
 use crate::{ApiError, ErrorCode};

@@ -2,7 +2,7 @@
 //!
 //! This module owns what the ingress records: HTTP traffic by route and status, and
 //! submits by outcome. They live in the process-wide registry of
-//! [`stemq_core::metrics`], so `/metrics` also shows, in `stemq dev`, the worker's and
+//! [`stemq_telemetry::metrics`], so `/metrics` also shows, in `stemq dev`, the worker's and
 //! projector's metrics, and the queue figures (read from NATS at scrape time) when this
 //! ingress is the queue exporter (`Config::queue_metrics`).
 
@@ -13,7 +13,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use stemq_core::metrics::Format;
+use stemq_telemetry::metrics::Format;
 
 use crate::submit::{SubmitError, SubmitResponse};
 
@@ -49,7 +49,7 @@ impl Metrics {
                     Histogram::new(exponential_buckets(0.0005, 2.0, 14))
                 });
                 let submits = Family::<SubmitLabels, Counter>::default();
-                stemq_core::metrics::metrics().register(|r| {
+                stemq_telemetry::metrics::metrics().register(|r| {
                     r.register("stemq_http_requests", "HTTP requests by route and status", http.clone());
                     r.register("stemq_http_request_duration_seconds", "HTTP request latency", http_latency.clone());
                     r.register(
@@ -88,9 +88,9 @@ impl Metrics {
     /// ingress is the queue exporter (`queue`).
     pub async fn render(&self, format: Format, queue: bool) -> String {
         let figures = match queue {
-            true => Some(stemq_core::metrics::read_queue(&self.js).await),
+            true => Some(stemq_telemetry::metrics::read_queue(&self.js).await),
             false => None,
         };
-        stemq_core::metrics::metrics().encode(format, figures.as_ref())
+        stemq_telemetry::metrics::metrics().encode(format, figures.as_ref())
     }
 }

@@ -11,11 +11,11 @@
 
 use futures::StreamExt;
 use serde_json::json;
-use stemq_core::nats::SUBMIT_SUBJECT;
+use stemq_nats::SUBMIT_SUBJECT;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use stemq_core::auth::Permission;
+use stemq_accounts::auth::Permission;
 
 use crate::access::{bearer, forbidden, key_refused, key_required, unauthenticated_operator};
 use crate::pipeline::submit_as;

@@ -27,7 +27,7 @@ use schemars::generate::{SchemaGenerator, SchemaSettings};
 use schemars::{JsonSchema, Schema};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use stemq_core::auth::Permission;
+use stemq_accounts::auth::Permission;
 
 use crate::{ErrorBody, ErrorCode, ErrorDetail};
 

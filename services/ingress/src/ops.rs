@@ -3,7 +3,7 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use stemq_core::nats as names;
+use stemq_nats as names;
 
 use crate::AppState;
 
@@ -25,14 +25,14 @@ pub(crate) async fn ready(State(state): State<AppState>) -> Response {
         waiting.push("the worker registry read");
     }
     waiting.extend(state.readiness.pending());
-    let (code, text) = stemq_core::readiness::probe_answer(&waiting);
+    let (code, text) = stemq_telemetry::readiness::probe_answer(&waiting);
     (StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE), text).into_response()
 }
 
 /// `/metrics`: OpenMetrics when the scraper asks for it, classic text 0.0.4 otherwise.
 pub(crate) async fn metrics_text(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
     let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
-    let format = stemq_core::metrics::Format::negotiate(accept);
+    let format = stemq_telemetry::metrics::Format::negotiate(accept);
     let body = state.metrics.render(format, state.queue_metrics).await;
     ([(axum::http::header::CONTENT_TYPE, format.content_type())], body).into_response()
 }

@@ -1,7 +1,7 @@
 //! A caller's submit, step by step: the rate of its key, validation, the cap on its jobs
 //! in flight, the publish ([`crate::submit`]). HTTP, NATS and batches submit through it.
 
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::request::Priority;
 use stemq_core::JobId;
 

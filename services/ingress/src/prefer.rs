@@ -21,7 +21,7 @@ use async_nats::jetstream::kv;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 use futures::StreamExt;
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::JobView;
 use tracing::warn;
 

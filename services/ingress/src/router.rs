@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
-use stemq_core::error::JetStreamError;
-use stemq_core::nats::{self as names, check_request_owner, job_id_of_subject};
-use stemq_core::publish::{route_request, Once};
-use stemq_core::pull::{self, PullOptions};
 use stemq_core::{Event, EventBody};
+use stemq_nats::error::JetStreamError;
+use stemq_nats::publish::{route_request, Once};
+use stemq_nats::pull::{self, PullOptions};
+use stemq_nats::{self as names, check_request_owner, job_id_of_subject};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

@@ -7,8 +7,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use stemq_core::auth::Caller;
-use stemq_core::read::Cursor;
+use stemq_accounts::auth::Caller;
+use stemq_nats::read::Cursor;
 use stemq_core::JobStatus;
 use tracing::Instrument;
 
@@ -44,11 +44,11 @@ pub(crate) async fn create(
 ) -> Result<Response, ApiError> {
     let incoming = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
     let span = tracing::info_span!("http.submit", trace_id = tracing::field::Empty, owner = %caller.owner);
-    stemq_core::telemetry::set_parent(&span, incoming.as_deref());
+    stemq_telemetry::logging::set_parent(&span, incoming.as_deref());
     let result = {
         // The job's trace continues from this span (or from the caller's, when tracing
         // is off here).
-        let traceparent = span.in_scope(stemq_core::telemetry::current_traceparent).or(incoming);
+        let traceparent = span.in_scope(stemq_telemetry::logging::current_traceparent).or(incoming);
         let work = submit_as(&state, &caller, &body, traceparent).instrument(span);
         match tokio::time::timeout(SUBMIT_TIMEOUT, work).await {
             Ok(r) => r,
@@ -170,7 +170,7 @@ pub(crate) async fn list(
         Some(c) => Some(Cursor::decode(c).ok_or_else(|| bad("cursor", "malformed cursor".into()))?),
     };
     // An operator sees every owner's jobs; anyone else only their own.
-    let owner = (!caller.role.allows(stemq_core::auth::Permission::Operate)).then_some(caller.owner.as_str());
+    let owner = (!caller.role.allows(stemq_accounts::auth::Permission::Operate)).then_some(caller.owner.as_str());
     let page = state.index.page_of(owner, status, limit, cursor.as_ref());
     let views = futures::future::join_all(page.iter().map(|(id, _)| state.view_for(&caller, id))).await;
     let jobs: Vec<Job> = views.into_iter().filter_map(|v| v.ok().flatten()).map(|v| links.job(v)).collect();

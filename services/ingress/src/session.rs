@@ -6,7 +6,7 @@
 //!   client can check a key and show only what it may do.
 //! - `POST /v1/signin` (public) with `{"token": "..."}`: exchanges the one-time token of
 //!   a sign-in link for a session key: a new API key of the link's owner and role that
-//!   expires after [`stemq_core::auth::SESSION_LIFETIME`] (12 h), listed by `stemq keys
+//!   expires after [`stemq_accounts::auth::SESSION_LIFETIME`] (12 h), listed by `stemq keys
 //!   list` and revoked by `stemq keys revoke` as any key. No long-lived key ever leaves
 //!   the server this way. Only `stemq dev` configures a link ([`SigninLink`]); elsewhere
 //!   the route is 404. The token travels in the link's fragment (`/#signin=<token>`),
@@ -27,7 +27,7 @@ use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use stemq_core::auth::{self, Caller, Limits, Permission, Role};
+use stemq_accounts::auth::{self, Caller, Limits, Permission, Role};
 use tracing::{info, warn};
 
 use crate::{ApiError, AppState, ErrorCode};

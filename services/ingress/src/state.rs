@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::{self, kv};
-use stemq_core::auth::{Caller, KeyRing};
-use stemq_core::error::JetStreamError;
-use stemq_core::nats as names;
+use stemq_accounts::auth::{Caller, KeyRing};
+use stemq_nats::error::JetStreamError;
+use stemq_nats as names;
 use stemq_core::netpolicy::HostPolicy;
-use stemq_core::read::{ListIndex, ViewError, Views};
-use stemq_core::readiness::Readiness;
-use stemq_core::registry::{self, Registry};
+use stemq_nats::read::{ListIndex, ViewError, Views};
+use stemq_telemetry::readiness::Readiness;
+use stemq_nats::registry::{self, Registry};
 use stemq_core::{JobId, JobStatus, JobView};
 use tokio_util::sync::CancellationToken;
 
@@ -61,9 +61,9 @@ pub struct AppShared {
     /// See [`crate::Config::signin`].
     pub(crate) signin: Option<Arc<session::SigninLink>>,
     /// The price list (credits), read from the configuration bucket.
-    pub(crate) prices: Arc<stemq_core::ledger::PriceCache>,
+    pub(crate) prices: Arc<stemq_accounts::ledger::PriceCache>,
     /// The credits ledger, with the accounts this replica has folded.
-    pub(crate) ledger: stemq_core::ledger::Ledger,
+    pub(crate) ledger: stemq_accounts::ledger::Ledger,
     /// Where answers' links point ([`links`]).
     pub(crate) links: Arc<links::LinkBase>,
     /// See [`crate::Config::cors_origins`].
@@ -71,7 +71,7 @@ pub struct AppShared {
     /// Cancelled when the ingress stops: requests waiting on a job answer at once.
     pub(crate) stopping: CancellationToken,
     /// The batch log (`STEMQ_BATCHES`).
-    pub(crate) batches: stemq_core::batch_log::BatchLog,
+    pub(crate) batches: stemq_nats::batch_log::BatchLog,
     /// See [`crate::Config::http_timeouts`] (the body limits are applied per request).
     pub(crate) http_timeouts: serve::HttpTimeouts,
 }
@@ -91,11 +91,11 @@ impl AppState {
         let limits = open(names::LIMITS_BUCKET).await?;
         let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
         // An older deployment without the bucket has credits off.
-        let prices = Arc::new(stemq_core::ledger::PriceCache::new(
-            js.get_key_value(stemq_core::ledger::CONFIG_BUCKET).await.ok(),
+        let prices = Arc::new(stemq_accounts::ledger::PriceCache::new(
+            js.get_key_value(stemq_accounts::ledger::CONFIG_BUCKET).await.ok(),
         ));
-        let batches = stemq_core::batch_log::BatchLog::open(&js).await?;
-        let ledger = stemq_core::ledger::Ledger::new(js.clone());
+        let batches = stemq_nats::batch_log::BatchLog::open(&js).await?;
+        let ledger = stemq_accounts::ledger::Ledger::new(js.clone());
         Ok(AppState(Arc::new(AppShared {
             ledger,
             js,
@@ -257,7 +257,7 @@ impl AppState {
     }
 
     /// The credits ledger.
-    pub fn ledger(&self) -> &stemq_core::ledger::Ledger {
+    pub fn ledger(&self) -> &stemq_accounts::ledger::Ledger {
         &self.ledger
     }
 

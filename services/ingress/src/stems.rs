@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::extract::{Extension, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::{JobId, JobStatus};
 use tracing::{info_span, warn, Instrument};
 

@@ -11,11 +11,11 @@
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
-use stemq_core::error::BoxError;
+use stemq_nats::error::BoxError;
 use stemq_core::netpolicy::{self, HostPolicy};
-use stemq_core::publish::{publish_request, request_subject_of, Once};
+use stemq_nats::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
-use stemq_core::storage::Store;
+use stemq_storage::Store;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
 use tracing::Instrument;
 
@@ -221,8 +221,8 @@ pub async fn prepare(
     let normalized = req.normalize(owner)?;
     // Webhook receivers: https and public unless STEMQ_WEBHOOK_ALLOW says otherwise.
     if let Some(w) = &req.webhook {
-        let allow = stemq_core::webhook::allowlist_from_env();
-        if let Err(e) = stemq_core::webhook::check_url(&w.url, &allow).await {
+        let allow = stemq_webhook::allowlist_from_env();
+        if let Err(e) = stemq_webhook::check_url(&w.url, &allow).await {
             return Err(RequestError { field: "webhook".into(), message: e.to_string() }.into());
         }
     }
@@ -305,7 +305,7 @@ pub async fn queue_with(
 /// Whether the request stored on `subject` is `event` itself (its time): `false` when it
 /// is another submit's, or cannot be read.
 async fn stored_is(js: &jetstream::Context, subject: &str, event: &Event) -> bool {
-    let Ok(log) = js.get_stream_no_info(stemq_core::nats::JOBS_STREAM).await else { return false };
+    let Ok(log) = js.get_stream_no_info(stemq_nats::JOBS_STREAM).await else { return false };
     match log.direct_get_last_for_subject(subject).await {
         Ok(m) => Event::from_slice(&m.payload).is_ok_and(|stored| stored.id == event.id && stored.time == event.time),
         Err(_) => false,
@@ -315,7 +315,7 @@ async fn stored_is(js: &jetstream::Context, subject: &str, event: &Event) -> boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stemq_core::nats_server::NatsServer;
+    use stemq_devkit::nats_server::NatsServer;
     use stemq_core::request::ANONYMOUS;
 
     fn event(time: chrono::DateTime<chrono::Utc>) -> Event {
@@ -333,12 +333,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let server = NatsServer::start_with(
             dir.path(),
-            stemq_core::nats_server::ServerOptions { auth: false, ..Default::default() },
+            stemq_devkit::nats_server::ServerOptions { auth: false, ..Default::default() },
         )
         .expect("nats-server >= 2.11 on PATH (scripts/install-nats.sh)");
-        let client = stemq_core::nats::connect(&server.url(), "test").await.unwrap();
+        let client = stemq_nats::connect(&server.url(), "test").await.unwrap();
         let js = jetstream::new(client);
-        stemq_core::nats::apply(&js, &Default::default()).await.unwrap();
+        stemq_nats::apply(&js, &Default::default()).await.unwrap();
         let first = event(chrono::Utc::now());
         // The lost attempt: stored, its answer never seen.
         assert!(matches!(publish_request(&js, &first.subject, &first).await.unwrap(), Once::Stored(_)));

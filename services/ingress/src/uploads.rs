@@ -22,9 +22,9 @@ use axum::Json;
 use futures::TryStreamExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::request::RequestError;
-use stemq_core::storage::{StorageError, Store};
+use stemq_storage::{StorageError, Store};
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::rejection::Query;

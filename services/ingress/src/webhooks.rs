@@ -22,12 +22,12 @@ use axum::Json;
 use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use stemq_core::auth::Caller;
+use stemq_accounts::auth::Caller;
 use stemq_core::event::{DeliveryAttempted, DeliveryReplayRequested, DeliveryResult, EventBody};
-use stemq_core::nats::{self as names, job_subject, SubjectKind};
-use stemq_core::publish::publish;
-use stemq_core::webhook::{self, OwnerWebhooks};
 use stemq_core::{Event, JobId};
+use stemq_nats::publish::publish;
+use stemq_nats::{self as names, job_subject, SubjectKind};
+use stemq_webhook::{self as webhook, OwnerWebhooks};
 
 use crate::control::view_or_404;
 use crate::error::internal;

@@ -1,7 +1,7 @@
 //! `GET /v1/workers`: the fleet as the worker registry and the pools' queues see it.
 //!
 //! This module owns the operators' view of the workers: every live worker with what it
-//! serves (from the registry, `stemq_core::registry`), and for every model stemq knows,
+//! serves (from the registry, `stemq_nats::registry`), and for every model stemq knows,
 //! its pool: live workers serving it, and per lane the jobs waiting and the jobs
 //! running (the pool consumer's pending and ack-pending counts). A pool with jobs and
 //! no worker says so (`waiting`). It also owns [`check_served`], the refusal of a model
@@ -11,9 +11,9 @@ use async_nats::jetstream::consumer::PullConsumer;
 use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
-use stemq_core::nats as names;
-use stemq_core::registry::{self, Registry, WorkerInfo};
 use stemq_core::request::{Model, Priority};
+use stemq_nats as names;
+use stemq_nats::registry::{self, Registry, WorkerInfo};
 
 use crate::submit::SubmitError;
 use crate::{ApiError, AppState};
@@ -169,7 +169,7 @@ pub struct Overview {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub projector_lag: Option<u64>,
     /// Jobs that ended per minute over the last 15 minutes, oldest first.
-    pub throughput: Vec<stemq_core::read::MinuteCount>,
+    pub throughput: Vec<stemq_nats::read::MinuteCount>,
     /// False while the list index is still loading (the counts are then partial).
     pub complete: bool,
 }
@@ -189,7 +189,7 @@ pub const THROUGHPUT_MINUTES: usize = 15;
 /// `GET /v1/overview` (operators): the queue and the jobs at a glance, beside
 /// `GET /v1/workers`.
 pub async fn overview(State(state): State<AppState>) -> Json<Overview> {
-    let queue = stemq_core::metrics::read_queue(state.jetstream()).await;
+    let queue = stemq_telemetry::metrics::read_queue(state.jetstream()).await;
     let index = state.index();
     let counts = index.counts().into_iter().map(|(s, n)| (s.as_str().to_string(), n)).collect();
     let oldest_queued = index

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use stemq_core::nats::{self as names, Settings};
-use stemq_core::nats_server::NatsServer;
-use stemq_core::storage::Store;
+use stemq_devkit::nats_server::NatsServer;
 use stemq_ingress::uploads::StorageConfig;
+use stemq_nats::{self as names, Settings};
+use stemq_storage::Store;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -38,12 +38,12 @@ impl Stack {
             .unwrap()
             .expect("nats-server starts (is nats-server on PATH?)");
         let settings = Settings { ack_wait: Duration::from_secs(5), ..Settings::default() };
-        let client = server.connect_as(stemq_core::nats_users::OPERATOR, "test").await.unwrap();
+        let client = server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap();
         let js = async_nats::jetstream::new(client.clone());
         names::apply(&js, &settings).await.unwrap();
         let keys = js.get_key_value(names::KEYS_BUCKET).await.unwrap();
-        let role = stemq_core::auth::Role::Submit;
-        let (key, _) = stemq_core::auth::create(&keys, "acme", role, Default::default(), "").await.unwrap();
+        let role = stemq_accounts::auth::Role::Submit;
+        let (key, _) = stemq_accounts::auth::create(&keys, "acme", role, Default::default(), "").await.unwrap();
         let store = Store::local(&dir.path().join("store")).unwrap();
         let stop = CancellationToken::new();
         let listener = stemq_ingress::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, AckKind};
 use futures::StreamExt;
-use stemq_core::nats as names;
-use stemq_core::pull;
+use stemq_nats as names;
+use stemq_nats::pull;
 use stemq_core::{Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -173,14 +173,14 @@ impl Lane {
                 Err(e) => {
                     // Not an event we can read: never retried, never lost (it stays in the log).
                     warn!(lane, seq, subject = %msg.subject, error = %e, "unreadable event; terminating it");
-                    stemq_core::metrics::metrics().projector_error("unreadable_event");
+                    stemq_telemetry::metrics::metrics().projector_error("unreadable_event");
                     let _ = msg.ack_with(AckKind::Term).await;
                     continue;
                 }
             };
             if let Some((kind, error)) = refusal(&msg.subject, &event) {
                 warn!(lane, seq, subject = %msg.subject, %error, "refusing an event that is not its subject's job's");
-                stemq_core::metrics::metrics().projector_error(kind);
+                stemq_telemetry::metrics::metrics().projector_error(kind);
                 let _ = msg.ack_with(AckKind::Term).await;
                 continue;
             }
@@ -206,7 +206,7 @@ impl Lane {
             let span =
                 tracing::info_span!("project", job_id = %id, events = refs.len(), trace_id = tracing::field::Empty);
             let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
-            stemq_core::telemetry::set_parent(&span, tp);
+            stemq_telemetry::logging::set_parent(&span, tp);
             let cached = cache.get(id).cloned();
             let job = Job { kv, log, id };
             tracing::Instrument::instrument(async move { job.fold(cached, &refs).await }, span)
@@ -231,8 +231,8 @@ impl Lane {
                     }
                 }
                 Err(e) => {
-                    stemq_core::metrics::metrics().projector_error(e.kind());
-                    let error = stemq_core::error::report(&e);
+                    stemq_telemetry::metrics::metrics().projector_error(e.kind());
+                    let error = stemq_nats::error::report(&e);
                     if matches!(e, ProjectorError::CorruptView { .. }) {
                         error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");
                     } else {

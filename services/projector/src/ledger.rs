@@ -1,4 +1,4 @@
-//! Closing credit reservations from job outcomes (the ledger: `stemq_core::ledger`).
+//! Closing credit reservations from job outcomes (the ledger: `stemq_accounts::ledger`).
 //!
 //! This module owns the second half of paying for a job: it follows every job's
 //! outcome (durable consumer `ledger` on `stemq.jobs.*.outcome`; a job has one outcome,
@@ -31,11 +31,11 @@ use futures::StreamExt;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use stemq_core::ledger::{self, Close, Ledger, Movement};
-use stemq_core::metrics::metrics;
-use stemq_core::nats as names;
-use stemq_core::pull::{self, PullOptions};
+use stemq_accounts::ledger::{self, Close, Ledger, Movement};
 use stemq_core::{Event, EventBody, JobId};
+use stemq_nats as names;
+use stemq_nats::pull::{self, PullOptions};
+use stemq_telemetry::metrics::metrics;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
@@ -217,7 +217,7 @@ impl Closer {
             body if body.is_terminal() => Close::Refund { reason: body.kind().to_string() },
             _ => return Ok(()),
         };
-        let owner = match stemq_core::read::request_of(&self.log, job_id).await {
+        let owner = match stemq_nats::read::request_of(&self.log, job_id).await {
             Ok(Some((_, req))) => match req.body {
                 EventBody::Requested(r) => r.request.owner,
                 _ => return Ok(()),

@@ -23,7 +23,7 @@
 //! - **A view that does not parse is an error** ([`ProjectorError::CorruptView`]), never
 //!   overwritten; `stemq projector --rebuild` replaces it from the log.
 //! - **The view is disposable**: [`reset()`] and a replay give an identical one. Readers
-//!   never depend on this crate: they read through [`stemq_core::read`], as it does.
+//!   never depend on this crate: they read through [`stemq_nats::read`], as it does.
 //!
 //! Why it is built so: docs/architecture.md, "The view", "Inside the projector" and
 //! "Two projectors, two relays".
@@ -37,11 +37,11 @@ mod write;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
-use stemq_core::error::JetStreamError;
-use stemq_core::nats as names;
-use stemq_core::pull::{self, PullOptions};
-use stemq_core::read::{self, ViewError};
-use stemq_core::readiness::Condition;
+use stemq_nats::error::JetStreamError;
+use stemq_nats as names;
+use stemq_nats::pull::{self, PullOptions};
+use stemq_nats::read::{self, ViewError};
+use stemq_telemetry::readiness::Condition;
 use stemq_core::{Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -178,7 +178,7 @@ impl Default for Config {
     }
 }
 
-/// Reads one job's view as stored: [`stemq_core::read::get_view`] (what readers use),
+/// Reads one job's view as stored: [`stemq_nats::read::get_view`] (what readers use),
 /// with the projector's error: `None` when there is none (never written, or deleted); an
 /// error when the stored entry is not a view ([`ProjectorError::CorruptView`]).
 pub async fn get_view(kv: &kv::Store, id: &JobId) -> Result<Option<(JobView, u64)>, ProjectorError> {

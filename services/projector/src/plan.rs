@@ -2,7 +2,7 @@
 //! events does to its view (apply, or refold from the log), and whether its write may
 //! wait for the job's next event. Tested given/when/then.
 
-use stemq_core::nats as names;
+use stemq_nats as names;
 use stemq_core::{apply, Event, JobView, Position};
 
 use crate::Pending;

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use stemq_core::error::JetStreamError;
-use stemq_core::nats::{self as names, Settings};
+use stemq_nats::error::JetStreamError;
+use stemq_nats::{self as names, Settings};
 
 use crate::ProjectorError;
 

@@ -3,9 +3,9 @@
 //! a job whose events were overtaken is refolded from the log.
 
 use async_nats::jetstream::{self, kv};
-use stemq_core::error::JetStreamError;
-use stemq_core::nats as names;
-use stemq_core::read;
+use stemq_nats::error::JetStreamError;
+use stemq_nats as names;
+use stemq_nats::read;
 use stemq_core::{apply, Event, JobId, JobView, Position};
 use tracing::{debug, info};
 
@@ -55,7 +55,7 @@ impl Job<'_> {
                 }
                 Plan::Write(v) => *v,
                 Plan::Refold { upto } => {
-                    stemq_core::metrics::metrics().projector_refold();
+                    stemq_telemetry::metrics::metrics().projector_refold();
                     let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
                         return Ok(unchanged(reread));
                     };

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use stemq_core::batch::BatchId;
 use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
-use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::publish_within;
-use stemq_core::webhook;
 use stemq_core::{Event, JobId};
+use stemq_nats::publish::publish_within;
+use stemq_nats::{job_subject, SubjectKind};
+use stemq_webhook as webhook;
 use tracing::{debug, info, warn};
 
 use crate::claim::Claimed;
@@ -93,7 +93,7 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
             return After::Taken;
         }
         Err(e) => {
-            warn!(error = %stemq_core::error::report(&e), "cannot claim the attempt; retrying later");
+            warn!(error = %stemq_nats::error::report(&e), "cannot claim the attempt; retrying later");
             return After::NotAttempted(Duration::from_secs(1));
         }
     }
@@ -144,7 +144,7 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
         DeliveryResult::Failed => "failed",
         DeliveryResult::Disabled => "disabled",
     };
-    stemq_core::metrics::metrics().webhook(outcome, a.latency);
+    stemq_telemetry::metrics::metrics().webhook(outcome, a.latency);
     record(shared, d, n, &a, result, next).await;
     next.map_or(After::Over, After::Retry)
 }
@@ -245,7 +245,7 @@ async fn record(
             publish_within(&shared.js, &subject, &ev, Some(&msg_id), RECORD_PATIENCE).await.map(drop)
         }
         Of::Batch(id) => {
-            stemq_core::batch_log::record_attempt(&shared.js, id, attempted, &msg_id, &source, RECORD_PATIENCE)
+            stemq_nats::batch_log::record_attempt(&shared.js, id, attempted, &msg_id, &source, RECORD_PATIENCE)
                 .await
                 .map(drop)
         }

@@ -30,10 +30,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::batch::{BatchEvent, BatchEventBody, BatchId, BatchView};
-use stemq_core::batch_log::{job_outcome, record_end, BatchLog, Read};
-use stemq_core::error::JetStreamError;
-use stemq_core::publish::Once;
 use stemq_core::{Event, JobId, JobStatus, Position};
+use stemq_nats::batch_log::{job_outcome, record_end, BatchLog, Read};
+use stemq_nats::error::JetStreamError;
+use stemq_nats::publish::Once;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
@@ -147,7 +147,7 @@ pub(crate) async fn on_outcome(shared: &Arc<Shared>, msg: jetstream::Message) {
             let _ = msg.ack().await;
         }
         Err(e) => {
-            warn!(job_id = %job, error = %stemq_core::error::report(&e), "cannot check the job's batches; retrying");
+            warn!(job_id = %job, error = %stemq_nats::error::report(&e), "cannot check the job's batches; retrying");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
         }
     }
@@ -169,7 +169,7 @@ pub(crate) async fn on_batch_event(shared: &Arc<Shared>, msg: jetstream::Message
                     let _ = msg.ack().await;
                 }
                 Err(e) => {
-                    warn!(error = %stemq_core::error::report(&e), "cannot check the batch; retrying");
+                    warn!(error = %stemq_nats::error::report(&e), "cannot check the batch; retrying");
                     let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
                 }
             },
@@ -221,7 +221,7 @@ async fn deliver(
             return;
         }
         Err(e) => {
-            warn!(error = %stemq_core::error::report(&e), "cannot read the batch's delivery record; retrying later");
+            warn!(error = %stemq_nats::error::report(&e), "cannot read the batch's delivery record; retrying later");
             let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             return;
         }

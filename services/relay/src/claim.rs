@@ -33,7 +33,7 @@ use async_nats::jetstream::kv;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use stemq_core::error::JetStreamError;
+use stemq_nats::error::JetStreamError;
 use tracing::{debug, warn};
 
 /// What the lease adds to the request timeout: the URL check, the record's publish with

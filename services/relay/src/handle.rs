@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::event::EventBody;
-use stemq_core::read::ViewError;
-use stemq_core::webhook;
 use stemq_core::{apply, Event, JobId, JobView, Position};
+use stemq_nats::read::ViewError;
+use stemq_webhook as webhook;
 use tokio_util::sync::CancellationToken;
 use tracing::{info_span, warn, Instrument};
 
@@ -49,7 +49,7 @@ async fn current_view(
 
 /// True when the job's terminal event is stored (direct gets, no projector lag).
 async fn has_ended(shared: &Shared, id: &JobId) -> bool {
-    stemq_core::read::outcome::has_ended(&shared.js, id).await.unwrap_or(false)
+    stemq_nats::read::outcome::has_ended(&shared.js, id).await.unwrap_or(false)
 }
 
 /// How the queue handed an event over.
@@ -78,7 +78,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
     let span =
         info_span!("webhook.delivery", job_id = %id, event = event.body.kind(), trace_id = tracing::field::Empty);
     // The delivery joins the job's trace (the outcome event carries its traceparent).
-    stemq_core::telemetry::set_parent(&span, event.traceparent.as_deref());
+    stemq_telemetry::logging::set_parent(&span, event.traceparent.as_deref());
     async {
         if event.body.is_terminal() {
             // Whatever the job's webhook asks for, an ended job's progress is not news.
@@ -102,7 +102,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
                 return;
             }
             Err(e) => {
-                warn!(error = %stemq_core::error::report(&e), "cannot read the job's view; the event waits");
+                warn!(error = %stemq_nats::error::report(&e), "cannot read the job's view; the event waits");
                 let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5)))).await;
                 return;
             }

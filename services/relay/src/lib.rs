@@ -41,11 +41,11 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use futures::StreamExt;
-use stemq_core::error::JetStreamError;
-use stemq_core::nats as names;
-use stemq_core::read::Views;
-use stemq_core::readiness::Condition;
-use stemq_core::webhook::Allowlist;
+use stemq_nats as names;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::read::Views;
+use stemq_telemetry::readiness::Condition;
+use stemq_webhook::Allowlist;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -90,7 +90,7 @@ impl Default for Config {
             schedule: vec![s(0), s(5), s(300), s(1800), s(7200), s(18000), s(36000), s(50400), s(72000), s(86400)],
             timeout: s(15),
             max_retry_after: s(3600),
-            allow: stemq_core::webhook::allowlist_from_env(),
+            allow: stemq_webhook::allowlist_from_env(),
             concurrency: 256,
             name: "relay".into(),
             progress_jobs: 100_000,
@@ -164,7 +164,7 @@ pub async fn serve(
     };
     let batch_events = open_consumer(names::RELAY_BATCHES_CONSUMER, names::BATCHES_STREAM).await?;
     let batch_outcomes = open_consumer(names::RELAY_BATCH_OUTCOMES_CONSUMER, names::JOBS_STREAM).await?;
-    let batches = batches::Batches::new(stemq_core::batch_log::BatchLog::open(&js).await?, js.clone());
+    let batches = batches::Batches::new(stemq_nats::batch_log::BatchLog::open(&js).await?, js.clone());
     let claims = claim::Claims {
         kv: js
             .get_key_value(names::DELIVERY_CLAIMS_BUCKET)
@@ -204,7 +204,7 @@ async fn pump(
     tracker: TaskTracker,
 ) {
     // The one pull loop (resubscribes when the stream ends, survives errors).
-    let mut messages = stemq_core::pull::messages(consumer, stemq_core::pull::PullOptions::batch(100), stop.clone());
+    let mut messages = stemq_nats::pull::messages(consumer, stemq_nats::pull::PullOptions::batch(100), stop.clone());
     while let Some(msg) = messages.next().await {
         // A slot is held for one attempt (bounded by the request timeout), never for
         // the wait before a retry: that wait is the queue's (a nak with a delay).

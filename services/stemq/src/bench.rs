@@ -19,7 +19,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use clap::Subcommand;
-use stemq_core::nats_server::NatsServer;
+use stemq_devkit::nats_server::NatsServer;
 
 use crate::global::{Global, ServerSettings};
 use crate::services::Isolation;

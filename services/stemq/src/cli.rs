@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use stemq_core::batch::BatchId;
-use stemq_core::telemetry::LogFormat;
+use stemq_telemetry::logging::LogFormat;
 use stemq_core::{JobId, JobStatus};
 
 use crate::api::ApiArgs;
@@ -309,7 +309,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Relay(a) => crate::services::relay(&g, a).await,
         Command::Nats { command: NatsCommand::Apply(server) } => {
             let client = g.connect("stemq-cli").await?;
-            let changes = stemq_core::nats::apply(&async_nats::jetstream::new(client), &server.settings()).await?;
+            let changes = stemq_nats::apply(&async_nats::jetstream::new(client), &server.settings()).await?;
             for c in &changes {
                 println!("{c}");
             }
@@ -375,7 +375,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Usage { owners, since } => crate::credits::usage(&g, owners, since).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            std::fs::write(write.join("asyncapi.json"), stemq_core::asyncapi::render())?;
+            std::fs::write(write.join("asyncapi.json"), stemq_nats::asyncapi::render())?;
             println!("wrote {} schemas and asyncapi.json to {}", stemq_core::schema::all().len(), write.display());
             Ok(())
         }

@@ -11,10 +11,10 @@ use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use stemq_core::nats as names;
-use stemq_core::read::{self, ListIndex, Views};
-use stemq_core::storage::Store;
 use stemq_core::{JobId, JobStatus, JobView};
+use stemq_nats as names;
+use stemq_nats::read::{self, ListIndex, Views};
+use stemq_storage::Store;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ApiArgs;

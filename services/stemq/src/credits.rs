@@ -1,11 +1,11 @@
 //! `stemq credits` and `stemq usage`: credits from the command line, for operators. They
-//! talk to NATS directly as the `operator` user (the ledger, `stemq_core::ledger`, and
+//! talk to NATS directly as the `operator` user (the ledger, `stemq_accounts::ledger`, and
 //! the price list in the `stemq_config` bucket), so no ingress is needed.
 
 use anyhow::{bail, Context, Result};
 use chrono::{DateTime, Utc};
 use clap::Subcommand;
-use stemq_core::ledger::{self, credits, Ledger, Movement, Prices};
+use stemq_accounts::ledger::{self, credits, Ledger, Movement, Prices};
 
 use crate::global::Global;
 

@@ -31,10 +31,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use stemq_core::nats::ConnectAuth;
-use stemq_core::nats_server::NatsServer;
-use stemq_core::nats_users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
-use stemq_core::readiness::Readiness;
+use stemq_devkit::nats_server::NatsServer;
+use stemq_nats::users::{INGRESS, OPERATOR, PROJECTOR, RELAY, WORKER};
+use stemq_nats::ConnectAuth;
+use stemq_telemetry::readiness::Readiness;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -167,15 +167,15 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
     let url = g.nats_url();
     let client = match &server {
         Some(_) => {
-            let c = stemq_core::nats::connect_with(&url, "stemq-dev", &auth(OPERATOR)?).await?;
-            stemq_core::nats::ensure(&async_nats::jetstream::new(c.clone()), &a.server.settings()).await?;
+            let c = stemq_nats::connect_with(&url, "stemq-dev", &auth(OPERATOR)?).await?;
+            stemq_nats::ensure(&async_nats::jetstream::new(c.clone()), &a.server.settings()).await?;
             c
         }
         None => crate::services::connect(&g, &a.server, "stemq-dev").await?,
     };
     let connect = |name: &'static str, user: &'static str| {
         let (url, auth) = (url.clone(), auth(user));
-        async move { anyhow::Ok(stemq_core::nats::connect_with(&url, name, &auth?).await?) }
+        async move { anyhow::Ok(stemq_nats::connect_with(&url, name, &auth?).await?) }
     };
     let ingress_client = connect("stemq-ingress", INGRESS).await?;
     // The worker, the projector and the relay on a runtime of their own, below the API
@@ -205,9 +205,9 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         crate::keys::ensure_operator_key(&keys, &g.data_dir).await?;
         let grant = stemq_ingress::session::SessionGrant {
             owner: stemq_ingress::access::LOCAL_OWNER.into(),
-            role: stemq_core::auth::Role::Operator,
+            role: stemq_accounts::auth::Role::Operator,
             limits: crate::keys::LOCAL_LIMITS,
-            lifetime: stemq_core::auth::SESSION_LIFETIME,
+            lifetime: stemq_accounts::auth::SESSION_LIFETIME,
         };
         let (link, token) = stemq_ingress::session::SigninLink::new(keys.clone(), grant);
         (Some(std::sync::Arc::new(link)), Some(token))
@@ -282,10 +282,10 @@ pub async fn run(g: &Global, a: DevArgs) -> Result<()> {
         }
     }
     let js = async_nats::jetstream::new(client.clone());
-    let secrets = js.get_key_value(stemq_core::nats::WEBHOOKS_BUCKET).await?;
+    let secrets = js.get_key_value(stemq_nats::WEBHOOKS_BUCKET).await?;
     let local = stemq_ingress::access::LOCAL_OWNER;
     // The owner's webhook settings (and signing secret) exist before the first job.
-    stemq_core::webhook::owner_webhooks(&secrets, local).await?;
+    stemq_webhook::owner_webhooks(&secrets, local).await?;
     // For scripts and other terminals: where this stack's NATS is, written once the
     // stack is up.
     std::fs::write(g.data_dir.join("nats.url"), g.nats_url())?;

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use stemq_core::nats::{ClientTls, ConnectAuth, Settings};
-use stemq_core::telemetry::LogFormat;
+use stemq_nats::{ClientTls, ConnectAuth, Settings};
+use stemq_telemetry::logging::LogFormat;
 use tokio_util::sync::CancellationToken;
 
 /// Options every command takes.
@@ -63,7 +63,7 @@ impl Global {
         if let Some(p) = &self.nats_creds {
             return Some(p.clone());
         }
-        let dev = self.data_dir.join("nats/creds").join(format!("{}.nk", stemq_core::nats_users::OPERATOR));
+        let dev = self.data_dir.join("nats/creds").join(format!("{}.nk", stemq_nats::users::OPERATOR));
         dev.is_file().then_some(dev)
     }
 
@@ -89,7 +89,7 @@ impl Global {
     /// Connects to [`Global::nats_url`] as [`Global::nats_auth`] says, naming the
     /// connection `name`.
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
-        Ok(stemq_core::nats::connect_with(&self.nats_url(), name, &self.nats_auth()?).await?)
+        Ok(stemq_nats::connect_with(&self.nats_url(), name, &self.nats_auth()?).await?)
     }
 }
 

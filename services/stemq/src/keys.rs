@@ -1,5 +1,5 @@
 //! `stemq keys`: API keys from the command line, for operators. It talks to NATS
-//! directly (the `stemq_keys` bucket, through `stemq_core::auth`), so no ingress is
+//! directly (the `stemq_keys` bucket, through `stemq_accounts::auth`), so no ingress is
 //! needed; the ingress replicas see a new or revoked key within seconds.
 //!
 //! This module also owns `stemq dev`'s admin key: created for the owner `local` on first
@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use async_nats::jetstream::kv;
 use clap::Subcommand;
-use stemq_core::auth::{self, Limits, Role};
-use stemq_core::nats as names;
+use stemq_accounts::auth::{self, Limits, Role};
+use stemq_nats as names;
 
 use crate::global::Global;
 use crate::job_opts::PriorityArg;

@@ -40,10 +40,10 @@ use clap::Parser;
 /// Parses `std::env::args`, runs the command, and returns the process exit code.
 pub fn main_entry() -> std::process::ExitCode {
     let args = cli::Cli::parse();
-    stemq_core::telemetry::init(args.log_format(), args.service_name());
+    stemq_telemetry::logging::init(args.log_format(), args.service_name());
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = rt.block_on(cli::run(args));
-    stemq_core::telemetry::flush();
+    stemq_telemetry::logging::flush();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

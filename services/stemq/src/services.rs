@@ -16,9 +16,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use stemq_core::engine::{Engine, FakeEngine};
 use stemq_core::netpolicy::HostPolicy;
-use stemq_core::readiness::Readiness;
 use stemq_core::request::Model;
-use stemq_core::storage::Store;
+use stemq_storage::Store;
+use stemq_telemetry::readiness::Readiness;
 use tokio_util::sync::CancellationToken;
 
 use crate::global::{shutdown_on_signals, Global, MetricsArg, ServerSettings, StoreArg};
@@ -444,9 +444,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// service only opens what exists, and says so when something is missing.
 pub async fn connect(g: &Global, server: &ServerSettings, name: &str) -> Result<async_nats::Client> {
     let auth = g.nats_auth()?;
-    let client = stemq_core::nats::connect_with(&g.nats_url(), name, &auth).await?;
+    let client = stemq_nats::connect_with(&g.nats_url(), name, &auth).await?;
     if may_provision(&auth) {
-        stemq_core::nats::ensure(&async_nats::jetstream::new(client.clone()), &server.settings()).await?;
+        stemq_nats::ensure(&async_nats::jetstream::new(client.clone()), &server.settings()).await?;
     } else {
         let user = auth.credentials.as_ref().and_then(|c| c.user.clone()).unwrap_or_default();
         tracing::info!(%user, "connected as a NATS user: streams, consumers and buckets are the operator's (`stemq nats apply`)");
@@ -462,10 +462,10 @@ pub async fn connect_cli(g: &Global) -> Result<async_nats::Client> {
 
 /// True when this identity may create definitions: anonymous (a server without users)
 /// or the operator. Any other user opens what exists.
-fn may_provision(auth: &stemq_core::nats::ConnectAuth) -> bool {
+fn may_provision(auth: &stemq_nats::ConnectAuth) -> bool {
     match &auth.credentials {
         None => true,
-        Some(c) => c.user.as_deref() == Some(stemq_core::nats_users::OPERATOR),
+        Some(c) => c.user.as_deref() == Some(stemq_nats::users::OPERATOR),
     }
 }
 
@@ -712,7 +712,7 @@ pub async fn serve_metrics(
             waiting.push("NATS (connected)");
         }
         waiting.extend(readiness.pending());
-        let (code, text) = stemq_core::readiness::probe_answer(&waiting);
+        let (code, text) = stemq_telemetry::readiness::probe_answer(&waiting);
         (axum::http::StatusCode::from_u16(code).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE), text)
     };
     let app = axum::Router::new()
@@ -724,12 +724,12 @@ pub async fn serve_metrics(
                 let js = js.clone();
                 async move {
                     let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
-                    let format = stemq_core::metrics::Format::negotiate(accept);
+                    let format = stemq_telemetry::metrics::Format::negotiate(accept);
                     let figures = match queue {
-                        true => Some(stemq_core::metrics::read_queue(&js).await),
+                        true => Some(stemq_telemetry::metrics::read_queue(&js).await),
                         false => None,
                     };
-                    let body = stemq_core::metrics::metrics().encode(format, figures.as_ref());
+                    let body = stemq_telemetry::metrics::metrics().encode(format, figures.as_ref());
                     ([(axum::http::header::CONTENT_TYPE, format.content_type())], body)
                 }
             }),

@@ -7,19 +7,19 @@
 //! the oldest unfinished request, projector lag, running jobs with their progress, recent
 //! failures, and throughput (terminal jobs per second over the last refresh). No
 //! Prometheus needed: consumer info, the registry and a watch on the KV status bucket
-//! are enough (the same figures the queue exporter reads: `stemq_core::metrics::read_queue`).
+//! are enough (the same figures the queue exporter reads: `stemq_telemetry::metrics::read_queue`).
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
-use stemq_core::metrics::QueueFigures;
-use stemq_core::nats as names;
-use stemq_core::read::ListIndex;
-use stemq_core::registry::{self, WorkerInfo};
 use stemq_core::request::{Model, Priority};
 use stemq_core::{JobStatus, JobView};
+use stemq_nats as names;
+use stemq_nats::read::ListIndex;
+use stemq_nats::registry::{self, WorkerInfo};
+use stemq_telemetry::metrics::QueueFigures;
 use tokio_util::sync::CancellationToken;
 
 use crate::global::Global;
@@ -157,17 +157,17 @@ async fn snapshot(
     index: &ListIndex,
     last: &mut Option<(Instant, usize)>,
 ) -> Result<Screen> {
-    let queue = stemq_core::metrics::read_queue(js).await;
+    let queue = stemq_telemetry::metrics::read_queue(js).await;
     let mut running = Vec::new();
     for (id, _) in index.page(Some(JobStatus::Running), 50, None) {
-        if let Some((v, _)) = stemq_core::read::get_view(kv, &id).await? {
+        if let Some((v, _)) = stemq_nats::read::get_view(kv, &id).await? {
             running.push(v);
         }
     }
     let mut failures = Vec::new();
     for status in [JobStatus::Failed, JobStatus::DeadLettered] {
         for (id, _) in index.page(Some(status), 5, None) {
-            if let Some((v, _)) = stemq_core::read::get_view(kv, &id).await? {
+            if let Some((v, _)) = stemq_nats::read::get_view(kv, &id).await? {
                 failures.push(v);
             }
         }
@@ -223,7 +223,7 @@ pub async fn run(g: &Global, interval: Duration, once: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stemq_core::metrics::{ConsumerFigures, LaneFigures};
+    use stemq_telemetry::metrics::{ConsumerFigures, LaneFigures};
 
     fn worker(name: &str, models: &[Model], age_s: i64, now: DateTime<Utc>) -> WorkerInfo {
         WorkerInfo {

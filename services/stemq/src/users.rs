@@ -2,7 +2,7 @@
 //! services outside the stack (a `publisher` per owner, a `status-reader`).
 //!
 //! This module owns the command line of user management; the users, their permissions
-//! and the credential files are [`stemq_core::nats_users`]'s. The credentials live in a
+//! and the credential files are [`stemq_nats::users`]'s. The credentials live in a
 //! folder (default `<data-dir>/nats/creds`, the one `stemq dev` uses), one file per user
 //! (mode 0600). When that folder belongs to a server `stemq dev` runs, the server's
 //! `authorization` block is rewritten and the server reloaded, so the new user can
@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use stemq_core::nats_users::{self, Credentials, User, UserStore};
+use stemq_nats::users::{self as nats_users, Credentials, User, UserStore};
 
 use crate::global::Global;
 
@@ -79,7 +79,7 @@ fn add(dir: &std::path::Path, user: &User) -> Result<()> {
     // A folder of a server `stemq dev` runs: that server learns of the user now.
     let server_store = dir.parent().filter(|p| p.join("nats-server.conf").is_file());
     if let Some(store_dir) = server_store {
-        let reloaded = stemq_core::nats_server::refresh_users(store_dir)
+        let reloaded = stemq_devkit::nats_server::refresh_users(store_dir)
             .with_context(|| format!("updating the users of the server in {}", store_dir.display()))?;
         if reloaded {
             println!("the running nats-server in {} reloaded its users", store_dir.display());

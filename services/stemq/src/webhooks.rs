@@ -1,10 +1,10 @@
 //! `stemq webhooks`: the owner's webhook settings from the command line. It talks to
 //! NATS directly, through the same functions the ingress routes use
-//! (`stemq_core::webhook`), so no ingress is needed.
+//! (`stemq_webhook`), so no ingress is needed.
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use stemq_core::nats as names;
+use stemq_nats as names;
 
 use crate::global::Global;
 
@@ -36,7 +36,7 @@ async fn enable(g: &Global, owner: &str, url: &str) -> Result<()> {
         .get_key_value(names::WEBHOOKS_BUCKET)
         .await
         .context("the webhooks bucket is missing: run `stemq nats apply` or `stemq dev`")?;
-    let (_, was_disabled) = stemq_core::webhook::enable(&bucket, owner, url).await?;
+    let (_, was_disabled) = stemq_webhook::enable(&bucket, owner, url).await?;
     if was_disabled {
         println!("{url} enabled again for {owner}");
     } else {

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream::stream::{DirectGetError, DirectGetErrorKind};
 use futures::StreamExt;
-use stemq_core::nats::{job_events_filter, job_subject, SubjectKind};
 use stemq_core::JobId;
+use stemq_nats::{job_events_filter, job_subject, SubjectKind};
 use tracing::{info, warn};
 
 use crate::Shared;
@@ -69,10 +69,10 @@ pub(crate) async fn listen(
     client: async_nats::Client,
     running: Arc<Running>,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::SubscribeError> {
-    let mut sub = client.subscribe(format!("{}.*.cancel_requested", stemq_core::nats::JOBS_PREFIX)).await?;
+    let mut sub = client.subscribe(format!("{}.*.cancel_requested", stemq_nats::JOBS_PREFIX)).await?;
     Ok(tokio::spawn(async move {
         while let Some(m) = sub.next().await {
-            if let Some(id) = stemq_core::nats::job_id_of_subject(&m.subject) {
+            if let Some(id) = stemq_nats::job_id_of_subject(&m.subject) {
                 running.raise(&id);
             }
         }

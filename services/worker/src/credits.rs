@@ -1,4 +1,4 @@
-//! Paying for a job before its engine starts (the ledger: `stemq_core::ledger`).
+//! Paying for a job before its engine starts (the ledger: `stemq_accounts::ledger`).
 //!
 //! This module owns the worker's side of credits: with a price list in the
 //! configuration bucket, every attempt reserves what the job's audio costs before the
@@ -13,9 +13,9 @@
 use std::path::Path;
 
 use async_nats::jetstream;
+use stemq_accounts::ledger::{self, Close, Ledger, LedgerError, PriceCache};
 use stemq_core::event::Requested;
 use stemq_core::failure::FailureCode;
-use stemq_core::ledger::{self, Close, Ledger, LedgerError, PriceCache};
 use stemq_core::JobId;
 use tracing::{info, warn};
 
@@ -51,7 +51,7 @@ pub(crate) async fn reserve(
     input: &Path,
 ) -> Result<(), Failure> {
     let unavailable =
-        |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, stemq_core::error::report(&e));
+        |e: LedgerError| Failure::transient(FailureCode::CreditsUnavailable, stemq_nats::error::report(&e));
     let prices = match shared.credits.prices.get().await {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(()),
@@ -75,7 +75,7 @@ pub(crate) async fn reserve(
     }
     // Ended meanwhile (a cancel of the queued job, say)? Then nothing runs, and the
     // reservation this worker just made is given back here.
-    if stemq_core::read::outcome::has_ended(&shared.js, job_id).await.unwrap_or(false) {
+    if stemq_nats::read::outcome::has_ended(&shared.js, job_id).await.unwrap_or(false) {
         let how = Close::Release { reason: "ended before it ran".into() };
         if let Err(e) = shared.credits.ledger.close(&r.owner, job_id, &how).await {
             warn!(error = %e, "cannot release the reservation of a job that ended before it ran");

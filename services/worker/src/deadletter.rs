@@ -7,7 +7,7 @@
 //! consumer `deadletter`, one delivery per advisory across all workers) turns it into the
 //! job's `dead_lettered` outcome — unless the job already has an outcome, in which case
 //! the terminal subject refuses the second one. It reads its consumer through
-//! [`stemq_core::pull::messages`], so it keeps handling advisories after a server
+//! [`stemq_nats::pull::messages`], so it keeps handling advisories after a server
 //! restart or a recreated consumer.
 
 use std::time::Duration;
@@ -15,12 +15,12 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
 use serde::Deserialize;
-use stemq_core::error::JetStreamError;
 use stemq_core::event::{DeadLettered, EventBody, FailureCode};
-use stemq_core::nats::{self as names, job_id_of_subject, job_subject, SubjectKind};
-use stemq_core::publish::{publish_once, Once};
-use stemq_core::pull::{self, PullOptions};
 use stemq_core::Event;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::publish::{publish_once, Once};
+use stemq_nats::pull::{self, PullOptions};
+use stemq_nats::{self as names, job_id_of_subject, job_subject, SubjectKind};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use stemq_core::metrics::{metrics, DeviceLabels};
+use stemq_telemetry::metrics::{metrics, DeviceLabels};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use stemq_core::nats as names;
+use stemq_nats as names;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -138,8 +138,8 @@ impl Ears {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stemq_core::nats_server::{NatsServer, ServerOptions};
     use stemq_core::request::{Model, Priority};
+    use stemq_devkit::nats_server::{NatsServer, ServerOptions};
 
     /// A lane full for [`DEAF_AFTER`] stops hearing requests; once drained it hears
     /// them again, and asks to be looked at once more.
@@ -148,13 +148,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let server = NatsServer::start_with(dir.path(), ServerOptions { auth: false, ..Default::default() })
             .expect("nats-server >= 2.11 on PATH (scripts/install-nats.sh)");
-        let client = stemq_core::nats::connect(&server.url(), "test").await.unwrap();
+        let client = stemq_nats::connect(&server.url(), "test").await.unwrap();
         let routes = vec![(Model::Dsp, Priority::Interactive), (Model::Dsp, Priority::Batch)];
         let heard = Arc::new(Heard::new(routes));
         let (tracker, stop) = (TaskTracker::new(), CancellationToken::new());
         let wake = Arc::new(tokio::sync::Notify::new());
         let mut ears = Ears::open(client.clone(), heard.clone(), wake, tracker.clone(), stop.clone()).await.unwrap();
-        let publisher = stemq_core::nats::connect(&server.url(), "publisher").await.unwrap();
+        let publisher = stemq_nats::connect(&server.url(), "publisher").await.unwrap();
         let announce = |n: u32| {
             let publisher = publisher.clone();
             async move {

@@ -46,8 +46,8 @@ use async_nats::jetstream::{self, AckKind};
 use futures::future::OptionFuture;
 use stemq_core::device::Device;
 use stemq_core::event::{EventBody, FailureClass, FailureCode, Output, Rejected, Started};
-use stemq_core::nats::{job_events_filter, job_id_of_subject, job_subject, SubjectKind};
-use stemq_core::publish::{publish, publish_first_of, publish_once, First, Once};
+use stemq_nats::{job_events_filter, job_id_of_subject, job_subject, SubjectKind};
+use stemq_nats::publish::{publish, publish_first_of, publish_once, First, Once};
 use stemq_core::{Event, JobId};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -58,7 +58,7 @@ use self::ladder::run_engine;
 use self::validate::{validate, Valid};
 use crate::keepalive::spawn_keepalive;
 use crate::{control, Shared};
-use stemq_core::metrics::{metrics, JobLabels};
+use stemq_telemetry::metrics::{metrics, JobLabels};
 
 /// How long a first delivery's `started`, stored only while the job has no one-token
 /// event, keeps retrying a transient failure (a leader election) before the worker
@@ -92,7 +92,7 @@ pub(crate) async fn handle(
     // The payload is parsed once, here; validation below works on this result.
     let parsed = Event::from_slice(&msg.payload);
     let traceparent = parsed.as_ref().ok().and_then(|e| e.traceparent.as_deref());
-    stemq_core::telemetry::set_parent(&span, traceparent);
+    stemq_telemetry::logging::set_parent(&span, traceparent);
     let delivery = Delivery { msg, parsed, job_id, attempt, seq };
     run_delivery(shared, delivery, queue, hard_stop).instrument(span).await
 }
@@ -357,7 +357,7 @@ async fn execute(
 /// ack: the delivery comes back and tries again.
 async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut ev: Event) {
     let _span = info_span!("publish_outcome", kind = ev.body.kind()).entered();
-    ev.traceparent = stemq_core::telemetry::current_traceparent();
+    ev.traceparent = stemq_telemetry::logging::current_traceparent();
     drop(_span);
     let subject = job_subject(job_id, SubjectKind::Outcome);
     match publish_once(&shared.js, &subject, &ev, &format!("{job_id}.outcome")).await {
@@ -383,7 +383,7 @@ async fn finish(shared: &Shared, msg: &jetstream::Message, job_id: &JobId, mut e
 }
 
 async fn outcome_is_cancelled(shared: &Shared, job_id: &JobId) -> bool {
-    match stemq_core::read::outcome::outcome(&shared.js, job_id, stemq_core::read::outcome::From::Replica).await {
+    match stemq_nats::read::outcome::outcome(&shared.js, job_id, stemq_nats::read::outcome::From::Replica).await {
         Ok(Some(m)) => {
             Event::from_slice(&m.payload).map(|e| matches!(e.body, EventBody::Cancelled(_))).unwrap_or(false)
         }

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
 use stemq_core::event::{EventBody, Progress};
-use stemq_core::nats::{job_subject, SubjectKind};
-use stemq_core::publish::publish_within;
 use stemq_core::{Event, JobId};
+use stemq_nats::publish::publish_within;
+use stemq_nats::{job_subject, SubjectKind};
 use tokio::sync::watch;
 use tracing::warn;
 

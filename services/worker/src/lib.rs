@@ -50,12 +50,12 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
 use stemq_core::engine::Engine;
-use stemq_core::error::JetStreamError;
-use stemq_core::nats as names;
-use stemq_core::readiness::Condition;
-use stemq_core::registry::{self, WorkerInfo};
 use stemq_core::request::{Model, Priority};
-use stemq_core::storage::Store;
+use stemq_nats as names;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::registry::{self, WorkerInfo};
+use stemq_storage::Store;
+use stemq_telemetry::readiness::Condition;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -177,7 +177,7 @@ impl QueueSettings {
 pub(crate) struct Shared {
     pub js: jetstream::Context,
     pub jobs_stream: jetstream::stream::Stream<()>,
-    /// `STEMQ_OUTCOMES`: each job's one outcome (`stemq_core::read::outcome`).
+    /// `STEMQ_OUTCOMES`: each job's one outcome (`stemq_nats::read::outcome`).
     pub outcomes_stream: jetstream::stream::Stream<()>,
     pub engine: Arc<dyn Engine>,
     pub config: Config,
@@ -412,7 +412,7 @@ pub async fn run(
                     _ = stop.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                stemq_core::metrics::metrics().heartbeat(&name);
+                stemq_telemetry::metrics::metrics().heartbeat(&name);
                 if let Some((bucket, info)) = &announce {
                     let mut info = info.clone();
                     info.running = concurrency.saturating_sub(slots.available_permits());

@@ -12,8 +12,8 @@ use stemq_core::device::Device;
 use stemq_core::engine::{StemAudio, StemBytes, StemFile};
 use stemq_core::event::{FailureCode, Output, Requested};
 use stemq_core::request::Model;
-use stemq_core::storage::{output_key, Store};
 use stemq_core::JobId;
+use stemq_storage::{output_key, Store};
 
 use crate::job::Failure;
 
@@ -82,7 +82,7 @@ pub(crate) async fn store_outputs(
 ) -> Result<(Vec<Output>, String), Failure> {
     let ext = requested.request.output_format.extension();
     let first_audio = stems.first_audio();
-    let stored_or = |e: stemq_core::storage::StorageError| Failure::transient(FailureCode::Storage, e.to_string());
+    let stored_or = |e: stemq_storage::StorageError| Failure::transient(FailureCode::Storage, e.to_string());
     // In stem order; the first failure ends the attempt (the next one writes them all
     // again, over whatever was stored).
     let puts = stems.into_parts().into_iter().map(|(stem, audio, content)| async move {
@@ -123,7 +123,7 @@ pub(crate) async fn store_outputs(
             })
             .collect(),
     };
-    let key = stemq_core::storage::manifest_key(job_id.as_str());
+    let key = stemq_storage::manifest_key(job_id.as_str());
     let stored_manifest = store.put_bytes(&key, manifest.to_vec()).await.map_err(stored_or)?;
     Ok((stored.into_iter().map(|(o, _, _)| o).collect(), stored_manifest.uri))
 }

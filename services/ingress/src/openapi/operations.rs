@@ -3,7 +3,7 @@
 
 use axum::http::Method;
 use serde_json::json;
-use stemq_core::auth::Role;
+use stemq_accounts::auth::Role;
 use stemq_core::batch::BatchRequest;
 use stemq_core::request::{Model, OutputFormat};
 use stemq_core::{JobRequest, JobStatus};

@@ -18,9 +18,9 @@ use anyhow::{bail, Result};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use stemq_core::engine::FakeEngine;
-use stemq_core::nats_cluster::NatsCluster;
-use stemq_core::nats_server::NatsServer;
-use stemq_core::storage::Store;
+use stemq_devkit::nats_cluster::NatsCluster;
+use stemq_devkit::nats_server::NatsServer;
+use stemq_storage::Store;
 use stemq_core::JobId;
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -117,7 +117,7 @@ pub(super) async fn pipeline(
         Own::Nothing => g.nats_url(),
     };
     // Each part as its own user on a server of our own; as the flags say otherwise.
-    let auth = |user: &str| -> Result<stemq_core::nats::ConnectAuth> {
+    let auth = |user: &str| -> Result<stemq_nats::ConnectAuth> {
         match &own {
             Own::Server(s) => Ok(s.connect_auth(user)?),
             Own::Cluster(c) => Ok(c.connect_auth(user)?),
@@ -128,11 +128,11 @@ pub(super) async fn pipeline(
     if cluster {
         settings.replicas = 3;
     }
-    use stemq_core::nats_users::{OPERATOR, PROJECTOR, WORKER};
-    let client = stemq_core::nats::connect_with(&url, "stemq-bench", &auth(OPERATOR)?).await?;
+    use stemq_nats::users::{OPERATOR, PROJECTOR, WORKER};
+    let client = stemq_nats::connect_with(&url, "stemq-bench", &auth(OPERATOR)?).await?;
     let js = jetstream::new(client.clone());
-    stemq_core::nats::apply(&js, &settings).await?;
-    let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
+    stemq_nats::apply(&js, &settings).await?;
+    let kv = js.get_key_value(stemq_nats::JOBS_BUCKET).await?;
 
     let store = match store.as_str() {
         "memory" => Store::memory(),
@@ -147,8 +147,8 @@ pub(super) async fn pipeline(
     let mut wc = stemq_worker::Config::new(store.clone(), scratch_root.path().join("scratch"));
     wc.concurrency = workers;
     wc.deadletter = false;
-    let worker_client = stemq_core::nats::connect_with(&url, "stemq-bench-worker", &auth(WORKER)?).await?;
-    let projector_client = stemq_core::nats::connect_with(&url, "stemq-bench-projector", &auth(PROJECTOR)?).await?;
+    let worker_client = stemq_nats::connect_with(&url, "stemq-bench-worker", &auth(WORKER)?).await?;
+    let projector_client = stemq_nats::connect_with(&url, "stemq-bench-projector", &auth(PROJECTOR)?).await?;
     let engine: Arc<dyn stemq_core::engine::Engine> = match isolation {
         Isolation::None => Arc::new(FakeEngine::default()),
         Isolation::Process | Isolation::Shared => {
@@ -280,8 +280,8 @@ pub(super) async fn pipeline(
         async move { js.get_stream(name).await.ok().map(|s| s.cached_info().state.last_sequence) }
     };
     let (events, writes) = (
-        stored(stemq_core::nats::JOBS_STREAM.to_string()).await,
-        stored(format!("KV_{}", stemq_core::nats::JOBS_BUCKET)).await,
+        stored(stemq_nats::JOBS_STREAM.to_string()).await,
+        stored(format!("KV_{}", stemq_nats::JOBS_BUCKET)).await,
     );
     if let (Some(events), Some(writes)) = (events, writes) {
         let per_job = |n: u64| n as f64 / f.done.max(1) as f64;

@@ -18,7 +18,7 @@ use super::{own_server, Load};
 pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) -> Result<Figures> {
     let tmp = tempfile::tempdir()?;
     let server = own_server(&tmp.path().join("nats")).await?;
-    let client = server.connect_as(stemq_core::nats_users::OPERATOR, "stemq-bench-raw").await?;
+    let client = server.connect_as(stemq_nats::users::OPERATOR, "stemq-bench-raw").await?;
     let js = jetstream::new(client.clone());
     let stream = js
         .create_stream(jetstream::stream::Config {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use async_nats::jetstream;
-use stemq_core::storage::Store;
+use stemq_storage::Store;
 use tokio_util::sync::CancellationToken;
 
 use super::{own_server, BENCH_OWNER};
@@ -16,13 +16,13 @@ fn vm_hwm_kib(pid: u32) -> Option<u64> {
 }
 
 /// Runs each song length through a fresh worker process and reports its peak RSS.
-pub(super) async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) -> Result<()> {
+pub(super) async fn rss(settings: &stemq_nats::Settings, minutes: &[f64]) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let server = own_server(&tmp.path().join("nats")).await?;
-    let client = server.connect_as(stemq_core::nats_users::OPERATOR, "stemq-bench").await?;
+    let client = server.connect_as(stemq_nats::users::OPERATOR, "stemq-bench").await?;
     let js = jetstream::new(client.clone());
-    stemq_core::nats::apply(&js, settings).await?;
-    let kv = js.get_key_value(stemq_core::nats::JOBS_BUCKET).await?;
+    stemq_nats::apply(&js, settings).await?;
+    let kv = js.get_key_value(stemq_nats::JOBS_BUCKET).await?;
     let store = Store::local(&tmp.path().join("store"))?;
     let stop = CancellationToken::new();
     let p = tokio::spawn(stemq_projector::run(client.clone(), Default::default(), stop.clone()));
@@ -38,7 +38,7 @@ pub(super) async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) 
         let mut child = std::process::Command::new(&exe)
             .arg("worker")
             .env("NATS_URL", server.url())
-            .env("STEMQ_NATS_CREDS", server.credentials(stemq_core::nats_users::WORKER))
+            .env("STEMQ_NATS_CREDS", server.credentials(stemq_nats::users::WORKER))
             .env("STEMQ_STORE", store.base_url())
             .env("STEMQ_DATA_DIR", tmp.path())
             .env("STEMQ_ENGINE", "dsp")
@@ -57,7 +57,7 @@ pub(super) async fn rss(settings: &stemq_core::nats::Settings, minutes: &[f64]) 
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let view = loop {
-            if let Some((v, _)) = stemq_core::read::get_view(&kv, &resp.job_id).await? {
+            if let Some((v, _)) = stemq_nats::read::get_view(&kv, &resp.job_id).await? {
                 if v.status.is_terminal() {
                     break v;
                 }

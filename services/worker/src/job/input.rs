@@ -30,7 +30,7 @@ pub(super) async fn fetch_input(shared: &Shared, uri: &str, owner: &str, dir: &P
         .map_err(|e| Failure::permanent(FailureCode::InputNotAllowed, e.message))?;
     let bytes = store.get_to_file(key, &path).await.map_err(|e| match e {
         e if e.is_not_found() => Failure::permanent(FailureCode::InputNotFound, format!("{uri} does not exist")),
-        e @ stemq_core::storage::StorageError::Io { .. } => Failure::transient(FailureCode::Scratch, e.to_string()),
+        e @ stemq_storage::StorageError::Io { .. } => Failure::transient(FailureCode::Scratch, e.to_string()),
         e => Failure::transient(FailureCode::Storage, e.to_string()),
     })?;
     info!(event = "input.fetched", bytes, ms = t0.elapsed().as_millis() as u64, "input fetched");
@@ -41,7 +41,7 @@ pub(super) async fn fetch_input(shared: &Shared, uri: &str, owner: &str, dir: &P
 /// inputs are permanent; 5xx, 408, 429, timeouts, connection and DNS errors transient.
 impl From<FetchError> for Failure {
     fn from(e: FetchError) -> Failure {
-        let message = stemq_core::error::report(&e);
+        let message = stemq_nats::error::report(&e);
         let status_transient = |s: &reqwest::StatusCode| s.is_server_error() || s.as_u16() == 408 || s.as_u16() == 429;
         match &e {
             FetchError::Policy { source, .. } if source.is_transient() => {

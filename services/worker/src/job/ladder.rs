@@ -168,7 +168,7 @@ fn classify(e: EngineError) -> Failure {
         EngineError::InvalidInput { code, message } => Failure::permanent(code, message),
         EngineError::Unsupported { code, message } => Failure::permanent(code, message),
         e @ EngineError::Transient { .. } => {
-            Failure::transient(FailureCode::EngineError, stemq_core::error::report(&e))
+            Failure::transient(FailureCode::EngineError, stemq_nats::error::report(&e))
         }
         // The attempt's own process died: this job, and only it, pays an attempt.
         EngineError::Crashed(how) => Failure::transient(FailureCode::EngineCrashed, how.to_string()),

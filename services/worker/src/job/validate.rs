@@ -30,10 +30,10 @@ pub(super) enum Rejection {
     /// The request names another owner than the owner token of its subject: published
     /// by someone allowed to publish for that token's owner only (a publisher).
     #[error(transparent)]
-    OwnerMismatch(#[from] stemq_core::nats::OwnerMismatch),
+    OwnerMismatch(#[from] stemq_nats::OwnerMismatch),
     /// The request was routed into another pool or lane than its body names.
     #[error(transparent)]
-    RouteMismatch(#[from] stemq_core::nats::RouteMismatch),
+    RouteMismatch(#[from] stemq_nats::RouteMismatch),
     /// The request is invalid, or valid but not as the ingress would have normalised it
     /// (a raw publisher bypassed the ingress).
     #[error("{0}")]
@@ -77,8 +77,8 @@ pub(super) fn validate(
     if &computed != job_id || &ev.subject != job_id || ev.id != job_id.as_str() {
         return Err(Rejection::IdMismatch { computed, claimed: job_id.clone() });
     }
-    stemq_core::nats::check_request_owner(subject, &r.request.owner)?;
-    stemq_core::nats::check_request_route(subject, r.request.model, r.lane())?;
+    stemq_nats::check_request_owner(subject, &r.request.owner)?;
+    stemq_nats::check_request_route(subject, r.request.model, r.lane())?;
     // Re-validate the request itself: a raw publisher bypasses the ingress.
     r.request.revalidate(r.webhook.as_ref(), r.metadata.as_ref(), r.max_runtime).map_err(Rejection::Invalid)?;
     Ok(Valid { requested: r, at: ev.time, traceparent: ev.traceparent })
@@ -88,14 +88,14 @@ pub(super) fn validate(
 mod tests {
     use serde_json::json;
     use stemq_core::event::Started;
-    use stemq_core::nats::{job_subject, SubjectKind};
+    use stemq_nats::{job_subject, SubjectKind};
     use stemq_core::request::{JobRequest, Model, Priority, ANONYMOUS};
 
     use super::*;
 
     /// The routed subject of an interactive `htdemucs` request (what [`requested`] is).
     fn request_subject(id: &JobId, owner: &str) -> String {
-        stemq_core::nats::request_subject(id, owner, Model::Htdemucs, Priority::Interactive)
+        stemq_nats::request_subject(id, owner, Model::Htdemucs, Priority::Interactive)
     }
 
     fn requested() -> Event {
@@ -113,7 +113,7 @@ mod tests {
         assert!(validate(Ok(ev.clone()), &job_subject(&id, SubjectKind::Requested), &id).is_ok());
         // Routed into another pool or lane: refused (another pool's worker may not run it).
         for (model, lane) in [(Model::Dsp, Priority::Interactive), (Model::Htdemucs, Priority::Batch)] {
-            let wrong = stemq_core::nats::request_subject(&id, ANONYMOUS, model, lane);
+            let wrong = stemq_nats::request_subject(&id, ANONYMOUS, model, lane);
             let e = validate(Ok(ev.clone()), &wrong, &id).unwrap_err();
             assert_eq!(e.code(), FailureCode::RouteMismatch, "{e:?}");
         }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::TryStreamExt;
 use sha2::{Digest, Sha256};
-use stemq_core::storage::{StorageError, Store};
+use stemq_storage::{StorageError, Store};
 
 struct Server(Child);
 

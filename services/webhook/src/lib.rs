@@ -12,7 +12,7 @@
 //!   `stemq webhooks enable`);
 //! - [`delivery_attempts`]: the `delivery_attempted` record of a job read back from the
 //!   log (direct gets), which the relay numbers its attempts from and the ingress lists;
-//! - [`check_url`]: a receiver URL under the address policy of [`crate::netpolicy`]:
+//! - [`check_url`]: a receiver URL under the address policy of [`stemq_core::netpolicy`]:
 //!   https only, public addresses only, unless `STEMQ_WEBHOOK_ALLOW` ([`ALLOW_ENV`])
 //!   names the host or a CIDR holding its address (which then also permits plain http).
 //!   The check resolves the host once and returns the address, so the caller connects to
@@ -28,11 +28,11 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::event::{DeliveryAttempted, EventBody};
-use crate::nats::{job_subject, SubjectKind, JOBS_STREAM};
-pub use crate::netpolicy::{is_public, Allowlist, Target};
-use crate::netpolicy::{HostPolicy, UrlError};
-use crate::{Event, JobId};
+use stemq_core::event::{DeliveryAttempted, EventBody};
+pub use stemq_core::netpolicy::{is_public, Allowlist, Target};
+use stemq_core::netpolicy::{HostPolicy, UrlError};
+use stemq_core::{Event, JobId};
+use stemq_nats::{job_subject, SubjectKind, JOBS_STREAM};
 
 /// Prefix of symmetric secrets.
 pub const SECRET_PREFIX: &str = "whsec_";
@@ -171,10 +171,10 @@ pub struct SecretsError {
     pub message: String,
 }
 
-/// The bucket key of an owner: its [`crate::request::owner_token`] (the owner itself
+/// The bucket key of an owner: its [`stemq_core::request::owner_token`] (the owner itself
 /// when it is a plain name).
 pub fn owner_key(owner: &str) -> String {
-    crate::request::owner_token(owner)
+    stemq_core::request::owner_token(owner)
 }
 
 fn secrets_err(owner: &str, e: impl std::fmt::Display) -> SecretsError {
@@ -341,7 +341,7 @@ pub struct ReceiverUrlError(#[source] pub UrlError);
 /// Checks a receiver URL against the address policy (any public host, and the hosts and
 /// networks of `allow`) and resolves it once.
 pub async fn check_url(raw: &str, allow: &Allowlist) -> Result<Target, ReceiverUrlError> {
-    crate::netpolicy::check_url(raw, &HostPolicy::public(allow.clone())).await.map_err(ReceiverUrlError)
+    stemq_core::netpolicy::check_url(raw, &HostPolicy::public(allow.clone())).await.map_err(ReceiverUrlError)
 }
 
 #[cfg(test)]

@@ -9,13 +9,13 @@
 //! event, request and view types (JSON Schema draft-07, the dialect AsyncAPI schemas
 //! build on), each event type's payload being the CloudEvents envelope with that type's
 //! `type` and `data`; and who may publish, subscribe to or read each channel is worked
-//! out from the permissions of `nats/users.json` ([`crate::nats_users`]). What is said here
+//! out from the permissions of `nats/users.json` ([`crate::users`]). What is said here
 //! by hand: which event types go on which subject, and what the headers mean.
 
-use crate::batch::{BatchEvent, BatchId};
-use crate::event::Event;
-use crate::request::{owner_token, JobId, JobRequest, Model, Priority};
-use crate::view::JobView;
+use stemq_core::batch::{BatchEvent, BatchId};
+use stemq_core::event::Event;
+use stemq_core::request::{owner_token, JobId, JobRequest, Model, Priority};
+use stemq_core::view::JobView;
 use schemars::generate::{SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
@@ -25,7 +25,7 @@ use crate::nats::{
     job_subject, request_subject, stream_configs, unrouted_request_subject, Settings, SubjectKind, JOBS_BUCKET,
     SUBMIT_SUBJECT,
 };
-use crate::nats_users::{roles, User};
+use crate::users::{roles, User};
 
 /// Where the message schemas go (`#/components/schemas/<name>`).
 const DEFS: &str = "/components/schemas";

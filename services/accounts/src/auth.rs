@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::error::JetStreamError;
+use stemq_nats::error::JetStreamError;
 
 /// What a caller may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
@@ -213,7 +213,7 @@ pub struct KeyRecord {
     pub name: String,
     /// The lane of this key's jobs when a request names none (absent: interactive).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub priority: Option<crate::request::Priority>,
+    pub priority: Option<stemq_core::request::Priority>,
     /// When it stops authenticating (absent: never; a session key has one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<DateTime<Utc>>,
@@ -313,7 +313,7 @@ pub async fn create_with(
     role: Role,
     limits: Limits,
     name: &str,
-    priority: Option<crate::request::Priority>,
+    priority: Option<stemq_core::request::Priority>,
 ) -> Result<(ApiKey, KeyRecord), KeyError> {
     insert(bucket, owner, role, limits, name, priority, None).await
 }
@@ -342,7 +342,7 @@ async fn insert(
     role: Role,
     limits: Limits,
     name: &str,
-    priority: Option<crate::request::Priority>,
+    priority: Option<stemq_core::request::Priority>,
     expires_at: Option<DateTime<Utc>>,
 ) -> Result<(ApiKey, KeyRecord), KeyError> {
     if !valid_owner(owner) {
@@ -421,7 +421,7 @@ pub struct Caller {
     /// Its limits.
     pub limits: Limits,
     /// The lane of its jobs when a request names none.
-    pub priority: crate::request::Priority,
+    pub priority: stemq_core::request::Priority,
 }
 
 impl Caller {
@@ -475,7 +475,7 @@ impl KeyRing {
                 Err(e) => match cached {
                     Some((at, r)) if at.elapsed() < Self::STALE_IF_ERROR => {
                         tracing::warn!(key_id = %key.id, age_ms = at.elapsed().as_millis() as u64,
-                            error = %crate::error::report(&e),
+                            error = %stemq_nats::error::report(&e),
                             "keys bucket unreadable: using the key's cached record");
                         r
                     }

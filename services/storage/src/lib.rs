@@ -8,7 +8,7 @@
 //! duplicating; uploads are streamed and hashed on the way, never held in memory.
 //! A local store is this service's alone: its folder and every folder in it are mode
 //! 0700, every object 0600, so no other user of the machine reads an owner's audio.
-//! Which URIs may be *read* is [`crate::uri`]'s business.
+//! Which URIs may be *read* is [`stemq_core::uri`]'s business.
 
 use std::ops::Range;
 use std::path::Path;

@@ -10,7 +10,7 @@
 //! the queue metrics).
 //!
 //! The registry says who *announced* what; it never routes work. Routing is the pool
-//! consumers' (`stemq_core::nats::pool_consumer`): a job waits in its pool whatever the
+//! consumers' (`stemq_nats::pool_consumer`): a job waits in its pool whatever the
 //! registry says, and runs when a worker of that pool pulls it.
 
 use std::collections::HashMap;
@@ -23,7 +23,7 @@ use futures::StreamExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::request::Model;
+use stemq_core::request::Model;
 
 /// How often a worker writes its entry.
 pub const HEARTBEAT: Duration = Duration::from_secs(5);
@@ -84,7 +84,7 @@ pub enum RegistryError {
 /// The bucket key of a worker: its name when that is a valid key of letters, digits,
 /// `-`, `_` and `=`, else `h-` and the hex SHA-256 of the name.
 pub fn key_of(name: &str) -> String {
-    crate::request::owner_token(name)
+    stemq_core::request::owner_token(name)
 }
 
 /// Writes (or refreshes) `info`.

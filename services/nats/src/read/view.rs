@@ -8,7 +8,7 @@
 //! - [`current_view`] ([`Views::current`]): what a reader answers with. The KV view,
 //!   else — or when the stored view has not seen the request yet — the job's
 //!   `requested` event read from the log (direct gets, no projector lag; [`request_of`])
-//!   and folded with [`crate::apply`]. So a job that exists is never "not found", even
+//!   and folded with [`stemq_core::apply`]. So a job that exists is never "not found", even
 //!   right after its submit. A request on `stemq.jobs.<id>.requested.<token>` whose
 //!   owner is not the token's is not the job's request (the projector refuses it too).
 
@@ -16,7 +16,7 @@ use async_nats::jetstream::{self, kv};
 
 use crate::error::JetStreamError;
 use crate::nats::{self as names, check_request_owner, job_subject, request_filter, SubjectKind};
-use crate::{apply, Event, JobId, JobView, Position};
+use stemq_core::{apply, Event, JobId, JobView, Position};
 
 /// A view that could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -135,7 +135,7 @@ pub async fn request_of(
         if let Ok(event) = Event::from_slice(&m.payload) {
             // Only the job's own request: hashing to its id, for its subject's owner.
             let owner_ok = match &event.body {
-                crate::EventBody::Requested(r) => {
+                stemq_core::EventBody::Requested(r) => {
                     r.request.job_id() == *id
                         && check_request_owner(m.subject.as_str(), &r.request.owner).is_ok()
                         && names::check_request_route(m.subject.as_str(), r.request.model, r.lane()).is_ok()

@@ -16,7 +16,7 @@ use async_nats::jetstream::{self, message::StreamMessage, stream::DirectGetError
 
 use crate::error::JetStreamError;
 use crate::nats::{job_subject, SubjectKind, JOBS_STREAM, OUTCOMES_STREAM};
-use crate::JobId;
+use stemq_core::JobId;
 
 /// Where a read goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 //! store directory of our choosing, on a port the OS picks (or a given one). A restart
 //! keeps the port and the store, so clients reconnect and durable state survives.
 //!
-//! The server runs with stemq's users ([`crate::nats_users`]) unless
+//! The server runs with stemq's users ([`stemq_nats::users`]) unless
 //! [`ServerOptions::auth`] is off: credentials for every fixed user are created (once)
 //! in `<store>/creds/`, the configuration includes the `authorization` block rendered
 //! from them, and anonymous clients are refused. [`NatsServer::credentials`] names a
@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::nats::{ClientTls, ConnectAuth, NatsError, SERVER_CONF};
-use crate::nats_users::{UserStore, UsersError};
+use stemq_nats::users::{UserStore, UsersError};
+use stemq_nats::{ClientTls, ConnectAuth, NatsError, SERVER_CONF};
 
 /// Failures starting a server.
 #[derive(Debug, thiserror::Error)]
@@ -277,7 +277,7 @@ impl NatsServer {
     pub fn credentials(&self, user: &str) -> PathBuf {
         match &self.users {
             Some(u) => u.path(user),
-            None => self.store.join("creds").join(format!("{user}.{}", crate::nats_users::CREDENTIALS_EXT)),
+            None => self.store.join("creds").join(format!("{user}.{}", stemq_nats::users::CREDENTIALS_EXT)),
         }
     }
 
@@ -356,7 +356,7 @@ impl NatsServer {
     /// Connects as `user`, naming the connection `name`.
     pub async fn connect_as(&self, user: &str, name: &str) -> Result<async_nats::Client, NatsError> {
         let auth = self.connect_auth(user).map_err(|e| NatsError::Tls(e.to_string()))?;
-        crate::nats::connect_with(&self.url(), name, &auth).await
+        stemq_nats::connect_with(&self.url(), name, &auth).await
     }
 
     /// Adds (or finds) the publisher of `owner` and reloads the server so it may

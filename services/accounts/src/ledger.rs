@@ -49,10 +49,10 @@ use prometheus_client::metrics::family::Family;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::error::JetStreamError;
-use crate::publish::{publish_payload, PublishError, PATIENCE};
-use crate::request::{owner_token, Model};
-use crate::JobId;
+use stemq_core::request::{owner_token, Model};
+use stemq_core::JobId;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::publish::{publish_payload, PublishError, PATIENCE};
 
 /// A millionth of a credit.
 pub type Micro = i64;
@@ -572,7 +572,7 @@ pub enum LedgerError {
 }
 
 /// For `map_err`: reading `what` of the ledger failed.
-fn read<E: Into<crate::error::BoxError>>(what: &'static str) -> impl FnOnce(E) -> LedgerError {
+fn read<E: Into<stemq_nats::error::BoxError>>(what: &'static str) -> impl FnOnce(E) -> LedgerError {
     move |e| LedgerError::Read(JetStreamError::read(what)(e))
 }
 
@@ -613,7 +613,7 @@ fn skipped() -> &'static Family<SkipLabels, Counter> {
         for m in Misfit::ALL {
             let _ = f.get_or_create(&SkipLabels { reason: m.as_str() });
         }
-        crate::metrics::metrics().register(|r| {
+        stemq_telemetry::metrics::metrics().register(|r| {
             r.register(
                 "stemq_ledger_entries_skipped",
                 "Ledger entries left out of an account (unreadable, out of place or inconsistent), per reason",
@@ -916,6 +916,27 @@ pub fn fold<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> Account {
 mod tests {
     use super::*;
 
+    #[test]
+    fn each_kind_of_credit_movement_has_one_writer() {
+        use stemq_nats::users::{User, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
+        let may = |user: &str, subject: &str| {
+            User::from_name(user).permissions().unwrap().is_none_or(|p| p.publish.allow.iter().any(|s| s == subject))
+        };
+        let users = [OPERATOR, INGRESS, WORKER, PROJECTOR, RELAY, STATUS_READER, "publisher-acme"];
+        for kind in Kind::ALL {
+            let subject = format!("stemq.ledger.*.{}", kind.token());
+            for user in users {
+                let writer = user == kind.writer() || user == OPERATOR;
+                assert_eq!(may(user, &subject), writer, "{user} on {subject}");
+            }
+        }
+        for user in users {
+            for wide in ["stemq.ledger.*", "stemq.ledger.>", "stemq.ledger.*.*", ">"] {
+                assert_eq!(may(user, wide), user == OPERATOR, "{user} on {wide}");
+            }
+        }
+    }
+
     fn id(n: u8) -> JobId {
         JobId::parse(&format!("{n:064x}")).unwrap()
     }
@@ -936,7 +957,7 @@ mod tests {
         let e = Prices::parse(b"{").unwrap_err();
         assert!(matches!(e, PricesError::Json(_)));
         let e = LedgerError::Decode(e);
-        assert!(crate::error::report(&e).starts_with("the price list does not parse: not a price list: EOF"), "{e}");
+        assert!(stemq_nats::error::report(&e).starts_with("the price list does not parse: not a price list: EOF"), "{e}");
     }
 
     #[test]

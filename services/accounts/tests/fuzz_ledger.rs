@@ -9,13 +9,13 @@
 //! balance); and the entries that fitted fold again, on their own, into the same account.
 //! Corpus: `tests/corpus/ledger/`. See `fuzz_harness/mod.rs` for the knobs.
 
-#[path = "fuzz_harness/mod.rs"]
+#[path = "../../core/tests/fuzz_harness/mod.rs"]
 mod fuzz_harness;
 
 use std::path::Path;
 
 use fuzz_harness::{fuzz, Target};
-use stemq_core::ledger::{fold, Account};
+use stemq_accounts::ledger::{fold, Account};
 
 const OWNER: &str = "alice";
 

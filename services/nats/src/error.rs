@@ -8,7 +8,7 @@
 //! back the original error.
 //!
 //! ```
-//! use stemq_core::error::{JetStreamError, JetStreamErrorKind};
+//! use stemq_nats::error::{JetStreamError, JetStreamErrorKind};
 //! let e = JetStreamError::open("open bucket")(std::io::Error::other("timed out"));
 //! assert_eq!(e.kind(), JetStreamErrorKind::Open);
 //! assert_eq!(e.to_string(), "open bucket: timed out");

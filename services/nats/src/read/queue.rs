@@ -16,7 +16,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::JobView;
+use stemq_core::JobView;
 
 /// How many of a model's most recent successful jobs make its typical run time.
 pub const RUN_TIME_WINDOW: usize = 20;

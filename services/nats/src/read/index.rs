@@ -25,8 +25,8 @@ use tracing::warn;
 
 use super::queue::{self, Place, RUN_TIME_WINDOW};
 use crate::registry::WorkerInfo;
-use crate::request::{Model, Priority};
-use crate::{JobId, JobStatus, JobView};
+use stemq_core::request::{Model, Priority};
+use stemq_core::{JobId, JobStatus, JobView};
 
 type Key = (Reverse<i64>, JobId);
 
@@ -539,7 +539,7 @@ mod tests {
     fn pooled(n: u8, created_ms: i64, model: &str, lane: Priority, status: JobStatus) -> JobView {
         let mut v = view(n, created_ms * 1_000_000, status);
         let body = format!(r#"{{"audio_uri":"file:///s/uploads/{n}.wav","model":"{model}"}}"#);
-        v.request = Some(crate::JobRequest::from_slice(body.as_bytes()).unwrap().normalize("a").unwrap());
+        v.request = Some(stemq_core::JobRequest::from_slice(body.as_bytes()).unwrap().normalize("a").unwrap());
         v.priority = (lane == Priority::Batch).then_some(lane);
         v
     }
@@ -687,7 +687,10 @@ mod tests {
         assert_eq!(eta(&queued[2], &[]), None);
     }
 
-    fn stemq_core_request(owner: &str) -> crate::NormalizedRequest {
-        crate::JobRequest::from_slice(br#"{"audio_uri":"file:///s/uploads/x.wav"}"#).unwrap().normalize(owner).unwrap()
+    fn stemq_core_request(owner: &str) -> stemq_core::NormalizedRequest {
+        stemq_core::JobRequest::from_slice(br#"{"audio_uri":"file:///s/uploads/x.wav"}"#)
+            .unwrap()
+            .normalize(owner)
+            .unwrap()
     }
 }

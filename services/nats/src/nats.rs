@@ -7,13 +7,13 @@
 //! server or to any node of a cluster's URL list ([`server_addrs`]), reconnecting across
 //! the nodes, as a user ([`ConnectAuth`]: nkey credentials, TLS), logs the server's
 //! asynchronous errors (a permission denial arrives only that way) and refuses servers
-//! older than [`MIN_SERVER`]. Who may do what is [`crate::nats_users`]'s.
+//! older than [`MIN_SERVER`]. Who may do what is [`crate::users`]'s.
 //!
 //! Subjects:
 //! - `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>` — the request
 //!   (Nats-Msg-Id = job id, expected last subject sequence 0 over every request subject
 //!   of the job: one request per job, for as long as the log keeps it). The owner token
-//!   is the request's owner as [`crate::request::owner_token`] spells it, so a NATS
+//!   is the request's owner as [`stemq_core::request::owner_token`] spells it, so a NATS
 //!   user's subject permissions can bind it to one owner (a `publisher` user may publish
 //!   only `stemq.jobs.*.requested.<its owner>.>`); the worker and the projector refuse a
 //!   request whose body names another owner ([`check_request_owner`]). The model and the
@@ -46,8 +46,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use serde::Deserialize;
 
-use crate::nats_users::Credentials;
-use crate::request::{owner_token, JobId, Model, Priority};
+use crate::users::Credentials;
+use stemq_core::request::{owner_token, JobId, Model, Priority};
 
 /// Oldest nats-server we run on (see `docs/architecture.md`).
 pub const MIN_SERVER: (u64, u64) = (2, 11);
@@ -429,7 +429,7 @@ impl ConnectAuth {
     }
 
     /// As the user whose credentials file is `path`.
-    pub fn credentials_file(path: &std::path::Path) -> Result<ConnectAuth, crate::nats_users::CredentialsError> {
+    pub fn credentials_file(path: &std::path::Path) -> Result<ConnectAuth, crate::users::CredentialsError> {
         Ok(ConnectAuth { credentials: Some(Credentials::load(path)?), tls: ClientTls::default() })
     }
 

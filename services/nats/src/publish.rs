@@ -38,9 +38,9 @@ use async_nats::HeaderMap;
 use tokio::time::Instant;
 use tracing::warn;
 
-use crate::event::Event;
 use crate::nats::{job_filter, job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
-use crate::request::JobId;
+use stemq_core::event::Event;
+use stemq_core::request::JobId;
 
 /// Result of [`publish_once`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -298,8 +298,8 @@ pub async fn route_request(js: &jetstream::Context, id: &JobId, event: &Event) -
 /// refuses).
 fn owner_of(event: &Event) -> &str {
     match &event.body {
-        crate::EventBody::Requested(r) => r.request.owner.as_str(),
-        _ => crate::request::ANONYMOUS,
+        stemq_core::EventBody::Requested(r) => r.request.owner.as_str(),
+        _ => stemq_core::request::ANONYMOUS,
     }
 }
 
@@ -331,8 +331,13 @@ async fn publish_routed(
 /// anonymous interactive `htdemucs` request, which the worker refuses).
 pub fn request_subject_of(id: &JobId, event: &Event) -> String {
     match &event.body {
-        crate::EventBody::Requested(r) => request_subject(id, &r.request.owner, r.request.model, r.lane()),
-        _ => request_subject(id, crate::request::ANONYMOUS, crate::request::Model::Htdemucs, Default::default()),
+        stemq_core::EventBody::Requested(r) => request_subject(id, &r.request.owner, r.request.model, r.lane()),
+        _ => request_subject(
+            id,
+            stemq_core::request::ANONYMOUS,
+            stemq_core::request::Model::Htdemucs,
+            Default::default(),
+        ),
     }
 }
 

@@ -22,9 +22,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::nats as names;
-use crate::registry::{self, WorkerInfo};
-use crate::request::{Model, Priority};
+use stemq_core::request::{Model, Priority};
+use stemq_nats as names;
+use stemq_nats::registry::{self, WorkerInfo};
 
 /// Labels of per-job measurements.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -504,7 +504,7 @@ mod tests {
 
     /// A live worker serving `models`.
     fn worker(name: &str, models: &[Model]) -> WorkerInfo {
-        crate::registry::test_worker(name, models, 0)
+        stemq_nats::registry::test_worker(name, models, 0)
     }
 
     /// Queue figures as the exporting process reads them: 3 interactive dsp jobs
@@ -550,7 +550,6 @@ mod tests {
     fn deploy_rules_and_dashboard_use_exported_names() {
         let m = metrics();
         populate(m);
-        crate::ledger::register_metrics();
         let exported = m.encode(Format::OpenMetrics, Some(&queue()));
         let mut names: Vec<String> = exported
             .lines()
@@ -558,8 +557,16 @@ mod tests {
             .filter_map(|l| l.split_whitespace().next())
             .map(str::to_string)
             .collect();
-        // Families registered by the ingress.
-        names.extend(["stemq_http_requests", "stemq_http_request_duration_seconds", "stemq_submits"].map(String::from));
+        // Families registered by the ingress and by the ledger (stemq-accounts).
+        names.extend(
+            [
+                "stemq_http_requests",
+                "stemq_http_request_duration_seconds",
+                "stemq_submits",
+                "stemq_ledger_entries_skipped",
+            ]
+            .map(String::from),
+        );
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         for file in [
             "deploy/prometheus/alerts.yml",
@@ -747,7 +754,7 @@ mod tests {
         let m = metrics();
         populate(m);
         let text = m.encode(Format::Classic, Some(&queue()));
-        let Some(report) = crate::promtool::check_metrics(&text) else { return };
+        let Some(report) = stemq_devkit::promtool::check_metrics(&text) else { return };
         assert!(report.ok, "promtool check metrics:\n{}\n{text}", report.output);
     }
 
@@ -758,7 +765,7 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/prometheus");
         let (rules, tests) = (dir.join("alerts.yml"), dir.join("tests.yml"));
         for args in [["check", "rules", rules.to_str().unwrap()], ["test", "rules", tests.to_str().unwrap()]] {
-            let Some(report) = crate::promtool::run(&args) else { return };
+            let Some(report) = stemq_devkit::promtool::run(&args) else { return };
             assert!(report.ok, "promtool {args:?}:\n{}", report.output);
         }
     }

@@ -4,7 +4,7 @@
 //! This module owns the batch subjects and the two writes of a batch:
 //!
 //! - `stemq.batches.<batch id>.submitted`: one [`BatchSubmitted`] per submission round,
-//!   each the whole state merged with the one before ([`crate::batch::merge`]); the
+//!   each the whole state merged with the one before ([`stemq_core::batch::merge`]); the
 //!   latest is the batch. A round is written with compare-and-set on the subject's last
 //!   sequence ([`record_round`]), so two rounds of one batch at once (two ingresses, a
 //!   client that retries) both land, merged, and neither is lost;
@@ -28,12 +28,12 @@ use async_nats::jetstream::{self, stream::Stream};
 use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 
-use crate::batch::{merge, BatchEvent, BatchEventBody, BatchId, BatchSubmitted, BatchView};
 use crate::error::JetStreamError;
-use crate::event::DeliveryAttempted;
 use crate::nats::{BATCHES_PREFIX, BATCHES_STREAM, BATCH_JOBS_PREFIX, JOBS_STREAM};
 use crate::publish::{publish_payload, publish_payload_once, Once, PublishError};
-use crate::request::JobId;
+use stemq_core::batch::{merge, BatchEvent, BatchEventBody, BatchId, BatchSubmitted, BatchView};
+use stemq_core::event::DeliveryAttempted;
+use stemq_core::request::JobId;
 
 /// The body of a membership (`stemq.batch_jobs.<job id>.<batch id>`): batch
 /// `batch_id` holds job `job_id`.
@@ -336,13 +336,13 @@ pub async fn record_attempt(
 
 /// The terminal status of job `id` from its outcome event (`crate::read::outcome`), read
 /// from the streams' leaders: `None` while the job has not ended.
-pub async fn job_outcome(js: &jetstream::Context, id: &JobId) -> Result<Option<crate::JobStatus>, JetStreamError> {
+pub async fn job_outcome(js: &jetstream::Context, id: &JobId) -> Result<Option<stemq_core::JobStatus>, JetStreamError> {
     match crate::read::outcome::outcome(js, id, crate::read::outcome::From::Leader).await? {
         Some(m) => {
-            let event = crate::Event::from_slice(&m.payload).map_err(|e| unreadable("read a job outcome", e))?;
-            let status = crate::apply(None, crate::Position::Log(m.sequence), &event).map(|v| v.status);
+            let event = stemq_core::Event::from_slice(&m.payload).map_err(|e| unreadable("read a job outcome", e))?;
+            let status = stemq_core::apply(None, stemq_core::Position::Log(m.sequence), &event).map(|v| v.status);
             // An outcome that does not fold into a terminal status is still an end.
-            Ok(Some(status.filter(|s| s.is_terminal()).unwrap_or(crate::JobStatus::Failed)))
+            Ok(Some(status.filter(|s| s.is_terminal()).unwrap_or(stemq_core::JobStatus::Failed)))
         }
         None => Ok(None),
     }

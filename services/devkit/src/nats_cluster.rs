@@ -7,7 +7,7 @@
 //! stable names `n1`, `n2`, `n3` (a node's name is its RAFT identity). All nodes share one
 //! credentials folder (`<dir>/creds`), so every stemq user may connect to any node.
 //! Clients get the whole list ([`NatsCluster::urls`]) and reconnect across nodes
-//! ([`crate::nats::connect_with`]).
+//! ([`stemq_nats::connect_with`]).
 //!
 //! Faults: [`NatsCluster::kill`] (SIGKILL), [`NatsCluster::restart`] (same ports and
 //! store), [`NatsCluster::rolling_restart`] (lame duck, restart, wait for `/healthz`, one
@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 
-use crate::nats::{ConnectAuth, NatsError};
 use crate::nats_server::{free_ports, ClusterNode, NatsServer, ServerError, ServerOptions};
+use stemq_nats::{ConnectAuth, NatsError};
 
 /// The cluster's name in every node's `cluster` block.
 pub const CLUSTER_NAME: &str = "stemq";
@@ -178,7 +178,7 @@ impl NatsCluster {
     /// Connects as `user` to the whole cluster (any node; reconnects across them).
     pub async fn connect_as(&self, user: &str, name: &str) -> Result<async_nats::Client, NatsError> {
         let auth = self.connect_auth(user).map_err(|e| NatsError::Tls(e.to_string()))?;
-        crate::nats::connect_with(&self.urls(), name, &auth).await
+        stemq_nats::connect_with(&self.urls(), name, &auth).await
     }
 
     /// SIGKILL node `i`: no goodbye, no lame duck.

@@ -1,0 +1,29 @@
+//! stemq-nats: how stemq lives in NATS JetStream.
+//!
+//! The crate root holds the layout (subjects, stream, consumer and bucket names), how a
+//! process connects ([`connect_with`], [`ConnectAuth`]) and the definitions applied from
+//! the repository's `nats/` folder ([`apply`], [`ensure`]). The modules:
+//!
+//! - [`asyncapi`]: the AsyncAPI document of what stemq publishes and reads in NATS;
+//! - [`publish`]: publishing events once (request, outcome) or plainly;
+//! - [`pull`]: the pull loop of every long-running consumer (resubscribes when its stream ends);
+//! - [`read`]: the read side: one job's view (the KV view, else the request from the
+//!   log), the list index and its cursor, a job's outcome;
+//! - [`registry`]: the worker registry (`stemq_workers`): who lives and what each serves;
+//! - [`batch_log`]: the batch log (`STEMQ_BATCHES`): a batch's rounds, its jobs, its end;
+//! - [`users`]: NATS users and their permissions (`nats/users.json`), nkey credentials,
+//!   the server's `authorization` block;
+//! - [`error`]: the one error type of a failed JetStream call in the services.
+
+mod nats;
+
+pub mod asyncapi;
+pub mod batch_log;
+pub mod error;
+pub mod publish;
+pub mod pull;
+pub mod read;
+pub mod registry;
+pub mod users;
+
+pub use nats::*;
