@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs besides Rust and nats-server, into ./.stemq/venv:
-# - moto's S3-compatible server (`moto_server`), used by services/core/tests/s3.rs;
+# - moto's S3-compatible server (`moto_server`), used by services/storage/tests/s3.rs;
 # - nats-py (with nkeys) and standardwebhooks, used by tests/python/foreign_service.py
 #   (run from tests/tests/python.rs);
 # - promtool (Debian package `prometheus`), which checks the alert rules and the
-#   classic /metrics body (scripts/test.sh, services/core/src/promtool.rs). It needs
+#   classic /metrics body (scripts/test.sh, services/devkit/src/promtool.rs). It needs
 #   apt-get as root; elsewhere it says so and goes on (scripts/test.sh and the tests
 #   then print SKIPPED for the promtool checks, or fail in CI);
 # - schemathesis (tests/api/requirements.txt, pinned), which tests the HTTP API against

@@ -19,7 +19,8 @@ use serde_json::json;
 use stemq_core::event::{EventBody, Succeeded};
 use stemq_core::request::{Model, Priority};
 use stemq_core::{Event, JobId, JobRequest, JobStatus, JobView};
-use stemq_nats::users::{Credentials, INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
+use stemq_nats::credentials::Credentials;
+use stemq_nats::users::{INGRESS, OPERATOR, PROJECTOR, RELAY, STATUS_READER, WORKER};
 use stemq_nats::{self as names, job_subject, request_subject, unrouted_request_subject, SubjectKind};
 use stemq_tests::{job_body, job_id, Stack, StackOptions, TEST_OWNER};
 

@@ -170,7 +170,7 @@ async fn services_connect_over_tls_and_plaintext_is_refused() {
     assert!(!answer.contains("PONG"), "a plaintext client was served: {answer:?}");
 
     // TLS without trusting the CA (system roots only): the handshake fails.
-    let creds = stemq_nats::users::Credentials::load(&server.credentials(WORKER)).unwrap();
+    let creds = stemq_nats::credentials::Credentials::load(&server.credentials(WORKER)).unwrap();
     let untrusting =
         async_nats::ConnectOptions::with_nkey(creds.seed().to_string()).require_tls(true).connect(server.url()).await;
     assert!(untrusting.is_err(), "a client that does not trust the CA connected");
@@ -190,7 +190,7 @@ async fn a_verifying_server_wants_a_client_certificate_from_its_ca() {
         verify: true,
     };
     let server = start(dir.path(), tls).await;
-    let creds = stemq_nats::users::Credentials::load(&server.credentials(WORKER)).unwrap();
+    let creds = stemq_nats::credentials::Credentials::load(&server.credentials(WORKER)).unwrap();
     let without = async_nats::ConnectOptions::with_nkey(creds.seed().to_string())
         .add_root_certificates(pki.ca.clone())
         .require_tls(true)

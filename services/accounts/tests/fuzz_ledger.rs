@@ -7,7 +7,8 @@
 //! after every message the account holds together (what is reserved is the sum of the
 //! open reservations, the balance is granted less charged, no total is negative but the
 //! balance); and the entries that fitted fold again, on their own, into the same account.
-//! Corpus: `tests/corpus/ledger/`. See `fuzz_harness/mod.rs` for the knobs.
+//! Corpus: `tests/corpus/ledger/`. See `services/core/tests/fuzz_harness/mod.rs` for the
+//! knobs.
 
 #[path = "../../core/tests/fuzz_harness/mod.rs"]
 mod fuzz_harness;

@@ -11,14 +11,16 @@
 //!   log), the list index and its cursor, a job's outcome;
 //! - [`registry`]: the worker registry (`stemq_workers`): who lives and what each serves;
 //! - [`batch_log`]: the batch log (`STEMQ_BATCHES`): a batch's rounds, its jobs, its end;
-//! - [`users`]: NATS users and their permissions (`nats/users.json`), nkey credentials,
-//!   the server's `authorization` block;
+//! - [`users`]: NATS users and their permissions (`nats/users.json`), the server's
+//!   `authorization` block;
+//! - [`credentials`]: a user's nkey seed and its file, what a process connects with;
 //! - [`error`]: the one error type of a failed JetStream call in the services.
 
 mod nats;
 
 pub mod asyncapi;
 pub mod batch_log;
+pub mod credentials;
 pub mod error;
 pub mod publish;
 pub mod pull;

@@ -7,7 +7,8 @@
 //! server or to any node of a cluster's URL list ([`server_addrs`]), reconnecting across
 //! the nodes, as a user ([`ConnectAuth`]: nkey credentials, TLS), logs the server's
 //! asynchronous errors (a permission denial arrives only that way) and refuses servers
-//! older than [`MIN_SERVER`]. Who may do what is [`crate::users`]'s.
+//! older than [`MIN_SERVER`]. Who may do what is [`crate::users`]'s;
+//! the credentials a user connects with are [`crate::credentials`]'s.
 //!
 //! Subjects:
 //! - `stemq.jobs.<id>.requested.<owner token>.<model>.<lane>` — the request
@@ -46,7 +47,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use serde::Deserialize;
 
-use crate::users::Credentials;
+use crate::credentials::Credentials;
 use stemq_core::request::{owner_token, JobId, Model, Priority};
 
 /// Oldest nats-server we run on (see `docs/architecture.md`).
@@ -429,7 +430,7 @@ impl ConnectAuth {
     }
 
     /// As the user whose credentials file is `path`.
-    pub fn credentials_file(path: &std::path::Path) -> Result<ConnectAuth, crate::users::CredentialsError> {
+    pub fn credentials_file(path: &std::path::Path) -> Result<ConnectAuth, crate::credentials::CredentialsError> {
         Ok(ConnectAuth { credentials: Some(Credentials::load(path)?), tls: ClientTls::default() })
     }
 

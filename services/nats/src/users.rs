@@ -10,22 +10,21 @@
 //!   `stemq.jobs.*.requested.<owner token>`);
 //! - every user has an inbox prefix of its own, `_INBOX_<user>`, and may subscribe only
 //!   below it, so no user reads another's replies, PubAcks or pull deliveries;
-//! - [`Credentials`]: a user's nkey seed, written to a file of its own (mode 0600) that
-//!   names the user and its inbox prefix in comment lines; the seed line is a plain NATS
-//!   user seed, so `nats --nkey FILE` reads the same file. The server only ever sees
-//!   public keys;
+//! - each user's [`Credentials`] (`crate::credentials`), one file per user; the server
+//!   only ever sees public keys;
 //! - [`UserStore`]: a folder of credential files (mode 0700) — one per user — and the
 //!   `authorization` block of nats-server's configuration rendered from them
 //!   ([`UserStore::authorization_conf`]). `stemq dev`, the test harness (through
 //!   `stemq_devkit::nats_server::NatsServer`) and `stemq nats users add-publisher` keep one.
 
-use std::fmt;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use stemq_core::request::owner_token;
+
+use crate::credentials::{Credentials, CredentialsError};
 
 /// `nats/users.json`.
 pub const USERS_DEF: &str = include_str!("../../../nats/users.json");
@@ -66,25 +65,6 @@ pub enum UsersError {
     /// The credentials folder could not be read or written.
     #[error("credentials folder {0}")]
     Io(PathBuf, #[source] io::Error),
-}
-
-/// A credentials file that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum CredentialsError {
-    /// The file could not be read.
-    #[error("cannot read NATS credentials {0}")]
-    Read(PathBuf, #[source] io::Error),
-    /// No `SU…` seed line in it.
-    #[error("{0} holds no NATS user nkey seed (a line starting with `SU`)")]
-    NoSeed(PathBuf),
-    /// The seed does not decode.
-    #[error("{path}: the nkey seed is not valid: {message}")]
-    BadSeed {
-        /// The file.
-        path: PathBuf,
-        /// The nkeys error (never the seed).
-        message: String,
-    },
 }
 
 /// One role of `nats/users.json`.
@@ -217,107 +197,6 @@ impl User {
     }
 }
 
-/// A user's credentials: its nkey seed, and who it is. [`fmt::Debug`] never prints the
-/// seed.
-#[derive(Clone)]
-pub struct Credentials {
-    /// The user name, when the file names it.
-    pub user: Option<String>,
-    /// The inbox prefix to connect with (`ConnectOptions::custom_inbox_prefix`), when
-    /// the file names it; a user whose inbox is not the default must set it, or every
-    /// request times out.
-    pub inbox_prefix: Option<String>,
-    seed: String,
-}
-
-impl fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Credentials")
-            .field("user", &self.user)
-            .field("inbox_prefix", &self.inbox_prefix)
-            .field("seed", &"<secret>")
-            .finish()
-    }
-}
-
-impl Credentials {
-    /// New credentials (a fresh key pair) for `user`.
-    pub fn generate(user: &User) -> Credentials {
-        let kp = nkeys::KeyPair::new_user();
-        Credentials {
-            user: Some(user.name.clone()),
-            inbox_prefix: Some(user.inbox_prefix()),
-            seed: kp.seed().expect("a generated key pair has a seed"),
-        }
-    }
-
-    /// The seed (`SU…`): the secret.
-    pub fn seed(&self) -> &str {
-        &self.seed
-    }
-
-    /// The public key (`U…`) the server configuration names.
-    pub fn public_key(&self) -> String {
-        nkeys::KeyPair::from_seed(&self.seed).map(|k| k.public_key()).unwrap_or_default()
-    }
-
-    /// Reads a credentials file: [`Credentials::file_text`]'s form, or a file holding
-    /// only a seed (then the user and inbox prefix are unknown).
-    pub fn load(path: &Path) -> Result<Credentials, CredentialsError> {
-        let text = std::fs::read_to_string(path).map_err(|e| CredentialsError::Read(path.to_path_buf(), e))?;
-        Credentials::parse(&text, path)
-    }
-
-    /// Parses a credentials file's text (`path` only names it in errors).
-    pub fn parse(text: &str, path: &Path) -> Result<Credentials, CredentialsError> {
-        let (mut user, mut inbox_prefix, mut seed) = (None, None, None);
-        for line in text.lines().map(str::trim) {
-            if let Some(meta) = line.strip_prefix('#') {
-                if let Some((k, v)) = meta.split_once(':') {
-                    match k.trim() {
-                        "user" => user = Some(v.trim().to_string()),
-                        "inbox_prefix" => inbox_prefix = Some(v.trim().to_string()),
-                        _ => {}
-                    }
-                }
-            } else if line.starts_with("SU") && seed.is_none() {
-                seed = Some(line.to_string());
-            }
-        }
-        let seed = seed.ok_or_else(|| CredentialsError::NoSeed(path.to_path_buf()))?;
-        nkeys::KeyPair::from_seed(&seed)
-            .map_err(|e| CredentialsError::BadSeed { path: path.to_path_buf(), message: e.to_string() })?;
-        Ok(Credentials { user, inbox_prefix, seed })
-    }
-
-    /// The file's text: comment lines naming the user and its inbox prefix, then the
-    /// seed on a line of its own.
-    pub fn file_text(&self) -> String {
-        let user = self.user.as_deref().unwrap_or("?");
-        let inbox = self.inbox_prefix.as_deref().unwrap_or("_INBOX");
-        format!(
-            "# stemq NATS credentials. Secret: keep this file mode 0600 and out of version control.\n\
-             # The last line is a NATS user nkey seed (`nats --nkey FILE` reads this file as it is);\n\
-             # connect with the inbox prefix below, the only inbox this user may subscribe to.\n\
-             # user: {user}\n\
-             # inbox_prefix: {inbox}\n\
-             {}\n",
-            self.seed
-        )
-    }
-
-    /// Writes the file, readable by its owner only (0600), replacing any old one.
-    pub fn write(&self, path: &Path) -> io::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let tmp = path.with_extension("tmp");
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
-        f.write_all(self.file_text().as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    }
-}
-
 /// A folder of credential files, one per user (`<user>.nk`), and the server
 /// configuration rendered from them.
 #[derive(Debug, Clone)]
@@ -350,7 +229,9 @@ impl UserStore {
         role(&user.role)?;
         let path = self.path(&user.name);
         if !path.exists() {
-            Credentials::generate(user).write(&path).map_err(|e| UsersError::Io(path.clone(), e))?;
+            Credentials::generate(&user.name, &user.inbox_prefix())
+                .write(&path)
+                .map_err(|e| UsersError::Io(path.clone(), e))?;
         }
         Ok(path)
     }

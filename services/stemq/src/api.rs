@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use clap::Args;
 use futures::StreamExt;
 use reqwest::{Method, RequestBuilder};
 use serde::de::DeserializeOwned;
@@ -22,27 +21,9 @@ use stemq_ingress::uploads::UploadResponse;
 use tokio::io::AsyncWriteExt;
 
 use crate::client::{print_list_header, print_list_row, JobBar, SubmitArgs};
+use crate::global::ApiArgs;
 
-/// `--api URL` and `--api-key KEY`: send the client commands to the HTTP API.
-#[derive(Debug, Args, Clone, Default)]
-pub struct ApiArgs {
-    /// The stemq HTTP API (e.g. `http://127.0.0.1:8080`): talk to it instead of NATS, so
-    /// no NATS URL or store is needed.
-    #[arg(long, env = "STEMQ_API", global = true, value_name = "URL", help_heading = "HTTP API")]
-    pub api: Option<url::Url>,
-    /// The API key, sent as `Authorization: Bearer KEY` (with `--api`); default: the key
-    /// `stemq dev` wrote to `<data-dir>/admin.key`, if any.
-    #[arg(
-        long,
-        env = "STEMQ_API_KEY",
-        global = true,
-        value_name = "KEY",
-        hide_env_values = true,
-        help_heading = "HTTP API"
-    )]
-    pub api_key: Option<String>,
-}
-
+// `ApiArgs` is one of the option groups of `global`; this is how it becomes a client.
 impl ApiArgs {
     /// The API client, when `--api` is given.
     pub fn client(&self, data_dir: &Path) -> Option<Api> {

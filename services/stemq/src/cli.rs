@@ -15,9 +15,9 @@ use stemq_core::batch::BatchId;
 use stemq_telemetry::logging::LogFormat;
 use stemq_core::{JobId, JobStatus};
 
-use crate::api::ApiArgs;
 use crate::client::SubmitArgs;
 use crate::dev::DevArgs;
+use crate::global::ApiArgs;
 use crate::global::{Global, ServerSettings};
 use crate::services::{EngineArgs, IngressArgs, ProjectorArgs, RelayServiceArgs, WorkerArgs};
 

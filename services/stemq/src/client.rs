@@ -17,8 +17,7 @@ use stemq_nats::read::{self, ListIndex, Views};
 use stemq_storage::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::ApiArgs;
-use crate::global::{Global, StoreArg};
+use crate::global::{ApiArgs, Global, StoreArg};
 use crate::job_opts::{json_of, set_fields, EncodingArg, FormatArg, OutputOpts, PriorityArg, SplitOpts};
 
 /// `stemq submit`: the job request in the spellings of `stemq separate` (demucs's), with

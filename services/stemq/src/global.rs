@@ -1,6 +1,6 @@
 //! What every command shares, apart from the parser: the global options, the option
 //! groups that several subcommands flatten (server settings, object store, metrics
-//! address), the log format, and the shutdown signal.
+//! address, the HTTP API), the log format, and the shutdown signal.
 //!
 //! This module owns the process-wide context a command runs in. `cli.rs` parses into
 //! these types and dispatches; the command modules (`services`, `client`, `dev`, ...)
@@ -206,4 +206,24 @@ pub fn shutdown_on_signals() -> CancellationToken {
         t.cancel();
     });
     token
+}
+
+/// `--api URL` and `--api-key KEY`: send the client commands to the HTTP API.
+#[derive(Debug, Args, Clone, Default)]
+pub struct ApiArgs {
+    /// The stemq HTTP API (e.g. `http://127.0.0.1:8080`): talk to it instead of NATS, so
+    /// no NATS URL or store is needed.
+    #[arg(long, env = "STEMQ_API", global = true, value_name = "URL", help_heading = "HTTP API")]
+    pub api: Option<url::Url>,
+    /// The API key, sent as `Authorization: Bearer KEY` (with `--api`); default: the key
+    /// `stemq dev` wrote to `<data-dir>/admin.key`, if any.
+    #[arg(
+        long,
+        env = "STEMQ_API_KEY",
+        global = true,
+        value_name = "KEY",
+        hide_env_values = true,
+        help_heading = "HTTP API"
+    )]
+    pub api_key: Option<String>,
 }

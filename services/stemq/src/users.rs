@@ -13,7 +13,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use stemq_nats::users::{self as nats_users, Credentials, User, UserStore};
+use stemq_nats::credentials::Credentials;
+use stemq_nats::users::{self as nats_users, User, UserStore};
 
 use crate::global::Global;
 

@@ -4,7 +4,8 @@
 //! allocation.
 //!
 //! Shared by the fuzz targets of several crates (`#[path]`-included):
-//! `services/core/tests/fuzz_request.rs`, `fuzz_event.rs`, `services/audio/tests/fuzz.rs`,
+//! `services/core/tests/fuzz_request.rs`, `fuzz_event.rs`,
+//! `services/accounts/tests/fuzz_ledger.rs`, `services/audio/tests/fuzz.rs`,
 //! `services/demucs/tests/fuzz_checkpoint.rs`.
 //!
 //! * Corpus: `<crate>/tests/corpus/<target>/` holds the seeds (every plain file);

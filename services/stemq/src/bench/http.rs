@@ -15,7 +15,7 @@ pub struct HttpLoad {
     /// The ingress (`--api URL`, required) and the key (a `submit` key of `--owner`,
     /// or an operator's).
     #[command(flatten)]
-    pub api: crate::api::ApiArgs,
+    pub api: crate::global::ApiArgs,
     /// Requests offered per second, at evenly spaced times.
     #[arg(long, default_value_t = 1000.0)]
     pub rate: f64,
