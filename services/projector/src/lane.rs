@@ -173,14 +173,14 @@ impl Lane {
                 Err(e) => {
                     // Not an event we can read: never retried, never lost (it stays in the log).
                     warn!(lane, seq, subject = %msg.subject, error = %e, "unreadable event; terminating it");
-                    stemq_telemetry::metrics::metrics().projector_error("unreadable_event");
+                    crate::metrics::metrics().error("unreadable_event");
                     let _ = msg.ack_with(AckKind::Term).await;
                     continue;
                 }
             };
             if let Some((kind, error)) = refusal(&msg.subject, &event) {
                 warn!(lane, seq, subject = %msg.subject, %error, "refusing an event that is not its subject's job's");
-                stemq_telemetry::metrics::metrics().projector_error(kind);
+                crate::metrics::metrics().error(kind);
                 let _ = msg.ack_with(AckKind::Term).await;
                 continue;
             }
@@ -231,7 +231,7 @@ impl Lane {
                     }
                 }
                 Err(e) => {
-                    stemq_telemetry::metrics::metrics().projector_error(e.kind());
+                    crate::metrics::metrics().error(e.kind());
                     let error = stemq_nats::error::report(&e);
                     if matches!(e, ProjectorError::CorruptView { .. }) {
                         error!(job_id = %id, kind = e.kind(), %error, "stored view does not parse; not overwriting it (stemq projector --rebuild replaces it)");

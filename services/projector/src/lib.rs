@@ -12,6 +12,7 @@
 //! | `write` | one job's fold written with compare-and-set, or refolded from the log |
 //! | `reset` | the view dropped and recreated, for a replay of the log ([`reset()`]) |
 //! | [`ledger`] | credit reservations closed from job outcomes |
+//! | [`metrics`] | the fold's own figures: errors by kind, refolds |
 //!
 //! What holds, however many projectors share the consumers:
 //! - **Per job, the view is the fold of its log, whoever applies what.** A log event at
@@ -30,6 +31,7 @@
 
 mod lane;
 pub mod ledger;
+pub mod metrics;
 mod plan;
 mod reset;
 mod write;
@@ -191,6 +193,8 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), ProjectorError> {
+    // Every family is exported from the start, at zero.
+    metrics::metrics();
     let js = jetstream::new(client);
     let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
     let log = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;

@@ -55,7 +55,7 @@ impl Job<'_> {
                 }
                 Plan::Write(v) => *v,
                 Plan::Refold { upto } => {
-                    stemq_telemetry::metrics::metrics().projector_refold();
+                    crate::metrics::metrics().refold();
                     let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
                         return Ok(unchanged(reread));
                     };

@@ -144,7 +144,7 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
         DeliveryResult::Failed => "failed",
         DeliveryResult::Disabled => "disabled",
     };
-    stemq_telemetry::metrics::metrics().webhook(outcome, a.latency);
+    crate::metrics::metrics().webhook(outcome, a.latency);
     record(shared, d, n, &a, result, next).await;
     next.map_or(After::Over, After::Retry)
 }

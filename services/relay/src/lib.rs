@@ -32,6 +32,7 @@ mod batches;
 mod claim;
 mod handle;
 mod memo;
+pub mod metrics;
 mod schedule;
 
 pub use memo::ProgressMemo;
@@ -140,6 +141,8 @@ pub async fn serve(
     memo: ProgressMemo,
     shutdown: CancellationToken,
 ) -> Result<(), RelayError> {
+    // Every family is exported from the start, at zero.
+    metrics::metrics();
     let js = jetstream::new(client);
     let views = Views::open(&js).await?;
     let webhooks =

@@ -35,6 +35,9 @@ pub mod top;
 pub mod users;
 pub mod webhooks;
 
+#[cfg(test)]
+mod metrics_tests;
+
 use clap::Parser;
 
 /// Parses `std::env::args`, runs the command, and returns the process exit code.

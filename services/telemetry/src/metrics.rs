@@ -1,13 +1,15 @@
-//! Prometheus metrics shared by every stemq process.
+//! Prometheus metrics: the process-wide registry every stemq service registers into.
 //!
-//! This module owns the metric names (`stemq_<name>_<unit>`, low-cardinality labels:
-//! model, device, outcome, class, consumer, kind) and the process-wide registry. Each service
-//! records into it; whichever serves `/metrics` (the ingress, or the small metrics
-//! listener of a worker or projector process) renders all of it, so `stemq dev` shows
-//! everything on one endpoint. Queue figures that NATS already knows (pending and in
-//! flight per pool consumer and lane, oldest pending, projector lag, live workers per
-//! model from the worker registry) are read at scrape time by [`read_queue`], and only
-//! in the one process that exports them ([`QueueFigures`]).
+//! This module owns the registry and how it is exposed: a service registers its own
+//! families once per process ([`Metrics::register`]; the ingress's, the worker's, the
+//! projector's, the relay's and the ledger's live in their crates), and whichever serves
+//! `/metrics` (the ingress, or the small metrics listener of a worker or projector
+//! process) renders all of it, so `stemq dev` shows every service on one endpoint. Names
+//! are `stemq_<name>_<unit>` with low-cardinality labels (model, device, outcome, class,
+//! consumer, kind). Queue figures that NATS already knows (pending and in flight per pool
+//! consumer and lane, oldest pending, projector lag, live workers per model from the
+//! worker registry) are read at scrape time by [`read_queue`], and only in the one
+//! process that exports them ([`QueueFigures`]).
 //! It also owns the exposition formats ([`Format`]): classic text 0.0.4 unless the
 //! scraper asks for OpenMetrics.
 
@@ -16,185 +18,30 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use stemq_core::request::{Model, Priority};
 use stemq_nats as names;
 use stemq_nats::registry::{self, WorkerInfo};
 
-/// Labels of per-job measurements.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct JobLabels {
-    /// Model of the job.
-    pub model: String,
-    /// Device it ran on.
-    pub device: String,
-}
-
-/// Labels of outcomes.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    /// Model of the job.
-    pub model: String,
-    /// `succeeded`, `degraded`, `failed_permanent`, `failed_transient`, `dead_lettered`,
-    /// `cancelled`, `rejected`, `expired`.
-    pub outcome: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WebhookLabels {
-    outcome: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ProjectorErrorLabels {
-    kind: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerLabels {
-    worker: String,
-}
-
-/// Every metric stemq records.
+/// The process-wide registry.
 pub struct Metrics {
     registry: Mutex<Registry>,
-    /// Wall time of successful attempts.
-    pub job_duration: Family<JobLabels, Histogram>,
-    /// Time from request to first start.
-    pub queue_wait: Family<JobLabels, Histogram>,
-    /// Processing seconds per second of audio.
-    pub realtime_factor: Family<JobLabels, Histogram>,
-    /// Outcomes, including transient failures that are retried.
-    pub outcomes: Family<OutcomeLabels, Counter>,
-    /// Delivery count of jobs when they end (1 = first try).
-    pub deliveries: Histogram,
-    projector_errors: Family<ProjectorErrorLabels, Counter>,
-    projector_refolds: Counter,
-    heartbeat: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    webhooks: Family<WebhookLabels, Counter>,
-    webhook_latency: Histogram,
-    /// GPU memory in use per device (set by GPU engines; absent on CPU-only workers).
-    pub gpu_memory: Family<DeviceLabels, Gauge>,
 }
 
-/// Labels of per-device gauges.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DeviceLabels {
-    /// `cuda:0`, ...
-    pub device: String,
-}
-
-/// The process-wide metrics.
+/// The process-wide registry (empty until the services register their families).
 pub fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
-    M.get_or_init(|| {
-        let mut r = Registry::default();
-        let secs = || Histogram::new(exponential_buckets(0.01, 2.0, 18));
-        let job_duration = Family::<JobLabels, Histogram>::new_with_constructor(secs);
-        let queue_wait = Family::<JobLabels, Histogram>::new_with_constructor(secs);
-        let realtime_factor = Family::<JobLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.005, 2.0, 14))
-        });
-        let outcomes = Family::<OutcomeLabels, Counter>::default();
-        let deliveries = Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 10.0]);
-        let projector_errors = Family::<ProjectorErrorLabels, Counter>::default();
-        let projector_refolds = Counter::default();
-        let heartbeat = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        let gpu_memory = Family::<DeviceLabels, Gauge>::default();
-        r.register("stemq_gpu_memory_used_bytes", "GPU memory in use, per device", gpu_memory.clone());
-        let webhooks = Family::<WebhookLabels, Counter>::default();
-        let webhook_latency = Histogram::new(exponential_buckets(0.005, 2.0, 14));
-        r.register(
-            "stemq_webhook_deliveries",
-            "Webhook delivery attempts by outcome (delivered, retrying, failed, disabled)",
-            webhooks.clone(),
-        );
-        r.register("stemq_webhook_delivery_duration_seconds", "Webhook attempt latency", webhook_latency.clone());
-        r.register("stemq_job_duration_seconds", "Wall time of successful attempts", job_duration.clone());
-        r.register("stemq_job_queue_wait_seconds", "Time from request to the first start", queue_wait.clone());
-        r.register(
-            "stemq_job_realtime_factor",
-            "Processing seconds per second of audio (lower is faster)",
-            realtime_factor.clone(),
-        );
-        r.register(
-            "stemq_job_outcomes",
-            "Job outcomes: succeeded, degraded, failed_permanent, failed_transient (retried), dead_lettered, \
-             cancelled, rejected, expired",
-            outcomes.clone(),
-        );
-        r.register("stemq_job_deliveries", "Deliveries a job took before it ended", deliveries.clone());
-        r.register(
-            "stemq_projector_errors",
-            "Events the projector could not apply yet, by kind (corrupt_view, kv_read, kv_write, \
-             log_read, log_behind, kv_conflict, unreadable_event); each is retried, never skipped",
-            projector_errors.clone(),
-        );
-        r.register(
-            "stemq_projector_refolds",
-            "Jobs the projector refolded from the log because an event came behind its view \
-             (overtaken by another projector, a redelivery or a retried fold)",
-            projector_refolds.clone(),
-        );
-        r.register(
-            "stemq_worker_heartbeat_timestamp_seconds",
-            "Last heartbeat of each worker (Unix seconds)",
-            heartbeat.clone(),
-        );
-        Metrics {
-            registry: Mutex::new(r),
-            job_duration,
-            queue_wait,
-            realtime_factor,
-            outcomes,
-            deliveries,
-            projector_errors,
-            projector_refolds,
-            heartbeat,
-            webhooks,
-            webhook_latency,
-            gpu_memory,
-        }
-    })
+    M.get_or_init(|| Metrics { registry: Mutex::new(Registry::default()) })
 }
 
 impl Metrics {
-    /// Adds service-specific metrics to the shared registry.
+    /// Adds a service's families to the registry (once per process: a name registered
+    /// twice is exported twice).
     pub fn register(&self, f: impl FnOnce(&mut Registry)) {
         f(&mut self.registry.lock().expect("registry lock"));
-    }
-
-    /// Counts one outcome.
-    pub fn outcome(&self, model: &str, outcome: &str) {
-        self.outcomes.get_or_create(&OutcomeLabels { model: model.into(), outcome: outcome.into() }).inc();
-    }
-
-    /// Records one webhook attempt.
-    pub fn webhook(&self, outcome: &str, latency: Duration) {
-        self.webhooks.get_or_create(&WebhookLabels { outcome: outcome.into() }).inc();
-        self.webhook_latency.observe(latency.as_secs_f64());
-    }
-
-    /// Counts one projector error of `kind` (`corrupt_view`, `kv_read`, `kv_write`,
-    /// `log_read`, `kv_conflict`, `unreadable_event`, ...).
-    pub fn projector_error(&self, kind: &str) {
-        self.projector_errors.get_or_create(&ProjectorErrorLabels { kind: kind.into() }).inc();
-    }
-
-    /// Counts one job refolded from the log by the projector.
-    pub fn projector_refold(&self) {
-        self.projector_refolds.inc();
-    }
-
-    /// Records a worker heartbeat.
-    pub fn heartbeat(&self, worker: &str) {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        self.heartbeat.get_or_create(&WorkerLabels { worker: worker.into() }).set(now.as_secs_f64());
     }
 
     /// The classic Prometheus text format of this process's own metrics (no queue
@@ -531,158 +378,11 @@ mod tests {
         }
     }
 
-    /// Gives every family a sample, so each one appears in the text format.
-    fn populate(m: &Metrics) {
-        m.outcome("dsp", "succeeded");
-        m.heartbeat("w1");
-        m.projector_error("corrupt_view");
-        m.webhook("delivered", Duration::from_millis(30));
-        let l = JobLabels { model: "dsp".into(), device: "cpu".into() };
-        m.job_duration.get_or_create(&l).observe(1.5);
-        m.queue_wait.get_or_create(&l).observe(0.1);
-        m.realtime_factor.get_or_create(&l).observe(0.05);
-        m.gpu_memory.get_or_create(&DeviceLabels { device: "cuda:0".into() }).set(1 << 30);
-    }
-
-    /// Every `stemq_*` name the alert rules and the dashboard in deploy/ use is one we
-    /// export, so a rename cannot silently break paging.
-    #[test]
-    fn deploy_rules_and_dashboard_use_exported_names() {
-        let m = metrics();
-        populate(m);
-        let exported = m.encode(Format::OpenMetrics, Some(&queue()));
-        let mut names: Vec<String> = exported
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .filter_map(|l| l.split_whitespace().next())
-            .map(str::to_string)
-            .collect();
-        // Families registered by the ingress and by the ledger (stemq-accounts).
-        names.extend(
-            [
-                "stemq_http_requests",
-                "stemq_http_request_duration_seconds",
-                "stemq_submits",
-                "stemq_ledger_entries_skipped",
-            ]
-            .map(String::from),
-        );
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        for file in [
-            "deploy/prometheus/alerts.yml",
-            "deploy/prometheus/tests.yml",
-            "deploy/grafana/stemq-dashboard.json",
-            "docs/operations.md",
-        ] {
-            let text = std::fs::read_to_string(root.join(file)).unwrap();
-            let mut rest = text.as_str();
-            while let Some(i) = rest.find("stemq_") {
-                let tail = &rest[i..];
-                let end = tail
-                    .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
-                    .unwrap_or(tail.len());
-                let used = &tail[..end];
-                rest = &tail[end..];
-                if [
-                    "stemq_jobs",
-                    "stemq_keys",
-                    "stemq_limits",
-                    "stemq_webhooks",
-                    "stemq_delivery_claims",
-                    "stemq_workers",
-                ]
-                .contains(&used)
-                {
-                    continue; // the KV buckets, not metrics
-                }
-                if used.ends_with('_') {
-                    continue; // a prefix, as in `stemq_queue_*`
-                }
-                let base =
-                    ["_bucket", "_count", "_sum", "_total"].iter().find_map(|s| used.strip_suffix(s)).unwrap_or(used);
-                assert!(
-                    names.iter().any(|n| n == used || n == base),
-                    "{file} uses `{used}`, which no stemq process exports"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn names_follow_the_convention() {
-        let m = metrics();
-        populate(m);
-        let text = m.encode(Format::Classic, Some(&queue()));
-        for name in [
-            "stemq_job_duration_seconds",
-            "stemq_job_queue_wait_seconds",
-            "stemq_job_realtime_factor",
-            "stemq_job_outcomes_total",
-            "stemq_job_deliveries",
-            "stemq_queue_pending_jobs",
-            "stemq_queue_in_flight_jobs",
-            "stemq_queue_oldest_pending_age_seconds",
-            "stemq_pool_workers",
-            "stemq_jobs_waiting_for_worker",
-            "stemq_projector_lag_events",
-            "stemq_projector_errors_total",
-            "stemq_projector_refolds_total",
-            "stemq_worker_heartbeat_timestamp_seconds",
-            "stemq_webhook_deliveries_total",
-            "stemq_webhook_delivery_duration_seconds",
-        ] {
-            assert!(text.contains(&format!("# TYPE {name}")) || text.contains(&format!("{name}{{")), "{name}");
-        }
-        for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
-            assert!(line.starts_with("# TYPE stemq_"), "{line}");
-        }
-        assert!(text.contains(r#"stemq_job_outcomes_total{model="dsp",outcome="succeeded"} "#), "{text}");
-    }
-
-    /// Issue "alerts that tell the truth" (c): the classic body is what the classic
-    /// parser expects: counters' TYPE names the `_total` series, a HELP line for every
-    /// family, no OpenMetrics-only lines.
-    #[test]
-    fn classic_text_types_counters_as_their_total_series() {
-        let m = metrics();
-        populate(m);
-        let text = m.encode(Format::Classic, Some(&queue()));
-        assert!(text.contains("# TYPE stemq_job_outcomes_total counter\n"), "{text}");
-        assert!(text.contains("# TYPE stemq_webhook_deliveries_total counter\n"), "{text}");
-        for line in ["# EOF", "# UNIT", "_created"] {
-            assert!(!text.contains(line), "{line} in the classic body:\n{text}");
-        }
-        let helped: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# HELP ")?.split(' ').next()).collect();
-        let typed: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
-        assert_eq!(helped, typed, "a HELP line before every TYPE line");
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let name = &line[..line.find(['{', ' ']).unwrap()];
-            assert!(
-                typed
-                    .iter()
-                    .any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
-                "{name} has no TYPE line"
-            );
-        }
-    }
-
-    #[test]
-    fn openmetrics_body_ends_with_one_eof() {
-        let m = metrics();
-        populate(m);
-        let text = m.encode(Format::OpenMetrics, Some(&queue()));
-        assert!(text.ends_with("# EOF\n"), "{text}");
-        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
-        assert!(text.contains("# TYPE stemq_job_outcomes counter\n"), "{text}");
-        assert!(text.contains("stemq_queue_pending_jobs{consumer=\"workers\"} 1\n"), "{text}");
-    }
-
     /// Issue 12: the queue figures are per pool and lane, with the pool's model and lane
     /// as labels; live workers per model; jobs waiting in a pool nobody serves.
     #[test]
     fn queue_figures_are_per_pool_and_lane() {
         let m = metrics();
-        populate(m);
         let text = m.encode(Format::Classic, Some(&queue()));
         for series in [
             r#"stemq_queue_pending_jobs{consumer="workers-dsp-interactive",model="dsp",lane="interactive"} 3"#,
@@ -716,7 +416,6 @@ mod tests {
     #[test]
     fn only_the_queue_exporter_exports_queue_figures() {
         let m = metrics();
-        populate(m);
         for format in [Format::Classic, Format::OpenMetrics] {
             let other = m.encode(format, None);
             for family in
@@ -745,17 +444,6 @@ mod tests {
         assert_eq!(Format::negotiate(["application/json"]), Format::Classic);
         assert_eq!(Format::OpenMetrics.content_type(), "application/openmetrics-text; version=1.0.0; charset=utf-8");
         assert_eq!(Format::Classic.content_type(), "text/plain; version=0.0.4; charset=utf-8");
-    }
-
-    /// `promtool check metrics` (Debian's `prometheus` package) accepts the classic body.
-    /// Without promtool it fails in CI and is skipped elsewhere (`promtool::available`).
-    #[test]
-    fn promtool_accepts_the_classic_body() {
-        let m = metrics();
-        populate(m);
-        let text = m.encode(Format::Classic, Some(&queue()));
-        let Some(report) = stemq_devkit::promtool::check_metrics(&text) else { return };
-        assert!(report.ok, "promtool check metrics:\n{}\n{text}", report.output);
     }
 
     /// The alert rules are valid and pass their unit tests (`deploy/prometheus/tests.yml`:

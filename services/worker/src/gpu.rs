@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use stemq_telemetry::metrics::{metrics, DeviceLabels};
+use crate::metrics::{metrics, DeviceLabels};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -94,7 +94,7 @@ mod tests {
         std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755)).unwrap();
         let read = sample(&probe).await.unwrap();
         assert_eq!(read, vec![("cuda:0".to_string(), 2048 << 20), ("cuda:3".to_string(), 512 << 20)]);
-        let text = metrics().render();
+        let text = stemq_telemetry::metrics::metrics().render();
         assert!(text.contains(r#"stemq_gpu_memory_used_bytes{device="cuda:3"} 536870912"#), "{text}");
         let missing = dir.path().join("absent");
         assert!(sample(&missing).await.is_err());

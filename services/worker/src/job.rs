@@ -58,7 +58,7 @@ use self::ladder::run_engine;
 use self::validate::{validate, Valid};
 use crate::keepalive::spawn_keepalive;
 use crate::{control, Shared};
-use stemq_telemetry::metrics::{metrics, JobLabels};
+use crate::metrics::{metrics, JobLabels};
 
 /// How long a first delivery's `started`, stored only while the job has no one-token
 /// event, keeps retrying a transient failure (a leader election) before the worker

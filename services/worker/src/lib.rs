@@ -40,6 +40,7 @@ pub mod hearing;
 pub mod isolate;
 pub mod job;
 mod keepalive;
+pub mod metrics;
 mod outputs;
 pub mod scratch;
 
@@ -294,6 +295,8 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
+    // Every family is exported from the start, at zero.
+    metrics::metrics();
     let js = jetstream::new(client.clone());
     let models = engine.models();
     if models.is_empty() {
@@ -412,7 +415,7 @@ pub async fn run(
                     _ = stop.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                stemq_telemetry::metrics::metrics().heartbeat(&name);
+                metrics::metrics().heartbeat(&name);
                 if let Some((bucket, info)) = &announce {
                     let mut info = info.clone();
                     info.running = concurrency.saturating_sub(slots.available_permits());
