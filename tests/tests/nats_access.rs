@@ -692,7 +692,7 @@ async fn the_queue_exporters_read_every_pool_and_the_registry() {
     }
     for user in [PROJECTOR, RELAY, WORKER] {
         let c = stack.connect_as(user).await;
-        let q = stemq_telemetry::metrics::read_queue(&jetstream::new(c)).await;
+        let q = stemq_nats::queue_figures::read_queue(&jetstream::new(c)).await;
         assert_eq!(q.lanes.len(), names::pool_consumers().len(), "{user} reads every pool: {q:?}");
         assert!(q.unrouted.is_some() && q.projector.is_some(), "{user}: {q:?}");
         assert_eq!(q.serving(Model::Dsp), Some(1), "{user} reads the registry: {q:?}");

@@ -118,7 +118,7 @@ pub struct Config {
     pub audio_urls: Option<HostPolicy>,
     /// Export the queue figures (`stemq_queue_*`, `stemq_projector_lag_events`) on
     /// `/metrics` (`--queue-metrics`). Exactly one process of a deployment should: see
-    /// [`stemq_telemetry::metrics::QueueFigures`].
+    /// [`stemq_nats::queue_figures::QueueFigures`].
     pub queue_metrics: bool,
     /// Refuse (422) a submit for a model no live worker serves, instead of queueing it
     /// to wait for one (`--refuse-unserved-models`; on in `stemq dev`, whose one worker is

@@ -88,7 +88,7 @@ impl Metrics {
     /// ingress is the queue exporter (`queue`).
     pub async fn render(&self, format: Format, queue: bool) -> String {
         let figures = match queue {
-            true => Some(stemq_telemetry::metrics::read_queue(&self.js).await),
+            true => Some(stemq_nats::queue_figures::read_queue(&self.js).await),
             false => None,
         };
         stemq_telemetry::metrics::metrics().encode(format, figures.as_ref())

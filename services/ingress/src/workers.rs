@@ -189,7 +189,7 @@ pub const THROUGHPUT_MINUTES: usize = 15;
 /// `GET /v1/overview` (operators): the queue and the jobs at a glance, beside
 /// `GET /v1/workers`.
 pub async fn overview(State(state): State<AppState>) -> Json<Overview> {
-    let queue = stemq_telemetry::metrics::read_queue(state.jetstream()).await;
+    let queue = stemq_nats::queue_figures::read_queue(state.jetstream()).await;
     let index = state.index();
     let counts = index.counts().into_iter().map(|(s, n)| (s.as_str().to_string(), n)).collect();
     let oldest_queued = index

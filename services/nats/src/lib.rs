@@ -9,6 +9,8 @@
 //! - [`pull`]: the pull loop of every long-running consumer (resubscribes when its stream ends);
 //! - [`read`]: the read side: one job's view (the KV view, else the request from the
 //!   log), the list index and its cursor, a job's outcome;
+//! - [`queue_figures`]: the backlog per pool consumer and lane, and who serves it, read
+//!   in one go (the queue exporter's gauges, `stemq top`);
 //! - [`registry`]: the worker registry (`stemq_workers`): who lives and what each serves;
 //! - [`batch_log`]: the batch log (`STEMQ_BATCHES`): a batch's rounds, its jobs, its end;
 //! - [`users`]: NATS users and their permissions (`nats/users.json`), the server's
@@ -24,6 +26,7 @@ pub mod credentials;
 pub mod error;
 pub mod publish;
 pub mod pull;
+pub mod queue_figures;
 pub mod read;
 pub mod registry;
 pub mod users;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use stemq_core::request::{Model, Priority};
 use stemq_nats::registry::WorkerInfo;
-use stemq_telemetry::metrics::{metrics, ConsumerFigures, Format, LaneFigures, Metrics, QueueFigures};
+use stemq_nats::queue_figures::{ConsumerFigures, LaneFigures, QueueFigures};
+use stemq_telemetry::metrics::{metrics, Format, Metrics};
 use stemq_worker::metrics::{DeviceLabels, JobLabels};
 
 /// A live worker serving `models`.

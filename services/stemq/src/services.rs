@@ -726,7 +726,7 @@ pub async fn serve_metrics(
                     let accept = headers.get_all(axum::http::header::ACCEPT).iter().filter_map(|v| v.to_str().ok());
                     let format = stemq_telemetry::metrics::Format::negotiate(accept);
                     let figures = match queue {
-                        true => Some(stemq_telemetry::metrics::read_queue(&js).await),
+                        true => Some(stemq_nats::queue_figures::read_queue(&js).await),
                         false => None,
                     };
                     let body = stemq_telemetry::metrics::metrics().encode(format, figures.as_ref());

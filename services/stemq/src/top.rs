@@ -7,7 +7,7 @@
 //! the oldest unfinished request, projector lag, running jobs with their progress, recent
 //! failures, and throughput (terminal jobs per second over the last refresh). No
 //! Prometheus needed: consumer info, the registry and a watch on the KV status bucket
-//! are enough (the same figures the queue exporter reads: `stemq_telemetry::metrics::read_queue`).
+//! are enough (the same figures the queue exporter reads: `stemq_nats::queue_figures::read_queue`).
 
 use std::time::{Duration, Instant};
 
@@ -19,7 +19,7 @@ use stemq_core::{JobStatus, JobView};
 use stemq_nats as names;
 use stemq_nats::read::ListIndex;
 use stemq_nats::registry::{self, WorkerInfo};
-use stemq_telemetry::metrics::QueueFigures;
+use stemq_nats::queue_figures::QueueFigures;
 use tokio_util::sync::CancellationToken;
 
 use crate::global::Global;
@@ -157,7 +157,7 @@ async fn snapshot(
     index: &ListIndex,
     last: &mut Option<(Instant, usize)>,
 ) -> Result<Screen> {
-    let queue = stemq_telemetry::metrics::read_queue(js).await;
+    let queue = stemq_nats::queue_figures::read_queue(js).await;
     let mut running = Vec::new();
     for (id, _) in index.page(Some(JobStatus::Running), 50, None) {
         if let Some((v, _)) = stemq_nats::read::get_view(kv, &id).await? {
@@ -223,7 +223,7 @@ pub async fn run(g: &Global, interval: Duration, once: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stemq_telemetry::metrics::{ConsumerFigures, LaneFigures};
+    use stemq_nats::queue_figures::{ConsumerFigures, LaneFigures};
 
     fn worker(name: &str, models: &[Model], age_s: i64, now: DateTime<Utc>) -> WorkerInfo {
         WorkerInfo {

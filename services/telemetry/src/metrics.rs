@@ -6,25 +6,22 @@
 //! `/metrics` (the ingress, or the small metrics listener of a worker or projector
 //! process) renders all of it, so `stemq dev` shows every service on one endpoint. Names
 //! are `stemq_<name>_<unit>` with low-cardinality labels (model, device, outcome, class,
-//! consumer, kind). Queue figures that NATS already knows (pending and in flight per pool
-//! consumer and lane, oldest pending, projector lag, live workers per model from the
-//! worker registry) are read at scrape time by [`read_queue`], and only in the one
-//! process that exports them ([`QueueFigures`]).
+//! consumer, kind). The queue figures ([`QueueFigures`]: pending and in flight per pool
+//! consumer and lane, oldest pending, projector lag, live workers per model), read from
+//! NATS at scrape time, become gauges here, only in the one process that exports them.
 //! It also owns the exposition formats ([`Format`]): classic text 0.0.4 unless the
 //! scraper asks for OpenMetrics.
 
 use std::sync::{Mutex, OnceLock};
-use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use stemq_core::request::{Model, Priority};
+use stemq_core::request::Model;
 use stemq_nats as names;
-use stemq_nats::registry::{self, WorkerInfo};
+use stemq_nats::queue_figures::{ConsumerFigures, QueueFigures};
 
 /// The process-wide registry.
 pub struct Metrics {
@@ -55,7 +52,7 @@ impl Metrics {
     pub fn encode(&self, format: Format, queue: Option<&QueueFigures>) -> String {
         let mut out = String::new();
         let own = self.registry.lock().expect("registry lock");
-        let queue = queue.map(QueueFigures::registry);
+        let queue = queue.map(queue_registry);
         let parts = std::iter::once(&*own).chain(queue.as_ref());
         // Writing into a String cannot fail, and every family's name and labels are ours.
         for r in parts {
@@ -119,135 +116,65 @@ impl Format {
     }
 }
 
-/// What NATS knows about one consumer of the job stream.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ConsumerFigures {
-    /// Messages not yet delivered to the consumer.
-    pub pending: u64,
-    /// Messages delivered and not yet acked.
-    pub in_flight: u64,
-}
-
-/// One pool's lane: its consumer (`workers-<model>-<lane>`) as NATS knows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaneFigures {
-    /// The pool's model.
-    pub model: Model,
-    /// The lane.
-    pub lane: Priority,
-    /// The lane consumer's figures.
-    pub queue: ConsumerFigures,
-}
-
-/// The queue figures (`stemq_queue_*`, `stemq_pool_workers`,
-/// `stemq_jobs_waiting_for_worker`, `stemq_projector_lag_events`), read from NATS at
-/// scrape time by [`read_queue`].
-///
-/// They describe the stream and the worker registry, not the process that reads them, so
-/// exactly one process exports them: the one started with `--queue-metrics` (and
-/// `stemq dev`). Were every process to export them, `sum()` over the scrape targets
-/// would count the same jobs once per process; the rules and the dashboard use `max`
-/// so that two exporters (during a rolling upgrade of that process) still do not double
-/// them.
-///
-/// Every label set is bounded: one series per pool consumer (models are a fixed enum,
-/// lanes two), plus the unrouted `workers` consumer and the `projector` consumer.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct QueueFigures {
-    /// The pool consumers that exist, models in [`Model::ALL`] order, lanes in
-    /// [`Priority::ALL`] order.
-    pub lanes: Vec<LaneFigures>,
-    /// The `workers` consumer (requests of earlier releases, published without a route,
-    /// that the ingress's router has not moved into their pools yet), when it exists.
-    pub unrouted: Option<ConsumerFigures>,
-    /// The `projector` consumer, when it exists.
-    pub projector: Option<ConsumerFigures>,
-    /// Age of the oldest job request the workers have not finished, over every pool and
-    /// the unrouted consumer (zero when none).
-    pub oldest_pending_age: Duration,
-    /// Job events not yet applied to the status view, when the projector consumer exists.
-    pub projector_lag: Option<u64>,
-    /// The live workers (the worker registry), by name, when it was readable.
-    pub workers: Option<Vec<WorkerInfo>>,
-}
-
 /// Labels of the queue gauges: `consumer`, and for a pool consumer `model` and `lane`.
 type QueueLabels = Vec<(&'static str, String)>;
 
-impl QueueFigures {
-    /// Live workers serving `model`; `None` when the registry was not readable.
-    pub fn serving(&self, model: Model) -> Option<usize> {
-        self.workers.as_deref().map(|w| registry::serving(w, model))
+/// The queue figures as a registry of gauges, built for one scrape.
+fn queue_registry(q: &QueueFigures) -> Registry {
+    let mut r = Registry::default();
+    let pending = Family::<QueueLabels, Gauge>::default();
+    let in_flight = Family::<QueueLabels, Gauge>::default();
+    let set = |labels: QueueLabels, c: ConsumerFigures| {
+        pending.get_or_create(&labels).set(c.pending as i64);
+        in_flight.get_or_create(&labels).set(c.in_flight as i64);
+    };
+    for l in &q.lanes {
+        let labels = vec![
+            ("consumer", names::pool_consumer(l.model, l.lane)),
+            ("model", l.model.as_str().to_string()),
+            ("lane", l.lane.as_str().to_string()),
+        ];
+        set(labels, l.queue);
     }
-
-    /// Jobs pending in the pool of `model` (both lanes).
-    pub fn pending(&self, model: Model) -> u64 {
-        self.lanes.iter().filter(|l| l.model == model).map(|l| l.queue.pending).sum()
+    for (name, c) in [(names::WORKERS_CONSUMER, q.unrouted), (names::PROJECTOR_CONSUMER, q.projector)] {
+        let Some(c) = c else { continue };
+        set(vec![("consumer", name.to_string())], c);
     }
-
-    /// Jobs pending in the pool of `model` (both lanes) while no live worker serves it;
-    /// `None` when the registry was not readable (nobody knows who serves what).
-    pub fn waiting_for_worker(&self, model: Model) -> Option<u64> {
-        Some(if self.serving(model)? > 0 { 0 } else { self.pending(model) })
-    }
-
-    /// The figures as a registry of gauges, built for one scrape.
-    fn registry(&self) -> Registry {
-        let mut r = Registry::default();
-        let pending = Family::<QueueLabels, Gauge>::default();
-        let in_flight = Family::<QueueLabels, Gauge>::default();
-        let set = |labels: QueueLabels, c: ConsumerFigures| {
-            pending.get_or_create(&labels).set(c.pending as i64);
-            in_flight.get_or_create(&labels).set(c.in_flight as i64);
-        };
-        for l in &self.lanes {
-            let labels = vec![
-                ("consumer", names::pool_consumer(l.model, l.lane)),
-                ("model", l.model.as_str().to_string()),
-                ("lane", l.lane.as_str().to_string()),
-            ];
-            set(labels, l.queue);
+    let oldest = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+    oldest.set(q.oldest_pending_age.as_secs_f64());
+    r.register(
+        "stemq_queue_pending_jobs",
+        "Messages not yet delivered to the consumer (per pool consumer and lane, the unrouted workers \
+         consumer, the projector)",
+        pending,
+    );
+    r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight);
+    r.register(
+        "stemq_queue_oldest_pending_age_seconds",
+        "Age of the oldest job request not yet finished by a worker, over every pool",
+        oldest,
+    );
+    if q.workers.is_some() {
+        let workers = Family::<ModelLabels, Gauge>::default();
+        let waiting = Family::<ModelLabels, Gauge>::default();
+        for model in Model::ALL.iter().copied() {
+            let l = ModelLabels { model: model.as_str().to_string() };
+            workers.get_or_create(&l).set(q.serving(model).unwrap_or(0) as i64);
+            waiting.get_or_create(&l).set(q.waiting_for_worker(model).unwrap_or(0) as i64);
         }
-        for (name, c) in [(names::WORKERS_CONSUMER, self.unrouted), (names::PROJECTOR_CONSUMER, self.projector)] {
-            let Some(c) = c else { continue };
-            set(vec![("consumer", name.to_string())], c);
-        }
-        let oldest = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        oldest.set(self.oldest_pending_age.as_secs_f64());
+        r.register("stemq_pool_workers", "Live workers (worker registry) serving each model", workers);
         r.register(
-            "stemq_queue_pending_jobs",
-            "Messages not yet delivered to the consumer (per pool consumer and lane, the unrouted workers \
-             consumer, the projector)",
-            pending,
+            "stemq_jobs_waiting_for_worker",
+            "Jobs pending in a model's pool while no live worker serves that model",
+            waiting,
         );
-        r.register("stemq_queue_in_flight_jobs", "Messages delivered and not yet acked", in_flight);
-        r.register(
-            "stemq_queue_oldest_pending_age_seconds",
-            "Age of the oldest job request not yet finished by a worker, over every pool",
-            oldest,
-        );
-        if self.workers.is_some() {
-            let workers = Family::<ModelLabels, Gauge>::default();
-            let waiting = Family::<ModelLabels, Gauge>::default();
-            for model in Model::ALL.iter().copied() {
-                let l = ModelLabels { model: model.as_str().to_string() };
-                workers.get_or_create(&l).set(self.serving(model).unwrap_or(0) as i64);
-                waiting.get_or_create(&l).set(self.waiting_for_worker(model).unwrap_or(0) as i64);
-            }
-            r.register("stemq_pool_workers", "Live workers (worker registry) serving each model", workers);
-            r.register(
-                "stemq_jobs_waiting_for_worker",
-                "Jobs pending in a model's pool while no live worker serves that model",
-                waiting,
-            );
-        }
-        if let Some(lag) = self.projector_lag {
-            let g = Gauge::<i64>::default();
-            g.set(lag as i64);
-            r.register("stemq_projector_lag_events", "Job events not yet applied to the status view", g);
-        }
-        r
     }
+    if let Some(lag) = q.projector_lag {
+        let g = Gauge::<i64>::default();
+        g.set(lag as i64);
+        r.register("stemq_projector_lag_events", "Job events not yet applied to the status view", g);
+    }
+    r
 }
 
 /// The `model` label of the per-pool gauges.
@@ -256,97 +183,14 @@ struct ModelLabels {
     model: String,
 }
 
-/// Consumer info of `consumer` on the job stream: its figures and its ack floor (stream
-/// sequence), or `None` (logged) when it cannot be read.
-async fn consumer_figures(js: &jetstream::Context, consumer: &str) -> Option<(ConsumerFigures, u64)> {
-    let c: Result<PullConsumer, _> = js.get_consumer_from_stream(consumer, names::JOBS_STREAM).await;
-    let info = match c {
-        Ok(mut c) => c.info().await.cloned().map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
-    };
-    match info {
-        Ok(info) => Some((
-            ConsumerFigures { pending: info.num_pending, in_flight: info.num_ack_pending as u64 },
-            info.ack_floor.stream_sequence,
-        )),
-        Err(error) => {
-            tracing::warn!(consumer, %error, "queue figures: consumer info not readable");
-            None
-        }
-    }
-}
-
-/// Reads the queue figures from NATS (called at scrape time by the queue exporter, and
-/// by `stemq top`): every pool consumer, the unrouted `workers` consumer, the projector,
-/// and the worker registry. What cannot be read is left out.
-pub async fn read_queue(js: &jetstream::Context) -> QueueFigures {
-    let mut q = QueueFigures::default();
-    let pools: Vec<(Model, Priority)> =
-        Model::ALL.iter().flat_map(|m| Priority::ALL.iter().map(move |l| (*m, *l))).collect();
-    let pool_names: Vec<String> = pools.iter().map(|(m, l)| names::pool_consumer(*m, *l)).collect();
-    let (pool_infos, unrouted, projector) = futures::join!(
-        futures::future::join_all(pool_names.iter().map(|name| consumer_figures(js, name))),
-        consumer_figures(js, names::WORKERS_CONSUMER),
-        consumer_figures(js, names::PROJECTOR_CONSUMER),
-    );
-    // The oldest unfinished request of each busy consumer is the first request after its
-    // ack floor that its filter matches.
-    let busy = |c: &ConsumerFigures| c.pending + c.in_flight > 0;
-    let mut starts: Vec<(u64, String)> = Vec::new();
-    for ((model, lane), info) in pools.iter().zip(pool_infos) {
-        let Some((figures, floor)) = info else { continue };
-        q.lanes.push(LaneFigures { model: *model, lane: *lane, queue: figures });
-        if busy(&figures) {
-            starts.push((floor, names::pool_filter(*model, *lane)));
-        }
-    }
-    if let Some((figures, floor)) = unrouted {
-        q.unrouted = Some(figures);
-        if busy(&figures) {
-            starts.extend(names::UNROUTED_FILTERS.iter().map(|f| (floor, f.to_string())));
-        }
-    }
-    q.projector = projector.map(|(figures, _)| figures);
-    let projector_floor = projector.map(|(_, floor)| floor);
-
-    q.workers = match js.get_key_value(names::WORKERS_BUCKET).await {
-        Ok(bucket) => match registry::live(&bucket).await {
-            Ok(live) => Some(live),
-            Err(error) => {
-                tracing::warn!(%error, "queue figures: worker registry not readable");
-                None
-            }
-        },
-        Err(error) => {
-            tracing::warn!(%error, "queue figures: worker registry not readable");
-            None
-        }
-    };
-
-    let Ok(stream) = js.get_stream_no_info(names::JOBS_STREAM).await else {
-        return q;
-    };
-    let mut oldest: Option<(u64, std::time::SystemTime)> = None;
-    for (floor, filter) in &starts {
-        if let Ok(msg) = stream.direct_get_builder().sequence(floor + 1).next_by_subject(filter).send().await {
-            if oldest.is_none_or(|(seq, _)| msg.sequence < seq) {
-                oldest = Some((msg.sequence, msg.time.into()));
-            }
-        }
-    }
-    if let Some((_, t)) = oldest {
-        q.oldest_pending_age = t.elapsed().unwrap_or(Duration::ZERO);
-    }
-    if let (Some(floor), Ok(mut s)) = (projector_floor, js.get_stream(names::JOBS_STREAM).await) {
-        if let Ok(info) = s.info().await {
-            q.projector_lag = Some(info.state.last_sequence.saturating_sub(floor));
-        }
-    }
-    q
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use stemq_core::request::Priority;
+    use stemq_nats::queue_figures::LaneFigures;
+    use stemq_nats::registry::WorkerInfo;
+
     use super::*;
 
     /// A live worker serving `models`.
