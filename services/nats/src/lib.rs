@@ -18,7 +18,9 @@
 //! - [`credentials`]: a user's nkey seed and its file, what a process connects with;
 //! - [`error`]: the one error type of a failed JetStream call in the services.
 
-mod nats;
+mod connect;
+mod definitions;
+mod subjects;
 
 pub mod asyncapi;
 pub mod batch_log;
@@ -31,4 +33,6 @@ pub mod read;
 pub mod registry;
 pub mod users;
 
-pub use nats::*;
+pub use connect::*;
+pub use definitions::*;
+pub use subjects::*;

@@ -38,7 +38,7 @@ use async_nats::HeaderMap;
 use tokio::time::Instant;
 use tracing::warn;
 
-use crate::nats::{job_filter, job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
+use crate::{job_filter, job_subject, request_subject, unrouted_request_subject, SubjectKind, JOBS_STREAM};
 use stemq_core::event::Event;
 use stemq_core::request::JobId;
 

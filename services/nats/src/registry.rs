@@ -171,7 +171,7 @@ impl Registry {
                 // The current entries come first, the last of them with nothing pending
                 // after it (`delta` 0); an empty bucket sends none, so the copy is ready
                 // at once.
-                let stored = crate::nats::bucket_messages(&bucket).await;
+                let stored = crate::bucket_messages(&bucket).await;
                 match bucket.watch_all().await {
                     Ok(mut w) => {
                         if stored == 0 {
@@ -246,7 +246,7 @@ impl Registry {
     pub async fn catch_up(&self, within: Duration) -> bool {
         let Some(bucket) = &self.bucket else { return true };
         let deadline = tokio::time::Instant::now() + within;
-        let state = match tokio::time::timeout_at(deadline, crate::nats::bucket_state(bucket)).await {
+        let state = match tokio::time::timeout_at(deadline, crate::bucket_state(bucket)).await {
             Ok(Some(state)) => state,
             _ => return false,
         };

@@ -179,7 +179,7 @@ impl User {
         let owner = self.owner_token.clone().unwrap_or_default();
         // `{pool}` stands for every pool consumer's name: one entry each (a consumer
         // name is one subject token, so no wildcard could name only the pools).
-        let pools = crate::nats::pool_consumers();
+        let pools = crate::pool_consumers();
         let fill = |list: &[String]| -> Vec<String> {
             list.iter()
                 .map(|s| s.replace("{inbox}", &inbox).replace("{owner}", &owner))
@@ -381,7 +381,7 @@ mod tests {
         let p = User::of_role(WORKER).permissions().unwrap().unwrap();
         let next: Vec<&str> =
             p.publish.allow.iter().filter_map(|s| s.strip_prefix("$JS.API.CONSUMER.MSG.NEXT.STEMQ_JOBS.")).collect();
-        assert_eq!(next, crate::nats::pool_consumers());
+        assert_eq!(next, crate::pool_consumers());
         assert!(!p.publish.allow.iter().any(|s| s.contains("{pool}")));
     }
 

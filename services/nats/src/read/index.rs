@@ -404,7 +404,7 @@ impl ListIndex {
                     }
                 };
                 // An empty bucket sends nothing: count as caught up at once.
-                if crate::nats::bucket_messages(&kv).await == 0 {
+                if crate::bucket_messages(&kv).await == 0 {
                     me.inner.write().expect("index lock").caught_up = true;
                 }
                 loop {

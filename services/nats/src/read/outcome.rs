@@ -15,7 +15,7 @@
 use async_nats::jetstream::{self, message::StreamMessage, stream::DirectGetErrorKind};
 
 use crate::error::JetStreamError;
-use crate::nats::{job_subject, SubjectKind, JOBS_STREAM, OUTCOMES_STREAM};
+use crate::{job_subject, SubjectKind, JOBS_STREAM, OUTCOMES_STREAM};
 use stemq_core::JobId;
 
 /// Where a read goes.

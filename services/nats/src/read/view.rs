@@ -15,7 +15,7 @@
 use async_nats::jetstream::{self, kv};
 
 use crate::error::JetStreamError;
-use crate::nats::{self as names, check_request_owner, job_subject, request_filter, SubjectKind};
+use crate::{check_request_owner, job_subject, request_filter, SubjectKind};
 use stemq_core::{apply, Event, JobId, JobView, Position};
 
 /// A view that could not be read.
@@ -138,7 +138,7 @@ pub async fn request_of(
                 stemq_core::EventBody::Requested(r) => {
                     r.request.job_id() == *id
                         && check_request_owner(m.subject.as_str(), &r.request.owner).is_ok()
-                        && names::check_request_route(m.subject.as_str(), r.request.model, r.lane()).is_ok()
+                        && crate::check_request_route(m.subject.as_str(), r.request.model, r.lane()).is_ok()
                 }
                 _ => false,
             };
@@ -166,8 +166,8 @@ pub struct Views {
 impl Views {
     /// Opens the `stemq_jobs` bucket and the job stream.
     pub async fn open(js: &jetstream::Context) -> Result<Views, JetStreamError> {
-        let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
-        let log = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
+        let kv = js.get_key_value(crate::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
+        let log = js.get_stream_no_info(crate::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
         Ok(Views { kv, log })
     }
 
