@@ -957,7 +957,10 @@ mod tests {
         let e = Prices::parse(b"{").unwrap_err();
         assert!(matches!(e, PricesError::Json(_)));
         let e = LedgerError::Decode(e);
-        assert!(stemq_nats::error::report(&e).starts_with("the price list does not parse: not a price list: EOF"), "{e}");
+        assert!(
+            stemq_nats::error::report(&e).starts_with("the price list does not parse: not a price list: EOF"),
+            "{e}"
+        );
     }
 
     #[test]

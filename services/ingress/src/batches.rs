@@ -31,8 +31,8 @@ use axum::Json;
 use futures::StreamExt;
 use stemq_accounts::auth::Caller;
 use stemq_core::batch::{batch_id, BatchId, BatchRequest, BatchSubmitted, BatchView, ItemError, ItemState};
-use stemq_nats::batch_log::{record_round, Read, Recorded, WriteError};
 use stemq_core::{JobId, JobStatus};
+use stemq_nats::batch_log::{record_round, Read, Recorded, WriteError};
 use tracing::{info, warn};
 
 use crate::rejection::{Bytes, Path};

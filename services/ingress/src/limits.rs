@@ -27,9 +27,9 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use stemq_accounts::auth::{Caller, Limits};
+use stemq_core::JobId;
 use stemq_nats::error::JetStreamError;
 use stemq_nats::read::ListIndex;
-use stemq_core::JobId;
 
 use crate::{ApiError, ErrorCode};
 

@@ -8,8 +8,8 @@ use axum::Json;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use stemq_accounts::auth::Caller;
-use stemq_nats::read::Cursor;
 use stemq_core::JobStatus;
+use stemq_nats::read::Cursor;
 use tracing::Instrument;
 
 use crate::links::{Job, Links};

@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use async_nats::jetstream::{self, kv};
 use stemq_accounts::auth::{Caller, KeyRing};
-use stemq_nats::error::JetStreamError;
-use stemq_nats as names;
 use stemq_core::netpolicy::HostPolicy;
-use stemq_nats::read::{ListIndex, ViewError, Views};
-use stemq_telemetry::readiness::Readiness;
-use stemq_nats::registry::{self, Registry};
 use stemq_core::{JobId, JobStatus, JobView};
+use stemq_nats as names;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::read::{ListIndex, ViewError, Views};
+use stemq_nats::registry::{self, Registry};
+use stemq_telemetry::readiness::Readiness;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;

@@ -11,12 +11,12 @@
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
-use stemq_nats::error::BoxError;
 use stemq_core::netpolicy::{self, HostPolicy};
-use stemq_nats::publish::{publish_request, request_subject_of, Once};
 use stemq_core::request::RequestError;
-use stemq_storage::Store;
 use stemq_core::{Event, JobId, JobRequest, JobStatus};
+use stemq_nats::error::BoxError;
+use stemq_nats::publish::{publish_request, request_subject_of, Once};
+use stemq_storage::Store;
 use tracing::Instrument;
 
 use crate::availability::{Availability, ATTEMPT};
@@ -315,8 +315,8 @@ async fn stored_is(js: &jetstream::Context, subject: &str, event: &Event) -> boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stemq_devkit::nats_server::NatsServer;
     use stemq_core::request::ANONYMOUS;
+    use stemq_devkit::nats_server::NatsServer;
 
     fn event(time: chrono::DateTime<chrono::Utc>) -> Event {
         let req = JobRequest::from_value(serde_json::json!({"audio_uri": "file:///a.wav"})).unwrap();

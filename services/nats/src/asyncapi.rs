@@ -3,7 +3,7 @@
 //!
 //! This module owns how the NATS contract is described; it writes down nothing the code
 //! already says. Each channel's address is made by the subject functions
-//! ([`crate::nats::request_subject`], [`crate::nats::job_subject`], the batch log's) for sample
+//! ([`crate::request_subject`], [`crate::job_subject`], the batch log's) for sample
 //! values, whose tokens then become the channel's parameters; its stream is the one whose
 //! subjects (`nats/streams/`) match it; the message schemas are schemars' schemas of the
 //! event, request and view types (JSON Schema draft-07, the dialect AsyncAPI schemas
@@ -12,20 +12,20 @@
 //! out from the permissions of `nats/users.json` ([`crate::users`]). What is said here
 //! by hand: which event types go on which subject, and what the headers mean.
 
+use schemars::generate::{SchemaGenerator, SchemaSettings};
+use schemars::JsonSchema;
+use serde_json::{json, Map, Value};
 use stemq_core::batch::{BatchEvent, BatchId};
 use stemq_core::event::Event;
 use stemq_core::request::{owner_token, JobId, JobRequest, Model, Priority};
 use stemq_core::view::JobView;
-use schemars::generate::{SchemaGenerator, SchemaSettings};
-use schemars::JsonSchema;
-use serde_json::{json, Map, Value};
 
 use crate::batch_log::{batch_subject, member_subject, BatchSubject, Membership};
-use crate::nats::{
+use crate::users::{roles, User};
+use crate::{
     job_subject, request_subject, stream_configs, unrouted_request_subject, Settings, SubjectKind, JOBS_BUCKET,
     SUBMIT_SUBJECT,
 };
-use crate::users::{roles, User};
 
 /// Where the message schemas go (`#/components/schemas/<name>`).
 const DEFS: &str = "/components/schemas";

@@ -29,8 +29,8 @@ use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 
 use crate::error::JetStreamError;
-use crate::{BATCHES_PREFIX, BATCHES_STREAM, BATCH_JOBS_PREFIX, JOBS_STREAM};
 use crate::publish::{publish_payload, publish_payload_once, Once, PublishError};
+use crate::{BATCHES_PREFIX, BATCHES_STREAM, BATCH_JOBS_PREFIX, JOBS_STREAM};
 use stemq_core::batch::{merge, BatchEvent, BatchEventBody, BatchId, BatchSubmitted, BatchView};
 use stemq_core::event::DeliveryAttempted;
 use stemq_core::request::JobId;

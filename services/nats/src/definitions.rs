@@ -10,6 +10,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use serde::Deserialize;
 
+use stemq_core::request::{Model, Priority};
+
 use crate::connect::NatsError;
 use crate::subjects::*;
 
@@ -404,9 +406,10 @@ pub async fn bucket_messages(bucket: &kv::Store) -> u64 {
 pub async fn ready(js: &jetstream::Context) -> bool {
     js.get_stream_no_info(JOBS_STREAM).await.is_ok()
 }
+
 #[cfg(test)]
 mod tests {
-    use stemq_core::request::{JobId, Model, Priority};
+    use stemq_core::request::JobId;
 
     use super::*;
 

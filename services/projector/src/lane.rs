@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, AckKind};
 use futures::StreamExt;
+use stemq_core::{Event, JobId, JobView, Position};
 use stemq_nats as names;
 use stemq_nats::pull;
-use stemq_core::{Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{error, warn};

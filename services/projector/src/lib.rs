@@ -39,12 +39,12 @@ mod write;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
-use stemq_nats::error::JetStreamError;
+use stemq_core::{Event, JobId, JobView, Position};
 use stemq_nats as names;
+use stemq_nats::error::JetStreamError;
 use stemq_nats::pull::{self, PullOptions};
 use stemq_nats::read::{self, ViewError};
 use stemq_telemetry::readiness::Condition;
-use stemq_core::{Event, JobId, JobView, Position};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -2,8 +2,8 @@
 //! events does to its view (apply, or refold from the log), and whether its write may
 //! wait for the job's next event. Tested given/when/then.
 
-use stemq_nats as names;
 use stemq_core::{apply, Event, JobView, Position};
+use stemq_nats as names;
 
 use crate::Pending;
 

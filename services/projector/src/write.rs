@@ -3,10 +3,10 @@
 //! a job whose events were overtaken is refolded from the log.
 
 use async_nats::jetstream::{self, kv};
-use stemq_nats::error::JetStreamError;
-use stemq_nats as names;
-use stemq_nats::read;
 use stemq_core::{apply, Event, JobId, JobView, Position};
+use stemq_nats as names;
+use stemq_nats::error::JetStreamError;
+use stemq_nats::read;
 use tracing::{debug, info};
 
 use crate::plan::{keep_progress, plan, refusal, Plan};

@@ -12,8 +12,8 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use stemq_core::batch::BatchId;
-use stemq_telemetry::logging::LogFormat;
 use stemq_core::{JobId, JobStatus};
+use stemq_telemetry::logging::LogFormat;
 
 use crate::client::SubmitArgs;
 use crate::dev::DevArgs;

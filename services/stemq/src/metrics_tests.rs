@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use stemq_core::request::{Model, Priority};
-use stemq_nats::registry::WorkerInfo;
 use stemq_nats::queue_figures::{ConsumerFigures, LaneFigures, QueueFigures};
+use stemq_nats::registry::WorkerInfo;
 use stemq_telemetry::metrics::{metrics, Format, Metrics};
 use stemq_worker::metrics::{DeviceLabels, JobLabels};
 
@@ -21,11 +21,8 @@ fn worker(name: &str, models: &[Model]) -> WorkerInfo {
 /// waiting with a dsp worker up, 2 batch htdemucs jobs waiting with no htdemucs
 /// worker, 1 unrouted request.
 fn queue() -> QueueFigures {
-    let lane = |model, lane, pending, in_flight| LaneFigures {
-        model,
-        lane,
-        queue: ConsumerFigures { pending, in_flight },
-    };
+    let lane =
+        |model, lane, pending, in_flight| LaneFigures { model, lane, queue: ConsumerFigures { pending, in_flight } };
     QueueFigures {
         lanes: vec![
             lane(Model::Dsp, Priority::Interactive, 3, 1),
@@ -106,9 +103,7 @@ fn classic_text_types_counters_as_their_total_series() {
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let name = &line[..line.find(['{', ' ']).unwrap()];
         assert!(
-            typed
-                .iter()
-                .any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
+            typed.iter().any(|t| name == *t || ["_bucket", "_sum", "_count"].iter().any(|s| name == format!("{t}{s}"))),
             "{name} has no TYPE line"
         );
     }
@@ -148,13 +143,8 @@ fn deploy_rules_and_dashboard_use_exported_names() {
         .collect();
     // Families registered by the ingress and by the ledger (stemq-accounts).
     names.extend(
-        [
-            "stemq_http_requests",
-            "stemq_http_request_duration_seconds",
-            "stemq_submits",
-            "stemq_ledger_entries_skipped",
-        ]
-        .map(String::from),
+        ["stemq_http_requests", "stemq_http_request_duration_seconds", "stemq_submits", "stemq_ledger_entries_skipped"]
+            .map(String::from),
     );
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     for file in [
@@ -167,20 +157,12 @@ fn deploy_rules_and_dashboard_use_exported_names() {
         let mut rest = text.as_str();
         while let Some(i) = rest.find("stemq_") {
             let tail = &rest[i..];
-            let end = tail
-                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
-                .unwrap_or(tail.len());
+            let end =
+                tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
             let used = &tail[..end];
             rest = &tail[end..];
-            if [
-                "stemq_jobs",
-                "stemq_keys",
-                "stemq_limits",
-                "stemq_webhooks",
-                "stemq_delivery_claims",
-                "stemq_workers",
-            ]
-            .contains(&used)
+            if ["stemq_jobs", "stemq_keys", "stemq_limits", "stemq_webhooks", "stemq_delivery_claims", "stemq_workers"]
+                .contains(&used)
             {
                 continue; // the KV buckets, not metrics
             }

@@ -17,9 +17,9 @@ use chrono::{DateTime, Utc};
 use stemq_core::request::{Model, Priority};
 use stemq_core::{JobStatus, JobView};
 use stemq_nats as names;
+use stemq_nats::queue_figures::QueueFigures;
 use stemq_nats::read::ListIndex;
 use stemq_nats::registry::{self, WorkerInfo};
-use stemq_nats::queue_figures::QueueFigures;
 use tokio_util::sync::CancellationToken;
 
 use crate::global::Global;

@@ -46,9 +46,9 @@ use async_nats::jetstream::{self, AckKind};
 use futures::future::OptionFuture;
 use stemq_core::device::Device;
 use stemq_core::event::{EventBody, FailureClass, FailureCode, Output, Rejected, Started};
-use stemq_nats::{job_events_filter, job_id_of_subject, job_subject, SubjectKind};
-use stemq_nats::publish::{publish, publish_first_of, publish_once, First, Once};
 use stemq_core::{Event, JobId};
+use stemq_nats::publish::{publish, publish_first_of, publish_once, First, Once};
+use stemq_nats::{job_events_filter, job_id_of_subject, job_subject, SubjectKind};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -57,8 +57,8 @@ use self::decide::{decide, decide_start, AckAction, Decision, Given};
 use self::ladder::run_engine;
 use self::validate::{validate, Valid};
 use crate::keepalive::spawn_keepalive;
-use crate::{control, Shared};
 use crate::metrics::{metrics, JobLabels};
+use crate::{control, Shared};
 
 /// How long a first delivery's `started`, stored only while the job has no one-token
 /// event, keeps retrying a transient failure (a leader election) before the worker

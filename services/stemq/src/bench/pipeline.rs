@@ -18,10 +18,10 @@ use anyhow::{bail, Result};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use stemq_core::engine::FakeEngine;
+use stemq_core::JobId;
 use stemq_devkit::nats_cluster::NatsCluster;
 use stemq_devkit::nats_server::NatsServer;
 use stemq_storage::Store;
-use stemq_core::JobId;
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -279,10 +279,8 @@ pub(super) async fn pipeline(
         let js = js.clone();
         async move { js.get_stream(name).await.ok().map(|s| s.cached_info().state.last_sequence) }
     };
-    let (events, writes) = (
-        stored(stemq_nats::JOBS_STREAM.to_string()).await,
-        stored(format!("KV_{}", stemq_nats::JOBS_BUCKET)).await,
-    );
+    let (events, writes) =
+        (stored(stemq_nats::JOBS_STREAM.to_string()).await, stored(format!("KV_{}", stemq_nats::JOBS_BUCKET)).await);
     if let (Some(events), Some(writes)) = (events, writes) {
         let per_job = |n: u64| n as f64 / f.done.max(1) as f64;
         println!("  per job         {:.2} log events, {:.2} view writes", per_job(events), per_job(writes));

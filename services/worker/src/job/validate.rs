@@ -88,8 +88,8 @@ pub(super) fn validate(
 mod tests {
     use serde_json::json;
     use stemq_core::event::Started;
-    use stemq_nats::{job_subject, SubjectKind};
     use stemq_core::request::{JobRequest, Model, Priority, ANONYMOUS};
+    use stemq_nats::{job_subject, SubjectKind};
 
     use super::*;
 
