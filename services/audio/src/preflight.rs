@@ -296,7 +296,10 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
             b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf" | b"udta" => {
                 mp4_boxes(body, depth + 1)?
             }
-            _ => mp4_table(&kind, body)?,
+            _ => {
+                mp4_table(&kind, body)?;
+                mp4_sample_sizes(&kind, body)?
+            }
         }
     }
     Ok(())
@@ -347,6 +350,56 @@ fn mp4_table(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
     Ok(())
 }
 
+/// The largest audio packet an MP4 file may declare. symphonia reserves a packet's
+/// declared size before reading it; real audio packets (an ALAC frame of 4096 samples,
+/// 8 channels of 32 bits) stay far below this.
+const MAX_PACKET: u64 = 16 << 20;
+
+/// The sample (packet) sizes an MP4 box declares: the fixed or per-sample sizes of
+/// `stsz`, the per-sample sizes of a fragment run (`trun`), and the default sizes of
+/// `tfhd` and `trex`. A size over [`MAX_PACKET`] is a damaged file.
+fn mp4_sample_sizes(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
+    let u32_at = |at: usize| body.get(at..at + 4).map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes")));
+    let flags = u32_at(0).unwrap_or(0) & 0x00ff_ffff;
+    let too_big = |size: u32| {
+        (u64::from(size) > MAX_PACKET).then(|| AudioError::NotAudio {
+            detail: format!(
+                "damaged MP4 `{}` box: it declares a packet of {size} bytes (at most {MAX_PACKET})",
+                String::from_utf8_lossy(kind)
+            ),
+        })
+    };
+    let sizes: Vec<u32> = match kind {
+        b"stsz" => match u32_at(4) {
+            Some(0) => {
+                let count = u32_at(8).unwrap_or(0) as usize;
+                (0..count).map_while(|i| u32_at(12 + 4 * i)).collect()
+            }
+            fixed => fixed.into_iter().collect(),
+        },
+        b"trun" if flags & 0x200 != 0 => {
+            let count = u32_at(4).unwrap_or(0) as usize;
+            let before = 8 + 4 * usize::from(flags & 0x001 != 0) + 4 * usize::from(flags & 0x004 != 0);
+            let per = 4 * (flags & 0xf00).count_ones() as usize;
+            let at = 4 * usize::from(flags & 0x100 != 0);
+            (0..count).map_while(|i| u32_at(before + per * i + at)).collect()
+        }
+        b"tfhd" if flags & 0x10 != 0 => {
+            let at = 8
+                + 8 * usize::from(flags & 0x1 != 0)
+                + 4 * usize::from(flags & 0x2 != 0)
+                + 4 * usize::from(flags & 0x8 != 0);
+            u32_at(at).into_iter().collect()
+        }
+        b"trex" => u32_at(16).into_iter().collect(),
+        _ => Vec::new(),
+    };
+    match sizes.into_iter().find_map(too_big) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// Most samples an MP4 table without per-sample entries may declare: 24 hours of
 /// 384 kHz audio, one sample per entry.
 const MAX_SAMPLES: u64 = 384_000 * 86_400;
@@ -391,5 +444,41 @@ mod tests {
         assert!(check_bytes(table(2)).is_ok());
         let err = check_bytes(table(u32::MAX)).unwrap_err();
         assert!(err.to_string().contains("stco"), "{err}");
+    }
+
+    #[test]
+    fn an_mp4_packet_larger_than_any_audio_packet_is_damaged() {
+        let file = |stsz: &[u8]| {
+            let stbl = bx(b"stbl", &bx(b"stsz", stsz));
+            let trak = bx(b"trak", &bx(b"mdia", &bx(b"minf", &stbl)));
+            let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(bx(b"moov", &trak));
+            let len = file.len() as u64;
+            check(&mut std::io::Cursor::new(file), len)
+        };
+        let table = |sizes: &[u32]| {
+            let mut stsz = vec![0u8; 8];
+            stsz.extend_from_slice(&(sizes.len() as u32).to_be_bytes());
+            sizes.iter().for_each(|s| stsz.extend_from_slice(&s.to_be_bytes()));
+            stsz
+        };
+        let fixed = |size: u32| {
+            let mut stsz = vec![0u8; 4];
+            stsz.extend_from_slice(&size.to_be_bytes());
+            stsz.extend_from_slice(&10u32.to_be_bytes());
+            stsz
+        };
+        assert!(file(&table(&[400, 4096])).is_ok());
+        assert!(file(&fixed(4096)).is_ok());
+        for bad in [table(&[400, u32::MAX]), fixed(0xF000_0000)] {
+            let err = file(&bad).unwrap_err();
+            assert!(err.to_string().contains("declares a packet of"), "{err}");
+        }
+        let mut trun = vec![0, 0, 0x02, 0x00];
+        trun.extend_from_slice(&1u32.to_be_bytes());
+        trun.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(mp4_sample_sizes(b"trun", &trun).is_err());
+        trun[8..12].copy_from_slice(&512u32.to_be_bytes());
+        assert!(mp4_sample_sizes(b"trun", &trun).is_ok());
     }
 }

@@ -107,7 +107,7 @@ pub enum EngineError {
     /// The attempt would not fit the memory the engine may use on `device` (its
     /// configured budget), so it was refused before it allocated anything. The worker
     /// steps down the ladder as for [`EngineError::OutOfMemory`]; unlike a real
-    /// out-of-memory, the refusal is deterministic, so when the last rung is refused too
+    /// out-of-memory, the refusal is deterministic, so when the last rung is also refused
     /// the job fails for good instead of being retried.
     #[error("needs about {needed} bytes on {device}, over its memory budget of {budget} bytes")]
     OverBudget {

@@ -19,7 +19,7 @@
 //!   hosts (external audio, `STEMQ_AUDIO_URL_ALLOW`);
 //! - [`precheck`] and [`Unresolved::pin`]: the URL check in two pure halves around DNS,
 //!   and, with the `resolve` feature, [`check_url`], which resolves the host once in
-//!   between. Every address a name resolves to must pass, and the [`Target`] carries the
+//!   between. Every address a name resolves to must be allowed, and the [`Target`] carries the
 //!   address that was checked, so the caller connects to exactly that (no DNS
 //!   rebinding between the check and the connection).
 //!
@@ -109,7 +109,7 @@ pub const SPECIAL_PURPOSE: &[SpecialRange] = &[
     v6([0, 0, 0, 0, 0xffff, 0, 0, 0], 96, "IPv4-translated", "RFC 2765", LAST32),
     v6([0x64, 0xff9b, 0, 0, 0, 0, 0, 0], 96, "NAT64 well-known prefix", "RFC 6052", LAST32),
     // Local-use NAT64 prefixes of any RFC 6052 length live here; the /96 layout is the
-    // one used to name the embedded address (the prefix is refused whatever it holds).
+    // one that names the embedded address (the prefix is refused whatever it holds).
     v6([0x64, 0xff9b, 1, 0, 0, 0, 0, 0], 48, "local-use IPv4/IPv6 translation", "RFC 8215", LAST32),
     v6([0x100, 0, 0, 0, 0, 0, 0, 0], 64, "discard-only", "RFC 6666", None),
     v6([0x2001, 0, 0, 0, 0, 0, 0, 0], 23, "IETF protocol assignments", "RFC 2928", None),
@@ -373,7 +373,7 @@ pub enum UrlError {
     /// The policy admits no such host.
     #[error("host {0} is not on this service's allow-list")]
     HostNotAllowed(String),
-    /// The name did not resolve (may pass later).
+    /// The name did not resolve (may resolve later).
     #[error("host {host} does not resolve: {source}")]
     Resolve {
         /// The name.
@@ -420,7 +420,7 @@ impl PartialEq for ResolveError {
 impl Eq for ResolveError {}
 
 impl UrlError {
-    /// True when the same URL may pass later (its name did not resolve now).
+    /// True when the same URL may be allowed later (its name did not resolve now).
     pub fn is_transient(&self) -> bool {
         matches!(self, UrlError::Resolve { .. })
     }
@@ -656,7 +656,7 @@ mod tests {
         }
     }
 
-    /// The addresses an attacker got accepted as webhook targets before this module.
+    /// Addresses that are known bypasses of naive URL checks, as webhook targets.
     #[test]
     fn the_reported_bypasses_are_refused() {
         let cases: &[(&str, &str)] = &[
@@ -762,7 +762,7 @@ mod tests {
     #[test]
     fn audio_policy_admits_only_listed_hosts() {
         let p = HostPolicy::parse("127.0.0.1, *.songs.example.com, media.example.org").unwrap();
-        // named and wildcard hosts pass the precheck; others are refused before DNS
+        // named and wildcard hosts clear the precheck; others are refused before DNS
         assert!(precheck("https://a.songs.example.com/x.wav", &p).is_ok());
         assert!(precheck("https://b.a.songs.example.com/x.wav", &p).is_ok());
         assert!(precheck("https://media.example.org/x.wav", &p).is_ok());

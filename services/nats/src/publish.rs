@@ -68,7 +68,7 @@ impl PublishError {
         self.source.kind()
     }
 
-    /// True when the failure may pass by itself: no responders (an election, a node
+    /// True when the failure may clear by itself: no responders (an election, a node
     /// restarting), no ack in time, a broken connection, or JetStream saying it is
     /// temporarily unavailable (no quorum, 10008). Retrying with the same message id is
     /// then safe.

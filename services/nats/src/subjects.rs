@@ -100,7 +100,7 @@ pub fn request_subject(id: &JobId, owner: &str, model: Model, lane: Priority) ->
 }
 
 /// The request subject of the form before routing, `stemq.jobs.<id>.requested.<owner
-/// token>`: no longer written by stemq, still accepted from publishers (the ingress's
+/// token>`: stemq does not write it, and accepts it from publishers (the ingress's
 /// router moves such a request into its pool).
 pub fn unrouted_request_subject(id: &JobId, owner: &str) -> String {
     format!("{JOBS_PREFIX}.{id}.requested.{}", owner_token(owner))
@@ -244,7 +244,7 @@ pub struct RouteMismatch {
 }
 
 /// Checks that a routed request's subject names the model and lane of its body. The
-/// earlier forms carry no route and pass.
+/// unrouted forms carry no route and are accepted.
 pub fn check_request_route(subject: &str, model: Model, lane: Priority) -> Result<(), RouteMismatch> {
     let routed = request_tokens(subject).map(|t| t.len() == 7).unwrap_or(false);
     if routed && request_route(subject) != Some((model, lane)) {

@@ -350,7 +350,7 @@ impl Store {
         }
     }
 
-    /// Deletes every object under `prefix` (used to leave no partial outputs).
+    /// Deletes every object under `prefix` (so that no partial outputs are left).
     pub async fn delete_prefix(&self, prefix: &str) -> Result<(), StorageError> {
         for key in self.list(prefix).await? {
             self.inner.delete(&ObjPath::from(key.as_str())).await?;

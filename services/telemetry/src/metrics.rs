@@ -290,7 +290,7 @@ mod tests {
         assert_eq!(Format::Classic.content_type(), "text/plain; version=0.0.4; charset=utf-8");
     }
 
-    /// The alert rules are valid and pass their unit tests (`deploy/prometheus/tests.yml`:
+    /// The alert rules are valid and their unit tests succeed (`deploy/prometheus/tests.yml`:
     /// every alert, and two queue exporters that must not double the backlog).
     #[test]
     fn alert_rules_pass_their_promtool_tests() {
