@@ -272,6 +272,9 @@ fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError
     let mut pos = start;
     for _ in 0..MAX_STEPS {
         let Some(b) = container::mp4_box(r, pos, end)? else { break };
+        if &b.kind == b"ftyp" && b.end - b.body < 8 {
+            return Err(damaged("MP4 `ftyp` box", 8, b.end - b.body));
+        }
         if matches!(&b.kind, b"moov" | b"moof") {
             let body = b.end - b.body;
             if body > MAX_MP4_HEADER {
@@ -296,7 +299,17 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
             b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf" | b"udta" => {
                 mp4_boxes(body, depth + 1)?
             }
+            b"meta" => {
+                mp4_min_body(&kind, body)?;
+                mp4_boxes(&body[4..], depth + 1)?
+            }
+            b"ilst" => {
+                for (_, item) in container::children(body) {
+                    mp4_boxes(item, depth + 1)?
+                }
+            }
             _ => {
+                mp4_min_body(&kind, body)?;
                 mp4_table(&kind, body)?;
                 mp4_sample_sizes(&kind, body)?
             }
@@ -345,6 +358,27 @@ fn mp4_table(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
     if per == 0 && u64::from(count) > MAX_SAMPLES {
         return Err(AudioError::NotAudio {
             detail: format!("damaged MP4 `{}` table: it declares {count} samples", String::from_utf8_lossy(kind)),
+        });
+    }
+    Ok(())
+}
+
+/// A box shorter than its fixed fields: symphonia subtracts those from the box's size,
+/// and a smaller box would make it reserve nearly 4 GiB.
+fn mp4_min_body(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
+    let min = match kind {
+        b"hdlr" => 24,
+        b"ftyp" | b"data" => 8,
+        b"meta" | b"mean" | b"name" | b"alac" | b"esds" => 4,
+        _ => 0,
+    };
+    if body.len() < min {
+        return Err(AudioError::NotAudio {
+            detail: format!(
+                "damaged MP4 `{}` box: {} bytes where its fields need {min}",
+                String::from_utf8_lossy(kind),
+                body.len()
+            ),
         });
     }
     Ok(())
@@ -480,5 +514,19 @@ mod tests {
         assert!(mp4_sample_sizes(b"trun", &trun).is_err());
         trun[8..12].copy_from_slice(&512u32.to_be_bytes());
         assert!(mp4_sample_sizes(b"trun", &trun).is_ok());
+    }
+
+    #[test]
+    fn an_mp4_box_shorter_than_its_fields_is_damaged() {
+        let file = |hdlr_body: &[u8]| {
+            let trak = bx(b"trak", &bx(b"mdia", &bx(b"hdlr", hdlr_body)));
+            let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(bx(b"moov", &trak));
+            let len = file.len() as u64;
+            check(&mut std::io::Cursor::new(file), len)
+        };
+        assert!(file(&[0u8; 25]).is_ok());
+        let err = file(&[0u8; 4]).unwrap_err();
+        assert!(err.to_string().contains("`hdlr` box: 4 bytes"), "{err}");
     }
 }
