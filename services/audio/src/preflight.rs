@@ -271,7 +271,17 @@ const MAX_MP4_HEADER: u64 = 64 << 20;
 fn mp4<R: Read + Seek>(r: &mut R, start: u64, end: u64) -> Result<(), AudioError> {
     let mut pos = start;
     for _ in 0..MAX_STEPS {
-        let Some(b) = container::mp4_box(r, pos, end)? else { break };
+        let Some(b) = container::mp4_box(r, pos, end)? else {
+            // A last box cut short by the end of the file is checked as far as it goes:
+            // symphonia reads it too, and reserves by the counts it finds.
+            let rest = end.saturating_sub(pos).min(MAX_MP4_HEADER);
+            if rest >= 8 {
+                if let Some(data) = read_at(r, pos, rest, end)? {
+                    mp4_boxes(&data, 0)?;
+                }
+            }
+            break;
+        };
         if &b.kind == b"ftyp" && b.end - b.body < 8 {
             return Err(damaged("MP4 `ftyp` box", 8, b.end - b.body));
         }
@@ -294,11 +304,10 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
     if depth >= 16 {
         return Ok(());
     }
-    for (kind, body) in container::children(data) {
+    for (kind, body) in children_or_cut(data) {
         match &kind {
-            b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf" | b"udta" => {
-                mp4_boxes(body, depth + 1)?
-            }
+            b"moov" | b"moof" | b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf"
+            | b"udta" => mp4_boxes(body, depth + 1)?,
             b"meta" => {
                 mp4_min_body(&kind, body)?;
                 mp4_boxes(&body[4..], depth + 1)?
@@ -316,6 +325,23 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
         }
     }
     Ok(())
+}
+
+/// The boxes in `data`, and then the box that `data` ends inside of, cut at the end
+/// (its body is what remains).
+fn children_or_cut(data: &[u8]) -> Vec<([u8; 4], &[u8])> {
+    let mut out = container::children(data);
+    let used: usize =
+        out.iter().map(|(_, body)| body.as_ptr() as usize + body.len() - data.as_ptr() as usize).max().unwrap_or(0);
+    let rest = &data[used..];
+    if rest.len() >= 8 {
+        let size = u64::from(u32::from_be_bytes(rest[..4].try_into().expect("4 bytes")));
+        let header = if size == 1 { 16 } else { 8 };
+        if size > rest.len() as u64 && rest.len() >= header {
+            out.push((rest[4..8].try_into().expect("4 bytes"), &rest[header..]));
+        }
+    }
+    out
 }
 
 /// One table box: its declared entry count against the bytes it holds.
@@ -514,6 +540,22 @@ mod tests {
         assert!(mp4_sample_sizes(b"trun", &trun).is_err());
         trun[8..12].copy_from_slice(&512u32.to_be_bytes());
         assert!(mp4_sample_sizes(b"trun", &trun).is_ok());
+    }
+
+    #[test]
+    fn an_mp4_table_cut_by_the_end_of_the_file_is_checked_as_far_as_it_goes() {
+        let mut stts = vec![0u8; 4];
+        stts.extend_from_slice(&u32::MAX.to_be_bytes());
+        stts.extend_from_slice(&[0u8; 16]);
+        let stbl = bx(b"stbl", &bx(b"stts", &stts));
+        let trak = bx(b"trak", &bx(b"mdia", &bx(b"minf", &stbl)));
+        let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+        file.extend(bx(b"moov", &trak));
+        // Cut the file inside the table: every box around it now claims more than remains.
+        file.truncate(file.len() - 8);
+        let len = file.len() as u64;
+        let err = check(&mut std::io::Cursor::new(file), len).unwrap_err();
+        assert!(err.to_string().contains("stts"), "{err}");
     }
 
     #[test]
