@@ -122,7 +122,7 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
         }
     }
     // The public routes.
-    for path in ["/healthz", "/readyz", "/openapi.json"] {
+    for path in ["/healthz", "/readyz", "/openapi.json", "/asyncapi.json"] {
         assert_eq!(call(&base, Method::GET, path, None, None).await.0, 200, "{path}");
     }
     // The page: public (it holds no data), under a strict CSP; nothing else is public
@@ -148,8 +148,17 @@ async fn every_route_needs_a_valid_key_and_the_right_role() {
     assert_eq!(doc["components"]["securitySchemes"]["bearerAuth"]["scheme"], "bearer");
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, op) in item.as_object().unwrap() {
-            let public = ["/healthz", "/readyz", "/openapi.json", "/v1/signin", "/", "/app/{file}", "/favicon.ico"]
-                .contains(&path.as_str());
+            let public = [
+                "/healthz",
+                "/readyz",
+                "/openapi.json",
+                "/asyncapi.json",
+                "/v1/signin",
+                "/",
+                "/app/{file}",
+                "/favicon.ico",
+            ]
+            .contains(&path.as_str());
             assert_eq!(op["security"] == json!([]), public, "{method} {path}");
             // A sign-in link's 401 is its own (a wrong or used token), not a key's.
             let own_401 = path == "/v1/signin";

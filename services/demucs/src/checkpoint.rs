@@ -182,7 +182,7 @@ impl Checkpoint {
 
     /// Reads a `.th` archive from any seekable reader.
     pub fn from_reader<R: Read + std::io::Seek>(reader: R) -> Result<Self, DemucsError> {
-        let mut zip = zip::ZipArchive::new(reader).map_err(|e| DemucsError::Archive(e.to_string()))?;
+        let mut zip = zip::ZipArchive::new(reader).map_err(|source| DemucsError::Zip { entry: None, source })?;
         let pkl_name = zip
             .file_names()
             .find(|n| n.ends_with("/data.pkl") || *n == "data.pkl")
@@ -301,7 +301,7 @@ fn read_quantized<R: Read + std::io::Seek>(
 pub const MAX_ENTRY_BYTES: u64 = 1 << 30;
 
 fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str) -> Result<Vec<u8>, DemucsError> {
-    let f = zip.by_name(name).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    let f = zip.by_name(name).map_err(|source| DemucsError::Zip { entry: Some(name.into()), source })?;
     let declared = f.size();
     if declared > MAX_ENTRY_BYTES {
         return Err(DemucsError::Archive(format!(
@@ -310,7 +310,9 @@ fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str)
     }
     // The declared size is only a hint: a damaged archive may state anything.
     let mut buf = Vec::with_capacity(declared.min(16 << 20) as usize);
-    f.take(MAX_ENTRY_BYTES + 1).read_to_end(&mut buf).map_err(|e| DemucsError::Archive(format!("{name}: {e}")))?;
+    f.take(MAX_ENTRY_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(|source| DemucsError::EntryRead { entry: name.into(), source })?;
     if buf.len() as u64 > MAX_ENTRY_BYTES {
         return Err(DemucsError::Archive(format!("{name}: more than the {MAX_ENTRY_BYTES} bytes accepted")));
     }

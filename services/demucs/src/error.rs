@@ -14,9 +14,27 @@ pub enum DemucsError {
         #[source]
         source: std::io::Error,
     },
-    /// The checkpoint is not a readable torch zip archive.
+    /// The checkpoint is not a torch zip archive as this engine reads one.
     #[error("checkpoint archive: {0}")]
     Archive(String),
+    /// The zip reader refused the checkpoint or one of its entries.
+    #[error("checkpoint archive: {}{source}", entry.as_ref().map(|e| format!("{e}: ")).unwrap_or_default())]
+    Zip {
+        /// The entry read; none when the archive itself was refused.
+        entry: Option<String>,
+        /// The cause.
+        #[source]
+        source: zip::result::ZipError,
+    },
+    /// An entry of the checkpoint could not be read to its end.
+    #[error("checkpoint archive: {entry}: {source}")]
+    EntryRead {
+        /// The entry.
+        entry: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The pickle inside the checkpoint could not be decoded.
     #[error("checkpoint pickle: {0}")]
     Pickle(String),

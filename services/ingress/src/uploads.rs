@@ -190,7 +190,7 @@ pub(crate) async fn upload(
         // The first bytes are kept: the header says how long the audio plays.
         let head = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
         let tee = head.clone();
-        let stream = body.into_data_stream().map_err(|e| e.to_string()).map_ok(move |chunk| {
+        let stream = body.into_data_stream().map_ok(move |chunk| {
             let mut h = tee.lock().expect("head lock");
             if h.len() < HEAD_BYTES {
                 let take = (HEAD_BYTES - h.len()).min(chunk.len());

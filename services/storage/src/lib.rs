@@ -56,7 +56,7 @@ pub enum StorageError {
     },
     /// The stream being stored failed (client went away...); nothing was kept.
     #[error("reading the upload: {0}")]
-    Source(String),
+    Source(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl StorageError {
@@ -211,7 +211,7 @@ impl Store {
     pub async fn put_stream<S, E>(&self, key: &str, body: S, limit: u64) -> Result<Stored, StorageError>
     where
         S: Stream<Item = Result<Bytes, E>> + Unpin,
-        E: std::fmt::Display,
+        E: std::error::Error + Send + Sync + 'static,
     {
         let path = ObjPath::from(key);
         let mut w = self.writer(path.clone());
@@ -220,7 +220,7 @@ impl Store {
             let mut hasher = Sha256::new();
             let mut total = 0u64;
             while let Some(chunk) = body.next().await {
-                let chunk = chunk.map_err(|e| StorageError::Source(e.to_string()))?;
+                let chunk = chunk.map_err(|e| StorageError::Source(Box::new(e)))?;
                 total += chunk.len() as u64;
                 if total > limit {
                     return Err(StorageError::TooLarge { limit });
