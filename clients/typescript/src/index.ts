@@ -30,12 +30,12 @@ export {
   connectAs,
   submitNats,
   publishRequest,
-  openJobs,
+  viewKey,
   getView,
   watch,
   wait,
   WaitTimeoutError,
 } from "./nats.js";
-export type { Credentials, ConnectOptions, PublishOptions, Published, NatsConnection } from "./nats.js";
+export type { Credentials, ConnectOptions, PublishOptions, Published, ViewOptions, NatsConnection } from "./nats.js";
 export { verifyWebhook, WebhookVerificationError } from "./webhook.js";
 export type { WebhookPayload } from "./webhook.js";

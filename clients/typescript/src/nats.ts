@@ -1,11 +1,10 @@
 // stemq over NATS (docs/events.md): connecting with a stemq credentials file, the
 // request-reply submit endpoint, publishing a request straight to the log, and
-// following a job's view in the `stemq_jobs` bucket.
+// following a job's view in the `stemq_jobs` bucket (by plain NATS requests and
+// subscriptions: the users that read it may not look at the stream or create consumers).
 import { readFile } from "node:fs/promises";
 
-import { JetStreamApiError, jetstream, jetstreamManager } from "@nats-io/jetstream";
-import { Kvm } from "@nats-io/kv";
-import type { KV } from "@nats-io/kv";
+import { JetStreamApiError, jetstream } from "@nats-io/jetstream";
 import { connect, headers, nkeyAuthenticator } from "@nats-io/transport-node";
 import type { NatsConnection } from "@nats-io/transport-node";
 
@@ -171,23 +170,43 @@ export async function publishRequest(
 }
 
 /**
- * Opens the status bucket with no more than the `status-reader` user may do: the
- * stream's info (to learn whether it answers direct gets), then direct gets. No
- * JetStream account check, no consumer.
+ * Whose views to read. Views are keyed `<owner token>.<job id>` in the `stemq_jobs`
+ * bucket: give the owner (or its token) to read as that owner's `publisher-<token>` or
+ * `reader-<token>` user, which may read only its own owner's views. With neither, the
+ * key is the bare job id: views written before the bucket was keyed per owner, read
+ * as `status-reader`.
  */
-export async function openJobs(nc: NatsConnection): Promise<KV> {
-  const jsm = await jetstreamManager(nc, { checkAPI: false });
-  const info = await jsm.streams.info(`KV_${JOBS_BUCKET}`);
-  return new Kvm(jetstream(nc, { checkAPI: false })).open(JOBS_BUCKET, {
-    allow_direct: info.config.allow_direct ?? false,
-  });
+export interface ViewOptions {
+  owner?: string;
+  ownerToken?: string;
 }
 
-/** A job's current view, or null before it is projected. */
-export async function getView(kv: KV, jobId: string): Promise<JobView | null> {
-  const entry = await kv.get(jobId);
-  if (!entry || entry.operation !== "PUT" || entry.value.length === 0) return null;
-  return entry.json<JobView>();
+/** The key of a job's view in the `stemq_jobs` bucket (see {@link ViewOptions}). */
+export function viewKey(jobId: string, options: ViewOptions = {}): string {
+  const token = options.ownerToken ?? (options.owner !== undefined ? ownerToken(options.owner) : undefined);
+  return token === undefined ? jobId : `${token}.${jobId}`;
+}
+
+/**
+ * A job's current view, or null before it is projected: a direct get of the key's last
+ * value (a plain request to `$JS.API.DIRECT.GET.KV_stemq_jobs.$KV.stemq_jobs.<key>`;
+ * no stream info, no consumer). A key the user may not read is refused: the request
+ * fails (permissions violation) or times out.
+ */
+export async function getView(
+  nc: NatsConnection,
+  jobId: string,
+  options: ViewOptions & { timeoutMs?: number } = {},
+): Promise<JobView | null> {
+  const subject = `$KV.${JOBS_BUCKET}.${viewKey(jobId, options)}`;
+  const reply = await nc.request(`$JS.API.DIRECT.GET.KV_${JOBS_BUCKET}.${subject}`, new Uint8Array(0), {
+    timeout: options.timeoutMs ?? 5_000,
+  });
+  const code = reply.headers?.code ?? 0;
+  if (code === 404) return null;
+  if (code >= 300) throw new Error(`direct get of ${subject}: ${code} ${reply.headers?.description ?? ""}`.trim());
+  if (reply.data.length === 0) return null; // a delete or purge marker
+  return reply.json<JobView>();
 }
 
 function newer(view: JobView, than: JobView | undefined): boolean {
@@ -198,25 +217,25 @@ function newer(view: JobView, than: JobView | undefined): boolean {
 
 /**
  * The views of a job, as they change, until it is terminal (the last one yielded is
- * terminal). Follows the key by a plain subscription to `$KV.stemq_jobs.<id>` then a
- * get (an update in between still arrives): no consumer is created, so this works as
- * `status-reader`. Stops early when `signal` aborts (the iterator then throws its reason).
+ * terminal). Subscribes to the key's subject `$KV.stemq_jobs.<key>` first, then reads
+ * the current value by a direct get (an update in between still arrives; older ones
+ * are skipped): no consumer is created, so this needs only a user allowed to read the
+ * key. Stops when `signal` aborts (the iterator then throws its reason).
  */
 export async function* watch(
   nc: NatsConnection,
   jobId: string,
-  options: { signal?: AbortSignal; kv?: KV } = {},
+  options: ViewOptions & { signal?: AbortSignal } = {},
 ): AsyncGenerator<JobView, void, undefined> {
   const { signal } = options;
   signal?.throwIfAborted();
-  const sub = nc.subscribe(`$KV.${JOBS_BUCKET}.${jobId}`);
+  const sub = nc.subscribe(`$KV.${JOBS_BUCKET}.${viewKey(jobId, options)}`);
   const stop = () => sub.unsubscribe();
   signal?.addEventListener("abort", stop, { once: true });
   try {
     await nc.flush();
-    const kv = options.kv ?? (await openJobs(nc));
     let last: JobView | undefined;
-    const first = await getView(kv, jobId);
+    const first = await getView(nc, jobId, options);
     if (first) {
       last = first;
       yield first;
@@ -231,11 +250,22 @@ export async function* watch(
       if (isTerminal(view.status)) return;
     }
     signal?.throwIfAborted();
+    // A subscription the server refused ends with its error.
+    await sub.closed.then((e) => {
+      if (e) throw e;
+    });
     throw new Error(`the subscription to job ${jobId} ended before the job did`);
   } finally {
     signal?.removeEventListener("abort", stop);
     if (!sub.isClosed()) sub.unsubscribe();
   }
+}
+
+function viewOptions(o: ViewOptions): ViewOptions {
+  return {
+    ...(o.owner !== undefined && { owner: o.owner }),
+    ...(o.ownerToken !== undefined && { ownerToken: o.ownerToken }),
+  };
 }
 
 /** A job that did not end in time. */
@@ -254,13 +284,13 @@ export class WaitTimeoutError extends Error {
 export async function wait(
   nc: NatsConnection,
   jobId: string,
-  options: { timeoutMs: number; kv?: KV; onView?: (view: JobView) => void },
+  options: ViewOptions & { timeoutMs: number; onView?: (view: JobView) => void },
 ): Promise<JobView> {
   const controller = new AbortController();
   const timer = setTimeout(() => controller.abort(), options.timeoutMs);
   let last: JobView | undefined;
   try {
-    for await (const view of watch(nc, jobId, { signal: controller.signal, ...(options.kv && { kv: options.kv }) })) {
+    for await (const view of watch(nc, jobId, { ...viewOptions(options), signal: controller.signal })) {
       last = view;
       options.onView?.(view);
     }
