@@ -19,6 +19,8 @@ for cand in "$root/.stemq/venv/bin/python" /tmp/pyclient-venv/bin/python; do
 done
 [[ -n "$py" ]] || { echo "no python with clients/python/requirements-dev.txt installed (scripts/install-test-deps.sh)" >&2; exit 1; }
 export DATAMODEL_CODEGEN="$(dirname "$py")/datamodel-codegen"
+# stemq dev runs nats-server from PATH (scripts/install-nats.sh puts it in .stemq/venv/bin).
+export PATH="$root/.stemq/venv/bin:$(dirname "$py"):$PATH"
 start=$SECONDS
 
 "$here/check-drift.sh"
