@@ -32,14 +32,9 @@ source tests/dev-stack.sh
 creds="$data/nats/creds"
 "$bin" --data-dir "$data" nats users add-publisher --owner local >/dev/null
 "$bin" --data-dir "$data" nats users add-publisher --owner other >/dev/null
-if "$bin" --data-dir "$data" nats users add-reader --owner local >/dev/null 2>&1; then
-  # Views keyed by owner (`<owner token>.<id>`): the owner's own users read them.
-  export STEMQ_VIEW_KEYS=owner STEMQ_READER_CREDS="$creds/reader-local.nk"
-else
-  # A server from before the per-owner keys: only status-reader reads the views.
-  echo "note: this stemq has no per-owner view keys (no \`nats users add-reader\`): watching as status-reader"
-  export STEMQ_VIEW_KEYS=id STEMQ_READER_CREDS="$creds/status-reader.nk"
-fi
+"$bin" --data-dir "$data" nats users add-reader --owner local >/dev/null
+# Views are keyed by owner (`<owner token>.<id>`): the owner's own users read them.
+export STEMQ_VIEW_KEYS=owner STEMQ_READER_CREDS="$creds/reader-local.nk" STEMQ_STATUS_READER_CREDS="$creds/status-reader.nk"
 "$bin" synth --seconds 4 -o "$data/song.wav" >/dev/null
 export STEMQ_HTTP="$base" STEMQ_API_KEY="$(cat "$data/admin.key")" STEMQ_OWNER=local
 export NATS_URL="$(cat "$data/nats.url")" STEMQ_AUDIO_FILE="$data/song.wav"

@@ -15,8 +15,9 @@ Environment:
   STEMQ_PUBLISHER_CREDS          the owner's `publisher-<token>` credentials
   STEMQ_SUBMIT_CREDS             who asks `stemq.api.submit` (default: the publisher)
   STEMQ_READER_CREDS             who follows the views (default: the publisher)
+  STEMQ_STATUS_READER_CREDS      `status-reader` (reads every owner's views)
   STEMQ_VIEW_KEYS                `owner` (keys `<token>.<id>`, the default) or `id`
-                                 (the old keys; then the reader is `status-reader`)
+                                 (the keys of a server from before the per-owner keys)
   STEMQ_OTHER_CREDS              another owner's publisher (the isolation check)
   STEMQ_AUDIO_FILE               a short song (WAV)
 """
@@ -68,6 +69,7 @@ class Ctx:
     reader: NATS
     view_owner: str | None  # the owner to key views by, or None for the old keys
     other: NATS | None
+    status_reader: NATS
     audio_uri: str  # the `upload:` name
     hook_base: str
     secret: str
@@ -90,6 +92,7 @@ async def ctx() -> AsyncIterator[Ctx]:
     submitter = await stemq.connect(url, submit_creds)
     reader = await stemq.connect(url, reader_creds)
     other = await stemq.connect(url, env["STEMQ_OTHER_CREDS"]) if env.get("STEMQ_OTHER_CREDS") else None
+    status_reader = await stemq.connect(url, env["STEMQ_STATUS_READER_CREDS"])
     async with stemq.HttpClient(env["STEMQ_HTTP"], env["STEMQ_API_KEY"]) as api:
         upload = await api.upload(Path(env["STEMQ_AUDIO_FILE"]).read_bytes(), "song.wav")
         assert upload["audio_uri"].startswith("upload:"), upload
@@ -102,11 +105,12 @@ async def ctx() -> AsyncIterator[Ctx]:
             reader=reader,
             view_owner=None if env.get("STEMQ_VIEW_KEYS") == "id" else env.get("STEMQ_OWNER", "local"),
             other=other,
+            status_reader=status_reader,
             audio_uri=upload["audio_uri"],
             hook_base=f"http://127.0.0.1:{server.server_address[1]}",
             secret=await api.webhook_secret(),
         )
-    for nc in (publisher, submitter, reader, other):
+    for nc in (publisher, submitter, reader, other, status_reader):
         if nc is not None:
             await nc.close()
     server.shutdown()
@@ -146,6 +150,8 @@ async def test_nats_request_reply_submit(ctx: Ctx) -> None:
     assert answer["http_status"] == 202 and not answer["cached"], answer
     again = await stemq.submit_nats(ctx.submitter, request, ctx.api_key)
     assert again["http_status"] == 200 and again["job_id"] == answer["job_id"], again
+    # Held over HTTP until it ends (`Prefer: wait`), then the same end over NATS.
+    assert (await ctx.api.get(answer["job_id"], wait_s=30))["status"] == "succeeded"
     assert (await ctx.wait(answer["job_id"]))["status"] == "succeeded"
     with pytest.raises(stemq.StemqError) as refused:
         await stemq.submit_nats(ctx.submitter, request, "sk_nobody_nothing")
@@ -190,7 +196,10 @@ async def test_another_owner_cannot_read_the_view(ctx: Ctx) -> None:
     if ctx.other is None or ctx.view_owner is None:
         pytest.skip("views are not keyed by owner on this server (STEMQ_VIEW_KEYS=id)")
     job = ctx.jobs["/http"]
-    assert (await stemq.get_view(ctx.reader, job, owner=ctx.owner)) is not None
+    # The owner's reader and publisher read it, and so does status-reader (every owner).
+    for nc in (ctx.reader, ctx.publisher, ctx.status_reader):
+        view = await stemq.get_view(nc, job, owner=ctx.owner)
+        assert view is not None and view["status"] == "succeeded", view
     with pytest.raises(TimeoutError):
         await stemq.get_view(ctx.other, job, owner=ctx.owner, timeout=1)
     # Its own (empty) part of the bucket answers: no view.
