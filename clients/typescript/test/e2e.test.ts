@@ -9,7 +9,6 @@
 //   STEMQ_OTHER_PUBLISHER_CREDS credentials of another owner's publisher
 //   STEMQ_READER_CREDS         credentials of `reader-<owner token>` (per-owner views only)
 //   STEMQ_STATUS_READER_CREDS  credentials of `status-reader`
-//   STEMQ_OPERATOR_CREDS       credentials of `operator`
 //   STEMQ_VIEWS                `per-owner` (views keyed `<owner token>.<job id>`, read as the
 //                              owner's publisher and reader) or `job-id` (the older layout,
 //                              read as status-reader)
@@ -124,31 +123,18 @@ describe("against a live stemq", { skip: live ? false : "STEMQ_HTTP is not set (
     assert.ok(Object.keys(job.urls.stems ?? {}).length > 0);
   });
 
-  test("submit over NATS request-reply (stemq.api.submit), watched to succeeded", { timeout: 60_000 }, async () => {
+  test("submit over NATS request-reply (stemq.api.submit) as the publisher, watched to succeeded", { timeout: 60_000 }, async () => {
     const request: JobRequest = { audio_uri: uploadUri, model: "dsp", overlap: 0.5 };
-    let nc = publisher;
-    let first;
-    try {
-      first = await submitNats(nc, need("STEMQ_API_KEY"), request);
-    } catch (e) {
-      if (env.STEMQ_E2E_STRICT === "1" || !/permission/i.test(String((e as Error).cause ?? e))) throw e;
-      // A server from before the publisher could ask stemq.api.submit.
-      console.log("NOTE: this server does not let the publisher request stemq.api.submit; using operator");
-      nc = await connectAs({ servers: need("NATS_URL"), credentials: need("STEMQ_OPERATOR_CREDS") });
-      first = await submitNats(nc, need("STEMQ_API_KEY"), request);
-    }
-    try {
-      assert.equal(first.http_status, 202);
-      assert.equal(first.cached, false);
-      jobs.nats = first.job_id;
-      const again = await submitNats(nc, need("STEMQ_API_KEY"), request);
-      assert.equal(again.http_status, 200);
-      assert.equal(again.job_id, first.job_id);
-      const view = await wait(viewer, first.job_id, { ...viewOpts, timeoutMs: 45_000 });
-      assert.equal(view.status, "succeeded");
-    } finally {
-      if (nc !== publisher) await nc.close();
-    }
+    const first = await submitNats(publisher, need("STEMQ_API_KEY"), request);
+    assert.equal(first.http_status, 202);
+    assert.equal(first.cached, false);
+    jobs.nats = first.job_id;
+    const again = await submitNats(publisher, need("STEMQ_API_KEY"), request);
+    assert.equal(again.http_status, 200);
+    assert.equal(again.cached, true);
+    assert.equal(again.job_id, first.job_id);
+    const view = await wait(viewer, first.job_id, { ...viewOpts, timeoutMs: 45_000 });
+    assert.equal(view.status, "succeeded");
   });
 
   test("an invalid request is refused with its code over HTTP and over NATS", async () => {
@@ -163,25 +149,17 @@ describe("against a live stemq", { skip: live ? false : "STEMQ_HTTP is not set (
     await assert.rejects(http.submit({ audio_uri: uploadUri, model: "no-such-model" } as unknown as JobRequest), (e: unknown) =>
       e instanceof StemqError && e.status === 422 && e.field === "model",
     );
-    const operator = await connectAs({ servers: need("NATS_URL"), credentials: need("STEMQ_OPERATOR_CREDS") });
-    try {
-      let nc = publisher;
-      try {
-        await submitNats(nc, need("STEMQ_API_KEY"), { audio_uri: uploadUri, model: "dsp" });
-      } catch (e) {
-        if (!(e instanceof StemqError)) nc = operator; // (see the test above)
-      }
-      await assert.rejects(submitNats(nc, need("STEMQ_API_KEY"), bad), (e: unknown) => {
-        assert.ok(e instanceof StemqError, String(e));
-        assert.equal(e.status, 422);
-        assert.equal(e.code, "invalid_request");
-        assert.equal(e.field, "shifts");
-        return true;
-      });
-      await assert.rejects(submitNats(nc, "sk_not_a_key", { audio_uri: uploadUri }), (e: unknown) => e instanceof StemqError && e.status === 401 && e.code === "unauthorized");
-    } finally {
-      await operator.close();
-    }
+    await assert.rejects(submitNats(publisher, need("STEMQ_API_KEY"), bad), (e: unknown) => {
+      assert.ok(e instanceof StemqError, String(e));
+      assert.equal(e.status, 422);
+      assert.equal(e.code, "invalid_request");
+      assert.equal(e.field, "shifts");
+      return true;
+    });
+    await assert.rejects(
+      submitNats(publisher, "sk_not_a_key", { audio_uri: uploadUri }),
+      (e: unknown) => e instanceof StemqError && e.status === 401 && e.code === "unauthorized",
+    );
   });
 
   test("publish straight to the log: watched to succeeded, webhook verified, tampered body refused", { timeout: 60_000 }, async () => {
@@ -226,18 +204,21 @@ describe("against a live stemq", { skip: live ? false : "STEMQ_HTTP is not set (
     await assert.rejects(
       publishRequest(publisher, { audio_uri: storeUri, model: "dsp", overlap: 0.2 }, { owner: "someone-else", timeoutMs: 2_000 }),
       (e: unknown) => {
+        // A permissions violation, or (from a server that does not say) no acknowledgement.
         console.log(`publish for ${foreign}: ${(e as Error).message}`);
-        return true;
+        return /permissions violation|timeout/i.test(String((e as Error).message));
       },
     );
-    // Nothing was recorded under that owner.
   });
 
   test("another owner's publisher reads nothing of this owner's jobs", { skip: perOwner ? false : "views keyed by job id on this server", timeout: 60_000 }, async () => {
     // The owner's own publisher reads its views.
     assert.equal((await getView(publisher, jobs.http!, { owner }))?.status, "succeeded");
     // Another owner's user: a direct get is refused (an error or no answer) ...
-    await assert.rejects(getView(other, jobs.http!, { owner, timeoutMs: 2_000 }));
+    await assert.rejects(getView(other, jobs.http!, { owner, timeoutMs: 2_000 }), (e: unknown) => {
+      console.log(`another owner's direct get: ${(e as Error).message}`);
+      return /permissions violation|timeout/i.test((e as Error).message);
+    });
     // ... and a subscription to a new job's key gets nothing while the job runs to its end.
     const request: JobRequest = { audio_uri: storeUri, model: "dsp", overlap: 0.3 };
     const id = jobIdOf(normalize(request, owner));
