@@ -179,6 +179,9 @@ async def test_direct_publish_then_duplicate(ctx: Ctx) -> None:
     assert view["metadata"] == {"from": "python-publish"}
     again = await stemq.publish(ctx.publisher, request, ctx.owner)
     assert again.job_id == expected and again.existed, again
+    # The HTTP test's job, published: the same job, already there.
+    same = await stemq.publish(ctx.publisher, {"audio_uri": ctx.store_uri, "model": "dsp"}, ctx.owner)
+    assert same.job_id == ctx.jobs["/http"] and same.existed, same
     ctx.jobs["/publish"] = published.job_id
     if spy is not None:
         with pytest.raises(nats.errors.TimeoutError):
