@@ -128,12 +128,14 @@ async def main():
     # Follow the key by a plain subscription to its put subject (the status reader may
     # create no consumer, so no KV watch), then read it once: an update between the two
     # still arrives on the subscription.
-    updates = await reader.subscribe(f"$KV.stemq_jobs.{job_id}")
+    # A view's key is the owner's token and the job id.
+    key = f"{os.environ['STEMQ_OWNER_TOKEN']}.{job_id}"
+    updates = await reader.subscribe(f"$KV.stemq_jobs.{key}")
     await reader.flush()
     seen = []
     view = None
     try:
-        entry = await kv.get(job_id)
+        entry = await kv.get(key)
         view = json.loads(entry.value)
         seen.append(view["status"])
         print("status now:", view["status"], flush=True)

@@ -234,6 +234,12 @@ impl Stack {
         path.file_stem().expect("a credentials file").to_string_lossy().into_owned()
     }
 
+    /// Adds the NATS `reader` of `owner` (reloading the server); returns its user name.
+    pub async fn add_reader(&mut self, owner: &str) -> String {
+        let path = tokio::task::block_in_place(|| self.server.add_reader(owner)).expect("add a reader");
+        path.file_stem().expect("a credentials file").to_string_lossy().into_owned()
+    }
+
     /// Stops in-process worker `i` (graceful) and waits for it.
     pub async fn stop_worker(&mut self, i: usize) {
         let (t, h) = &mut self.workers[i];

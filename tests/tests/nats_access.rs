@@ -181,6 +181,39 @@ async fn a_publisher_requests_for_its_own_owner_only() {
     stack.shutdown().await;
 }
 
+/// A publisher asks the request-reply submit endpoint: the API key in the message
+/// decides (a job with it, a 401 without it), and the reply reaches the publisher's own
+/// inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_submits_over_request_reply_with_an_api_key() {
+    let mut stack = Stack::start(StackOptions::default()).await;
+    let publisher = stack.add_publisher(TEST_OWNER).await;
+    let client = stack.connect_as(&publisher).await;
+    let body = serde_json::to_vec(&job_body(&stack, "publisher-submit", None)).unwrap();
+    let ask = |key: Option<&str>| {
+        let mut h = async_nats::HeaderMap::new();
+        if let Some(k) = key {
+            h.insert("Authorization", format!("Bearer {k}").as_str());
+        }
+        let (c, b) = (client.clone(), body.clone());
+        async move {
+            let m = tokio::time::timeout(T, c.request_with_headers(names::SUBMIT_SUBJECT, h, b.into()))
+                .await
+                .expect("an answer in time")
+                .expect("the publisher may ask the submit endpoint");
+            serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap()
+        }
+    };
+    let refused = ask(None).await;
+    assert_eq!(refused["http_status"].as_u64(), Some(401), "{refused}");
+    let key = stack.key.clone();
+    let accepted = ask(Some(&key)).await;
+    assert_eq!(accepted["http_status"].as_u64(), Some(202), "{accepted}");
+    let id = JobId::parse(accepted["job_id"].as_str().unwrap()).unwrap();
+    assert_eq!(stack.wait_terminal(&id, T).await.status, JobStatus::Succeeded);
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_outcome_is_refused_and_the_real_submit_runs() {
     let mut stack = Stack::start(StackOptions::default()).await;
@@ -443,7 +476,10 @@ async fn only_the_projector_writes_the_view_and_only_the_worker_records_attempts
         let kv = short(&c).get_key_value(names::JOBS_BUCKET).await;
         match kv {
             // Users that may read the view open the bucket; the write is refused.
-            Ok(kv) => denied(&format!("{user} writes the view"), kv.put(id.as_str(), forged.clone().into()).await),
+            Ok(kv) => {
+                let key = names::view_key(Some(TEST_OWNER), &id);
+                denied(&format!("{user} writes the view"), kv.put(key, forged.clone().into()).await)
+            }
             Err(e) => assert_eq!(user, WORKER, "{user} cannot open the bucket: {e}"),
         }
     }
@@ -478,15 +514,16 @@ async fn the_status_reader_reads_and_follows_views_and_nothing_else() {
     let (_, b) = stack.submit(&job_body(&stack, "read-me", None)).await;
     let id = job_id(&b);
     stack.wait_terminal(&id, T).await;
+    let key = names::view_key(Some(TEST_OWNER), &id);
 
     let (client, errors) = watched(&stack, STATUS_READER).await;
     let js = short(&client);
     let kv = js.get_key_value(names::JOBS_BUCKET).await.expect("the reader opens the view bucket");
-    let v: JobView = serde_json::from_slice(&kv.get(id.as_str()).await.unwrap().expect("a view")).unwrap();
+    let v: JobView = serde_json::from_slice(&kv.get(key.as_str()).await.unwrap().expect("a view")).unwrap();
     assert_eq!((v.job_id.clone(), v.status), (id.clone(), JobStatus::Succeeded));
     // It follows views by a plain subscription to the bucket's put subjects (no
     // consumer: see `readers_cannot_create_consumers_that_deliver_anywhere`).
-    let mut follow = client.subscribe(format!("$KV.{}.{id}", names::JOBS_BUCKET)).await.unwrap();
+    let mut follow = client.subscribe(format!("$KV.{}.{key}", names::JOBS_BUCKET)).await.unwrap();
     client.flush().await.unwrap();
     let op = stack.connect_as(OPERATOR).await;
     let view = serde_json::to_vec(&v).unwrap();
@@ -494,15 +531,15 @@ async fn the_status_reader_reads_and_follows_views_and_nothing_else() {
         .get_key_value(names::JOBS_BUCKET)
         .await
         .unwrap()
-        .put(id.as_str(), view.into())
+        .put(key.as_str(), view.into())
         .await
         .unwrap();
     let heard = tokio::time::timeout(T, futures::StreamExt::next(&mut follow)).await.unwrap().unwrap();
     assert_eq!(serde_json::from_slice::<JobView>(&heard.payload).unwrap().job_id, id);
-    denied("the reader watches through a consumer", kv.watch_with_history(id.as_str()).await);
+    denied("the reader watches through a consumer", kv.watch_with_history(key.as_str()).await);
 
     // Anything else: no.
-    denied("the reader writes a view", kv.put(id.as_str(), "{}".into()).await);
+    denied("the reader writes a view", kv.put(key.as_str(), "{}".into()).await);
     let req = request_of(&stack, "from-reader", "anonymous");
     assert_denied("the reader requests a job", js_publish(&js, routed(&req.subject, "anonymous"), &req, None).await);
     denied("the reader opens the webhook secrets", js.get_key_value(names::WEBHOOKS_BUCKET).await);
@@ -519,6 +556,91 @@ async fn the_status_reader_reads_and_follows_views_and_nothing_else() {
     assert_eq!(stack.count_on(&job_subject(&id, SubjectKind::CancelRequested)).await, 0);
     // The operator, of course, may do all of it.
     assert!(short(&op).get_key_value(names::WEBHOOKS_BUCKET).await.is_ok());
+    stack.shutdown().await;
+}
+
+/// A direct get of `key` in the status bucket, as a plain request (what an owner's
+/// reader may send): the reply, or the error (a timeout when the server refused it).
+async fn view_by_key(client: &async_nats::Client, key: &str) -> Result<async_nats::Message, String> {
+    let subject = format!("$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.{key}", b = names::JOBS_BUCKET);
+    match tokio::time::timeout(DENIED, client.request(subject, "".into())).await {
+        Ok(Ok(m)) => Ok(m),
+        Ok(Err(e)) => Err(format!("timed out: {e}")),
+        Err(_) => Err("timed out".into()),
+    }
+}
+
+/// Per-owner reads over NATS: owner A's `reader` and `publisher` read A's view by its
+/// key and follow it; B's get nothing of A's job (no view, no progress, no event, not
+/// even the list of keys), and B's reader reads B's own job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owners_nats_users_read_only_that_owners_jobs() {
+    let mut stack = Stack::start(StackOptions::default()).await;
+    let a_reader = stack.add_reader(TEST_OWNER).await;
+    let a_publisher = stack.add_publisher(TEST_OWNER).await;
+    let b_reader = stack.add_reader("globex").await;
+    let b_publisher = stack.add_publisher("globex").await;
+    let (_, b) = stack.submit(&job_body(&stack, "owner-a", Some(json!({"sleep_ms": 300})))).await;
+    let id = job_id(&b);
+    let ended = stack.wait_terminal(&id, T).await;
+    let key = names::view_key(Some(TEST_OWNER), &id);
+
+    // A's users: the view by its key, and its updates by a plain subscription.
+    for user in [&a_reader, &a_publisher] {
+        let (client, _) = watched(&stack, user).await;
+        let m = view_by_key(&client, &key).await.unwrap_or_else(|e| panic!("{user} reads its owner's view: {e}"));
+        let v: JobView = serde_json::from_slice(&m.payload).unwrap_or_else(|e| panic!("{user}: {e}: {m:?}"));
+        assert_eq!((v.job_id.clone(), v.status), (id.clone(), JobStatus::Succeeded));
+        let mut follow = client.subscribe(format!("$KV.{}.{key}", names::JOBS_BUCKET)).await.unwrap();
+        client.flush().await.unwrap();
+        let op = stack.connect_as(OPERATOR).await;
+        let kv = jetstream::new(op).get_key_value(names::JOBS_BUCKET).await.unwrap();
+        kv.put(key.as_str(), serde_json::to_vec(&ended).unwrap().into()).await.unwrap();
+        let heard = tokio::time::timeout(T, futures::StreamExt::next(&mut follow)).await.unwrap().unwrap();
+        assert_eq!(serde_json::from_slice::<JobView>(&heard.payload).unwrap().job_id, id, "{user}");
+    }
+
+    // B's users: nothing of A's job.
+    for user in [&b_reader, &b_publisher] {
+        let (client, errors) = watched(&stack, user).await;
+        assert_denied(&format!("{user} reads A's view"), view_by_key(&client, &key).await);
+        assert_denied(&format!("{user} reads A's view by id"), view_by_key(&client, id.as_str()).await);
+        let js = short(&client);
+        denied(&format!("{user} lists the bucket's keys"), js.get_stream(format!("KV_{}", names::JOBS_BUCKET)).await);
+        let log = js.get_stream_no_info(names::JOBS_STREAM).await.unwrap();
+        denied(&format!("{user} reads A's events"), log.direct_get_last_for_subject(names::job_filter(&id)).await);
+        let progress = js.get_stream_no_info(names::PROGRESS_STREAM).await.unwrap();
+        denied(
+            &format!("{user} reads A's progress"),
+            progress.direct_get_last_for_subject(job_subject(&id, SubjectKind::Progress)).await,
+        );
+        for subject in [
+            format!("$KV.{}.{key}", names::JOBS_BUCKET),
+            format!("$KV.{}.>", names::JOBS_BUCKET),
+            job_subject(&id, SubjectKind::Progress),
+            format!("stemq.jobs.{id}.>"),
+        ] {
+            errors.lock().unwrap().clear();
+            let mut sub = client.subscribe(subject.clone()).await.unwrap();
+            client.flush().await.unwrap();
+            wait_error(&errors, "Permissions Violation for Subscription").await;
+            // Nothing arrives, even when the view changes.
+            let op = stack.connect_as(OPERATOR).await;
+            let kv = jetstream::new(op).get_key_value(names::JOBS_BUCKET).await.unwrap();
+            kv.put(key.as_str(), serde_json::to_vec(&ended).unwrap().into()).await.unwrap();
+            let heard = tokio::time::timeout(Duration::from_millis(300), futures::StreamExt::next(&mut sub)).await;
+            assert!(!matches!(heard, Ok(Some(_))), "{user} heard {subject}");
+        }
+    }
+
+    // B's reader reads B's own jobs.
+    let theirs = request_of(&stack, "owner-b", "globex");
+    let theirs_id = theirs.subject.clone();
+    stack.js.publish(routed(&theirs_id, "globex"), theirs.to_bytes()).await.unwrap().await.unwrap();
+    stack.wait_terminal(&theirs_id, T).await;
+    let (client, _) = watched(&stack, &b_reader).await;
+    let m = view_by_key(&client, &names::view_key(Some("globex"), &theirs_id)).await.expect("B reads its own view");
+    assert_eq!(serde_json::from_slice::<JobView>(&m.payload).unwrap().job_id, theirs_id);
     stack.shutdown().await;
 }
 

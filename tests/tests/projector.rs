@@ -116,7 +116,9 @@ async fn issue_11_a_view_that_does_not_parse_is_reported_and_never_overwritten()
     let bad = requested(&stack, "bad-view", None);
     let good = requested(&stack, "innocent", None);
     let garbage = bytes::Bytes::from_static(b"{\"this is\": \"not a view\"");
-    stack.kv.put(bad.subject.as_str(), garbage.clone()).await.unwrap();
+    // Where the projector writes the job's view: under its owner's key.
+    let bad_key = names::view_key(Some("anonymous"), &bad.subject);
+    stack.kv.put(bad_key.as_str(), garbage.clone()).await.unwrap();
     let before = projector_errors("corrupt_view");
 
     publish(&stack, SubjectKind::Requested, &bad).await;
@@ -128,7 +130,7 @@ async fn issue_11_a_view_that_does_not_parse_is_reported_and_never_overwritten()
     })
     .await;
 
-    let entry = stack.kv.entry(bad.subject.as_str()).await.unwrap().expect("entry kept");
+    let entry = stack.kv.entry(bad_key.as_str()).await.unwrap().expect("entry kept");
     assert_eq!(entry.value, garbage, "the unparseable view was overwritten");
     match stemq_projector::get_view(&stack.kv, &bad.subject).await {
         Err(e @ stemq_projector::ProjectorError::CorruptView { .. }) => assert_eq!(e.kind(), "corrupt_view"),

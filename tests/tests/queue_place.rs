@@ -237,7 +237,8 @@ async fn positions_count_down_and_the_eta_holds_under_steady_load() {
     // An ended job has neither, and the stored view never has any of them.
     let v = get(&stack, &jobs[0]).await;
     assert!(v.get("queue_position").is_none() && v.get("eta").is_none(), "{v}");
-    let raw = stack.kv.get(unserved.as_str()).await.unwrap().unwrap();
+    let key = stemq_nats::view_key(Some(stemq_tests::TEST_OWNER), &unserved);
+    let raw = stack.kv.get(key).await.unwrap().expect("the view under its owner's key");
     let stored: Value = serde_json::from_slice(&raw).unwrap();
     for field in ["queue_position", "eta", "eta_seconds", "waiting"] {
         assert!(stored.get(field).is_none(), "{field} stored: {stored}");

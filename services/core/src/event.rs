@@ -315,6 +315,21 @@ pub struct Rejected {
     pub message: String,
 }
 
+/// The job events a webhook may be sent for, by kind, with the name a request's
+/// `webhook.events` picks them by (`started`, `progress`, `completed`): the payload is
+/// `{"type": "io.stemq.job.<kind>.v1", "timestamp", "data": <the job's view>}`. A
+/// `failed` event is sent only when it ends the job (a permanent failure).
+pub const WEBHOOK_KINDS: [(&str, &str); 8] = [
+    ("started", "started"),
+    ("progress", "progress"),
+    ("succeeded", "completed"),
+    ("failed", "completed"),
+    ("dead_lettered", "completed"),
+    ("rejected", "completed"),
+    ("cancelled", "completed"),
+    ("expired", "completed"),
+];
+
 impl EventBody {
     /// The short kind name: `requested`, `started`, ...
     pub fn kind(&self) -> &'static str {
@@ -333,6 +348,15 @@ impl EventBody {
             EventBody::DeliveryAttempted(_) => "delivery_attempted",
             EventBody::DeliveryReplayRequested(_) => "delivery_replay_requested",
         }
+    }
+
+    /// Which of a webhook's `events` this event is sent under ([`WEBHOOK_KINDS`]); `None`
+    /// for events no webhook is sent for (a retryable failure among them).
+    pub fn webhook_class(&self) -> Option<&'static str> {
+        if matches!(self, EventBody::Failed(_)) && !self.is_terminal() {
+            return None;
+        }
+        WEBHOOK_KINDS.iter().find(|(k, _)| *k == self.kind()).map(|(_, class)| *class)
     }
 
     /// True for events that end a job. They go to the job's terminal subject, where the

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use stemq_nats::users::{UserStore, UsersError};
+use stemq_nats::users::{User, UserStore, UsersError};
 use stemq_nats::{ClientTls, ConnectAuth, NatsError, SERVER_CONF};
 
 /// Failures starting a server.
@@ -362,9 +362,20 @@ impl NatsServer {
     /// Adds (or finds) the publisher of `owner` and reloads the server so it may
     /// connect; returns its credentials file.
     pub fn add_publisher(&self, owner: &str) -> Result<PathBuf, ServerError> {
-        let users =
-            self.users.as_ref().ok_or(UsersError::UnknownRole("publisher (the server runs without users)".into()))?;
-        let path = users.add_publisher(owner)?;
+        self.add_owner_user(&User::publisher(owner))
+    }
+
+    /// Adds (or finds) the reader of `owner`, as [`NatsServer::add_publisher`] does.
+    pub fn add_reader(&self, owner: &str) -> Result<PathBuf, ServerError> {
+        self.add_owner_user(&User::reader(owner))
+    }
+
+    fn add_owner_user(&self, user: &User) -> Result<PathBuf, ServerError> {
+        let users = self
+            .users
+            .as_ref()
+            .ok_or_else(|| UsersError::UnknownRole(format!("{} (the server runs without users)", user.role)))?;
+        let path = users.ensure(user)?;
         self.write_conf()?;
         self.reload()?;
         Ok(path)

@@ -82,11 +82,10 @@ async fn openapi_json() -> Response {
 }
 
 /// `GET /asyncapi.json`: the NATS side's AsyncAPI document
-/// ([`stemq_nats::asyncapi::document`]), made once.
+/// ([`crate::asyncapi::document`]), made once.
 async fn asyncapi_json() -> Response {
     static DOC: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    let body =
-        DOC.get_or_init(|| serde_json::to_vec(&stemq_nats::asyncapi::document()).expect("the document serialises"));
+    let body = DOC.get_or_init(|| serde_json::to_vec(&crate::asyncapi::document()).expect("the document serialises"));
     ([(header::CONTENT_TYPE, "application/json")], axum::body::Bytes::from_static(body)).into_response()
 }
 

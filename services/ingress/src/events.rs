@@ -101,7 +101,7 @@ pub(crate) async fn sse(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(0);
-    let watch = state.bucket().watch_with_history(view.job_id.as_str()).await.map_err(internal)?;
+    let watch = stemq_nats::read::watch_view(state.bucket(), &view.job_id).await.map_err(internal)?;
     let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
     recheck.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let follow =

@@ -26,6 +26,7 @@
 
 pub mod access;
 pub mod api;
+pub mod asyncapi;
 pub mod availability;
 pub mod batches;
 pub mod control;

@@ -2,8 +2,8 @@
 //!
 //! This module owns submit for services that speak NATS rather than HTTP. The request
 //! payload is the same JSON as `POST /v1/separations`; the reply is the same JSON as the
-//! HTTP answer, plus an `http_status` field (202, 200, 401, 403, 422, 429 or 503) so
-//! callers can branch the same way. The API key travels in an `Authorization: Bearer
+//! HTTP answer, plus an `http_status` field (202, 200, or an error's status: [`ERRORS`])
+//! so callers can branch the same way. The API key travels in an `Authorization: Bearer
 //! <key>` header of the NATS message and obeys the same rules as over HTTP (owner from
 //! the key, `submit` role or better, the key's limits); its errors are the HTTP ones
 //! ([`ApiError`]), with `retry_after` (seconds) where HTTP says `Retry-After`. Ingress instances share the
@@ -19,7 +19,20 @@ use stemq_accounts::auth::Permission;
 
 use crate::access::{bearer, forbidden, key_refused, key_required, unauthenticated_operator};
 use crate::pipeline::submit_as;
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, ErrorCode};
+
+/// Every error the endpoint answers with: the key's (401, 403), the credits' (402), the
+/// request's (422), the limits' (429) and a dependency's (503), as over HTTP.
+pub const ERRORS: [ErrorCode; 8] = [
+    ErrorCode::Unauthorized,
+    ErrorCode::InsufficientCredits,
+    ErrorCode::Forbidden,
+    ErrorCode::InvalidRequest,
+    ErrorCode::ModelNotServed,
+    ErrorCode::RateLimited,
+    ErrorCode::TooManyInFlight,
+    ErrorCode::Unavailable,
+];
 
 /// Serves until `shutdown`.
 pub async fn serve(

@@ -33,6 +33,7 @@ use crate::{ErrorBody, ErrorCode, ErrorDetail};
 
 mod examples;
 pub mod operations;
+mod webhooks;
 
 /// Makes a type's schema (a `$ref` for named types) in a generator.
 type SchemaFn = fn(&mut SchemaGenerator) -> Schema;
@@ -596,7 +597,10 @@ pub fn render<'a>(operations: impl IntoIterator<Item = &'a Operation>) -> Value 
         let item = paths.entry(op.path.to_string()).or_insert_with(|| json!({}));
         item[op.method.as_str().to_ascii_lowercase()] = o;
     }
+    let (hooks, hook_schemas) = webhooks::section(&mut output);
+    tags.push(webhooks::TAG);
     let mut schemas = output.take_definitions(true);
+    schemas.extend(hook_schemas);
     let mut doc = json!({
         "openapi": "3.1.0",
         "info": {
@@ -612,6 +616,7 @@ pub fn render<'a>(operations: impl IntoIterator<Item = &'a Operation>) -> Value 
         },
         "tags": tags.iter().map(|t| json!({"name": t})).collect::<Vec<_>>(),
         "paths": paths,
+        "webhooks": hooks,
         "components": {
             "securitySchemes": {"bearerAuth": {
                 "type": "http", "scheme": "bearer", "bearerFormat": "sk_<key id>_<secret>",

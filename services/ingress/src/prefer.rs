@@ -76,7 +76,7 @@ pub(crate) async fn until_ended(
     let id = view.job_id.clone();
     // The watch starts with the key's latest revision, so an end written between the
     // read of `view` and here is not missed.
-    let mut watch = match state.bucket().watch_with_history(id.as_str()).await {
+    let mut watch = match stemq_nats::read::watch_view(state.bucket(), &id).await {
         Ok(w) => w,
         Err(e) => {
             warn!(job_id = %id, error = %e, "cannot watch the status view; answering without waiting");

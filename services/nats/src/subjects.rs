@@ -62,7 +62,7 @@ pub const RELAY_PROGRESS_CONSUMER: &str = "relay-progress";
 pub const RELAY_BATCHES_CONSUMER: &str = "relay-batches";
 /// The webhook relay's durable consumer over job outcomes, for the batches that hold them.
 pub const RELAY_BATCH_OUTCOMES_CONSUMER: &str = "relay-batch-outcomes";
-/// The status view bucket.
+/// The status view bucket, keyed by [`view_key`].
 pub const JOBS_BUCKET: &str = "stemq_jobs";
 /// Per-owner webhook signing secrets (and endpoints disabled by a 410).
 pub const WEBHOOKS_BUCKET: &str = "stemq_webhooks";
@@ -134,6 +134,23 @@ pub fn job_filter(id: &JobId) -> String {
 /// one round trip.
 pub fn job_events_filter(id: &JobId) -> String {
     format!("{JOBS_PREFIX}.{id}.*")
+}
+
+/// The key of a job's view in [`JOBS_BUCKET`]: `<owner token>.<job id>`, so that NATS
+/// permissions can bind a reader to one owner (`$KV.stemq_jobs.<owner token>.>`). A
+/// view whose owner is unknown (no readable request) is keyed by the job id alone, the
+/// form every view had before keys carried owners; readers find a view under either
+/// ([`crate::read::stored_view`]) and the projector writes a view where it already is.
+pub fn view_key(owner: Option<&str>, id: &JobId) -> String {
+    match owner {
+        Some(o) => format!("{}.{id}", owner_token(o)),
+        None => id.to_string(),
+    }
+}
+
+/// The job whose view a key of [`JOBS_BUCKET`] holds (either form of [`view_key`]).
+pub fn job_of_view_key(key: &str) -> Option<JobId> {
+    JobId::parse(key.rsplit('.').next().unwrap_or(key))
 }
 
 /// The durable consumer of one pool's lane: `workers-<model>-<lane>`.
@@ -305,6 +322,18 @@ pub fn job_id_of_subject(subject: &str) -> Option<JobId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn view_keys_carry_the_owner_token_and_name_their_job() {
+        let id = JobId::parse(&"b".repeat(64)).unwrap();
+        assert_eq!(view_key(Some("acme"), &id), format!("acme.{id}"));
+        assert_eq!(view_key(Some("acme.eu"), &id), format!("{}.{id}", owner_token("acme.eu")));
+        assert_eq!(view_key(None, &id), id.to_string());
+        for key in [view_key(Some("acme"), &id), view_key(Some("a b"), &id), view_key(None, &id)] {
+            assert_eq!(job_of_view_key(&key), Some(id.clone()), "{key}");
+        }
+        assert_eq!(job_of_view_key("acme.nothex"), None);
+    }
 
     #[test]
     fn subjects_round_trip() {

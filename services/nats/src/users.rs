@@ -5,9 +5,11 @@
 //!
 //! - the roles and their permissions are data, `nats/users.json` (embedded at build
 //!   time), like the stream, consumer and bucket definitions: `operator` (everything),
-//!   `ingress`, `worker`, `projector`, `relay`, `status-reader`, and `publisher`, of
-//!   which there is one user per owner (`publisher-<owner token>`, publishing only on
-//!   `stemq.jobs.*.requested.<owner token>`);
+//!   `ingress`, `worker`, `projector`, `relay`, `status-reader`, and the per-owner
+//!   roles `publisher` (`publisher-<owner token>`, publishing only on
+//!   `stemq.jobs.*.requested.<owner token>`, and reading its owner's views) and
+//!   `reader` (`reader-<owner token>`, reading its owner's views only: the view keys
+//!   carry the owner token, `crate::view_key`);
 //! - every user has an inbox prefix of its own, `_INBOX_<user>`, and may subscribe only
 //!   below it, so no user reads another's replies, PubAcks or pull deliveries;
 //! - each user's [`Credentials`] (`crate::credentials`), one file per user; the server
@@ -42,7 +44,12 @@ pub const RELAY: &str = "relay";
 /// A foreign service submitting for one owner (the role; users are
 /// `publisher-<owner token>`).
 pub const PUBLISHER: &str = "publisher";
-/// Reads and watches the status view bucket.
+/// A foreign service reading one owner's views (the role; users are
+/// `reader-<owner token>`).
+pub const READER: &str = "reader";
+/// The roles with one user per owner.
+pub const PER_OWNER_ROLES: [&str; 2] = [PUBLISHER, READER];
+/// Reads and watches the status view bucket (every owner's).
 pub const STATUS_READER: &str = "status-reader";
 /// The users every stemq server has (publishers are added per owner).
 pub const FIXED_USERS: [&str; 6] = [OPERATOR, INGRESS, WORKER, PROJECTOR, RELAY, STATUS_READER];
@@ -57,7 +64,9 @@ pub enum UsersError {
     #[error("bad nats/users.json")]
     Definition(#[source] serde_json::Error),
     /// No such role in `nats/users.json`.
-    #[error("no NATS role `{0}` (known: operator, ingress, worker, projector, relay, publisher, status-reader)")]
+    #[error(
+        "no NATS role `{0}` (known: operator, ingress, worker, projector, relay, publisher, reader, status-reader)"
+    )]
     UnknownRole(String),
     /// A credentials file could not be read or parsed.
     #[error(transparent)]
@@ -147,21 +156,32 @@ impl User {
         User { name: role.to_string(), role: role.to_string(), owner_token: None }
     }
 
-    /// The publisher of `owner`.
-    pub fn publisher(owner: &str) -> User {
+    /// The user of a per-owner `role` ([`PER_OWNER_ROLES`]) for `owner`:
+    /// `<role>-<owner token>`.
+    pub fn of_owner(role: &str, owner: &str) -> User {
         let token = owner_token(owner);
-        User { name: format!("{PUBLISHER}-{token}"), role: PUBLISHER.to_string(), owner_token: Some(token) }
+        User { name: format!("{role}-{token}"), role: role.to_string(), owner_token: Some(token) }
     }
 
-    /// The user a user name stands for: `publisher-<token>` is a publisher, any other
-    /// name its own role.
+    /// The publisher of `owner`.
+    pub fn publisher(owner: &str) -> User {
+        User::of_owner(PUBLISHER, owner)
+    }
+
+    /// The reader of `owner`.
+    pub fn reader(owner: &str) -> User {
+        User::of_owner(READER, owner)
+    }
+
+    /// The user a user name stands for: `<per-owner role>-<token>` is that role's user
+    /// for that owner, any other name its own role.
     pub fn from_name(name: &str) -> User {
-        match name.strip_prefix("publisher-") {
-            Some(token) if !token.is_empty() => {
-                User { name: name.to_string(), role: PUBLISHER.to_string(), owner_token: Some(token.to_string()) }
+        for role in PER_OWNER_ROLES {
+            if let Some(token) = name.strip_prefix(role).and_then(|r| r.strip_prefix('-')).filter(|t| !t.is_empty()) {
+                return User { name: name.to_string(), role: role.to_string(), owner_token: Some(token.to_string()) };
             }
-            _ => User::of_role(name),
         }
+        User::of_role(name)
     }
 
     /// `_INBOX_<user>`: the only inbox this user may subscribe to.
@@ -251,6 +271,11 @@ impl UserStore {
         self.ensure(&User::publisher(owner))
     }
 
+    /// Creates the reader of `owner` (unless it exists); returns its credentials' path.
+    pub fn add_reader(&self, owner: &str) -> Result<PathBuf, UsersError> {
+        self.ensure(&User::reader(owner))
+    }
+
     /// Every user with credentials here, by name.
     pub fn users(&self) -> Result<Vec<(User, Credentials)>, UsersError> {
         let io = |e| UsersError::Io(self.dir.clone(), e);
@@ -301,7 +326,7 @@ mod tests {
     fn every_role_parses_and_only_the_operator_has_everything() {
         let roles = roles().unwrap();
         let names: Vec<_> = roles.iter().map(|r| r.user.as_str()).collect();
-        for n in FIXED_USERS.iter().chain([&PUBLISHER]) {
+        for n in FIXED_USERS.iter().chain(&PER_OWNER_ROLES) {
             assert!(names.contains(n), "{n} missing from nats/users.json");
         }
         for r in &roles {
@@ -330,15 +355,26 @@ mod tests {
     }
 
     #[test]
-    fn a_publisher_publishes_only_for_its_owner_and_reads_only_its_inbox() {
+    fn a_publisher_publishes_only_for_its_owner_and_reads_only_its_inbox_and_views() {
         let p = User::publisher("acme").permissions().unwrap().unwrap();
-        assert_eq!(p.publish.allow, ["stemq.jobs.*.requested.acme", "stemq.jobs.*.requested.acme.*.*"]);
-        assert_eq!(p.subscribe.allow, ["_INBOX_publisher-acme.>"]);
+        let view = "$JS.API.DIRECT.GET.KV_stemq_jobs.$KV.stemq_jobs.acme.>";
+        assert_eq!(
+            p.publish.allow,
+            ["stemq.jobs.*.requested.acme", "stemq.jobs.*.requested.acme.*.*", "stemq.api.submit", view]
+        );
+        assert_eq!(p.subscribe.allow, ["_INBOX_publisher-acme.>", "$KV.stemq_jobs.acme.>"]);
         assert!(!p.allow_responses);
         let odd = User::publisher("a.b");
         assert_eq!(odd.name, format!("publisher-{}", owner_token("a.b")));
         assert_eq!(User::from_name(&odd.name), odd);
         assert_eq!(User::from_name("worker"), User::of_role("worker"));
+        // The reader: its owner's views, nothing else.
+        let r = User::reader("acme");
+        assert_eq!((r.name.as_str(), User::from_name("reader-acme")), ("reader-acme", r.clone()));
+        let p = r.permissions().unwrap().unwrap();
+        assert_eq!(p.publish.allow, [view]);
+        assert_eq!(p.subscribe.allow, ["_INBOX_reader-acme.>", "$KV.stemq_jobs.acme.>"]);
+        assert_eq!(User::from_name("reader-"), User::of_role("reader-"));
         assert!(User::of_role(OPERATOR).permissions().unwrap().is_none());
     }
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, AckKind};
 use futures::StreamExt;
-use stemq_core::{Event, JobId, JobView, Position};
+use stemq_core::{Event, JobId, Position};
 use stemq_nats as names;
-use stemq_nats::pull;
+use stemq_nats::{pull, read};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{error, warn};
@@ -64,7 +64,7 @@ pub(crate) struct Lane {
     log: jetstream::stream::Stream<()>,
     cap: usize,
     /// Views as last written, with their revision.
-    cache: HashMap<JobId, (Option<JobView>, u64)>,
+    cache: HashMap<JobId, read::Stored>,
     resubscriptions: [Arc<AtomicU64>; 2],
     seen_resubscriptions: u64,
 }
@@ -144,7 +144,7 @@ impl Lane {
             self.jobs(per_job).await;
             if self.cache.len() > self.cap {
                 // Terminal views rarely change again: drop them first, then anything.
-                self.cache.retain(|_, (v, _)| v.as_ref().map(|v| !v.status.is_terminal()).unwrap_or(false));
+                self.cache.retain(|_, s| s.view.as_ref().map(|v| !v.status.is_terminal()).unwrap_or(false));
                 if self.cache.len() > self.cap {
                     self.cache.clear();
                 }
@@ -217,8 +217,8 @@ impl Lane {
                 Ok(cached) => {
                     match cached {
                         Cached::Keep => {}
-                        Cached::Set(view, revision) => {
-                            self.cache.insert(id.clone(), (Some(*view), revision));
+                        Cached::Set(stored) => {
+                            self.cache.insert(id.clone(), stored);
                         }
                         Cached::Drop => {
                             self.cache.remove(&id);

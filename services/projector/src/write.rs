@@ -17,8 +17,8 @@ use crate::ProjectorError;
 pub(crate) enum Cached {
     /// What it held.
     Keep,
-    /// This view as written, at this revision.
-    Set(Box<JobView>, u64),
+    /// This entry as written.
+    Set(read::Stored),
     /// Nothing (the view was re-read and not written: the next fold reads it again).
     Drop,
 }
@@ -39,16 +39,16 @@ impl Job<'_> {
     /// cache should hold for the job now.
     pub(crate) async fn fold(
         &self,
-        cached: Option<(Option<JobView>, u64)>,
+        cached: Option<read::Stored>,
         events: &[(Position, &Event)],
     ) -> Result<Cached, ProjectorError> {
         let id = self.id;
         // An unknown job is most likely new: try creating it before paying for a read.
         let mut reread = false;
-        let mut current = cached.unwrap_or((None, 0));
+        let mut current = cached.unwrap_or_default();
         let unchanged = |reread: bool| if reread { Cached::Drop } else { Cached::Keep };
         for _ in 0..10 {
-            let next = match plan(current.0.as_ref(), events) {
+            let next = match plan(current.view.as_ref(), events) {
                 Plan::Unchanged => {
                     debug!(job_id = %id, "events change nothing");
                     return Ok(unchanged(reread));
@@ -56,10 +56,10 @@ impl Job<'_> {
                 Plan::Write(v) => *v,
                 Plan::Refold { upto } => {
                     crate::metrics::metrics().refold();
-                    let Some(v) = self.refold(upto, current.0.as_ref(), events).await? else {
+                    let Some(v) = self.refold(upto, current.view.as_ref(), events).await? else {
                         return Ok(unchanged(reread));
                     };
-                    if current.0.as_ref() == Some(&v) {
+                    if current.view.as_ref() == Some(&v) {
                         debug!(job_id = %id, upto, "refolded: the view was right");
                         return Ok(unchanged(reread));
                     }
@@ -68,8 +68,13 @@ impl Job<'_> {
                 }
             };
             let body = serde_json::to_vec(&next).expect("views serialise");
-            match self.kv.update(id.as_str(), body.into(), current.1).await {
-                Ok(rev) => return Ok(Cached::Set(Box::new(next), rev)),
+            // Where the view is, else its owner's key (`view_key`).
+            let key = match &current.key {
+                Some(k) => k.clone(),
+                None => self.new_key(&next).await?,
+            };
+            match self.kv.update(key.as_str(), body.into(), current.revision).await {
+                Ok(revision) => return Ok(Cached::Set(read::Stored { view: Some(next), revision, key: Some(key) })),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     // It exists (or another writer moved it): read the real revision, retry.
                     reread = true;
@@ -79,6 +84,24 @@ impl Job<'_> {
             }
         }
         Err(ProjectorError::Conflicts { id: id.clone() })
+    }
+
+    /// The key a job's first view is written under: its owner's ([`names::view_key`]),
+    /// the owner read from the job's request in the log when the view has none yet (a
+    /// progress folded before the request), the job id alone when the log has none.
+    async fn new_key(&self, view: &JobView) -> Result<String, ProjectorError> {
+        if let Some(r) = &view.request {
+            return Ok(names::view_key(Some(&r.owner), self.id));
+        }
+        let requested = read::request_of(self.log, self.id).await.map_err(|e| ProjectorError::LogRead {
+            id: self.id.clone(),
+            source: JetStreamError::read("direct get request")(e),
+        })?;
+        let owner = requested.and_then(|(_, e)| match e.body {
+            stemq_core::EventBody::Requested(r) => Some(r.request.owner),
+            _ => None,
+        });
+        Ok(names::view_key(owner.as_deref(), self.id))
     }
 
     /// The job's view as its log up to `upto` folds it (refused requests and unreadable

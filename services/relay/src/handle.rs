@@ -18,16 +18,6 @@ use crate::attempt::{attempt, After, Delivery, Of};
 use crate::schedule::{next_step, Step};
 use crate::Shared;
 
-/// The webhook event class of an event, if any.
-fn class_of(body: &EventBody) -> Option<&'static str> {
-    match body {
-        EventBody::Started(_) => Some("started"),
-        EventBody::Progress(_) => Some("progress"),
-        b if b.is_terminal() => Some("completed"),
-        _ => None,
-    }
-}
-
 /// The job's view with `event` folded in: the read side's current view (the KV view,
 /// else the request from the log if the projector has not seen the job yet), brought up
 /// to the event with the pure `apply`, so the payload never lags the event. A view that
@@ -87,7 +77,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
         let (webhook_id, event_type, replay, pos) = match &event.body {
             EventBody::DeliveryReplayRequested(r) => (r.webhook_id.clone(), r.event_type.clone(), true, None),
             body => {
-                if class_of(body).is_none() {
+                if body.webhook_class().is_none() {
                     let _ = msg.ack().await;
                     return;
                 }
@@ -118,7 +108,7 @@ pub(crate) async fn handle(shared: &Arc<Shared>, msg: jetstream::Message, is_pro
             return;
         };
         if !replay {
-            let class = class_of(&event.body).unwrap_or("completed");
+            let class = event.body.webhook_class().unwrap_or("completed");
             if !hook.events.iter().any(|e| e == class) {
                 let _ = msg.ack().await;
                 return;

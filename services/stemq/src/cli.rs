@@ -375,7 +375,7 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Usage { owners, since } => crate::credits::usage(&g, owners, since).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
-            std::fs::write(write.join("asyncapi.json"), stemq_nats::asyncapi::render())?;
+            std::fs::write(write.join("asyncapi.json"), stemq_ingress::asyncapi::render())?;
             println!("wrote {} schemas and asyncapi.json to {}", stemq_core::schema::all().len(), write.display());
             Ok(())
         }

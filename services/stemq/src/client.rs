@@ -278,7 +278,7 @@ pub async fn watch(g: &Global, id: &JobId) -> Result<JobView> {
     let js = js(g).await?;
     let kv = bucket(&js).await?;
     let bar = JobBar::new();
-    let mut watch = kv.watch_with_history(id.as_str()).await?;
+    let mut watch = read::watch_view(&kv, id).await?;
     while let Some(entry) = watch.next().await {
         let entry = entry?;
         if entry.operation != kv::Operation::Put {

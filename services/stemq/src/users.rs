@@ -1,5 +1,6 @@
 //! `stemq nats users`: credentials for the NATS users of a stemq server, above all for
-//! services outside the stack (a `publisher` per owner, a `status-reader`).
+//! services outside the stack (a `publisher` and a `reader` per owner, a
+//! `status-reader`).
 //!
 //! This module owns the command line of user management; the users, their permissions
 //! and the credential files are [`stemq_nats::users`]'s. The credentials live in a
@@ -31,6 +32,17 @@ pub enum UsersCommand {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Create the `reader` of OWNER (user `reader-<owner token>`): it may read that
+    /// owner's job views only (`$KV.stemq_jobs.<owner token>.>`), by direct get and by a
+    /// plain subscription.
+    AddReader {
+        /// The owner whose jobs it reads.
+        #[arg(long)]
+        owner: String,
+        /// Credentials folder (default `<data-dir>/nats/creds`).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Create the credentials of a fixed user (`status-reader`, `worker`, ...) unless
     /// they exist.
     Add {
@@ -54,10 +66,11 @@ pub fn run(g: &Global, command: UsersCommand) -> Result<()> {
     let folder = |dir: Option<PathBuf>| dir.unwrap_or_else(|| g.data_dir.join("nats/creds"));
     match command {
         UsersCommand::AddPublisher { owner, dir } => add(&folder(dir), &User::publisher(&owner)),
+        UsersCommand::AddReader { owner, dir } => add(&folder(dir), &User::reader(&owner)),
         UsersCommand::Add { user, dir } => {
             nats_users::role(&user)?;
-            if user == nats_users::PUBLISHER {
-                anyhow::bail!("a publisher is per owner: `stemq nats users add-publisher --owner OWNER`");
+            if nats_users::PER_OWNER_ROLES.contains(&user.as_str()) {
+                anyhow::bail!("a {user} is per owner: `stemq nats users add-{user} --owner OWNER`");
             }
             add(&folder(dir), &User::of_role(&user))
         }

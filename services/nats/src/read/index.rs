@@ -426,7 +426,7 @@ impl ListIndex {
                                     }
                                 }
                                 _ => {
-                                    if let Some(id) = JobId::parse(&entry.key) {
+                                    if let Some(id) = crate::job_of_view_key(&entry.key) {
                                         me.remove(&id);
                                     }
                                 }

@@ -23,4 +23,4 @@ pub mod view;
 
 pub use index::{Cursor, ListIndex, MinuteCount};
 pub use queue::Place;
-pub use view::{current_view, get_view, request_of, stored_view, ViewError, Views};
+pub use view::{current_view, get_view, request_of, stored_view, watch_view, Stored, ViewError, Views};

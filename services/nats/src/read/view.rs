@@ -3,8 +3,9 @@
 //! This module owns the two ways to read a view, and the one error they fail with:
 //!
 //! - [`get_view`] (and [`stored_view`], which the projector writes over): the KV entry
-//!   as the projector last wrote it. No entry is `None`; an entry that does not parse is
-//!   [`ViewError::Corrupt`], never an absent view.
+//!   as the projector last wrote it, under the owner's key or the job id alone
+//!   ([`crate::view_key`]). No entry is `None`; an entry that does not parse is
+//!   [`ViewError::Corrupt`], never an absent view. [`watch_view`] follows it.
 //! - [`current_view`] ([`Views::current`]): what a reader answers with. The KV view,
 //!   else — or when the stored view has not seen the request yet — the job's
 //!   `requested` event read from the log (direct gets, no projector lag; [`request_of`])
@@ -53,28 +54,55 @@ impl ViewError {
     }
 }
 
-/// The stored view and the revision to write over: `(None, 0)` when the key was never
-/// written, `(None, revision)` when it was deleted.
-pub async fn stored_view(kv: &kv::Store, id: &JobId) -> Result<(Option<JobView>, u64), ViewError> {
-    let entry = kv
-        .entry(id.as_str())
-        .await
-        .map_err(|e| ViewError::Unavailable { id: id.clone(), source: JetStreamError::read("kv get")(e) })?;
-    match entry {
-        Some(e) if e.operation == kv::Operation::Put => match serde_json::from_slice::<JobView>(&e.value) {
-            Ok(v) => Ok((Some(v), e.revision)),
-            Err(source) => Err(ViewError::Corrupt { id: id.clone(), revision: e.revision, source }),
-        },
-        Some(e) => Ok((None, e.revision)),
-        None => Ok((None, 0)),
+/// A job's entry in the status bucket: the view, the revision to write over, and the
+/// key it is under.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stored {
+    /// The view; `None` when the key was never written or was deleted.
+    pub view: Option<JobView>,
+    /// The entry's revision (0: never written).
+    pub revision: u64,
+    /// The key ([`crate::view_key`]'s either form); `None` when never written.
+    pub key: Option<String>,
+}
+
+/// The job's entry as stored, under its owner's key or else the job id alone
+/// ([`crate::view_key`]): `Stored::default()` when neither was ever written.
+pub async fn stored_view(kv: &kv::Store, id: &JobId) -> Result<Stored, ViewError> {
+    use jetstream::stream::DirectGetErrorKind::NotFound;
+    // Any owner's key of the job first (one token per owner), then the key without one.
+    for subject in [format!("{}*.{id}", kv.prefix), format!("{}{id}", kv.prefix)] {
+        let m = match kv.stream.direct_get_last_for_subject(subject.as_str()).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == NotFound => continue,
+            Err(e) => return Err(ViewError::Unavailable { id: id.clone(), source: JetStreamError::read("kv get")(e) }),
+        };
+        let key = m.subject.as_str().strip_prefix(kv.prefix.as_str()).unwrap_or(id.as_str()).to_string();
+        let removed = m.headers.get("KV-Operation").is_some_and(|op| op.as_str() != "PUT")
+            || m.headers.get("Nats-Marker-Reason").is_some();
+        let view = match removed {
+            true => None,
+            false => match serde_json::from_slice::<JobView>(&m.payload) {
+                Ok(v) => Some(v),
+                Err(source) => return Err(ViewError::Corrupt { id: id.clone(), revision: m.sequence, source }),
+            },
+        };
+        return Ok(Stored { view, revision: m.sequence, key: Some(key) });
     }
+    Ok(Stored::default())
+}
+
+/// Follows one job's view under either form of its key ([`crate::view_key`]), from its
+/// latest revision on.
+pub async fn watch_view(kv: &kv::Store, id: &JobId) -> Result<kv::Watch, kv::WatchError> {
+    kv.watch_many_with_history([format!("*.{id}"), id.to_string()]).await
 }
 
 /// One job's view as stored, with its revision: `None` when there is none (never
 /// written, or deleted); an error when the stored entry is not a view.
 pub async fn get_view(kv: &kv::Store, id: &JobId) -> Result<Option<(JobView, u64)>, ViewError> {
-    let (view, revision) = stored_view(kv, id).await?;
-    Ok(view.map(|v| (v, revision)))
+    let stored = stored_view(kv, id).await?;
+    Ok(stored.view.map(|v| (v, stored.revision)))
 }
 
 /// One job's view as a reader should see it: the stored view, with the job's
