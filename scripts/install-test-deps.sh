@@ -17,8 +17,8 @@
 #   end-to-end test (tests/web/run.sh). Chromium needs apt-get as root; elsewhere it
 #   says so and goes on (scripts/test.sh then prints SKIPPED for the page test, or
 #   fails in CI);
-# - from npm, @asyncapi/parser (tests/asyncapi/, locked by its package-lock.json), which
-#   validates schemas/asyncapi.json (scripts/test.sh), and the TypeScript client's
+# - from npm, the AsyncAPI CLI @asyncapi/cli (tests/asyncapi/, locked by its package-lock.json),
+#   which validates schemas/asyncapi.json (scripts/test.sh), and the TypeScript client's
 #   dependencies (clients/typescript/, locked by its package-lock.json);
 # - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
 # - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
@@ -63,7 +63,7 @@ if command -v npm >/dev/null 2>&1; then
   if [[ ! -d tests/web/node_modules/playwright-core || ! -d tests/web/node_modules/axe-core ]]; then
     (cd tests/web && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
   fi
-  if [[ ! -d tests/asyncapi/node_modules/@asyncapi/parser ]]; then
+  if [[ ! -x tests/asyncapi/node_modules/.bin/asyncapi ]]; then
     (cd tests/asyncapi && npm ci --no-audit --no-fund --loglevel=error)
   fi
   if [[ ! -d clients/typescript/node_modules/@nats-io/transport-node ]]; then

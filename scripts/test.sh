@@ -25,10 +25,11 @@ else
   missing "checking the alert rules" "promtool, Debian package prometheus"
 fi
 # The NATS contract, schemas/asyncapi.json (its staleness is a Rust test): a valid
-# AsyncAPI 3.0 document for the parser `asyncapi validate` runs (tests/asyncapi/, pinned;
-# seconds).
-if command -v node >/dev/null 2>&1 && [[ -d tests/asyncapi/node_modules/@asyncapi/parser ]]; then
-  node tests/asyncapi/validate.mjs schemas/asyncapi.json
+# AsyncAPI 3.0 document for the AsyncAPI CLI (`asyncapi validate`, tests/asyncapi/, pinned;
+# its usage metrics off; seconds).
+if command -v node >/dev/null 2>&1 && [[ -x tests/asyncapi/node_modules/.bin/asyncapi ]]; then
+  ASYNCAPI_METRICS_CONFIG_PATH="$PWD/tests/asyncapi/analytics-off.json" SUPPRESS_NO_CONFIG_WARNING=1 \
+    tests/asyncapi/node_modules/.bin/asyncapi validate schemas/asyncapi.json --fail-severity error
 else
   missing "validating schemas/asyncapi.json" "node, and npm ci in tests/asyncapi"
 fi
