@@ -117,6 +117,14 @@ pub enum ProjectorError {
         /// The newest position read back.
         read: u64,
     },
+    /// A job's first view has no request, and no request of the job could be read from
+    /// the log to learn whose it is (the view's key names its owner): the replica that
+    /// answered is behind. Never written under a guessed key.
+    #[error("job {id}: no request read from the log to key its view by")]
+    RequestUnread {
+        /// The job.
+        id: JobId,
+    },
     /// Other writers kept moving the view while this one tried to write it.
     #[error("writing the view of job {id}: too many revision conflicts")]
     Conflicts {
@@ -146,7 +154,7 @@ impl ProjectorError {
             ProjectorError::KvRead { .. } => "kv_read",
             ProjectorError::KvWrite { .. } => "kv_write",
             ProjectorError::LogRead { .. } => "log_read",
-            ProjectorError::LogBehind { .. } => "log_behind",
+            ProjectorError::LogBehind { .. } | ProjectorError::RequestUnread { .. } => "log_behind",
             ProjectorError::Conflicts { .. } => "kv_conflict",
             ProjectorError::CorruptView { .. } => "corrupt_view",
         }

@@ -3,7 +3,7 @@
 //! a job whose events were overtaken is refolded from the log.
 
 use async_nats::jetstream::{self, kv};
-use stemq_core::{apply, Event, JobId, JobView, Position};
+use stemq_core::{apply, Event, EventBody, JobId, JobView, Position};
 use stemq_nats as names;
 use stemq_nats::error::JetStreamError;
 use stemq_nats::read;
@@ -43,9 +43,19 @@ impl Job<'_> {
         events: &[(Position, &Event)],
     ) -> Result<Cached, ProjectorError> {
         let id = self.id;
-        // An unknown job is most likely new: try creating it before paying for a read.
+        // An unknown job whose request is among the events is most likely new: try
+        // creating its view under its owner's key before paying for a read. Any other
+        // unknown job is read first: its view may be under either form of its key, and a
+        // create under the other form would not conflict with it.
         let mut reread = false;
-        let mut current = cached.unwrap_or_default();
+        let mut current = match cached {
+            Some(c) => c,
+            None if events.iter().any(|(_, e)| matches!(e.body, EventBody::Requested(_))) => read::Stored::default(),
+            None => {
+                reread = true;
+                read::stored_view(self.kv, id).await?
+            }
+        };
         let unchanged = |reread: bool| if reread { Cached::Drop } else { Cached::Keep };
         for _ in 0..10 {
             let next = match plan(current.view.as_ref(), events) {
@@ -88,20 +98,30 @@ impl Job<'_> {
 
     /// The key a job's first view is written under: its owner's ([`names::view_key`]),
     /// the owner read from the job's request in the log when the view has none yet (a
-    /// progress folded before the request), the job id alone when the log has none.
+    /// progress folded before the request). The job id alone only when the log's request
+    /// is not a request of the job (it will never be folded, so the view never moves);
+    /// no request read at all is [`ProjectorError::RequestUnread`] (a replica behind):
+    /// the events come again.
     async fn new_key(&self, view: &JobView) -> Result<String, ProjectorError> {
+        use jetstream::stream::DirectGetErrorKind::NotFound;
         if let Some(r) = &view.request {
             return Ok(names::view_key(Some(&r.owner), self.id));
         }
-        let requested = read::request_of(self.log, self.id).await.map_err(|e| ProjectorError::LogRead {
-            id: self.id.clone(),
-            source: JetStreamError::read("direct get request")(e),
-        })?;
-        let owner = requested.and_then(|(_, e)| match e.body {
-            stemq_core::EventBody::Requested(r) => Some(r.request.owner),
-            _ => None,
-        });
-        Ok(names::view_key(owner.as_deref(), self.id))
+        let log_read =
+            |e| ProjectorError::LogRead { id: self.id.clone(), source: JetStreamError::read("direct get request")(e) };
+        if let Some((_, e)) = read::request_of(self.log, self.id).await.map_err(log_read)? {
+            if let EventBody::Requested(r) = e.body {
+                return Ok(names::view_key(Some(&r.request.owner), self.id));
+            }
+        }
+        for subject in [names::request_filter(self.id), names::job_subject(self.id, names::SubjectKind::Requested)] {
+            match self.log.direct_get_last_for_subject(subject).await {
+                Ok(_) => return Ok(names::view_key(None, self.id)),
+                Err(e) if e.kind() == NotFound => {}
+                Err(e) => return Err(log_read(e)),
+            }
+        }
+        Err(ProjectorError::RequestUnread { id: self.id.clone() })
     }
 
     /// The job's view as its log up to `upto` folds it (refused requests and unreadable
