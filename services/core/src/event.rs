@@ -330,6 +330,20 @@ pub const WEBHOOK_KINDS: [(&str, &str); 8] = [
     ("expired", "completed"),
 ];
 
+/// The body of a webhook the relay sends (`schemas/webhook-job.json` with the job's view
+/// as `data`, `schemas/webhook-batch.json` with the batch's), signed with Standard
+/// Webhooks (docs/events.md, "Webhooks").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WebhookBody<T> {
+    /// The event type (`io.stemq.job.succeeded.v1`, `io.stemq.batch.ended.v1`, ...).
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// When the attempt was made (RFC 3339).
+    pub timestamp: String,
+    /// The job's (or the batch's) view as of the event.
+    pub data: T,
+}
+
 impl EventBody {
     /// The short kind name: `requested`, `started`, ...
     pub fn kind(&self) -> &'static str {

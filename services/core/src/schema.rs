@@ -10,12 +10,13 @@ use serde_json::Value;
 use crate::batch::{BatchEvent, BatchRequest, BatchSubmitted, BatchView};
 use crate::event::{
     CancelRequested, Cancelled, DeadLettered, DeliveryAttempted, DeliveryReplayRequested, Event, Expired, Failed,
-    Progress, Rejected, Requested, Retried, Started, Succeeded,
+    Progress, Rejected, Requested, Retried, Started, Succeeded, WebhookBody,
 };
 use crate::request::JobRequest;
 use crate::view::JobView;
 
-fn one<T: JsonSchema>() -> Value {
+/// The schema of `T`, its definitions under `$defs`.
+pub fn one<T: JsonSchema>() -> Value {
     serde_json::to_value(schema_for!(T)).expect("schemas serialise")
 }
 
@@ -42,6 +43,8 @@ pub fn all() -> Vec<(&'static str, Value)> {
         ("batch-view.json", one::<BatchView>()),
         ("batch-event.json", one::<BatchEvent>()),
         ("batch-event-submitted.v1.json", one::<BatchSubmitted>()),
+        ("webhook-job.json", one::<WebhookBody<JobView>>()),
+        ("webhook-batch.json", one::<WebhookBody<BatchView>>()),
     ]
 }
 

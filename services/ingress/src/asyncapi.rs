@@ -14,8 +14,8 @@ use crate::nats_api::ERRORS;
 use crate::submit::SubmitResponse;
 use crate::ErrorBody;
 
-/// The reply schema of `stemq.api.submit`.
-fn submit_reply(g: &mut SchemaGenerator) -> Value {
+/// The reply schema of `stemq.api.submit`, in `g`'s definitions.
+pub(crate) fn submit_reply(g: &mut SchemaGenerator) -> Value {
     let answer = g.subschema_for::<SubmitResponse>().to_value();
     let error = g.subschema_for::<ErrorBody>().to_value();
     let mut statuses: Vec<u16> = ERRORS.iter().map(|c| c.status().as_u16()).collect();

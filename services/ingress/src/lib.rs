@@ -46,6 +46,7 @@ pub mod pipeline;
 pub mod prefer;
 pub mod rejection;
 pub mod router;
+pub mod schemas;
 pub mod separations;
 pub mod serve;
 pub mod session;

@@ -5,7 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::json;
 use stemq_core::batch::BatchId;
 use stemq_core::event::{DeliveryAttempted, DeliveryResult, EventBody};
 use stemq_core::{Event, JobId};
@@ -151,11 +150,11 @@ pub(crate) async fn attempt(shared: &Shared, d: &Delivery<'_>, n: u32) -> After 
 
 async fn post(shared: &Shared, d: &Delivery<'_>, owner: &webhook::OwnerWebhooks, target: &webhook::Target) -> Answer {
     let now = chrono::Utc::now();
-    let body = serde_json::to_vec(&json!({
-        "type": d.event_type,
-        "timestamp": now.to_rfc3339(),
-        "data": &d.data,
-    }))
+    let body = serde_json::to_vec(&stemq_core::event::WebhookBody {
+        event_type: d.event_type.to_string(),
+        timestamp: now.to_rfc3339(),
+        data: &d.data,
+    })
     .expect("payload serialises");
     let ts = now.timestamp();
     let signature = webhook::signature_header(&owner.signing_secrets(now), d.webhook_id, ts, &body);

@@ -375,8 +375,10 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Usage { owners, since } => crate::credits::usage(&g, owners, since).await,
         Command::Schemas { write } => {
             stemq_core::schema::write_all(&write)?;
+            stemq_ingress::schemas::write_all(&write)?;
             std::fs::write(write.join("asyncapi.json"), stemq_ingress::asyncapi::render())?;
-            println!("wrote {} schemas and asyncapi.json to {}", stemq_core::schema::all().len(), write.display());
+            let n = stemq_core::schema::all().len() + stemq_ingress::schemas::all().len();
+            println!("wrote {n} schemas and asyncapi.json to {}", write.display());
             Ok(())
         }
         Command::Top { interval, once } => crate::top::run(&g, Duration::from_secs_f64(interval), once).await,
