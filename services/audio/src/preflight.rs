@@ -304,7 +304,7 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
     if depth >= 16 {
         return Ok(());
     }
-    for (kind, body) in children_or_cut(data) {
+    for (kind, body, declared) in children_or_cut(data) {
         match &kind {
             b"moov" | b"moof" | b"trak" | b"mdia" | b"minf" | b"stbl" | b"edts" | b"mvex" | b"traf" | b"dinf"
             | b"udta" => mp4_boxes(body, depth + 1)?,
@@ -318,6 +318,7 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
                 }
             }
             _ => {
+                mp4_cut_leaf(&kind, body, declared)?;
                 mp4_min_body(&kind, body)?;
                 mp4_table(&kind, body)?;
                 mp4_sample_sizes(&kind, body)?
@@ -327,18 +328,43 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
     Ok(())
 }
 
+/// A box read whole (a handler's name, metadata, a codec's configuration) that the end
+/// of the file cuts short of a size over [`MAX_PACKET`]: symphonia reserves the size it
+/// declares before reading, so the lie would cost gigabytes. Media data may be cut (a
+/// download that stopped).
+fn mp4_cut_leaf(kind: &[u8; 4], body: &[u8], declared: u64) -> Result<(), AudioError> {
+    if declared > body.len() as u64 && declared > MAX_PACKET && !matches!(kind, b"mdat" | b"free" | b"skip" | b"wide") {
+        return Err(AudioError::NotAudio {
+            detail: format!(
+                "damaged MP4 `{}` box: it declares {declared} bytes where the file holds {}",
+                String::from_utf8_lossy(kind),
+                body.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The boxes in `data`, and then the box that `data` ends inside of, cut at the end
-/// (its body is what remains).
-fn children_or_cut(data: &[u8]) -> Vec<([u8; 4], &[u8])> {
-    let mut out = container::children(data);
-    let used: usize =
-        out.iter().map(|(_, body)| body.as_ptr() as usize + body.len() - data.as_ptr() as usize).max().unwrap_or(0);
+/// (its body is what remains), each with the body size it declares.
+fn children_or_cut(data: &[u8]) -> Vec<([u8; 4], &[u8], u64)> {
+    let children = container::children(data);
+    let used: usize = children
+        .iter()
+        .map(|(_, body)| body.as_ptr() as usize + body.len() - data.as_ptr() as usize)
+        .max()
+        .unwrap_or(0);
+    let mut out: Vec<([u8; 4], &[u8], u64)> =
+        children.into_iter().map(|(kind, body)| (kind, body, body.len() as u64)).collect();
     let rest = &data[used..];
     if rest.len() >= 8 {
         let size = u64::from(u32::from_be_bytes(rest[..4].try_into().expect("4 bytes")));
-        let header = if size == 1 { 16 } else { 8 };
+        let (header, size) = match size {
+            1 => (16, rest.get(8..16).map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes"))).unwrap_or(0)),
+            s => (8, s),
+        };
         if size > rest.len() as u64 && rest.len() >= header {
-            out.push((rest[4..8].try_into().expect("4 bytes"), &rest[header..]));
+            out.push((rest[4..8].try_into().expect("4 bytes"), &rest[header..], size - header as u64));
         }
     }
     out
@@ -556,6 +582,26 @@ mod tests {
         let len = file.len() as u64;
         let err = check(&mut std::io::Cursor::new(file), len).unwrap_err();
         assert!(err.to_string().contains("stts"), "{err}");
+    }
+
+    #[test]
+    fn an_mp4_box_read_whole_that_the_file_cuts_short_of_gigabytes_is_damaged() {
+        // moov > trak > mdia > hdlr, the hdlr declaring 2 GiB and the file ending 40
+        // bytes into it (the fuzz target's abort: symphonia reserved the handler's name).
+        let file = |declared: u32| {
+            let mut hdlr = declared.to_be_bytes().to_vec();
+            hdlr.extend_from_slice(b"hdlr");
+            hdlr.extend_from_slice(&[0u8; 40]);
+            let trak = bx(b"trak", &bx(b"mdia", &hdlr));
+            let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(bx(b"moov", &trak));
+            let len = file.len() as u64;
+            check(&mut std::io::Cursor::new(file), len)
+        };
+        let err = file(0x8000_000d).unwrap_err();
+        assert!(err.to_string().contains("`hdlr` box: it declares"), "{err}");
+        // A box cut by a few bytes is checked as far as it goes, as before.
+        assert!(file(60).is_ok());
     }
 
     #[test]
