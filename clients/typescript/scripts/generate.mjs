@@ -15,6 +15,12 @@ export const MODELS = [
   ["job-request.json", "job-request.ts"],
   ["job-view.json", "job-view.ts"],
   ["event.json", "event.ts"],
+  ["submit-response.json", "submit-response.ts"],
+  ["submit-reply.json", "submit-reply.ts"],
+  ["upload-response.json", "upload-response.ts"],
+  ["error.json", "error.ts"],
+  ["webhook-job.json", "webhook-job.ts"],
+  ["webhook-batch.json", "webhook-batch.ts"],
 ];
 
 const BANNER =

@@ -1,66 +1,52 @@
 // The HTTP API (docs/api.md): submit, read a job, upload a song, read the webhook
 // signing secret. Uses the global fetch.
+import type { ErrorCode, ErrorDetail } from "./generated/error.js";
 import type { JobRequest } from "./generated/job-request.js";
-import type { JobStatus, JobView } from "./generated/job-view.js";
+import type { JobView } from "./generated/job-view.js";
+import type { Accepted } from "./generated/submit-reply.js";
+import type { JobUrls, SubmitResponse as SubmitAnswer } from "./generated/submit-response.js";
+import type { UploadResponse } from "./generated/upload-response.js";
 
 type BodyInit = NonNullable<RequestInit["body"]>;
 
-/** Absolute URLs of a job's resources. */
-export interface JobUrls {
-  get: string;
-  cancel: string;
-  events: string;
-  /** Once it has succeeded: each stem's download, by stem name. */
-  stems?: Record<string, string>;
-}
+// The answers' types are generated from schemas/ (src/generated/), under the names this
+// API uses: a job's absolute URLs (submit-response.json); the `error` of every error body
+// stemq answers, `{"error": {...}}`, and its codes (error.json).
+export type { JobUrls, ErrorCode, ErrorDetail };
 
-/** The answer to a submit (HTTP `createSeparation`, or `stemq.api.submit`). */
-export interface SubmitResponse {
-  job_id: string;
-  status: JobStatus;
-  /** True when the job already existed (nothing new was queued). */
-  cached: boolean;
-  status_url: string;
-  /** Over HTTP only. */
-  urls?: JobUrls;
-  /** The HTTP status it was answered with: 202 (new) or 200 (it existed). */
-  http_status: number;
-}
+/**
+ * The answer to a submit (HTTP `createSeparation`, or `stemq.api.submit`) with the HTTP
+ * status it was answered with: 202 (new) or 200 (it existed, `cached`). The accepted
+ * reply of `schemas/submit-reply.json`; `urls` only over HTTP.
+ */
+export type SubmitResponse = Accepted;
 
 /** A job as the HTTP API shows it: its view and its links. */
 export type Job = JobView & { urls: JobUrls };
 
-/** What `POST /v1/uploads` answers. */
-export interface Upload {
-  /** `upload:<sha256>.<ext>`: submit it as a request's `audio_uri`. */
-  audio_uri: string;
-  bytes: number;
-  sha256: string;
-  duration_ms?: number;
-}
+/** What `POST /v1/uploads` answers (`schemas/upload-response.json`, `UploadResponse`). */
+export type Upload = UploadResponse;
 
-/** The body of every error stemq answers (`{"error": {...}}`). */
-export interface ErrorDetail {
-  code: string;
-  message: string;
-  field?: string;
-  [k: string]: unknown;
-}
+/**
+ * The code of a {@link StemqError}: stemq's ({@link ErrorCode}), or `http_error` for an
+ * answer that was not stemq's error body (a proxy's, say), with the status line as message.
+ */
+export type StemqErrorCode = ErrorCode | "http_error";
 
 /** A refusal by stemq (over HTTP or NATS): its HTTP status and stable error `code`. */
 export class StemqError extends Error {
   override name = "StemqError";
-  readonly code: string;
+  readonly code: StemqErrorCode;
   readonly field: string | undefined;
   constructor(
     readonly status: number,
-    readonly detail: ErrorDetail,
+    readonly detail: Omit<ErrorDetail, "code"> & { code: StemqErrorCode },
     /** Seconds to wait before trying again, where stemq said so (429, 503). */
     readonly retryAfter?: number,
   ) {
     super(`${status} ${detail.code}: ${detail.message}`);
     this.code = detail.code;
-    this.field = detail.field;
+    this.field = detail.field ?? undefined;
   }
 }
 
@@ -92,7 +78,8 @@ export class HttpClient {
       headers: { "content-type": "application/json" },
       signal: init?.signal,
     });
-    return { ...((await res.json()) as Omit<SubmitResponse, "http_status">), http_status: res.status };
+    // The ingress answers 202 (queued) or 200 (it existed); other statuses threw in #call.
+    return { ...((await res.json()) as SubmitAnswer), http_status: res.status as SubmitResponse["http_status"] };
   }
 
   /** A job's view and links (`GET /v1/separations/{id}`); with `waitSeconds`, answered when it ends or after that long. */
@@ -132,7 +119,7 @@ export class HttpClient {
       signal: init.signal ?? null,
     });
     if (res.ok) return res;
-    let detail: ErrorDetail = { code: "http_error", message: res.statusText };
+    let detail: StemqError["detail"] = { code: "http_error", message: res.statusText };
     try {
       const body = (await res.json()) as { error?: ErrorDetail };
       if (body.error) detail = body.error;

@@ -21,7 +21,8 @@ export type {
 } from "./generated/event.js";
 export { TERMINAL_STATUSES, isTerminal, normalize, canonicalJson, jobIdOf, ownerToken, RequestError } from "./request.js";
 export { HttpClient, StemqError } from "./http.js";
-export type { HttpClientOptions, SubmitResponse, Job, JobUrls, Upload, ErrorDetail } from "./http.js";
+export type { HttpClientOptions, SubmitResponse, Job, JobUrls, Upload, ErrorDetail, ErrorCode, StemqErrorCode } from "./http.js";
+export type { SubmitReply } from "./generated/submit-reply.js";
 export {
   JOBS_BUCKET,
   SUBMIT_SUBJECT,
@@ -38,4 +39,5 @@ export {
 } from "./nats.js";
 export type { Credentials, ConnectOptions, PublishOptions, Published, ViewOptions, NatsConnection } from "./nats.js";
 export { verifyWebhook, WebhookVerificationError } from "./webhook.js";
-export type { WebhookPayload } from "./webhook.js";
+export type { WebhookPayload, BatchWebhookPayload } from "./webhook.js";
+export type { BatchView } from "./generated/webhook-batch.js";

@@ -11,8 +11,9 @@ import type { NatsConnection } from "@nats-io/transport-node";
 import type { JobRequest, Priority } from "./generated/job-request.js";
 import type { JobView } from "./generated/job-view.js";
 import type { Requested } from "./generated/event.js";
+import type { SubmitReply } from "./generated/submit-reply.js";
 import { StemqError } from "./http.js";
-import type { ErrorDetail, SubmitResponse } from "./http.js";
+import type { SubmitResponse } from "./http.js";
 import { isTerminal, jobIdOf, normalize, ownerToken } from "./request.js";
 
 export type { NatsConnection };
@@ -88,9 +89,8 @@ export async function submitNats(
     timeout: options.timeoutMs ?? 10_000,
     headers: h,
   });
-  const body = JSON.parse(decoder.decode(reply.data)) as
-    | SubmitResponse
-    | { error: ErrorDetail; http_status: number; retry_after?: number };
+  // The reply of `schemas/submit-reply.json`: the accepted answer or the refusal, each with `http_status`.
+  const body = JSON.parse(decoder.decode(reply.data)) as SubmitReply;
   if ("error" in body) throw new StemqError(body.http_status, body.error, body.retry_after);
   return body;
 }

@@ -1,15 +1,21 @@
 // Verifying stemq's webhooks (Standard Webhooks, docs/events.md "Webhooks").
 import { Webhook } from "standardwebhooks";
 
-import type { JobView } from "./generated/job-view.js";
+import type { WebhookBody as BatchWebhookBody } from "./generated/webhook-batch.js";
+import type { WebhookBody as JobWebhookBody } from "./generated/webhook-job.js";
 
-/** A job webhook's body: the event's type and the job's view when it was sent. */
-export interface WebhookPayload {
-  /** `io.stemq.job.<kind>.v1`: started, progress, or a terminal kind. */
-  type: string;
-  timestamp: string;
-  data: JobView;
-}
+/**
+ * A job webhook's body (`schemas/webhook-job.json`): the event's type
+ * (`io.stemq.job.<kind>.v1`: started, progress, or a terminal kind), when it was sent,
+ * and the job's view then.
+ */
+export type WebhookPayload = JobWebhookBody;
+
+/**
+ * A batch webhook's body (`schemas/webhook-batch.json`): `io.stemq.batch.ended.v1` with
+ * the batch's view as `data`, signed alike (tell it from a job's by its `type`).
+ */
+export type BatchWebhookPayload = BatchWebhookBody;
 
 /**
  * Verifies a webhook delivery against the owner's signing secret (`whsec_…`, from

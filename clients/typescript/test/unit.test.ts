@@ -1,12 +1,13 @@
 // Offline tests: the job id and owner token against the values stemq's Rust tests pin
-// (docs/job-id.md), credentials parsing, webhook verification.
+// (docs/job-id.md), credentials parsing, webhook verification, the generated answer types.
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
 import { test } from "node:test";
 
 import { Webhook } from "standardwebhooks";
 
-import { RequestError, canonicalJson, jobIdOf, normalize, ownerToken, parseCredentials, verifyWebhook } from "../src/index.js";
+import { RequestError, StemqError, canonicalJson, jobIdOf, normalize, ownerToken, parseCredentials, verifyWebhook } from "../src/index.js";
+import type { ErrorDetail, JobStatus, JobView, SubmitReply, SubmitResponse, WebhookPayload } from "../src/index.js";
 
 test("the job id of the documented example (docs/job-id.md)", () => {
   const n = normalize({ audio_uri: "file:///a.wav", segment: 5.0 }, "anonymous");
@@ -96,4 +97,27 @@ test("webhooks are verified, a tampered body refused", () => {
   assert.throws(() => verifyWebhook(secret, body + " ", headers));
   const old = { ...headers, "webhook-timestamp": String(Math.floor(Date.now() / 1000) - 3600) };
   assert.throws(() => verifyWebhook(secret, body, old));
+});
+
+// True when A and B are the same type (each assignable to the other): checked by tsc.
+type Same<A, B> = [A] extends [B] ? ([B] extends [A] ? true : false) : false;
+
+test("the answers' generated types agree with each other (checked when compiled)", () => {
+  // A job webhook's data is the job view; the submit answer's status a job status.
+  const sameView: Same<WebhookPayload["data"], JobView> = true;
+  const sameStatus: Same<SubmitResponse["status"], JobStatus> = true;
+  const statuses: Same<SubmitResponse["http_status"], 200 | 202> = true;
+  assert.ok(sameView && sameStatus && statuses);
+  // A refusal over NATS (schemas/submit-reply.json) is what a StemqError carries.
+  const reply: SubmitReply = {
+    error: { code: "rate_limited", message: "slow down" },
+    http_status: 429,
+    retry_after: 3,
+  };
+  assert.ok("error" in reply);
+  const detail: ErrorDetail = reply.error;
+  const e = new StemqError(reply.http_status, detail, reply.retry_after);
+  assert.equal(e.code, "rate_limited");
+  assert.equal(e.field, undefined);
+  assert.equal(e.retryAfter, 3);
 });
