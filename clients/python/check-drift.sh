@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fails when the committed models (src/stemq/models/{job_request,job_view,event}.py)
+# Fails when the committed models (src/stemq/models/*.py but __init__.py)
 # differ from what generate.sh makes of schemas/ now: run generate.sh and commit.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

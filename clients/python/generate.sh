@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Generates the typed models of src/stemq/models/ from the JSON Schemas in schemas/
-# (the request, the status view and the events' CloudEvents envelope) with the pinned
-# datamodel-code-generator (requirements-dev.txt): TypedDicts, so the package needs no
-# pydantic at run time and reads documents as plain dicts (unknown failure codes and
-# new optional fields pass through, as docs/events.md asks of readers).
+# (the request, the status view, the events' CloudEvents envelope, the submit and upload
+# answers, the submit reply of NATS, the error body, the job and batch webhook bodies)
+# with the pinned datamodel-code-generator (requirements-dev.txt): TypedDicts, so the
+# package needs no pydantic at run time and reads documents as plain dicts (unknown
+# failure codes and new optional fields pass through, as docs/events.md asks of readers).
+# --use-title-as-name names the submit reply's variants by their titles (`Accepted`,
+# `Refused`); it changes nothing in the other files.
 #
 #   clients/python/generate.sh [OUT_DIR]     (default: src/stemq/models)
 #
@@ -22,7 +25,7 @@ want="$(sed -n 's/^datamodel-code-generator==//p' "$here/requirements-dev.txt")"
 have="$("$gen" --version 2>/dev/null || true)"
 [[ "$have" == *"$want"* ]] || { echo "datamodel-codegen $want is needed (found: ${have:-none}); pip install -r clients/python/requirements-dev.txt" >&2; exit 1; }
 mkdir -p "$out"
-for schema in job-request job-view event; do
+for schema in job-request job-view event submit-response submit-reply upload-response error webhook-job webhook-batch; do
   # Run from the repository root so the header names schemas/<file> the same everywhere.
   (cd "$root" && "$gen" \
     --input "schemas/$schema.json" \
@@ -31,6 +34,7 @@ for schema in job-request job-view event; do
     --target-python-version 3.11 \
     --enum-field-as-literal all \
     --use-tag-as-union-variant-name \
+    --use-title-as-name \
     --formatters builtin \
     --disable-timestamp \
     --output "$out/${schema//-/_}.py" 2> >(grep -v "format of '.*' not understood\|return _get_type" >&2))

@@ -5,7 +5,8 @@ Covers the three ways to submit (HTTP, `stemq.api.submit`, a direct publish of t
 `requested` event), following the view to `succeeded`, the publisher refused on another
 owner's subject, the view of one owner unreadable by another's NATS users, invalid
 requests refused with their code over HTTP and NATS, and the signed webhooks received on
-a local HTTP server, verified, and refused once tampered with. It replaces the checks of
+a local HTTP server, verified, and refused once tampered with; the upload, submit and
+webhook answers have every field their schema requires. It replaces the checks of
 tests/python/foreign_service.py.
 
 Environment:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import os
 import threading
 import time
@@ -44,6 +46,16 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif("STEMQ_HTTP" not in os.environ, reason="needs a live stemq: clients/python/run-e2e.sh"),
 ]
+SCHEMAS = Path(__file__).resolve().parents[3] / "schemas"
+
+
+def required(schema: str, definition: str | None = None) -> set[str]:
+    """The fields `schemas/<schema>.json` (or its `$defs` entry) requires: what a live
+    answer must have for its generated type to hold. (Not the TypedDicts'
+    `__required_keys__`: Python 3.11 counts a `NotRequired` field as required when the
+    module has `from __future__ import annotations`, as the generated ones do.)"""
+    doc = json.loads((SCHEMAS / f"{schema}.json").read_text())
+    return set((doc["$defs"][definition] if definition else doc)["required"])
 
 
 class Hooks(http.server.BaseHTTPRequestHandler):
@@ -96,6 +108,7 @@ async def ctx() -> AsyncIterator[Ctx]:
     async with stemq.HttpClient(env["STEMQ_HTTP"], env["STEMQ_API_KEY"]) as api:
         upload = await api.upload(Path(env["STEMQ_AUDIO_FILE"]).read_bytes(), "song.wav")
         assert upload["audio_uri"].startswith("upload:"), upload
+        assert required("upload-response") <= upload.keys(), upload
         yield Ctx(
             api=api,
             owner=env.get("STEMQ_OWNER", "local"),
@@ -125,6 +138,10 @@ async def test_http_submit_then_watch_to_succeeded(ctx: Ctx) -> None:
     }
     first = await ctx.api.submit(request)
     assert not first["cached"] and first["status"] == "queued", first
+    # The live answer has what the generated type requires; over HTTP, the job's URLs.
+    assert required("submit-response") <= first.keys(), first
+    urls = first.get("urls")
+    assert urls and first["job_id"] in urls["get"], first
     again = await ctx.api.submit(request)
     assert again["cached"] and again["job_id"] == first["job_id"], again
     statuses = []
@@ -148,6 +165,8 @@ async def test_nats_request_reply_submit(ctx: Ctx) -> None:
     request: stemq.JobRequest = {"audio_uri": ctx.audio_uri, "model": "dsp", "clip_mode": "clamp"}
     answer = await stemq.submit_nats(ctx.submitter, request, ctx.api_key)
     assert answer["http_status"] == 202 and not answer["cached"], answer
+    assert required("submit-reply", "SubmitResponse") | {"http_status"} <= answer.keys(), answer
+    assert answer.get("urls") is None, answer  # no address to name over NATS
     again = await stemq.submit_nats(ctx.submitter, request, ctx.api_key)
     assert again["http_status"] == 200 and again["job_id"] == answer["job_id"], again
     # Held over HTTP until it ends (`Prefer: wait`), then the same end over NATS.
@@ -231,6 +250,7 @@ async def test_webhooks_verify_and_tampered_ones_do_not(ctx: Ctx) -> None:
         headers, body = got[0]
         event = stemq.verify_webhook(ctx.secret, body, headers)
         assert event["type"] == "io.stemq.job.succeeded.v1", event
+        assert required("webhook-job") <= event.keys() and required("job-view") <= event["data"].keys(), event
         assert event["data"]["job_id"] == job and event["data"]["status"] == "succeeded"
         with pytest.raises(stemq.WebhookVerificationError):
             stemq.verify_webhook(ctx.secret, body + b" ", headers)

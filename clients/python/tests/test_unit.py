@@ -1,5 +1,5 @@
 """What the client computes by itself: job ids (the examples docs/job-id.md pins),
-owner tokens, JCS, webhook verification. No server needed."""
+owner tokens, JCS, webhook verification, the answers' types (generated). No server needed."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import base64
 import json
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 from standardwebhooks.webhooks import Webhook
@@ -127,3 +128,54 @@ def test_a_signed_webhook_verifies_and_a_tampered_one_does_not() -> None:
     ]:
         with pytest.raises(stemq.WebhookVerificationError):
             stemq.verify_webhook(secret, bad_body, bad_headers)
+
+
+def test_the_answers_are_typed_by_the_generated_models() -> None:
+    from stemq import models
+
+    assert stemq.SubmitResponse is models.submit_response.SubmitResponse
+    assert stemq.JobUrls is models.submit_response.JobUrls
+    assert stemq.SubmitAccepted is models.submit_reply.Accepted
+    assert stemq.Upload is models.upload_response.UploadResponse
+    assert stemq.WebhookPayload is models.webhook_job.WebhookBody
+    assert stemq.BatchWebhookPayload is models.webhook_batch.WebhookBody
+    # What mypy checks: documents as the server writes them fit the generated types.
+    urls: stemq.JobUrls = {"get": "http://h/v1/separations/a", "cancel": "http://h/c", "events": "http://h/e"}
+    answer: stemq.SubmitResponse = {"job_id": "a" * 64, "status": "queued", "cached": False, "status_url": "/v1/separations/a", "urls": urls}
+    accepted: stemq.SubmitAccepted = {**answer, "urls": None, "http_status": 202}
+    refused: stemq.SubmitReply = {
+        "error": {"code": "rate_limited", "message": "slow down"},
+        "http_status": 429,
+        "retry_after": 3,
+    }
+    upload: stemq.Upload = {"audio_uri": "upload:" + "b" * 64 + ".wav", "bytes": 44, "sha256": "b" * 64, "duration_ms": None}
+    view: stemq.JobView = {"job_id": "a" * 64, "status": "queued", "attempt": 0, "retries": 0, "last_seq": 1, "updated_at": "t"}
+    payload: stemq.WebhookPayload = {"type": "io.stemq.job.succeeded.v1", "timestamp": "t", "data": view}
+    assert accepted["http_status"] == 202 and refused["http_status"] == 429 and upload["bytes"] == 44
+    assert payload["data"]["status"] == "queued"
+
+
+def test_a_batch_webhook_verifies_and_reads_as_its_type() -> None:
+    secret = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    batch: stemq.BatchView = {
+        "batch_id": "c" * 64,
+        "owner": "acme",
+        "status": "ended",
+        "counts": {
+            "items": 1, "submitted": 1, "refused": 0, "not_submitted": 0, "queued": 0, "running": 0,
+            "succeeded": 1, "failed": 0, "dead_lettered": 0, "rejected": 0, "cancelled": 0, "expired": 0,
+        },
+        "created_at": "t",
+        "updated_at": "t",
+        "rounds": 1,
+        "items": [{"index": 0, "state": "submitted", "job_id": "a" * 64, "status": "succeeded"}],
+    }
+    body = json.dumps({"type": "io.stemq.batch.ended.v1", "timestamp": "t", "data": batch})
+    from datetime import datetime, timezone
+
+    now = int(time.time())
+    sig = Webhook(secret).sign("msg_2", datetime.fromtimestamp(now, tz=timezone.utc), body)
+    event = stemq.verify_webhook(secret, body, {"webhook-id": "msg_2", "webhook-timestamp": str(now), "webhook-signature": sig})
+    assert event["type"] == "io.stemq.batch.ended.v1"
+    ended = cast(stemq.BatchWebhookPayload, event)
+    assert ended["data"]["batch_id"] == "c" * 64 and ended["data"]["items"][0]["state"] == "submitted"

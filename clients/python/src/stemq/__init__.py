@@ -12,22 +12,28 @@ from .bus import TERMINAL, connect, get_view, publish, read_credentials, submit_
 from .errors import PublishRefused, StemqError, WebhookVerificationError
 from .http import HttpClient
 from .jobid import canonical_json, job_id, normalize, owner_token
-from .models import JobRequest, JobStatus, JobView, NormalizedRequest
-from .types import Published, SubmitResponse, Upload, WebhookPayload
+from .models import BatchView, ErrorCode, JobRequest, JobStatus, JobUrls, JobView, NormalizedRequest
+from .types import BatchWebhookPayload, Published, SubmitAccepted, SubmitReply, SubmitResponse, Upload, WebhookPayload
 from .webhooks import verify_webhook
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TERMINAL",
+    "BatchView",
+    "BatchWebhookPayload",
+    "ErrorCode",
     "HttpClient",
     "JobRequest",
     "JobStatus",
+    "JobUrls",
     "JobView",
     "NormalizedRequest",
     "Published",
     "PublishRefused",
     "StemqError",
+    "SubmitAccepted",
+    "SubmitReply",
     "SubmitResponse",
     "Upload",
     "WebhookPayload",

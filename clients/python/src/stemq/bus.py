@@ -21,7 +21,7 @@ from .errors import PublishRefused, StemqError
 from .jobid import job_id as _job_id
 from .jobid import normalize, owner_token
 from .models import EventIoStemqJobRequestedV1, JobRequest, JobView
-from .types import Published, SubmitResponse
+from .types import Published, SubmitAccepted
 
 __all__ = [
     "TERMINAL",
@@ -67,10 +67,11 @@ async def connect(url: str, credentials: str | Path, **options: Any) -> NATS:
     return await nats.connect(url, nkeys_seed_str=seed, inbox_prefix=inbox, **options)
 
 
-async def submit_nats(nc: NATS, request: JobRequest, api_key: str, *, timeout: float = 10.0) -> SubmitResponse:
+async def submit_nats(nc: NATS, request: JobRequest, api_key: str, *, timeout: float = 10.0) -> SubmitAccepted:
     """Submits over `stemq.api.submit` with an API key, as `POST /v1/separations` would:
-    the answer has `http_status` 202 (new) or 200 (existed); errors raise `StemqError`
-    with the HTTP status and code."""
+    the answer (`SubmitAccepted`, the `accepted` variant of `schemas/submit-reply.json`)
+    has `http_status` 202 (new) or 200 (existed); the `refused` variant raises
+    `StemqError` with its `http_status`, code and `retry_after`."""
     try:
         msg = await nc.request(
             SUBMIT_SUBJECT,
@@ -85,7 +86,7 @@ async def submit_nats(nc: NATS, request: JobRequest, api_key: str, *, timeout: f
     if status >= 400:
         retry = body.get("retry_after") if isinstance(body, dict) else None
         raise StemqError.from_body(status, body, float(retry) if retry is not None else None)
-    return cast(SubmitResponse, body)
+    return cast(SubmitAccepted, body)
 
 
 async def publish(

@@ -1,50 +1,41 @@
-"""Answers that `schemas/` does not describe (they are in the live `/openapi.json`):
-written by hand, kept to the fields the client reads."""
+"""The client's names for the API's answers, and what no schema describes.
+
+The answers are generated from `schemas/` (`stemq.models`); the names here are the ones
+the client's API uses. `Published` is the client's own: a direct publish's outcome."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from typing import TypeAlias
 
-from .models import JobStatus, JobView
+from .models import Accepted, BatchWebhookBody, JobUrls, JobWebhookBody, SubmitReply, SubmitResponse, UploadResponse
 
-__all__ = ["JobUrls", "Published", "SubmitResponse", "Upload", "WebhookPayload"]
+__all__ = [
+    "BatchWebhookPayload",
+    "JobUrls",
+    "Published",
+    "SubmitAccepted",
+    "SubmitReply",
+    "SubmitResponse",
+    "Upload",
+    "WebhookPayload",
+]
 
+#: `POST /v1/uploads`' answer (`schemas/upload-response.json`).
+Upload: TypeAlias = UploadResponse
 
-class JobUrls(TypedDict):
-    get: str
-    cancel: str
-    events: str
+#: The reply of `stemq.api.submit` that `submit_nats` returns: the submit answer with
+#: `http_status` 202 (new) or 200 (existed); the other variant of `SubmitReply`, the error
+#: body with `http_status` and `retry_after`, raises `StemqError`.
+SubmitAccepted: TypeAlias = Accepted
 
+#: A job webhook's body (`schemas/webhook-job.json`; docs/events.md, "Webhooks"): the
+#: event type, the attempt's time and the job's status view as `data`.
+WebhookPayload: TypeAlias = JobWebhookBody
 
-class SubmitResponse(TypedDict):
-    """The submit answer (`SubmitResponse` of /openapi.json); over NATS with
-    `http_status` (202 new, 200 existed)."""
-
-    job_id: str
-    status: JobStatus
-    cached: bool
-    status_url: str
-    urls: NotRequired[JobUrls]
-    http_status: NotRequired[int]
-
-
-class Upload(TypedDict):
-    """`POST /v1/uploads`' answer."""
-
-    audio_uri: str
-    bytes: int
-    sha256: str
-    duration_ms: NotRequired[int]
-
-
-class WebhookPayload(TypedDict):
-    """A job webhook's body (docs/events.md, "Webhooks"): the event type and the job's
-    status view."""
-
-    type: str
-    timestamp: str
-    data: JobView
+#: A batch webhook's body (`schemas/webhook-batch.json`, `io.stemq.batch.ended.v1`): the
+#: batch's view as `data`.
+BatchWebhookPayload: TypeAlias = BatchWebhookBody
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,11 @@ def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -
     its `v1,` entries) matches `secret` (the owner's `whsec_...`) over the raw `body`
     and its `webhook-timestamp` is within 5 minutes. Pass the body exactly as received.
 
-    De-duplicate on the `webhook-id` header: every retry and replay of one delivery
-    carries the same one. Raises `WebhookVerificationError` for anything else."""
+    The body is typed as a job's webhook (`data` is the job view); a batch's webhook
+    (`type` `io.stemq.batch.ended.v1`) has the batch view as `data`:
+    `cast(BatchWebhookPayload, payload)`. De-duplicate on the `webhook-id` header: every
+    retry and replay of one delivery carries the same one. Raises
+    `WebhookVerificationError` for anything else."""
     try:
         payload = Webhook(secret).verify(body, dict(headers.items()))
     except (_Invalid, ValueError, binascii.Error) as e:  # ValueError: malformed headers or body

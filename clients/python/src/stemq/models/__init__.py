@@ -1,11 +1,17 @@
 """Typed documents of stemq, generated from `schemas/` (see `clients/python/generate.sh`).
 
-`job_request`, `job_view` and `event` are generated: never edit them by hand
-(`clients/python/check-drift.sh` fails when they differ from a fresh generation).
+Every module here but this one is generated, one per schema (`job_request`, `job_view`,
+`event`, `submit_response`, `submit_reply`, `upload_response`, `error`, `webhook_job`,
+`webhook_batch`): never edit them by hand (`clients/python/check-drift.sh` fails when
+they differ from a fresh generation). A definition shared by several schemas (`JobView`,
+`JobStatus`, `JobUrls`, ...) is generated in each; this module exports one of them, and
+the copies are the same `TypedDict` to mypy (TypedDicts compare by their fields).
+
 They are `TypedDict`s: at run time every document is the plain `dict` that
 `json.loads` gives, so a newer server's extra fields or failure codes still read.
 """
 
+from .error import Error, ErrorCode, ErrorDetail
 from .event import (
     DeliveryAttempted,
     Event,
@@ -41,11 +47,36 @@ from .job_view import (
     Output,
     ProgressView,
 )
+from .submit_reply import Accepted, Refused, SubmitReply
+from .submit_response import JobUrls, SubmitResponse
+from .upload_response import UploadResponse
+from .webhook_batch import (
+    BatchCounts,
+    BatchStatus,
+    BatchView,
+    BatchWebhook,
+    ItemError,
+    ItemView,
+    ItemViewNotSubmitted,
+    ItemViewRefused,
+    ItemViewSubmitted,
+)
+from .webhook_batch import WebhookBody as BatchWebhookBody
+from .webhook_job import WebhookBody as JobWebhookBody
 
 __all__ = [
+    "Accepted",
+    "BatchCounts",
+    "BatchStatus",
+    "BatchView",
+    "BatchWebhook",
+    "BatchWebhookBody",
     "ClipMode",
     "DeliveryAttempted",
     "Encoding",
+    "Error",
+    "ErrorCode",
+    "ErrorDetail",
     "ErrorView",
     "Event",
     "EventIoStemqJobCancelledV1",
@@ -59,9 +90,16 @@ __all__ = [
     "EventIoStemqJobSucceededV1",
     "FailureClass",
     "FailureCode",
+    "ItemError",
+    "ItemView",
+    "ItemViewNotSubmitted",
+    "ItemViewRefused",
+    "ItemViewSubmitted",
     "JobRequest",
     "JobStatus",
+    "JobUrls",
     "JobView",
+    "JobWebhookBody",
     "Model",
     "NormalizedRequest",
     "OtherMethod",
@@ -69,7 +107,11 @@ __all__ = [
     "OutputFormat",
     "Priority",
     "ProgressView",
+    "Refused",
     "Requested",
+    "SubmitReply",
+    "SubmitResponse",
+    "UploadResponse",
     "Webhook",
     "WebhookEvent",
 ]
