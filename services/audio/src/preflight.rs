@@ -321,7 +321,39 @@ fn mp4_boxes(data: &[u8], depth: usize) -> Result<(), AudioError> {
                 mp4_cut_leaf(&kind, body, declared)?;
                 mp4_min_body(&kind, body)?;
                 mp4_table(&kind, body)?;
-                mp4_sample_sizes(&kind, body)?
+                mp4_sample_sizes(&kind, body)?;
+                mp4_alac_config(&kind, body)?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The most samples an ALAC frame may declare (Apple's encoder writes 4096).
+const MAX_ALAC_FRAME: u32 = 1 << 20;
+
+/// The ALAC configuration (Apple's `ALACSpecificConfig`, the magic cookie) of an `stsd`
+/// box's `alac` sample entries: symphonia reserves a buffer of the frame length times
+/// the channels before decoding, so a frame length over [`MAX_ALAC_FRAME`] or a channel
+/// count outside 1 to 8 is a damaged file.
+fn mp4_alac_config(kind: &[u8; 4], body: &[u8]) -> Result<(), AudioError> {
+    if kind != b"stsd" || body.len() < 8 {
+        return Ok(());
+    }
+    for (entry_kind, entry) in container::children(&body[8..]) {
+        // An audio sample entry's own fields take 28 bytes; its boxes follow.
+        if &entry_kind != b"alac" || entry.len() < 28 {
+            continue;
+        }
+        for (cookie_kind, cookie) in container::children(&entry[28..]) {
+            // Version and flags, then the 24 bytes of the configuration.
+            let Some(config) = cookie.get(4..28).filter(|_| &cookie_kind == b"alac") else { continue };
+            let frame = u32::from_be_bytes(config[..4].try_into().expect("4 bytes"));
+            let channels = config[9];
+            if frame == 0 || frame > MAX_ALAC_FRAME || !(1..=8).contains(&channels) {
+                return Err(AudioError::NotAudio {
+                    detail: format!("damaged ALAC configuration: frames of {frame} samples in {channels} channels"),
+                });
             }
         }
     }
@@ -602,6 +634,31 @@ mod tests {
         assert!(err.to_string().contains("`hdlr` box: it declares"), "{err}");
         // A box cut by a few bytes is checked as far as it goes, as before.
         assert!(file(60).is_ok());
+    }
+
+    #[test]
+    fn an_alac_configuration_beyond_a_frame_of_a_million_samples_or_eight_channels_is_damaged() {
+        let file = |frame: u32, channels: u8| {
+            let mut config = vec![0u8; 4];
+            config.extend_from_slice(&frame.to_be_bytes());
+            config.extend_from_slice(&[0, 16, 40, 10, 14, channels, 0, 255]);
+            config.extend_from_slice(&[0u8; 12]);
+            let mut entry = vec![0u8; 28];
+            entry.extend(bx(b"alac", &config));
+            let mut stsd = vec![0, 0, 0, 0, 0, 0, 0, 1];
+            stsd.extend(bx(b"alac", &entry));
+            let stbl = bx(b"stbl", &bx(b"stsd", &stsd));
+            let trak = bx(b"trak", &bx(b"mdia", &bx(b"minf", &stbl)));
+            let mut file = bx(b"ftyp", b"M4A \0\0\0\0");
+            file.extend(bx(b"moov", &trak));
+            let len = file.len() as u64;
+            check(&mut std::io::Cursor::new(file), len)
+        };
+        assert!(file(4096, 2).is_ok());
+        for (frame, channels) in [(0x7374_7473, 1), (0, 2), (4096, 0), (4096, 9)] {
+            let err = file(frame, channels).unwrap_err();
+            assert!(err.to_string().contains("damaged ALAC configuration"), "{err}");
+        }
     }
 
     #[test]
