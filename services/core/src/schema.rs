@@ -55,13 +55,29 @@ pub fn render(v: &Value) -> String {
     s
 }
 
-/// Writes every schema into `dir`.
-pub fn write_all(dir: &std::path::Path) -> std::io::Result<()> {
+/// Writes `schemas` into `dir`.
+pub fn write(dir: &std::path::Path, schemas: &[(&str, Value)]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    for (name, v) in all() {
-        std::fs::write(dir.join(name), render(&v))?;
+    for (name, v) in schemas {
+        std::fs::write(dir.join(name), render(v))?;
     }
     Ok(())
+}
+
+/// Writes every schema into `dir`.
+pub fn write_all(dir: &std::path::Path) -> std::io::Result<()> {
+    write(dir, &all())
+}
+
+/// The text of `schemas/<name>` as checked in (empty when there is none), for the tests
+/// that compare it with what the code makes now, `text`; with `STEMQ_WRITE_SCHEMAS` set,
+/// `text` is written there first (how those tests regenerate the folder).
+pub fn checked_in(name: &str, text: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../schemas").join(name);
+    if std::env::var_os("STEMQ_WRITE_SCHEMAS").is_some() {
+        let _ = std::fs::write(&path, text);
+    }
+    std::fs::read_to_string(&path).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -70,14 +86,10 @@ mod tests {
 
     #[test]
     fn schemas_are_current() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../schemas");
-        if std::env::var_os("STEMQ_WRITE_SCHEMAS").is_some() {
-            write_all(&dir).unwrap();
-        }
         for (name, v) in all() {
-            let on_disk = std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+            let text = render(&v);
             assert!(
-                on_disk == render(&v),
+                checked_in(name, &text) == text,
                 "schemas/{name} is stale: run `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-core schema` and commit"
             );
         }

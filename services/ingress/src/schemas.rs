@@ -33,27 +33,20 @@ fn submit_reply() -> Value {
 
 /// Writes every schema into `dir`.
 pub fn write_all(dir: &std::path::Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    for (name, v) in all() {
-        std::fs::write(dir.join(name), stemq_core::schema::render(&v))?;
-    }
-    Ok(())
+    stemq_core::schema::write(dir, &all())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stemq_core::schema::{checked_in, render};
 
     #[test]
     fn the_checked_in_answers_are_current() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../schemas");
-        if std::env::var_os("STEMQ_WRITE_SCHEMAS").is_some() {
-            write_all(&dir).unwrap();
-        }
         for (name, v) in all() {
-            let on_disk = std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+            let text = render(&v);
             assert!(
-                on_disk == stemq_core::schema::render(&v),
+                checked_in(name, &text) == text,
                 "schemas/{name} is stale: run `STEMQ_WRITE_SCHEMAS=1 cargo test -p stemq-ingress schemas` and commit"
             );
         }
