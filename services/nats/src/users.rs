@@ -271,11 +271,6 @@ impl UserStore {
         self.ensure(&User::publisher(owner))
     }
 
-    /// Creates the reader of `owner` (unless it exists); returns its credentials' path.
-    pub fn add_reader(&self, owner: &str) -> Result<PathBuf, UsersError> {
-        self.ensure(&User::reader(owner))
-    }
-
     /// Every user with credentials here, by name.
     pub fn users(&self) -> Result<Vec<(User, Credentials)>, UsersError> {
         let io = |e| UsersError::Io(self.dir.clone(), e);
