@@ -137,8 +137,8 @@ def test_the_answers_are_typed_by_the_generated_models() -> None:
     assert stemq.JobUrls is models.submit_response.JobUrls
     assert stemq.SubmitAccepted is models.submit_reply.Accepted
     assert stemq.Upload is models.upload_response.UploadResponse
-    assert stemq.WebhookPayload is models.webhook_job.WebhookBody
-    assert stemq.BatchWebhookPayload is models.webhook_batch.WebhookBody
+    assert stemq.WebhookPayload is models.webhook_job.WebhookBodyOfJobView
+    assert stemq.BatchWebhookPayload is models.webhook_batch.WebhookBodyOfBatchView
     # What mypy checks: documents as the server writes them fit the generated types.
     urls: stemq.JobUrls = {"get": "http://h/v1/separations/a", "cancel": "http://h/c", "events": "http://h/e"}
     answer: stemq.SubmitResponse = {"job_id": "a" * 64, "status": "queued", "cached": False, "status_url": "/v1/separations/a", "urls": urls}

@@ -1,8 +1,8 @@
 // Verifying stemq's webhooks (Standard Webhooks, docs/events.md "Webhooks").
 import { Webhook } from "standardwebhooks";
 
-import type { WebhookBody as BatchWebhookBody } from "./generated/webhook-batch.js";
-import type { WebhookBody as JobWebhookBody } from "./generated/webhook-job.js";
+import type { WebhookBodyOfBatchView as BatchWebhookBody } from "./generated/webhook-batch.js";
+import type { WebhookBodyOfJobView as JobWebhookBody } from "./generated/webhook-job.js";
 
 /**
  * A job webhook's body (`schemas/webhook-job.json`): the event's type

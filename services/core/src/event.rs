@@ -334,6 +334,7 @@ pub const WEBHOOK_KINDS: [(&str, &str); 8] = [
 /// as `data`, `schemas/webhook-batch.json` with the batch's), signed with Standard
 /// Webhooks (docs/events.md, "Webhooks").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(rename = "WebhookBodyOf{T}")]
 pub struct WebhookBody<T> {
     /// The event type (`io.stemq.job.succeeded.v1`, `io.stemq.batch.ended.v1`, ...).
     #[serde(rename = "type")]

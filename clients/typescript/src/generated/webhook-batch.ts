@@ -5,7 +5,7 @@
 /**
  * One item as readers see it.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "ItemView".
  */
 export type ItemView = {
@@ -21,7 +21,7 @@ export type ItemView = {
 /**
  * Where a job is.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "JobStatus".
  */
 export type JobStatus =
@@ -52,21 +52,21 @@ export type ItemView1 =
 /**
  * A batch id: 64 lowercase hex characters (see [`batch_id`]).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "BatchId".
  */
 export type BatchId = string;
 /**
  * Where a batch is.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "BatchStatus".
  */
 export type BatchStatus = "running" | "stopped" | "ended";
 /**
  * A job id: 64 lowercase hex characters.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "JobId".
  */
 export type JobId = string;
@@ -76,7 +76,7 @@ export type JobId = string;
  * as `data`, `schemas/webhook-batch.json` with the batch's), signed with Standard
  * Webhooks (docs/events.md, "Webhooks").
  */
-export interface WebhookBody {
+export interface WebhookBodyOfBatchView {
   data: BatchView;
   /**
    * When the attempt was made (RFC 3339).
@@ -246,7 +246,7 @@ export interface ItemError1 {
  * Why an item was refused or not submitted: the error the same request would have got
  * alone from `POST /v1/separations`.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "ItemError".
  */
 export interface ItemError2 {
@@ -273,7 +273,7 @@ export interface ItemError2 {
 /**
  * Where the end of a batch is announced.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "BatchWebhook".
  */
 export interface BatchWebhook {
@@ -286,7 +286,7 @@ export interface BatchWebhook {
 /**
  * How many items are where.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "BatchCounts".
  */
 export interface BatchCounts1 {
@@ -344,7 +344,7 @@ export interface BatchCounts1 {
  * A batch as readers see it (`GET /v1/batches/{id}`, and the `data` of its
  * `io.stemq.batch.ended.v1` webhook).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfBatchView`'s JSON-Schema
  * via the `definition` "BatchView".
  */
 export interface BatchView1 {

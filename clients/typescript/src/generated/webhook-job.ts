@@ -7,7 +7,7 @@
  * run before any batch job; within a lane, jobs run in the order they were queued.
  * Not part of the job id: it says when to compute, not what.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "Priority".
  */
 export type Priority = "interactive" | "batch";
@@ -16,14 +16,14 @@ export type Priority = "interactive" | "batch";
  * `--other-method`), which also names it, as Demucs does: `no_<stem>` for `add`,
  * `minus_<stem>` for `minus`.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "OtherMethod".
  */
 export type OtherMethod = "add" | "minus" | "none";
 /**
  * A job id: 64 lowercase hex characters.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "JobId".
  */
 export type JobId = string;
@@ -31,35 +31,35 @@ export type JobId = string;
  * An event class a webhook may ask for (the schema of [`Webhook::events`], whose values
  * [`JobRequest::normalize`] checks).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "WebhookEvent".
  */
 export type WebhookEvent = "started" | "progress" | "completed";
 /**
  * How samples outside [-1, 1] are handled before writing (Demucs's `--clip-mode`).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "ClipMode".
  */
 export type ClipMode = "rescale" | "clamp" | "none";
 /**
  * Sample encoding of the stems (Demucs's default, `--int24`, `--float32`).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "Encoding".
  */
 export type Encoding = "s16" | "s24" | "f32";
 /**
  * Whether a failure is worth retrying.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "FailureClass".
  */
 export type FailureClass = "permanent" | "transient";
 /**
  * Why a job failed: a stable machine-readable code (see `docs/events.md`, "Failure codes"). Readers accept codes they do not know.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "FailureCode".
  */
 export type FailureCode =
@@ -99,7 +99,7 @@ export type FailureCode =
 /**
  * Where a job is.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "JobStatus".
  */
 export type JobStatus =
@@ -114,7 +114,7 @@ export type JobStatus =
 /**
  * A separation model (or engine) a job may ask for.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "Model".
  */
 export type Model =
@@ -133,7 +133,7 @@ export type Model =
 /**
  * Container of the written stems.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "OutputFormat".
  */
 export type OutputFormat = "wav" | "flac" | "mp3";
@@ -143,7 +143,7 @@ export type OutputFormat = "wav" | "flac" | "mp3";
  * as `data`, `schemas/webhook-batch.json` with the batch's), signed with Standard
  * Webhooks (docs/events.md, "Webhooks").
  */
-export interface WebhookBody {
+export interface WebhookBodyOfJobView {
   data: JobView;
   /**
    * When the attempt was made (RFC 3339).
@@ -307,7 +307,7 @@ export interface JobView {
 /**
  * Last error seen.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "ErrorView".
  */
 export interface ErrorView {
@@ -360,7 +360,7 @@ export interface ErrorView {
 /**
  * One stored stem.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "Output".
  */
 export interface Output {
@@ -384,7 +384,7 @@ export interface Output {
 /**
  * Latest progress of a running job.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "ProgressView".
  */
 export interface ProgressView {
@@ -405,7 +405,7 @@ export interface ProgressView {
  * The canonical form of a request: what the output depends on, with defaults filled
  * in. Its JCS serialisation hashes to the job id.
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "NormalizedRequest".
  */
 export interface NormalizedRequest {
@@ -485,7 +485,7 @@ export interface NormalizedRequest {
 /**
  * Where and which job events a client wants to be told about (delivered by the relay).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "Webhook".
  */
 export interface Webhook {
@@ -503,7 +503,7 @@ export interface Webhook {
  * What anyone can read about a job (the value in the KV bucket, the body of
  * `GET /v1/separations/{id}`).
  *
- * This interface was referenced by `WebhookBody`'s JSON-Schema
+ * This interface was referenced by `WebhookBodyOfJobView`'s JSON-Schema
  * via the `definition` "JobView".
  */
 export interface JobView1 {

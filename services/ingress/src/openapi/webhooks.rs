@@ -2,13 +2,14 @@
 //! receiver, one entry per event type, so that code generators make receivers.
 //!
 //! The job event types come from [`stemq_core::event::WEBHOOK_KINDS`] (the table the
-//! relay decides by), the batch's end from its event type; the payloads' `data` are the
-//! view types' own schemas, and the headers are Standard Webhooks'.
+//! relay decides by), the batch's end from its event type; each body is the schema of
+//! [`WebhookBody`] (the type the relay sends) with its `type` fixed, and the headers are
+//! Standard Webhooks'.
 
 use schemars::generate::SchemaGenerator;
 use serde_json::{json, Map, Value};
 use stemq_core::batch::BatchView;
-use stemq_core::event::WEBHOOK_KINDS;
+use stemq_core::event::{WebhookBody, WEBHOOK_KINDS};
 use stemq_core::JobView;
 
 /// The tag of the webhooks (the routes that manage them are tagged `webhooks`).
@@ -58,20 +59,16 @@ fn headers() -> Value {
     ])
 }
 
-/// One webhook: its operation and the payload schema it names.
-fn webhook(event_type: &str, when: &str, data: Value, schemas: &mut Map<String, Value>) -> Value {
+/// One webhook: its operation and the payload schema it names (`body`, the schema of
+/// the [`WebhookBody`] it sends, with its `type` fixed).
+fn webhook(event_type: &str, when: &str, body: &Value, schemas: &mut Map<String, Value>) -> Value {
     let name = format!("Webhook{}", schema_name(event_type));
     schemas.insert(
         name.clone(),
         json!({
             "description": format!("The body of a `{event_type}` webhook."),
-            "type": "object",
-            "required": ["type", "timestamp", "data"],
-            "properties": {
-                "type": {"type": "string", "const": event_type},
-                "timestamp": {"type": "string", "format": "date-time", "description": "When the attempt was made."},
-                "data": data,
-            },
+            "allOf": [body],
+            "properties": {"type": {"type": "string", "const": event_type}},
         }),
     );
     json!({"post": {
@@ -108,17 +105,15 @@ fn when(class: &str) -> &'static str {
 pub(super) fn section(g: &mut SchemaGenerator) -> (Value, Map<String, Value>) {
     let mut hooks = Map::new();
     let mut schemas = Map::new();
-    let view = g.subschema_for::<JobView>().to_value();
+    let job = g.subschema_for::<WebhookBody<JobView>>().to_value();
     for (kind, class) in WEBHOOK_KINDS {
         let t = job_type(kind);
-        let data = json!({"allOf": [view.clone()], "description": "The job's view as of this event."});
-        hooks.insert(t.clone(), webhook(&t, when(class), data, &mut schemas));
+        hooks.insert(t.clone(), webhook(&t, when(class), &job, &mut schemas));
     }
-    let batch = g.subschema_for::<BatchView>().to_value();
-    let data = json!({"allOf": [batch], "description": "The batch's view at its end."});
+    let batch = g.subschema_for::<WebhookBody<BatchView>>().to_value();
     hooks.insert(
         BATCH_ENDED.into(),
-        webhook(BATCH_ENDED, "a batch ended (every job in it ended; the batch's `webhook`)", data, &mut schemas),
+        webhook(BATCH_ENDED, "a batch ended (every job in it ended; the batch's `webhook`)", &batch, &mut schemas),
     );
     (Value::Object(hooks), schemas)
 }

@@ -61,8 +61,8 @@ from .webhook_batch import (
     ItemViewRefused,
     ItemViewSubmitted,
 )
-from .webhook_batch import WebhookBody as BatchWebhookBody
-from .webhook_job import WebhookBody as JobWebhookBody
+from .webhook_batch import WebhookBodyOfBatchView as BatchWebhookBody
+from .webhook_job import WebhookBodyOfJobView as JobWebhookBody
 
 __all__ = [
     "Accepted",

@@ -85,7 +85,7 @@ class BatchView(TypedDict):
     webhook: NotRequired[BatchWebhook | None]
 
 
-class WebhookBody(TypedDict):
+class WebhookBodyOfBatchView(TypedDict):
     data: BatchView
     timestamp: str
     type: str

@@ -118,7 +118,7 @@ class JobView(TypedDict):
     worker: NotRequired[str | None]
 
 
-class WebhookBody(TypedDict):
+class WebhookBodyOfJobView(TypedDict):
     data: JobView
     timestamp: str
     type: str
