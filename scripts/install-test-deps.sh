@@ -23,7 +23,10 @@
 # - Debian's flac (libFLAC's command line), which the FLAC writer's tests compare with;
 # - Debian's ffmpeg, which makes the input formats' fixtures at test time (AAC/ALAC in
 #   M4A, Opus in Ogg and WebM, Vorbis in WebM, AIFF, CAF, WAV variants, WMA and AC-3 to
-#   refuse) and decodes them for comparison (services/audio/tests/ffmpeg_formats.rs).
+#   refuse) and decodes them for comparison (services/audio/tests/ffmpeg_formats.rs);
+# - Mesa's Vulkan drivers (Debian's mesa-vulkan-drivers: lavapipe, Vulkan compute on the
+#   CPU) and vulkan-tools (`vulkaninfo`), on which the parity suites and a pipeline test
+#   run HTDemucs on a Vulkan device (scripts/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .stemq/venv/bin/pip ]] || python3 -m venv .stemq/venv
@@ -57,6 +60,9 @@ apt_install() {
 }
 command -v promtool >/dev/null 2>&1 || apt_install prometheus "the alert rules' checks (promtool)"
 [[ -x /usr/bin/chromium ]] || apt_install chromium "the page test"
+compgen -G '/usr/share/vulkan/icd.d/lvp_icd.*.json' >/dev/null ||
+  apt_install mesa-vulkan-drivers "the Vulkan device of the parity suites and the pipeline (lavapipe)"
+command -v vulkaninfo >/dev/null 2>&1 || apt_install vulkan-tools "vulkaninfo, which scripts/test.sh asks for the Vulkan device"
 command -v flac >/dev/null 2>&1 || apt_install flac "the FLAC checks against libFLAC (services/audio/tests/output_codecs.rs)"
 command -v ffmpeg >/dev/null 2>&1 || apt_install ffmpeg "the input format tests (services/audio/tests/ffmpeg_formats.rs)"
 if command -v npm >/dev/null 2>&1; then

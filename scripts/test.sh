@@ -42,14 +42,36 @@ if [[ "${CI:-}" == "true" ]]; then
   export STEMQ_FUZZ_SECS="${STEMQ_FUZZ_SECS:-30}" STEMQ_FUZZ_SEED="${STEMQ_FUZZ_SEED:-0x000000000005eed1}"
 fi
 # `stemq-tests/demucs` adds the pipeline test with the HTDemucs engine (it needs Burn,
-# which the workspace compiles for stemq-demucs's own tests anyway).
-cargo test --workspace --locked --features stemq-tests/demucs "$@"
+# which the workspace compiles for stemq-demucs's own tests anyway). `stemq-tests/vulkan`
+# adds Burn's Vulkan backend (CubeCL's kernels, the ones CUDA runs, through its SPIR-V
+# compiler), here on Mesa's lavapipe: every parity suite runs again on the device (its
+# `vulkan::` tests), and so do the engine's and the pipeline's Vulkan tests (a `stemq
+# worker --device vulkan` serving a job, cross-job batching, a device allocation failure
+# down the ladder, a worker killed mid-job). Without a Vulkan device they say SKIPPED
+# (a failure in CI).
+features=stemq-tests/demucs,stemq-tests/vulkan
+if command -v vulkaninfo >/dev/null 2>&1; then
+  echo "Vulkan device: $(vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*deviceName *= *//p' | head -n 1)" >&2
+fi
+# On lavapipe the whole models and bags of the LSTM families (v2, v3, their DiffQ
+# packages) take minutes each (a BLSTM launches thousands of tiny kernels): CI runs
+# HTDemucs whole and those families' blocks (BLSTM, LocalState, the merge layers,
+# MultiWrap, resampling); `STEMQ_VULKAN_ALL=1` runs the rest too (figures in
+# docs/benchmarks.md).
+skip=(--skip vulkan::apply_model_and_a_bag_of_both --skip vulkan::streaming_matches_apply_model
+  --skip vulkan::whole_models_at_any_length --skip vulkan::quantised_models_decode)
+[[ "${STEMQ_VULKAN_ALL:-}" == "1" ]] && skip=()
+if [[ $# -gt 0 ]]; then
+  cargo test --workspace --locked --features "$features" "$@"
+else
+  cargo test --workspace --locked --features "$features" -- "${skip[@]}"
+fi
 # The code path CUDA runs (Burn's generic tensor ops, none of the CPU host kernels), on
-# the CPU: every parity suite again (about 20 s).
+# the CPU: every parity suite's `cpu::` tests again (about 20 s).
 # Same package selection and features as above, so cargo reuses those binaries instead of
 # building Burn and the suites a second time with other features.
-STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --workspace --locked --features stemq-tests/demucs \
-  --test parity --test parity_v3 --test parity_v2 --test parity_diffq
+STEMQ_DEMUCS_GENERIC_OPS=1 cargo test --workspace --locked --features "$features" \
+  --test parity --test parity_v3 --test parity_v2 --test parity_diffq -- cpu::
 # Runs a test against a live `stemq dev` (the binary the tests just built) when what it
 # needs is installed: $1 says what it is, $2 what it needs, $3 is the script, the rest
 # the check that it can run.

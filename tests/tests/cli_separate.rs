@@ -266,6 +266,51 @@ fn two_stems_and_other_method_work_with_pretrained_and_custom_models() {
     }
 }
 
+/// `stemq separate -d vulkan` (a build with `--features vulkan`): the model runs on the
+/// Vulkan device (`-v` names it), its stems within 80 dB of `-d cpu`'s; `-d vulkan:N`
+/// for a device that is not here, or a device name nobody knows, is refused saying what
+/// there is.
+#[cfg(feature = "vulkan")]
+#[test]
+fn separate_runs_on_a_vulkan_device() {
+    let Some(adapter) = stemq_demucs::vulkan::resolve(None, true) else {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "no Vulkan device (scripts/install-test-deps.sh)");
+        eprintln!("SKIPPED: stemq separate -d vulkan: no Vulkan device");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = fixture_repo();
+    let repo = repo.to_str().unwrap();
+    let run = |device: &str, out: &str| {
+        let args = ["separate", "--repo", repo, "-n", "tiny", "--float32", "-v", "-d", device, "-o", out, "two.wav"];
+        stemq(&args, dir.path())
+    };
+    assert!(stemq(&["synth", "--seconds", "2", "-o", "two.wav"], dir.path()).status.success());
+    let on_device = run("vulkan", "gpu");
+    let err = String::from_utf8_lossy(&on_device.stderr);
+    assert!(on_device.status.success(), "{err}");
+    assert!(err.contains(&format!("device vulkan:{}", adapter.index)), "{err}");
+    assert!(run("cpu", "cpu").status.success());
+    for stem in ["drums", "bass", "other", "vocals"] {
+        let read = |out: &str| -> Vec<f32> {
+            let wav = std::fs::read(dir.path().join(format!("{out}/tiny/two/{stem}.wav"))).unwrap();
+            let data = wav.windows(4).position(|w| w == b"data").expect("a data chunk") + 8;
+            wav[data..].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        };
+        let (want, got) = (read("cpu"), read("gpu"));
+        assert_eq!(want.len(), got.len(), "{stem}");
+        let sig: f64 = want.iter().map(|v| (*v as f64).powi(2)).sum();
+        let noise: f64 = want.iter().zip(&got).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+        let db = 10.0 * (sig / noise.max(1e-300)).log10();
+        assert!(db >= 80.0, "{stem}: {db:.1} dB between -d vulkan and -d cpu");
+    }
+    let missing = run("vulkan:99", "none");
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success() && err.contains("vulkan:99") && err.contains("available: cpu"), "{err}");
+    let unknown = run("rocm", "none");
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("vulkan:N"), "a refusal naming the devices");
+}
+
 /// The options `python -m demucs.separate --help` lists: `(spellings, metavar)` per
 /// option line, e.g. `(["-s", "--sig"], Some("SIG"))`.
 fn reference_options(help: &str) -> Vec<(Vec<String>, Option<String>)> {

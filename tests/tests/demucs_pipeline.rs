@@ -66,6 +66,8 @@ fn config(repo: &Path, memory_budget: Option<u64>) -> DemucsEngineConfig {
         memory_budget,
         cross_job: None,
         gpu_weights: Default::default(),
+        device: None,
+        device_max_alloc: None,
     }
 }
 
@@ -188,6 +190,18 @@ impl EngineContext for NoCtx {
 
 /// The same job run by the engine directly, outside the pipeline.
 fn direct(engine: &DemucsEngine, stack: &Stack, id: &JobId, body: &Value, segment: Option<f64>) -> Vec<[Vec<f32>; 2]> {
+    direct_on(engine, &stemq_core::device::Device::Cpu, stack, id, body, segment)
+}
+
+/// [`direct`] on `device`.
+fn direct_on(
+    engine: &DemucsEngine,
+    device: &stemq_core::device::Device,
+    stack: &Stack,
+    id: &JobId,
+    body: &Value,
+    segment: Option<f64>,
+) -> Vec<[Vec<f32>; 2]> {
     let request = stemq_core::JobRequest::from_value(body.clone()).unwrap().normalize("anonymous").unwrap();
     let input = stack.dir.path().join("mix.wav");
     let out = tempfile::tempdir().unwrap();
@@ -198,7 +212,7 @@ fn direct(engine: &DemucsEngine, stack: &Stack, id: &JobId, body: &Value, segmen
         attempt: 1,
         input: &input,
         out_dir: out.path(),
-        device: &stemq_core::device::Device::Cpu,
+        device,
         segment,
     };
     engine.separate(&job, &NoCtx).expect("direct run").iter().map(|s| decode(&s.path)).collect()
@@ -286,13 +300,23 @@ async fn two_jobs(stack: &Stack, uri: &str) -> Vec<(JobId, Value)> {
 /// Each job succeeded with the very samples the engine gives it alone (`worker`: the
 /// worker process whose log explains a failure, if any).
 async fn assert_as_alone(stack: &Stack, jobs: &[(JobId, Value)], repo: &Path, worker: &str) {
-    let alone = engine(repo, None);
+    assert_as_alone_on(stack, jobs, &engine(repo, None), &stemq_core::device::Device::Cpu, worker).await;
+}
+
+/// [`assert_as_alone`] against `alone` on `device`.
+async fn assert_as_alone_on(
+    stack: &Stack,
+    jobs: &[(JobId, Value)],
+    alone: &DemucsEngine,
+    device: &stemq_core::device::Device,
+    worker: &str,
+) {
     for (id, body) in jobs {
         let view = stack.wait_terminal(id, WAIT).await;
         let log = if worker.is_empty() { String::new() } else { stack.worker_log(worker) };
         assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{log}");
         let stems = download(stack, id, &view).await;
-        let reference = direct(&alone, stack, id, body, None);
+        let reference = direct_on(alone, device, stack, id, body, None);
         assert_eq!(stems.len(), 4);
         for ((name, got), want) in stems.iter().zip(&reference) {
             for c in 0..2 {
@@ -486,4 +510,199 @@ async fn a_cuda_out_of_memory_steps_down_the_ladder_to_the_cpu() {
         }
     }
     stack.shutdown().await;
+}
+
+/// The demucs engine on a Vulkan device (`--features vulkan`; Mesa's lavapipe in CI):
+/// a `stemq worker --device vulkan` process serves a job end to end, cross-job batching
+/// keeps each job's samples bit for bit, a real device allocation failure steps down
+/// the ladder, and a worker killed mid-job loses nothing.
+#[cfg(feature = "vulkan")]
+mod vulkan {
+    use super::*;
+    use stemq_core::device::Device;
+
+    /// The Vulkan device the tests run on (`vulkan`, a software driver allowed), or
+    /// `None` after a SKIPPED line (a failure in CI).
+    fn device() -> Option<Device> {
+        match stemq_demucs::vulkan::resolve(None, true) {
+            Some(a) => Some(Device::Vulkan(Some(a.index))),
+            None => {
+                let why = "no Vulkan device (Mesa's lavapipe: scripts/install-test-deps.sh)";
+                assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+                eprintln!("SKIPPED: the Vulkan pipeline tests: {why}");
+                None
+            }
+        }
+    }
+
+    /// The engine offering `device` first (then the CPU).
+    fn engine_on(repo: &Path, device: &Device, cross_job: Option<CrossJobBatching>) -> DemucsEngine {
+        DemucsEngine::new(DemucsEngineConfig { device: Some(device.clone()), cross_job, ..config(repo, None) })
+            .expect("model folder")
+    }
+
+    /// SNR in dB of `got` against `want`.
+    fn snr(want: &[f32], got: &[f32]) -> f64 {
+        let sig: f64 = want.iter().map(|v| (*v as f64).powi(2)).sum();
+        let err: f64 = want.iter().zip(got).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+        10.0 * (sig / err.max(1e-300)).log10()
+    }
+
+    /// A worker process on the Vulkan device, through the engine host (`--isolation
+    /// process`, the default): the job runs there, not degraded; its stems are the
+    /// engine's own on that device, bit for bit, and within 80 dB of the CPU's; the
+    /// registry shows the device.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vulkan_worker_process_serves_a_job_end_to_end() {
+        let Some(device) = device() else { return };
+        let models = tempfile::tempdir().unwrap();
+        let repo = model_folder(models.path());
+        let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+        let uri = upload(&stack).await;
+        let extra = [("STEMQ_ENGINE", "demucs"), ("STEMQ_MODELS", repo.to_str().unwrap()), ("STEMQ_DEVICE", "vulkan")];
+        let mut w = stack.spawn_worker("vulkan", &extra);
+        let body = request(&uri, json!({}));
+        let (id, view) = run_job(&stack, &body).await;
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{}", stack.worker_log("vulkan"));
+        assert!(!view.degraded, "{view:#?}");
+        assert_eq!(view.device.as_deref(), Some(device.to_string().as_str()));
+        let (_, fleet) = stack.get("/v1/workers").await;
+        let listed = fleet["workers"].as_array().unwrap().iter().find(|w| w["name"] == "vulkan").cloned();
+        assert_eq!(
+            listed.expect("the worker in the registry")["devices"],
+            json!([device.to_string(), "cpu"]),
+            "{fleet}"
+        );
+        let stems = download(&stack, &id, &view).await;
+        let on_device = direct_on(&engine_on(&repo, &device, None), &device, &stack, &id, &body, None);
+        let on_cpu = direct(&engine(&repo, None), &stack, &id, &body, None);
+        for (((name, got), want), cpu) in stems.iter().zip(&on_device).zip(&on_cpu) {
+            for c in 0..2 {
+                assert_eq!(got[c].len(), FRAMES, "{name}");
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: the engine's samples on {device}");
+                let db = snr(&cpu[c], &got[c]);
+                eprintln!("PARITY vulkan pipeline {name}[{c}] against the CPU: SNR {db:.1} dB");
+                assert!(db >= 80.0, "{name}[{c}]: {db:.1} dB against the CPU");
+            }
+        }
+        stemq_tests::signal(&w, stemq_tests::SIGTERM);
+        assert!(stemq_tests::wait_exit(&mut w, WAIT).expect("exits").success());
+        stack.shutdown().await;
+    }
+
+    /// Two jobs at once on one worker with cross-job batching on the Vulkan device: they
+    /// share forward passes (batches of rows from both), and each job's stems are bit
+    /// for bit what the device gives it alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_jobs_on_a_vulkan_worker_share_forward_passes_and_keep_their_stems() {
+        let Some(device) = device() else { return };
+        let models = tempfile::tempdir().unwrap();
+        let repo = model_folder(models.path());
+        let batching =
+            Arc::new(engine_on(&repo, &device, Some(CrossJobBatching { max_rows: 4, linger: Duration::from_secs(2) })));
+        // lavapipe runs the kernels on the CPU: a loaded 2-core box needs more than the
+        // stack's default job limit for two jobs.
+        let opts = StackOptions { workers: 0, time_limit: Duration::from_secs(600), ..Default::default() };
+        let mut stack = Stack::start(opts).await;
+        let uri = upload(&stack).await;
+        let jobs = two_jobs(&stack, &uri).await;
+        stack.add_worker_with(batching.clone(), 2).await;
+        assert_as_alone_on(&stack, &jobs, &engine_on(&repo, &device, None), &device, "").await;
+        for (id, _) in &jobs {
+            let view = stack.wait_terminal(id, WAIT).await;
+            assert_eq!(view.device.as_deref(), Some(device.to_string().as_str()));
+        }
+        let Device::Vulkan(index) = device else { unreachable!() };
+        let (bag, _) = batching.vulkan_model(index, "htdemucs").unwrap();
+        let stats = bag.hub().expect("a hub").stats();
+        assert!(stats.shared > 0 && stats.rows > stats.forwards, "the jobs shared no forward pass: {stats:?}");
+        stack.shutdown().await;
+    }
+
+    /// A real allocation failure on the device: a worker whose Vulkan memory pool takes
+    /// no single allocation above `STEMQ_DEVICE_MAX_ALLOC` (as a smaller GPU would run
+    /// out) fails the forward passes at the model's segment and at the ladder's smaller
+    /// one, then finishes on the CPU: degraded, one delivery, the CPU's stems.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vulkan_allocation_failure_steps_down_the_ladder() {
+        let Some(_device) = device() else { return };
+        let models = tempfile::tempdir().unwrap();
+        let repo = model_folder(models.path());
+        let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+        let uri = upload(&stack).await;
+        let extra = [
+            ("STEMQ_ENGINE", "demucs"),
+            ("STEMQ_MODELS", repo.to_str().unwrap()),
+            ("STEMQ_DEVICE", "vulkan"),
+            ("STEMQ_DEVICE_MAX_ALLOC", &max_alloc(&repo).to_string()),
+        ];
+        let mut w = stack.spawn_worker("small-gpu", &extra);
+        let body = request(&uri, json!({}));
+        let (id, view) = run_job(&stack, &body).await;
+        let log = stack.worker_log("small-gpu");
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}\n{log}");
+        assert!(view.degraded, "finished down the ladder: {view:#?}");
+        assert_eq!(view.device.as_deref(), Some("cpu"));
+        assert_eq!(view.attempt, 1, "the ladder is within one delivery");
+        assert!(log.contains("out_of_memory") || log.contains("out of memory"), "no out-of-memory step logged:\n{log}");
+        let stems = download(&stack, &id, &view).await;
+        let reference = direct(&engine(&repo, None), &stack, &id, &body, None);
+        for ((name, got), want) in stems.iter().zip(&reference) {
+            for c in 0..2 {
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: the CPU rung's stems");
+            }
+        }
+        stemq_tests::signal(&w, stemq_tests::SIGTERM);
+        assert!(stemq_tests::wait_exit(&mut w, WAIT).expect("exits").success());
+        stack.shutdown().await;
+    }
+
+    /// The pool limit of [`a_vulkan_allocation_failure_steps_down_the_ladder`]: twice
+    /// the largest weight of the fixture model (so it loads, alignment and all), far
+    /// below the activations of a forward pass at 1 s or 1.5 s.
+    fn max_alloc(repo: &Path) -> u64 {
+        let ckpt = stemq_demucs::checkpoint::Checkpoint::load(&repo.join("a0a0a0a0.th")).unwrap();
+        let largest = ckpt.state.keys().map(|k| ckpt.state.get(k).unwrap().shape.iter().product::<usize>()).max();
+        2 * 4 * largest.unwrap() as u64
+    }
+
+    /// A worker on the Vulkan device killed (SIGKILL) in the middle of a job: the job
+    /// is redelivered to another worker and succeeds there, every stem complete.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vulkan_worker_killed_mid_job_loses_nothing() {
+        let Some(device) = device() else { return };
+        let models = tempfile::tempdir().unwrap();
+        let repo = model_folder(models.path());
+        let mut opts = StackOptions { workers: 0, ..Default::default() };
+        opts.settings.ack_wait = Duration::from_millis(2000);
+        let mut stack = Stack::start(opts).await;
+        let uri = upload(&stack).await;
+        let extra = [("STEMQ_ENGINE", "demucs"), ("STEMQ_MODELS", repo.to_str().unwrap()), ("STEMQ_DEVICE", "vulkan")];
+        let mut w = stack.spawn_worker("doomed", &extra);
+        // Shifts make the job long enough to be killed in the middle of it.
+        let body = request(&uri, json!({"shifts": 4}));
+        let (code, answer) = stack.submit(&body).await;
+        assert_eq!(code, 202, "{answer}");
+        let id = job_id(&answer);
+        let running = stack.wait_status(&id, JobStatus::Running, WAIT).await;
+        assert_eq!(running.device.as_deref(), Some(device.to_string().as_str()), "{running:#?}");
+        stemq_tests::signal(&w, stemq_tests::SIGKILL);
+        stemq_tests::wait_exit(&mut w, WAIT).expect("killed");
+        let (_, v) = stack.get(&format!("/v1/separations/{id}")).await;
+        assert_ne!(v["status"], "succeeded", "the job ended before the kill: {v}");
+        stack.add_worker(Arc::new(engine(&repo, None))).await;
+        let view = stack.wait_terminal(&id, WAIT).await;
+        assert_eq!(view.status, JobStatus::Succeeded, "{view:#?}");
+        assert_eq!(view.attempt, 2, "redelivered once: {view:#?}");
+        assert_eq!(view.device.as_deref(), Some("cpu"));
+        let stems = download(&stack, &id, &view).await;
+        assert_eq!(stems.len(), 4);
+        let reference = direct(&engine(&repo, None), &stack, &id, &body, None);
+        for ((name, got), want) in stems.iter().zip(&reference) {
+            for c in 0..2 {
+                assert_eq!(max_diff(&got[c], &want[c]), 0.0, "{name}: complete, as a run alone");
+            }
+        }
+        stack.shutdown().await;
+    }
 }

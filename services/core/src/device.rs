@@ -1,7 +1,7 @@
 //! Devices an engine runs on, as a type.
 //!
-//! This module owns the names: `cpu`, `cuda` / `cuda:<n>`, and anything else an engine
-//! reports (the fake engine's `fake-gpu`) kept as written. [`Device`]'s `Display` and
+//! This module owns the names: `cpu`, `cuda` / `cuda:<n>`, `vulkan` / `vulkan:<n>`, and
+//! anything else an engine reports (the fake engine's `fake-gpu`) kept as written. [`Device`]'s `Display` and
 //! `FromStr` give back the same strings, so events and metrics labels that carry a device
 //! name do not change; code that asks "is this the CPU?" asks [`Device::is_cpu`] instead
 //! of comparing strings.
@@ -21,6 +21,10 @@ pub enum Device {
     Cpu,
     /// An NVIDIA GPU: `cuda` (the backend's default) or `cuda:<index>`.
     Cuda(Option<u32>),
+    /// Any GPU with a Vulkan driver (AMD, Intel, NVIDIA, or Mesa's lavapipe on the CPU):
+    /// `vulkan` (the engine's choice: a discrete GPU first) or `vulkan:<index>`, the
+    /// index in the driver's list of Vulkan devices (`vulkaninfo --summary`'s `GPU<n>`).
+    Vulkan(Option<u32>),
     /// Any other device an engine names (`fake-gpu`), kept as written.
     Other(String),
 }
@@ -38,6 +42,8 @@ impl fmt::Display for Device {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(None) => f.write_str("cuda"),
             Device::Cuda(Some(i)) => write!(f, "cuda:{i}"),
+            Device::Vulkan(None) => f.write_str("vulkan"),
+            Device::Vulkan(Some(i)) => write!(f, "vulkan:{i}"),
             Device::Other(s) => f.write_str(s),
         }
     }
@@ -48,13 +54,25 @@ impl From<&str> for Device {
         match s {
             "cpu" => Device::Cpu,
             "cuda" => Device::Cuda(None),
-            other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
-                // Only the canonical spelling, so that Display gives back the same string.
-                Some(Ok(i)) if i.to_string() == other["cuda:".len()..] => Device::Cuda(Some(i)),
-                _ => Device::Other(other.to_string()),
-            },
+            "vulkan" => Device::Vulkan(None),
+            other => {
+                if let Some(i) = index_after(other, "cuda:") {
+                    Device::Cuda(Some(i))
+                } else if let Some(i) = index_after(other, "vulkan:") {
+                    Device::Vulkan(Some(i))
+                } else {
+                    Device::Other(other.to_string())
+                }
+            }
         }
     }
+}
+
+/// The index of `<prefix><index>`, in its canonical spelling only (no sign, no leading
+/// zero), so that `Display` gives back the same string.
+fn index_after(s: &str, prefix: &str) -> Option<u32> {
+    let digits = s.strip_prefix(prefix)?;
+    digits.parse::<u32>().ok().filter(|i| i.to_string() == digits)
 }
 
 impl FromStr for Device {
@@ -99,6 +117,8 @@ impl PartialEq<str> for Device {
             Device::Cpu => other == "cpu",
             Device::Cuda(None) => other == "cuda",
             Device::Cuda(Some(i)) => other.strip_prefix("cuda:") == Some(i.to_string().as_str()),
+            Device::Vulkan(None) => other == "vulkan",
+            Device::Vulkan(Some(i)) => other.strip_prefix("vulkan:") == Some(i.to_string().as_str()),
             Device::Other(s) => s == other,
         }
     }
@@ -124,6 +144,13 @@ mod tests {
             ("fake-gpu", Device::Other("fake-gpu".into())),
             ("cuda:01", Device::Other("cuda:01".into())),
             ("cuda:x", Device::Other("cuda:x".into())),
+            ("vulkan", Device::Vulkan(None)),
+            ("vulkan:0", Device::Vulkan(Some(0))),
+            ("vulkan:3", Device::Vulkan(Some(3))),
+            ("vulkan:01", Device::Other("vulkan:01".into())),
+            ("vulkan:+1", Device::Other("vulkan:+1".into())),
+            ("vulkan:", Device::Other("vulkan:".into())),
+            ("Vulkan", Device::Other("Vulkan".into())),
         ] {
             let parsed: Device = name.parse().unwrap();
             assert_eq!(parsed, device, "{name}");
@@ -138,6 +165,7 @@ mod tests {
     fn only_the_cpu_is_the_cpu() {
         assert!(Device::Cpu.is_cpu());
         assert!(!Device::Cuda(Some(0)).is_cpu());
+        assert!(!Device::Vulkan(None).is_cpu());
         assert!(!Device::from("fake-gpu").is_cpu());
         assert!(!Device::from("CPU").is_cpu());
     }

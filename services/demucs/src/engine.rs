@@ -61,8 +61,18 @@ pub struct DemucsEngineConfig {
     /// model ([`crate::batch`]); `None`: every job runs its own.
     pub cross_job: Option<CrossJobBatching>,
     /// The type the weights stay in on a GPU ([`WeightPrecision::Half`]: half the device
-    /// memory, lossless for checkpoints stored in f16); the CPU keeps `f32`.
+    /// memory, lossless for checkpoints stored in f16); the CPU keeps `f32`, and so does
+    /// a Vulkan device without `f16` support (with a warning).
     pub gpu_weights: WeightPrecision,
+    /// The device offered first ([`Engine::devices`]): `stemq worker --device`, `stemq
+    /// separate -d`. `None`: CUDA when present, else a Vulkan GPU (never a software
+    /// driver such as lavapipe unless named), else the CPU. The CPU is always offered
+    /// last, the out-of-memory ladder's last rung.
+    pub device: Option<Device>,
+    /// No single allocation above this many bytes in a Vulkan device's memory pool
+    /// ([`crate::vulkan::PoolLimit`]): a device that runs out of memory at a chosen size,
+    /// to exercise the out-of-memory ladder. `None`: the driver's limits.
+    pub device_max_alloc: Option<u64>,
 }
 
 /// How one attempt runs within the memory budget.
@@ -92,7 +102,7 @@ pub struct RunOptions {
 }
 
 /// How one attempt's forward passes run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Passes {
     /// Segments per forward pass (CUDA).
     batch_size: usize,
@@ -102,6 +112,9 @@ struct Passes {
     training_segment: Option<f64>,
     /// One pass over the whole track ([`RunOptions::no_split`]).
     no_split: bool,
+    /// On a CubeCL device: its thread's faults since the run began, checked after
+    /// every block (a fault voids what the device returned).
+    faults: Option<crate::device_fault::Watch>,
 }
 
 /// HTDemucs as a stemq engine.
@@ -114,6 +127,9 @@ pub struct DemucsEngine {
     /// The CUDA budget read from free device memory, once.
     #[cfg(feature = "cuda")]
     cuda_budget: std::sync::OnceLock<Option<u64>>,
+    /// Models on Vulkan devices, by `<index>/<name>`.
+    #[cfg(feature = "vulkan")]
+    vulkan: ModelCache<BagOfModels<crate::VulkanBackend>>,
 }
 
 /// Loaded models by name. The map's lock is held only to find a model's slot; a slot's
@@ -161,6 +177,11 @@ pub fn engine_error(e: DemucsError) -> EngineError {
         DemucsError::Cancelled => EngineError::Cancelled,
         DemucsError::Audio(a) => stemq_audio::engine::engine_error(a),
         DemucsError::InvalidArgument(m) => EngineError::Unsupported { code: FailureCode::InvalidArgument, message: m },
+        DemucsError::DeviceUnavailable(m) => {
+            EngineError::Unsupported { code: FailureCode::DeviceUnavailable, message: m }
+        }
+        DemucsError::DeviceOutOfMemory { device, .. } => EngineError::OutOfMemory { device },
+        e @ DemucsError::DeviceFault { .. } => EngineError::transient("device fault", e),
         e @ DemucsError::Io { .. } => EngineError::transient("I/O error", e),
         e @ DemucsError::SharedPass(_) => EngineError::transient_without_source(e.to_string()),
         other => EngineError::Unsupported { code: FailureCode::ModelUnavailable, message: other.to_string() },
@@ -176,6 +197,16 @@ impl Progress for Ctx<'_> {
     fn cancelled(&self) -> bool {
         self.0.cancelled()
     }
+}
+
+/// The Vulkan device `vulkan` (`index` `None`) or `vulkan:<index>` names, by its index,
+/// when this build has Vulkan and the machine has that device.
+#[allow(unused_variables)]
+fn vulkan_device(index: Option<u32>, software: bool) -> Option<Device> {
+    #[cfg(feature = "vulkan")]
+    return crate::vulkan::resolve(index, software).map(|a| Device::Vulkan(Some(a.index)));
+    #[cfg(not(feature = "vulkan"))]
+    None
 }
 
 fn cuda_present() -> bool {
@@ -195,21 +226,24 @@ impl DemucsEngine {
             cuda: ModelCache::default(),
             #[cfg(feature = "cuda")]
             cuda_budget: std::sync::OnceLock::new(),
+            #[cfg(feature = "vulkan")]
+            vulkan: ModelCache::default(),
         })
     }
 
     /// Loads (once) and returns the CPU copy of a model.
     pub fn cpu_model(&self, name: &str) -> Result<Arc<BagOfModels<CpuBackend>>, DemucsError> {
-        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name, WeightPrecision::Full))
+        self.cpu.get_or_load(name, || self.load::<CpuBackend>(name, WeightPrecision::Full, &Default::default()))
     }
 
-    /// Loads a model onto a backend, with cross-job batching when configured.
+    /// Loads a model onto a backend's device, with cross-job batching when configured.
     fn load<B: burn::tensor::backend::Backend>(
         &self,
         name: &str,
         precision: WeightPrecision,
+        device: &B::Device,
     ) -> Result<BagOfModels<B>, DemucsError> {
-        let mut bag = self.repo.load_with::<B>(name, &Default::default(), precision)?;
+        let mut bag = self.repo.load_with::<B>(name, device, precision)?;
         if let Some(c) = self.config.cross_job {
             bag.batch_across_jobs(c);
         }
@@ -292,7 +326,8 @@ impl DemucsEngine {
         ctx: &dyn EngineContext,
         passes: Passes,
     ) -> Result<Vec<StemFile>, DemucsError> {
-        let Passes { batch_size, jobs, training_segment, no_split } = passes;
+        let Passes { batch_size, jobs, training_segment, no_split, faults } = passes;
+        let check_device = || faults.as_ref().map_or(Ok(()), crate::device_fault::Watch::check);
         let req = job.request;
         if bag.audio_channels() != 2 {
             return Err(DemucsError::Unsupported("models with other than 2 audio channels".into()));
@@ -351,6 +386,7 @@ impl DemucsEngine {
                 Ok(dec.next_chunk()?.map(|c| vec![c.left, c.right]))
             };
             let mut sink = |block: HostTensor| -> Result<(), DemucsError> {
+                check_device()?;
                 let n = block.shape[2];
                 let row = |s: usize, c: usize| &block.data[(s * 2 + c) * n..(s * 2 + c + 1) * n];
                 match selected {
@@ -410,6 +446,7 @@ impl DemucsEngine {
             Ok::<(), DemucsError>(())
         })();
         result?;
+        check_device()?;
         std::mem::forget(partial);
         if let Some(hub) = bag.hub() {
             let s = hub.stats();
@@ -437,7 +474,7 @@ impl DemucsEngine {
     ) -> Result<Vec<StemFile>, EngineError> {
         let bag = self
             .cuda
-            .get_or_load(name, || self.load::<crate::CudaBackend>(name, self.config.gpu_weights))
+            .get_or_load(name, || self.load::<crate::CudaBackend>(name, self.config.gpu_weights, &Default::default()))
             .map_err(engine_error)?;
         let budget = self.cuda_budget();
         let plan = self.plan_within(&bag, job, "cuda", self.config.gpu_batch.max(1), budget)?;
@@ -446,6 +483,7 @@ impl DemucsEngine {
             jobs: 1,
             training_segment: plan.training_segment,
             no_split: options.no_split,
+            faults: Some(crate::device_fault::Watch::start("cuda")),
         };
         self.run(&bag, job, ctx, passes).map_err(engine_error)
     }
@@ -470,6 +508,70 @@ impl DemucsEngine {
             tracing::info!(free, budget, "CUDA memory budget: 80 % of the free device memory");
             Some(budget)
         })
+    }
+}
+
+#[cfg(feature = "vulkan")]
+impl DemucsEngine {
+    /// The budget of forward passes on an opened Vulkan device: the configured one,
+    /// else 80 % of its device-local memory (Vulkan has no portable reading of free
+    /// memory; the weights are small beside it), or none when the driver does not say.
+    pub fn vulkan_budget(&self, opened: &crate::vulkan::Opened) -> Option<u64> {
+        self.config.memory_budget.or(opened.device_memory.map(|bytes| bytes / 10 * 8))
+    }
+
+    /// Loads (once) and returns the copy of a model on `vulkan:<index>` (`None`: the
+    /// device `vulkan` names, a software driver included), with the opened device.
+    pub fn vulkan_model(
+        &self,
+        index: Option<u32>,
+        name: &str,
+    ) -> Result<(Arc<BagOfModels<crate::VulkanBackend>>, Arc<crate::vulkan::Opened>), EngineError> {
+        let unavailable = |message: String| EngineError::Unsupported { code: FailureCode::DeviceUnavailable, message };
+        let adapter = crate::vulkan::resolve(index, true)
+            .ok_or_else(|| unavailable(format!("no such Vulkan device; here: {}", crate::vulkan::describe())))?;
+        let limit = self.config.device_max_alloc.map(|max_alloc| crate::vulkan::PoolLimit { max_alloc });
+        let opened = crate::vulkan::open(adapter.index, limit).map_err(|e| unavailable(e.to_string()))?;
+        let precision = match self.config.gpu_weights {
+            WeightPrecision::Half if !opened.f16 => {
+                tracing::warn!(device = %format!("vulkan:{}", adapter.index), name = %adapter.name,
+                    "this Vulkan device has no f16 support: the weights stay f32");
+                WeightPrecision::Full
+            }
+            p => p,
+        };
+        let key = format!("{}/{name}", adapter.index);
+        let bag = self
+            .vulkan
+            .get_or_load(&key, || self.load::<crate::VulkanBackend>(name, precision, &opened.device))
+            .map_err(engine_error)?;
+        Ok((bag, opened))
+    }
+
+    /// One attempt on `vulkan:<index>` (`None`: the device `vulkan` names, a software
+    /// driver included since it was asked for by name): the model loaded there once,
+    /// segments batched as on CUDA, within the budget the device's memory gives.
+    fn run_vulkan(
+        &self,
+        index: Option<u32>,
+        name: &str,
+        job: &EngineJob<'_>,
+        ctx: &dyn EngineContext,
+        options: &RunOptions,
+    ) -> Result<Vec<StemFile>, EngineError> {
+        let (bag, opened) = self.vulkan_model(index, name)?;
+        let adapter = opened.adapter;
+        let device = format!("vulkan:{}", adapter.index);
+        let budget = self.vulkan_budget(&opened);
+        let plan = self.plan_within(&bag, job, &device, self.config.gpu_batch.max(1), budget)?;
+        let passes = Passes {
+            batch_size: plan.parallel,
+            jobs: 1,
+            training_segment: plan.training_segment,
+            no_split: options.no_split,
+            faults: Some(crate::device_fault::Watch::start(&device)),
+        };
+        self.run(&bag, job, ctx, passes).map_err(engine_error)
     }
 }
 
@@ -502,12 +604,16 @@ pub fn is_out_of_memory(message: &str) -> bool {
 /// allocation failure on `device` ([`is_out_of_memory`]) into
 /// [`EngineError::OutOfMemory`], which the worker's ladder steps down from (a smaller
 /// segment, then the CPU); any other panic into a transient failure.
+/// A panic on a device after an allocation failed on its thread is that failure's
+/// consequence ([`crate::device_fault`]), whatever its own message.
 fn guarded<T>(device: &Device, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    let faults = (*device != Device::Cpu).then(|| crate::device_fault::Watch::start(device));
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(result) => result,
         Err(panic) => {
             let msg = stemq_core::engine::panic_message(panic.as_ref()).unwrap_or_default();
-            if is_out_of_memory(&msg) {
+            let device_oom = faults.is_some_and(|w| matches!(w.check(), Err(DemucsError::DeviceOutOfMemory { .. })));
+            if device_oom || is_out_of_memory(&msg) {
                 Err(EngineError::OutOfMemory { device: device.to_string() })
             } else {
                 Err(EngineError::transient_without_source(format!("the {device} backend panicked: {msg}")))
@@ -568,8 +674,13 @@ impl Engine for DemucsEngine {
 
     fn devices(&self) -> Vec<Device> {
         let mut d = Vec::new();
-        if cuda_present() {
-            d.push(Device::Cuda(None));
+        match &self.config.device {
+            Some(Device::Cpu) => {}
+            Some(Device::Cuda(_)) if cuda_present() => d.push(Device::Cuda(None)),
+            Some(Device::Vulkan(index)) => d.extend(vulkan_device(*index, true)),
+            Some(_) => {}
+            None if cuda_present() => d.push(Device::Cuda(None)),
+            None => d.extend(vulkan_device(None, false)),
         }
         d.push(Device::Cpu);
         d
@@ -625,11 +736,14 @@ impl DemucsEngine {
                     jobs: plan.parallel,
                     training_segment: plan.training_segment,
                     no_split: options.no_split,
+                    faults: None,
                 };
                 self.run(&bag, job, ctx, passes).map_err(engine_error)
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(None) => self.run_cuda(name, job, ctx, options),
+            #[cfg(feature = "vulkan")]
+            Device::Vulkan(index) => self.run_vulkan(*index, name, job, ctx, options),
             other => Err(EngineError::Unsupported {
                 code: FailureCode::DeviceUnavailable,
                 message: format!("device `{other}` is not available to the demucs engine"),

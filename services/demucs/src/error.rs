@@ -84,6 +84,27 @@ pub enum DemucsError {
     /// the error of the job that ran it.
     #[error("a forward pass shared with other jobs failed: {0}")]
     SharedPass(String),
+    /// The device asked for is not on this machine, or did not open.
+    #[error("device unavailable: {0}")]
+    DeviceUnavailable(String),
+    /// An allocation failed on the device while the run was using it
+    /// ([`crate::device_fault`]): its results are void.
+    #[error("out of memory on {device}: {message}")]
+    DeviceOutOfMemory {
+        /// The device the run was on.
+        device: String,
+        /// The device thread's panic.
+        message: String,
+    },
+    /// A task failed on the device's thread while the run was using it
+    /// ([`crate::device_fault`]): its results are void.
+    #[error("the device {device} failed a task: {message}")]
+    DeviceFault {
+        /// The device the run was on.
+        device: String,
+        /// The device thread's panic.
+        message: String,
+    },
     /// Stopped at a chunk boundary because the caller asked.
     #[error("cancelled")]
     Cancelled,

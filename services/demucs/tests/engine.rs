@@ -109,6 +109,8 @@ fn engine_at(repo: std::path::PathBuf, memory_budget: Option<u64>) -> DemucsEngi
         memory_budget,
         cross_job: None,
         gpu_weights: Default::default(),
+        device: None,
+        device_max_alloc: None,
     })
     .unwrap()
 }
@@ -414,6 +416,8 @@ fn jobs_that_share_forward_passes_get_the_stems_they_get_alone() {
         memory_budget: None,
         cross_job: Some(CrossJobBatching { max_rows: 4, linger: std::time::Duration::from_secs(2) }),
         gpu_weights: Default::default(),
+        device: None,
+        device_max_alloc: None,
     })
     .unwrap();
     let barrier = std::sync::Barrier::new(2);
@@ -458,6 +462,8 @@ fn the_memory_budget_caps_the_segments_of_a_shared_forward() {
         memory_budget: Some(3 * full + full / 2),
         cross_job: Some(CrossJobBatching { max_rows: 8, linger: std::time::Duration::from_millis(20) }),
         gpu_weights: Default::default(),
+        device: None,
+        device_max_alloc: None,
     })
     .unwrap();
     let id = JobId::parse(&"c3".repeat(32)).unwrap();
@@ -466,4 +472,128 @@ fn the_memory_budget_caps_the_segments_of_a_shared_forward() {
     assert_eq!(files.len(), 4);
     let bag = engine.cpu_model("htdemucs").unwrap();
     assert_eq!(bag.hub().unwrap().max_rows(), 3, "room for 3 segments of {full} bytes");
+}
+
+/// The engine on a Vulkan device (`--features vulkan`; Mesa's lavapipe in CI).
+#[cfg(feature = "vulkan")]
+mod vulkan {
+    use super::*;
+    use stemq_core::device::Device;
+    use stemq_demucs::nn::WeightPrecision;
+    use stemq_demucs::vulkan;
+
+    /// The device `vulkan` names here, a software driver allowed; `None` after a SKIPPED
+    /// line (a failure in CI).
+    fn adapter() -> Option<&'static vulkan::Adapter> {
+        let found = vulkan::resolve(None, true);
+        if found.is_none() {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "no Vulkan device: {}", vulkan::describe());
+            eprintln!("SKIPPED: the engine on Vulkan: {}", vulkan::describe());
+        }
+        found
+    }
+
+    fn engine_with(device: Option<Device>, weights: WeightPrecision, budget: Option<u64>) -> Setup {
+        let mut s = setup_with_budget(budget);
+        s.engine = DemucsEngine::new(DemucsEngineConfig {
+            device,
+            gpu_weights: weights,
+            memory_budget: budget,
+            ..engine_config(s.engine.repo().root().to_path_buf())
+        })
+        .unwrap();
+        s
+    }
+
+    fn engine_config(repo: std::path::PathBuf) -> DemucsEngineConfig {
+        DemucsEngineConfig {
+            repo,
+            clip: ClipMode::None,
+            max_duration_secs: None,
+            gpu_batch: 4,
+            cpu_jobs: 2,
+            memory_budget: None,
+            cross_job: None,
+            gpu_weights: Default::default(),
+            device: None,
+            device_max_alloc: None,
+        }
+    }
+
+    /// Devices are named as the driver lists them: `vulkan` resolves to one
+    /// `vulkan:<n>`, offered first with the CPU last; a software driver (lavapipe) only
+    /// when asked for; a device that is not here is refused with the list of those
+    /// that are.
+    #[test]
+    fn vulkan_devices_are_named_and_offered_as_asked() {
+        let Some(a) = adapter() else { return };
+        let named = Device::Vulkan(Some(a.index));
+        let s = engine_with(Some(Device::Vulkan(None)), WeightPrecision::Full, None);
+        assert_eq!(s.engine.devices(), vec![named.clone(), Device::Cpu]);
+        let s = engine_with(Some(named.clone()), WeightPrecision::Full, None);
+        assert_eq!(s.engine.devices(), vec![named.clone(), Device::Cpu]);
+        let s = engine_with(Some(Device::Cpu), WeightPrecision::Full, None);
+        assert_eq!(s.engine.devices(), vec![Device::Cpu]);
+        if a.kind == vulkan::Kind::Cpu {
+            let s = engine_with(None, WeightPrecision::Full, None);
+            assert_eq!(s.engine.devices(), vec![Device::Cpu], "lavapipe is never the default");
+        }
+        let missing = Device::Vulkan(Some(99));
+        let s = engine_with(Some(missing.clone()), WeightPrecision::Full, None);
+        assert_eq!(s.engine.devices(), vec![Device::Cpu]);
+        let (id, req) = (JobId::parse(&"cd".repeat(32)).unwrap(), request(Model::Htdemucs, None));
+        let err =
+            s.engine.separate(&EngineJob { device: &missing, ..job(&s, &req, &id) }, &Ctx::new(None)).unwrap_err();
+        let EngineError::Unsupported { code, message } = err else { panic!("{err:?}") };
+        assert_eq!(code, stemq_core::failure::FailureCode::DeviceUnavailable);
+        assert!(message.contains(&format!("vulkan:{}", a.index)), "{message}");
+    }
+
+    /// The engine on the device: stems within 80 dB of the CPU's for the same job, the
+    /// memory budget read from the device (80 % of its device-local heap), and `f16`
+    /// weights where the device takes them giving the same stems bit for bit.
+    #[test]
+    fn the_engine_separates_on_the_device_within_the_budget_the_device_gives() {
+        let Some(a) = adapter() else { return };
+        let device = Device::Vulkan(Some(a.index));
+        let (id, req) = (JobId::parse(&"ef".repeat(32)).unwrap(), request(Model::Htdemucs, None));
+        let cpu = setup();
+        let want: Vec<Vec<f32>> = cpu
+            .engine
+            .separate(&job(&cpu, &req, &id), &Ctx::new(None))
+            .unwrap()
+            .iter()
+            .map(|f| read_wav(&f.path))
+            .collect();
+        let mut stems = Vec::new();
+        for weights in [WeightPrecision::Full, WeightPrecision::Half] {
+            let s = engine_with(Some(device.clone()), weights, None);
+            let files =
+                s.engine.separate(&EngineJob { device: &device, ..job(&s, &req, &id) }, &Ctx::new(None)).unwrap();
+            let got: Vec<Vec<f32>> = files.iter().map(|f| read_wav(&f.path)).collect();
+            for ((file, got), want) in files.iter().zip(&got).zip(&want) {
+                let (snr, max) = figures(want, got);
+                eprintln!(
+                    "PARITY vulkan engine {} ({} weights) against the CPU: SNR {snr:.1} dB, max abs {max:.2e}",
+                    file.stem,
+                    weights.as_str()
+                );
+                assert!(snr >= 80.0, "{}: {snr:.1} dB", file.stem);
+            }
+            let (_, opened) = s.engine.vulkan_model(Some(a.index), "htdemucs").unwrap();
+            let heap = opened.device_memory.expect("the driver reports its device-local memory");
+            assert!(heap > 0);
+            assert_eq!(s.engine.vulkan_budget(&opened), Some(heap / 10 * 8));
+            eprintln!("vulkan:{} ({}): device-local memory {heap} bytes, f16 {}", a.index, a.name, opened.f16);
+            stems.push(got);
+        }
+        assert!(stems[0] == stems[1], "f16 weights (or their f32 fallback) changed the stems");
+        // A configured budget wins over the device's, and is planned against.
+        let s = engine_with(Some(device.clone()), WeightPrecision::Full, Some(1));
+        let err = s.engine.separate(&EngineJob { device: &device, ..job(&s, &req, &id) }, &Ctx::new(None)).unwrap_err();
+        assert!(
+            matches!(&err, EngineError::OverBudget { device: d, budget: 1, .. } if *d == device.to_string()),
+            "{err:?}"
+        );
+    }
 }

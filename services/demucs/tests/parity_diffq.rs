@@ -2,24 +2,42 @@
 //! models quantised by diffq 0.2.4 as demucs exports them (`scripts/make_fixtures_diffq.py`,
 //! random bit widths 2 to 14), loaded, and run against the models diffq itself restores
 //! (references in f64). Run with `--nocapture` for the figures.
+//!
+//! The suite (`suites/parity_diffq.rs`) runs on every device of the build: `cpu::` always,
+//! `vulkan::` with `--features vulkan` (skipped with a message where no Vulkan device
+//! is, a failure in CI), `cuda::` with `--features cuda`.
 
 mod common;
 
-use common::{check, fixtures, load_path, B};
-use stemq_demucs::checkpoint::Checkpoint;
-use stemq_demucs::model::HTDemucs;
+/// The CPU, host kernels and all.
+mod cpu {
+    type B = stemq_demucs::CpuBackend;
+    /// The parity bar of the port: blocks and whole models.
+    #[allow(dead_code)]
+    const BLOCK_DB: f64 = 100.0;
+    #[allow(dead_code)]
+    const E2E_DB: f64 = 100.0;
+    include!("suites/parity_diffq.rs");
+}
 
-#[test]
-fn quantised_models_decode_and_match_diffqs_own_restore() {
-    let f = load_path(&fixtures().join("diffq/forward.safetensors"));
-    for sig in ["d4d4d4d4", "f6f6f6f6"] {
-        let path = fixtures().join(format!("diffq/{sig}q.th"));
-        let ckpt = Checkpoint::load(&path).unwrap();
-        let q = ckpt.quantized.as_ref().expect("a quantised package");
-        assert!(q.quantized.len() >= 10 && !q.others.is_empty(), "{sig}: {} / {}", q.quantized.len(), q.others.len());
-        assert_eq!(q.group_size, 8);
-        let m = HTDemucs::<B>::load_file(&path, &Default::default()).expect("decodes and loads strictly");
-        let y = m.forward(&f[&format!("{sig}.in")]).unwrap();
-        check(&format!("diffq {sig} (quantised) forward"), &f[&format!("{sig}.out")], &y, 100.0);
-    }
+/// A Vulkan device: CubeCL's kernels through its SPIR-V compiler.
+#[cfg(feature = "vulkan")]
+mod vulkan {
+    type B = stemq_demucs::VulkanBackend;
+    #[allow(dead_code)]
+    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
+    #[allow(dead_code)]
+    const E2E_DB: f64 = crate::common::DEVICE_DB;
+    include!("suites/parity_diffq.rs");
+}
+
+/// An NVIDIA GPU: the same kernels through CubeCL's CUDA compiler.
+#[cfg(feature = "cuda")]
+mod cuda {
+    type B = stemq_demucs::CudaBackend;
+    #[allow(dead_code)]
+    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
+    #[allow(dead_code)]
+    const E2E_DB: f64 = crate::common::DEVICE_DB;
+    include!("suites/parity_diffq.rs");
 }

@@ -230,44 +230,39 @@ impl PriorityArg {
     }
 }
 
-/// `separate -d`: where the engine runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DeviceArg {
-    /// The CPU.
-    Cpu,
-    /// An NVIDIA GPU.
-    Cuda,
-}
+/// `separate -d` and `worker --device`: where the engine runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceArg(pub stemq_core::device::Device);
 
-/// A device as demucs's `-d` takes it (torch's spelling): `cpu`, `cuda`, `cuda:N`.
+/// A device as demucs's `-d` takes it (torch's spelling), and Vulkan's: `cpu`, `cuda`,
+/// `cuda:N`, `vulkan`, `vulkan:N`.
 pub fn parse_device(s: &str) -> Result<DeviceArg, String> {
-    match s {
-        "cpu" => Ok(DeviceArg::Cpu),
-        "cuda" => Ok(DeviceArg::Cuda),
-        _ if s.strip_prefix("cuda:").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) => {
-            Ok(DeviceArg::Cuda)
+    match stemq_core::device::Device::from(s) {
+        stemq_core::device::Device::Other(_) => {
+            Err(format!("unknown device `{s}`: cpu, cuda, cuda:N, vulkan or vulkan:N"))
         }
-        _ => Err(format!("unknown device `{s}`: cpu, cuda or cuda:N")),
+        d => Ok(DeviceArg(d)),
     }
 }
 
 impl DeviceArg {
-    /// The engine's device name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceArg::Cpu => "cpu",
-            DeviceArg::Cuda => "cuda",
+    /// True when `device`, one an engine offers, is the one asked for: `cuda` and
+    /// `vulkan` take any device of their kind, `cuda:N` too (the engine runs CUDA's
+    /// default device), `vulkan:N` only itself.
+    pub fn matches(&self, device: &stemq_core::device::Device) -> bool {
+        use stemq_core::device::Device;
+        match (&self.0, device) {
+            (Device::Cpu, d) => d.is_cpu(),
+            (Device::Cuda(_), Device::Cuda(_)) | (Device::Vulkan(None), Device::Vulkan(_)) => true,
+            (Device::Vulkan(Some(want)), Device::Vulkan(Some(have))) => want == have,
+            _ => false,
         }
     }
+}
 
-    /// True when `device`, one an engine offers, is of this kind (`cuda` matches `cuda`
-    /// and `cuda:<n>`).
-    pub fn matches(self, device: &stemq_core::device::Device) -> bool {
-        use stemq_core::device::Device;
-        match self {
-            DeviceArg::Cpu => device.is_cpu(),
-            DeviceArg::Cuda => matches!(device, Device::Cuda(_)),
-        }
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
 
@@ -328,5 +323,28 @@ mod tests {
             assert_eq!(nearest_mp3_bitrate(asked), used, "{asked}");
         }
         assert_eq!(FormatArg::Mp3.format(), OutputFormat::Mp3);
+    }
+
+    #[test]
+    fn devices_parse_in_torchs_spelling_and_vulkans() {
+        use stemq_core::device::Device;
+        for (arg, device) in [
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(None)),
+            ("cuda:1", Device::Cuda(Some(1))),
+            ("vulkan", Device::Vulkan(None)),
+            ("vulkan:2", Device::Vulkan(Some(2))),
+        ] {
+            assert_eq!(parse_device(arg).unwrap().0, device, "{arg}");
+        }
+        for bad in ["gpu", "vulkan:", "vulkan:x", "cuda:-1", "Vulkan"] {
+            assert!(parse_device(bad).unwrap_err().contains("vulkan:N"), "{bad}");
+        }
+        let vulkan = parse_device("vulkan").unwrap();
+        assert!(vulkan.matches(&Device::Vulkan(Some(3))) && !vulkan.matches(&Device::Cpu));
+        let second = parse_device("vulkan:1").unwrap();
+        assert!(second.matches(&Device::Vulkan(Some(1))) && !second.matches(&Device::Vulkan(Some(0))));
+        assert!(parse_device("cuda:1").unwrap().matches(&Device::Cuda(None)));
+        assert!(!parse_device("cpu").unwrap().matches(&Device::Vulkan(None)));
     }
 }

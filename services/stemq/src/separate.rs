@@ -62,7 +62,10 @@ pub struct SeparateArgs {
     /// segment (as demucs does).
     #[arg(long, conflicts_with = "segment")]
     pub no_split: bool,
-    /// Device: `cpu`, `cuda` or `cuda:N` (default: CUDA when present, else the CPU).
+    /// Device: `cpu`, `cuda`, `cuda:N`, `vulkan` or `vulkan:N` (default: CUDA when
+    /// present, else a Vulkan GPU in a build with `--features vulkan`, else the CPU).
+    /// `vulkan` also takes a software driver (Mesa's lavapipe), which the default never
+    /// picks.
     #[arg(short = 'd', long, value_parser = parse_device)]
     pub device: Option<DeviceArg>,
     /// The type a GPU keeps the weights in: `f16` halves their memory (lossless for the
@@ -123,8 +126,13 @@ impl Separator {
                 a.model()
             );
         }
-        let place =
-            crate::services::DemucsPlacement { memory_budget: None, cross_job: None, gpu_weights: a.gpu_weights };
+        let place = crate::services::DemucsPlacement {
+            memory_budget: None,
+            cross_job: None,
+            gpu_weights: a.gpu_weights,
+            device: a.device.as_ref().map(|d| d.0.clone()),
+            device_max_alloc: None,
+        };
         let engine = crate::services::demucs_engine_here(g, Some(repo), place)?;
         if !engine.repo().has(a.model()) {
             let names = engine.repo().names();
@@ -203,12 +211,11 @@ pub fn run(g: &Global, a: SeparateArgs) -> Result<()> {
     }
     let engine = Separator::open(g, &a)?;
     let devices = engine.devices();
-    let device = match a.device {
+    let device = match &a.device {
         Some(want) => match devices.iter().find(|d| want.matches(d)) {
             Some(d) => d.clone(),
             None => bail!(
-                "device `{}` is not available here; available: {}",
-                want.as_str(),
+                "device `{want}` is not available here; available: {}",
                 devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
             ),
         },

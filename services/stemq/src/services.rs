@@ -231,6 +231,19 @@ pub struct EngineArgs {
     /// f16); the arithmetic runs in f32 either way. The CPU keeps f32.
     #[arg(long, env = "STEMQ_GPU_WEIGHTS", value_enum, default_value_t = GpuWeights::F32)]
     pub gpu_weights: GpuWeights,
+    /// The device the `demucs` engine runs on, the CPU kept as the out-of-memory
+    /// ladder's last rung: `cpu`, `cuda`, `vulkan` (a build with `--features vulkan`: the
+    /// first Vulkan GPU, or a software driver such as Mesa's lavapipe when it is the only
+    /// one) or `vulkan:N` (the N-th device `vulkaninfo --summary` lists). Default: CUDA
+    /// when present, else a Vulkan GPU (never a software driver), else the CPU.
+    #[arg(long, env = "STEMQ_DEVICE", value_parser = crate::job_opts::parse_device)]
+    pub device: Option<crate::job_opts::DeviceArg>,
+    /// No single allocation above this size in a Vulkan device's memory pool (e.g.
+    /// `64MiB`): the device then runs out of memory at that size, as a smaller GPU
+    /// would, and the out-of-memory ladder takes over. For testing the ladder on a real
+    /// device; default: the driver's limits.
+    #[arg(long, env = "STEMQ_DEVICE_MAX_ALLOC", value_parser = parse_bytes, hide = true)]
+    pub device_max_alloc: Option<u64>,
     /// Extra delay of every fake job, in ms.
     #[arg(long, env = "STEMQ_FAKE_DELAY_MS", default_value_t = 0)]
     pub fake_delay_ms: u64,
@@ -534,6 +547,12 @@ pub fn engine_host_args(g: &Global, engine: &EngineArgs) -> Vec<std::ffi::OsStri
         args.extend(["--batch-linger-ms".into(), engine.batch_linger_ms.to_string().into()]);
     }
     args.extend(["--gpu-weights".into(), engine.gpu_weights.as_str().into()]);
+    if let Some(d) = &engine.device {
+        args.extend(["--device".into(), d.to_string().into()]);
+    }
+    if let Some(b) = engine.device_max_alloc {
+        args.extend(["--device-max-alloc".into(), b.to_string().into()]);
+    }
     args.extend(["--fake-delay-ms".into(), engine.fake_delay_ms.to_string().into()]);
     args.extend(["--fake-load-ms".into(), engine.fake_load_ms.to_string().into()]);
     if !engine.fake_models.is_empty() {
@@ -583,7 +602,13 @@ fn demucs_engine(g: &Global, opts: &EngineArgs) -> Result<Arc<dyn Engine>> {
         max_rows: opts.batch_across_jobs,
         linger: Duration::from_millis(opts.batch_linger_ms),
     });
-    let place = DemucsPlacement { memory_budget: opts.memory_budget, cross_job, gpu_weights: opts.gpu_weights };
+    let place = DemucsPlacement {
+        memory_budget: opts.memory_budget,
+        cross_job,
+        gpu_weights: opts.gpu_weights,
+        device: opts.device.as_ref().map(|d| d.0.clone()),
+        device_max_alloc: opts.device_max_alloc,
+    };
     Ok(Arc::new(demucs_engine_here(g, opts.models.clone(), place)?))
 }
 
@@ -598,6 +623,10 @@ pub struct DemucsPlacement {
     pub cross_job: Option<stemq_demucs::batch::CrossJobBatching>,
     /// The type a GPU keeps the weights in.
     pub gpu_weights: GpuWeights,
+    /// The device offered first (`--device`, `-d`).
+    pub device: Option<stemq_core::device::Device>,
+    /// The largest single allocation on a Vulkan device (`--device-max-alloc`).
+    pub device_max_alloc: Option<u64>,
 }
 
 /// The demucs engine itself (not behind the [`Engine`] trait), for `stemq separate`'s
@@ -622,6 +651,8 @@ pub fn demucs_engine_here(
         memory_budget: place.memory_budget,
         cross_job: place.cross_job,
         gpu_weights: place.gpu_weights.into(),
+        device: place.device,
+        device_max_alloc: place.device_max_alloc,
     })
     .with_context(|| format!("loading the model folder {}", repo.display()))
 }

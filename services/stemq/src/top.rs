@@ -261,7 +261,14 @@ mod tests {
                     _ => lane(m, l, 0, 0),
                 })
                 .collect(),
-            workers: Some(vec![worker("gpu-7-1234", &[Model::Htdemucs, Model::HtdemucsFt], 3, now)]),
+            workers: Some(vec![
+                worker("gpu-7-1234", &[Model::Htdemucs, Model::HtdemucsFt], 3, now),
+                // A worker on a Vulkan GPU (an AMD card, say), in the same pool.
+                WorkerInfo {
+                    devices: vec!["vulkan:1".into(), "cpu".into()],
+                    ..worker("amd-3-99", &[Model::Htdemucs], 1, now)
+                },
+            ]),
             ..Default::default()
         };
         let text = render_fleet(&q, now);
@@ -270,6 +277,7 @@ mod tests {
         for part in ["htdemucs,htdemucs_ft", "cuda:0,cpu", "1/2", "3 s", "3.0 GiB"] {
             assert!(w.contains(part), "{part} missing in {w:?}\n{text}");
         }
+        assert!(line("amd-3-99").contains("vulkan:1,cpu"), "{text}");
         let served = line("htdemucs ");
         assert!(served.contains("4/1") && !served.contains("waiting"), "{served:?}\n{text}");
         let unserved = line("htdemucs_6s");
