@@ -47,7 +47,7 @@
 //! | engine: passes at once | threads (`cpu_jobs`, `-j`), one segment a pass | one pass, `gpu_batch` segments a batch |
 //! | engine: weights | `f32` | `--gpu-weights` (`f16` where the device takes it, else `f32` with a warning) |
 //! | engine: memory budget | `--memory-budget`, else none | `--memory-budget`, else 80 % of the device's memory (CUDA: free memory once the model is loaded; Vulkan: the device-local heap) |
-//! | engine: out of memory | an allocation failure on the host (rare) | CubeCL's allocation errors and the driver's out-of-memory, as panics turned into [`stemq_core::engine::EngineError::OutOfMemory`] ([`engine::is_out_of_memory`]) |
+//! | engine: out of memory | an allocation failure on the host (rare) | an allocation the pool refuses on CubeCL's device thread, which CubeCL swallows ([`device_fault`], checked after every block), and the caller's own allocation panics ([`engine::is_out_of_memory`]), both turned into [`stemq_core::engine::EngineError::OutOfMemory`] |
 //!
 //! What only CUDA runs, which a Vulkan device does not cover: CubeCL's CUDA compiler
 //! and runtime (NVRTC, streams), its choice of matmul and convolution kernels where
