@@ -51,7 +51,8 @@ pub fn install() {
             let location = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
             tracing::warn!(event = "device.fault", out_of_memory, %location, message = %first_line,
                 "a task on the device thread failed; the passes running now are void");
-            *LAST_MESSAGE[usize::from(!out_of_memory)].lock().unwrap_or_else(std::sync::PoisonError::into_inner) = first_line;
+            *LAST_MESSAGE[usize::from(!out_of_memory)].lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                first_line;
         }));
     });
 }

@@ -8,35 +8,5 @@
 
 mod common;
 
-/// The CPU, host kernels and all.
-mod cpu {
-    type B = stemq_demucs::CpuBackend;
-    /// Blocks: well above the 90 dB end-to-end target (a faithful f32 port is ~120 dB).
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = 100.0;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = 90.0;
-    include!("suites/parity.rs");
-}
-
-/// A Vulkan device: CubeCL's kernels through its SPIR-V compiler.
-#[cfg(feature = "vulkan")]
-mod vulkan {
-    type B = stemq_demucs::VulkanBackend;
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = crate::common::DEVICE_DB;
-    include!("suites/parity.rs");
-}
-
-/// An NVIDIA GPU: the same kernels through CubeCL's CUDA compiler.
-#[cfg(feature = "cuda")]
-mod cuda {
-    type B = stemq_demucs::CudaBackend;
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = crate::common::DEVICE_DB;
-    include!("suites/parity.rs");
-}
+// Blocks: well above the 90 dB end-to-end target (a faithful f32 port is ~120 dB).
+crate::on_every_device!("suites/parity.rs", cpu_block_db: 100.0, cpu_e2e_db: 90.0);

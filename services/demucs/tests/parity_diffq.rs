@@ -9,35 +9,5 @@
 
 mod common;
 
-/// The CPU, host kernels and all.
-mod cpu {
-    type B = stemq_demucs::CpuBackend;
-    /// The parity bar of the port: blocks and whole models.
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = 100.0;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = 100.0;
-    include!("suites/parity_diffq.rs");
-}
-
-/// A Vulkan device: CubeCL's kernels through its SPIR-V compiler.
-#[cfg(feature = "vulkan")]
-mod vulkan {
-    type B = stemq_demucs::VulkanBackend;
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = crate::common::DEVICE_DB;
-    include!("suites/parity_diffq.rs");
-}
-
-/// An NVIDIA GPU: the same kernels through CubeCL's CUDA compiler.
-#[cfg(feature = "cuda")]
-mod cuda {
-    type B = stemq_demucs::CudaBackend;
-    #[allow(dead_code)]
-    const BLOCK_DB: f64 = crate::common::DEVICE_DB;
-    #[allow(dead_code)]
-    const E2E_DB: f64 = crate::common::DEVICE_DB;
-    include!("suites/parity_diffq.rs");
-}
+// The parity bar of the port: blocks and whole models.
+crate::on_every_device!("suites/parity_diffq.rs", cpu_block_db: 100.0, cpu_e2e_db: 100.0);

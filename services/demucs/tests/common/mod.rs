@@ -23,6 +23,47 @@ pub type B = stemq_demucs::CudaBackend;
 /// well above it, see `PARITY` lines and docs/benchmarks.md).
 pub const DEVICE_DB: f64 = 80.0;
 
+/// Includes the suite file `$suite` once per device of the build, each in a module
+/// of its own with its backend `B` and its bars `BLOCK_DB` and `E2E_DB`: `cpu` (the
+/// bars given), `vulkan` with `--features vulkan` and `cuda` with `--features cuda`
+/// (both [`DEVICE_DB`]). A test's path (`cpu::`, `vulkan::`, `cuda::`) names its device.
+#[macro_export]
+macro_rules! on_every_device {
+    ($suite:literal, cpu_block_db: $block:expr, cpu_e2e_db: $e2e:expr) => {
+        /// The CPU, host kernels and all.
+        mod cpu {
+            type B = stemq_demucs::CpuBackend;
+            #[allow(dead_code)]
+            const BLOCK_DB: f64 = $block;
+            #[allow(dead_code)]
+            const E2E_DB: f64 = $e2e;
+            include!($suite);
+        }
+
+        /// A Vulkan device: CubeCL's kernels through its SPIR-V compiler.
+        #[cfg(feature = "vulkan")]
+        mod vulkan {
+            type B = stemq_demucs::VulkanBackend;
+            #[allow(dead_code)]
+            const BLOCK_DB: f64 = $crate::common::DEVICE_DB;
+            #[allow(dead_code)]
+            const E2E_DB: f64 = $crate::common::DEVICE_DB;
+            include!($suite);
+        }
+
+        /// An NVIDIA GPU: the same kernels through CubeCL's CUDA compiler.
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            type B = stemq_demucs::CudaBackend;
+            #[allow(dead_code)]
+            const BLOCK_DB: f64 = $crate::common::DEVICE_DB;
+            #[allow(dead_code)]
+            const E2E_DB: f64 = $crate::common::DEVICE_DB;
+            include!($suite);
+        }
+    };
+}
+
 /// The device a test runs on, from its path (`cpu::`, `vulkan::`, `cuda::`), for the
 /// `PARITY` lines.
 fn device_of_test() -> String {
