@@ -363,7 +363,22 @@ fn the_pipeline_bench_repeats_rounds_and_reports_medians_and_ratios() {
     assert_eq!(stdout.matches("completed       40").count(), 2, "raw JetStream in each round:\n{stdout}");
     assert_eq!(stdout.matches("(40 completed, 0 failed submits)").count(), 2, "the pipeline in each round:\n{stdout}");
     let summary = stdout.split("over 2 rounds (median)").nth(1).unwrap_or_else(|| panic!("no summary:\n{stdout}"));
-    for label in ["end to end", "latency p99", "raw end to end", "ratio e2e", "ratio p99"] {
+    // What a job costs in NATS messages, by part: the parts add up, and a submit is at
+    // least its publish and the publish's ack.
+    let rounds = stdout.split("over 2 rounds (median)").next().unwrap_or_default();
+    let messages: Vec<&str> = rounds.lines().filter(|l| l.trim_start().starts_with("messages a job  ")).collect();
+    assert_eq!(messages.len(), 4, "raw JetStream's and the pipeline's, in each round:\n{stdout}");
+    for line in messages.iter().filter(|l| l.contains("submit ")) {
+        let numbers: Vec<f64> =
+            line.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter_map(|w| w.parse().ok()).collect();
+        let (total, parts) = numbers.split_first().unwrap_or_else(|| panic!("{line}"));
+        assert_eq!(parts.len(), 4, "submit, worker, projector, watch: {line}");
+        assert!((parts.iter().sum::<f64>() - total).abs() < 0.03, "the parts add up: {line}");
+        assert!(parts[0] >= 2.0 && parts.iter().all(|n| *n > 0.0), "{line}");
+    }
+    for label in
+        ["end to end", "latency p99", "messages a job", "raw end to end", "raw messages", "ratio e2e", "ratio p99"]
+    {
         let line = summary.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("{label}"));
         assert!(line.contains("(rounds: ") && line.matches(", ").count() == 1, "{line}");
     }

@@ -2,6 +2,8 @@
 //! median over rounds.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The `p` quantile of `sorted` (nearest rank); NaN when it is empty.
@@ -21,6 +23,56 @@ pub(super) struct Figures {
     pub(super) p50: f64,
     pub(super) p99: f64,
     pub(super) max: f64,
+    /// NATS messages a job, by part ([`Messages`]).
+    pub(super) messages: Option<Messages>,
+}
+
+/// The NATS messages one part of a benchmark exchanged, counted by its own connection's
+/// client: messages it published and messages delivered to it (requests and replies
+/// included; the servers' replication among themselves is not in it).
+pub(super) struct Counter {
+    part: &'static str,
+    stats: Arc<async_nats::Statistics>,
+    at_start: u64,
+}
+
+impl Counter {
+    /// Counts from now on what `client` exchanges, as `part`.
+    pub(super) fn start(part: &'static str, client: &async_nats::Client) -> Counter {
+        let stats = client.statistics();
+        let at_start = Counter::total(&stats);
+        Counter { part, stats, at_start }
+    }
+
+    fn total(stats: &async_nats::Statistics) -> u64 {
+        stats.in_messages.load(Ordering::Relaxed) + stats.out_messages.load(Ordering::Relaxed)
+    }
+
+    fn since_start(&self) -> u64 {
+        Counter::total(&self.stats) - self.at_start
+    }
+}
+
+/// NATS messages a completed job cost, in all and by part (in + out of each part's
+/// connection).
+pub(super) struct Messages {
+    pub(super) per_job: f64,
+    pub(super) by_part: Vec<(&'static str, f64)>,
+}
+
+impl Messages {
+    /// What `parts` exchanged since they started counting, over `jobs` completed jobs.
+    pub(super) fn of(parts: &[Counter], jobs: usize) -> Messages {
+        let per = |n: u64| n as f64 / jobs.max(1) as f64;
+        let by_part: Vec<(&'static str, f64)> = parts.iter().map(|c| (c.part, per(c.since_start()))).collect();
+        Messages { per_job: by_part.iter().map(|(_, n)| n).sum(), by_part }
+    }
+
+    /// `20.61 (submit 2.00, worker 9.10, ...)`.
+    pub(super) fn describe(&self) -> String {
+        let parts: Vec<String> = self.by_part.iter().map(|(p, n)| format!("{p} {n:.2}")).collect();
+        format!("{:.2} ({})", self.per_job, parts.join(", "))
+    }
 }
 
 impl Figures {
@@ -47,6 +99,7 @@ impl Figures {
             p50: pct(0.50),
             p99: pct(0.99),
             max: lat.last().copied().unwrap_or(f64::NAN),
+            messages: None,
         }
     }
 
@@ -57,6 +110,9 @@ impl Figures {
         println!("  latency p50     {:.2} ms", self.p50);
         println!("  latency p99     {:.2} ms", self.p99);
         println!("  latency max     {:.2} ms", self.max);
+        if let Some(m) = &self.messages {
+            println!("  messages a job  {}", m.describe());
+        }
     }
 }
 
@@ -81,6 +137,8 @@ pub(super) fn print_rounds(rounds: &[(Figures, Option<Figures>)]) {
     line("end to end", pick(|f| f.per_sec), 0, " jobs/s");
     line("latency p50", pick(|f| f.p50), 2, " ms");
     line("latency p99", pick(|f| f.p99), 2, " ms");
+    let messages = |f: &Figures| f.messages.as_ref().map_or(f64::NAN, |m| m.per_job);
+    line("messages a job", rounds.iter().map(|(p, _)| messages(p)).collect(), 2, "");
     let raws: Vec<(&Figures, &Figures)> = rounds.iter().filter_map(|(p, b)| b.as_ref().map(|b| (p, b))).collect();
     if raws.is_empty() {
         return;
@@ -88,6 +146,7 @@ pub(super) fn print_rounds(rounds: &[(Figures, Option<Figures>)]) {
     let ratio = |f: fn(&Figures) -> f64| raws.iter().map(|(p, b)| f(p) / f(b)).collect::<Vec<_>>();
     line("raw end to end", raws.iter().map(|(_, b)| b.per_sec).collect(), 0, " per s");
     line("raw p99", raws.iter().map(|(_, b)| b.p99).collect(), 2, " ms");
+    line("raw messages", raws.iter().map(|(_, b)| messages(b)).collect(), 2, " a cycle");
     line("ratio e2e", ratio(|f| f.per_sec), 3, "×");
     line("ratio p99", ratio(|f| f.p99), 2, "×");
 }

@@ -25,7 +25,7 @@ use stemq_storage::Store;
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use super::figures::{percentile, Figures};
+use super::figures::{percentile, Counter, Figures, Messages};
 use super::{own_server, Load, BENCH_OWNER};
 use crate::global::{Global, ServerSettings};
 use crate::services::Isolation;
@@ -132,7 +132,6 @@ pub(super) async fn pipeline(
     let client = stemq_nats::connect_with(&url, "stemq-bench", &auth(OPERATOR)?).await?;
     let js = jetstream::new(client.clone());
     stemq_nats::apply(&js, &settings).await?;
-    let kv = js.get_key_value(stemq_nats::JOBS_BUCKET).await?;
 
     let store = match store.as_str() {
         "memory" => Store::memory(),
@@ -161,6 +160,16 @@ pub(super) async fn pipeline(
             )?)
         }
     };
+    // The terminal views' watch on a connection of its own, so that what the pipeline
+    // exchanges is counted apart from what the benchmark's watching costs.
+    let watch_client = stemq_nats::connect_with(&url, "stemq-bench-watch", &auth(OPERATOR)?).await?;
+    let watch_kv = jetstream::new(watch_client.clone()).get_key_value(stemq_nats::JOBS_BUCKET).await?;
+    let counters = [
+        Counter::start("submit", &client),
+        Counter::start("worker", &worker_client),
+        Counter::start("projector", &projector_client),
+        Counter::start("watch", &watch_client),
+    ];
     let w = tokio::spawn(stemq_worker::run(worker_client, engine, wc, stop.clone()));
     let p = tokio::spawn(stemq_projector::run(projector_client, Default::default(), stop.clone()));
 
@@ -171,7 +180,7 @@ pub(super) async fn pipeline(
     let watcher = {
         let done = done.clone();
         let stamps = stamps.clone();
-        let mut watch = kv.watch_all().await?;
+        let mut watch = watch_kv.watch_all().await?;
         tokio::spawn(async move {
             while let Some(Ok(e)) = watch.next().await {
                 if e.operation != kv::Operation::Put {
@@ -255,7 +264,8 @@ pub(super) async fn pipeline(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let total = t0.elapsed().as_secs_f64();
-    let f = Figures::of("stemq pipeline", t0, &*submitted.lock().await, &*done.lock().await);
+    let mut f = Figures::of("stemq pipeline", t0, &*submitted.lock().await, &*done.lock().await);
+    let messages = Messages::of(&counters, f.done);
     println!("stemq bench pipeline");
     println!("  jobs            {jobs} ({} completed, {failed_submits} failed submits)", f.done);
     match rate {
@@ -273,6 +283,10 @@ pub(super) async fn pipeline(
     println!("  latency p50     {:.2} ms", f.p50);
     println!("  latency p99     {:.2} ms", f.p99);
     println!("  latency max     {:.2} ms", f.max);
+    // In + out of each part's connection; `watch` is this benchmark's own watch of the
+    // views, the cost of a client following every job.
+    println!("  messages a job  {}", messages.describe());
+    f.messages = Some(messages);
     // What each job cost the server in stored messages: events in the log, and
     // revisions of the status view (how well the projector coalesced a job's events).
     let stored = |name: String| {

@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use tokio::sync::{Mutex, Semaphore};
 
-use super::figures::Figures;
+use super::figures::{Counter, Figures, Messages};
 use super::{own_server, Load};
 
 /// Raw JetStream cycles on a server of its own: publish a request, pull it, publish an
@@ -37,6 +37,7 @@ pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) ->
             ..Default::default()
         })
         .await?;
+    let counter = [Counter::start("cycle", &client)];
     // Completions: the outcomes, seen on a plain subscription.
     let done: Arc<Mutex<HashMap<u64, Instant>>> = Default::default();
     let mut outs = client.subscribe("rawbench.out.*").await?;
@@ -103,12 +104,13 @@ pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) ->
     while done.lock().await.len() < submitted.lock().await.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let figures = Figures::of(
+    let mut figures = Figures::of(
         "raw JetStream cycles (publish, pull, publish outcome, ack)",
         t0,
         &*submitted.lock().await,
         &*done.lock().await,
     );
+    figures.messages = Some(Messages::of(&counter, figures.done));
     cycler.abort();
     watcher.abort();
     drop(server);
