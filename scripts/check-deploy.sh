@@ -60,7 +60,7 @@ printf 'authorization {\n  users: [ {user: placeholder, password: placeholder} ]
 for node in n1 n2 n3; do $venv/nats-server -t -c "$out/nats-cluster/$node.conf"; done
 
 echo "== Containerfiles (hadolint)"
-$venv/hadolint deploy/images/Containerfile.services deploy/images/Containerfile.worker-cuda
+$venv/hadolint deploy/images/Containerfile.services deploy/images/Containerfile.worker-cuda deploy/images/Containerfile.worker-vulkan
 for path in target/ .stemq/; do
   grep -qx "$path" deploy/images/context.ignore || { echo "deploy/images/context.ignore does not exclude $path" >&2; exit 1; }
 done
