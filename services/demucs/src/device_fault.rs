@@ -4,8 +4,8 @@
 //! and catches a panic there. An allocation the memory pool refuses (`can't allocate
 //! buffer of size`, the driver out of memory) is such a panic: the task ends, the
 //! tensors it should have backed read back as zeros, and the caller gets no error.
-//! This module counts those panics, through a panic hook ([`install`], when a run on a device
-//! starts), so that a run can tell its results are void ([`Watch`]): an
+//! This module counts those panics, through a panic hook ([`install`], when a run on a
+//! device starts), so that a run can tell its results are void ([`Watch`]): an
 //! allocation failure is an out-of-memory ([`DemucsError::DeviceOutOfMemory`], the
 //! worker's ladder steps down), any other panic there a device fault
 //! ([`DemucsError::DeviceFault`], a transient failure).
@@ -20,12 +20,38 @@ use std::sync::{Mutex, Once};
 
 use crate::error::DemucsError;
 
-static ALLOCATION_FAILURES: AtomicU64 = AtomicU64::new(0);
-static OTHER_FAULTS: AtomicU64 = AtomicU64::new(0);
-/// The first line of the last message of each kind (allocation failures, the others),
-/// for the error: an allocation failure is followed by panics of the pool's
-/// book-keeping, which say less.
-static LAST_MESSAGE: [Mutex<String>; 2] = [Mutex::new(String::new()), Mutex::new(String::new())];
+/// One kind of fault: how many were seen, and the first line of the last one's message
+/// (for the error).
+struct Faults {
+    count: AtomicU64,
+    last: Mutex<String>,
+}
+
+impl Faults {
+    const fn new() -> Faults {
+        Faults { count: AtomicU64::new(0), last: Mutex::new(String::new()) }
+    }
+
+    /// The message first, so that a [`Watch`] that sees the count move reads it.
+    fn record(&self, first_line: String) {
+        *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = first_line;
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn count(&self) -> u64 {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    fn last(&self) -> String {
+        self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// Allocations the pool refused. Kept apart from the others: an allocation failure is
+/// followed by panics of the pool's book-keeping, which say less.
+static ALLOCATION_FAILURES: Faults = Faults::new();
+/// Every other panic on a device thread.
+static OTHER_FAULTS: Faults = Faults::new();
 
 /// True on one of CubeCL's device threads (`DSD-3-0`, `DSU-...`).
 fn on_device_thread() -> bool {
@@ -45,14 +71,12 @@ pub fn install() {
             }
             let message = stemq_core::engine::panic_message(info.payload()).unwrap_or_default();
             let out_of_memory = crate::engine::is_out_of_memory(&message);
-            let counter = if out_of_memory { &ALLOCATION_FAILURES } else { &OTHER_FAULTS };
-            counter.fetch_add(1, Ordering::SeqCst);
             let first_line = message.lines().next().unwrap_or_default().to_string();
             let location = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
             tracing::warn!(event = "device.fault", out_of_memory, %location, message = %first_line,
                 "a task on the device thread failed; the passes running now are void");
-            *LAST_MESSAGE[usize::from(!out_of_memory)].lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                first_line;
+            let faults = if out_of_memory { &ALLOCATION_FAILURES } else { &OTHER_FAULTS };
+            faults.record(first_line);
         }));
     });
 }
@@ -72,8 +96,8 @@ impl Watch {
         install();
         Watch {
             device: device.to_string(),
-            allocation_failures: ALLOCATION_FAILURES.load(Ordering::SeqCst),
-            other: OTHER_FAULTS.load(Ordering::SeqCst),
+            allocation_failures: ALLOCATION_FAILURES.count(),
+            other: OTHER_FAULTS.count(),
         }
     }
 
@@ -81,12 +105,14 @@ impl Watch {
     /// run's results are void: an out-of-memory when an allocation failed, else a
     /// device fault.
     pub fn check(&self) -> Result<(), DemucsError> {
-        let last = |kind: usize| LAST_MESSAGE[kind].lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        if ALLOCATION_FAILURES.load(Ordering::SeqCst) != self.allocation_failures {
-            return Err(DemucsError::DeviceOutOfMemory { device: self.device.clone(), message: last(0) });
+        if ALLOCATION_FAILURES.count() != self.allocation_failures {
+            return Err(DemucsError::DeviceOutOfMemory {
+                device: self.device.clone(),
+                message: ALLOCATION_FAILURES.last(),
+            });
         }
-        if OTHER_FAULTS.load(Ordering::SeqCst) != self.other {
-            return Err(DemucsError::DeviceFault { device: self.device.clone(), message: last(1) });
+        if OTHER_FAULTS.count() != self.other {
+            return Err(DemucsError::DeviceFault { device: self.device.clone(), message: OTHER_FAULTS.last() });
         }
         Ok(())
     }
