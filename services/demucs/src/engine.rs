@@ -204,7 +204,7 @@ impl Progress for Ctx<'_> {
 #[allow(unused_variables)]
 fn vulkan_device(index: Option<u32>, software: bool) -> Option<Device> {
     #[cfg(feature = "vulkan")]
-    return crate::vulkan::resolve(index, software).map(|a| Device::Vulkan(Some(a.index)));
+    return crate::vulkan::resolve(index, software).map(crate::vulkan::Adapter::device);
     #[cfg(not(feature = "vulkan"))]
     None
 }
@@ -534,7 +534,7 @@ impl DemucsEngine {
         let opened = crate::vulkan::open(adapter.index, limit).map_err(|e| unavailable(e.to_string()))?;
         let precision = match self.config.gpu_weights {
             WeightPrecision::Half if !opened.f16 => {
-                tracing::warn!(device = %format!("vulkan:{}", adapter.index), name = %adapter.name,
+                tracing::warn!(device = %adapter.device(), name = %adapter.name,
                     "this Vulkan device has no f16 support: the weights stay f32");
                 WeightPrecision::Full
             }
@@ -560,8 +560,7 @@ impl DemucsEngine {
         options: &RunOptions,
     ) -> Result<Vec<StemFile>, EngineError> {
         let (bag, opened) = self.vulkan_model(index, name)?;
-        let adapter = opened.adapter;
-        let device = format!("vulkan:{}", adapter.index);
+        let device = opened.adapter.device().to_string();
         let budget = self.vulkan_budget(&opened);
         let plan = self.plan_within(&bag, job, &device, self.config.gpu_batch.max(1), budget)?;
         let passes = Passes {

@@ -16,6 +16,7 @@ use burn::backend::wgpu::{graphics, init_setup, MemoryConfiguration, RuntimeOpti
 use burn::tensor::backend::Backend;
 use burn::tensor::DType;
 use cubecl_runtime::memory_management::{MemoryPoolOptions, PoolType};
+use stemq_core::device::Device;
 
 use crate::error::DemucsError;
 
@@ -45,6 +46,13 @@ pub struct Adapter {
     pub kind: Kind,
     /// CubeCL's name of the same device (kind and the index among that kind).
     cubecl: WgpuDevice,
+}
+
+impl Adapter {
+    /// Its device: `vulkan:<index>`.
+    pub fn device(&self) -> Device {
+        Device::Vulkan(Some(self.index))
+    }
 }
 
 /// The Vulkan devices of this machine, in the driver's order (read once). Empty when
@@ -107,7 +115,7 @@ pub fn describe() -> String {
     if all.is_empty() {
         return "no Vulkan device (no Vulkan driver installed: Mesa's `mesa-vulkan-drivers` has lavapipe)".into();
     }
-    all.iter().map(|a| format!("vulkan:{} ({}, {:?})", a.index, a.name, a.kind)).collect::<Vec<_>>().join(", ")
+    all.iter().map(|a| format!("{} ({}, {:?})", a.device(), a.name, a.kind)).collect::<Vec<_>>().join(", ")
 }
 
 /// A limit on the device memory pool: no single allocation above `max_alloc` bytes.
@@ -157,11 +165,11 @@ pub fn open(index: u32, pool_limit: Option<PoolLimit>) -> Result<Arc<Opened>, De
     let init = std::panic::AssertUnwindSafe(|| init_setup::<graphics::Vulkan>(&adapter.cubecl, options));
     let setup = std::panic::catch_unwind(init).map_err(|p| {
         let why = stemq_core::engine::panic_message(p.as_ref()).unwrap_or_default();
-        DemucsError::DeviceUnavailable(format!("vulkan:{index} ({}) did not open: {why}", adapter.name))
+        DemucsError::DeviceUnavailable(format!("{} ({}) did not open: {why}", adapter.device(), adapter.name))
     })?;
     let device_memory = device_local_bytes(&setup.adapter);
     let f16 = VulkanBackend::supports_dtype(&adapter.cubecl, DType::F16);
-    tracing::info!(device = %format!("vulkan:{index}"), name = %adapter.name, driver = %adapter.driver,
+    tracing::info!(device = %adapter.device(), name = %adapter.name, driver = %adapter.driver,
         kind = ?adapter.kind, device_memory, f16, ?pool_limit, "Vulkan device opened");
     let o = Arc::new(Opened { adapter, device: adapter.cubecl.clone(), device_memory, f16, pool_limit });
     opened.insert(index, o.clone());
