@@ -4,6 +4,8 @@
 //! `stemq_demucs::device_fault`; the device keeps working afterwards.
 #![cfg(feature = "vulkan")]
 
+mod common;
+
 use burn::tensor::Tensor;
 use stemq_demucs::device_fault::Watch;
 use stemq_demucs::error::DemucsError;
@@ -11,11 +13,7 @@ use stemq_demucs::vulkan::{self, PoolLimit, VulkanBackend};
 
 #[test]
 fn a_refused_allocation_is_an_out_of_memory_and_the_device_recovers() {
-    let Some(adapter) = vulkan::resolve(None, true) else {
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "no Vulkan device: {}", vulkan::describe());
-        eprintln!("SKIPPED: device faults on Vulkan: {}", vulkan::describe());
-        return;
-    };
+    let Some(adapter) = common::vulkan_adapter("device faults on Vulkan") else { return };
     // No single buffer above 1 MiB: a 1024 × 1024 f32 tensor (4 MiB) is refused.
     let opened = vulkan::open(adapter.index, Some(PoolLimit { max_alloc: 1 << 20 })).unwrap();
     let device = opened.device.clone();

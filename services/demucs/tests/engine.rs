@@ -485,12 +485,7 @@ mod vulkan {
     /// The device `vulkan` names here, a software driver allowed; `None` after a SKIPPED
     /// line (a failure in CI).
     fn adapter() -> Option<&'static vulkan::Adapter> {
-        let found = vulkan::resolve(None, true);
-        if found.is_none() {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "no Vulkan device: {}", vulkan::describe());
-            eprintln!("SKIPPED: the engine on Vulkan: {}", vulkan::describe());
-        }
-        found
+        crate::common::vulkan_adapter("the engine on Vulkan")
     }
 
     fn engine_with(device: Option<Device>, weights: WeightPrecision, budget: Option<u64>) -> Setup {

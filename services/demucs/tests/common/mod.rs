@@ -79,15 +79,26 @@ fn device_of_test() -> String {
 /// no Vulkan device says so and skips, except in CI (`CI=true`), where that fails.
 pub fn skip<B: Backend>() -> bool {
     #[cfg(feature = "vulkan")]
-    if std::any::TypeId::of::<B>() == std::any::TypeId::of::<stemq_demucs::VulkanBackend>()
-        && stemq_demucs::vulkan::resolve(None, true).is_none()
-    {
-        let why = "no Vulkan device (install Mesa's lavapipe: scripts/install-test-deps.sh)";
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
-        eprintln!("SKIPPED: {}: {why}", std::thread::current().name().unwrap_or("a Vulkan test"));
-        return true;
+    if std::any::TypeId::of::<B>() == std::any::TypeId::of::<stemq_demucs::VulkanBackend>() {
+        return vulkan_adapter(std::thread::current().name().unwrap_or("a Vulkan test")).is_none();
     }
     false
+}
+
+/// The Vulkan device the tests run on (`vulkan`, a software driver allowed), or `None`
+/// after a SKIPPED line naming `what`; in CI (`CI=true`) no device is a failure.
+#[cfg(feature = "vulkan")]
+pub fn vulkan_adapter(what: &str) -> Option<&'static stemq_demucs::vulkan::Adapter> {
+    let found = stemq_demucs::vulkan::resolve(None, true);
+    if found.is_none() {
+        let why = format!(
+            "no Vulkan device: {} (Mesa's lavapipe: scripts/install-test-deps.sh)",
+            stemq_demucs::vulkan::describe()
+        );
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+        eprintln!("SKIPPED: {what}: {why}");
+    }
+    found
 }
 
 /// The fixtures folder: `STEMQ_DEMUCS_FIXTURES` when set (a test binary built on one
