@@ -2,7 +2,8 @@
 //! thousands of silent and slow connections (cut off on time, their descriptors freed,
 //! other clients served as usual), a sign-in link that must not hand out a long-lived
 //! key, answers with secrets that a cache must not keep, two `Authorization` headers,
-//! a refused `file://` URI that must not say where the store is, and loopback hidden in
+//! a client that keeps sending a body already refused (it still reads its 413), a
+//! refused `file://` URI that must not say where the store is, and loopback hidden in
 //! IPv6 forms while loopback itself is allowed.
 
 use std::net::SocketAddr;
@@ -173,6 +174,36 @@ async fn slow_and_silent_clients_are_cut_off_without_holding_descriptors_or_slow
         after <= baseline + CONNECTIONS + 50,
         "the server still holds descriptors: {baseline} -> {during} -> {after}"
     );
+    stack.shutdown().await;
+}
+
+/// A client that sends all of a body the ingress refuses at once (413 on the declared
+/// length, before a byte of it is read) still reads the 413: the closing connection
+/// reads and drops the rest instead of resetting the client mid-write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_sending_a_refused_body_reads_the_413() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let body = vec![b' '; 8 << 20];
+    for (i, path) in ["/v1/separations", "/v1/webhooks/enable", "/v1/signin"].iter().cycle().take(12).enumerate() {
+        let mut conn = TcpStream::connect(stack.http).await.expect("connect");
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            stack.http,
+            stack.key,
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await.expect("send the head");
+        // The whole body, as a client that does not read while it writes sends it.
+        let sent = conn.write_all(&body).await;
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got)).await.expect("closed");
+        assert!(
+            sent.is_ok() && read.is_ok() && status_of(&got) == Some(413),
+            "request {i} to {path}: sending {sent:?}, reading {read:?}, got {:?}",
+            String::from_utf8_lossy(&got[..got.len().min(80)])
+        );
+    }
     stack.shutdown().await;
 }
 

@@ -22,6 +22,9 @@
 //!   every route but uploads, which check their own limit) answers 413 at once, without
 //!   waiting for a byte of the body.
 //!
+//! A connection that closes lingers ([`IdleIo`]): it reads and drops what the client
+//! still sends, within bounds, so that a client cut off mid-body reads its answer.
+//!
 //! Shutdown: no new connection is accepted, requests in flight finish (within
 //! [`DRAIN`]), idle connections close.
 
@@ -193,18 +196,35 @@ where
             let (stream, service) = accepted.await?;
             let activity = Arc::new(Activity::new());
             let sleep = Box::pin(tokio::time::sleep_until(activity.epoch + idle));
-            let io = IdleIo { inner: stream, activity: activity.clone(), idle, sleep };
+            let io = IdleIo { inner: stream, activity: activity.clone(), idle, sleep, linger: None };
             Ok((io, WithActivity { inner: service, activity }))
         })
     }
 }
 
-/// A connection's byte stream that ends once the connection has been idle too long.
+/// A connection's byte stream that ends once the connection has been idle too long,
+/// and that lingers when it closes: after its write side is shut, what the client still
+/// sends is read and dropped (at most [`LINGER_BYTES`], for at most [`LINGER`]) until
+/// the client closes too. A client still writing a body the server refused (413 at
+/// once, 408) then reads the answer instead of a reset connection.
 pub struct IdleIo<T> {
     inner: T,
     activity: Arc<Activity>,
     idle: Duration,
     sleep: Pin<Box<Sleep>>,
+    linger: Option<Linger>,
+}
+
+/// How long a closing connection reads what its client still sends ([`IdleIo`]).
+pub const LINGER: Duration = Duration::from_secs(2);
+
+/// How much a closing connection reads and drops before it closes anyway ([`IdleIo`]).
+pub const LINGER_BYTES: usize = 64 << 20;
+
+/// A closing connection's limits: its deadline and the bytes it may still drop.
+struct Linger {
+    until: Pin<Box<Sleep>>,
+    left: usize,
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
@@ -229,7 +249,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
     }
@@ -239,7 +259,28 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        let linger = match &mut this.linger {
+            Some(linger) => linger,
+            None => {
+                std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+                this.linger.insert(Linger { until: Box::pin(tokio::time::sleep(LINGER)), left: LINGER_BYTES })
+            }
+        };
+        let mut scratch = [0u8; 16 << 10];
+        loop {
+            if linger.left == 0 || linger.until.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut buf) {
+                // The client closed (or the connection broke): nothing is left to drop.
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => return Poll::Ready(Ok(())),
+                Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => linger.left = linger.left.saturating_sub(buf.filled().len()),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 
     fn poll_write_vectored(
