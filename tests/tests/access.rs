@@ -465,6 +465,42 @@ async fn limits_hold_across_two_ingress_replicas() {
     stack.shutdown().await;
 }
 
+/// Submits of one key that arrive at once on two replicas (each replica settles its
+/// concurrent checks in batches) still get exactly the burst, and exactly the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limits_hold_when_submits_arrive_at_once_on_two_replicas() {
+    const AT_ONCE: usize = 64;
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let stop = CancellationToken::new();
+    let bases = [stack.url(""), second_ingress(&stack, &stop).await];
+    let jobs_before = stack.count_on("stemq.jobs.*.requested.>").await;
+    let flood = |k: String, owner: &'static str, tag: &'static str| {
+        let calls = (0..AT_ONCE).map(|i| {
+            let (base, k, body) = (bases[i % 2].clone(), k.clone(), body_of(&stack, owner, &format!("{tag}{i}")));
+            async move { call(&base, Method::POST, "/v1/separations", Some(&k), Some(&body)).await }
+        });
+        futures::future::join_all(calls)
+    };
+    let count = |answers: &[(u16, reqwest::header::HeaderMap, Value)], code: u16| {
+        answers.iter().filter(|a| a.0 == code).count()
+    };
+
+    let k = key(&stack, "burst", Role::Submit, Some(Limits { rate: 0.001, burst: 10, max_in_flight: 0 })).await;
+    let answers = flood(k, "burst", "b").await;
+    assert_eq!((count(&answers, 202), count(&answers, 429)), (10, AT_ONCE - 10), "the burst");
+    assert!(answers.iter().filter(|a| a.0 == 429).all(|a| a.2["error"]["code"] == "rate_limited"));
+
+    let k = key(&stack, "cap", Role::Submit, Some(Limits { rate: 0.0, burst: 0, max_in_flight: 7 })).await;
+    let answers = flood(k, "cap", "c").await;
+    assert_eq!((count(&answers, 202), count(&answers, 429)), (7, AT_ONCE - 7), "the cap");
+    assert!(answers.iter().filter(|a| a.0 == 429).all(|a| a.2["error"]["code"] == "too_many_in_flight"));
+
+    let published = stack.count_on("stemq.jobs.*.requested.>").await - jobs_before;
+    assert_eq!(published, 17, "nothing refused reached the log");
+    stop.cancel();
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flooding_owner_cannot_starve_another() {
     const CAP: u32 = 20;

@@ -29,8 +29,10 @@ pub(crate) async fn spend_rate(state: &AppState, caller: &Caller) -> Result<u64,
     if state.keys.is_none() || caller.limits.rate <= 0.0 {
         return Ok(u64::MAX);
     }
-    let _turn = state.key_locks.lock(&caller.key_id).await;
-    limits::rate(&state.limits, caller).await?.map_err(SubmitError::Limited)
+    let (bucket, checked) = (state.limits.clone(), caller.clone());
+    let counter = limits::rate_counter(&caller.key_id);
+    let settle = move |batch: Vec<()>| async move { limits::rate(&bucket, &checked, batch.len()).await };
+    state.rate_checks.check(&counter, (), settle).await?.map_err(SubmitError::Limited)
 }
 
 /// Validates `body` for `caller` and builds its `requested` event: the request's own
@@ -84,8 +86,11 @@ pub(crate) async fn admit_and_queue(
         };
         let index = state.index.clone();
         let known = move |id: &JobId| limits::state_in(&index, id);
-        let _turn = state.key_locks.lock(&caller.key_id).await;
-        limits::admit(&state.limits, caller, &event.subject, known, recorded).await?.map_err(SubmitError::Limited)?;
+        let (bucket, key_id, cap) = (state.limits.clone(), caller.key_id.clone(), caller.limits.max_in_flight);
+        let settle =
+            move |jobs: Vec<JobId>| async move { limits::admit(&bucket, &key_id, cap, &jobs, known, recorded).await };
+        let counter = limits::flight_counter(&caller.key_id);
+        state.flight_checks.check(&counter, event.subject.clone(), settle).await?.map_err(SubmitError::Limited)?;
     }
     let (resp, _) = submit::queue_with(&state.js, event, &state.availability).await?;
     Ok(resp)

@@ -43,6 +43,10 @@ pub struct AppShared {
     pub(crate) keys: Option<Arc<KeyRing>>,
     pub(crate) limits: kv::Store,
     pub(crate) key_locks: Arc<limits::KeyLocks>,
+    /// The checks of keys' rates, settled in batches per key.
+    pub(crate) rate_checks: Arc<limits::Batcher<()>>,
+    /// The checks of keys' jobs in flight, settled in batches per key.
+    pub(crate) flight_checks: Arc<limits::Batcher<JobId>>,
     pub(crate) audio_urls: Option<Arc<HostPolicy>>,
     /// `/metrics` includes the queue figures.
     pub(crate) queue_metrics: bool,
@@ -107,6 +111,8 @@ impl AppState {
             keys,
             limits,
             key_locks: Arc::default(),
+            rate_checks: Arc::default(),
+            flight_checks: Arc::default(),
             audio_urls: None,
             queue_metrics: false,
             registry,
