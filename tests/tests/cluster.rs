@@ -24,8 +24,9 @@
 //! what must never happen is one delivery running twice (two `started` of the same
 //! attempt). The count of such re-runs is printed.
 //!
-//! `STEMQ_CLUSTER_JOBS` changes the 1 000 jobs per phase; `RUST_LOG` shows the services'
-//! logs.
+//! `STEMQ_CLUSTER_JOBS` changes the 1 000 jobs per phase; `STEMQ_ROLLING_RESTARTS=N`
+//! repeats the rolling restart N times in a row (each under its own burst, each checked;
+//! CI runs one); `RUST_LOG` shows the services' logs.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -49,6 +50,11 @@ use tokio_util::sync::CancellationToken;
 /// Jobs submitted before each fault (the issue's 1 000 in flight).
 fn jobs_per_phase() -> usize {
     std::env::var("STEMQ_CLUSTER_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+}
+
+/// How many rolling restarts phase 2 runs in a row (`STEMQ_ROLLING_RESTARTS`, 1 by default).
+fn rolling_restarts() -> usize {
+    std::env::var("STEMQ_ROLLING_RESTARTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
 }
 
 /// How long a fault keeps nodes down.
@@ -674,21 +680,36 @@ async fn issue_12_three_nodes_keep_every_promise_while_nodes_die() {
     println!("measured: {}", report.last().unwrap());
     check(&stack, &rx, &all, &faults, "after the leader kill", false).await;
 
-    // 2. A rolling restart, one node at a time.
-    let ids = burst(&stack.api, "rolling", n, hooks).await;
-    all.extend(ids.iter().cloned());
-    at("rolling restart");
-    let began = Instant::now();
-    let gone = stack.rolling_restart();
-    faults.push(Window { from: began, to: Instant::now() });
-    let done = wait_terminal(&stack, &ids, "rolling restart").await;
-    report.push(format!(
-        "rolling restart (lame duck, start, /healthz): nodes gone {}, all {n} jobs terminal {} after it began",
-        gone.iter().map(|d| secs(*d)).collect::<Vec<_>>().join(", "),
-        secs(done - began)
-    ));
-    println!("measured: {}", report.last().unwrap());
-    check(&stack, &rx, &all, &faults, "after the rolling restart", false).await;
+    // 2. A rolling restart, one node at a time (as many times in a row as asked): no
+    // submit may be refused, since quorum holds throughout.
+    let rounds = rolling_restarts();
+    for round in 1..=rounds {
+        let ids = burst(&stack.api, "rolling", n, hooks).await;
+        all.extend(ids.iter().cloned());
+        at(&format!("rolling restart {round} of {rounds}"));
+        let began = Instant::now();
+        let gone = stack.rolling_restart();
+        faults.push(Window { from: began, to: Instant::now() });
+        let done = wait_terminal(&stack, &ids, "rolling restart").await;
+        report.push(format!(
+            "rolling restart {round} of {rounds} (lame duck, start, /healthz): nodes gone {}, all {n} jobs terminal \
+             {} after it began",
+            gone.iter().map(|d| secs(*d)).collect::<Vec<_>>().join(", "),
+            secs(done - began)
+        ));
+        println!("measured: {}", report.last().unwrap());
+        check(&stack, &rx, &all, &faults, "after the rolling restart", false).await;
+        let refused: Vec<Answer> = prober.answers().into_iter().filter(|a| !ok(a.status)).collect();
+        assert!(
+            refused.is_empty(),
+            "{} submits refused by rolling restart {round} with quorum intact, e.g. {} after {}: {}",
+            refused.len(),
+            refused[0].status,
+            secs(refused[0].took),
+            refused[0].body
+        );
+    }
+    println!("measured: {rounds} rolling restarts in a row, no submit refused");
 
     // 3. kill -9 two of three (the stream leader and one more): quorum lost.
     let ids = burst(&stack.api, "quorum", n, hooks).await;
