@@ -684,7 +684,7 @@ async fn issue_12_three_nodes_keep_every_promise_while_nodes_die() {
     // submit may be refused, since quorum holds throughout.
     let rounds = rolling_restarts();
     for round in 1..=rounds {
-        let ids = burst(&stack.api, "rolling", n, hooks).await;
+        let ids = burst(&stack.api, &format!("rolling{round}"), n, hooks).await;
         all.extend(ids.iter().cloned());
         at(&format!("rolling restart {round} of {rounds}"));
         let began = Instant::now();

@@ -35,6 +35,7 @@ pub mod credits;
 pub mod error;
 pub mod error_code;
 pub mod events;
+pub mod leases;
 pub mod limits;
 pub mod links;
 pub mod metrics;

@@ -1,27 +1,25 @@
-//! Fair limits per API key, shared by every ingress replica through NATS.
+//! Fair limits per API key: the counters every ingress replica shares through NATS.
 //!
-//! This module owns the two limits of a key ([`Limits`]), kept in the `stemq_limits`
-//! bucket and updated with compare-and-set, so two replicas never both spend the last
+//! This module owns the two limits of a key ([`Limits`]) as the `stemq_limits` bucket
+//! keeps them, updated with compare-and-set, so two replicas never both spend the last
 //! token or the last slot:
 //!
 //! - a token bucket of submits (`rate.<key id>`: tokens and when they were counted):
-//!   `burst` at once, refilled at `rate` per second;
-//! - the jobs of the key that are queued or running (`flight.<key id>`: job id → when it
-//!   was admitted), at most `max_in_flight`. Admitting a job first drops the jobs that
-//!   have ended (from the status view); a job admitted but never recorded (its publish
-//!   failed) is dropped once it has had [`FORGET_UNRECORDED`] to show up in the log.
+//!   `burst` at once, refilled at `rate` per second. A replica takes tokens out in
+//!   leases ([`lease_tokens`]) and gives back what it did not spend ([`give_back_tokens`]);
+//! - the slots of the cap on jobs queued or running (`slots.<key id>`: how many slots
+//!   each replica holds, at most `max_in_flight` in all, and when each last renewed its
+//!   hold; [`grow_slots`], [`set_slots`]). Which jobs fill a replica's slots it lists
+//!   in `slots.<key id>.<replica>` ([`list_jobs`]), so that when a replica stops renewing
+//!   for [`HOLD_TTL`] another takes its hold over with its jobs ([`take_over_list`]).
 //!
-//! The cap is what keeps one owner from starving the others: however fast a key
-//! submits, at most `max_in_flight` of its jobs are ahead of anyone else's.
-//!
-//! The checks of one counter that arrive while another is being settled are settled
-//! together ([`Batcher`]): one compare-and-set for all of them, in arrival order, so a
-//! key's busy submits cost a round trip per batch rather than per submit, and every
-//! check is still counted in the shared entry before its submit goes on.
+//! What one replica holds and spends locally is [`crate::leases`]. The cap is what keeps
+//! one owner from starving the others: however fast a key submits, at most
+//! `max_in_flight` of its jobs are ahead of anyone else's.
 //! Over a limit the caller gets 429 with `Retry-After` and the `RateLimit-Policy` /
 //! `RateLimit` headers of the IETF draft (draft-ietf-httpapi-ratelimit-headers), and
-//! nothing is published. Replays of one webhook delivery use the same token bucket
-//! ([`replay`]).
+//! nothing is published. Replays of one webhook delivery use a token bucket too
+//! ([`replay`]). Every operation on the bucket has [`OP_BOUND`] to answer, and one retry.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -31,7 +29,6 @@ use async_nats::jetstream::kv;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use stemq_accounts::auth::Caller;
 use stemq_core::JobId;
 use stemq_nats::error::JetStreamError;
 use stemq_nats::read::ListIndex;
@@ -40,6 +37,16 @@ use crate::{ApiError, ErrorCode};
 
 /// How long an admitted job may take to appear in the log before its slot is freed.
 pub const FORGET_UNRECORDED: Duration = Duration::from_secs(30);
+/// How long one read or write of the bucket may take before it is tried once more (a
+/// node restarting in a cluster answers nothing; the retry goes to another).
+pub const OP_BOUND: Duration = Duration::from_secs(2);
+/// A replica that has not renewed its hold of a key's slots for this long is taken to
+/// have stopped: the next replica that needs slots takes the hold over.
+pub const HOLD_TTL: Duration = Duration::from_secs(30);
+/// A lease takes, beyond the checks waiting, this share (1/n) of what is left.
+const LEASE_SHARE: u64 = 8;
+/// The most a lease takes beyond the checks waiting.
+pub const MAX_LEASE: u64 = 256;
 /// Replays of one delivery: 3 at once, then one every 10 s.
 pub const REPLAY_LIMITS: (f64, u32) = (0.1, 3);
 
@@ -65,81 +72,6 @@ impl KeyLocks {
 
 /// What a check answers: allowed with so many left, or refused.
 pub type Outcome = Result<u64, Limited>;
-
-/// A check's answer as its batch's settling hands it over.
-type Answer = Result<Outcome, Arc<LimitsError>>;
-
-/// Checks of one counter (a key's rate, a key's jobs in flight) settled in batches: a
-/// check that arrives while the counter's previous batch is being settled waits, and the
-/// next batch settles everything that waited, in arrival order, with one
-/// compare-and-set. Settling runs in its own task, so a caller that goes away (a client
-/// that disconnects) does not leave the others of its batch unanswered.
-pub struct Batcher<I> {
-    turns: std::sync::Mutex<HashMap<String, Arc<Turn<I>>>>,
-}
-
-/// One counter's waiting checks and the turn to settle them.
-struct Turn<I> {
-    waiting: std::sync::Mutex<Vec<(I, tokio::sync::oneshot::Sender<Answer>)>>,
-    settling: Arc<tokio::sync::Mutex<()>>,
-}
-
-impl<I> Default for Batcher<I> {
-    fn default() -> Batcher<I> {
-        Batcher { turns: std::sync::Mutex::default() }
-    }
-}
-
-impl<I: Send + 'static> Batcher<I> {
-    /// Checks `item` against `counter`: `settle` is handed the items of one batch and
-    /// answers each, in order (its result for this item is this call's).
-    pub async fn check<F, Fut>(&self, counter: &str, item: I, settle: F) -> Result<Outcome, LimitsError>
-    where
-        F: FnOnce(Vec<I>) -> Fut,
-        Fut: std::future::Future<Output = Result<Vec<Outcome>, LimitsError>> + Send + 'static,
-    {
-        let turn = {
-            let mut turns = self.turns.lock().expect("limit turns");
-            if turns.len() >= 10_000 {
-                turns.retain(|_, t| Arc::strong_count(t) > 1);
-            }
-            turns
-                .entry(counter.to_string())
-                .or_insert_with(|| Arc::new(Turn { waiting: Default::default(), settling: Default::default() }))
-                .clone()
-        };
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        turn.waiting.lock().expect("waiting checks").push((item, tx));
-        let guard = turn.settling.clone().lock_owned().await;
-        // Everything that waited, this check included unless an earlier batch took it.
-        let batch = std::mem::take(&mut *turn.waiting.lock().expect("waiting checks"));
-        if !batch.is_empty() {
-            let (items, answers): (Vec<I>, Vec<_>) = batch.into_iter().unzip();
-            let settled = settle(items);
-            tokio::spawn(async move {
-                let _turn = guard;
-                match settled.await {
-                    Ok(outcomes) => {
-                        for (answer, outcome) in answers.into_iter().zip(outcomes) {
-                            let _ = answer.send(Ok(outcome));
-                        }
-                    }
-                    Err(e) => {
-                        let e = Arc::new(e);
-                        for answer in answers {
-                            let _ = answer.send(Err(e.clone()));
-                        }
-                    }
-                }
-            });
-        }
-        match rx.await {
-            Ok(Ok(outcome)) => Ok(outcome),
-            Ok(Err(e)) => Err(LimitsError::Batch(e)),
-            Err(_) => Err(LimitsError::Unsettled { counter: counter.to_string() }),
-        }
-    }
-}
 
 /// Which limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,14 +140,11 @@ pub enum LimitsError {
         /// The counter's key.
         key: String,
     },
-    /// The batch this check was settled in failed (the same error for each check in it).
-    #[error("limits bucket: settling a batch of checks")]
-    Batch(#[source] Arc<LimitsError>),
-    /// The batch this check was in ended without answering it.
-    #[error("limits bucket: the checks of `{counter}` were not settled")]
-    Unsettled {
+    /// The bucket did not answer within [`OP_BOUND`], twice.
+    #[error("limits bucket: no answer about `{key}` within {OP_BOUND:?}")]
+    TimedOut {
         /// The counter's key.
-        counter: String,
+        key: String,
     },
 }
 
@@ -250,13 +179,22 @@ struct Bucket {
     at_ms: i64,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct Flight {
-    jobs: BTreeMap<String, i64>,
-}
-
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// `op` within [`OP_BOUND`], tried twice.
+async fn bounded<T, E, F, Fut>(key: &str, mut op: F) -> Result<Result<T, E>, LimitsError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    for _ in 0..2 {
+        if let Ok(answer) = tokio::time::timeout(OP_BOUND, op()).await {
+            return Ok(answer);
+        }
+    }
+    Err(LimitsError::TimedOut { key: key.to_string() })
 }
 
 /// Reads, changes and compare-and-sets one entry until it sticks. `change` returns the
@@ -275,7 +213,7 @@ where
             let ms = rand::random::<u64>() % u64::from(attempt.min(10) + 1);
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        let entry = bucket.entry(key).await.map_err(JetStreamError::read("read a limit counter"))?;
+        let entry = bounded(key, || bucket.entry(key)).await?.map_err(JetStreamError::read("read a limit counter"))?;
         let (current, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => {
                 (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision))
@@ -287,10 +225,11 @@ where
             Ok(x) => x,
             Err(early) => return Ok(early),
         };
-        let value = serde_json::to_vec(&next).map_err(|source| LimitsError::Encode { key: key.to_string(), source })?;
+        let value: bytes::Bytes =
+            serde_json::to_vec(&next).map_err(|source| LimitsError::Encode { key: key.to_string(), source })?.into();
         let wrote = match revision {
-            Some(r) => bucket.update(key, value.into(), r).await.is_ok(),
-            None => bucket.create(key, value.into()).await.is_ok(),
+            Some(r) => bounded(key, || bucket.update(key, value.clone(), r)).await?.is_ok(),
+            None => bounded(key, || bucket.create(key, value.clone())).await?.is_ok(),
         };
         if wrote {
             return Ok(result);
@@ -299,50 +238,78 @@ where
     Err(LimitsError::Contended { key: key.to_string() })
 }
 
-/// Takes `n` tokens from `key`'s bucket of `(rate, burst)`, one per check in order: a
-/// check is allowed (with the whole tokens left after it) while a token remains.
-async fn take(
+/// A lease of tokens: how many it took, and how many whole tokens the bucket kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Tokens taken.
+    pub granted: u64,
+    /// Whole tokens left in the shared bucket.
+    pub left: u64,
+}
+
+/// A bucket with no whole token: the refusal, and how long until the next token is due.
+pub type Empty = (Limited, Duration);
+
+fn refill(b: Option<Bucket>, rate: f64, burst: f64, now: i64) -> f64 {
+    let b = b.unwrap_or(Bucket { tokens: burst, at_ms: now });
+    (b.tokens + (now - b.at_ms).max(0) as f64 / 1000.0 * rate).min(burst)
+}
+
+/// Takes up to `want` tokens from `key`'s bucket of `(rate, burst)` (all it has, if
+/// fewer), and with `spare` also an eighth of what would be left beyond them (at most
+/// [`MAX_LEASE`]), or says when the next token is due.
+pub async fn lease_tokens(
     bucket: &kv::Store,
     key: &str,
-    rate: f64,
-    burst: u32,
+    (rate, burst): (f64, u32),
     what: Limit,
-    n: usize,
-) -> Result<Vec<Outcome>, LimitsError> {
+    want: u64,
+    spare: bool,
+) -> Result<Result<Lease, Empty>, LimitsError> {
     let burst_f = f64::from(burst.max(1));
     let rate = if rate > 0.0 { rate } else { f64::MIN_POSITIVE };
     cas(bucket, key, |b: Option<Bucket>| {
         let now = now_ms();
-        let b = b.unwrap_or(Bucket { tokens: burst_f, at_ms: now });
-        let mut tokens = (b.tokens + (now - b.at_ms).max(0) as f64 / 1000.0 * rate).min(burst_f);
-        let mut outcomes = Vec::with_capacity(n);
-        for _ in 0..n {
-            if tokens < 1.0 {
-                let wait = ((1.0 - tokens) / rate).ceil().max(1.0) as u64;
-                outcomes.push(Err(Limited {
-                    limit: what,
-                    retry_after: wait,
-                    quota: u64::from(burst),
-                    window: (burst_f / rate).ceil() as u64,
-                    message: format!("too many requests: {burst} at once, then {rate} per second; retry in {wait} s"),
-                }));
-            } else {
-                tokens -= 1.0;
-                outcomes.push(Ok(tokens.floor() as u64));
-            }
+        let tokens = refill(b, rate, burst_f, now);
+        let whole = tokens.floor() as u64;
+        if whole == 0 {
+            let wait = ((1.0 - tokens) / rate).min(86_400.0);
+            let retry = wait.ceil().max(1.0) as u64;
+            let refusal = Limited {
+                limit: what,
+                retry_after: retry,
+                quota: u64::from(burst),
+                window: (burst_f / rate).ceil() as u64,
+                message: format!("too many requests: {burst} at once, then {rate} per second; retry in {retry} s"),
+            };
+            return Err(Err((refusal, Duration::from_secs_f64(wait.max(0.0)))));
         }
-        if outcomes.iter().all(Result::is_err) {
-            return Err(outcomes);
-        }
-        Ok((Bucket { tokens, at_ms: now }, outcomes))
+        let extra = if spare { (whole.saturating_sub(want) / LEASE_SHARE).min(MAX_LEASE) } else { 0 };
+        let granted = (want.max(1) + extra).min(whole);
+        let left = tokens - granted as f64;
+        Ok((Bucket { tokens: left, at_ms: now }, Ok(Lease { granted, left: left.floor() as u64 })))
     })
     .await
 }
 
-/// `n` submits of `caller` against its rate, in order.
-pub async fn rate(bucket: &kv::Store, caller: &Caller, n: usize) -> Result<Vec<Outcome>, LimitsError> {
-    let l = caller.limits;
-    take(bucket, &rate_counter(&caller.key_id), l.rate, l.burst, Limit::Rate, n).await
+/// Puts `n` unspent tokens back into `key`'s bucket (never above `burst`).
+pub async fn give_back_tokens(
+    bucket: &kv::Store,
+    key: &str,
+    (rate, burst): (f64, u32),
+    n: u64,
+) -> Result<(), LimitsError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let burst_f = f64::from(burst.max(1));
+    let rate = if rate > 0.0 { rate } else { f64::MIN_POSITIVE };
+    cas(bucket, key, |b: Option<Bucket>| {
+        let now = now_ms();
+        let tokens = (refill(b, rate, burst_f, now) + n as f64).min(burst_f);
+        Ok((Bucket { tokens, at_ms: now }, ()))
+    })
+    .await
 }
 
 /// The counter of a key's rate.
@@ -350,16 +317,136 @@ pub fn rate_counter(key_id: &str) -> String {
     format!("rate.{key_id}")
 }
 
-/// The counter of a key's jobs in flight.
-pub fn flight_counter(key_id: &str) -> String {
-    format!("flight.{key_id}")
+/// The entry of the holds of a key's slots.
+pub fn slots_counter(key_id: &str) -> String {
+    format!("slots.{key_id}")
+}
+
+/// The entry listing the jobs in `replica`'s slots of a key.
+fn list_entry(key_id: &str, replica: &str) -> String {
+    format!("slots.{key_id}.{replica}")
 }
 
 /// One replay of delivery `n` of `job`.
 pub async fn replay(bucket: &kv::Store, job: &JobId, n: usize) -> Result<Outcome, LimitsError> {
-    let (rate, burst) = REPLAY_LIMITS;
-    let mut outcomes = take(bucket, &format!("replay.{job}.{n}"), rate, burst, Limit::Replay, 1).await?;
-    Ok(outcomes.pop().expect("one check, one outcome"))
+    let key = format!("replay.{job}.{n}");
+    Ok(match lease_tokens(bucket, &key, (REPLAY_LIMITS.0, REPLAY_LIMITS.1), Limit::Replay, 1, false).await? {
+        Ok(lease) => Ok(lease.left),
+        Err((refusal, _)) => Err(refusal),
+    })
+}
+
+/// The holds of one key's slots: per replica, how many and when renewed.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Holds {
+    by: BTreeMap<String, Hold>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+struct Hold {
+    slots: u32,
+    at_ms: i64,
+}
+
+/// What growing a hold got.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grant {
+    /// New slots.
+    pub granted: u32,
+    /// The holds of stopped replicas taken over (replica, slots), now part of this one.
+    pub taken_over: Vec<(String, u32)>,
+}
+
+/// Grows `replica`'s hold of `key_id`'s slots (at most `cap` held in all) by up to
+/// `want` (all that is free, if fewer), with a spare eighth of what would be left free
+/// beyond them (at most [`MAX_LEASE`]); takes over the holds not renewed for
+/// [`HOLD_TTL`], whose slots stay taken by their jobs. `None`: no slot is free and no
+/// hold was taken over (nothing written).
+pub async fn grow_slots(
+    bucket: &kv::Store,
+    key_id: &str,
+    replica: &str,
+    cap: u32,
+    want: u32,
+) -> Result<Option<Grant>, LimitsError> {
+    cas(bucket, &slots_counter(key_id), |h: Option<Holds>| {
+        let now = now_ms();
+        let mut h = h.unwrap_or_default();
+        let stale: Vec<(String, u32)> =
+            h.by.iter()
+                .filter(|(r, x)| r.as_str() != replica && now - x.at_ms > HOLD_TTL.as_millis() as i64)
+                .map(|(r, x)| (r.clone(), x.slots))
+                .collect();
+        let held: u32 = h.by.values().map(|x| x.slots).sum();
+        let free = cap.saturating_sub(held);
+        let extra = (u64::from(free.saturating_sub(want)) / LEASE_SHARE).min(MAX_LEASE) as u32;
+        let granted = (want.max(1) + extra).min(free);
+        if granted == 0 && stale.is_empty() {
+            return Err(None);
+        }
+        let adopted: u32 = stale.iter().map(|s| s.1).sum();
+        for (r, _) in &stale {
+            h.by.remove(r);
+        }
+        let mine = h.by.entry(replica.to_string()).or_default();
+        mine.slots += granted + adopted;
+        mine.at_ms = now;
+        Ok((h, Some(Grant { granted, taken_over: stale.clone() })))
+    })
+    .await
+}
+
+/// Sets `replica`'s hold of `key_id`'s slots to `slots` (never more than it holds; 0
+/// ends it) and renews it. `false`: the replica held nothing there (another took its
+/// hold over, with its jobs).
+pub async fn set_slots(bucket: &kv::Store, key_id: &str, replica: &str, slots: u32) -> Result<bool, LimitsError> {
+    cas(bucket, &slots_counter(key_id), |h: Option<Holds>| {
+        let mut h = h.unwrap_or_default();
+        let Some(mine) = h.by.get_mut(replica) else { return Err(slots == 0) };
+        if slots == 0 {
+            h.by.remove(replica);
+        } else {
+            mine.slots = slots.min(mine.slots);
+            mine.at_ms = now_ms();
+        }
+        Ok((h, true))
+    })
+    .await
+}
+
+/// The jobs in one replica's slots: id → when admitted (Unix ms).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Listed {
+    jobs: BTreeMap<String, i64>,
+}
+
+/// Writes which jobs fill `replica`'s slots of `key_id` (none: the entry goes).
+pub async fn list_jobs(
+    bucket: &kv::Store,
+    key_id: &str,
+    replica: &str,
+    jobs: &HashMap<JobId, i64>,
+) -> Result<(), LimitsError> {
+    let key = list_entry(key_id, replica);
+    if jobs.is_empty() {
+        bounded(&key, || bucket.delete(&key)).await?.map_err(JetStreamError::write("forget a list of jobs"))?;
+        return Ok(());
+    }
+    let listed = Listed { jobs: jobs.iter().map(|(id, at)| (id.to_string(), *at)).collect() };
+    let value: bytes::Bytes =
+        serde_json::to_vec(&listed).map_err(|source| LimitsError::Encode { key: key.clone(), source })?.into();
+    bounded(&key, || bucket.put(&key, value.clone())).await?.map_err(JetStreamError::write("list the jobs"))?;
+    Ok(())
+}
+
+/// Takes over the list of a stopped replica's jobs of `key_id`: reads it, deletes it,
+/// and gives its jobs (id, when admitted).
+pub async fn take_over_list(bucket: &kv::Store, key_id: &str, replica: &str) -> Result<Vec<(JobId, i64)>, LimitsError> {
+    let key = list_entry(key_id, replica);
+    let value = bounded(&key, || bucket.get(&key)).await?.map_err(JetStreamError::read("read a list of jobs"))?;
+    let listed: Listed = value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default();
+    bounded(&key, || bucket.delete(&key)).await?.map_err(JetStreamError::write("forget a list of jobs"))?;
+    Ok(listed.jobs.into_iter().filter_map(|(id, at)| Some((JobId::parse(&id)?, at))).collect())
 }
 
 /// What the admission needs to know about a job it already counts.
@@ -381,133 +468,20 @@ pub fn state_in(index: &ListIndex, id: &JobId) -> JobState {
     }
 }
 
-/// Admits `jobs`, in order, into the jobs in flight of key `key_id` (at most
-/// `max_in_flight`), or refuses each that does not fit. `known` tells whether an id
-/// counted earlier still runs (`Unknown` ones older than [`FORGET_UNRECORDED`] are
-/// looked up with `recorded`, which answers whether the log holds the job and it has not
-/// ended). A job already counted is admitted again (a retried submit).
-pub async fn admit<F, Fut>(
-    bucket: &kv::Store,
-    key_id: &str,
-    max_in_flight: u32,
-    jobs: &[JobId],
-    known: impl Fn(&JobId) -> JobState,
-    recorded: F,
-) -> Result<Vec<Outcome>, LimitsError>
-where
-    F: Fn(JobId) -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let key = flight_counter(key_id);
-    // The slow lookups happen outside the compare-and-set loop.
-    let current: Flight = match bucket.get(&key).await.map_err(JetStreamError::read("read the jobs in flight"))? {
-        Some(v) => serde_json::from_slice(&v).unwrap_or_default(),
-        None => Flight::default(),
-    };
-    let now = now_ms();
-    let mut gone = Vec::new();
-    for (id, at) in &current.jobs {
-        let Some(id) = JobId::parse(id) else {
-            gone.push(id.clone());
-            continue;
-        };
-        match known(&id) {
-            JobState::Gone => gone.push(id.to_string()),
-            JobState::Unknown if now - at > FORGET_UNRECORDED.as_millis() as i64 && !recorded(id.clone()).await => {
-                gone.push(id.to_string())
-            }
-            _ => {}
-        }
+/// The refusal of the cap `cap`.
+pub fn over_cap(cap: u32) -> Limited {
+    Limited {
+        limit: Limit::InFlight,
+        retry_after: 1,
+        quota: u64::from(cap),
+        window: 0,
+        message: format!("this key has {cap} jobs queued or running, its limit; submit more when some have finished"),
     }
-    let cap = u64::from(max_in_flight);
-    cas(bucket, &key, |f: Option<Flight>| {
-        let mut f = f.unwrap_or_default();
-        for id in &gone {
-            f.jobs.remove(id);
-        }
-        let mut outcomes = Vec::with_capacity(jobs.len());
-        let mut added = false;
-        for job in jobs {
-            if f.jobs.contains_key(job.as_str()) {
-                outcomes.push(Ok(cap.saturating_sub(f.jobs.len() as u64)));
-            } else if f.jobs.len() as u64 >= cap {
-                outcomes.push(Err(Limited {
-                    limit: Limit::InFlight,
-                    retry_after: 1,
-                    quota: cap,
-                    window: 0,
-                    message: format!(
-                        "this key has {} jobs queued or running, its limit; submit more when some have finished",
-                        f.jobs.len()
-                    ),
-                }));
-            } else {
-                f.jobs.insert(job.to_string(), now_ms());
-                added = true;
-                outcomes.push(Ok(cap - f.jobs.len() as u64));
-            }
-        }
-        if !added && gone.is_empty() {
-            return Err(outcomes);
-        }
-        Ok((f, outcomes))
-    })
-    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// Checks that arrive while a batch settles are settled together, each gets its own
-    /// answer, and a failed batch fails every check in it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn checks_are_settled_in_batches_and_each_gets_its_own_answer() {
-        let batcher = Arc::new(Batcher::<u64>::default());
-        let batches = Arc::new(AtomicUsize::new(0));
-        let checks = (0..64u64).map(|i| {
-            let (batcher, batches) = (batcher.clone(), batches.clone());
-            tokio::spawn(async move {
-                let settle = move |items: Vec<u64>| async move {
-                    batches.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    Ok(items.into_iter().map(|i| if i % 2 == 0 { Ok(i * 10) } else { Err(refused(i)) }).collect())
-                };
-                (i, batcher.check("rate.k", i, settle).await)
-            })
-        });
-        for check in futures::future::join_all(checks).await {
-            let (i, answer) = check.unwrap();
-            let outcome = answer.expect("settled");
-            if i % 2 == 0 {
-                assert_eq!(outcome, Ok(i * 10));
-            } else {
-                assert_eq!(outcome.unwrap_err().retry_after, i);
-            }
-        }
-        let n = batches.load(Ordering::SeqCst);
-        assert!((2..=8).contains(&n), "64 checks arriving at once took {n} batches");
-
-        let failing = (0..8u64).map(|i| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move {
-                let settle = |_: Vec<u64>| async {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    Err(LimitsError::Contended { key: "rate.k".into() })
-                };
-                batcher.check("rate.k", i, settle).await
-            })
-        });
-        for check in futures::future::join_all(failing).await {
-            let e = check.unwrap().expect_err("the batch failed");
-            assert!(matches!(&e, LimitsError::Batch(s) if matches!(**s, LimitsError::Contended { .. })), "{e:?}");
-        }
-    }
-
-    fn refused(retry_after: u64) -> Limited {
-        Limited { limit: Limit::Rate, retry_after, quota: 1, window: 1, message: String::new() }
-    }
 
     #[test]
     fn headers_follow_the_draft() {

@@ -29,10 +29,7 @@ pub(crate) async fn spend_rate(state: &AppState, caller: &Caller) -> Result<u64,
     if state.keys.is_none() || caller.limits.rate <= 0.0 {
         return Ok(u64::MAX);
     }
-    let (bucket, checked) = (state.limits.clone(), caller.clone());
-    let counter = limits::rate_counter(&caller.key_id);
-    let settle = move |batch: Vec<()>| async move { limits::rate(&bucket, &checked, batch.len()).await };
-    state.rate_checks.check(&counter, (), settle).await?.map_err(SubmitError::Limited)
+    state.leases.spend(&state.limits, caller).await?.map_err(SubmitError::Limited)
 }
 
 /// Validates `body` for `caller` and builds its `requested` event: the request's own
@@ -84,13 +81,16 @@ pub(crate) async fn admit_and_queue(
                 views.current(&id).await.map(|v| v.is_some_and(|v| !v.status.is_terminal())).unwrap_or(true)
             }
         };
-        let index = state.index.clone();
-        let known = move |id: &JobId| limits::state_in(&index, id);
-        let (bucket, key_id, cap) = (state.limits.clone(), caller.key_id.clone(), caller.limits.max_in_flight);
-        let settle =
-            move |jobs: Vec<JobId>| async move { limits::admit(&bucket, &key_id, cap, &jobs, known, recorded).await };
-        let counter = limits::flight_counter(&caller.key_id);
-        state.flight_checks.check(&counter, event.subject.clone(), settle).await?.map_err(SubmitError::Limited)?;
+        let known = |id: &JobId| limits::state_in(&state.index, id);
+        let (key_id, cap) = (&caller.key_id, caller.limits.max_in_flight);
+        let admitted = state.leases.admit(&state.limits, key_id, cap, &event.subject, known, recorded).await?;
+        if let Err(refused) = admitted {
+            // A job the log already holds (a resubmit landing on another replica before
+            // the index has it) is answered, not counted again.
+            if !matches!(state.views.current(&event.subject).await, Ok(Some(_))) {
+                return Err(SubmitError::Limited(refused));
+            }
+        }
     }
     let (resp, _) = submit::queue_with(&state.js, event, &state.availability).await?;
     Ok(resp)

@@ -15,7 +15,7 @@ use stemq_telemetry::readiness::Readiness;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
-use crate::{availability, cors, limits, links, serve, session, uploads, IngressError};
+use crate::{availability, cors, leases, limits, links, serve, session, uploads, IngressError};
 
 /// Shared handler state: one `Arc`, so the clone that every request's extractors and
 /// middleware take is a reference count, not a copy of the NATS handles inside (such a
@@ -43,10 +43,8 @@ pub struct AppShared {
     pub(crate) keys: Option<Arc<KeyRing>>,
     pub(crate) limits: kv::Store,
     pub(crate) key_locks: Arc<limits::KeyLocks>,
-    /// The checks of keys' rates, settled in batches per key.
-    pub(crate) rate_checks: Arc<limits::Batcher<()>>,
-    /// The checks of keys' jobs in flight, settled in batches per key.
-    pub(crate) flight_checks: Arc<limits::Batcher<JobId>>,
+    /// What this replica holds of each key's limits.
+    pub(crate) leases: Arc<leases::Leases>,
     pub(crate) audio_urls: Option<Arc<HostPolicy>>,
     /// `/metrics` includes the queue figures.
     pub(crate) queue_metrics: bool,
@@ -93,6 +91,12 @@ impl AppState {
         };
         let keys = Some(Arc::new(KeyRing::new(open(names::KEYS_BUCKET).await?)));
         let limits = open(names::LIMITS_BUCKET).await?;
+        let leases: Arc<leases::Leases> = Arc::default();
+        let known = {
+            let index = index.clone();
+            move |id: &JobId| limits::state_in(&index, id)
+        };
+        tokio::spawn(leases.clone().run(limits.clone(), known, shutdown.clone()));
         let registry = Registry::watch(open(names::WORKERS_BUCKET).await?);
         // An older deployment without the bucket has credits off.
         let prices = Arc::new(stemq_accounts::ledger::PriceCache::new(
@@ -111,8 +115,7 @@ impl AppState {
             keys,
             limits,
             key_locks: Arc::default(),
-            rate_checks: Arc::default(),
-            flight_checks: Arc::default(),
+            leases,
             audio_urls: None,
             queue_metrics: false,
             registry,
