@@ -12,37 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-15}"
 rate="${2:-}"
-scripts/install-nats.sh >/dev/null
-export PATH="$PWD/.stemq/venv/bin:$PATH"
 [[ -n "$rate" ]] || command -v wrk >/dev/null || { echo "wrk is needed: apt-get install -y wrk" >&2; exit 1; }
-bin="${STEMQ_BIN:-}"
-if [[ -z "$bin" ]]; then
-  cargo build --release --locked -p stemq >/dev/null
-  bin=target/release/stemq
-fi
-# The stack's data (nats-server's store, the object store) on tmpfs where there is one
-# (STEMQ_BENCH_DIR overrides): a deployment's store is S3 on other machines, and on a
-# churned ext4 the worker's file creations cost more CPU than the ingress
-# (docs/benchmarks.md, "Settings, each against its alternative").
-parent="${STEMQ_BENCH_DIR:-}"
-if [[ -z "$parent" && -d /dev/shm && -w /dev/shm ]]; then parent=/dev/shm; fi
-data="$(mktemp -d -p "${parent:-${TMPDIR:-/tmp}}")"
-echo "stack data in $data" >&2
-http=127.0.0.1:18181
-RUST_LOG=warn "$bin" dev --engine fake --concurrency 8 --data-dir "$data" --http "$http" \
-  --log-format json >"$data/dev.log" 2>&1 &
-dev=$!
-trap 'kill -TERM $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$data"' EXIT
-for _ in $(seq 1 300); do
-  curl -fs "http://$http/readyz" >/dev/null 2>&1 && break
-  sleep 0.1
-done
-for _ in $(seq 1 300); do [[ -s "$data/nats.url" ]] && break; sleep 0.1; done
-export STEMQ_STORE_BASE="file://$(cd "$data" && pwd)/store"
+source scripts/lib/dev-stack.sh
+dev_stack 18181
 # An operator key whose limits never bind: this measures the ingress, not the limits.
-# (as the operator `stemq dev` wrote credentials for in its data dir)
-export STEMQ_API_KEY="$(NATS_URL="$(cat "$data/nats.url")" STEMQ_DATA_DIR="$data" "$bin" keys create --owner local \
-  --role operator --rate 0 --max-in-flight 0 --name bench-http 2>/dev/null)"
+export STEMQ_API_KEY="$(dev_key http --rate 0 --max-in-flight 0)"
 if [[ -n "$rate" ]]; then
   "$bin" bench http --api "http://$http" --rate "$rate" --seconds "$secs" --connections 32 \
     --store-base "$STEMQ_STORE_BASE" --owner local
