@@ -112,10 +112,8 @@ impl Stack {
     /// Starts server, ingress, projector and `options.workers` in-process fake workers.
     pub async fn start(options: StackOptions) -> Stack {
         let dir = tempfile::tempdir().expect("temp dir");
-        let store_dir = dir.path().join("nats");
-        let server = tokio::task::spawn_blocking(move || NatsServer::start(&store_dir, 0))
+        let server = NatsServer::start_async(dir.path().join("nats"), 0)
             .await
-            .unwrap()
             .expect("nats-server starts (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
         let client = server.connect_as(OPERATOR, "test").await.expect("connect as operator");
         let js = jetstream::new(client.clone());

@@ -616,9 +616,7 @@ async fn keys_read_recently_still_authenticate_while_the_bucket_is_down() {
     use stemq_devkit::nats_server::NatsServer;
 
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("nats");
-    let mut server =
-        tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
+    let mut server = NatsServer::start_async(dir.path().join("nats"), 0).await.expect("nats-server");
     let js = jetstream::new(server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap());
     names::apply(&js, &names::Settings::default()).await.unwrap();
     let bucket = js.get_key_value(names::KEYS_BUCKET).await.unwrap();

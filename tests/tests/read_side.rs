@@ -18,8 +18,7 @@ use stemq_tests::Stack;
 /// A bare server with the definitions applied: no projector, so the bucket stays empty.
 async fn bare() -> (NatsServer, tempfile::TempDir, jetstream::Context) {
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("nats");
-    let server = tokio::task::spawn_blocking(move || NatsServer::start(&store, 0)).await.unwrap().expect("nats-server");
+    let server = NatsServer::start_async(dir.path().join("nats"), 0).await.expect("nats-server");
     let js = jetstream::new(server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap());
     names::apply(&js, &names::Settings::default()).await.unwrap();
     (server, dir, js)

@@ -181,6 +181,15 @@ impl NatsServer {
         NatsServer::start_with(store, ServerOptions { port, ..Default::default() })
     }
 
+    /// [`NatsServer::start`] from async code: the start (which waits for the server to
+    /// listen) runs off the runtime's worker threads.
+    pub async fn start_async(store: PathBuf, port: u16) -> Result<NatsServer, ServerError> {
+        match tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await {
+            Ok(started) => started,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
     /// Starts a server as `options` say.
     pub fn start_with(store: &Path, options: ServerOptions) -> Result<NatsServer, ServerError> {
         let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".to_string());

@@ -24,10 +24,8 @@ struct Bench {
 
 async fn start() -> Bench {
     let dir = tempfile::tempdir().unwrap();
-    let nats_dir = dir.path().join("nats");
-    let server = tokio::task::spawn_blocking(move || NatsServer::start(&nats_dir, 0))
+    let server = NatsServer::start_async(dir.path().join("nats"), 0)
         .await
-        .unwrap()
         .expect("nats-server starts (is nats-server on PATH?)");
     let client = server.connect_as(stemq_nats::users::INGRESS, "test").await.unwrap();
     let operator = server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap();

@@ -32,10 +32,8 @@ struct Stack {
 impl Stack {
     async fn start(max_upload_bytes: u64) -> Stack {
         let dir = tempfile::tempdir().unwrap();
-        let nats_dir = dir.path().join("nats");
-        let server = tokio::task::spawn_blocking(move || NatsServer::start(&nats_dir, 0))
+        let server = NatsServer::start_async(dir.path().join("nats"), 0)
             .await
-            .unwrap()
             .expect("nats-server starts (is nats-server on PATH?)");
         let settings = Settings { ack_wait: Duration::from_secs(5), ..Settings::default() };
         let client = server.connect_as(stemq_nats::users::OPERATOR, "test").await.unwrap();

@@ -138,6 +138,5 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
 
 /// A nats-server of the benchmark's own, storing under `dir`, on a free port.
 async fn own_server(dir: &Path) -> Result<NatsServer> {
-    let dir = dir.to_path_buf();
-    Ok(tokio::task::spawn_blocking(move || NatsServer::start(&dir, 0)).await??)
+    Ok(NatsServer::start_async(dir.to_path_buf(), 0).await?)
 }
