@@ -178,10 +178,8 @@ impl ClusterStack {
     /// Starts the cluster, applies the definitions at R3, and starts every service.
     pub async fn start(options: ClusterOptions) -> ClusterStack {
         let dir = tempfile::tempdir().expect("temp dir");
-        let nats_dir = dir.path().join("nats");
-        let cluster = tokio::task::spawn_blocking(move || NatsCluster::start(&nats_dir, 3, ServerOptions::default()))
+        let cluster = NatsCluster::start_async(dir.path().join("nats"), 3, ServerOptions::default())
             .await
-            .unwrap()
             .expect("three nats-servers start (is nats-server >= 2.11 on PATH? scripts/install-nats.sh)");
         let client = cluster.connect_as(OPERATOR, "test").await.expect("connect as operator");
         let js = jetstream::new(client.clone());

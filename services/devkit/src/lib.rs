@@ -10,3 +10,12 @@
 pub mod nats_cluster;
 pub mod nats_server;
 pub mod promtool;
+
+/// Runs `f` (a start that waits for processes to come up) off the async runtime's worker
+/// threads; a panic in it goes on in the caller.
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}

@@ -40,6 +40,12 @@ pub struct NatsCluster {
 }
 
 impl NatsCluster {
+    /// [`NatsCluster::start`] from async code: the start (which waits for every node to
+    /// be healthy) runs off the runtime's worker threads.
+    pub async fn start_async(dir: PathBuf, size: usize, options: ServerOptions) -> Result<NatsCluster, ServerError> {
+        crate::off_runtime(move || NatsCluster::start(&dir, size, options)).await
+    }
+
     /// Starts `size` nodes (3 for R3) under `dir` with stemq's users (unless
     /// `options.auth` is off; `options.tls` applies to every node; its `port`, `creds`
     /// and `cluster` are chosen here) and waits until every node's `/healthz` answers 200

@@ -184,10 +184,7 @@ impl NatsServer {
     /// [`NatsServer::start`] from async code: the start (which waits for the server to
     /// listen) runs off the runtime's worker threads.
     pub async fn start_async(store: PathBuf, port: u16) -> Result<NatsServer, ServerError> {
-        match tokio::task::spawn_blocking(move || NatsServer::start(&store, port)).await {
-            Ok(started) => started,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
+        crate::off_runtime(move || NatsServer::start(&store, port)).await
     }
 
     /// Starts a server as `options` say.

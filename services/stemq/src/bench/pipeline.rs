@@ -104,8 +104,7 @@ pub(super) async fn pipeline(
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("nats");
     let own = if cluster {
-        let c = tokio::task::spawn_blocking(move || NatsCluster::start(&dir, 3, Default::default())).await??;
-        Own::Cluster(c)
+        Own::Cluster(NatsCluster::start_async(dir, 3, Default::default()).await?)
     } else if g.nats_url.is_some() {
         Own::Nothing
     } else {
