@@ -55,10 +55,6 @@ struct KvDef {
     /// Nanoseconds an entry lives (0 or absent: for ever).
     #[serde(default)]
     max_age: u64,
-    /// The bucket's stream takes atomic batch publishes (the projector's batched view
-    /// writes; servers 2.12 and later).
-    #[serde(default)]
-    allow_atomic: bool,
 }
 
 /// In the order a new server gets them: the outcome stream before the job stream that
@@ -144,38 +140,24 @@ pub fn kv_config(settings: &Settings) -> Result<kv::Config, NatsError> {
 
 /// Every bucket definition with `settings` applied.
 pub fn kv_configs(settings: &Settings) -> Result<Vec<kv::Config>, NatsError> {
-    Ok(kv_defs(settings)?.into_iter().map(|(c, _)| c).collect())
-}
-
-/// Every bucket definition with `settings` applied, and whether its stream takes atomic
-/// batches.
-fn kv_defs(settings: &Settings) -> Result<Vec<(kv::Config, bool)>, NatsError> {
     [KV_JOBS, KV_WEBHOOKS, KV_KEYS, KV_LIMITS, KV_WORKERS, KV_DELIVERY_CLAIMS, KV_CONFIG]
         .into_iter()
-        .map(|d| kv_def_atomic(d, settings))
+        .map(|d| kv_def(d, settings))
         .collect()
 }
 
-fn kv_def(d: (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
-    Ok(kv_def_atomic(d, settings)?.0)
-}
-
-fn kv_def_atomic((name, text): (&'static str, &str), settings: &Settings) -> Result<(kv::Config, bool), NatsError> {
+fn kv_def((name, text): (&'static str, &str), settings: &Settings) -> Result<kv::Config, NatsError> {
     let d: KvDef = serde_json::from_str(text).map_err(|source| NatsError::Definition { name, source })?;
-    let atomic = d.allow_atomic;
-    Ok((
-        kv::Config {
-            bucket: d.bucket,
-            description: d.description,
-            history: d.history,
-            num_replicas: d.num_replicas.max(settings.replicas),
-            max_value_size: d.max_value_size,
-            max_age: Duration::from_nanos(d.max_age),
-            storage: stream::StorageType::File,
-            ..Default::default()
-        },
-        atomic,
-    ))
+    Ok(kv::Config {
+        bucket: d.bucket,
+        description: d.description,
+        history: d.history,
+        num_replicas: d.num_replicas.max(settings.replicas),
+        max_value_size: d.max_value_size,
+        max_age: Duration::from_nanos(d.max_age),
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
 }
 
 fn apply_err(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> NatsError {
@@ -317,20 +299,18 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         }
         changes.push(Change { what, action });
     }
-    for (kv, atomic) in kv_defs(settings)? {
+    for kv in kv_configs(settings)? {
         let what = format!("bucket {}", kv.bucket);
         let existing = match js.get_stream(format!("KV_{}", kv.bucket)).await {
             Ok(mut s) => Some(s.info().await.map_err(|e| apply_err(&what, e))?.config.clone()),
             Err(_) => None,
         };
         // The bucket's own fields, as its stream stores them.
-        let as_stream =
-            |history: i64, replicas: usize, size: i32, description: &str, max_age: Duration, atomic: bool| {
-                serde_json::json!({"max_msgs_per_subject": history, "num_replicas": replicas,
-                "max_msg_size": size, "description": description, "max_age": max_age.as_nanos() as u64,
-                "allow_atomic": atomic})
-            };
-        let want = as_stream(kv.history, kv.num_replicas, kv.max_value_size, &kv.description, kv.max_age, atomic);
+        let as_stream = |history: i64, replicas: usize, size: i32, description: &str, max_age: Duration| {
+            serde_json::json!({"max_msgs_per_subject": history, "num_replicas": replicas,
+                "max_msg_size": size, "description": description, "max_age": max_age.as_nanos() as u64})
+        };
+        let want = as_stream(kv.history, kv.num_replicas, kv.max_value_size, &kv.description, kv.max_age);
         let differences = existing
             .as_ref()
             .map(|x| {
@@ -340,7 +320,6 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
                     x.max_message_size,
                     x.description.as_deref().unwrap_or(""),
                     x.max_age,
-                    x.allow_atomic_publish,
                 );
                 diff(&want, &have)
             })
@@ -349,15 +328,6 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         if matches!(action, Action::Created | Action::Updated(_)) {
             let (stream, replicas) = (format!("KV_{}", kv.bucket), kv.num_replicas);
             js.create_or_update_key_value(kv).await.map_err(|e| apply_err(&what, e))?;
-            if atomic {
-                // The bucket's own config has no such field: its stream is updated.
-                let mut s = js.get_stream(&stream).await.map_err(|e| apply_err(&what, e))?;
-                let mut config = s.info().await.map_err(|e| apply_err(&what, e))?.config.clone();
-                if !config.allow_atomic_publish {
-                    config.allow_atomic_publish = true;
-                    js.update_stream(config).await.map_err(|e| apply_err(&what, e))?;
-                }
-            }
             if existing.as_ref().is_some_and(|x| x.num_replicas != replicas) {
                 // Done means replicated: `stemq nats apply --replicas 3` returns once it is.
                 wait_for_peers(js, &stream, replicas).await.map_err(|e| apply_err(&what, e))?;

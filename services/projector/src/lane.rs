@@ -18,7 +18,6 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{error, warn};
 
-use crate::batch::Writer;
 use crate::plan::{in_log_order, refusal, waits_for_more};
 use crate::write::{Cached, Job};
 use crate::{Pending, ProjectorError, LINGER, MAX_RETRY_DELAY};
@@ -61,7 +60,6 @@ fn retry_delay(msg: &jetstream::Message) -> Duration {
 pub(crate) struct Lane {
     lane: usize,
     kv: kv::Store,
-    writer: Writer,
     /// The job log, read back when a job is refolded.
     log: jetstream::stream::Stream<()>,
     cap: usize,
@@ -75,12 +73,11 @@ impl Lane {
     pub(crate) fn new(
         lane: usize,
         kv: kv::Store,
-        writer: Writer,
         log: jetstream::stream::Stream<()>,
         cap: usize,
         resubscriptions: [Arc<AtomicU64>; 2],
     ) -> Lane {
-        Lane { lane, kv, writer, log, cap, cache: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
+        Lane { lane, kv, log, cap, cache: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
     }
 
     pub(crate) async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
@@ -203,7 +200,7 @@ impl Lane {
     /// acks each job's events, or hands them all back when its fold failed. Each job
     /// appears once per batch, so the folds touch different views.
     async fn jobs(&mut self, per_job: Vec<(JobId, Vec<Pending>)>) {
-        let (kv, writer, log, cache) = (&self.kv, &self.writer, &self.log, &self.cache);
+        let (kv, log, cache) = (&self.kv, &self.log, &self.cache);
         let folds = per_job.iter().map(|(id, events)| {
             let refs: Vec<(Position, &Event)> = events.iter().map(|(p, e, _)| (*p, e)).collect();
             let span =
@@ -211,7 +208,7 @@ impl Lane {
             let tp = refs.iter().rev().find_map(|(_, e)| e.traceparent.as_deref());
             stemq_telemetry::logging::set_parent(&span, tp);
             let cached = cache.get(id).cloned();
-            let job = Job { kv, log, id, writer };
+            let job = Job { kv, log, id };
             tracing::Instrument::instrument(async move { job.fold(cached, &refs).await }, span)
         });
         let results = futures::future::join_all(folds).await;

@@ -10,7 +10,6 @@
 //! | `lane` | each job's events in order, in the lane of its id; batches; [`LINGER`] |
 //! | `plan` | the pure part: events never folded, apply or refold, whether a write waits |
 //! | `write` | one job's fold written with compare-and-set, or refolded from the log |
-//! | `batch` | the lanes' writes stored together, as one atomic batch |
 //! | `reset` | the view dropped and recreated, for a replay of the log ([`reset()`]) |
 //! | [`ledger`] | credit reservations closed from job outcomes |
 //! | [`metrics`] | the fold's own figures: errors by kind, refolds |
@@ -30,7 +29,6 @@
 //! Why it is built so: docs/architecture.md, "The view", "Inside the projector" and
 //! "Two projectors, two relays".
 
-mod batch;
 mod lane;
 pub mod ledger;
 pub mod metrics;
@@ -205,7 +203,7 @@ pub async fn run(
 ) -> Result<(), ProjectorError> {
     // Every family is exported from the start, at zero.
     metrics::metrics();
-    let js = jetstream::new(client.clone());
+    let js = jetstream::new(client);
     let kv = js.get_key_value(names::JOBS_BUCKET).await.map_err(JetStreamError::open("open bucket"))?;
     let log = js.get_stream_no_info(names::JOBS_STREAM).await.map_err(JetStreamError::open("open job stream"))?;
     let jobs: PullConsumer = js
@@ -228,14 +226,12 @@ pub async fn run(
     // rebuild): the lanes drop their cached views when either count moves.
     let resubscriptions = [jobs.resubscriptions(), progress.resubscriptions()];
 
-    let writer = batch::Writer::start(client, &kv);
     let tracker = TaskTracker::new();
     let mut lanes = Vec::with_capacity(config.lanes);
     for lane in 0..config.lanes.max(1) {
         let (tx, rx) = mpsc::channel::<(jetstream::Message, bool)>(1024);
         lanes.push(tx);
-        let lane =
-            Lane::new(lane, kv.clone(), writer.clone(), log.clone(), config.cache_per_lane, resubscriptions.clone());
+        let lane = Lane::new(lane, kv.clone(), log.clone(), config.cache_per_lane, resubscriptions.clone());
         tracker.spawn(lane.run(rx));
     }
     for (messages, is_progress) in [(jobs, false), (progress, true)] {

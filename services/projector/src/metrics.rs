@@ -1,7 +1,7 @@
 //! Prometheus metrics of the projector's fold, named `stemq_projector_<name>`.
 //!
-//! This module owns the fold's own figures: events it could not apply yet, by kind, jobs
-//! it refolded from the log, and view writes by how they were stored. The families live in the process-wide registry of
+//! This module owns the fold's own figures: events it could not apply yet, by kind, and
+//! jobs it refolded from the log. The families live in the process-wide registry of
 //! [`stemq_telemetry::metrics`], registered by [`metrics`] once per process ([`run`]
 //! calls it at start). The charge-side figures are the ledger's ([`crate::ledger`]).
 //!
@@ -18,26 +18,17 @@ struct ErrorLabels {
     kind: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WriteLabels {
-    how: &'static str,
-}
-
 /// The projector's metric families.
 pub struct ProjectorMetrics {
     errors: Family<ErrorLabels, Counter>,
     refolds: Counter,
-    writes: Family<WriteLabels, Counter>,
 }
 
 /// The projector's metrics, registered in the process-wide registry on first use.
 pub fn metrics() -> &'static ProjectorMetrics {
     static M: OnceLock<ProjectorMetrics> = OnceLock::new();
     M.get_or_init(|| {
-        let m = ProjectorMetrics { errors: Family::default(), refolds: Counter::default(), writes: Family::default() };
-        for how in ["batch", "alone"] {
-            m.writes.get_or_create(&WriteLabels { how });
-        }
+        let m = ProjectorMetrics { errors: Family::default(), refolds: Counter::default() };
         stemq_telemetry::metrics::metrics().register(|r| {
             r.register(
                 "stemq_projector_errors",
@@ -50,12 +41,6 @@ pub fn metrics() -> &'static ProjectorMetrics {
                 "Jobs the projector refolded from the log because an event came behind its view \
                  (overtaken by another projector, a redelivery or a retried fold)",
                 m.refolds.clone(),
-            );
-            r.register(
-                "stemq_projector_view_writes",
-                "Views written, by how: `batch` (stored with other jobs' views in one atomic batch) \
-                 or `alone` (one compare-and-set)",
-                m.writes.clone(),
             );
         });
         m
@@ -72,10 +57,5 @@ impl ProjectorMetrics {
     /// Counts one job refolded from the log.
     pub fn refold(&self) {
         self.refolds.inc();
-    }
-
-    /// Counts one view written, in a batch or alone.
-    pub fn view_written(&self, batch: bool) {
-        self.writes.get_or_create(&WriteLabels { how: if batch { "batch" } else { "alone" } }).inc();
     }
 }

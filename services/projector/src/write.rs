@@ -9,7 +9,6 @@ use stemq_nats::error::JetStreamError;
 use stemq_nats::read;
 use tracing::{debug, info};
 
-use crate::batch::Writer;
 use crate::plan::{keep_progress, plan, refusal, Plan};
 use crate::ProjectorError;
 
@@ -29,8 +28,6 @@ pub(crate) struct Job<'a> {
     pub(crate) kv: &'a kv::Store,
     pub(crate) log: &'a jetstream::stream::Stream<()>,
     pub(crate) id: &'a JobId,
-    /// Where the first write of the fold goes, with the other lanes' ([`Writer`]).
-    pub(crate) writer: &'a Writer,
 }
 
 impl Job<'_> {
@@ -60,7 +57,7 @@ impl Job<'_> {
             }
         };
         let unchanged = |reread: bool| if reread { Cached::Drop } else { Cached::Keep };
-        for attempt in 0..10 {
+        for _ in 0..10 {
             let next = match plan(current.view.as_ref(), events) {
                 Plan::Unchanged => {
                     debug!(job_id = %id, "events change nothing");
@@ -80,25 +77,14 @@ impl Job<'_> {
                     v
                 }
             };
-            let body = bytes::Bytes::from(serde_json::to_vec(&next).expect("views serialise"));
+            let body = serde_json::to_vec(&next).expect("views serialise");
             // Where the view is, else its owner's key (`view_key`).
             let key = match &current.key {
                 Some(k) => k.clone(),
                 None => self.new_key(&next).await?,
             };
-            // The first try goes in a batch with the other lanes' writes; a batch that
-            // was not stored leaves this write to be made alone.
-            if attempt == 0 {
-                if let Some(revision) = self.writer.write(&key, body.clone(), current.revision).await {
-                    crate::metrics::metrics().view_written(true);
-                    return Ok(Cached::Set(read::Stored { view: Some(next), revision, key: Some(key) }));
-                }
-            }
-            match self.kv.update(key.as_str(), body, current.revision).await {
-                Ok(revision) => {
-                    crate::metrics::metrics().view_written(false);
-                    return Ok(Cached::Set(read::Stored { view: Some(next), revision, key: Some(key) }));
-                }
+            match self.kv.update(key.as_str(), body.into(), current.revision).await {
+                Ok(revision) => return Ok(Cached::Set(read::Stored { view: Some(next), revision, key: Some(key) })),
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     // It exists (or another writer moved it): read the real revision, retry.
                     reread = true;

@@ -73,7 +73,6 @@ fn names_follow_the_convention() {
         "stemq_projector_lag_events",
         "stemq_projector_errors_total",
         "stemq_projector_refolds_total",
-        "stemq_projector_view_writes_total",
         "stemq_worker_heartbeat_timestamp_seconds",
         "stemq_webhook_deliveries_total",
         "stemq_webhook_delivery_duration_seconds",
