@@ -380,8 +380,9 @@ pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, ne
         return closing(refusal.into_response(), http11);
     }
     let timed_out = Arc::new(AtomicBool::new(false));
+    let ended = Arc::new(AtomicBool::new(req.body().is_end_stream()));
     let timeouts = state.http_timeouts;
-    let req = req.map(|body| Body::new(TimedBody::new(body, timeouts, timed_out.clone())));
+    let req = req.map(|body| Body::new(TimedBody::new(body, timeouts, timed_out.clone(), ended.clone())));
     let resp = next.run(req).await;
     if timed_out.load(Ordering::Relaxed) {
         let refusal = ApiError {
@@ -394,6 +395,12 @@ pub(crate) async fn limit_bodies(State(state): State<AppState>, req: Request, ne
             field: None,
         };
         return closing(refusal.into_response(), http11);
+    }
+    // A handler that answered before reading the whole body (an upload refused part way):
+    // the connection ends with this answer, and the client is told so, or it would send
+    // its next request on a connection the server is closing.
+    if !ended.load(Ordering::Relaxed) {
+        return closing(resp, http11);
     }
     resp
 }
@@ -421,13 +428,15 @@ struct TimedBody {
     received: u64,
     sleep: Pin<Box<Sleep>>,
     timed_out: Arc<AtomicBool>,
+    /// Set once the body has been read to its end.
+    ended: Arc<AtomicBool>,
 }
 
 impl TimedBody {
-    fn new(inner: Body, timeouts: HttpTimeouts, timed_out: Arc<AtomicBool>) -> TimedBody {
+    fn new(inner: Body, timeouts: HttpTimeouts, timed_out: Arc<AtomicBool>, ended: Arc<AtomicBool>) -> TimedBody {
         let now = Instant::now();
         let sleep = Box::pin(tokio::time::sleep_until(body_deadline(&timeouts, now, now, 0)));
-        TimedBody { inner, timeouts, start: now, last: now, received: 0, sleep, timed_out }
+        TimedBody { inner, timeouts, start: now, last: now, received: 0, sleep, timed_out, ended }
     }
 }
 
@@ -447,7 +456,14 @@ impl HttpBody for TimedBody {
                         this.sleep.as_mut().reset(deadline);
                     }
                 }
+                if this.inner.is_end_stream() {
+                    this.ended.store(true, Ordering::Relaxed);
+                }
                 Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.ended.store(true, Ordering::Relaxed);
+                Poll::Ready(None)
             }
             Poll::Pending => match this.sleep.as_mut().poll(cx) {
                 Poll::Ready(()) => {

@@ -278,14 +278,21 @@ async fn uploads_over_the_limit_are_refused() {
     let stack = Stack::start(1000).await;
     let http = stack.client();
     // Declared too large: refused before reading.
+    // Each refusal that leaves the body unread ends its connection and says so, so the
+    // client never sends its next request on a connection the server is closing.
+    let closes = |resp: &reqwest::Response| {
+        assert_eq!(resp.headers().get("connection").map(|v| v.as_bytes()), Some(&b"close"[..]), "{resp:?}")
+    };
     let resp = http.post(stack.url("/v1/uploads")).body(vec![7u8; 1001]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    closes(&resp);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["code"], "too_large");
     // Streamed without a length: refused while reading, nothing kept.
     let chunks = futures::stream::iter((0..5).map(|_| Ok::<_, std::io::Error>(vec![1u8; 300])));
     let resp = http.post(stack.url("/v1/uploads")).body(reqwest::Body::wrap_stream(chunks)).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    closes(&resp);
     // At the limit: fine.
     let resp = http.post(stack.url("/v1/uploads?filename=a.flac")).body(vec![7u8; 1000]).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::CREATED);
