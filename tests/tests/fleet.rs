@@ -291,3 +291,51 @@ async fn a_key_can_default_its_jobs_to_the_batch_lane() {
     assert_eq!(stack.count_on(&format!("stemq.jobs.{id}.requested.*.dsp.interactive")).await, 1);
     stack.shutdown().await;
 }
+
+/// Issue 37: an idle worker costs the server little, and still finds what is never
+/// announced. A worker serving every model (30 lanes) idles: it looks only at lanes that
+/// hold something, less and less often, and reads each lane's consumer every few
+/// seconds (about 200 messages a second when it looked at every lane every 250 ms and
+/// read each consumer every second). A job whose first delivery is dropped comes back
+/// after the ack wait unannounced, and the idle worker runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_costs_little_and_still_takes_an_unannounced_redelivery() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let client = stack.connect_as(stemq_nats::users::WORKER).await;
+    let stats = client.statistics();
+    let mut config = stemq_worker::Config::new(stack.store.clone(), stack.dir.path().join("scratch"));
+    config.name = "idle".into();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let worker = tokio::spawn(stemq_worker::run(client, Arc::new(FakeEngine::default()), config, stop.clone()));
+    let messages = || {
+        stats.in_messages.load(std::sync::atomic::Ordering::Relaxed)
+            + stats.out_messages.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    // Past its start (a first read of every lane, first looks at all of them).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (n0, t0) = (messages(), Instant::now());
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let per_sec = (messages() - n0) as f64 / t0.elapsed().as_secs_f64();
+    eprintln!("an idle worker serving 30 lanes: {per_sec:.1} messages a second");
+    assert!(per_sec < 40.0, "an idle worker sends and receives {per_sec:.1} messages a second");
+
+    // A pull armed before the submit takes the job's first delivery and drops it.
+    let pool = stemq_nats::pool_consumer(Model::Dsp, stemq_core::request::Priority::Interactive);
+    let consumer: async_nats::jetstream::consumer::PullConsumer =
+        stack.js.get_consumer_from_stream(&pool, stemq_nats::JOBS_STREAM).await.unwrap();
+    let mut thief = consumer.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, body) = stack.submit(&job_body(&stack, "dropped", None)).await;
+    assert_eq!(status, 202, "{body}");
+    let id = job_id(&body);
+    let dropped = futures::StreamExt::next(&mut thief).await.expect("the thief's pull answers").unwrap();
+    assert!(dropped.subject.contains(id.as_str()), "the thief took the job: {}", dropped.subject);
+    drop(dropped);
+    let v = stack.wait_terminal(&id, T).await;
+    assert_eq!(v.status, JobStatus::Succeeded, "{v:#?}");
+    // Its second delivery (the thief had the first), run by the idle worker.
+    assert_eq!(attempts(&stack, &id).await, vec![("idle".to_string(), 2)], "the redelivery ran on the idle worker");
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    stack.shutdown().await;
+}
