@@ -284,15 +284,35 @@ async fn sync(js: &jetstream::Context, settings: &Settings, update: bool) -> Res
         }
         changes.push(Change { what, action });
     }
-    for (stream_name, c) in consumer_configs(settings)? {
+    for (stream_name, mut c) in consumer_configs(settings)? {
         let name = c.durable_name.clone().unwrap_or_default();
         let what = format!("consumer {stream_name}/{name}");
         let stream = js.get_stream_no_info(&stream_name).await.map_err(|e| apply_err(&what, e))?;
-        let existing = match stream.consumer_info(&name).await {
-            Ok(info) => Some(info.config.clone()),
-            Err(_) => None,
-        };
-        let differences = existing.as_ref().map(|x| diff(&json(&c), &json(x))).unwrap_or_default();
+        let existing = stream.consumer_info(&name).await.ok();
+        if let Some(x) = &existing {
+            // Where a consumer starts is fixed when it is made: one recreated where its
+            // predecessor's acks stood (below) starts there.
+            if matches!(x.config.deliver_policy, consumer::DeliverPolicy::ByStartSequence { .. })
+                && c.deliver_policy == consumer::DeliverPolicy::All
+            {
+                c.deliver_policy = x.config.deliver_policy;
+            }
+            // The server never changes a consumer's ack policy: it is recreated, starting
+            // after the last event acked, so nothing acked comes again and nothing
+            // unacked is lost.
+            if update && x.config.ack_policy != c.ack_policy {
+                let floor = x.ack_floor.stream_sequence;
+                let from = format!("{:?}", x.config.ack_policy).to_lowercase();
+                stream.delete_consumer(&name).await.map_err(|e| apply_err(&what, e))?;
+                c.deliver_policy = consumer::DeliverPolicy::ByStartSequence { start_sequence: floor + 1 };
+                let to = format!("{:?}", c.ack_policy).to_lowercase();
+                stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;
+                let recreated = format!("ack_policy: {from} -> {to} (recreated from event {})", floor + 1);
+                changes.push(Change { what, action: Action::Updated(vec![recreated]) });
+                continue;
+            }
+        }
+        let differences = existing.as_ref().map(|x| diff(&json(&c), &json(&x.config))).unwrap_or_default();
         let action = action(existing.is_some(), differences, update);
         if matches!(action, Action::Created | Action::Updated(_)) {
             stream.create_consumer(c).await.map_err(|e| apply_err(&what, e))?;

@@ -18,29 +18,79 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{error, warn};
 
+use crate::acks::Acks;
 use crate::plan::{in_log_order, refusal, waits_for_more};
 use crate::write::{Cached, Job};
 use crate::{Pending, ProjectorError, LINGER, MAX_RETRY_DELAY};
 
-/// Routes each message to its job's lane until the messages end (on shutdown).
-pub(crate) async fn pump(
-    mut messages: pull::Messages,
-    is_progress: bool,
-    lanes: Vec<mpsc::Sender<(jetstream::Message, bool)>>,
-) {
-    while let Some(msg) = messages.next().await {
-        let lane = match names::job_id_of_subject(&msg.subject) {
-            Some(id) => lane_of(&id, lanes.len()),
-            None => {
-                warn!(subject = %msg.subject, "not a job subject; skipping");
-                let _ = msg.ack().await;
-                continue;
+/// How a delivered event is answered once folded.
+#[derive(Clone)]
+pub(crate) enum Answer {
+    /// Acked alone (the progress stream's consumer acks explicitly).
+    Each,
+    /// Acked with the folded prefix of the job log ([`Acks`]), of subscription `.1`.
+    Prefix(Acks, u64),
+}
+
+/// A delivered event on its way to its lane.
+pub(crate) struct Delivery {
+    pub msg: jetstream::Message,
+    /// From the progress stream (else the job log).
+    pub progress: bool,
+    pub answer: Answer,
+}
+
+impl Delivery {
+    /// Folded: acked (at once, or with its prefix).
+    pub(crate) async fn folded(&self) -> Result<(), async_nats::Error> {
+        match &self.answer {
+            Answer::Each => self.msg.ack().await,
+            Answer::Prefix(acks, generation) => {
+                acks.folded(self.msg.clone(), *generation);
+                Ok(())
             }
-        };
-        if lanes[lane].send((msg, is_progress)).await.is_err() {
+        }
+    }
+
+    /// Never to be folded (not an event, or not its subject's job's): it stays in the
+    /// log and is not delivered again.
+    pub(crate) async fn refused(&self) {
+        match &self.answer {
+            Answer::Each => {
+                let _ = self.msg.ack_with(AckKind::Term).await;
+            }
+            // A cumulative ack would cover it anyway; a `term` could ack what precedes it.
+            Answer::Prefix(acks, generation) => acks.folded(self.msg.clone(), *generation),
+        }
+    }
+
+    /// Handed back: delivered again after a delay.
+    pub(crate) async fn handed_back(&self) {
+        let _ = self.msg.ack_with(AckKind::Nak(Some(retry_delay(&self.msg)))).await;
+    }
+}
+
+/// Routes each message to its job's lane until the messages end (on shutdown): the
+/// progress stream's, acked one by one.
+pub(crate) async fn pump(mut messages: pull::Messages, lanes: Vec<mpsc::Sender<Delivery>>) {
+    while let Some(msg) = messages.next().await {
+        if !route(Delivery { msg, progress: true, answer: Answer::Each }, &lanes).await {
             return;
         }
     }
+}
+
+/// Sends `d` to its job's lane; false when the lanes are gone.
+pub(crate) async fn route(d: Delivery, lanes: &[mpsc::Sender<Delivery>]) -> bool {
+    let lane = match names::job_id_of_subject(&d.msg.subject) {
+        Some(id) => lane_of(&id, lanes.len()),
+        None => {
+            warn!(subject = %d.msg.subject, "not a job subject; skipping");
+            d.refused().await;
+            return true;
+        }
+    };
+    lanes[lane].send(d).await.is_ok()
 }
 
 fn lane_of(id: &JobId, n: usize) -> usize {
@@ -80,7 +130,7 @@ impl Lane {
         Lane { lane, kv, log, cap, cache: HashMap::new(), resubscriptions, seen_resubscriptions: 0 }
     }
 
-    pub(crate) async fn run(mut self, mut rx: mpsc::Receiver<(jetstream::Message, bool)>) {
+    pub(crate) async fn run(mut self, mut rx: mpsc::Receiver<Delivery>) {
         let mut batch = Vec::new();
         // Unfinished jobs whose write waits for their next event ([`LINGER`]): until
         // when, and their events so far (not acked yet).
@@ -156,10 +206,11 @@ impl Lane {
     }
 
     /// Reads the batch into events per job, each job's log events in log order.
-    async fn group(&self, batch: &mut Vec<(jetstream::Message, bool)>) -> Vec<(JobId, Vec<Pending>)> {
+    async fn group(&self, batch: &mut Vec<Delivery>) -> Vec<(JobId, Vec<Pending>)> {
         let lane = self.lane;
         let mut per_job: Vec<(JobId, Vec<Pending>)> = Vec::new();
-        for (msg, is_progress) in batch.drain(..) {
+        for d in batch.drain(..) {
+            let msg = &d.msg;
             let seq = match msg.info() {
                 Ok(i) => i.stream_sequence,
                 Err(e) => {
@@ -167,26 +218,26 @@ impl Lane {
                     continue;
                 }
             };
-            let pos = if is_progress { Position::Progress(seq) } else { Position::Log(seq) };
+            let pos = if d.progress { Position::Progress(seq) } else { Position::Log(seq) };
             let event = match Event::from_slice(&msg.payload) {
                 Ok(e) => e,
                 Err(e) => {
                     // Not an event we can read: never retried, never lost (it stays in the log).
                     warn!(lane, seq, subject = %msg.subject, error = %e, "unreadable event; terminating it");
                     crate::metrics::metrics().error("unreadable_event");
-                    let _ = msg.ack_with(AckKind::Term).await;
+                    d.refused().await;
                     continue;
                 }
             };
             if let Some((kind, error)) = refusal(&msg.subject, &event) {
                 warn!(lane, seq, subject = %msg.subject, %error, "refusing an event that is not its subject's job's");
                 crate::metrics::metrics().error(kind);
-                let _ = msg.ack_with(AckKind::Term).await;
+                d.refused().await;
                 continue;
             }
             match per_job.iter_mut().find(|(id, _)| *id == event.subject) {
-                Some((_, v)) => v.push((pos, event, msg)),
-                None => per_job.push((event.subject.clone(), vec![(pos, event, msg)])),
+                Some((_, v)) => v.push((pos, event, d)),
+                None => per_job.push((event.subject.clone(), vec![(pos, event, d)])),
             }
         }
         for (_, events) in &mut per_job {
@@ -224,8 +275,8 @@ impl Lane {
                             self.cache.remove(&id);
                         }
                     }
-                    for (_, _, msg) in &events {
-                        if let Err(e) = msg.ack().await {
+                    for (_, _, d) in &events {
+                        if let Err(e) = d.folded().await {
                             warn!(job_id = %id, error = %e, "ack failed; the event will be redelivered and refolded");
                         }
                     }
@@ -239,8 +290,14 @@ impl Lane {
                         warn!(job_id = %id, kind = e.kind(), %error, "projection failed; handing the job's events back");
                     }
                     self.cache.remove(&id);
-                    for (_, _, msg) in &events {
-                        let _ = msg.ack_with(AckKind::Nak(Some(retry_delay(msg)))).await;
+                    for (_, _, d) in &events {
+                        match (&d.answer, &e) {
+                            // Only a rebuild mends it, and the rebuild replays the whole log:
+                            // the job log's acks go past it rather than hold every later
+                            // event back behind it.
+                            (Answer::Prefix(..), ProjectorError::CorruptView { .. }) => d.refused().await,
+                            _ => d.handed_back().await,
+                        }
                     }
                 }
             }

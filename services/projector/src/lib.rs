@@ -3,10 +3,15 @@
 //! This crate owns the write side of the status view. [`run`] consumes every job event
 //! (and the compacted progress stream) with durable consumers, applies
 //! [`stemq_core::apply`] and writes the result to the `stemq_jobs` bucket with
-//! compare-and-set on the entry's revision, acking only after the write.
+//! compare-and-set on the entry's revision, acking only after the write. The job log
+//! is pulled by one projector at a time (the one holding the [`lease`]) and acked
+//! cumulatively, one ack for a folded prefix of the log; the progress stream, by
+//! every projector, each event acked alone.
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`lease`] | which projector pulls the job log |
+//! | `acks` | the job log's cumulative acks: only ever over a prefix folded here |
 //! | `lane` | each job's events in order, in the lane of its id; batches; [`LINGER`] |
 //! | `plan` | the pure part: events never folded, apply or refold, whether a write waits |
 //! | `write` | one job's fold written with compare-and-set, or refolded from the log |
@@ -23,39 +28,48 @@
 //!   another owner included.
 //! - **A view that does not parse is an error** ([`ProjectorError::CorruptView`]), never
 //!   overwritten; `stemq projector --rebuild` replaces it from the log.
+//! - **No event is acked unfolded**, however many projectors pull: a projector acks
+//!   only up to the end of a prefix of the log it folded itself, contiguous from the
+//!   consumer's ack floor.
 //! - **The view is disposable**: [`reset()`] and a replay give an identical one. Readers
 //!   never depend on this crate: they read through [`stemq_nats::read`], as it does.
 //!
 //! Why it is built so: docs/architecture.md, "The view", "Inside the projector" and
 //! "Two projectors, two relays".
 
+mod acks;
 mod lane;
+pub mod lease;
 pub mod ledger;
 pub mod metrics;
 mod plan;
 mod reset;
 mod write;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, kv};
+use futures::StreamExt;
 use stemq_core::{Event, JobId, JobView, Position};
 use stemq_nats as names;
 use stemq_nats::error::JetStreamError;
 use stemq_nats::pull::{self, PullOptions};
 use stemq_nats::read::{self, ViewError};
 use stemq_telemetry::readiness::Condition;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-use crate::lane::{pump, Lane};
+use crate::acks::Acks;
+use crate::lane::{pump, route, Lane};
 pub use crate::reset::{reset, wait_caught_up};
 
 /// One delivered event waiting to be folded: where it sits in the log, the event, and
 /// the message to ack once its job's view is written.
-type Pending = (Position, Event, jetstream::Message);
+type Pending = (Position, Event, lane::Delivery);
 
 /// How long the write of an unfinished job (queued, running) may wait for the job's
 /// next event: a job that ends within it costs one KV write for its whole life instead
@@ -220,24 +234,25 @@ pub async fn run(
         expires: Some(Duration::from_secs(30)),
         ..Default::default()
     };
-    let jobs = pull::messages(jobs, options.clone(), shutdown.clone());
-    let progress = pull::messages(progress, options, shutdown.clone());
+    let progress = pull::messages(progress, options.clone(), shutdown.clone());
     // A new subscription may be a recreated consumer over a recreated bucket (a
-    // rebuild): the lanes drop their cached views when either count moves.
-    let resubscriptions = [jobs.resubscriptions(), progress.resubscriptions()];
+    // rebuild): the lanes drop their cached views when either count moves. The job
+    // log's counts each subscription of each lease.
+    let log_subscriptions = Arc::new(AtomicU64::new(0));
+    let resubscriptions = [log_subscriptions.clone(), progress.resubscriptions()];
 
     let tracker = TaskTracker::new();
     let mut lanes = Vec::with_capacity(config.lanes);
     for lane in 0..config.lanes.max(1) {
-        let (tx, rx) = mpsc::channel::<(jetstream::Message, bool)>(1024);
+        let (tx, rx) = mpsc::channel::<lane::Delivery>(1024);
         lanes.push(tx);
         let lane = Lane::new(lane, kv.clone(), log.clone(), config.cache_per_lane, resubscriptions.clone());
         tracker.spawn(lane.run(rx));
     }
-    for (messages, is_progress) in [(jobs, false), (progress, true)] {
-        let lanes = lanes.clone();
-        tracker.spawn(pump(messages, is_progress, lanes));
-    }
+    tracker.spawn(pump(progress, lanes.clone()));
+    let lease = lease::hold(kv.clone(), uuid::Uuid::new_v4().to_string(), shutdown.clone());
+    let puller = LogPuller { consumer: jobs, log: log.clone(), options, subscriptions: log_subscriptions };
+    tracker.spawn(puller.run(lease, lanes.clone(), tracker.clone(), shutdown.clone()));
     // Credits: the reservations of ended jobs are settled or refunded here.
     tracker.spawn(ledger::run(js.clone(), shutdown.clone()));
     drop(lanes);
@@ -247,4 +262,70 @@ pub async fn run(
     tracker.wait().await;
     info!("projector stopped");
     Ok(())
+}
+
+/// Pulls the job log while this projector holds the lease ([`lease`]), each event's ack
+/// left to the folded prefix ([`acks`]).
+struct LogPuller {
+    consumer: PullConsumer,
+    log: jetstream::stream::Stream<()>,
+    options: PullOptions,
+    /// Bumped with every subscription (the lanes' caches follow it).
+    subscriptions: Arc<AtomicU64>,
+}
+
+impl LogPuller {
+    async fn run(
+        self,
+        mut lease: watch::Receiver<bool>,
+        lanes: Vec<mpsc::Sender<lane::Delivery>>,
+        tracker: TaskTracker,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            // Until this projector holds the lease.
+            while !*lease.borrow_and_update() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    changed = lease.changed() => if changed.is_err() { return },
+                }
+            }
+            let term = shutdown.child_token();
+            let mut messages = pull::messages(self.consumer.clone(), self.options.clone(), term.clone());
+            let generations = messages.resubscriptions();
+            let acks = Acks::start(self.consumer.clone(), self.log.clone(), 0, term.clone(), &tracker);
+            self.subscriptions.fetch_add(1, Ordering::SeqCst);
+            let mut seen = 0;
+            loop {
+                let msg = tokio::select! {
+                    _ = term.cancelled() => break,
+                    changed = lease.changed() => match changed {
+                        Ok(()) if *lease.borrow_and_update() => continue,
+                        _ => break,
+                    },
+                    m = messages.next() => match m {
+                        Some(m) => m,
+                        None => break,
+                    },
+                };
+                let generation = generations.load(Ordering::SeqCst);
+                if generation != seen {
+                    seen = generation;
+                    self.subscriptions.fetch_add(1, Ordering::SeqCst);
+                }
+                acks.received(&msg, generation);
+                let d = lane::Delivery { msg, progress: false, answer: lane::Answer::Prefix(acks.clone(), generation) };
+                if !route(d, &lanes).await {
+                    break;
+                }
+            }
+            // Lost the lease, or stopping: the pull ends; what the lanes fold of it is
+            // still acked.
+            term.cancel();
+            if shutdown.is_cancelled() {
+                return;
+            }
+            info!("projector lease lost: no longer pulling the job log");
+        }
+    }
 }
