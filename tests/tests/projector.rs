@@ -423,3 +423,106 @@ async fn issue_12_two_projectors_and_redeliveries_keep_every_view_equal_to_its_l
     let _ = tokio::time::timeout(T, second).await;
     stack.shutdown().await;
 }
+
+/// Issue 37: the job log is pulled by the projector holding the lease. A lease left by a
+/// projector that died (never renewed, never given back) holds a new projector back
+/// until it is [`stemq_projector::lease::TAKEOVER_AFTER`] old by the new one's clock;
+/// then it takes over and folds everything that came meanwhile, and its acks catch up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_projectors_lease_is_taken_over_and_nothing_is_lost() {
+    let stack = Stack::start(StackOptions { workers: 0, projector: false, ..Default::default() }).await;
+    stack.kv.put(stemq_projector::lease::LEASE_KEY, "a projector that died".into()).await.unwrap();
+    let stop = CancellationToken::new();
+    let projector = own_projector(&stack, stop.clone()).await;
+    let started = Instant::now();
+    let req = requested(&stack, "waits-for-the-lease", None);
+    publish(&stack, SubjectKind::Requested, &req).await;
+    let v = stack.wait_status(&req.subject, JobStatus::Queued, T).await;
+    let waited = started.elapsed();
+    eprintln!("folded {waited:?} after the projector started, behind a dead projector's lease");
+    assert!(
+        waited >= stemq_projector::lease::TAKEOVER_AFTER - Duration::from_millis(500),
+        "folded after {waited:?}: the log was pulled while another projector held the lease"
+    );
+    assert!(v.request.is_some());
+    let lease = stack.kv.get(stemq_projector::lease::LEASE_KEY).await.unwrap().unwrap();
+    assert_ne!(&lease[..], b"a projector that died", "the lease is the new projector's");
+    assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap(), "the acks caught up");
+
+    // A projector that stops gives the lease back: the next one pulls at once.
+    stop.cancel();
+    projector.await.unwrap();
+    assert!(stack.kv.get(stemq_projector::lease::LEASE_KEY).await.unwrap().is_none(), "given back");
+    let next = own_projector(&stack, CancellationToken::new()).await;
+    let started = Instant::now();
+    let req = requested(&stack, "after-a-clean-stop", None);
+    publish(&stack, SubjectKind::Requested, &req).await;
+    stack.wait_status(&req.subject, JobStatus::Queued, T).await;
+    assert!(
+        started.elapsed() < stemq_projector::lease::TAKEOVER_AFTER,
+        "after a lease given back the next projector pulls at once, not after {:?}",
+        started.elapsed()
+    );
+    next.abort();
+    stack.shutdown().await;
+}
+
+/// Issue 37: a projector consumer made by an earlier release acks each event
+/// (`ack_policy: explicit`), which the server never changes in place. `stemq nats apply`
+/// recreates it acking all, starting after its ack floor: nothing acked comes again,
+/// nothing unacked is skipped, and applying again changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_apply_recreates_an_explicitly_acked_projector_consumer_from_its_floor() {
+    let stack = Stack::start(StackOptions { workers: 0, projector: false, ..Default::default() }).await;
+    let jobs = stack.js.get_stream(names::JOBS_STREAM).await.unwrap();
+    jobs.delete_consumer(names::PROJECTOR_CONSUMER).await.unwrap();
+    let mut old = stemq_nats::consumer_configs(&stack.options.settings)
+        .unwrap()
+        .into_iter()
+        .find(|(_, c)| c.durable_name.as_deref() == Some(names::PROJECTOR_CONSUMER))
+        .unwrap()
+        .1;
+    old.ack_policy = consumer::AckPolicy::Explicit;
+    let c: PullConsumer = jobs.create_consumer(old).await.unwrap();
+    // Three requests, on their pool's subject (the router copies no request published
+    // there); the first two acked by an old projector.
+    let evs: Vec<Event> = (0..3).map(|i| requested(&stack, &format!("old-{i}"), None)).collect();
+    let mut seqs = Vec::new();
+    for ev in &evs {
+        let EventBody::Requested(r) = &ev.body else { unreachable!() };
+        let subject = names::request_subject(&ev.subject, "anonymous", r.request.model, r.lane());
+        seqs.push(stack.js.publish(subject, ev.to_bytes()).await.unwrap().await.unwrap().sequence);
+    }
+    let mut batch = c.fetch().max_messages(2).messages().await.unwrap();
+    let mut acked = 0;
+    while let Some(Ok(m)) = futures::StreamExt::next(&mut batch).await {
+        acked = m.info().unwrap().stream_sequence;
+        m.double_ack().await.unwrap();
+    }
+    assert!(acked >= seqs[0] && acked < seqs[2], "acked up to {acked} of {seqs:?}");
+
+    let applied = names::apply(&stack.js, &stack.options.settings).await.unwrap();
+    let what = format!("consumer {}/{}", names::JOBS_STREAM, names::PROJECTOR_CONSUMER);
+    let change = applied.iter().find(|c| c.what == what).unwrap();
+    assert_eq!(
+        change.to_string(),
+        format!("updated {what}: ack_policy: explicit -> all (recreated from event {})", acked + 1)
+    );
+    let info = projector_info(&stack).await;
+    assert_eq!(info.config.ack_policy, consumer::AckPolicy::All);
+    assert_eq!(info.config.deliver_policy, consumer::DeliverPolicy::ByStartSequence { start_sequence: acked + 1 });
+    let last = stack.js.get_stream(names::JOBS_STREAM).await.unwrap().info().await.unwrap().state.last_sequence;
+    assert_eq!(info.num_pending, last - acked, "only the events after the floor are left to fold: {info:#?}");
+    let again = names::apply(&stack.js, &stack.options.settings).await.unwrap();
+    assert!(again.iter().all(|c| c.action == stemq_nats::Action::Unchanged), "{again:?}");
+
+    // A projector folds the one left (the acked two were folded by the old one).
+    let _p = own_projector(&stack, CancellationToken::new()).await;
+    stack.wait_status(&evs[2].subject, JobStatus::Queued, T).await;
+    assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap());
+    for (ev, seq) in evs.iter().zip(&seqs) {
+        let folded = stack.view(&ev.subject).await.is_some();
+        assert_eq!(folded, *seq > acked, "event {seq}: an acked event is not delivered again, the others are");
+    }
+    stack.shutdown().await;
+}

@@ -35,10 +35,15 @@ pub const TAKEOVER_AFTER: Duration = Duration::from_secs(5);
 const OP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Holds the lease for `me` when it can, until `shutdown`; the receiver says whether
-/// this process holds it now. On shutdown the lease is given back.
-pub(crate) fn hold(kv: kv::Store, me: String, shutdown: CancellationToken) -> watch::Receiver<bool> {
+/// this process holds it now. On shutdown the lease is given back, and then the task
+/// ends.
+pub(crate) fn hold(
+    kv: kv::Store,
+    me: String,
+    shutdown: CancellationToken,
+) -> (watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
     let (tx, rx) = watch::channel(false);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let mut lease = Lease { kv, me, held: None, renewed: Instant::now(), seen: None };
         loop {
             let holds = lease.step().await;
@@ -54,7 +59,7 @@ pub(crate) fn hold(kv: kv::Store, me: String, shutdown: CancellationToken) -> wa
             info!("projector lease given back");
         }
     });
-    rx
+    (rx, task)
 }
 
 struct Lease {

@@ -250,7 +250,7 @@ pub async fn run(
         tracker.spawn(lane.run(rx));
     }
     tracker.spawn(pump(progress, lanes.clone()));
-    let lease = lease::hold(kv.clone(), uuid::Uuid::new_v4().to_string(), shutdown.clone());
+    let (lease, lease_task) = lease::hold(kv.clone(), uuid::Uuid::new_v4().to_string(), shutdown.clone());
     let puller = LogPuller { consumer: jobs, log: log.clone(), options, subscriptions: log_subscriptions };
     tracker.spawn(puller.run(lease, lanes.clone(), tracker.clone(), shutdown.clone()));
     // Credits: the reservations of ended jobs are settled or refunded here.
@@ -260,6 +260,7 @@ pub async fn run(
     config.ready.iter().for_each(Condition::met);
     info!(lanes = config.lanes, "projector running");
     tracker.wait().await;
+    let _ = lease_task.await;
     info!("projector stopped");
     Ok(())
 }
