@@ -68,7 +68,8 @@ pub enum BenchCommand {
         #[arg(long)]
         cluster: bool,
         /// Measure raw JetStream cycles first with the same load, on a fresh server of
-        /// its own, and print the pipeline's figures as ratios of it.
+        /// its own (with `--cluster`, three fresh nodes and the stream at R3), and print
+        /// the pipeline's figures as ratios of it.
         #[arg(long)]
         raw: bool,
         /// Rounds to run (each on fresh servers; with `--raw`, raw JetStream then the
@@ -109,7 +110,7 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
                 if repeat > 1 {
                     println!("round {round} of {repeat}");
                 }
-                let baseline = if raw { Some(raw::raw_cycles(load).await?) } else { None };
+                let baseline = if raw { Some(raw::raw_cycles(load, cluster).await?) } else { None };
                 if let Some(b) = &baseline {
                     b.print();
                 }
@@ -128,7 +129,7 @@ pub async fn run(g: &Global, cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Raw { load } => {
-            raw::raw_cycles(load).await?.print();
+            raw::raw_cycles(load, false).await?.print();
             Ok(())
         }
         BenchCommand::Http(load) => http::http(g, load).await,

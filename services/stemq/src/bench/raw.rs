@@ -10,21 +10,33 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use tokio::sync::{Mutex, Semaphore};
 
+use stemq_devkit::nats_cluster::NatsCluster;
+
 use super::figures::{Counter, Figures, Messages};
 use super::{own_server, Load};
 
-/// Raw JetStream cycles on a server of its own: publish a request, pull it, publish an
+/// Raw JetStream cycles on a server of its own (`cluster`: three nodes, the stream at
+/// R3, as `bench pipeline --cluster` runs): publish a request, pull it, publish an
 /// outcome, ack.
-pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) -> Result<Figures> {
+pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load, cluster: bool) -> Result<Figures> {
     let tmp = tempfile::tempdir()?;
-    let server = own_server(&tmp.path().join("nats")).await?;
-    let client = server.connect_as(stemq_nats::users::OPERATOR, "stemq-bench-raw").await?;
+    let dir = tmp.path().join("nats");
+    let (server, cluster_nodes, client) = if cluster {
+        let c = NatsCluster::start_async(dir, 3, Default::default()).await?;
+        let client = c.connect_as(stemq_nats::users::OPERATOR, "stemq-bench-raw").await?;
+        (None, Some(c), client)
+    } else {
+        let s = own_server(&dir).await?;
+        let client = s.connect_as(stemq_nats::users::OPERATOR, "stemq-bench-raw").await?;
+        (Some(s), None, client)
+    };
     let js = jetstream::new(client.clone());
     let stream = js
         .create_stream(jetstream::stream::Config {
             name: "RAW_BENCH".into(),
             subjects: vec!["rawbench.req.*".into(), "rawbench.out.*".into()],
             storage: jetstream::stream::StorageType::File,
+            num_replicas: if cluster { 3 } else { 1 },
             ..Default::default()
         })
         .await?;
@@ -113,6 +125,6 @@ pub(super) async fn raw_cycles(Load { jobs, rate, workers, in_flight }: Load) ->
     figures.messages = Some(Messages::of(&counter, figures.done));
     cycler.abort();
     watcher.abort();
-    drop(server);
+    drop((server, cluster_nodes));
     Ok(figures)
 }
