@@ -526,3 +526,43 @@ async fn nats_apply_recreates_an_explicitly_acked_projector_consumer_from_its_fl
     }
     stack.shutdown().await;
 }
+
+/// Issue 37: this release's projector on a consumer that still acks each event (binaries
+/// upgraded, `stemq nats apply` not run yet) acks each event, so nothing comes back
+/// after the ack wait; once `nats apply` recreates the consumer, it acks cumulatively.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_projector_on_an_explicitly_acked_consumer_acks_each_event_until_apply() {
+    let mut opts = StackOptions { workers: 0, projector: false, ..Default::default() };
+    opts.settings.ack_wait = Duration::from_secs(1);
+    let stack = Stack::start(opts).await;
+    let jobs = stack.js.get_stream(names::JOBS_STREAM).await.unwrap();
+    jobs.delete_consumer(names::PROJECTOR_CONSUMER).await.unwrap();
+    let (_, mut old) = stemq_nats::consumer_configs(&stack.options.settings)
+        .unwrap()
+        .into_iter()
+        .find(|(_, c)| c.durable_name.as_deref() == Some(names::PROJECTOR_CONSUMER))
+        .unwrap();
+    old.ack_policy = consumer::AckPolicy::Explicit;
+    jobs.create_consumer(old).await.unwrap();
+    let _p = own_projector(&stack, CancellationToken::new()).await;
+    let evs: Vec<Event> = (0..5).map(|i| requested(&stack, &format!("each-{i}"), None)).collect();
+    for ev in &evs {
+        publish(&stack, SubjectKind::Requested, ev).await;
+    }
+    for ev in &evs {
+        stack.wait_status(&ev.subject, JobStatus::Queued, T).await;
+    }
+    assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap(), "every event acked");
+    // Past the ack wait, nothing was handed out again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let info = projector_info(&stack).await;
+    assert_eq!((info.num_ack_pending, info.num_redelivered), (0, 0), "{info:#?}");
+
+    names::apply(&stack.js, &stack.options.settings).await.unwrap();
+    assert_eq!(projector_info(&stack).await.config.ack_policy, consumer::AckPolicy::All);
+    let after = requested(&stack, "after-apply", None);
+    publish(&stack, SubjectKind::Requested, &after).await;
+    stack.wait_status(&after.subject, JobStatus::Queued, T).await;
+    assert!(stemq_projector::wait_caught_up(&stack.js, T).await.unwrap(), "acked all after the apply");
+    stack.shutdown().await;
+}

@@ -50,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer, kv};
+use async_nats::jetstream::{self, consumer::AckPolicy, consumer::PullConsumer, kv};
 use futures::StreamExt;
 use stemq_core::{Event, JobId, JobView, Position};
 use stemq_nats as names;
@@ -61,7 +61,7 @@ use stemq_telemetry::readiness::Condition;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::acks::Acks;
 use crate::lane::{pump, route, Lane};
@@ -276,6 +276,19 @@ struct LogPuller {
 }
 
 impl LogPuller {
+    /// Whether the consumer acks all. One made by an earlier release acks each event
+    /// until `stemq nats apply` recreates it: its events are then acked one by one.
+    async fn acks_all(&self) -> bool {
+        let mut consumer = self.consumer.clone();
+        match consumer.info().await {
+            Ok(info) if info.config.ack_policy != AckPolicy::All => {
+                warn!("the projector consumer acks each event: acking them one by one (`stemq nats apply` makes it ack all)");
+                false
+            }
+            _ => true,
+        }
+    }
+
     async fn run(
         self,
         mut lease: watch::Receiver<bool>,
@@ -297,6 +310,7 @@ impl LogPuller {
             let acks = Acks::start(self.consumer.clone(), self.log.clone(), 0, term.clone(), &tracker);
             self.subscriptions.fetch_add(1, Ordering::SeqCst);
             let mut seen = 0;
+            let mut cumulative = self.acks_all().await;
             loop {
                 let msg = tokio::select! {
                     _ = term.cancelled() => break,
@@ -313,9 +327,15 @@ impl LogPuller {
                 if generation != seen {
                     seen = generation;
                     self.subscriptions.fetch_add(1, Ordering::SeqCst);
+                    cumulative = self.acks_all().await;
                 }
-                acks.received(&msg, generation);
-                let d = lane::Delivery { msg, progress: false, answer: lane::Answer::Prefix(acks.clone(), generation) };
+                let answer = if cumulative {
+                    acks.received(&msg, generation);
+                    lane::Answer::Prefix(acks.clone(), generation)
+                } else {
+                    lane::Answer::Each
+                };
+                let d = lane::Delivery { msg, progress: false, answer };
                 if !route(d, &lanes).await {
                     break;
                 }
