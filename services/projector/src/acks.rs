@@ -150,11 +150,10 @@ impl Acks {
     pub(crate) fn start(
         consumer: PullConsumer,
         log: jetstream::stream::Stream<()>,
-        generation: u64,
         stop: CancellationToken,
         tracker: &TaskTracker,
     ) -> Acks {
-        let acks = Acks { state: Arc::new(Mutex::new(State::new(generation))) };
+        let acks = Acks { state: Arc::new(Mutex::new(State::new(0))) };
         tracker.spawn(acks.clone().send(consumer, log, stop));
         acks
     }

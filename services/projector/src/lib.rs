@@ -307,7 +307,7 @@ impl LogPuller {
             let term = shutdown.child_token();
             let mut messages = pull::messages(self.consumer.clone(), self.options.clone(), term.clone());
             let generations = messages.resubscriptions();
-            let acks = Acks::start(self.consumer.clone(), self.log.clone(), 0, term.clone(), &tracker);
+            let acks = Acks::start(self.consumer.clone(), self.log.clone(), term.clone(), &tracker);
             self.subscriptions.fetch_add(1, Ordering::SeqCst);
             let mut seen = 0;
             let mut cumulative = self.acks_all().await;

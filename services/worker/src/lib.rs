@@ -284,9 +284,9 @@ impl Heard {
 /// new request: redeliveries (retries after their backoff, deliveries whose worker died
 /// or handed its job back) are not announced, so the looks go on, each wait twice the
 /// last up to [`IDLE_POLL_MAX`], which bounds how late one starts on a worker idle for a
-/// while. Every look at every lane is a pull request and its empty answer: at 250 ms
-/// for good, an idle worker serving 15 models (30 lanes) cost the server about 200
-/// messages a second.
+/// while. Every look at a lane is a pull request and its empty answer: every 250 ms for
+/// good, a worker serving 15 models (30 lanes) would cost the server about 200 messages
+/// a second while idle.
 const IDLE_POLL: Duration = Duration::from_millis(250);
 
 /// The longest wait between an idle worker's looks ([`IDLE_POLL`]).
@@ -559,16 +559,15 @@ async fn dispatch(
             }
             let asked = permits.len();
             let began = heard.now_ms();
-            // What the lane holds now; when that is nothing although a new request of
-            // the lane was announced (the announcement can beat the request into the
-            // stream), one pull that waits for it ([`wait_for_announced`]): the job
-            // starts the moment it is stored, not at the next look. A look never hangs:
-            // a pull request or answer lost in a server restart would otherwise leave it
-            // waiting for ever (a no-wait fetch has no timer of its own).
-            // A lane looked at only for a fresh announcement waits for that request at
-            // once: the announcement usually beats its request into the stream, and a
-            // look that found nothing first cost a pull request and its empty answer
-            // more (about two messages a job at a steady rate).
+            // A lane looked at only for a fresh announcement gets one pull that waits for
+            // that request ([`wait_for_announced`]): the announcement usually beats the
+            // request into the stream, and the job starts the moment it is stored, where
+            // a look first would find nothing and cost a pull and its empty answer more
+            // (about two messages a job at a steady rate). Any other look takes what the
+            // lane holds now, and waits like that only when it found nothing although a
+            // new request was announced. A look never hangs: a pull request or answer
+            // lost in a server restart would otherwise leave it waiting for ever (a
+            // no-wait fetch has no timer of its own).
             let announced_only = !all && !full[i] && sweep != Some(i);
             let first_wait = announced_only.then(|| wait_for_announced(heard.at(i), settled[i], took[i], began));
             let (mut wait, mut got, mut again) = (first_wait.flatten(), 0, false);

@@ -413,14 +413,10 @@ impl ListIndex {
                         n = watch.next() => n,
                     };
                     match next {
-                        // Keys that end in no job id hold no view (the projector's lease).
-                        Some(Ok(entry)) if crate::job_of_view_key(&entry.key).is_none() => {
-                            if entry.delta == 0 || entry.seen_current {
-                                me.inner.write().expect("index lock").caught_up = true;
-                            }
-                        }
                         Some(Ok(entry)) => {
                             match entry.operation {
+                                // Keys that end in no job id hold no view (the projector's lease).
+                                kv::Operation::Put if crate::job_of_view_key(&entry.key).is_none() => {}
                                 kv::Operation::Put => {
                                     match serde_json::from_slice::<JobView>(&entry.value) {
                                         Ok(v) => me.upsert(&v),
