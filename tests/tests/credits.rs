@@ -206,6 +206,22 @@ async fn a_broken_ledger_entry_neither_bricks_an_account_nor_lets_an_unpaid_subm
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_attempt_finds_the_first_attempts_reservation_and_is_told_so() {
+    let stack = Stack::start(StackOptions { workers: 0, ..Default::default() }).await;
+    let prices = set_prices(&stack, 6.0, false).await;
+    let ledger = Ledger::new(stack.js.clone());
+    let id = JobId::parse(&"c4".repeat(32)).unwrap();
+    let first = ledger.reserve(TEST_OWNER, &id, Model::Dsp, 30_000, &prices).await.unwrap();
+    let second = ledger.reserve(TEST_OWNER, &id, Model::Dsp, 30_000, &prices).await.unwrap();
+    assert!(first.opened, "the first attempt opens the reservation");
+    assert!(!second.opened, "a redelivery finds it open: {second:?}");
+    assert_eq!(first.open, second.open);
+    let (account, _) = ledger.account(TEST_OWNER).await.unwrap();
+    assert_eq!(account.open.len(), 1, "one reservation: {:?}", account.open);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_ledger_is_exact_when_workers_the_projector_and_the_server_die() {
     const JOBS: usize = 300;
     let options = StackOptions { workers: 0, projector: false, ..Default::default() };

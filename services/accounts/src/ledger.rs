@@ -399,6 +399,15 @@ pub struct Open {
     pub audio_ms: u64,
 }
 
+/// What [`Ledger::reserve`] found or made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reservation {
+    /// The job's open reservation.
+    pub open: Open,
+    /// True when this call opened it; false when an earlier attempt had (a redelivery).
+    pub opened: bool,
+}
+
 /// What one model cost an owner.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Usage {
@@ -770,7 +779,7 @@ impl Ledger {
 
     /// Sets aside what `audio_ms` of `model` costs for `job_id`, unless it is already
     /// set aside (a redelivery). With `enforce`, refuses what the available credits
-    /// cannot pay. Returns the open reservation.
+    /// cannot pay. Returns the open reservation, and whether this call opened it.
     pub async fn reserve(
         &self,
         owner: &str,
@@ -778,7 +787,7 @@ impl Ledger {
         model: Model,
         audio_ms: u64,
         prices: &Prices,
-    ) -> Result<Open, LedgerError> {
+    ) -> Result<Reservation, LedgerError> {
         let per_minute = prices.per_minute(model);
         let amount = Prices::cost_at(per_minute, audio_ms);
         let mut existing = None;
@@ -796,8 +805,8 @@ impl Ledger {
             })
             .await?;
         Ok(match entry {
-            Some(_) => Open { model, amount, per_minute, audio_ms },
-            None => existing.expect("an existing reservation"),
+            Some(_) => Reservation { open: Open { model, amount, per_minute, audio_ms }, opened: true },
+            None => Reservation { open: existing.expect("an existing reservation"), opened: false },
         })
     }
 
