@@ -191,33 +191,53 @@ pub(crate) struct Shared {
     pub credits: credits::Credits,
 }
 
-/// How often each lane's consumer is read ([`watch_settings`]). A running job's
+/// How often a lane's consumer is read while it holds something, or once a request of
+/// it was heard ([`watch_settings`]). A running job's
 /// delivery is progress-acked at least every 2 s whatever the ack wait
 /// ([`QueueSettings::keepalive_every`]), so a cut of the ack wait down to a few seconds
 /// is safe before it is read; each read is a request and its answer per lane.
 const LANE_READ_EVERY: Duration = Duration::from_secs(5);
 
-/// Re-reads a pool consumer every [`LANE_READ_EVERY`] until `stop`: publishes changes of
-/// its settings, and sets `quiet` while it holds nothing (no request waiting, none
-/// delivered and unacked, so no redelivery can come), which idle looks skip.
+/// How often a quiet lane (its last read found it holding nothing) is read again when
+/// nothing was heard of it meanwhile: only an announced request can change it (no
+/// redelivery comes from a lane with nothing delivered), so its read is for following
+/// the pool's settings, and for a request unheard otherwise.
+const QUIET_READ_EVERY: Duration = Duration::from_secs(30);
+
+/// Re-reads a pool consumer until `stop`: publishes changes of its settings, and sets
+/// `quiet` while it holds nothing (no request waiting, none delivered and unacked, so no
+/// redelivery can come), which idle looks skip. A lane that is not quiet is read every
+/// [`LANE_READ_EVERY`]; a quiet one as well once a request of it has been heard (lane `i`
+/// of `heard`), or the connection was made again (requests announced meanwhile were not
+/// heard), and otherwise every [`QUIET_READ_EVERY`].
 async fn watch_settings(
     name: String,
     mut consumer: PullConsumer,
     tx: watch::Sender<QueueSettings>,
     quiet: Arc<AtomicBool>,
+    news: LaneNews,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(LANE_READ_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<(tokio::time::Instant, NewsMark)> = None;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        if let Some((at, mark)) = last {
+            if quiet.load(Ordering::Relaxed) && !news.since(mark) && at.elapsed() < QUIET_READ_EVERY {
+                continue;
+            }
+        }
+        let mark = (tokio::time::Instant::now(), news.mark());
         let Ok(info) = consumer.info().await else {
             quiet.store(false, Ordering::Relaxed);
+            last = None;
             continue;
         };
+        last = Some(mark);
         quiet.store(info.num_pending == 0 && info.num_ack_pending == 0, Ordering::Relaxed);
         let now = QueueSettings::of(&info.config);
         let before = *tx.borrow();
@@ -236,12 +256,42 @@ async fn watch_settings(
     }
 }
 
+/// What may have changed a quiet lane since its last read: a request of it heard, or
+/// the connection made again (what was announced meanwhile went unheard).
+struct LaneNews {
+    heard: Arc<Heard>,
+    lane: usize,
+    connection: Arc<async_nats::Statistics>,
+}
+
+/// Where [`LaneNews`] stood at a read: announcements up to then, and the connection's
+/// connects.
+#[derive(Debug, Clone, Copy)]
+struct NewsMark {
+    heard_to: u64,
+    connects: u64,
+}
+
+impl LaneNews {
+    /// Now. An announcement can beat its request into the stream by up to [`SETTLE`], so
+    /// those heard within `SETTLE` before a read count as after it.
+    fn mark(&self) -> NewsMark {
+        NewsMark {
+            heard_to: self.heard.now_ms().saturating_sub(SETTLE.as_millis() as u64),
+            connects: self.connection.connects.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether anything came since `mark`.
+    fn since(&self, mark: NewsMark) -> bool {
+        self.heard.at(self.lane) > mark.heard_to || self.connection.connects.load(Ordering::Relaxed) != mark.connects
+    }
+}
+
 /// One lane of one pool this worker pulls from.
 struct PoolLane {
     /// `workers-<model>-<lane>`.
     name: String,
-    /// Its pool and lane.
-    route: (Model, Priority),
     consumer: PullConsumer,
     queue: watch::Receiver<QueueSettings>,
     /// At the last read of the consumer, it held nothing ([`watch_settings`]).
@@ -331,21 +381,23 @@ pub async fn run(
         return Err(WorkerError::NoModels(engine.name().to_string()));
     }
     // Interactive lanes of every pool first, then batch: the order of every look.
+    let routes: Vec<(Model, Priority)> =
+        Priority::ALL.iter().flat_map(|lane| models.iter().map(move |model| (*model, *lane))).collect();
+    let heard = Arc::new(Heard::new(routes.clone()));
     let mut lanes = Vec::new();
     let tracker = TaskTracker::new();
-    for lane in Priority::ALL {
-        for model in &models {
-            let name = names::pool_consumer(*model, *lane);
-            let mut consumer: PullConsumer = js
-                .get_consumer_from_stream(&name, names::JOBS_STREAM)
-                .await
-                .map_err(JetStreamError::open("open a pool consumer"))?;
-            let info = consumer.info().await.map_err(JetStreamError::read("consumer info"))?.clone();
-            let (tx, queue) = watch::channel(QueueSettings::of(&info.config));
-            let quiet = Arc::new(AtomicBool::new(false));
-            tracker.spawn(watch_settings(name.clone(), consumer.clone(), tx, quiet.clone(), shutdown.clone()));
-            lanes.push(PoolLane { name, route: (*model, *lane), consumer, queue, quiet });
-        }
+    for (i, (model, lane)) in routes.iter().enumerate() {
+        let name = names::pool_consumer(*model, *lane);
+        let mut consumer: PullConsumer = js
+            .get_consumer_from_stream(&name, names::JOBS_STREAM)
+            .await
+            .map_err(JetStreamError::open("open a pool consumer"))?;
+        let info = consumer.info().await.map_err(JetStreamError::read("consumer info"))?.clone();
+        let (tx, queue) = watch::channel(QueueSettings::of(&info.config));
+        let quiet = Arc::new(AtomicBool::new(false));
+        let news = LaneNews { heard: heard.clone(), lane: i, connection: client.statistics() };
+        tracker.spawn(watch_settings(name.clone(), consumer.clone(), tx, quiet.clone(), news, shutdown.clone()));
+        lanes.push(PoolLane { name, consumer, queue, quiet });
     }
     let settings = *lanes[0].queue.borrow();
     let jobs_stream =
@@ -371,7 +423,6 @@ pub async fn run(
     // tell a pull consumer's clients that something arrived); not while a lane has a
     // backlog (`hearing`).
     let wake = Arc::new(tokio::sync::Notify::new());
-    let heard = Arc::new(Heard::new(lanes.iter().map(|l| l.route).collect()));
     let ears =
         hearing::Ears::open(client.clone(), heard.clone(), wake.clone(), tracker.clone(), shutdown.clone()).await?;
     info!(
