@@ -299,7 +299,8 @@ struct PoolLane {
 }
 
 /// What the dispatcher hears of its lanes between looks: when a new request of each
-/// lane was last announced (in milliseconds from `epoch`; 0: not since the start).
+/// lane was last announced (in milliseconds from `epoch`; 0: not since the start), and
+/// how many were.
 /// The wake subscriptions write it, the dispatcher reads it to skip the lanes that
 /// cannot have new work, so a worker serving many pools does not pay an empty pull
 /// per lane for every job.
@@ -307,12 +308,14 @@ struct Heard {
     epoch: std::time::Instant,
     routes: Vec<(Model, Priority)>,
     at_ms: Vec<AtomicU64>,
+    counts: Vec<AtomicU64>,
 }
 
 impl Heard {
     fn new(routes: Vec<(Model, Priority)>) -> Heard {
         let at_ms = routes.iter().map(|_| AtomicU64::new(0)).collect();
-        Heard { epoch: std::time::Instant::now(), routes, at_ms }
+        let counts = routes.iter().map(|_| AtomicU64::new(0)).collect();
+        Heard { epoch: std::time::Instant::now(), routes, at_ms, counts }
     }
 
     fn now_ms(&self) -> u64 {
@@ -321,12 +324,19 @@ impl Heard {
 
     /// A new request of lane `i` was announced (its subscription knows its lane).
     fn announce(&self, i: usize) {
-        self.at_ms[i].store(self.now_ms(), Ordering::Relaxed);
+        // Counted first: a reader that sees this time sees the count too.
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.at_ms[i].store(self.now_ms(), Ordering::Release);
+    }
+
+    /// How many requests of lane `i` were announced.
+    fn count(&self, i: usize) -> u64 {
+        self.counts[i].load(Ordering::Relaxed)
     }
 
     /// When a request of lane `i` was last announced (0: never).
     fn at(&self, i: usize) -> u64 {
-        self.at_ms[i].load(Ordering::Relaxed)
+        self.at_ms[i].load(Ordering::Acquire)
     }
 }
 
@@ -571,6 +581,8 @@ async fn dispatch(
     // Per lane, announcements up to this time (`Heard`'s clock) are settled: a later
     // look found the lane empty.
     let mut settled: Vec<u64> = vec![0; lanes.len()];
+    // Per lane, how many announcements were settled (all of them up to `settled`).
+    let mut settled_count: Vec<u64> = vec![0; lanes.len()];
     // Per lane, when the last look that took a job from it began: an announcement up to
     // then may be that job's, so only a later one is waited for.
     let mut took: Vec<u64> = vec![0; lanes.len()];
@@ -609,6 +621,7 @@ async fn dispatch(
                 continue;
             }
             let asked = permits.len();
+            let count = heard.count(i);
             let began = heard.now_ms();
             // A lane looked at only for a fresh announcement gets one pull that waits for
             // that request ([`wait_for_announced`]): the announcement usually beats the
@@ -655,6 +668,19 @@ async fn dispatch(
             let came_back_full = again || got >= asked;
             if !came_back_full {
                 settled[i] = settled[i].max(began.saturating_sub(SETTLE.as_millis() as u64));
+                let at = heard.at(i);
+                let unchanged = heard.count(i) == count;
+                // One announcement since the lane was last settled, and a pull that
+                // waited for it took one job: that job was the announced request (a
+                // lane that may hold more is looked at without waiting), so the lane is
+                // settled at once, where looks until SETTLE after the announcement
+                // would cost a pull and its empty answer each.
+                if unchanged && wait.is_some() && got == 1 && count == settled_count[i] + 1 {
+                    settled[i] = settled[i].max(at);
+                }
+                if unchanged && at <= settled[i] {
+                    settled_count[i] = count;
+                }
             }
             // Not listened to while it has a backlog; listened to again (and looked at
             // once more) when drained.
