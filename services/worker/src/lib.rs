@@ -557,7 +557,8 @@ pub async fn run(
 /// A look skips the lanes that cannot have new work: a lane is looked at when its last
 /// pull came back full (it may hold more) or a new request of it was announced and not
 /// yet found taken (a look that began [`SETTLE`] after the announcement found the lane
-/// empty); besides, each look takes one more lane in turn, so that a busy worker
+/// empty, or a pull that waited for the lane's one new announcement took a job);
+/// besides, each look takes one more lane in turn, so that a busy worker
 /// looks at every lane about every [`IDLE_POLL`] (redeliveries are not announced), and
 /// the looks after an idle wait of [`IDLE_POLL`] take every lane. Without
 /// this, a worker serving many pools paid one empty pull per lane before each job of
