@@ -294,9 +294,9 @@ async fn a_key_can_default_its_jobs_to_the_batch_lane() {
 
 /// Issue 37: an idle worker costs the server little, and still finds what is never
 /// announced. A worker serving every model (30 lanes) idles: it looks only at lanes that
-/// hold something, less and less often, and reads each lane's consumer every few
-/// seconds (looking at every lane every 250 ms and reading each consumer every second
-/// would be about 200 messages a second). A job whose first delivery is dropped comes back
+/// hold something, less and less often, and reads the consumer of a lane that holds
+/// nothing every 30 s (looking at every lane every 250 ms and reading each consumer every
+/// second would be about 200 messages a second). A job whose first delivery is dropped comes back
 /// after the ack wait unannounced, and the idle worker runs it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_worker_costs_little_and_still_takes_an_unannounced_redelivery() {

@@ -192,10 +192,10 @@ pub(crate) struct Shared {
 }
 
 /// How often a lane's consumer is read while it holds something, or once a request of
-/// it was heard ([`watch_settings`]). A running job's
-/// delivery is progress-acked at least every 2 s whatever the ack wait
-/// ([`QueueSettings::keepalive_every`]), so a cut of the ack wait down to a few seconds
-/// is safe before it is read; each read is a request and its answer per lane.
+/// it was heard ([`watch_settings`]). A running job's delivery is progress-acked at
+/// least every 2 s whatever the ack wait ([`QueueSettings::keepalive_every`]), so a cut
+/// of the ack wait down to a few seconds is safe before it is read; each read is a
+/// request and its answer per lane.
 const LANE_READ_EVERY: Duration = Duration::from_secs(5);
 
 /// How often a quiet lane (its last read found it holding nothing) is read again when
@@ -207,9 +207,9 @@ const QUIET_READ_EVERY: Duration = Duration::from_secs(30);
 /// Re-reads a pool consumer until `stop`: publishes changes of its settings, and sets
 /// `quiet` while it holds nothing (no request waiting, none delivered and unacked, so no
 /// redelivery can come), which idle looks skip. A lane that is not quiet is read every
-/// [`LANE_READ_EVERY`]; a quiet one as well once a request of it has been heard (lane `i`
-/// of `heard`), or the connection was made again (requests announced meanwhile were not
-/// heard), and otherwise every [`QUIET_READ_EVERY`].
+/// [`LANE_READ_EVERY`]; a quiet one as well once `news` says a request of it was heard
+/// or the connection was made again since its last read, and otherwise every
+/// [`QUIET_READ_EVERY`].
 async fn watch_settings(
     name: String,
     mut consumer: PullConsumer,
